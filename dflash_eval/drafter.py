@@ -1,0 +1,464 @@
+"""The DFlash drafter: one compact file to check against the paper and z-lab/dflash.
+
+DFlash ("Block Diffusion for Flash Speculative Decoding", arXiv 2602.06036;
+reference code ``z-lab/dflash`` ``dflash/model.py``). The drafter has **no
+embedding and no LM head of its own**: block tokens are embedded with the
+target's ``embed_tokens`` and drafted logits come from the target's
+``lm_head`` (reference ``dflash_generate``).
+
+Per forward, for a block of ``B`` tokens ``[anchor, MASK x (B-1)]`` at absolute
+positions ``start .. start+B-1``:
+
+1. Context fusion, once: ``ctx = hidden_norm(fc(cat_k hidden_states[id_k + 1]))``
+   over the target layers ``dflash_config.target_layer_ids`` (shape
+   ``[N, T, K*H] -> [N, T, H]``).
+2. KV injection, every draft layer: keys/values are
+   ``[k_proj(ctx) ; k_proj(x)]`` / ``[v_proj(ctx) ; v_proj(x)]`` with the *same*
+   ``k_proj``/``k_norm``/``v_proj`` weights for context and block; queries come
+   from block tokens only. Context tokens never pass through the residual
+   stream or MLP.
+3. Absolute RoPE positions for context (position ``t``) and block (``start+j``);
+   ``q_norm``/``k_norm`` are per-head RMSNorms applied before RoPE.
+4. Attention mask: full-attention layers see every committed context position
+   ``< start`` and all block tokens bidirectionally; ``sliding_attention``
+   layers (newer reference code, ``dflash==0.1.0``) are causal within the block
+   and see only keys with ``query_pos - key_pos < sliding_window``.
+5. Final ``norm``; logits = ``target.lm_head(norm(h))`` (times
+   ``output_multiplier``, optional tanh softcap).
+
+Because the context K/V of position ``t`` depends only on the target's hidden
+states at ``t`` and on ``t`` itself, :meth:`DFlashDrafter.context_kv` can
+compute them once per sample; the reference's draft KV cache holds exactly
+these tensors.
+
+State-dict keys match released z-lab checkpoints (``fc``, ``hidden_norm``,
+``norm``, ``layers.{i}.{input_layernorm,post_attention_layernorm}``,
+``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
+``layers.{i}.mlp.{gate,up,down}_proj``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import InputError
+
+log = logging.getLogger(__name__)
+
+# Config keys of DFlash variants this implementation does not model. A checkpoint
+# carrying them would load "successfully" with the wrong maths, so refuse it.
+UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "attention_sink_bias",
+)
+# Target-only fields that must not leak into the drafter (speculators #613/#738).
+IGNORED_TARGET_FIELDS = ("partial_rotary_factor",)
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters, read from an HF ``config.json`` (Qwen3 layout + ``dflash_config``).
+
+    ``block_size``, ``mask_token_id`` and ``target_layer_ids`` are read from
+    ``dflash_config`` first, then from the top level (older checkpoints), as
+    ``dflash==0.1.0`` ``_draft_value`` does. They are never recomputed.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+    notes: list[str] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_dict(
+        cls,
+        cfg: dict,
+        source: str = "config.json",
+        overrides: dict | None = None,
+    ) -> "DrafterConfig":
+        """Parse and validate a drafter ``config.json`` dict.
+
+        Args:
+            cfg: the JSON object (HF Qwen3 config with ``dflash_config``).
+            source: file name used in error messages.
+            overrides: user-supplied values for ``target_layer_ids``,
+                ``mask_token_id`` or ``block_size`` (used only where the file
+                lacks them, or where the user forces them).
+
+        Raises:
+            InputError: a required field is missing or malformed, or the
+                config names a DFlash variant this project does not implement.
+        """
+        cfg = copy.deepcopy(cfg)
+        overrides = dict(overrides or {})
+        dcfg = cfg.get("dflash_config") or {}
+        notes: list[str] = []
+
+        for key in UNSUPPORTED_DFLASH_KEYS:
+            if key in dcfg or key in cfg:
+                raise InputError(
+                    source, f"dflash_config.{key}",
+                    "this is a DFlash-2 / attention-sink drafter, which dflash-eval does not implement",
+                    "evaluate it with the reference dflash package, or file an issue with the checkpoint layout",
+                )
+        for key in IGNORED_TARGET_FIELDS:
+            rp = cfg.get("rope_parameters") or {}
+            if key in cfg or (isinstance(rp, dict) and key in rp):
+                cfg.pop(key, None)
+                if isinstance(rp, dict):
+                    rp.pop(key, None)
+                notes.append(
+                    f"ignored target-only field '{key}' (the drafter uses full RoPE; speculators #613/#738)"
+                )
+
+        def pick(name: str, required: bool = True, default: Any = None):
+            if name in overrides and overrides[name] is not None:
+                return overrides[name]
+            if name in dcfg:
+                return dcfg[name]
+            if name in cfg:
+                return cfg[name]
+            if required:
+                raise InputError(
+                    source, f"dflash_config.{name}",
+                    "missing (dflash-eval never guesses it: the build_target_layer_ids fallback "
+                    "loads wrong layers silently, z-lab/dflash #156)",
+                    f"add dflash_config.{name} to the checkpoint config, or set it in the "
+                    f"checkpoint entry of the workflow config (drafter_overrides.{name})",
+                )
+            return default
+
+        def need(name: str):
+            if name not in cfg:
+                raise InputError(source, name, "missing", f"add '{name}' to the drafter config.json")
+            return cfg[name]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        n_layers = int(need("num_hidden_layers"))
+        layer_types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
+        if len(layer_types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise InputError(
+                source, "layer_types",
+                f"expected {n_layers} entries of 'full_attention'/'sliding_attention', got {layer_types}",
+                "fix layer_types or num_hidden_layers",
+            )
+        sliding = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and not sliding:
+            raise InputError(source, "sliding_window", "sliding_attention layers need a window", "set sliding_window")
+        if cfg.get("use_sliding_window") is False and "sliding_attention" in layer_types:
+            notes.append("use_sliding_window=false but layer_types has sliding_attention: layer_types wins (reference)")
+        tli = pick("target_layer_ids")
+        if not isinstance(tli, (list, tuple)) or not tli or not all(isinstance(i, int) and i >= 0 for i in tli):
+            raise InputError(source, "dflash_config.target_layer_ids", f"must be a non-empty list of layer indices, got {tli!r}", "fix the list")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise InputError(source, "hidden_act", f"'{act}' not supported (DFlash drafters use silu)", "use silu")
+        softcap = pick("final_logit_softcapping", required=False)
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            target_layer_ids=[int(i) for i in tli],
+            block_size=int(pick("block_size")),
+            mask_token_id=int(pick("mask_token_id")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=act,
+            layer_types=layer_types,
+            sliding_window=int(sliding) if sliding else None,
+            input_embedding_scale=float(pick("input_embedding_scale", required=False, default=1.0)),
+            output_multiplier=float(pick("output_multiplier", required=False, default=1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            raw=cfg,
+            notes=notes,
+        )
+
+    def rotary_config(self):
+        """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim)."""
+        from transformers import Qwen3Config
+
+        keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+        kw = {k: self.raw[k] for k in keys if k in self.raw and self.raw[k] is not None}
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            **kw,
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in Qwen3 (``weight * (x / rms(x))``, the normalisation in float32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[N, heads, L, hd]`` by ``cos``/``sin`` ``[N, L, hd]`` (neox / half-split layout, as Qwen3)."""
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        hd, nh, nkv, bias = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
+        self.head_dim, self.n_heads, self.n_kv = hd, nh, nkv
+        self.q_proj = nn.Linear(cfg.hidden_size, nh * hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, nkv * hd, bias=bias)
+        self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.window = cfg.sliding_window if self.sliding else None
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of ``x`` ``[N, L, H]``: ``k = rope(k_norm(k_proj x))``, ``v = v_proj x``; each ``[N, n_kv, L, hd]``."""
+        n, l, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(n, l, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(n, l, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
+        n, b, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, b, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(n, b, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft model (see module docstring for the maths and its sources)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        self.cfg = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(cfg.rotary_config())  # non-persistent inv_freq
+
+    # -- context ---------------------------------------------------------------
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(target_hidden))``: ``[N, T, K*H] -> [N, T, H]`` (layer order = ``target_layer_ids``)."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[N, L, hd]`` for int64 absolute ``positions`` ``[N, L]`` in ``like.dtype``."""
+        return self.rotary_emb(like, positions)
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context keys/values, what the reference keeps in its draft KV cache.
+
+        Args:
+            target_hidden: ``[N, T, K*H]`` concatenated target states (HF ``hidden_states[id+1]``).
+            positions: ``[N, T]`` int64 absolute positions of those tokens.
+
+        Returns:
+            one ``(k, v)`` per draft layer, each ``[N, n_kv, T, head_dim]`` in the
+            compute dtype; keys are ``k_norm``-ed and rotated at their positions.
+        """
+        ctx = self.fuse(target_hidden)
+        cos, sin = self.rope(ctx, positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    # -- block -----------------------------------------------------------------
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        ctx_positions: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        block_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Draft one block per row.
+
+        Args:
+            noise_embedding: ``[N, B, H]`` target embeddings of ``[anchor, MASK x (B-1)]``
+                (already multiplied by ``input_embedding_scale``).
+            block_positions: ``[N, B]`` int64 absolute positions ``start .. start+B-1``.
+            ctx_kv: per-layer context ``(k, v)`` ``[N, n_kv, Tc, hd]`` (:meth:`context_kv`).
+            ctx_positions: ``[N, Tc]`` int64 absolute positions of the context keys.
+            ctx_valid: ``[N, Tc]`` bool, True for committed context keys (positions ``< start``).
+            block_valid: ``[N, B]`` bool, False for block slots past the verify size
+                (the reference shortens the last block to ``max_length - start``).
+
+        Returns:
+            ``[N, B, H]`` final-normed hidden states; slot ``j >= 1`` predicts the
+            token at absolute position ``start + j`` (same-position prediction).
+        """
+        n, b, _ = noise_embedding.shape
+        if block_valid is None:
+            block_valid = torch.ones(n, b, dtype=torch.bool, device=noise_embedding.device)
+        masks = self._masks(block_positions, ctx_positions, ctx_valid, block_valid)
+        cos, sin = self.rope(noise_embedding, block_positions)
+        h = noise_embedding
+        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
+            attn = layer.self_attn
+            h = h + attn(layer.input_layernorm(h), cos, sin, k_ctx, v_ctx, masks[attn.window])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _masks(self, block_positions, ctx_positions, ctx_valid, block_valid) -> dict:
+        """Boolean masks ``[N, B, Tc+B]`` keyed by window (None = full attention)."""
+        b = block_positions.shape[1]
+        full = torch.cat([ctx_valid[:, None, :].expand(-1, b, -1), block_valid[:, None, :].expand(-1, b, -1)], dim=2)
+        masks = {None: full}
+        windows = {layer.self_attn.window for layer in self.layers if layer.self_attn.sliding}
+        if windows:
+            key_pos = torch.cat([ctx_positions, block_positions], dim=1)  # [N, Tc+B]
+            dist = block_positions[:, :, None] - key_pos[:, None, :]  # query_pos - key_pos
+            causal = dist >= 0
+            for w in windows:
+                masks[w] = full & causal & (dist < w)
+        return masks
+
+    # -- logits ----------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Target-head logits ``[..., V]`` for drafter states ``[..., H]`` (``output_multiplier``, softcap applied)."""
+        logits = F.linear(hidden, lm_head_weight)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        if self.cfg.final_logit_softcapping:
+            cap = self.cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def expected_keys(cfg: DrafterConfig) -> set[str]:
+    """The exact state-dict key set of a drafter with this config (z-lab layout)."""
+    with torch.device("meta"):
+        return set(DFlashDrafter(cfg).state_dict().keys())
+
+
+def load_drafter(
+    folder,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """Load a stripped drafter folder (``config.json`` + ``model.safetensors``) with an exact key check.
+
+    Raises:
+        InputError: missing/unexpected keys or shape mismatches (all listed), or a bad config.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    try:
+        cfg = DrafterConfig.from_dict(json.loads(cfg_path.read_text()), source=str(cfg_path))
+    except FileNotFoundError:
+        raise InputError(folder, "config.json", "not found", "run the strip_drafter rule (dflash-eval strip) first") from None
+    for note in cfg.notes:
+        log.warning("%s: %s", cfg_path, note)
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    model = DFlashDrafter(cfg)
+    check_state_dict(state, model, str(weights))
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def check_state_dict(state: dict[str, torch.Tensor], model: DFlashDrafter, source: str) -> None:
+    """Raise :class:`InputError` listing every missing, unexpected or mis-shaped key."""
+    ref = model.state_dict()
+    missing = sorted(set(ref) - set(state))
+    unexpected = sorted(set(state) - set(ref))
+    bad_shape = sorted(
+        f"{k}: checkpoint {tuple(state[k].shape)} vs config {tuple(ref[k].shape)}"
+        for k in set(ref) & set(state)
+        if tuple(state[k].shape) != tuple(ref[k].shape)
+    )
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        if bad_shape:
+            parts.append(f"shape mismatches {bad_shape}")
+        raise InputError(
+            source, "state_dict", "; ".join(parts),
+            "check that config.json belongs to these weights (num_hidden_layers, hidden_size, "
+            "len(target_layer_ids) x hidden_size for fc) and that the checkpoint is a DFlash drafter",
+        )
