@@ -1,0 +1,32 @@
+# dflash-eval: evaluate DFlash drafter checkpoints (acceptance length tau).
+#
+#   prompts + target -> completions -> HDF5 hidden-state cache      (once per prompt set)
+#   checkpoint -> stripped drafter -> evaluate(cache) -> tau tables  (per checkpoint)
+#
+# Run from the repository root: `snakemake --cores all [--configfile my.yaml]`.
+# See README.md (config, outputs, rerun semantics) and profiles/README.md.
+
+from snakemake.utils import min_version
+
+min_version("9.11")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/target.smk"
+include: "rules/prompts.smk"
+include: "rules/completions.smk"
+include: "rules/cache.smk"
+include: "rules/drafters.smk"
+include: "rules/evaluate.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        expand("results/{run}/tau.csv", run=RUN),
+        expand("results/{run}/tau.parquet", run=RUN),
+        expand("results/{run}/report.md", run=RUN),
+    localrule: True

