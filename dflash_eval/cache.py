@@ -280,13 +280,17 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-@torch.inference_mode()
-def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, pad_id: int = 0):
-    """One right-padded forward; returns per sample ``(hidden [T, K, H], argmax [T])`` on CPU.
+def capture_layers(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids: list[int]):
+    """One forward of the target body with forward hooks on the requested decoder layers.
 
-    Hidden states are captured with forward hooks on the requested decoder
-    layers (only K layers are kept, not all N+1 as ``output_hidden_states``
-    would). Right padding leaves every real position's causal context unchanged.
+    Args:
+        ids, mask: ``[b, L]`` int64 token ids and attention mask (right padding).
+        layer_ids: 0-based decoder layers, in the order wanted.
+
+    Returns:
+        ``(hidden [b, L, K, H], last_hidden_state [b, L, H])`` in the model dtype; ``hidden[:, :, k]``
+        equals HF ``hidden_states[layer_ids[k] + 1]`` (the last layer's entry final-normed, as in HF).
+        Only K layers are kept, not all N+1 as ``output_hidden_states`` would.
     """
     layers = decoder_layers(model)
     n_layers = len(layers)
@@ -299,28 +303,43 @@ def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, 
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
     try:
-        lens = [len(x) for x in batch_ids]
-        L = max(lens)
-        ids = torch.full((len(batch_ids), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch_ids), L), dtype=torch.long)
-        for r, x in enumerate(batch_ids):
-            ids[r, : len(x)] = torch.tensor(x)
-            mask[r, : len(x)] = 1
-        ids, mask = ids.to(device), mask.to(device)
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         last = base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()
-        argmax = torch.empty(ids.shape, dtype=torch.long, device=device)
-        step = max(1, 8192 // L)
-        for r0 in range(0, len(batch_ids), step):  # chunked so [b, L, V] logits never materialise at once
-            argmax[r0 : r0 + step] = head(last[r0 : r0 + step]).argmax(-1)
-        if n_layers - 1 in captured:  # HF's last hidden_states entry is final-normed
-            captured[n_layers - 1] = final_norm(model)(captured[n_layers - 1])
-        stacked = torch.stack([captured[i] for i in layer_ids], dim=2)  # [b, L, K, H]
-        return [(stacked[r, : lens[r]].cpu(), argmax[r, : lens[r]].cpu()) for r in range(len(batch_ids))]
     finally:
         for h in handles:
             h.remove()
+    if n_layers - 1 in captured:  # HF's last hidden_states entry is final-normed
+        captured[n_layers - 1] = final_norm(model)(captured[n_layers - 1])
+    return torch.stack([captured[i] for i in layer_ids], dim=2), last
+
+
+def pad_right(batch_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to ``[b, L]`` int64 ids + attention mask (real positions keep their causal context)."""
+    L = max(len(x) for x in batch_ids)
+    ids = torch.full((len(batch_ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch_ids), L), dtype=torch.long)
+    for r, x in enumerate(batch_ids):
+        ids[r, : len(x)] = torch.as_tensor(x)
+        mask[r, : len(x)] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, pad_id: int = 0):
+    """One right-padded forward; returns per sample ``(hidden [T, K, H], argmax [T])`` on CPU.
+
+    ``argmax[t]`` is the target's greedy token after position ``t`` (LM head applied in
+    chunks, so ``[b, L, V]`` logits never materialise at once).
+    """
+    lens = [len(x) for x in batch_ids]
+    ids, mask = pad_right(batch_ids, pad_id, device)
+    stacked, last = capture_layers(model, ids, mask, layer_ids)
+    head = model.get_output_embeddings()
+    argmax = torch.empty(ids.shape, dtype=torch.long, device=ids.device)
+    step = max(1, 8192 // ids.shape[1])
+    for r0 in range(0, len(batch_ids), step):
+        argmax[r0 : r0 + step] = head(last[r0 : r0 + step]).argmax(-1)
+    return [(stacked[r, : lens[r]].cpu(), argmax[r, : lens[r]].cpu()) for r in range(len(batch_ids))]
 
 
 def extract_hidden_states(
