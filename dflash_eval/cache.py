@@ -205,7 +205,8 @@ def write_cache(out: str | os.PathLike, attrs: dict, samples) -> int:
     with atomic_path(out, suffix=".h5.tmp") as tmp:
         with h5py.File(tmp, "w") as f:
             for key, val in attrs.items():
-                f.attrs[key] = json.dumps(val) if isinstance(val, dict) else val
+                as_json = isinstance(val, dict) or (isinstance(val, (list, tuple)) and any(isinstance(x, str) for x in val))
+                f.attrs[key] = json.dumps(val) if as_json else (str(val) if isinstance(val, str) else val)  # str subclasses (TorchVersion) too
             grp = f.create_group("samples")
             for i, s in enumerate(samples):
                 g = grp.create_group(f"{i:06d}")

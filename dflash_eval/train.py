@@ -1,0 +1,276 @@
+"""A compact DFlash trainer (for the demo drafters of the SmolLM2 target; shared/reference/dflash.md §5).
+
+Recipe (SpecForge ``OnlineDFlashModel`` after PR #473, the z-lab paper):
+
+* Data: responses regenerated greedily by the target (prompt + completion token ids); only
+  completion tokens are supervised. The target runs online each step (no grad) and its
+  hidden states at ``target_layer_ids`` feed the drafter (HF ``hidden_states[i+1]``).
+* Per sequence, ``anchors`` random anchor positions ``a`` (without replacement) among positions
+  whose next token is a completion token, ``a in [P, T-2]`` — the positions an online decode
+  uses as the last committed token.
+* Each anchor gets one block ``[x[a], MASK x (B-1)]`` at positions ``a .. a+B-1``; the context is
+  every position strictly before ``a``; attention within the block is bidirectional; blocks
+  never see each other (one row per block).
+* Same-position labels: slot ``k`` predicts ``x[a+k]`` for ``k = 1..B-1`` (slot 0 unscored),
+  cross-entropy weighted by ``exp(-(k-1)/gamma)`` (gamma 7 for B=16, 5 for B=10, 4 for B=8),
+  normalised by the weight sum.
+* AdamW, linear warmup then cosine decay, grad clip 1.0; bf16 activations (autocast) over fp32
+  master weights on GPU; checkpoints are written with bf16 weights.
+
+Training checkpoints (``step<N>.pt``) use the realistic layout that ``dflash-eval strip`` reads:
+``{"step", "draft_config", "model": {drafter keys, "embed_tokens.weight", "lm_head.weight"},
+"optimizer": AdamW state, "train_loss"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .cache import capture_layers, pad_right
+from .checkpoints import demo_drafter_config
+from .drafter import DFlashDrafter, DrafterConfig
+from .errors import InputError, atomic_path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class TrainConfig:
+    """Trainer options (units: steps, seconds; lr per AdamW step)."""
+
+    block_size: int = 16
+    num_layers: int = 1
+    intermediate_size: int | None = None  # default: the target's
+    target_layer_ids: list[int] | None = None  # default: 5 layers spread over the target
+    mask_token_id: int | None = None  # default: pick_mask_token()
+    seqs_per_step: int = 32
+    anchors: int = 32
+    max_len: int = 640
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    max_steps: int = 1000
+    time_budget_s: float = 0.0  # 0 = no limit; else stop (and save) when exceeded
+    save_steps: list[int] = field(default_factory=list)  # extra checkpoints
+    save_fracs: list[float] = field(default_factory=list)  # extra checkpoints at fractions of max_steps/budget
+    log_every: int = 50
+    seed: int = 0
+
+
+def pick_mask_token(tokenizer, data: list[list[int]]) -> int:
+    """An existing special token that never occurs in ``data`` (the target has no spare embedding row).
+
+    Preference: the highest-id additional special token that is not bos/eos/pad/unk and
+    does not occur in any sequence. Raises InputError when none qualifies.
+    """
+    seen = set()
+    for seq in data:
+        seen.update(seq)
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    cands = sorted({int(i) for i in tokenizer.all_special_ids} - reserved - seen, reverse=True)
+    if not cands:
+        raise InputError(None, "mask_token_id", "no unused special token in the tokenizer",
+                         "pass --mask-token-id explicitly (a row of the target embedding never seen in data)")
+    return cands[0]
+
+
+def sample_anchors(prompt_lens: torch.Tensor, lens: torch.Tensor, n: int, gen: torch.Generator, L: int):
+    """Random anchors per sequence among positions ``[P, T-2]``.
+
+    Returns ``(anchors [b, n] int64, valid [b, n] bool)``; sequences with fewer than ``n``
+    candidates get invalid (zero-weight) rows.
+    """
+    b = len(lens)
+    pos = torch.arange(L)
+    ok = (pos[None] >= prompt_lens[:, None]) & (pos[None] <= lens[:, None] - 2)
+    scores = torch.rand(b, L, generator=gen).masked_fill(~ok, -1.0)
+    k = min(n, L)
+    top = scores.topk(k, dim=1)
+    return top.indices, top.values >= 0
+
+
+def block_loss(drafter, embed, head, hidden, ids, lens, anchors, valid, block_size, gamma):
+    """Weighted same-position CE over all blocks.
+
+    Args:
+        hidden: ``[b, L, K*H]`` target states; ids ``[b, L]``; lens ``[b]``;
+        anchors/valid: ``[b, A]`` from :func:`sample_anchors`.
+
+    Returns:
+        ``(loss, stats)`` with per-slot teacher-forced accuracy and the cumprod-based
+        acceptance proxy (mean a+1 over blocks, SpecForge ``compute_accept_len``).
+    """
+    b, L = ids.shape
+    A = anchors.shape[1]
+    dev = ids.device
+    B = block_size
+    pos = torch.arange(L, device=dev)
+    ctx_kv = drafter.context_kv(hidden, pos[None].expand(b, -1))
+    row_seq = torch.arange(b, device=dev).repeat_interleave(A)
+    a = anchors.reshape(-1)
+    kv = [(k[row_seq], v[row_seq]) for k, v in ctx_kv]
+    ctx_valid = pos[None] < a[:, None]
+    slot = torch.arange(B, device=dev)
+    block_pos = a[:, None] + slot[None]
+    block_ids = torch.full((len(a), B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = ids[row_seq, a]
+    h = drafter(embed[block_ids], block_pos, kv, pos[None].expand(len(a), -1), ctx_valid)
+    label_pos = block_pos[:, 1:]
+    in_seq = label_pos < lens[row_seq, None]
+    labels = ids[row_seq[:, None], label_pos.clamp(max=L - 1)]
+    w = torch.exp(-(slot[1:].float() - 1) / gamma)[None].expand(len(a), -1)
+    mask = in_seq & valid.reshape(-1)[:, None]
+    logits = F.linear(h[:, 1:], head)
+    ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none").view_as(w)
+    wm = w * mask
+    loss = (ce * wm).sum() / wm.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & mask
+        rows = mask[:, 0]
+        acc = (correct.float().sum(0) / mask.float().sum(0).clamp(min=1)).tolist()
+        accept = (correct | ~mask).long().cumprod(-1) * mask  # accepted prefix, cut at the end of the sequence
+        tau_proxy = float((accept.sum(-1)[rows].float() + 1).mean()) if rows.any() else float("nan")
+    return loss, {"acc": acc, "tau_proxy": tau_proxy}
+
+
+def train(
+    target_dir,
+    data_path,
+    out_dir,
+    cfg: TrainConfig,
+    device: str = "auto",
+) -> list[Path]:
+    """Train a drafter on target-generated completions and write training checkpoints.
+
+    Args:
+        target_dir: HF target folder.
+        data_path: completions JSONL (``prompt_ids``, ``completion_ids``) from the completions stage.
+        out_dir: folder for ``step<N>.pt`` checkpoints and ``train_log.jsonl``.
+        cfg: :class:`TrainConfig`.
+
+    Returns:
+        the checkpoint paths written (early/middle/... and final).
+    """
+    from .cache import read_completions
+    from .target import load_target, resolve_device
+
+    dev = resolve_device(device)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = read_completions(Path(data_path))
+    seqs = [(list(r["prompt_ids"]) + list(r["completion_ids"]))[: cfg.max_len] for r in rows]
+    plens = [len(r["prompt_ids"]) for r in rows]
+    keep = [i for i in range(len(seqs)) if len(seqs[i]) - 2 >= plens[i]]
+    seqs, plens = [seqs[i] for i in keep], [plens[i] for i in keep]
+    if not seqs:
+        raise InputError(data_path, None, "no sequence has a completion to supervise", "generate longer completions")
+
+    amp_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target, tok = load_target(target_dir, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32")
+    target.requires_grad_(False)
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tok, seqs)
+    dcfg = demo_drafter_config(target_dir, cfg.target_layer_ids, cfg.block_size, cfg.num_layers, mask_id)
+    if cfg.intermediate_size:
+        dcfg["intermediate_size"] = cfg.intermediate_size
+    dcfg["dflash_config"]["training"] = {"trainer": "dflash_eval.train", **{k: v for k, v in asdict(cfg).items() if k not in ("save_steps", "save_fracs")}}
+    drafter = DFlashDrafter(DrafterConfig.from_dict(dcfg)).to(dev)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, std=0.02)
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    gamma = cfg.gamma or DEFAULT_GAMMA.get(cfg.block_size, 7.0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    warm = max(1, int(cfg.warmup_frac * cfg.max_steps))
+
+    def lr_at(step):
+        if step < warm:
+            return cfg.lr * (step + 1) / warm
+        prog = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+        return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved: list[Path] = []
+    save_steps = set(cfg.save_steps) | {max(1, int(f * cfg.max_steps)) for f in cfg.save_fracs}
+    budget_marks = sorted(cfg.save_fracs) if cfg.time_budget_s else []
+    order: list[int] = []
+    t0 = time.perf_counter()
+    logf = open(out_dir / "train_log.jsonl", "a")
+    log.info("training: %d sequences, %d drafter params, mask token %d, gamma %.1f, %s", len(seqs),
+             sum(p.numel() for p in drafter.parameters()), mask_id, gamma, dev)
+    step = 0
+    loss_val = float("nan")
+    while step < cfg.max_steps:
+        if len(order) < cfg.seqs_per_step:
+            more = list(range(len(seqs)))
+            rng.shuffle(more)
+            order += more
+        batch, order = order[: cfg.seqs_per_step], order[cfg.seqs_per_step :]
+        ids, _ = pad_right([seqs[i] for i in batch], 0, dev)
+        lens = torch.tensor([len(seqs[i]) for i in batch], device=dev)
+        pl = torch.tensor([plens[i] for i in batch])
+        anchors, valid = sample_anchors(pl, lens.cpu(), cfg.anchors, gen, ids.shape[1])
+        mask = (torch.arange(ids.shape[1], device=dev)[None] < lens[:, None]).long()
+        with torch.no_grad():
+            hidden, _ = capture_layers(target, ids, mask, drafter.cfg.target_layer_ids)
+        hidden = hidden.flatten(2)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            loss, stats = block_loss(drafter, embed, head, hidden, ids, lens, anchors.to(dev), valid.to(dev),
+                                     cfg.block_size, gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        loss_val = float(loss)
+        elapsed = time.perf_counter() - t0
+        if step == 1 or step % cfg.log_every == 0:
+            rec = {"step": step, "loss": loss_val, "lr": lr_at(step - 1), "grad_norm": float(gnorm),
+                   "tau_proxy": stats["tau_proxy"], "acc_slot1": stats["acc"][0],
+                   "acc_slot2": stats["acc"][1] if len(stats["acc"]) > 1 else None, "elapsed_s": round(elapsed, 1)}
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+            log.info("step %d loss %.4f tau_proxy %.3f acc1 %.3f %.0fs", step, loss_val, stats["tau_proxy"], stats["acc"][0], elapsed)
+        over_budget = cfg.time_budget_s and elapsed >= cfg.time_budget_s
+        due = step in save_steps
+        while budget_marks and elapsed >= budget_marks[0] * cfg.time_budget_s:
+            budget_marks.pop(0)
+            due = True
+        if due or over_budget or step == cfg.max_steps:
+            saved.append(save_training_checkpoint(out_dir / f"step{step}.pt", drafter, dcfg, opt, embed, head, step, loss_val))
+        if over_budget:
+            log.info("time budget %.0f s reached at step %d", cfg.time_budget_s, step)
+            break
+    logf.close()
+    return saved
+
+
+def save_training_checkpoint(path, drafter, dcfg, opt, embed, head, step, loss) -> Path:
+    """Write a training checkpoint (layout: module docstring) atomically."""
+    state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in drafter.state_dict().items()}
+    state["embed_tokens.weight"] = embed.detach().cpu().clone()
+    state["lm_head.weight"] = head.detach().cpu().clone()
+    ckpt = {"step": step, "draft_config": dcfg, "model": state, "optimizer": opt.state_dict(), "train_loss": loss}
+    with atomic_path(path) as tmp:
+        torch.save(ckpt, tmp)
+    log.info("saved %s (step %d, loss %.4f)", path, step, loss)
+    return Path(path)
