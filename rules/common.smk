@@ -250,6 +250,11 @@ def _build_checkpoint_table(ckpt_cfg):
     for i, entry in enumerate(ckpt_cfg.get("list", [])):
         add(entry["name"], {**entry, "kind": "list"}, f"checkpoints.list[{i}]")
     for i, entry in enumerate(ckpt_cfg.get("demo", [])):
+        if not entry.get("drafter") and not entry.get("random_init"):
+            raise WorkflowError(
+                f"config checkpoints.demo[{i}] ({entry['name']}): set either random_init: true "
+                "or drafter: <stripped drafter folder>."
+            )
         path = os.path.join("resources", "demo", "checkpoints", f"{entry['name']}.pt")
         add(
             entry["name"],
@@ -379,14 +384,6 @@ def demo_args(wildcards):
         str(row["seed"]),
     ]
     return " ".join(shlex.quote(a) for a in args)
-
-
-for _name, _row in DEMO_CHECKPOINTS.items():
-    if not _row.get("drafter") and not _row.get("random_init"):
-        raise WorkflowError(
-            f"config checkpoints.demo ({_name}): set either random_init: true or drafter: "
-            "<stripped drafter folder>."
-        )
 
 
 # ---------------------------------------------------------------------------

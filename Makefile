@@ -1,0 +1,42 @@
+# dflash-eval developer entry points. Everything installs into ./.venv.
+#   make demo   - set up, run the demo workflow on CPU, print results/demo/tau.csv
+#   make test   - set up, run the test suite
+#   make lint   - snakemake --lint (+ snakefmt --check when installed)
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REQUIREMENTS := envs/requirements.txt envs/requirements-nodeps.txt pyproject.toml
+SNAKEFMT ?= $(shell command -v $(BIN)/snakefmt 2>/dev/null || command -v snakefmt 2>/dev/null)
+
+.PHONY: venv demo test lint help
+
+help:
+	@echo "make demo | make test | make lint | make venv"
+
+venv: $(STAMP)
+
+# torch first, with the exact pin: the CPU build where a local wheel is provided
+# (any other torch spec pulls a multi-GB CUDA build). Re-runs when a requirement file changes.
+$(STAMP): $(REQUIREMENTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -r envs/requirements.txt
+	$(BIN)/python -m pip install --no-deps -r envs/requirements-nodeps.txt
+	$(BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+demo: venv
+	$(BIN)/snakemake --cores all --resources gpu=1 --configfile config/demo.yaml
+	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
+	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/snakemake --lint
+	@if [ -n "$(SNAKEFMT)" ]; then $(SNAKEFMT) --check Snakefile rules/; \
+	else echo "snakefmt not installed: skipped (pip install snakefmt==2.1.0)"; fi

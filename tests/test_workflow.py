@@ -1,0 +1,429 @@
+"""Workflow tests: lint, dry-runs, config errors, pins/profiles, a tiny end-to-end run and
+the rerun proof.
+
+Snakemake is driven through its CLI (``python -m snakemake``), each test in its own
+working directory holding a copy of ``Snakefile``, ``rules/`` and ``config/`` (the
+config schema symlink is copied as a file). Lint, dry-run and config tests execute no
+package code; the end-to-end tests run every stage on a tiny random target on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CI_PROFILE = REPO / "profiles" / "ci"
+
+DEMO_JOBS = {
+    "target_from_gguf": 1,
+    "demo_checkpoint": 3,
+    "prompts": 2,
+    "completions": 2,
+    "hidden_states": 2,
+    "strip_drafter": 3,
+    "evaluate": 6,
+    "summary": 1,
+    "report": 1,
+    "all": 1,
+}
+TARGET_RULES = {"target_from_gguf", "prompts", "completions", "hidden_states"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def copy_workflow(dst: Path) -> Path:
+    """Copy Snakefile, rules/ and config/ into ``dst`` (symlinks followed)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
+    shutil.copytree(REPO / "rules", dst / "rules", dirs_exist_ok=True)
+    shutil.copytree(REPO / "config", dst / "config", dirs_exist_ok=True)
+    return dst
+
+
+def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
+    """Run ``python -m snakemake`` in ``workdir``; the package comes from this checkout."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", *args],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((workdir / "logs").rglob("*.log"))) \
+            if (workdir / "logs").is_dir() else ""
+        pytest.fail(f"snakemake {' '.join(args)} exited {proc.returncode}\n"
+                    f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}\n{logs}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The 'Job stats' table of a dry-run as {rule: count} (without 'total')."""
+    counts: dict[str, int] = {}
+    lines = output.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Job stats:")
+    except StopIteration:
+        return counts
+    for line in lines[start + 3:]:
+        m = re.match(r"^(\w+)\s+(\d+)$", line.strip())
+        if not m:
+            break
+        if m.group(1) != "total":
+            counts[m.group(1)] = int(m.group(2))
+    return counts
+
+
+def planned_jobs(output: str) -> list[tuple[str, str]]:
+    """(rule, wildcards line) for every job of a dry-run."""
+    jobs, rule = [], None
+    for line in output.splitlines():
+        m = re.match(r"^(?:local)?rule (\w+):$", line.strip())
+        if m:
+            rule = m.group(1)
+            jobs.append([rule, ""])
+        elif rule and line.strip().startswith("wildcards:"):
+            jobs[-1][1] = line.strip()[len("wildcards:"):].strip()
+    return [tuple(j) for j in jobs]
+
+
+def shell_commands(output: str) -> list[str]:
+    """The shell commands printed by ``-n -p``."""
+    cmds = []
+    for line in output.splitlines():
+        if line.strip().startswith("Shell command:"):
+            cmd = line.split("Shell command:", 1)[1].strip()
+            if cmd != "None":  # rule all
+                cmds.append(cmd)
+    return cmds
+
+
+def dflash_eval_argv(cmd: str) -> list[str]:
+    """argv after ``python -m dflash_eval`` in a rule's shell command (log redirect removed)."""
+    words = shlex.split(cmd)
+    i = words.index("dflash_eval")
+    assert words[i - 2:i] == ["python", "-m"], cmd
+    argv = words[i + 1:]
+    if ">" in argv:
+        argv = argv[: argv.index(">")]
+    return argv
+
+
+# --------------------------------------------------------------------------- lint and dry-runs
+
+
+def test_lint_default_config(tmp_path):
+    wd = copy_workflow(tmp_path / "wf")
+    proc = smk(wd, "--lint")
+    assert "Congratulations, your workflow is in a good condition" in proc.stdout + proc.stderr
+
+
+def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
+    wd = copy_workflow(tmp_path / "wf")
+    proc = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml")
+    out = proc.stdout + proc.stderr
+    assert job_counts(out) == DEMO_JOBS
+    assert "results/demo/tau.csv" in out and "results/demo/report.md" in out
+    # Every rule calls exactly one `python -m dflash_eval <subcommand>` that the CLI accepts.
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    cmds = shell_commands(out)
+    assert len(cmds) == sum(n for r, n in DEMO_JOBS.items() if r != "all")
+    seen = set()
+    for cmd in cmds:
+        assert cmd.count("-m dflash_eval") == 1, cmd
+        args = parser.parse_args(dflash_eval_argv(cmd))
+        seen.add(args.cmd)
+        if args.cmd == "hidden-states":
+            assert args.layer_ids == [1, 8, 15, 22, 27]
+        if args.cmd == "completions":
+            assert args.max_new_tokens == 256
+        if args.cmd == "prompts":
+            assert args.n == 16
+    assert seen == {"target-from-gguf", "prompts", "completions", "hidden-states", "strip", "evaluate", "summary",
+                    "report", "demo-checkpoint"}
+
+
+def _write_config(wd: Path, cfg: dict) -> None:
+    (wd / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def _fake_hf_target(path: Path) -> Path:
+    """Files only (dry-runs never read them)."""
+    path.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_text("{}")
+    return path
+
+
+def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
+    wd = copy_workflow(tmp_path / "wf")
+    _fake_hf_target(wd / "target")
+    (wd / "ckpts" / "epoch_0_step_200").mkdir(parents=True)
+    (wd / "ckpts" / "epoch_0_step_200" / "model.safetensors").write_text("x")
+    (wd / "ckpts" / "epoch_0_step_200" / "config.json").write_text("{}")
+    (wd / "ckpts" / "step100.pt").write_text("x")
+    (wd / "mine.pt").write_text("x")
+    (wd / "prompts.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    _write_config(wd, {
+        "run": "r1",
+        "target": {"name": "t", "path": "target"},
+        "prompt_sets": {"mine": {"source": "file", "path": "prompts.jsonl", "n": 0}},
+        "cache": {"target_layer_ids": [0, 1]},
+        "checkpoints": {"glob": "ckpts/*", "list": [{"name": "mine", "path": "mine.pt",
+                                                     "overrides": {"target_layer_ids": [0, 1]}}]},
+    })
+    out = smk(wd, "-n", "-p").stdout
+    assert job_counts(out) == {"prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
+                               "evaluate": 3, "summary": 1, "report": 1, "all": 1}
+    jobs = planned_jobs(out)
+    assert {w for r, w in jobs if r == "strip_drafter"} == {
+        "run=r1, ckpt=epoch_0_step_200", "run=r1, ckpt=step100", "run=r1, ckpt=mine"}
+    # A checkpoint folder's concrete files are the inputs, never the folder itself.
+    assert "ckpts/epoch_0_step_200/config.json, ckpts/epoch_0_step_200/model.safetensors" in out
+    cmds = shell_commands(out)
+    prompts_cmd = next(c for c in cmds if " prompts " in c)
+    assert "--source file --path prompts.jsonl" in prompts_cmd and "--n 0" in prompts_cmd
+    strip_mine = next(c for c in cmds if "--checkpoint mine.pt" in c)
+    assert "--override 'target_layer_ids=[0,1]'" in strip_mine
+    assert not any("target-from-gguf" in c for c in cmds)
+
+
+@pytest.mark.parametrize("checkpoints, message", [
+    ({"list": [{"name": "a", "path": "a.pt"}, {"name": "a", "path": "b.pt"}]}, "duplicate checkpoint name 'a'"),
+    ({"demo": [{"name": "a", "step": 1}]}, "set either random_init: true or drafter"),
+    ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids is not set"),
+    ({}, "no checkpoint configured"),
+])
+def test_config_errors_are_clear(tmp_path, checkpoints, message):
+    wd = copy_workflow(tmp_path / "wf")
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg["checkpoints"] = checkpoints
+    cfg.pop("cache", None)
+    _write_config(wd, cfg)
+    proc = smk(wd, "-n", check=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_demo_layers_must_be_cached(tmp_path):
+    wd = copy_workflow(tmp_path / "wf")
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg["cache"] = {"target_layer_ids": [1, 8]}
+    _write_config(wd, cfg)
+    proc = smk(wd, "-n", check=False)
+    assert proc.returncode != 0
+    assert "are not in cache.target_layer_ids" in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- pins and profiles
+
+
+def _pins(lines) -> dict[str, str]:
+    pins = {}
+    for line in lines:
+        line = line.split("#", 1)[0].strip().lstrip("- ").strip()
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)$", line)
+        if m:
+            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def _env_pins(path: Path) -> dict[str, str]:
+    env = yaml.safe_load(path.read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    return _pins(pip)
+
+
+def test_environment_pins_agree():
+    host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
+    image = _pins((REPO / "containers" / "cuda" / "requirements.txt").read_text().splitlines())
+    assert host and image
+    for env_file, reference in (("cpu.yaml", host), ("gpu.yaml", image)):
+        env = _env_pins(REPO / "envs" / env_file)
+        for name, version in env.items():
+            if name in reference:
+                assert version == reference[name], f"envs/{env_file}: {name}=={version} vs {reference[name]}"
+    shared = set(host) & set(image)
+    assert {"transformers", "safetensors", "h5py"} <= shared
+    assert all(host[n] == image[n] for n in shared), {n: (host[n], image[n]) for n in shared if host[n] != image[n]}
+    assert "torch==2.13.0" in (REPO / "Makefile").read_text()
+    assert 'TORCH_VERSION=2.13.0' in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
+    assert "FLA_FLASH_QLA=0" in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
+
+
+def test_profiles():
+    profiles = {p.parent.name: yaml.safe_load(p.read_text()) for p in (REPO / "profiles").glob("*/config.yaml")}
+    assert set(profiles) == {"local-gpu", "slurm-gpu", "ci"}
+    assert profiles["ci"]["cores"] == 2 and profiles["ci"]["resources"] == {"gpu": 1}
+    assert "software-deployment-method" not in profiles["ci"]
+    for name in ("local-gpu", "slurm-gpu"):
+        assert profiles[name]["software-deployment-method"] == ["apptainer"]
+        assert "--nv" in profiles[name]["apptainer-args"]
+    slurm = profiles["slurm-gpu"]
+    assert slurm["executor"] == "slurm"
+    for rule_resources in [slurm["default-resources"], *slurm["set-resources"].values()]:
+        assert "gres" not in rule_resources
+        assert not re.search(r"--(gres|gpus)", str(rule_resources.get("slurm_extra", "")))
+    assert "cpus_per_task" not in slurm["default-resources"] and "tasks" not in slurm["default-resources"]
+
+
+def test_slurm_profile_submit_string():
+    """The SLURM plugin turns the profile's GPU resources into --gpus/--cpus-per-gpu."""
+    submit = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
+    utils = pytest.importorskip("snakemake_executor_plugin_slurm.utils")
+    slurm = yaml.safe_load((REPO / "profiles" / "slurm-gpu" / "config.yaml").read_text())
+
+    class Resources(dict):
+        __getattr__ = dict.get
+
+    class Job:
+        threads = 1
+
+        def __init__(self, resources):
+            self.resources = Resources(resources)
+
+    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "",
+              "workdir": "."}
+    job = Job({**slurm["default-resources"], **slurm["set-resources"]["evaluate"], "gpu": 1})
+    call = submit.get_submit_command(job, params) + " " + utils.set_gres_string(job)
+    assert "--gpus=1" in call and "--cpus-per-gpu=8" in call and "--gres" not in call
+    cpu_job = Job({**slurm["default-resources"], **slurm["set-resources"]["strip_drafter"]})
+    call = submit.get_submit_command(cpu_job, params)
+    assert "--cpus-per-task=4" in call and "--gpus" not in call
+
+
+# --------------------------------------------------------------------------- tiny end-to-end
+
+
+def _demo_checkpoint(wd: Path, out: str, step: int, seed: int) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    subprocess.run([sys.executable, "-m", "dflash_eval", "demo-checkpoint", "--target", "tiny_target",
+                    "--random-init", "--layer-ids", "1,2", "--block-size", "4", "--num-layers", "1",
+                    "--step", str(step), "--seed", str(seed), "--out", out],
+                   cwd=wd, env=env, check=True, capture_output=True, text=True)
+
+
+PROMPTS_A = ["Write a function that adds two numbers.", "What is the capital of France?",
+             "Summarize the text in bullet points.", "The quick brown fox jumps over the lazy dog."]
+PROMPTS_B = ["def add(a, b):", "Tell me about Paris.", "Explain bullet points."]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A full run of the workflow on a tiny random target and tiny random drafters."""
+    pytest.importorskip("h5py")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import make_tiny_target
+
+    wd = copy_workflow(tmp_path_factory.mktemp("tiny") / "wf")
+    make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
+    (wd / "prompts").mkdir()
+    (wd / "prompts" / "a.jsonl").write_text(
+        "".join(json.dumps({"id": f"a{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS_A)))
+    (wd / "prompts" / "b.jsonl").write_text(
+        "".join(json.dumps({"id": f"b{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                for i, p in enumerate(PROMPTS_B)))
+    (wd / "ckpts").mkdir()
+    _demo_checkpoint(wd, "ckpts/step100.pt", step=100, seed=1)
+    _demo_checkpoint(wd, "ckpts/step200.pt", step=200, seed=2)
+    cfg = {
+        "run": "tiny",
+        "target": {"name": "tiny", "path": "tiny_target"},
+        "prompt_set": {"n": 0, "max_prompt_tokens": 0},
+        "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"},
+                        "set_b": {"source": "file", "path": "prompts/b.jsonl", "n": 2}},
+        "generation": {"max_new_tokens": 24, "batch_size": 4, "device": "cpu", "dtype": "float32"},
+        "cache": {"target_layer_ids": [1, 2, 3], "batch_tokens": 512, "device": "cpu", "dtype": "float32"},
+        "checkpoints": {
+            "glob": "ckpts/*.pt",
+            "demo": [{"name": "demo-step50", "step": 50, "random_init": True, "layer_ids": [1, 3],
+                      "block_size": 4, "num_layers": 1, "seed": 5}],
+        },
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+    }
+    _write_config(wd, cfg)
+    smk(wd, "--workflow-profile", str(CI_PROFILE))
+    return wd
+
+
+@pytest.mark.slow
+def test_end_to_end_tau_table(tiny_run):
+    import pandas as pd
+
+    wd = tiny_run
+    csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
+    parquet = pd.read_parquet(wd / "results" / "tiny" / "tau.parquet")
+    for col in ("checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
+                "block_size"):
+        assert col in csv.columns and col in parquet.columns, col
+    assert len(csv) == len(parquet) == 6
+    assert set(zip(csv.checkpoint, csv.prompt_set)) == {
+        (c, p) for c in ("step100", "step200", "demo-step50") for p in ("set_a", "set_b")}
+    assert dict(zip(csv.checkpoint, csv.step)) == {"step100": 100, "step200": 200, "demo-step50": 50}
+    n_prompts = {"set_a": len(PROMPTS_A), "set_b": 2}
+    for row in csv.itertuples():
+        ev = json.loads((wd / "results" / "tiny" / "eval" / row.checkpoint / f"{row.prompt_set}.json").read_text())
+        assert row.n_samples == ev["n_samples"] and ev["n_samples"] + ev["n_skipped"] == n_prompts[row.prompt_set]
+        assert row.n_samples >= 1
+        assert row.block_size == 4
+        assert 1.0 <= row.tau <= row.block_size
+        assert 1.0 <= row.tau_tokens_per_step <= row.block_size
+        assert abs(row.mean_accepted - (row.tau - 1.0)) < 1e-3
+    assert (wd / "results" / "tiny" / "report.md").stat().st_size > 0
+    # Complete and stable: nothing left to do.
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
+    assert "Nothing to be done" in out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
+    """Adding one checkpoint and changing another's bytes reruns only their strip + evaluate
+    jobs and the summary/report; never the target stages."""
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True)  # copy2 keeps mtimes; .snakemake metadata comes along
+    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+
+    (wd / "extra").mkdir()
+    _demo_checkpoint(wd, "extra/new-ckpt.pt", step=300, seed=3)
+    before = (wd / "ckpts" / "step100.pt").read_bytes()
+    _demo_checkpoint(wd, "ckpts/step100.pt", step=100, seed=11)  # same name, different weights
+    assert (wd / "ckpts" / "step100.pt").read_bytes() != before
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg["checkpoints"]["list"] = [{"name": "new-ckpt", "path": "extra/new-ckpt.pt"}]
+    _write_config(wd, cfg)
+
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
+    text = out.stdout + out.stderr
+    jobs = planned_jobs(text)
+    assert not {r for r, _ in jobs} & (TARGET_RULES | {"demo_checkpoint"}), jobs
+    assert sorted(jobs) == sorted([
+        ("strip_drafter", "run=tiny, ckpt=new-ckpt"),
+        ("strip_drafter", "run=tiny, ckpt=step100"),
+        ("evaluate", "run=tiny, ckpt=new-ckpt, prompt_set=set_a"),
+        ("evaluate", "run=tiny, ckpt=new-ckpt, prompt_set=set_b"),
+        ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_a"),
+        ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_b"),
+        ("summary", "run=tiny"),
+        ("report", "run=tiny"),
+        ("all", ""),
+    ]), jobs
+
+    # And the real rerun adds the new checkpoint's rows.
+    smk(wd, "--workflow-profile", str(CI_PROFILE))
+    import pandas as pd
+
+    csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
+    assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
