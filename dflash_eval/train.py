@@ -81,7 +81,9 @@ def pick_mask_token(tokenizer, data: list[list[int]]) -> int:
     for seq in data:
         seen.update(seq)
     reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    cands = sorted({int(i) for i in tokenizer.all_special_ids} - reserved - seen, reverse=True)
+    special = {int(i) for i in tokenizer.all_special_ids}
+    special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    cands = sorted(special - reserved - seen, reverse=True)
     if not cands:
         raise InputError(None, "mask_token_id", "no unused special token in the tokenizer",
                          "pass --mask-token-id explicitly (a row of the target embedding never seen in data)")
@@ -199,10 +201,13 @@ def train(
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     warm = max(1, int(cfg.warmup_frac * cfg.max_steps))
 
-    def lr_at(step):
+    def lr_at(step, elapsed=0.0):
+        """Linear warmup, then cosine to ``min_lr_frac``; progress is by steps or by the time budget, whichever is further."""
         if step < warm:
             return cfg.lr * (step + 1) / warm
         prog = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+        if cfg.time_budget_s:
+            prog = max(prog, min(1.0, elapsed / cfg.time_budget_s))
         return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
 
     out_dir = Path(out_dir)
@@ -232,7 +237,7 @@ def train(
             hidden, _ = capture_layers(target, ids, mask, drafter.cfg.target_layer_ids)
         hidden = hidden.flatten(2)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(step, time.perf_counter() - t0)
         with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             loss, stats = block_loss(drafter, embed, head, hidden, ids, lens, anchors.to(dev), valid.to(dev),
                                      cfg.block_size, gamma)
@@ -244,7 +249,7 @@ def train(
         loss_val = float(loss)
         elapsed = time.perf_counter() - t0
         if step == 1 or step % cfg.log_every == 0:
-            rec = {"step": step, "loss": loss_val, "lr": lr_at(step - 1), "grad_norm": float(gnorm),
+            rec = {"step": step, "loss": loss_val, "lr": opt.param_groups[0]["lr"], "grad_norm": float(gnorm),
                    "tau_proxy": stats["tau_proxy"], "acc_slot1": stats["acc"][0],
                    "acc_slot2": stats["acc"][1] if len(stats["acc"]) > 1 else None, "elapsed_s": round(elapsed, 1)}
             logf.write(json.dumps(rec) + "\n")
@@ -274,3 +279,29 @@ def save_training_checkpoint(path, drafter, dcfg, opt, embed, head, step, loss) 
         torch.save(ckpt, tmp)
     log.info("saved %s (step %d, loss %.4f)", path, step, loss)
     return Path(path)
+
+
+def build_train_prompts(tokenizer_dir, out, holdout_n: int = 128, seed: int = 0, eval_max_prompt_tokens: int = 1024,
+                        max_prompt_tokens: int = 256, limit: int = 0, enable_thinking: bool = False) -> dict:
+    """ShareGPT first user turns for drafter training, with every possible eval prompt held out by id.
+
+    The demo evaluates ``build_prompt_set("sharegpt", n, seed, max_prompt_tokens=eval_max_prompt_tokens)``
+    for some ``n <= holdout_n``; that selection is a prefix of the one with ``n = holdout_n``, so
+    holding those ids out covers it. HumanEval is a different source and never used for training.
+
+    Returns:
+        ``{"n_train", "n_holdout", "holdout_ids"}``; writes the training prompts JSONL to ``out``.
+    """
+    from .prompts import build_prompt_set, write_prompts
+
+    held = build_prompt_set("sharegpt", tokenizer_dir, n=holdout_n, seed=seed, max_prompt_tokens=eval_max_prompt_tokens,
+                            enable_thinking=enable_thinking)
+    held_ids = {r["id"] for r in held}
+    rows = build_prompt_set("sharegpt", tokenizer_dir, n=0, seed=seed + 1, max_prompt_tokens=max_prompt_tokens,
+                            enable_thinking=enable_thinking)
+    rows = [r for r in rows if r["id"] not in held_ids]
+    if limit:
+        rows = rows[:limit]
+    write_prompts(rows, out)
+    log.info("training prompts: %d (held out %d eval candidates) -> %s", len(rows), len(held_ids), out)
+    return {"n_train": len(rows), "n_holdout": len(held_ids), "holdout_ids": sorted(held_ids)}
