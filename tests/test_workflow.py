@@ -2,7 +2,7 @@
 the rerun proof.
 
 Snakemake is driven through its CLI (``python -m snakemake``), each test in its own
-working directory holding a copy of ``Snakefile``, ``rules/`` and ``config/`` (the
+working directory holding a copy of ``Snakefile``, ``rules/``, ``config/`` and ``envs/`` (the
 config schema symlink is copied as a file). Lint, dry-run and config tests execute no
 package code; the end-to-end tests run every stage on a tiny random target on CPU.
 """
@@ -43,11 +43,12 @@ TARGET_RULES = {"target_from_gguf", "prompts", "completions", "hidden_states"}
 
 
 def copy_workflow(dst: Path) -> Path:
-    """Copy Snakefile, rules/ and config/ into ``dst`` (symlinks followed)."""
+    """Copy Snakefile, rules/, config/ and envs/ into ``dst`` (symlinks followed; Snakemake
+    reads the rules' conda env files for its job metadata even without --sdm conda)."""
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
-    shutil.copytree(REPO / "rules", dst / "rules", dirs_exist_ok=True)
-    shutil.copytree(REPO / "config", dst / "config", dirs_exist_ok=True)
+    for folder in ("rules", "config", "envs"):
+        shutil.copytree(REPO / folder, dst / folder, dirs_exist_ok=True)
     return dst
 
 
