@@ -24,6 +24,7 @@ rule evaluate:
     params:
         drafter=drafter_dir,
         target=target_dir,
+        training_backend=config["target"]["training_backend"],
         max_samples=config["evaluate"]["max_samples"],
         batch_size=config["evaluate"]["batch_size"],
         device=config["evaluate"]["device"],
@@ -31,6 +32,7 @@ rule evaluate:
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
+        " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --out {output:q} > {log:q} 2>&1"
