@@ -27,6 +27,13 @@ last entry is the final-normed state, and so is ours (attribute
 bit-exact. Datasets are contiguous and uncompressed (bf16 activations compress
 ~1.2x; HDF5 filters are single-threaded) — hidden-state-cache.md §0.
 
+Kernel provenance (hybrid targets, :mod:`dflash_eval.hybrid`): ``layer_types`` is the
+target's per-layer type list as JSON (``linear_attention`` / ``full_attention``, ``[]``
+when the config has none); ``linear_attn_kernel`` is JSON with ``backend``
+(``none``/``fla``/``torch``; ``evaluate`` compares it with ``target.training_backend``),
+the bound GDN/conv functions, gated-norm class, package versions and ``FLA_*`` env;
+``image`` is env ``DFLASH_EVAL_IMAGE`` of the container that wrote the file (``""`` outside one).
+
 Files are written to a temporary name in the destination folder and renamed
 when complete; a file at the final path is always whole.
 """
@@ -56,7 +63,7 @@ FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
     "hidden_size", "vocab_size", "target_layer_ids", "layer_convention", "last_layer_normed", "dtype",
     "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
-    "causal_conv1d_version", "linear_attn_kernel", "linear_attn_backend", "env", "padding_side",
+    "causal_conv1d_version", "linear_attn_kernel", "linear_attn_backend", "layer_types", "image", "env", "padding_side",
     "batch_tokens", "completions_sha256", "prompt_set", "n_samples", "created_at", "dflash_eval_version",
 )
 
@@ -440,7 +447,10 @@ def extract_hidden_states(
         **_versions(),
         "linear_attn_kernel": kernel.describe(),
         "linear_attn_backend": kernel.backend,
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE"))},
+        "layer_types": json.dumps(info.get("layer_types", [])),
+        "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
+        "env": {k: v for k, v in os.environ.items()
+                if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
         "padding_side": "right",
         "batch_tokens": batch_tokens,
         "completions_sha256": file_sha256(completions_path),

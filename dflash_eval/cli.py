@@ -101,8 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"), help="samples replayed side by side")
     p.add_argument("--allow-backend-mismatch", action="store_true",
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
+    p.add_argument("--training-backend", default=D("target.training_backend"), choices=["unknown", "fla", "torch"],
+                   help="linear-attention kernel the drafter was trained on (config target.training_backend); a cache "
+                        "extracted with another one is refused ('unknown' = no check)")
     _add_device(p, "evaluate")
     p.add_argument("--out", required=True, help="per-sample results JSON")
+
+    p = sub.add_parser("kernel-parity", help="extract a few samples with fla and with torch linear-attention kernels; "
+                                             "per-layer cos / rel-L2 / max-abs and tau per drafter on each")
+    p.add_argument("--target", required=True)
+    p.add_argument("--completions", required=True, help="completions JSONL; its first --n-samples rows are used")
+    p.add_argument("--layer-ids", type=_layer_ids, required=True, help="comma-separated 0-based decoder layers to compare")
+    p.add_argument("--n-samples", type=int, default=D("kernel_parity.n_samples"))
+    p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
+    p.add_argument("--batch-tokens", type=int, default=D("cache.batch_tokens"))
+    _add_device(p, "cache")
+    p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
     p = sub.add_parser("summary", help="collect per-checkpoint results into tau.csv / tau.parquet")
     p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs")
@@ -200,7 +214,13 @@ def _dispatch(args) -> int | None:
         from .replay import evaluate
         evaluate(drafter_dir=args.drafter, cache_path=args.cache, target_dir=args.target, out=args.out,
                  block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
-                 device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch)
+                 device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch,
+                 training_backend=args.training_backend)
+    elif cmd == "kernel-parity":
+        from .kernel_parity import kernel_parity
+        kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,
+                      n_samples=args.n_samples, out=args.out, drafters=args.drafter, device=args.device,
+                      dtype=args.dtype, batch_tokens=args.batch_tokens)
     elif cmd == "summary":
         from .summary import write_summary
         write_summary(args.evals, args.out_csv, args.out_parquet)

@@ -1,0 +1,213 @@
+"""Kernel parity: the same samples extracted with two linear-attention backends, compared per layer.
+
+The diagnosis users otherwise do by hand when a drafter trained on fla states
+(GPU) is evaluated on states from transformers' torch GDN fallback: on the first
+``n_samples`` completions, :func:`kernel_parity` writes two temporary caches
+through the real extraction (:func:`dflash_eval.cache.extract_hidden_states`),
+
+* **A** = fla and **B** = torch, both in the cache dtype (bf16 on GPU), when the
+  device is CUDA and ``fla.ops.gated_delta_rule`` imports;
+* otherwise (CPU, or fla missing) **A** = torch in bfloat16 and **B** = torch in
+  float32 — the bf16 noise floor, which on a random-init model is the same size
+  as fla-vs-torch (shared/reference/qwen35-fla.md §6) — and the report says
+  in its first line that fla was unavailable and why;
+
+then compares them per stored layer over all tokens of all samples:
+``cos_mean`` / ``cos_min`` (per-token cosine of A and B), ``rel_l2`` =
+``||A - B||_2 / ||B||_2`` (Frobenius over tokens x hidden), ``max_abs`` =
+``max |A - B|`` (units of the hidden state), plus the fraction of positions
+where the target's teacher-forced argmax agrees. With drafters, each is
+replayed (:func:`dflash_eval.replay.evaluate`) on both caches and the tau each
+gives is reported. Output: JSON with ``title`` and ``markdown`` (picked up by
+``report --extra``) and the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .errors import InputError, atomic_path
+
+log = logging.getLogger(__name__)
+
+
+def plan(device: str, dtype: str, target_dir) -> dict:
+    """Decide the two extractions. Returns ``{"a": {...}, "b": {...}, "fla_available", "note"}``.
+
+    ``a``/``b`` hold ``backend`` (``fla``/``torch``) and ``dtype`` (``bfloat16``/``float32``).
+    """
+    from .hybrid import fla_status, target_has_linear_attention
+    from .target import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = str(resolve_dtype(dtype, dev)).replace("torch.", "")
+    if not target_has_linear_attention(target_dir):
+        return {"a": None, "b": None, "fla_available": None,
+                "note": "target has no linear-attention layers: nothing depends on the GDN kernel"}
+    ok, why = fla_status()
+    if dev.type == "cuda" and ok:
+        return {"a": {"backend": "fla", "dtype": dt}, "b": {"backend": "torch", "dtype": dt}, "fla_available": True,
+                "note": f"fla {why} vs transformers' torch GDN path, both {dt} on {dev}"}
+    reason = f"the device is {dev} (fla has GPU Triton kernels only)" if dev.type != "cuda" else f"fla is not importable ({why})"
+    return {"a": {"backend": "torch", "dtype": "bfloat16"}, "b": {"backend": "torch", "dtype": "float32"},
+            "fla_available": False,
+            "note": (f"fla unavailable: {reason}. Compared torch bfloat16 (A) with torch float32 (B) instead: the "
+                     "bf16 noise floor, not fla vs torch. Run this stage on a CUDA GPU with fla-core installed.")}
+
+
+class Parity:
+    """Running per-layer comparison of hidden states A vs B (float64 on CPU).
+
+    :meth:`add` takes one sample's ``[T, K, H]`` tensors (any float dtype/device); :meth:`rows`
+    gives per layer ``cos_mean`` / ``cos_min`` (per-token cosine), ``rel_l2`` = ``||A-B|| / ||B||``
+    over all tokens and ``max_abs`` = ``max |A-B|``.
+    """
+
+    def __init__(self, n_layers: int):
+        z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
+        self.d2, self.r2, self.max_abs, self.cos_sum = z(), z(), z(), z()
+        self.cos_min = torch.full((n_layers,), float("inf"), dtype=torch.float64)
+        self.n_tok = 0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        if a.shape != b.shape:
+            raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(b.shape)}")
+        a, b = a.detach().cpu().double(), b.detach().cpu().double()
+        diff = a - b
+        self.d2 += diff.pow(2).sum((0, 2))
+        self.r2 += b.pow(2).sum((0, 2))
+        self.max_abs = torch.maximum(self.max_abs, diff.abs().amax((0, 2)))
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-30)  # [T, K]
+        self.cos_sum += cos.sum(0)
+        self.cos_min = torch.minimum(self.cos_min, cos.amin(0))
+        self.n_tok += a.shape[0]
+
+    def rows(self, layer_ids: list[int]) -> list[dict]:
+        return [{"layer": lid, "cos_mean": float(self.cos_sum[k] / self.n_tok), "cos_min": float(self.cos_min[k]),
+                 "rel_l2": float((self.d2[k] / self.r2[k]).sqrt()), "max_abs": float(self.max_abs[k])}
+                for k, lid in enumerate(layer_ids)]
+
+
+def layer_stats(reader_a, reader_b, layer_ids: list[int]) -> tuple[list[dict], float, int]:
+    """Per-layer parity of two caches of the same samples (:class:`Parity`).
+
+    Returns:
+        (rows, argmax_agreement, n_tokens): :meth:`Parity.rows`; the fraction of positions whose
+        teacher-forced argmax is equal in A and B; tokens compared.
+
+    Raises:
+        InputError: the caches hold different samples or token ids.
+    """
+    if reader_a.sample_ids != reader_b.sample_ids:
+        raise InputError(reader_a.path, "sample_ids", f"differ from {reader_b.path}", "extract both from one completions file")
+    par = Parity(len(layer_ids))
+    agree = 0
+    for i in range(len(reader_a)):
+        sa, sb = reader_a.sample(i, layer_ids), reader_b.sample(i, layer_ids)
+        if not torch.equal(sa.input_ids, sb.input_ids):
+            raise InputError(reader_a.path, f"samples/{i:06d}/input_ids", "differ between the two caches", "re-run")
+        par.add(sa.hidden, sb.hidden)
+        agree += int((sa.target_argmax == sb.target_argmax).sum())
+    return par.rows(layer_ids), agree / max(par.n_tok, 1), par.n_tok
+
+
+def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples: int, out, drafters=(),
+                  device: str = "auto", dtype: str = "auto", batch_tokens: int = 8192) -> dict:
+    """Extract ``n_samples`` completions with two backends, compare per layer, replay drafters on both.
+
+    Args:
+        target_dir: HF target folder.
+        completions_path: completions JSONL; its first ``n_samples`` rows are used.
+        layer_ids: 0-based decoder layers to compare (HF ``hidden_states[i+1]``).
+        n_samples: samples to extract (>= 1).
+        out: JSON path (keys ``title``, ``markdown``, ``plan``, ``layers``, ``argmax_agreement``,
+            ``n_samples``, ``n_tokens``, ``extractions`` (backend, dtype, seconds, tokens/s,
+            ``linear_attn_kernel``), ``drafters`` (``checkpoint``, ``tau_a``, ``tau_b``)).
+        drafters: stripped drafter folders to replay on both caches (their layers must be in ``layer_ids``).
+        device, dtype: as for the hidden_states stage (dtype applies on the fla path; see :func:`plan`).
+        batch_tokens: padded tokens per target forward.
+
+    Raises:
+        InputError: ``n_samples < 1``, bad completions, layer ids, or drafter/target mismatches.
+    """
+    from .cache import CacheReader, extract_hidden_states, read_completions
+    from .replay import evaluate
+
+    if n_samples < 1:
+        raise InputError("config", "kernel_parity.n_samples", f"{n_samples} < 1", "compare at least one sample")
+    p = plan(device, dtype, target_dir)
+    result: dict = {"title": "Linear-attention kernel parity", "plan": p, "target": Path(target_dir).name,
+                    "layers": [], "drafters": [], "extractions": {}}
+    if p["a"] is None:
+        result["markdown"] = f"Skipped: {p['note']}."
+        _write(out, result)
+        return result
+    rows = read_completions(Path(completions_path))[:n_samples]
+    label = {k: f"{p[k]['backend']} {p[k]['dtype']}" for k in ("a", "b")}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".kernel_parity.", dir=Path(out).parent) as tmp:
+        tmp = Path(tmp)
+        sub = tmp / f"{Path(completions_path).stem}.jsonl"
+        sub.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        caches = {}
+        for k in ("a", "b"):
+            t0 = time.perf_counter()
+            caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids, batch_tokens=batch_tokens,
+                                              device=device, dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"])
+            secs = time.perf_counter() - t0
+            n_tok = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
+            with CacheReader(caches[k]) as rd:
+                result["extractions"][k] = {**p[k], "seconds": round(secs, 3), "tokens_per_s": round(n_tok / secs, 1),
+                                            "linear_attn_kernel": json.loads(rd.attrs["linear_attn_kernel"])}
+                types = json.loads(rd.attrs.get("layer_types") or "[]")
+        with CacheReader(caches["a"]) as ra, CacheReader(caches["b"]) as rb:
+            stats, agree, n_tok = layer_stats(ra, rb, layer_ids)
+        for r in stats:
+            r["type"] = types[r["layer"]] if r["layer"] < len(types) else "?"
+        result.update(layers=stats, argmax_agreement=agree, n_samples=len(rows), n_tokens=n_tok)
+        for d in drafters:
+            taus = {}
+            for k in ("a", "b"):
+                ev = evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=device,
+                              allow_backend_mismatch=True)
+                taus[k] = ev["tau"]
+            result["drafters"].append({"checkpoint": Path(d).name, "tau_a": taus["a"], "tau_b": taus["b"]})
+    result["title"] = f"Linear-attention kernel parity: A = {label['a']}, B = {label['b']}"
+    result["markdown"] = _markdown(result, label)
+    _write(out, result)
+    for line in result["markdown"].splitlines():
+        log.info("%s", line)
+    return result
+
+
+def _markdown(r: dict, label: dict) -> str:
+    p = r["plan"]
+    fn = {k: r["extractions"][k]["linear_attn_kernel"].get("functions", {}) for k in ("a", "b")}
+    chunk = {k: sorted({f.get("chunk_rule", "?") for f in fn[k].values()}) for k in ("a", "b")}
+    lines = [f"**{p['note']}**" if p["fla_available"] is False else p["note"], "",
+             f"Target `{r['target']}`, {r['n_samples']} samples, {r['n_tokens']} tokens (right-padded batches, "
+             "as in the cache stage). A vs B per stored layer over all tokens; rel-L2 = ||A-B|| / ||B||.", ""]
+    for k in ("a", "b"):
+        e = r["extractions"][k]
+        lines.append(f"- **{k.upper()}** = {label[k]}: chunk rule `{', '.join(chunk[k])}`; "
+                     f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s (including model load)")
+    lines += ["", "| layer | type | cos mean | cos min | rel-L2 | max abs |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {s['layer']} | {s['type']} | {s['cos_mean']:.6f} | {s['cos_min']:.6f} | {s['rel_l2']:.2e} | "
+              f"{s['max_abs']:.2e} |" for s in r["layers"]]
+    lines += ["", f"Target teacher-forced argmax agreement A vs B: {r['argmax_agreement']:.4f}."]
+    if r["drafters"]:
+        lines += ["", "| drafter | tau on A | tau on B | A - B |", "|---|---:|---:|---:|"]
+        lines += [f"| {d['checkpoint']} | {d['tau_a']:.3f} | {d['tau_b']:.3f} | {d['tau_a'] - d['tau_b']:+.3f} |"
+                  for d in r["drafters"]]
+    return "\n".join(lines)
+
+
+def _write(out, result: dict) -> None:
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
