@@ -54,7 +54,8 @@ rule kernel_parity:
         layer_ids=",".join(str(i) for i in CACHE_LAYER_IDS),
         n_samples=KERNEL_PARITY["n_samples"],
         drafters=lambda wildcards, input: " ".join(
-            shlex.quote(d) for d in sorted({os.path.dirname(f) for f in input.drafters})
+            shlex.quote(d)
+            for d in sorted({os.path.dirname(f) for f in input.drafters})
         ),
         batch_tokens=config["cache"]["batch_tokens"],
         device=config["cache"]["device"],
