@@ -124,13 +124,18 @@ class KernelBinding:
 
 
 # --------------------------------------------------------------------------- facts about the environment
+@functools.lru_cache(maxsize=1)
+def _packages_distributions() -> dict:
+    return importlib.metadata.packages_distributions()  # scans every installed distribution: once
+
+
 def _dist_version(import_name: str) -> str:
     for dist in KERNEL_PACKAGES.get(import_name, (import_name,)):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
-    for dist in importlib.metadata.packages_distributions().get(import_name, []):
+    for dist in _packages_distributions().get(import_name, []):
         return importlib.metadata.version(dist)
     return "present (no distribution metadata)" if importlib.util.find_spec(import_name) else "absent"
 
