@@ -1,25 +1,84 @@
-"""Drafter checkpoints: read training checkpoints, validate them, strip them to a z-lab DFlash folder.
+"""Drafter checkpoints: detect the format, read, validate, strip to a z-lab DFlash folder.
+
+Supported inputs. :func:`detect_format` picks the format from the path alone. The name is
+logged and stored as ``format`` in ``strip_info.json``, with ``+shared`` appended when
+target tensors were dropped (last row).
+
+=====================  ==================================================  ==============================  ========================
+format                 what to pass: layout                                drafter config                  step
+=====================  ==================================================  ==============================  ========================
+``hf-folder``          folder: ``config.json`` + ``model.safetensors``     its ``config.json``             folder name
+                       (z-lab release, HF ``save_pretrained``)
+``hf-folder-sharded``  folder: ``config.json`` +                           its ``config.json``             folder name
+                       ``model.safetensors.index.json`` + every shard its
+                       ``weight_map`` lists
+``specforge-legacy``   ``epoch_E_step_S/`` (or its                         its ``config.json``             ``global_step`` of
+                       ``training_state.pt``): ``model.safetensors`` (or                                   ``training_state.pt``,
+                       sharded) + ``config.json`` + ``training_state.pt``                                  else the name
+``specforge``          ``<run>-stepN/`` (or its ``training_state.pt``)     ``config.json`` of the step     ``global_step``, else
+                       with ``training_state.pt`` =                        folder, then of the run folder  the name
+                       ``{"draft_state_dict": ..., "global_step": ...}``;
+                       no safetensors
+``torch-dict``         ``.pt`` / ``.pth`` / ``.bin`` file: a dict with     its ``draft_config`` /          ``step`` /
+                       the state dict at the top or under                  ``config`` entry, else          ``global_step``, else
+                       ``draft_state_dict``, ``draft_model``, ``model``,   ``config.json`` beside the      the file name
+                       ``state_dict`` or ``module``; key prefixes          file
+                       ``_orig_mod.``, ``module.``, ``draft_model.``,
+                       ``model.`` are removed
+``dcp``                folder: ``torch.distributed.checkpoint`` (FSDP /    ``config.json`` in the folder,  folder name
+                       DCP), ``.metadata`` + ``__R_S.distcp``; only        then in its parent
+                       parameter tensors (leaf ``weight`` / ``bias``) are
+                       read, never optimizer state
+(any of the above)     also holding target tensors (``embed_tokens``,      as above                        as above
+                       ``lm_head``, ``verifier_lm_head``, ...): compared
+                       with the target's own, then dropped
+=====================  ==================================================  ==============================  ========================
+
+``--drafter-config`` (the workflow entry's ``drafter_config``) replaces the config of every
+format (noted when it differs from the checkpoint's own). ``--override KEY=JSON`` (the
+entry's ``overrides``) sets ``dflash_config`` fields such as ``target_layer_ids``. Anything
+else is refused with an error listing these formats.
+
+Validation (each failure is an :class:`~dflash_eval.errors.InputError` naming the file, the
+key or field and the fix; nothing is written):
+
+* config: ``target_layer_ids`` / ``mask_token_id`` / ``block_size`` from ``dflash_config``
+  or the top level, never guessed (:class:`~dflash_eval.drafter.DrafterConfig`); every
+  required field present; ``partial_rotary_factor`` ignored with a note;
+* ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
+  layer count (``num_target_layers`` of the config when no target is given);
+  ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
+* the exact key set: missing, unexpected and mis-shaped keys, all listed; no key twice
+  after prefix stripping; finite floating-point weights; fp16 refused unless
+  ``allow_fp16`` (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991);
+* files: truncated safetensors (the first tensor past the end is named), a shard listed
+  in the index but missing, a ``.pt`` that is not a dict, a pickle needing classes
+  (everything is loaded with ``torch.load(weights_only=True)``; DCP metadata with a
+  restricted unpickler), no state dict found.
 
 Output of :func:`strip_checkpoint` (what the reference loads, shared/reference/dflash.md §1.7)::
 
     <out_dir>/config.json          HF Qwen3-style config with dflash_config
                                    {target_layer_ids, mask_token_id, block_size}
     <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.*
-    <out_dir>/strip_info.json      provenance: source path, detected format, step, dropped keys, notes
+    <out_dir>/strip_info.json      provenance: source path, format, step, dropped keys, notes
 
-No optimizer state and no shared target tensors (``embed_tokens``, ``lm_head``)
-are kept; the drafter always uses the target's own. Every key of the source is
-accounted for: drafter keys are kept, known shared/target keys are dropped
-(and compared with the target's when it is given), anything else is an error.
+No optimizer state and no shared target tensors are kept; the drafter always uses the
+target's own ``embed_tokens`` and ``lm_head``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import pickle
 import re
+import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,8 +87,20 @@ from .errors import InputError, atomic_dir
 
 log = logging.getLogger(__name__)
 
+FORMATS = {
+    "hf-folder": "z-lab/HF folder: config.json + model.safetensors",
+    "hf-folder-sharded": "z-lab/HF folder: config.json + model.safetensors.index.json + shards",
+    "specforge-legacy": "SpecForge legacy epoch_E_step_S/: model.safetensors + config.json + training_state.pt",
+    "specforge": "SpecForge <run>-stepN/ with training_state.pt holding draft_state_dict",
+    "torch-dict": "torch .pt/.pth/.bin file holding a (nested, prefixed) state dict",
+    "dcp": "torch.distributed.checkpoint (FSDP/DCP) folder: .metadata + *.distcp",
+}
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+STATE_FILE = "training_state.pt"
+INDEX_FILE = "model.safetensors.index.json"
 NEST_KEYS = ("draft_state_dict", "draft_model", "model", "state_dict", "module")
 PREFIXES = ("_orig_mod.", "module.", "draft_model.", "model.")
+CONFIG_KEYS = ("draft_config", "config", "dflash_config_full")
 # target tensors some trainers save beside the drafter (dropped after comparison with the target)
 SHARED_KEYS = {
     "embed_tokens.weight": "embed",
@@ -40,18 +111,29 @@ SHARED_KEYS = {
 }
 # non-trained buffers that may appear in state dicts
 IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$")
+PARAM_LEAF = re.compile(r"(^|\.)(weight|bias)$")
 STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
+RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
 
 
 @dataclass
 class LoadedCheckpoint:
-    """A checkpoint read into memory: ``state`` holds tensors with prefixes removed."""
+    """A checkpoint read into memory.
+
+    ``state`` holds the tensors with nesting and prefixes removed (still including any shared
+    target tensors), ``path`` the file or folder they came from (named in errors), ``config``
+    the checkpoint's own drafter config (``config_source`` says where it was found) and
+    ``sidecars`` the ``config.json`` files to try when it has none.
+    """
 
     path: Path
     format: str
     state: dict[str, torch.Tensor]
     config: dict | None = None
     meta: dict = field(default_factory=dict)
+    config_source: str | None = None
+    sidecars: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def parse_step(name: str) -> int | None:
@@ -63,7 +145,146 @@ def parse_step(name: str) -> int | None:
     return None
 
 
+# --------------------------------------------------------------------------- detection
+def _unsupported(path: Path, what: str) -> InputError:
+    supported = "; ".join(f"{name} = {desc}" for name, desc in FORMATS.items())
+    return InputError(path, "format", f"{what} is not a supported drafter checkpoint (supported: {supported})",
+                      "point the checkpoint entry at one of these (a folder holding a .pt/.bin state dict: "
+                      "pass the file itself)")
+
+
+def detect_format(path) -> tuple[str, Path]:
+    """Name the format of ``path`` from file names alone (see the module table).
+
+    A ``training_state.pt`` path stands for its folder. Returns ``(format, path)`` with that
+    normalisation applied.
+
+    Raises:
+        InputError: the path does not exist, or matches no supported format (the message lists them).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(path, None, "checkpoint not found", "fix the path in the checkpoints section of the config")
+    if path.is_file() and path.name == STATE_FILE:
+        path = path.parent
+    if path.is_file():
+        if path.suffix in TORCH_SUFFIXES:
+            return "torch-dict", path
+        raise _unsupported(path, f"a '{path.suffix}' file")
+    has = {p.name for p in path.iterdir()}
+    if ".metadata" in has and any(n.endswith(".distcp") for n in has):
+        return "dcp", path
+    weights = "model.safetensors" in has or INDEX_FILE in has
+    if weights and STATE_FILE in has:
+        return "specforge-legacy", path
+    if INDEX_FILE in has:
+        return "hf-folder-sharded", path
+    if weights:
+        return "hf-folder", path
+    if STATE_FILE in has:
+        return "specforge", path
+    raise _unsupported(path, f"a folder holding {sorted(has)[:12]}")
+
+
+# --------------------------------------------------------------------------- shared readers
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(path, None, f"{what} not found", "fix the path") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(path, None, f"{what} is not valid JSON: {err}", RESAVE) from None
+    if not isinstance(obj, dict):
+        raise InputError(path, None, f"{what} is a JSON {type(obj).__name__}, not an object", "fix the file")
+    return obj
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, after checking the header against the file size.
+
+    Raises:
+        InputError: truncated header (field ``header``), a tensor whose bytes extend past the end
+            of the file (field = that tensor's key), or an otherwise unreadable file.
+    """
+    from safetensors.torch import load_file
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or 8 + n > size:
+            raise InputError(path, "header", f"truncated: {size} bytes, the header alone needs {8 + max(n, 0)}", RESAVE)
+        try:
+            header = json.loads(fh.read(n))
+            ends = {k: 8 + n + int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+            raise InputError(path, "header", "not a safetensors header", RESAVE) from None
+    for key, end in sorted(ends.items(), key=lambda kv: kv[1]):
+        if end > size:
+            raise InputError(path, key, f"truncated: the tensor's data ends at byte {end}, the file has {size}", RESAVE)
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error type
+        raise InputError(path, "header", f"unreadable safetensors: {err}", RESAVE) from None
+
+
+def _read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """``model.safetensors``, or every shard named by ``model.safetensors.index.json``; returns (state, notes).
+
+    Raises:
+        InputError: a shard listed in the index is missing, or a shard's keys disagree with the index.
+    """
+    index = folder / INDEX_FILE
+    if not index.is_file():
+        others = sorted(p.name for p in folder.glob("*.safetensors") if p.name != "model.safetensors")
+        notes = [f"ignored {others}: not model.safetensors and no {INDEX_FILE}"] if others else []
+        return _read_safetensors(folder / "model.safetensors"), notes
+    weight_map = _read_json(index, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(index, "weight_map", "missing or empty", RESAVE)
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        listed = {k for k, s in weight_map.items() if s == shard}
+        if not (folder / shard).is_file():
+            raise InputError(index, f"weight_map.{min(listed)}", f"names shard '{shard}', which is missing", RESAVE)
+        part = _read_safetensors(folder / shard)
+        absent, extra = sorted(listed - set(part)), sorted(set(part) - listed)
+        if absent or extra:
+            raise InputError(folder / shard, (absent or extra)[0], f"disagrees with {INDEX_FILE}: listed there but absent "
+                             f"{absent[:10]}, present but not listed {extra[:10]}", RESAVE)
+        state.update(part)
+    unused = sorted(p.name for p in folder.glob("*.safetensors") if p.name not in set(weight_map.values()))
+    return state, [f"ignored {unused}: not in {INDEX_FILE}"] if unused else []
+
+
+def _torch_load(path: Path, allowed: tuple = ()) -> Any:
+    """``torch.load(weights_only=True)`` on CPU (memory-mapped when possible); ``allowed``: extra safe classes.
+
+    Raises:
+        InputError: the pickle needs a class outside the weights-only allow-list (field = that
+            class), or the file cannot be read at all.
+    """
+    fix = ("save plain tensors and dicts, e.g. {'model': model.state_dict(), 'step': N}; dflash-eval loads "
+           "checkpoints with torch.load(weights_only=True) and never runs pickled code")
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as err:
+        m = re.search(r"GLOBAL ([\w.]+)", str(err))
+        if m:
+            raise InputError(path, m.group(1), "the pickle needs this class, which torch.load(weights_only=True) "
+                             "refuses to import", fix) from None
+        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
+    except Exception as err:  # truncated zip, not a torch file, ...
+        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
+
+
 def _strip_prefixes(state: dict, source) -> dict:
+    """Remove wrapper prefixes (``PREFIXES``, repeatedly) from every key.
+
+    Raises:
+        InputError: two keys become one (field = the second original key).
+    """
     out: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for key, val in state.items():
@@ -76,86 +297,217 @@ def _strip_prefixes(state: dict, source) -> dict:
                     k = k[len(p):]
                     changed = True
         if k in out:
-            raise InputError(source, key, f"duplicate key after prefix stripping (also from '{origin[k]}')",
+            raise InputError(source, key, f"duplicate key after prefix stripping: '{key}' and '{origin[k]}' both become '{k}'",
                              "save one copy of the drafter weights per checkpoint")
         out[k] = val
         origin[k] = key
     return out
 
 
-def _find_state_dict(obj: dict, source) -> tuple[dict, list[str]]:
-    """Descend through known nesting keys to the dict of tensors; returns (state, path)."""
+def _find_state_dict(obj: dict, source) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Descend through ``NEST_KEYS`` to the dict of drafter tensors; returns (tensors, nesting path)."""
     path: list[str] = []
     while True:
         tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
         if tensors and len(tensors) >= len(obj) // 2 and any("fc" in k or "layers." in k for k in tensors):
-            return obj, path
-        for k in NEST_KEYS:
-            if isinstance(obj.get(k), dict):
-                obj = obj[k]
-                path.append(k)
-                break
-        else:
-            raise InputError(source, None,
-                             f"no drafter state dict found (top-level keys: {sorted(obj)[:12]})",
+            return tensors, path
+        nxt = next((k for k in NEST_KEYS if isinstance(obj.get(k), dict)), None)
+        if nxt is None:
+            raise InputError(source, "/".join(path) or "top level",
+                             f"no drafter state dict found (keys: {sorted(map(str, obj))[:12]})",
                              f"save the drafter weights under one of {list(NEST_KEYS)} or at the top level")
+        obj = obj[nxt]
+        path.append(nxt)
 
 
-def load_checkpoint(path, drafter_config=None) -> LoadedCheckpoint:
-    """Read a checkpoint file/folder. Formats: torch ``.pt``/``.bin`` dict (nested, prefixed),
-    z-lab/HF folder (``config.json`` + ``model.safetensors``).
+def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCheckpoint:
+    """A loaded torch dict -> :class:`LoadedCheckpoint` (state dict, embedded config, step)."""
+    if not isinstance(obj, dict):
+        raise InputError(path, "top level", f"is a {type(obj).__name__}, not a dict",
+                         "save a state dict, or a dict holding one under 'model' / 'state_dict'")
+    state, nest = _find_state_dict(obj, path)
+    cfg_key = next((k for k in CONFIG_KEYS if isinstance(obj.get(k), dict)), None)
+    meta = {k: obj[k] for k in ("step", "global_step", "epoch", "random_init") if isinstance(obj.get(k), (int, float, str))}
+    step = meta.get("step", meta.get("global_step"))
+    meta["step"] = int(step) if isinstance(step, (int, float)) else parse_step(step_name)
+    return LoadedCheckpoint(path, fmt + (f"[{'/'.join(nest)}]" if nest else ""), _strip_prefixes(state, path),
+                            obj[cfg_key] if cfg_key else None, meta, f"{path} [{cfg_key}]" if cfg_key else None,
+                            [path.parent / "config.json"])
+
+
+# --------------------------------------------------------------------------- one loader per format
+def _load_hf_folder(path: Path, fmt: str = "hf-folder") -> LoadedCheckpoint:
+    state, notes = _read_safetensors_folder(path)
+    cfg_file = path / "config.json"
+    cfg = _read_json(cfg_file, "drafter config") if cfg_file.is_file() else None
+    source = path if (path / INDEX_FILE).is_file() else path / "model.safetensors"  # named in errors
+    return LoadedCheckpoint(source, fmt, _strip_prefixes(state, source), cfg, {"step": parse_step(path.name)},
+                            str(cfg_file) if cfg is not None else None, [], notes)
+
+
+def _load_specforge_legacy(path: Path) -> LoadedCheckpoint:
+    ck = _load_hf_folder(path, "specforge-legacy")
+    try:  # epoch/global_step/args(argparse.Namespace)/optimizer; only the counters are wanted
+        ts = _torch_load(path / STATE_FILE, allowed=(argparse.Namespace,))
+        step = ts.get("global_step") if isinstance(ts, dict) else None
+    except InputError as err:
+        ts, step = None, None
+        ck.notes.append(f"step taken from the folder name: {err.problem}")
+    if isinstance(step, int):
+        if ck.meta["step"] is not None and ck.meta["step"] != step:
+            ck.notes.append(f"{STATE_FILE} global_step {step} differs from the folder name's step {ck.meta['step']}")
+        ck.meta["step"] = step
+    if isinstance(ts, dict) and isinstance(ts.get("epoch"), int):
+        ck.meta["epoch"] = ts["epoch"]
+    return ck
+
+
+def _load_specforge(path: Path) -> LoadedCheckpoint:
+    file = path / STATE_FILE
+    obj = _torch_load(file)
+    if not isinstance(obj, dict) or not isinstance(obj.get("draft_state_dict"), dict):
+        keys = sorted(map(str, obj))[:12] if isinstance(obj, dict) else type(obj).__name__
+        raise InputError(file, "draft_state_dict", f"missing (found {keys}): not a SpecForge training_state.pt",
+                         "point at a SpecForge <run>-stepN folder, or export it with specforge's to_hf first")
+    ck = _from_torch_dict(obj, file, "specforge", path.name)
+    ck.format = "specforge"
+    ck.sidecars = [path / "config.json", path.parent / "config.json"]
+    return ck
+
+
+def _load_torch(path: Path) -> LoadedCheckpoint:
+    return _from_torch_dict(_torch_load(path), path, "torch-dict", path.stem)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` allowing only its metadata dataclasses, torch dtypes/sizes and paths."""
+
+    SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module: str, name: str):
+        ok = "." not in name and (
+            (module, name) in self.SAFE
+            or (module == "torch.distributed.checkpoint.metadata" and isinstance(super().find_class(module, name), type))
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not ok:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _load_dcp(path: Path) -> LoadedCheckpoint:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            file = path / ".metadata"
+            try:
+                with open(file, "rb") as fh:
+                    md = _DCPMetadataUnpickler(fh).load()
+            except pickle.UnpicklingError as err:
+                m = re.search(r"GLOBAL ([\w.]+)", str(err))
+                raise InputError(file, m.group(1) if m else None, f"DCP metadata needs a class outside the safe "
+                                 f"list ({err}); dflash-eval never runs pickled code", "re-save with torch.distributed.checkpoint") from None
+            except Exception as err:
+                raise InputError(file, None, f"unreadable DCP metadata: {err}", RESAVE) from None
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    reader = SafeReader(str(path))
+    md = reader.read_metadata()
+    planner = md.planner_data or {}
+    keys, skipped = set(), []
+    for fqn, item in md.state_dict_metadata.items():
+        leaf = planner.get(fqn, (fqn,))[-1]
+        if isinstance(item, TensorStorageMetadata) and PARAM_LEAF.search(str(leaf)):
+            keys.add(fqn)
+        else:
+            skipped.append(fqn)
+    if not keys:
+        raise InputError(path / ".metadata", None, f"no parameter tensors (entries: {sorted(md.state_dict_metadata)[:12]})",
+                         "save the drafter's model state dict with torch.distributed.checkpoint")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is unavailable ... single process": intended
+        try:
+            obj = _load_state_dict_from_keys(keys, storage_reader=reader)
+        except Exception as err:
+            raise InputError(path, None, f"cannot read the DCP shards: {err}", RESAVE) from None
+    state, nest = _find_state_dict(obj, path)
+    notes = [f"skipped {len(skipped)} non-parameter DCP entries (optimizer state, counters)"] if skipped else []
+    return LoadedCheckpoint(path, "dcp" + (f"[{'/'.join(nest)}]" if nest else ""), _strip_prefixes(state, path), None,
+                            {"step": parse_step(path.name)}, None, [path / "config.json", path.parent / "config.json"], notes)
+
+
+LOADERS = {
+    "hf-folder": _load_hf_folder,
+    "hf-folder-sharded": lambda p: _load_hf_folder(p, "hf-folder-sharded"),
+    "specforge-legacy": _load_specforge_legacy,
+    "specforge": _load_specforge,
+    "torch-dict": _load_torch,
+    "dcp": _load_dcp,
+}
+
+
+def load_checkpoint(path) -> LoadedCheckpoint:
+    """Detect the format of ``path`` (:func:`detect_format`) and read it with that format's loader.
+
+    Returns:
+        a :class:`LoadedCheckpoint`; ``state`` tensors keep their stored dtype (CPU).
 
     Raises:
-        InputError: unreadable file, not a dict, unknown pickled classes (loaded with
-            ``weights_only=True``), or no drafter keys.
+        InputError: unsupported or unreadable input (see the module docstring).
     """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(path, None, "checkpoint not found", "fix the path in the checkpoints section of the config")
-    if path.is_dir():
-        from safetensors.torch import load_file
-
-        st = sorted(path.glob("*.safetensors"))
-        if not st:
-            raise InputError(path, None, "folder has no *.safetensors", "point at a z-lab/HF drafter folder")
-        state = {}
-        for f in st:
-            state.update(load_file(str(f)))
-        cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else None
-        return LoadedCheckpoint(path, "hf-folder", _strip_prefixes(state, path), cfg, {"step": parse_step(path.name)})
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # pickle errors come in many types
-        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}",
-                         "save plain tensors/dicts (no custom classes); dflash-eval never unpickles arbitrary code") from None
-    if not isinstance(obj, dict):
-        raise InputError(path, None, f"top level is a {type(obj).__name__}, not a dict", "save a state dict or a dict holding one")
-    state, nest = _find_state_dict(obj, path)
-    cfg = None
-    for key in ("draft_config", "config", "dflash_config_full"):
-        if isinstance(obj.get(key), dict):
-            cfg = obj[key]
-            break
-    meta = {k: obj[k] for k in ("step", "global_step", "epoch", "random_init") if k in obj and not isinstance(obj[k], torch.Tensor)}
-    if "step" not in meta and "global_step" in meta:
-        meta["step"] = meta["global_step"]
-    meta.setdefault("step", parse_step(path.stem))
-    fmt = "torch-dict" + (f"[{'/'.join(nest)}]" if nest else "")
-    return LoadedCheckpoint(path, fmt, _strip_prefixes(state, path), cfg, meta)
+    fmt, path = detect_format(path)
+    ck = LOADERS[fmt](path)
+    log.info("%s: detected format %s (%s)", path, ck.format, FORMATS[fmt])
+    return ck
 
 
-def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[DrafterConfig, str]:
-    cfg, src = ck.config, f"{ck.path} (embedded config)"
-    if cfg is None and drafter_config:
-        cfg, src = json.loads(Path(drafter_config).read_text()), str(drafter_config)
-    if cfg is None:
-        side = (ck.path if ck.path.is_dir() else ck.path.parent) / "config.json"
-        if side.exists():
-            cfg, src = json.loads(side.read_text()), str(side)
-    if cfg is None:
-        raise InputError(ck.path, "config", "no drafter config found (embedded, sidecar config.json or --drafter-config)",
-                         "give the checkpoint entry a drafter_config: path/to/config.json")
-    return DrafterConfig.from_dict(cfg, source=src, overrides=overrides), src
+def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[DrafterConfig, str, list[str]]:
+    """``--drafter-config`` > the checkpoint's own config > the first existing sidecar ``config.json``."""
+    notes = []
+    if drafter_config:
+        cfg, src = _read_json(Path(drafter_config), "drafter config"), str(drafter_config)
+        if ck.config is not None and ck.config != cfg:
+            notes.append(f"--drafter-config {src} replaces the checkpoint's own config ({ck.config_source})")
+    elif ck.config is not None:
+        cfg, src = ck.config, ck.config_source
+    else:
+        side = next((p for p in ck.sidecars if p.is_file()), None)
+        if side is None:
+            raise InputError(ck.path, "config.json", "no drafter config: none in the checkpoint, none at "
+                             f"{[str(p) for p in ck.sidecars]}, no --drafter-config",
+                             "give the checkpoint entry a drafter_config: path/to/config.json")
+        cfg, src = _read_json(side, "drafter config"), str(side)
+    return DrafterConfig.from_dict(cfg, source=src, overrides=overrides), src, notes
+
+
+def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state: dict, allow_fp16: bool) -> None:
+    """fc width, exact key set and shapes, dtypes and finiteness of the drafter tensors."""
+    k, h = len(cfg.target_layer_ids), cfg.hidden_size
+    fc = state.get("fc.weight")
+    if fc is not None and fc.ndim == 2 and fc.shape[1] != k * h:
+        fused = f" (the weights fuse {fc.shape[1] // h} target layers)" if fc.shape[1] % h == 0 else ""
+        raise InputError(ck.path, "fc.weight", f"in_features {fc.shape[1]} != len(dflash_config.target_layer_ids) {k} x "
+                         f"hidden_size {h} = {k * h}{fused}; config {cfg_src}",
+                         "use the target_layer_ids the drafter was trained with (--override target_layer_ids=[...])")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    check_state_dict(state, model, str(ck.path))
+    for key, v in sorted(state.items()):
+        if not v.is_floating_point():
+            raise InputError(ck.path, key, f"dtype {v.dtype}: drafter weights are floating point", "check the checkpoint")
+        if v.dtype == torch.float16 and not allow_fp16:
+            raise InputError(ck.path, key, "fp16 drafter weights (acceptance collapses to ~0 in fp16: vLLM #55250, lmdeploy #4991)",
+                             "convert from the bf16/fp32 master weights, or pass --allow-fp16")
+        if not bool(torch.isfinite(v).all()):
+            raise InputError(ck.path, key, "contains NaN or Inf", "use an earlier checkpoint of the run")
 
 
 def strip_checkpoint(
@@ -170,24 +522,29 @@ def strip_checkpoint(
     """Checkpoint -> ``out_dir`` with ``config.json``, bf16 ``model.safetensors``, ``strip_info.json``.
 
     Args:
-        checkpoint: file or folder (format auto-detected, see :func:`load_checkpoint`).
-        out_dir: output folder (replaced atomically).
+        checkpoint: file or folder, format auto-detected (module docstring table).
+        out_dir: output folder (replaced atomically; untouched on any error).
         target_dir: target HF folder; when given, ``target_layer_ids`` must be < its layer count,
-            ``fc.in_features == len(target_layer_ids) * hidden_size``, ``mask_token_id`` a row of its
-            embedding, and shared ``embed_tokens``/``lm_head`` copies equal to its own.
-        drafter_config: config.json for checkpoints without one.
-        overrides: ``dflash_config`` fields the checkpoint lacks (``target_layer_ids``, ...).
+            ``hidden_size`` equal, ``mask_token_id`` a row of its embedding, and shared
+            ``embed_tokens``/``lm_head`` copies equal to its own. Without it the config's own
+            ``num_target_layers`` / ``vocab_size`` bound the ids.
+        drafter_config: config.json replacing the checkpoint's own (or supplying a missing one).
+        overrides: ``dflash_config`` fields (``target_layer_ids``, ``mask_token_id``, ``block_size``).
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
+
+    Returns:
+        ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
+        values, so bf16 sources are copied bit for bit).
 
     Raises:
         InputError: with the file, key and fix, for every validation failure; nothing is written.
     """
     from safetensors.torch import save_file
 
-    ck = load_checkpoint(checkpoint, drafter_config)
-    cfg, cfg_src = _resolve_config(ck, drafter_config, overrides)
-    notes = list(cfg.notes)
+    ck = load_checkpoint(checkpoint)
+    cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)
+    notes = ck.notes + cfg_notes + list(cfg.notes)
     state = dict(ck.state)
     shared = {k: state.pop(k) for k in list(state) if k in SHARED_KEYS}
     buffers = [k for k in list(state) if IGNORABLE_BUFFERS.search(k)]
@@ -195,17 +552,21 @@ def strip_checkpoint(
         state.pop(k)
     if buffers:
         notes.append(f"dropped non-persistent rotary buffers {buffers}")
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
-    check_state_dict(state, model, str(ck.path))
-    dtypes = {v.dtype for v in state.values()}
-    if torch.float16 in dtypes and not allow_fp16:
-        raise InputError(ck.path, "dtype", "fp16 drafter weights (acceptance collapses to ~0 in fp16: vLLM #55250)",
-                         "convert from the bf16/fp32 master weights, or pass --allow-fp16")
+    _check_weights(ck, cfg, cfg_src, state, allow_fp16)
     if target_dir is not None:
         _check_against_target(ck, cfg, shared, target_dir, allow_shared_mismatch, notes)
-    elif shared:
-        notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
+    else:
+        n_target = cfg.raw.get("num_target_layers")
+        bad = [i for i in cfg.target_layer_ids if isinstance(n_target, int) and i >= n_target]
+        if bad:
+            raise InputError(cfg_src, "dflash_config.target_layer_ids", f"{bad} out of range for num_target_layers {n_target}",
+                             "use the layer ids the drafter was trained with (0-based target decoder layers)")
+        if cfg.mask_token_id >= cfg.vocab_size:
+            raise InputError(cfg_src, "dflash_config.mask_token_id", f"{cfg.mask_token_id} >= vocab_size {cfg.vocab_size}",
+                             "use the mask token id the drafter was trained with")
+        if shared:
+            notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
+    fmt = ck.format + ("+shared" if shared else "")
     out_state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
     config_out = dict(cfg.raw)
     dcfg = dict(config_out.get("dflash_config") or {})
@@ -214,15 +575,15 @@ def strip_checkpoint(
     config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level
     config_out.setdefault("architectures", ["DFlashDraftModel"])
     config_out.setdefault("model_type", "qwen3")
-    config_out["torch_dtype"] = "bfloat16"
+    config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"
     info = {
-        "source": str(ck.path),
-        "format": ck.format,
+        "source": str(checkpoint),
+        "format": fmt,
         "config_source": cfg_src,
         "step": ck.meta.get("step"),
         "random_init": bool(ck.meta.get("random_init", False)),
         "dropped_shared": sorted(shared),
-        "source_dtypes": sorted(str(d).replace("torch.", "") for d in dtypes),
+        "source_dtypes": sorted({str(v.dtype).replace("torch.", "") for v in state.values()}),
         "notes": notes,
     }
     for note in notes:
@@ -231,33 +592,37 @@ def strip_checkpoint(
         save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2, sort_keys=True))
         (tmp / "strip_info.json").write_text(json.dumps(info, indent=2))
-    log.info("stripped %s (%s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, ck.format, info["step"], out_dir,
+    log.info("stripped %s (format %s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, fmt, info["step"], out_dir,
              len(out_state), sum(v.numel() for v in out_state.values()) * 2 / 1e6)
     return Path(out_dir)
 
 
 def _check_against_target(ck, cfg: DrafterConfig, shared, target_dir, allow_shared_mismatch, notes) -> None:
+    """Layer ids, hidden size and mask token against the target; shared tensors against its own."""
     from .target import load_embed_and_head
 
-    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
-    tcfg = tcfg.get("text_config", tcfg) if "text_config" in tcfg else tcfg
+    tcfg = _read_json(Path(target_dir) / "config.json", "target config")
+    tcfg = tcfg.get("text_config", tcfg)
     n_layers, hidden = int(tcfg["num_hidden_layers"]), int(tcfg["hidden_size"])
     bad = [i for i in cfg.target_layer_ids if i >= n_layers]
     if bad:
         raise InputError(ck.path, "dflash_config.target_layer_ids", f"{bad} out of range for the {n_layers}-layer target {target_dir}",
                          "use the layer ids the drafter was trained with (0-based decoder layers)")
+    claimed = cfg.raw.get("num_target_layers")
+    if isinstance(claimed, int) and claimed != n_layers:
+        notes.append(f"config num_target_layers {claimed} != the target's {n_layers} layers (ids checked against the target)")
     if cfg.hidden_size != hidden:
         raise InputError(ck.path, "hidden_size", f"drafter {cfg.hidden_size} != target {hidden}", "evaluate against the right target")
     embed, head = load_embed_and_head(target_dir)
     if not 0 <= cfg.mask_token_id < embed.shape[0]:
         raise InputError(ck.path, "dflash_config.mask_token_id", f"{cfg.mask_token_id} is not a row of the target embedding ({embed.shape[0]} rows)",
                          "use the mask token id the drafter was trained with")
-    for key, tensor in shared.items():
+    for key, tensor in sorted(shared.items()):
         ref = embed if SHARED_KEYS[key] == "embed" else head
         same = tuple(tensor.shape) == tuple(ref.shape) and torch.equal(tensor.to(ref.dtype), ref)
         if not same:
             close = tuple(tensor.shape) == tuple(ref.shape) and torch.allclose(tensor.float(), ref.float(), rtol=1e-2, atol=1e-3)
-            msg = f"shared tensor differs from the target's {'(close: dtype rounding?)' if close else ''}".strip()
+            msg = f"shared tensor differs from the target's{' (close: dtype rounding?)' if close else ''}"
             if not allow_shared_mismatch:
                 raise InputError(ck.path, key, f"{msg}: checkpoint {tuple(tensor.shape)} vs target {tuple(ref.shape)} ({target_dir}) — "
                                  "a different target", "evaluate against the target it was trained with, or pass --allow-shared-mismatch")

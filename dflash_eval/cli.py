@@ -81,13 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="HDF5 cache path (written to a temp file, then renamed)")
 
     p = sub.add_parser("strip", help="training checkpoint -> stripped bf16 drafter folder (config.json + model.safetensors)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint file or folder (format auto-detected)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint file or folder, format auto-detected: z-lab/HF folder (config.json + "
+                        "model.safetensors, or sharded with model.safetensors.index.json), SpecForge epoch_E_step_S/ "
+                        "or <run>-stepN/ (training_state.pt), torch .pt/.pth/.bin state dict (nested/prefixed), "
+                        "torch.distributed.checkpoint folder (.metadata + *.distcp); see dflash_eval/checkpoints.py")
     p.add_argument("--target", default=None, help="target HF folder, to validate layer ids, fc width, mask token and "
                                                   "shared embed_tokens/lm_head copies")
-    p.add_argument("--drafter-config", default=None, help="config.json to use when the checkpoint carries none")
+    p.add_argument("--drafter-config", default=None,
+                   help="drafter config.json; replaces the checkpoint's own (noted in strip_info.json), or supplies "
+                        "one where the checkpoint has none (SpecForge <run>-stepN, DCP)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
-                   help="set a dflash_config field the checkpoint lacks, e.g. target_layer_ids=[1,9,17]")
-    p.add_argument("--allow-fp16", action="store_true", help="accept fp16 weights (known to collapse acceptance)")
+                   help="set a dflash_config field (target_layer_ids, mask_token_id, block_size), e.g. "
+                        "target_layer_ids=[1,9,17]; a value differing from the checkpoint's is noted")
+    p.add_argument("--allow-fp16", action="store_true",
+                   help="accept fp16 weights (known to collapse acceptance: vLLM #55250); the output is bf16 anyway")
     p.add_argument("--allow-shared-mismatch", action="store_true",
                    help="accept embed_tokens/lm_head copies that differ from the target's")
     p.add_argument("--out-dir", required=True)
@@ -204,9 +212,12 @@ def _dispatch(args) -> int | None:
         overrides = {}
         for item in args.override:
             key, _, val = item.partition("=")
-            if not key or not val:
+            try:
+                overrides[key] = json.loads(val)
+            except ValueError:
+                key = ""
+            if not key:
                 raise InputError(None, "--override", f"expected KEY=JSON, got {item!r}", "e.g. --override target_layer_ids=[1,9,17]")
-            overrides[key] = json.loads(val)
         strip_checkpoint(args.checkpoint, args.out_dir, target_dir=args.target, drafter_config=args.drafter_config,
                          overrides=overrides, allow_fp16=args.allow_fp16,
                          allow_shared_mismatch=args.allow_shared_mismatch)

@@ -22,7 +22,11 @@ positions ``start .. start+B-1``:
 4. Attention mask: full-attention layers see every committed context position
    ``< start`` and all block tokens bidirectionally; ``sliding_attention``
    layers (newer reference code, ``dflash==0.1.0``) are causal within the block
-   and see only keys with ``query_pos - key_pos < sliding_window``.
+   and see only keys with ``query_pos - key_pos < sliding_window`` (absolute
+   positions, so the window slides over the context as decoding advances).
+   A top-level ``is_causal`` overrides causality for every layer, as in the
+   reference ``Qwen3DFlashAttention``; a non-causal windowed layer also hides
+   keys with ``key_pos - query_pos >= sliding_window``.
 5. Final ``norm``; logits = ``target.lm_head(norm(h))`` (times
    ``output_multiplier``, optional tanh softcap).
 
@@ -61,6 +65,8 @@ UNSUPPORTED_DFLASH_KEYS = (
     "selector_top_k",
     "attention_sink_bias",
 )
+# Variant switches (sglang / MiMo-style drafts) that change the maths only when set to a true value.
+UNSUPPORTED_DFLASH_SWITCHES = ("use_swa", "causal")
 # Target-only fields that must not leak into the drafter (speculators #613/#738).
 IGNORED_TARGET_FIELDS = ("partial_rotary_factor",)
 
@@ -72,6 +78,9 @@ class DrafterConfig:
     ``block_size``, ``mask_token_id`` and ``target_layer_ids`` are read from
     ``dflash_config`` first, then from the top level (older checkpoints), as
     ``dflash==0.1.0`` ``_draft_value`` does. They are never recomputed.
+    ``sliding_window`` is set only for configs with ``sliding_attention`` layers
+    (which require ``use_sliding_window: true``); ``is_causal`` is the optional
+    top-level override of every layer's causality (reference semantics).
     """
 
     hidden_size: int
@@ -92,6 +101,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    is_causal: bool | None = None
     raw: dict = field(default_factory=dict, repr=False)
     notes: list[str] = field(default_factory=list, repr=False)
 
@@ -120,13 +130,14 @@ class DrafterConfig:
         dcfg = cfg.get("dflash_config") or {}
         notes: list[str] = []
 
-        for key in UNSUPPORTED_DFLASH_KEYS:
-            if key in dcfg or key in cfg:
-                raise InputError(
-                    source, f"dflash_config.{key}",
-                    "this is a DFlash-2 / attention-sink drafter, which dflash-eval does not implement",
-                    "evaluate it with the reference dflash package, or file an issue with the checkpoint layout",
-                )
+        unsupported = [k for k in UNSUPPORTED_DFLASH_KEYS if k in dcfg or k in cfg]
+        unsupported += [k for k in UNSUPPORTED_DFLASH_SWITCHES if dcfg.get(k) or cfg.get(k)]
+        for key in unsupported:
+            raise InputError(
+                source, f"dflash_config.{key}",
+                "this is a DFlash-2 / attention-sink / SWA-variant drafter, which dflash-eval does not implement",
+                "evaluate it with the reference dflash package, or file an issue with the checkpoint layout",
+            )
         for key in IGNORED_TARGET_FIELDS:
             rp = cfg.get("rope_parameters") or {}
             if key in cfg or (isinstance(rp, dict) and key in rp):
@@ -139,6 +150,9 @@ class DrafterConfig:
 
         def pick(name: str, required: bool = True, default: Any = None):
             if name in overrides and overrides[name] is not None:
+                stored = dcfg.get(name, cfg.get(name))
+                if stored is not None and stored != overrides[name]:
+                    notes.append(f"override {name}={overrides[name]!r} replaces the checkpoint's {stored!r}")
                 return overrides[name]
             if name in dcfg:
                 return dcfg[name]
@@ -149,19 +163,23 @@ class DrafterConfig:
                     source, f"dflash_config.{name}",
                     "missing (dflash-eval never guesses it: the build_target_layer_ids fallback "
                     "loads wrong layers silently, z-lab/dflash #156)",
-                    f"add dflash_config.{name} to the checkpoint config, or set it in the "
-                    f"checkpoint entry of the workflow config (drafter_overrides.{name})",
+                    f"add dflash_config.{name} to the checkpoint config, or set it in the checkpoint "
+                    f"entry of the workflow config (overrides: {{{name}: ...}}; CLI: strip --override {name}=...)",
                 )
             return default
 
-        def need(name: str):
-            if name not in cfg:
+        def need(name: str, default: Any = None) -> int:
+            value = cfg.get(name)
+            value = default if value is None else value
+            if value is None:
                 raise InputError(source, name, "missing", f"add '{name}' to the drafter config.json")
-            return cfg[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(source, name, f"must be a positive integer, got {value!r}", f"fix '{name}'")
+            return value
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        n_layers = int(need("num_hidden_layers"))
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        n_layers = need("num_hidden_layers")
         layer_types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
         if len(layer_types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
             raise InputError(
@@ -169,14 +187,31 @@ class DrafterConfig:
                 f"expected {n_layers} entries of 'full_attention'/'sliding_attention', got {layer_types}",
                 "fix layer_types or num_hidden_layers",
             )
-        sliding = cfg.get("sliding_window")
-        if "sliding_attention" in layer_types and not sliding:
-            raise InputError(source, "sliding_window", "sliding_attention layers need a window", "set sliding_window")
-        if cfg.get("use_sliding_window") is False and "sliding_attention" in layer_types:
-            notes.append("use_sliding_window=false but layer_types has sliding_attention: layer_types wins (reference)")
+        sliding = None
+        if "sliding_attention" in layer_types:
+            # transformers' Qwen3Config drops sliding_window unless use_sliding_window is true (so the
+            # reference then applies no window), while SpecForge refuses such a config: ambiguous, refuse.
+            if cfg.get("use_sliding_window") is not True:
+                raise InputError(
+                    source, "use_sliding_window",
+                    f"layer_types has sliding_attention but use_sliding_window is {cfg.get('use_sliding_window')!r} "
+                    "(the reference then applies no window; SpecForge refuses to train such a config)",
+                    "set use_sliding_window: true and sliding_window to the trained window, or make every "
+                    "layer full_attention (pass the corrected config with --drafter-config)",
+                )
+            sliding = need("sliding_window")
+        is_causal = cfg.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise InputError(source, "is_causal", f"must be true/false, got {is_causal!r}", "fix is_causal")
+        if is_causal is not None:
+            notes.append(f"is_causal={is_causal} applies to every layer (reference Qwen3DFlashAttention)")
         tli = pick("target_layer_ids")
         if not isinstance(tli, (list, tuple)) or not tli or not all(isinstance(i, int) and i >= 0 for i in tli):
             raise InputError(source, "dflash_config.target_layer_ids", f"must be a non-empty list of layer indices, got {tli!r}", "fix the list")
+        block_size, mask_token_id = pick("block_size"), pick("mask_token_id")
+        for name, value, low in (("block_size", block_size, 2), ("mask_token_id", mask_token_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(source, f"dflash_config.{name}", f"must be an integer >= {low}, got {value!r}", f"fix {name}")
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise InputError(source, "hidden_act", f"'{act}' not supported (DFlash drafters use silu)", "use silu")
@@ -185,21 +220,22 @@ class DrafterConfig:
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
+            num_key_value_heads=need("num_key_value_heads", heads),
+            head_dim=need("head_dim", hidden // heads),
+            intermediate_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
             target_layer_ids=[int(i) for i in tli],
-            block_size=int(pick("block_size")),
-            mask_token_id=int(pick("mask_token_id")),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=act,
             layer_types=layer_types,
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=sliding,
             input_embedding_scale=float(pick("input_embedding_scale", required=False, default=1.0)),
             output_multiplier=float(pick("output_multiplier", required=False, default=1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            is_causal=is_causal,
             raw=cfg,
             notes=notes,
         )
@@ -268,6 +304,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.sliding = cfg.layer_types[layer_idx] == "sliding_attention"
         self.window = cfg.sliding_window if self.sliding else None
+        self.causal = self.sliding if cfg.is_causal is None else cfg.is_causal
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of ``x`` ``[N, L, H]``: ``k = rope(k_norm(k_proj x))``, ``v = v_proj x``; each ``[N, n_kv, L, hd]``."""
@@ -372,22 +409,34 @@ class DFlashDrafter(nn.Module):
         h = noise_embedding
         for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
             attn = layer.self_attn
-            h = h + attn(layer.input_layernorm(h), cos, sin, k_ctx, v_ctx, masks[attn.window])
+            h = h + attn(layer.input_layernorm(h), cos, sin, k_ctx, v_ctx, masks[attn.causal, attn.window])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def _masks(self, block_positions, ctx_positions, ctx_valid, block_valid) -> dict:
-        """Boolean masks ``[N, B, Tc+B]`` keyed by window (None = full attention)."""
+        """Boolean masks ``[N, B, Tc+B]`` (True = visible) keyed by ``(causal, window)`` of each layer.
+
+        ``(False, None)`` is the plain DFlash mask: committed context + the whole block. Causal
+        layers also need ``key_pos <= query_pos``; windowed layers ``query_pos - key_pos < window``
+        (and ``key_pos - query_pos < window`` when not causal), on absolute positions, as the
+        reference ``_attention_mask`` computes them on its cache (whose index is the position).
+        """
         b = block_positions.shape[1]
         full = torch.cat([ctx_valid[:, None, :].expand(-1, b, -1), block_valid[:, None, :].expand(-1, b, -1)], dim=2)
-        masks = {None: full}
-        windows = {layer.self_attn.window for layer in self.layers if layer.self_attn.sliding}
-        if windows:
-            key_pos = torch.cat([ctx_positions, block_positions], dim=1)  # [N, Tc+B]
-            dist = block_positions[:, :, None] - key_pos[:, None, :]  # query_pos - key_pos
-            causal = dist >= 0
-            for w in windows:
-                masks[w] = full & causal & (dist < w)
+        kinds = {(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers}
+        masks = {}
+        dist = None
+        for causal, window in kinds:
+            if not causal and window is None:
+                masks[causal, window] = full
+                continue
+            if dist is None:
+                key_pos = torch.cat([ctx_positions, block_positions], dim=1)  # [N, Tc+B]
+                dist = block_positions[:, :, None] - key_pos[:, None, :]  # query_pos - key_pos
+            m = full & (dist >= 0) if causal else full
+            if window is not None:
+                m = m & (dist < window) if causal else m & (dist < window) & (-dist < window)
+            masks[causal, window] = m
         return masks
 
     # -- logits ----------------------------------------------------------------
@@ -450,15 +499,19 @@ def check_state_dict(state: dict[str, torch.Tensor], model: DFlashDrafter, sourc
         if tuple(state[k].shape) != tuple(ref[k].shape)
     )
     if missing or unexpected or bad_shape:
+        first = (missing or unexpected or [b.split(":")[0] for b in bad_shape])[0]
+        def listed(keys: list[str], limit: int = 40) -> str:
+            return f"{keys}" if len(keys) <= limit else f"{keys[:limit]} ... ({len(keys)} in all)"
+
         parts = []
         if missing:
-            parts.append(f"missing keys {missing}")
+            parts.append(f"missing keys {listed(missing)}")
         if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
+            parts.append(f"unexpected keys {listed(unexpected)}")
         if bad_shape:
-            parts.append(f"shape mismatches {bad_shape}")
+            parts.append(f"shape mismatches {listed(bad_shape)}")
         raise InputError(
-            source, "state_dict", "; ".join(parts),
+            source, first, "; ".join(parts),
             "check that config.json belongs to these weights (num_hidden_layers, hidden_size, "
             "len(target_layer_ids) x hidden_size for fc) and that the checkpoint is a DFlash drafter",
         )

@@ -1,0 +1,458 @@
+"""Checkpoint formats -> strip -> bit-exact bf16 drafter; every bad input is refused with file + key, nothing written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_eval.checkpoints import FORMATS, detect_format, strip_checkpoint
+from dflash_eval.drafter import load_drafter
+from dflash_eval.errors import InputError
+from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
+
+
+# --------------------------------------------------------------------------- writers, one per format
+def write_hf(folder: Path, cfg: dict, state: dict, shards: int = 1) -> Path:
+    """z-lab / HF folder; ``shards > 1`` writes ``model-0000i-of-0000n.safetensors`` + the index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if shards == 1:
+        save_file(state, str(folder / "model.safetensors"))
+        return folder
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[i::shards]}
+        save_file(part, str(folder / name))
+        weight_map.update({k: name for k in part})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def write_specforge_legacy(root: Path, cfg: dict, state: dict) -> Path:
+    """``epoch_1_step_300/``: save_pretrained output + training_state.pt with an argparse.Namespace, as SpecForge did."""
+    folder = write_hf(root / "epoch_1_step_300", cfg, state)
+    opt = {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-4, "params": [0]}]}
+    torch.save({"epoch": 1, "global_step": 301, "args": argparse.Namespace(learning_rate=6e-4), **opt},
+               folder / "training_state.pt")
+    return folder
+
+
+def write_specforge(root: Path, cfg: dict, state: dict) -> Path:
+    """``<run>/<run>-step1200/training_state.pt`` with draft_state_dict; the config sits in the run folder."""
+    step_dir = root / "run" / "run-step1200"
+    step_dir.mkdir(parents=True)
+    (root / "run" / "config.json").write_text(json.dumps(cfg))
+    torch.save({"draft_state_dict": state, "global_step": 1200, "epoch": 2, "strategy": "dflash", "run_id": "run",
+                "world_size": 1}, step_dir / "training_state.pt")
+    return step_dir
+
+
+def write_dcp(root: Path, cfg: dict, state: dict) -> Path:
+    """torch.distributed.checkpoint folder (single process), with optimizer moments and a counter beside the model."""
+    import torch.distributed.checkpoint as dcp
+
+    (root / "config.json").write_text(json.dumps(cfg))
+    sd = {"model": {f"draft_model.{k}": v.clone() for k, v in state.items()},
+          "optimizer": {"state": {k: {"exp_avg": torch.zeros_like(v)} for k, v in list(state.items())[:3]}},
+          "step": 7}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(root / "global_step_700"))
+    return root / "global_step_700"
+
+
+NESTINGS = [  # (container, key prefix, file name)
+    (None, "", "flat.pt"),
+    ("model", "module.", "ckpt_step500.pt"),
+    ("state_dict", "_orig_mod.draft_model.", "iter_500.pth"),
+    ("module", "model.", "pytorch_model.bin"),
+    ("draft_model", "", "draft.pt"),
+]
+
+
+def write_torch(root: Path, cfg: dict, state: dict, container, prefix: str, name: str) -> Path:
+    inner = {prefix + k: v for k, v in state.items()}
+    obj = inner if container is None else {container: inner, "step": 500, "draft_config": cfg,
+                                            "optimizer": {"state": {}, "param_groups": []}}
+    if container is None:
+        (root / "config.json").write_text(json.dumps(cfg))  # sidecar
+    torch.save(obj, root / name)
+    return root / name
+
+
+# --------------------------------------------------------------------------- helpers
+def assert_bf16_equal(out_dir: Path, source: dict) -> None:
+    """Stripped tensors == source tensors cast to bf16, bit for bit, and nothing else."""
+    out = load_file(str(out_dir / "model.safetensors"))
+    assert sorted(out) == sorted(source)
+    for k, v in source.items():
+        assert out[k].dtype == torch.bfloat16
+        assert torch.equal(out[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
+
+
+def assert_refused(exc: pytest.ExceptionInfo, file, key: str, out: Path) -> None:
+    """The error names the file and the key, and no output (or temp folder) was left behind."""
+    msg = str(exc.value)
+    assert str(file) in msg, msg
+    assert key in msg, msg
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+@pytest.fixture
+def cfg():
+    return tiny_config()
+
+
+@pytest.fixture
+def state(cfg):
+    return random_state(cfg, seed=1)
+
+
+# --------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_hf_folder_round_trip(tmp_path, cfg, shards, dtype):
+    src = random_state(cfg, seed=2, dtype=dtype)
+    folder = write_hf(tmp_path / "step_40", cfg, src, shards=shards)
+    fmt = "hf-folder" if shards == 1 else "hf-folder-sharded"
+    assert detect_format(folder)[0] == fmt
+    out = strip_checkpoint(folder, tmp_path / "out")
+    assert_bf16_equal(out, src)
+    info = json.loads((out / "strip_info.json").read_text())
+    assert (info["format"], info["step"]) == (fmt, 40)
+    assert info["source_dtypes"] == [str(dtype).replace("torch.", "")]
+    model = load_drafter(out)
+    assert model.cfg.target_layer_ids == LAYER_IDS and model.cfg.mask_token_id == MASK_ID
+
+
+def test_specforge_legacy_round_trip(tmp_path, cfg, state):
+    folder = write_specforge_legacy(tmp_path, cfg, state)
+    for given in (folder, folder / "training_state.pt"):
+        out = strip_checkpoint(given, tmp_path / "out")
+        assert_bf16_equal(out, state)
+        info = json.loads((out / "strip_info.json").read_text())
+        assert info["format"] == "specforge-legacy"
+        assert info["step"] == 301  # global_step of training_state.pt wins over the name (noted)
+        assert any("differs from the folder name's step 300" in n for n in info["notes"])
+
+
+def test_specforge_round_trip_config_from_run_folder(tmp_path, cfg, state):
+    step_dir = write_specforge(tmp_path, cfg, state)
+    for given in (step_dir, step_dir / "training_state.pt"):
+        out = strip_checkpoint(given, tmp_path / "out")
+        assert_bf16_equal(out, state)
+        info = json.loads((out / "strip_info.json").read_text())
+        assert (info["format"], info["step"]) == ("specforge", 1200)
+        assert info["config_source"] == str(tmp_path / "run" / "config.json")
+
+
+def test_specforge_drafter_config_option(tmp_path, cfg, state):
+    step_dir = write_specforge(tmp_path, cfg, state)
+    (tmp_path / "run" / "config.json").unlink()
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(step_dir, tmp_path / "out")
+    assert_refused(exc, step_dir / "training_state.pt", "config.json", tmp_path / "out")
+    user_cfg = tmp_path / "user_config.json"
+    user_cfg.write_text(json.dumps(cfg))
+    out = strip_checkpoint(step_dir, tmp_path / "out", drafter_config=user_cfg)
+    assert json.loads((out / "strip_info.json").read_text())["config_source"] == str(user_cfg)
+    assert_bf16_equal(out, state)
+
+
+@pytest.mark.parametrize("container,prefix,name", NESTINGS)
+def test_torch_dict_round_trip(tmp_path, cfg, state, container, prefix, name):
+    path = write_torch(tmp_path, cfg, state, container, prefix, name)
+    out = strip_checkpoint(path, tmp_path / "out")
+    assert_bf16_equal(out, state)
+    info = json.loads((out / "strip_info.json").read_text())
+    assert info["format"] == "torch-dict" + (f"[{container}]" if container else "")
+    assert info["step"] == 500 if container else info["step"] is None
+
+
+def test_dcp_round_trip(tmp_path, cfg, state):
+    folder = write_dcp(tmp_path, cfg, state)
+    assert detect_format(folder)[0] == "dcp"
+    out = strip_checkpoint(folder, tmp_path / "out")
+    assert_bf16_equal(out, state)
+    info = json.loads((out / "strip_info.json").read_text())
+    assert (info["format"], info["step"]) == ("dcp[model]", 700)
+    assert any("skipped 4 non-parameter DCP entries" in n for n in info["notes"])  # 3 exp_avg + step
+
+
+def test_custom_layout_with_target_tensors(tmp_path, cfg, state):
+    embed, head = write_target(tmp_path / "target")
+    full = {**state, "embed_tokens.weight": embed.float(), "lm_head.weight": head.clone(),
+            "verifier_lm_head.weight": head.clone()}
+    torch.save({"model": full, "draft_config": cfg}, tmp_path / "big.pt")
+    out = strip_checkpoint(tmp_path / "big.pt", tmp_path / "out", target_dir=tmp_path / "target")
+    assert_bf16_equal(out, state)
+    info = json.loads((out / "strip_info.json").read_text())
+    assert info["format"] == "torch-dict[model]+shared"
+    assert info["dropped_shared"] == ["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"]
+
+    other = dict(full, **{"lm_head.weight": head.flip(0)})  # a different target's head
+    torch.save({"model": other, "draft_config": cfg}, tmp_path / "other.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "other.pt", tmp_path / "out2", target_dir=tmp_path / "target")
+    assert_refused(exc, tmp_path / "other.pt", "lm_head.weight", tmp_path / "out2")
+    assert "different target" in str(exc.value)
+    out = strip_checkpoint(tmp_path / "other.pt", tmp_path / "out2", target_dir=tmp_path / "target",
+                           allow_shared_mismatch=True)
+    notes = json.loads((out / "strip_info.json").read_text())["notes"]
+    assert any(n.startswith("lm_head.weight: shared tensor differs") for n in notes)
+
+
+def test_partial_rotary_factor_ignored_with_note(tmp_path, cfg, state):
+    write_hf(tmp_path / "d", dict(cfg, partial_rotary_factor=0.25), state)
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    info = json.loads((out / "strip_info.json").read_text())
+    assert any("partial_rotary_factor" in n for n in info["notes"])
+    assert "partial_rotary_factor" not in json.loads((out / "config.json").read_text())
+
+
+def test_missing_target_layer_ids_needs_override(tmp_path, cfg, state):
+    bad = json.loads(json.dumps(cfg))
+    del bad["dflash_config"]["target_layer_ids"]
+    write_hf(tmp_path / "d", bad, state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", "dflash_config.target_layer_ids", tmp_path / "out")
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out", overrides={"target_layer_ids": LAYER_IDS})
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["target_layer_ids"] == LAYER_IDS
+
+
+def test_fp16_refused_unless_allowed(tmp_path, cfg):
+    src = random_state(cfg, seed=3, dtype=torch.float16)
+    write_hf(tmp_path / "d", cfg, src)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "fc.weight", tmp_path / "out")
+    assert "--allow-fp16" in str(exc.value)
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out", allow_fp16=True)
+    assert_bf16_equal(out, src)
+
+
+def test_failed_strip_keeps_previous_output(tmp_path, cfg, state):
+    write_hf(tmp_path / "good", cfg, state)
+    out = strip_checkpoint(tmp_path / "good", tmp_path / "out")
+    before = (out / "model.safetensors").read_bytes()
+    torch.save([1, 2], tmp_path / "bad.pt")
+    with pytest.raises(InputError):
+        strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+# --------------------------------------------------------------------------- bad input
+def test_truncated_safetensors(tmp_path, cfg, state):
+    folder = write_hf(tmp_path / "d", cfg, state)
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])  # the last tensor in the file loses its tail
+    header_len = int.from_bytes(data[:8], "little")
+    offsets = {k: v["data_offsets"] for k, v in json.loads(data[8:8 + header_len]).items() if k != "__metadata__"}
+    last = max(offsets, key=lambda k: offsets[k][1])
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(folder, tmp_path / "out")
+    assert_refused(exc, f, last, tmp_path / "out")
+    assert "truncated" in str(exc.value)
+
+    f.write_bytes(data[:5])
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(folder, tmp_path / "out")
+    assert_refused(exc, f, "header", tmp_path / "out")
+
+
+def test_sharded_index_names_missing_shard(tmp_path, cfg, state):
+    folder = write_hf(tmp_path / "d", cfg, state, shards=2)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    first = min(k for k, s in index.items() if s == "model-00002-of-00002.safetensors")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(folder, tmp_path / "out")
+    assert_refused(exc, folder / "model.safetensors.index.json", f"weight_map.{first}", tmp_path / "out")
+
+
+def test_pt_not_a_dict(tmp_path):
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "list.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "list.pt", "top level", tmp_path / "out")
+    assert "list, not a dict" in str(exc.value)
+
+
+class Opaque:
+    """A class a weights-only unpickler must refuse to import."""
+
+    def __init__(self):
+        self.x = 1
+
+
+def test_pickle_needing_unknown_class(tmp_path, cfg, state):
+    torch.save({"model": state, "draft_config": cfg, "trainer": Opaque()}, tmp_path / "p.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "p.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "p.pt", f"{__name__}.Opaque", tmp_path / "out")
+    assert "weights_only=True" in str(exc.value)
+
+
+def test_dcp_metadata_pickle_is_not_executed(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    (folder / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(folder, tmp_path / "out")
+    assert_refused(exc, folder / ".metadata", "system", tmp_path / "out")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_mismatched_shapes(tmp_path, cfg, state):
+    bad = dict(state, **{"layers.1.mlp.up_proj.weight": torch.zeros(96, 64)})
+    write_hf(tmp_path / "d", cfg, bad)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "layers.1.mlp.up_proj.weight", tmp_path / "out")
+    assert "checkpoint (96, 64) vs config (128, 64)" in str(exc.value)
+
+
+def test_fc_width_must_match_target_layer_ids(tmp_path, cfg, state):
+    write_hf(tmp_path / "d", dict(cfg, dflash_config=dict(cfg["dflash_config"], target_layer_ids=[1, 3])), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "fc.weight", tmp_path / "out")
+    assert "in_features 192 != len(dflash_config.target_layer_ids) 2 x hidden_size 64" in str(exc.value)
+    assert "fuse 3 target layers" in str(exc.value)
+
+
+def test_missing_and_unexpected_keys_all_listed(tmp_path, cfg, state):
+    bad = {k: v for k, v in state.items() if k != "norm.weight"}
+    bad["layers.0.self_attn.rel_bias.weight"] = torch.zeros(4)
+    write_hf(tmp_path / "d", cfg, bad)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "missing keys ['norm.weight']", tmp_path / "out")
+    assert "unexpected keys ['layers.0.self_attn.rel_bias.weight']" in str(exc.value)
+
+
+@pytest.mark.parametrize("field", ["intermediate_size", "hidden_size", "vocab_size"])
+def test_missing_config_field(tmp_path, cfg, state, field):
+    write_hf(tmp_path / "d", {k: v for k, v in cfg.items() if k != field}, state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", f"{field}: missing", tmp_path / "out")
+
+
+def test_duplicate_keys_after_prefix_stripping(tmp_path, cfg, state):
+    dup = {**state, "module.fc.weight": state["fc.weight"].clone()}
+    torch.save({"model": dup, "draft_config": cfg}, tmp_path / "dup.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "dup.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "dup.pt", "module.fc.weight", tmp_path / "out")
+    assert "both become 'fc.weight'" in str(exc.value)
+
+
+def test_layer_ids_beyond_target(tmp_path, cfg, state):
+    write_target(tmp_path / "target", layers=4)
+    write_hf(tmp_path / "d", cfg, state)
+    with pytest.raises(InputError) as exc:  # id 4 of [0, 2, 4] needs 5 target layers
+        strip_checkpoint(tmp_path / "d", tmp_path / "out", target_dir=tmp_path / "target")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "dflash_config.target_layer_ids", tmp_path / "out")
+    assert "[4] out of range for the 4-layer target" in str(exc.value)
+    write_hf(tmp_path / "e", dict(cfg, num_target_layers=4), state)  # no target: the config's own count
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "e", tmp_path / "out")
+    assert_refused(exc, tmp_path / "e" / "config.json", "dflash_config.target_layer_ids", tmp_path / "out")
+
+
+def test_mask_token_must_be_a_target_row(tmp_path, cfg, state):
+    write_target(tmp_path / "target", vocab=MASK_ID)  # rows 0..95, mask id 96
+    write_hf(tmp_path / "d", cfg, state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out", target_dir=tmp_path / "target")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "dflash_config.mask_token_id", tmp_path / "out")
+    write_hf(tmp_path / "e", dict(cfg, dflash_config=dict(cfg["dflash_config"], mask_token_id=VOCAB)), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "e", tmp_path / "out")
+    assert_refused(exc, tmp_path / "e" / "config.json", "dflash_config.mask_token_id", tmp_path / "out")
+
+
+def test_non_finite_weights(tmp_path, cfg, state):
+    bad = dict(state)
+    bad["layers.0.self_attn.q_proj.weight"] = bad["layers.0.self_attn.q_proj.weight"].clone()
+    bad["layers.0.self_attn.q_proj.weight"][3, 5] = float("nan")
+    write_hf(tmp_path / "d", cfg, bad)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "layers.0.self_attn.q_proj.weight", tmp_path / "out")
+
+
+def test_specforge_state_without_draft_state_dict(tmp_path, state):
+    (tmp_path / "run-step5").mkdir()
+    torch.save({"model": state, "global_step": 5}, tmp_path / "run-step5" / "training_state.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "run-step5", tmp_path / "out")
+    assert_refused(exc, tmp_path / "run-step5" / "training_state.pt", "draft_state_dict", tmp_path / "out")
+
+
+def test_sliding_layers_need_use_sliding_window(tmp_path):
+    cfg = tiny_config(sliding=True)
+    state = random_state(cfg)
+    write_hf(tmp_path / "d", dict(cfg, use_sliding_window=False), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", "use_sliding_window", tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["txt", "empty-folder", "safetensors-file"])
+def test_unsupported_input_lists_formats(tmp_path, kind):
+    path = {"txt": tmp_path / "notes.txt", "empty-folder": tmp_path / "empty",
+            "safetensors-file": tmp_path / "model.safetensors"}[kind]
+    if kind == "empty-folder":
+        path.mkdir()
+    else:
+        path.write_text("x")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(path, tmp_path / "out")
+    assert_refused(exc, path, "format", tmp_path / "out")
+    assert all(name in str(exc.value) for name in FORMATS)
+
+
+def test_cli_strip_reports_bad_override(tmp_path, cfg, state, capsys):
+    from dflash_eval.cli import main
+
+    write_hf(tmp_path / "d", cfg, state)
+    rc = main(["strip", "--checkpoint", str(tmp_path / "d"), "--out-dir", str(tmp_path / "out"),
+               "--override", "target_layer_ids=[1,2"])
+    assert rc == 2
+    assert "--override" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    rc = main(["strip", "--checkpoint", str(tmp_path / "d"), "--out-dir", str(tmp_path / "out"),
+               "--override", f"mask_token_id={MASK_ID - 1}"])
+    assert rc == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dflash_config"]["mask_token_id"] == MASK_ID - 1
+    notes = json.loads((tmp_path / "out" / "strip_info.json").read_text())["notes"]
+    assert f"override mask_token_id={MASK_ID - 1} replaces the checkpoint's {MASK_ID}" in notes
+
+
+@pytest.mark.parametrize("key,value", [("conv_kernel_size", 4), ("use_swa", True), ("attention_sink_bias", True)])
+def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
+    write_hf(tmp_path / "d", dict(cfg, dflash_config=dict(cfg["dflash_config"], **{key: value})), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", f"dflash_config.{key}", tmp_path / "out")
+
