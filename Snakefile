@@ -20,6 +20,7 @@ include: "rules/prompts.smk"
 include: "rules/completions.smk"
 include: "rules/cache.smk"
 include: "rules/drafters.smk"
+include: "rules/kernel_parity.smk"
 include: "rules/evaluate.smk"
 
 
@@ -29,4 +30,5 @@ rule all:
         expand("results/{run}/tau.csv", run=RUN),
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
+        KERNEL_PARITY_ALL,
     localrule: True

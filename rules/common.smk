@@ -424,6 +424,12 @@ def all_caches(wildcards):
     ]
 
 
+def report_extra_args(wildcards, input):
+    """`--extra <json>...` for the report's optional sections (kernel parity), or nothing."""
+    files = list(input.extra) if "extra" in input.keys() else []
+    return " ".join(["--extra", *map(shlex.quote, files)]) if files else ""
+
+
 def _alternatives(values):
     return "|".join(re.escape(v) for v in values)
 

@@ -61,6 +61,7 @@ rule report:
         summary="results/{run}/tau.csv",
         evals=all_evaluations,
         caches=all_caches,
+        extra=KERNEL_PARITY_ALL,
     output:
         "results/{run}/report.md",
     log:
@@ -70,7 +71,9 @@ rule report:
         "../envs/cpu.yaml"
     container:
         config["containers"]["cuda"]
+    params:
+        extra=report_extra_args,
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
         " --out {output:q} > {log:q} 2>&1"

@@ -156,6 +156,24 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
                     "report", "demo-checkpoint"}
 
 
+def test_dry_run_kernel_parity_wiring(tmp_path):
+    """kernel_parity.enabled adds the parity job; the report takes its JSON via --extra."""
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "kp.yaml").write_text("kernel_parity: {enabled: true, checkpoints: [dflash-smollm2-b16-step100]}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "kp.yaml").stdout
+    assert job_counts(out) == {**DEMO_JOBS, "kernel_parity": 1}
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    cmds = {parser.parse_args(dflash_eval_argv(c)).cmd: parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)}
+    assert cmds["report"].extra == ["results/demo/kernel_parity.json"]
+    assert cmds["kernel-parity"].drafter == ["results/demo/drafters/dflash-smollm2-b16-step100"]
+    # Disabled (the default): no parity job and no --extra.
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
+    report = next(c for c in shell_commands(out) if " report " in c)
+    assert "--extra" not in report
+
+
 def _write_config(wd: Path, cfg: dict) -> None:
     (wd / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
