@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-fracs", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
                    help="extra checkpoints at these fractions of the time budget (or of max-steps without one)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init-from", default=None, help="training checkpoint (.pt) to start from")
     p.add_argument("--device", default="auto")
 
     p = sub.add_parser("demo-checkpoint", help="write a training-style .pt checkpoint for the demo")
@@ -244,7 +245,8 @@ def _dispatch(args) -> int | None:
             block_size=args.block_size, num_layers=args.num_layers, intermediate_size=args.intermediate_size or None,
             target_layer_ids=args.layer_ids, mask_token_id=args.mask_token_id, seqs_per_step=args.seqs_per_step,
             anchors=args.anchors, max_len=args.max_len, lr=args.lr, max_steps=args.max_steps,
-            time_budget_s=args.time_budget_s, save_steps=args.save_steps, save_fracs=args.save_fracs, seed=args.seed),
+            time_budget_s=args.time_budget_s, save_steps=args.save_steps, save_fracs=args.save_fracs, seed=args.seed,
+            init_from=args.init_from),
             device=args.device)
     elif cmd == "demo-checkpoint":
         from .checkpoints import write_demo_checkpoint

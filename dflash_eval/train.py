@@ -69,6 +69,8 @@ class TrainConfig:
     save_fracs: list[float] = field(default_factory=list)  # extra checkpoints at fractions of max_steps/budget
     log_every: int = 50
     seed: int = 0
+    init_from: str | None = None  # training checkpoint to start from (weights only)
+    step_offset: int = 0  # step number of init_from, so saved checkpoints keep counting
 
 
 def pick_mask_token(tokenizer, data: list[list[int]]) -> int:
@@ -195,6 +197,12 @@ def train(
         for name, p in drafter.named_parameters():
             if p.ndim == 2:
                 torch.nn.init.normal_(p, std=0.02)
+        # the drafter's states go through the target's LM head: start from the target's final-norm scale
+        drafter.norm.weight.copy_(target.get_decoder().norm.weight.float())
+        if cfg.init_from:
+            init = torch.load(cfg.init_from, map_location="cpu", weights_only=True)["model"]
+            drafter.load_state_dict({k: v for k, v in init.items() if k not in ("embed_tokens.weight", "lm_head.weight")})
+            log.info("initialised from %s", cfg.init_from)
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     gamma = cfg.gamma or DEFAULT_GAMMA.get(cfg.block_size, 7.0)
