@@ -207,21 +207,26 @@ def train(
     head = target.get_output_embeddings().weight.detach()
     gamma = cfg.gamma or DEFAULT_GAMMA.get(cfg.block_size, 7.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    warm = max(1, int(cfg.warmup_frac * cfg.max_steps))
-
     def lr_at(step, elapsed=0.0):
-        """Linear warmup, then cosine to ``min_lr_frac``; progress is by steps or by the time budget, whichever is further."""
-        if step < warm:
-            return cfg.lr * (step + 1) / warm
-        prog = min(1.0, (step - warm) / max(1, cfg.max_steps - warm))
+        """Linear warmup over ``warmup_frac`` of the run, then cosine to ``min_lr_frac``.
+
+        Progress is measured in steps or, with a time budget, in seconds — whichever is further.
+        (The shipped demo drafters were trained before this was time-aware: their warmup spanned
+        4,000 steps, i.e. the whole 3,507-step run; see demo/drafters/PROVENANCE.md.)
+        """
+        prog = (step + 1) / cfg.max_steps
         if cfg.time_budget_s:
-            prog = max(prog, min(1.0, elapsed / cfg.time_budget_s))
-        return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * prog)))
+            prog = max(prog, elapsed / cfg.time_budget_s)
+        prog = min(1.0, prog)
+        if prog < cfg.warmup_frac:
+            return cfg.lr * max(prog / cfg.warmup_frac, 1.0 / cfg.max_steps)
+        rest = (prog - cfg.warmup_frac) / max(1e-9, 1 - cfg.warmup_frac)
+        return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * rest)))
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
-    save_steps = set(cfg.save_steps) | {max(1, int(f * cfg.max_steps)) for f in cfg.save_fracs}
+    save_steps = set(cfg.save_steps) | ({max(1, int(f * cfg.max_steps)) for f in cfg.save_fracs} if not cfg.time_budget_s else set())
     budget_marks = sorted(cfg.save_fracs) if cfg.time_budget_s else []
     order: list[int] = []
     t0 = time.perf_counter()

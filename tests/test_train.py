@@ -1,0 +1,102 @@
+"""Trainer: held-out split, mask token choice, reproducibility, CPU smoke run, loss against a hand computation."""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from dflash_eval.errors import InputError
+from dflash_eval.train import TrainConfig, block_loss, build_train_prompts, pick_mask_token, sample_anchors, train
+from tiny import make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    make_tiny_target(d / "target", num_layers=4, hidden=64, seed=0)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(12):
+        p = torch.randint(4, 300, (6 + i % 5,), generator=g).tolist()
+        c = torch.randint(4, 300, (20 + 3 * i,), generator=g).tolist()
+        rows.append({"id": f"s{i}", "prompt_ids": p, "completion_ids": c, "max_new_tokens": 64, "stop_reason": "length"})
+    (d / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return d
+
+
+def test_sharegpt_split_holds_out_every_demo_prompt(tiny):
+    from dflash_eval.prompts import build_prompt_set, read_prompts
+
+    info = build_train_prompts(tiny / "target", tiny / "train_prompts.jsonl", holdout_n=64, limit=0)
+    train_ids = {r["id"] for r in read_prompts(tiny / "train_prompts.jsonl")}
+    # the demo's ShareGPT subsets (n <= holdout_n, seed 0, same length filter) are all held out
+    for n in (16, 32, 64):
+        demo = {r["id"] for r in build_prompt_set("sharegpt", tiny / "target", n=n, seed=0, max_prompt_tokens=1024)}
+        assert demo <= set(info["holdout_ids"])
+        assert not demo & train_ids
+    human = {r["id"] for r in build_prompt_set("humaneval", tiny / "target", n=0, seed=0)}
+    assert not human & train_ids
+    assert info["n_train"] == len(train_ids) > 1000
+
+
+def test_mask_token_is_an_unused_special_token():
+    added = {i: types.SimpleNamespace(special=True) for i in range(6)}
+    tok = types.SimpleNamespace(all_special_ids=[0, 1, 2], added_tokens_decoder=added, bos_token_id=1,
+                                eos_token_id=2, pad_token_id=2, unk_token_id=None)
+    assert pick_mask_token(tok, [[7, 8, 5], [9]]) == 4  # 5 occurs in the data, 0-2 are reserved/seen... 4 is free
+    assert pick_mask_token(tok, [[3, 4, 5]]) == 0
+    with pytest.raises(InputError, match="no unused special token"):
+        pick_mask_token(tok, [[0, 3, 4, 5]])
+
+
+def test_anchors_stay_in_the_completion():
+    g = torch.Generator().manual_seed(0)
+    a, ok = sample_anchors(torch.tensor([3, 5]), torch.tensor([10, 7]), 6, g, 10)
+    for row, p, t in zip(range(2), (3, 5), (10, 7)):
+        valid = a[row][ok[row]]
+        assert valid.numel() == min(6, t - 1 - p)
+        assert ((valid >= p) & (valid <= t - 2)).all()
+        assert len(set(valid.tolist())) == valid.numel()  # without replacement
+
+
+def test_block_loss_matches_hand_computation():
+    """One block, B=4: CE over slots 1..3 of labels x[a+1..a+3], weights exp(-(k-1)/gamma)."""
+    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig.from_dict({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "vocab_size": 20,
+                                   "dflash_config": {"target_layer_ids": [0], "mask_token_id": 19, "block_size": 4}})
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg)
+    embed, head = torch.randn(20, 16), torch.randn(20, 16)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    hidden = torch.randn(1, 8, 16)
+    anchors, valid = torch.tensor([[5]]), torch.tensor([[True]])  # labels 9, 10, then past the end
+    loss, stats = block_loss(d, embed, head, hidden, ids, torch.tensor([8]), anchors, valid, 4, gamma=2.0)
+    pos = torch.arange(8)[None]
+    h = d(embed[torch.tensor([[8, 19, 19, 19]])], torch.tensor([[5, 6, 7, 8]]), d.context_kv(hidden, pos), pos,
+          pos < 5)
+    logp = torch.log_softmax(h[0, 1:] @ head.T, -1)
+    ce = [-logp[0, 9], -logp[1, 10]]  # slot 3 (position 8) is past the sequence: unscored
+    w = [1.0, math.exp(-1 / 2.0)]
+    assert loss.item() == pytest.approx(float((w[0] * ce[0] + w[1] * ce[1]) / (w[0] + w[1])), rel=1e-5)
+
+
+def test_cpu_smoke_run_is_reproducible(tiny):
+    cfg = TrainConfig(block_size=8, num_layers=1, target_layer_ids=[0, 2], mask_token_id=383, seqs_per_step=4,
+                      anchors=4, max_steps=6, save_steps=[2], seed=3, log_every=1)
+    losses = []
+    for run in ("a", "b"):
+        saved = train(tiny / "target", tiny / "data.jsonl", tiny / run, cfg, device="cpu")
+        assert [p.name for p in saved] == ["step2.pt", "step6.pt"]
+        log = [json.loads(line) for line in (tiny / run / "train_log.jsonl").read_text().splitlines()]
+        losses.append([r["loss"] for r in log])
+    assert losses[0] == losses[1]  # same seed, same losses (first step included)
+    assert math.isfinite(losses[0][0])
+    ck = torch.load(tiny / "a" / "step6.pt", weights_only=True)
+    assert ck["step"] == 6 and "optimizer" in ck and "embed_tokens.weight" in ck["model"]
+    assert ck["draft_config"]["dflash_config"]["mask_token_id"] == 383
