@@ -250,10 +250,10 @@ def _build_checkpoint_table(ckpt_cfg):
     for i, entry in enumerate(ckpt_cfg.get("list", [])):
         add(entry["name"], {**entry, "kind": "list"}, f"checkpoints.list[{i}]")
     for i, entry in enumerate(ckpt_cfg.get("demo", [])):
-        if not entry.get("drafter") and not entry.get("random_init"):
+        if bool(entry.get("drafter")) == bool(entry.get("random_init")):
             raise WorkflowError(
                 f"config checkpoints.demo[{i}] ({entry['name']}): set either random_init: true "
-                "or drafter: <stripped drafter folder>."
+                "or drafter: <stripped drafter folder> (exactly one)."
             )
         path = os.path.join("resources", "demo", "checkpoints", f"{entry['name']}.pt")
         add(
@@ -273,22 +273,43 @@ CHECKPOINTS = _build_checkpoint_table(config["checkpoints"])
 DEMO_CHECKPOINTS = {n: r for n, r in CHECKPOINTS.items() if r["kind"] == "demo"}
 
 
+def _demo_layer_ids(name, row):
+    """A demo entry's target layers: its drafter's dflash_config (when it wraps one), else layer_ids."""
+    layers = row.get("layer_ids")
+    drafter_cfg = (
+        os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
+    )
+    if drafter_cfg and os.path.isfile(drafter_cfg):
+        with open(drafter_cfg) as fh:
+            cfg = json.load(fh)
+        from_drafter = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+        if from_drafter is not None:
+            if layers and list(layers) != list(from_drafter):
+                raise WorkflowError(
+                    f"config checkpoints.demo ({name}): layer_ids {layers} differ from "
+                    f"{drafter_cfg} dflash_config.target_layer_ids {from_drafter}. Fix: drop "
+                    "layer_ids from the entry (the drafter's own config decides)."
+                )
+            layers = from_drafter
+    return layers
+
+
 # Layers stored in the cache: configured, or (when every checkpoint is a demo
-# entry with explicit layer_ids) their union.
+# entry whose layers are known) their union.
 def _cache_layer_ids():
     configured = config["cache"].get("target_layer_ids")
-    demo_layers = [r.get("layer_ids") for r in DEMO_CHECKPOINTS.values()]
+    demo_layers = {n: _demo_layer_ids(n, r) for n, r in DEMO_CHECKPOINTS.items()}
     if configured:
         layers = sorted(set(configured))
-    elif len(demo_layers) == len(CHECKPOINTS) and all(demo_layers):
-        layers = sorted({i for ids in demo_layers for i in ids})
+    elif len(demo_layers) == len(CHECKPOINTS) and all(demo_layers.values()):
+        layers = sorted({i for ids in demo_layers.values() for i in ids})
     else:
         raise WorkflowError(
             "config cache.target_layer_ids is not set. Fix: list the 0-based target layers to "
             "cache, the union of every checkpoint's dflash_config.target_layer_ids."
         )
-    for name, row in DEMO_CHECKPOINTS.items():
-        missing = sorted(set(row.get("layer_ids") or []) - set(layers))
+    for name, ids in demo_layers.items():
+        missing = sorted(set(ids or []) - set(layers))
         if missing:
             raise WorkflowError(
                 f"config checkpoints.demo ({name}): layer_ids {missing} are not in "
@@ -365,24 +386,22 @@ def demo_inputs(wildcards):
 
 
 def demo_args(wildcards):
+    """Flags of a checkpoints.demo entry. A wrapped drafter brings its own config, so the
+    architecture flags are passed only for random-init entries."""
     row = DEMO_CHECKPOINTS[wildcards.name]
-    args = []
+    args = ["--step", str(row["step"])]
     if row.get("drafter"):
         args += ["--drafter", row["drafter"]]
-    if row.get("random_init"):
-        args += ["--random-init"]
-    if row.get("layer_ids"):
-        args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
-    args += [
-        "--block-size",
-        str(row["block_size"]),
-        "--num-layers",
-        str(row["num_layers"]),
-        "--step",
-        str(row["step"]),
-        "--seed",
-        str(row["seed"]),
-    ]
+    else:
+        args += ["--random-init", "--seed", str(row["seed"])]
+        if row.get("layer_ids"):
+            args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
+        args += [
+            "--block-size",
+            str(row["block_size"]),
+            "--num-layers",
+            str(row["num_layers"]),
+        ]
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -24,14 +24,16 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CI_PROFILE = REPO / "profiles" / "ci"
 
+DEMO_ENTRIES = {e["name"]: e for e in yaml.safe_load((REPO / "config" / "config.yaml").read_text())["checkpoints"]["demo"]}
+DEMO_NAMES = list(DEMO_ENTRIES)
 DEMO_JOBS = {
     "target_from_gguf": 1,
-    "demo_checkpoint": 3,
+    "demo_checkpoint": len(DEMO_NAMES),
     "prompts": 2,
     "completions": 2,
     "hidden_states": 2,
-    "strip_drafter": 3,
-    "evaluate": 6,
+    "strip_drafter": len(DEMO_NAMES),
+    "evaluate": 2 * len(DEMO_NAMES),
     "summary": 1,
     "report": 1,
     "all": 1,
@@ -44,11 +46,14 @@ TARGET_RULES = {"target_from_gguf", "prompts", "completions", "hidden_states"}
 
 def copy_workflow(dst: Path) -> Path:
     """Copy Snakefile, rules/, config/ and envs/ into ``dst`` (symlinks followed; Snakemake
-    reads the rules' conda env files for its job metadata even without --sdm conda)."""
+    reads the rules' conda env files for its job metadata even without --sdm conda), and
+    link demo/ (the committed demo drafters the default config wraps)."""
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
     for folder in ("rules", "config", "envs"):
         shutil.copytree(REPO / folder, dst / folder, dirs_exist_ok=True)
+    if (REPO / "demo").is_dir():
+        (dst / "demo").symlink_to(REPO / "demo", target_is_directory=True)
     return dst
 
 
@@ -152,6 +157,10 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert args.max_new_tokens == 256
         if args.cmd == "prompts":
             assert args.n == 16
+        if args.cmd == "demo-checkpoint":
+            entry = DEMO_ENTRIES[Path(args.out).stem]
+            assert args.step == entry["step"]
+            assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
     assert seen == {"target-from-gguf", "prompts", "completions", "hidden-states", "strip", "evaluate", "summary",
                     "report", "demo-checkpoint"}
 
@@ -159,7 +168,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
 def test_dry_run_kernel_parity_wiring(tmp_path):
     """kernel_parity.enabled adds the parity job; the report takes its JSON via --extra."""
     wd = copy_workflow(tmp_path / "wf")
-    (wd / "kp.yaml").write_text("kernel_parity: {enabled: true, checkpoints: [dflash-smollm2-b16-step100]}\n")
+    (wd / "kp.yaml").write_text(f"kernel_parity: {{enabled: true, checkpoints: [{DEMO_NAMES[0]}]}}\n")
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "kp.yaml").stdout
     assert job_counts(out) == {**DEMO_JOBS, "kernel_parity": 1}
     from dflash_eval.cli import build_parser
@@ -167,7 +176,7 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     parser = build_parser()
     cmds = {parser.parse_args(dflash_eval_argv(c)).cmd: parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)}
     assert cmds["report"].extra == ["results/demo/kernel_parity.json"]
-    assert cmds["kernel-parity"].drafter == ["results/demo/drafters/dflash-smollm2-b16-step100"]
+    assert cmds["kernel-parity"].drafter == [f"results/demo/drafters/{DEMO_NAMES[0]}"]
     # Disabled (the default): no parity job and no --extra.
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
     report = next(c for c in shell_commands(out) if " report " in c)
@@ -222,6 +231,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
 @pytest.mark.parametrize("checkpoints, message", [
     ({"list": [{"name": "a", "path": "a.pt"}, {"name": "a", "path": "b.pt"}]}, "duplicate checkpoint name 'a'"),
     ({"demo": [{"name": "a", "step": 1}]}, "set either random_init: true or drafter"),
+    ({"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}, "(exactly one)"),
     ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids is not set"),
     ({}, "no checkpoint configured"),
 ])
@@ -234,6 +244,29 @@ def test_config_errors_are_clear(tmp_path, checkpoints, message):
     proc = smk(wd, "-n", check=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+def test_cache_layers_from_demo_drafters(tmp_path):
+    """Without cache.target_layer_ids, the union of the demo drafters' layers is cached; an
+    entry's layer_ids that contradict its drafter's config are refused."""
+    wd = copy_workflow(tmp_path / "wf")
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg.pop("cache", None)
+    drafter = wd / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [2, 4]}}))
+    (drafter / "model.safetensors").write_text("x")
+    cfg["checkpoints"] = {"demo": [{"name": "d", "step": 5, "drafter": "drafter"},
+                                   {"name": "r", "step": 1, "random_init": True, "layer_ids": [4, 6]}]}
+    _write_config(wd, cfg)
+    cmds = shell_commands(smk(wd, "-n", "-p").stdout)
+    assert any("hidden-states" in c and "--layer-ids 2,4,6" in c for c in cmds)
+    demo_d = next(c for c in cmds if "demo-checkpoint" in c and "d.pt" in c)
+    assert "--drafter drafter" in demo_d and "--random-init" not in demo_d and "--block-size" not in demo_d
+    cfg["checkpoints"]["demo"][0]["layer_ids"] = [1, 2]
+    _write_config(wd, cfg)
+    proc = smk(wd, "-n", check=False)
+    assert proc.returncode != 0 and "differ from" in proc.stdout + proc.stderr
 
 
 def test_demo_layers_must_be_cached(tmp_path):
