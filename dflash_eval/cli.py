@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=0, help="override the drafter's block size (0 = from its config)")
     p.add_argument("--max-samples", type=int, default=D("evaluate.max_samples"), help="0 = all samples in the cache")
     p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"), help="samples replayed side by side")
+    p.add_argument("--checkpoint-name", default=None, help="row label in the tau table (default: the drafter folder name)")
+    p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
     p.add_argument("--allow-backend-mismatch", action="store_true",
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
     p.add_argument("--training-backend", default=D("target.training_backend"), choices=["unknown", "fla", "torch"],
@@ -227,7 +229,8 @@ def _dispatch(args) -> int | None:
         evaluate(drafter_dir=args.drafter, cache_path=args.cache, target_dir=args.target, out=args.out,
                  block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
                  device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch,
-                 training_backend=args.training_backend)
+                 training_backend=args.training_backend, checkpoint_name=args.checkpoint_name,
+                 prompt_set=args.prompt_set)
     elif cmd == "kernel-parity":
         from .kernel_parity import kernel_parity
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,

@@ -163,10 +163,13 @@ def evaluate(
     dtype: str = "auto",
     allow_backend_mismatch: bool = False,
     training_backend: str = "unknown",
+    checkpoint_name: str | None = None,
+    prompt_set: str | None = None,
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
-    Output JSON keys: ``checkpoint`` (drafter folder name), ``prompt_set`` (cache file stem),
+    Output JSON keys: ``checkpoint`` (``checkpoint_name``, default the drafter folder name),
+    ``prompt_set`` (``prompt_set``, default the cache file stem),
     ``block_size``, ``samples`` (``id``, ``prompt_len``, ``n_tokens``, ``steps``, ``tau``,
     ``acceptance_lengths``), ``histogram`` (verify steps per committed count 1..B),
     ``tau`` (macro), ``tau_tokens_per_step`` (micro), ``n_samples`` (samples with >= 1 verify
@@ -240,8 +243,8 @@ def evaluate(
     if (drafter_dir / "strip_info.json").exists():
         strip_info = json.loads((drafter_dir / "strip_info.json").read_text())
     result = {
-        "checkpoint": drafter_dir.name,
-        "prompt_set": Path(cache_path).stem,
+        "checkpoint": checkpoint_name or drafter_dir.name,
+        "prompt_set": prompt_set or Path(cache_path).stem,
         "block_size": B,
         "n_samples": len(scored),
         "n_skipped": len(per) - len(scored),

@@ -93,7 +93,9 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     if df["random_init"].any():
         parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
                   "pipeline runs. It is not a measurement of a drafter.", ""]
-    pivot = df.pivot_table(index=["checkpoint", "step"], columns="prompt_set", values="tau", dropna=False).reset_index()
+    keyed = df.assign(step=df["step"].astype("string").fillna(""))  # a missing step must not drop the row
+    pivot = keyed.pivot_table(index=["checkpoint", "step"], columns="prompt_set", values="tau").reset_index()
+    pivot = pivot.sort_values(["step", "checkpoint"], key=lambda c: pd.to_numeric(c, errors="coerce") if c.name == "step" else c)
     parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(pivot), "",
               "## Full table", "", _md_table(df), ""]
     parts += ["## Acceptance histograms", "",
