@@ -88,7 +88,7 @@ def _md_table(df: pd.DataFrame) -> str:
 
 def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None) -> None:
     """Markdown report: tau pivot, acceptance histograms, cache provenance, extra JSON sections."""
-    df = pd.read_csv(summary_csv)
+    df = pd.read_csv(summary_csv, dtype={"step": "Int64"})
     parts = ["# dflash-eval report", ""]
     if df["random_init"].any():
         parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
