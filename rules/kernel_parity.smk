@@ -47,6 +47,7 @@ rule kernel_parity:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
+    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
     resources:
         gpu=1,
     params:
