@@ -149,6 +149,10 @@ class CacheReader:
     def __exit__(self, *exc):
         self.close()
 
+    def length(self, i: int) -> int:
+        """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
+        return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
+
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
         g = self._f[f"samples/{i:06d}"]

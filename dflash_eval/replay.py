@@ -215,10 +215,7 @@ def evaluate(
     head = head.to(device=dev, dtype=dt)
 
     n = len(reader) if not max_samples else min(max_samples, len(reader))
-    lengths = []
-    for i in range(n):
-        g = reader._f[f"samples/{i:06d}"]
-        lengths.append(int(g["input_ids"].shape[0]))
+    lengths = [reader.length(i) for i in range(n)]
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
     results: dict[int, SampleResult] = {}
     t0 = time.perf_counter()
