@@ -380,15 +380,14 @@ def extract_hidden_states(
         InputError: layer id out of range, empty or malformed completions file.
     """
     from . import hybrid
-    from .target import load_target, resolve_device, resolve_dtype, target_info, weights_sha256
+    from .target import resolve_device, resolve_dtype, target_info, weights_sha256
 
     completions_path = Path(completions_path)
     rows = read_completions(completions_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    kernel = hybrid.bind_linear_attention(linear_attn_backend, dev, target_dir)
-    model, tok = load_target(target_dir, device=str(dev), dtype=str(dt).replace("torch.", ""))
-    kernel = hybrid.check_bound_kernel(model, kernel)
+    model, tok, kernel = hybrid.load_target_bound(target_dir, device=str(dev), dtype=str(dt).replace("torch.", ""),
+                                                  backend=linear_attn_backend)
     info = target_info(model)
     n_layers = info["num_hidden_layers"]
     bad = [i for i in layer_ids if not 0 <= i < n_layers]

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where completions come from (pluggable; serving endpoints planned)")
     p.add_argument("--max-new-tokens", type=int, default=D("generation.max_new_tokens"))
     p.add_argument("--batch-size", type=int, default=D("generation.batch_size"), help="prompts per generate() call (left padding)")
+    p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
+                   help="GDN kernel of hybrid targets (use the same as the hidden-states stage)")
     _add_device(p, "generation")
     p.add_argument("--out", required=True)
 
@@ -202,7 +204,7 @@ def _dispatch(args) -> int | None:
         from .completions import generate_completions
         generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                             device=args.device, dtype=args.dtype)
+                             device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
     elif cmd == "hidden-states":
         from .cache import extract_hidden_states
         extract_hidden_states(target_dir=args.target, completions_path=args.completions, out=args.out,

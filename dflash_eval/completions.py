@@ -194,7 +194,7 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, source: str = "transformers",
                          max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto",
-                         dtype: str = "auto") -> Path:
+                         dtype: str = "auto", linear_attn_backend: str = "auto") -> Path:
     """Greedy completions of every prompt in a prompts JSONL (format: module docstring).
 
     Prompts are sorted by length and generated ``batch_size`` at a time; rows are
@@ -207,6 +207,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         source: key of :data:`SOURCES`.
         max_new_tokens: generated tokens per prompt at most (eos included).
         batch_size: prompts per ``generate`` call.
+        linear_attn_backend: GDN kernel of hybrid targets ('auto'|'fla'|'torch', :mod:`dflash_eval.hybrid`);
+            use the one the cache stage uses.
         device, dtype: see :func:`dflash_eval.target.resolve_device` / :func:`~dflash_eval.target.resolve_dtype`
             (``auto``: bf16 on CUDA, float32 on CPU).
 
@@ -217,7 +219,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         InputError: unknown source, bad limits, bad prompts file or target folder, prompt ids outside the vocabulary.
     """
     from .prompts import read_prompts
-    from .target import load_target, resolve_device, resolve_dtype, target_info, weights_sha256
+    from .hybrid import load_target_bound
+    from .target import resolve_device, resolve_dtype, target_info, weights_sha256
 
     if source not in SOURCES:
         raise InputError(None, "generation.source", f"unknown completion source {source!r}", f"use one of {sorted(SOURCES)}")
@@ -228,7 +231,9 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     rows = read_prompts(prompts_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model, tok = load_target(target_dir, device=dev, dtype=dt)
+    model, tok, kernel = load_target_bound(target_dir, device=dev, dtype=dt, backend=linear_attn_backend)
+    if kernel.backend != "none":
+        log.info("linear-attention kernel: %s", kernel.backend)
     info = target_info(model)
     for k, r in enumerate(rows):
         bad = [t for t in r["prompt_ids"] if not 0 <= t < info["vocab_size"]]

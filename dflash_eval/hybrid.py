@@ -332,3 +332,19 @@ def check_bound_kernel(model, binding: KernelBinding) -> KernelBinding:
               "flash_qla": qla}
     log.info("linear-attention kernel: %s; %s", binding.backend, json.dumps(functions))
     return KernelBinding(binding.backend, detail)
+
+
+def load_target_bound(target_dir, device="auto", dtype="auto", backend: str = "auto"):
+    """Load a target with its linear-attention kernel chosen, applied and verified.
+
+    The one entry point for every stage that runs the target (completions, extraction,
+    training), so that none of them hits fla's CPU crash or silently uses another kernel.
+
+    Returns:
+        ``(model, tokenizer, KernelBinding)``.
+    """
+    from .target import load_target, resolve_device
+
+    binding = bind_linear_attention(backend, resolve_device(device), target_dir)
+    model, tok = load_target(target_dir, device=device, dtype=dtype)
+    return model, tok, check_bound_kernel(model, binding)

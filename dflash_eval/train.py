@@ -70,7 +70,7 @@ class TrainConfig:
     log_every: int = 50
     seed: int = 0
     init_from: str | None = None  # training checkpoint to start from (weights only)
-    step_offset: int = 0  # step number of init_from, so saved checkpoints keep counting
+    linear_attn_backend: str = "auto"  # GDN kernel of hybrid targets (dflash_eval.hybrid); recorded in the log
 
 
 def pick_mask_token(tokenizer, data: list[list[int]]) -> int:
@@ -170,7 +170,8 @@ def train(
         the checkpoint paths written (early/middle/... and final).
     """
     from .cache import read_completions
-    from .target import load_target, resolve_device
+    from .hybrid import load_target_bound
+    from .target import resolve_device
 
     dev = resolve_device(device)
     torch.manual_seed(cfg.seed)
@@ -185,7 +186,9 @@ def train(
         raise InputError(data_path, None, "no sequence has a completion to supervise", "generate longer completions")
 
     amp_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target, tok = load_target(target_dir, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32")
+    target, tok, kernel = load_target_bound(target_dir, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32",
+                                            backend=cfg.linear_attn_backend)
+    log.info("target linear-attention kernel: %s", kernel.describe())
     target.requires_grad_(False)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tok, seqs)
     dcfg = demo_drafter_config(target_dir, cfg.target_layer_ids, cfg.block_size, cfg.num_layers, mask_id)

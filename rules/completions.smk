@@ -25,9 +25,11 @@ rule completions:
         batch_size=config["generation"]["batch_size"],
         device=config["generation"]["device"],
         dtype=config["generation"]["dtype"],
+        linear_attn_backend=config["target"]["linear_attn_backend"],
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
         " --prompts {input.prompts:q} --source {params.source}"
         " --max-new-tokens {params.max_new_tokens} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
+        " --linear-attn-backend {params.linear_attn_backend}"
         " --out {output:q} > {log:q} 2>&1"
