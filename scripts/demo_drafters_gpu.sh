@@ -19,7 +19,7 @@ run() { echo "+ $*" >&2; "$@"; }
 if [ "$stage" = gen ]; then
   run $PY -m dflash_eval target-from-gguf --gguf "$GGUF" --out "$W/target"
   run $PY -m dflash_eval completions --target "$W/target" --prompts "$DATA/train_prompts.jsonl" \
-      --max-new-tokens 256 --batch-size 1024 --device "$DEV" --out "$W/train.jsonl"
+      --max-new-tokens 256 --batch-size 1280 --device "$DEV" --out "$W/train.jsonl"
   for s in humaneval sharegpt; do
     run $PY -m dflash_eval completions --target "$W/target" --prompts "$DATA/eval_$s.jsonl" \
         --max-new-tokens 256 --batch-size 32 --device "$DEV" --out "$W/eval/completions/$s.jsonl"
