@@ -29,7 +29,7 @@ $(STAMP): $(REQUIREMENTS)
 	touch $@
 
 demo: venv
-	$(BIN)/snakemake --cores all --resources gpu=1 --configfile config/demo.yaml
+	$(BIN)/snakemake --cores all --resources gpu=1 --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
 

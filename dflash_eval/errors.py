@@ -44,6 +44,7 @@ def atomic_path(dest: str | os.PathLike, suffix: str | None = None) -> Iterator[
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix or ".tmp", dir=dest.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs should follow the umask
     try:
         yield tmp_path
         with open(tmp_path, "rb+") as fh:
@@ -68,6 +69,10 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         yield tmp
+        mode = 0o666 & ~_umask()
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+        for f in tmp.rglob("*"):
+            os.chmod(f, (0o777 & ~_umask()) if f.is_dir() else mode)
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -79,6 +84,12 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(dest: str | os.PathLike, text: str) -> None:

@@ -87,8 +87,12 @@ def _md_table(df: pd.DataFrame) -> str:
 
 
 def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None) -> None:
-    """Markdown report: tau pivot, acceptance histograms, cache provenance, extra JSON sections."""
-    df = pd.read_csv(summary_csv, dtype={"step": "Int64"})
+    """Markdown report: tau pivot, acceptance histograms, cache provenance, extra JSON sections.
+
+    ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
+    precision, tau.csv being rounded to 4 decimals).
+    """
+    df = summary_frame(evals)  # full precision (tau.csv is rounded to 4 decimals)
     parts = ["# dflash-eval report", ""]
     if df["random_init"].any():
         parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
@@ -100,8 +104,9 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
               "## Full table", "", _md_table(df), ""]
     parts += ["## Acceptance histograms", "",
               "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
-    for path in evals:
-        r = json.loads(Path(path).read_text())
+    results = [json.loads(Path(p).read_text()) for p in evals]
+    results.sort(key=lambda r: (r["prompt_set"], r.get("step") is None, r.get("step") or 0, r["checkpoint"]))
+    for r in results:
         total = sum(r["histogram"].values()) or 1
         hist = " ".join(f"{k}:{v / total:.2f}" for k, v in r["histogram"].items() if v)
         parts.append(f"- `{r['checkpoint']}` / `{r['prompt_set']}`: {hist}")

@@ -248,6 +248,13 @@ def _build_checkpoint_table(ckpt_cfg):
             name = p.name if p.is_dir() else p.stem
             add(name, {"path": path, "kind": "glob"}, f"checkpoints.glob ({path})")
     for i, entry in enumerate(ckpt_cfg.get("list", [])):
+        if not os.path.exists(entry["path"]):
+            # checked here: with results already present, Snakemake would not surface it
+            raise WorkflowError(
+                f"config checkpoints.list[{i}] ({entry['name']}): path {entry['path']!r} does not "
+                "exist (relative paths are resolved against the working directory). Fix: "
+                "correct the path or remove the entry."
+            )
         add(entry["name"], {**entry, "kind": "list"}, f"checkpoints.list[{i}]")
     for i, entry in enumerate(ckpt_cfg.get("demo", [])):
         if bool(entry.get("drafter")) == bool(entry.get("random_init")):

@@ -234,9 +234,13 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     ({"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}, "(exactly one)"),
     ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids is not set"),
     ({}, "no checkpoint configured"),
+    ({"list": [{"name": "a", "path": "missing.pt"}]}, "path 'missing.pt' does not exist"),
 ])
 def test_config_errors_are_clear(tmp_path, checkpoints, message):
     wd = copy_workflow(tmp_path / "wf")
+    for entry in checkpoints.get("list", []):
+        if not entry["path"].startswith("missing"):
+            (wd / entry["path"]).write_bytes(b"x")
     cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
     cfg["checkpoints"] = checkpoints
     cfg.pop("cache", None)
