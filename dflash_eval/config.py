@@ -35,30 +35,3 @@ def schema_default(dotted: str) -> Any:
         raise KeyError(f"schema property {dotted} has no default")
     return node["default"]
 
-
-def validate_config(config: dict) -> dict:
-    """Validate ``config`` in place against the schema, filling defaults (as Snakemake's ``validate`` does).
-
-    Raises:
-        dflash_eval.errors.InputError: naming the offending field.
-    """
-    import jsonschema
-
-    from .errors import InputError
-
-    schema = load_schema()
-    validator_cls = jsonschema.validators.validator_for(schema)
-
-    def set_defaults(validator, properties, instance, schema):
-        for prop, sub in properties.items():
-            if isinstance(instance, dict) and "default" in sub:
-                instance.setdefault(prop, sub["default"])
-        yield from validator_cls.VALIDATORS["properties"](validator, properties, instance, schema)
-
-    filling = jsonschema.validators.extend(validator_cls, {"properties": set_defaults})
-    try:
-        filling(schema).validate(config)
-    except jsonschema.ValidationError as err:
-        field = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-        raise InputError("config", field, err.message, "see dflash_eval/schemas/config.schema.yaml") from None
-    return config

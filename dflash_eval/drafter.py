@@ -451,12 +451,6 @@ class DFlashDrafter(nn.Module):
         return logits
 
 
-def expected_keys(cfg: DrafterConfig) -> set[str]:
-    """The exact state-dict key set of a drafter with this config (z-lab layout)."""
-    with torch.device("meta"):
-        return set(DFlashDrafter(cfg).state_dict().keys())
-
-
 def load_drafter(
     folder,
     device: str | torch.device = "cpu",

@@ -91,8 +91,3 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
-
-def write_text_atomic(dest: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``dest`` through :func:`atomic_path`."""
-    with atomic_path(dest) as tmp:
-        tmp.write_text(text)
