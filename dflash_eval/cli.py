@@ -242,7 +242,7 @@ def _dispatch(args) -> int | None:
         from .summary import write_summary
         write_summary(args.evals, args.out_csv, args.out_parquet)
     elif cmd == "report":
-        from .summary import write_report
+        from .report import write_report
         write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra)
     elif cmd == "train":
         from .train import TrainConfig, train

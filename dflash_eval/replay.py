@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError, atomic_path
+from .metrics import aggregate, sample_tau
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class SampleResult:
 
     @property
     def tau(self) -> float:
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else math.nan
+        return sample_tau(self.acceptance_lengths)
 
 
 @torch.inference_mode()
@@ -229,13 +229,7 @@ def evaluate(
     elapsed = time.perf_counter() - t0
     B = int(block_size or cfg.block_size)
     per = [results[i] for i in range(n)]
-    scored = [r for r in per if r.steps]
-    hist = [0] * (B + 1)
-    for r in scored:
-        for p in r.acceptance_lengths:
-            hist[p] += 1
-    steps = sum(r.steps for r in scored)
-    tokens = sum(sum(r.acceptance_lengths) for r in scored)
+    stats = aggregate([r.acceptance_lengths for r in per], B)
     strip_info = {}
     if (drafter_dir / "strip_info.json").exists():
         strip_info = json.loads((drafter_dir / "strip_info.json").read_text())
@@ -243,13 +237,7 @@ def evaluate(
         "checkpoint": checkpoint_name or drafter_dir.name,
         "prompt_set": prompt_set or Path(cache_path).stem,
         "block_size": B,
-        "n_samples": len(scored),
-        "n_skipped": len(per) - len(scored),
-        "tau": sum(r.tau for r in scored) / len(scored) if scored else math.nan,
-        "tau_tokens_per_step": tokens / steps if steps else math.nan,
-        "verify_steps": steps,
-        "committed_tokens": tokens,
-        "histogram": {str(k): hist[k] for k in range(1, B + 1)},
+        **stats.as_dict(),
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
         "device": str(dev),
@@ -267,5 +255,5 @@ def evaluate(
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
     log.info("%s on %s: tau %.3f over %d samples (%d verify steps, %.1f s, %s %s)", result["checkpoint"],
-             result["prompt_set"], result["tau"], len(scored), steps, elapsed, dev, result["dtype"])
+             result["prompt_set"], stats.tau, stats.n_samples, stats.verify_steps, elapsed, dev, result["dtype"])
     return result

@@ -1,4 +1,4 @@
-"""tau tables and the report.
+"""The tau table (``tau.csv`` / ``tau.parquet``), rebuilt from the per-sample results of ``evaluate``.
 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
 (checkpoint, prompt set) with columns
@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from .errors import atomic_path
+from .metrics import aggregate
 
 log = logging.getLogger(__name__)
 
@@ -38,22 +39,28 @@ COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_p
 
 
 def summary_frame(evals: list[str]) -> pd.DataFrame:
-    """Rows of the tau table from evaluate outputs (see module docstring)."""
+    """Rows of the tau table from evaluate outputs (see module docstring).
+
+    Every aggregate is recomputed with :func:`dflash_eval.metrics.aggregate` from the
+    per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
+    with the per-sample data it summarises.
+    """
     rows = []
     for path in evals:
         r = json.loads(Path(path).read_text())
+        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
         rows.append({
             "checkpoint": r["checkpoint"],
             "step": r.get("step"),
             "prompt_set": r["prompt_set"],
-            "n_samples": r["n_samples"],
-            "tau": r["tau"],
-            "tau_tokens_per_step": r["tau_tokens_per_step"],
-            "mean_accepted": r["tau"] - 1.0,
+            "n_samples": stats.n_samples,
+            "tau": stats.tau,
+            "tau_tokens_per_step": stats.tau_tokens_per_step,
+            "mean_accepted": stats.tau - 1.0,
             "block_size": r["block_size"],
-            "n_skipped": r["n_skipped"],
-            "verify_steps": r["verify_steps"],
-            "committed_tokens": r["committed_tokens"],
+            "n_skipped": stats.n_skipped,
+            "verify_steps": stats.verify_steps,
+            "committed_tokens": stats.committed_tokens,
             "random_init": r.get("random_init", False),
             "device": r.get("device"),
             "dtype": r.get("dtype"),
@@ -72,58 +79,3 @@ def write_summary(evals: list[str], out_csv, out_parquet) -> pd.DataFrame:
         df.to_parquet(tmp, index=False)
     log.info("tau table:\n%s", df[["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]].to_string(index=False))
     return df
-
-
-def _md_table(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
-    for _, row in df.iterrows():
-        cells = []
-        for c in cols:
-            v = row[c]
-            cells.append(f"{v:.3f}" if isinstance(v, float) else ("" if pd.isna(v) else str(v)))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None) -> None:
-    """Markdown report: tau pivot, acceptance histograms, cache provenance, extra JSON sections.
-
-    ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
-    precision, tau.csv being rounded to 4 decimals).
-    """
-    df = summary_frame(evals)  # full precision (tau.csv is rounded to 4 decimals)
-    parts = ["# dflash-eval report", ""]
-    if df["random_init"].any():
-        parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
-                  "pipeline runs. It is not a measurement of a drafter.", ""]
-    keyed = df.assign(step=df["step"].astype("string").fillna(""))  # a missing step must not drop the row
-    pivot = keyed.pivot_table(index=["checkpoint", "step"], columns="prompt_set", values="tau").reset_index()
-    pivot = pivot.sort_values(["step", "checkpoint"], key=lambda c: pd.to_numeric(c, errors="coerce") if c.name == "step" else c)
-    parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(pivot), "",
-              "## Full table", "", _md_table(df), ""]
-    parts += ["## Acceptance histograms", "",
-              "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
-    results = [json.loads(Path(p).read_text()) for p in evals]
-    results.sort(key=lambda r: (r["prompt_set"], r.get("step") is None, r.get("step") or 0, r["checkpoint"]))
-    for r in results:
-        total = sum(r["histogram"].values()) or 1
-        hist = " ".join(f"{k}:{v / total:.2f}" for k, v in r["histogram"].items() if v)
-        parts.append(f"- `{r['checkpoint']}` / `{r['prompt_set']}`: {hist}")
-    parts.append("")
-    if caches:
-        from .cache import CacheReader
-
-        parts += ["## Hidden-state caches", ""]
-        for c in caches:
-            with CacheReader(c) as rd:
-                a = rd.attrs
-                keys = ["target_name", "target_sha256", "target_layer_ids", "dtype", "device", "device_name",
-                        "torch_version", "transformers_version", "fla_version", "linear_attn_kernel", "n_samples"]
-                parts.append(f"- `{Path(c).name}`: " + ", ".join(f"{k}={a.get(k)}" for k in keys))
-        parts.append("")
-    for path in extra or []:
-        data = json.loads(Path(path).read_text())
-        parts += [f"## {data.get('title', Path(path).stem)}", "", data.get("markdown", "```\n" + json.dumps(data, indent=1) + "\n```"), ""]
-    with atomic_path(out) as tmp:
-        tmp.write_text("\n".join(parts))

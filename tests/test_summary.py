@@ -1,4 +1,4 @@
-"""tau table and report: columns of the output contract, macro vs micro tau, rows without a step."""
+"""tau table and report: the output contract, recomputed from per-sample acceptance, rows without a step."""
 
 from __future__ import annotations
 
@@ -6,37 +6,38 @@ import json
 
 import pandas as pd
 
-from dflash_eval.summary import COLUMNS, write_report, write_summary
+from dflash_eval.report import write_report
+from dflash_eval.summary import COLUMNS, write_summary
 
 
 def _eval(tmp_path, ckpt, ps, step, samples, block=8):
-    hist = {str(k): 0 for k in range(1, block + 1)}
-    for s in samples:
-        for a in s:
-            hist[str(a)] += 1
-    steps = sum(len(s) for s in samples)
-    tokens = sum(sum(s) for s in samples)
-    r = {"checkpoint": ckpt, "prompt_set": ps, "block_size": block, "n_samples": len(samples), "n_skipped": 0,
-         "tau": sum(sum(s) / len(s) for s in samples) / len(samples), "tau_tokens_per_step": tokens / steps,
-         "verify_steps": steps, "committed_tokens": tokens, "histogram": hist, "step": step, "random_init": False,
-         "device": "cpu", "dtype": "float32"}
+    # evaluate's JSON with per-sample acceptance only; the aggregates below are deliberately wrong:
+    # the table must be recomputed from the samples, never copied from these fields.
+    r = {"checkpoint": ckpt, "prompt_set": ps, "block_size": block, "tau": -1.0, "tau_tokens_per_step": -1.0,
+         "n_samples": -1, "histogram": {}, "step": step, "random_init": False, "device": "cpu", "dtype": "float32",
+         "samples": [{"id": str(i), "acceptance_lengths": s} for i, s in enumerate(samples)]}
     p = tmp_path / f"{ckpt}-{ps}.json"
     p.write_text(json.dumps(r))
     return str(p)
 
 
 def test_summary_and_report(tmp_path):
-    # two responses: [3, 1] (mean 2.0) and [1, 1, 1, 1] (mean 1.0): macro tau 1.5, micro 8/6
-    evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1]]),
+    # two responses: [3, 1] (mean 2.0) and [1, 1, 1, 1] (mean 1.0): macro tau 1.5, micro 8/6; one skipped
+    evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1], []]),
              _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
     df = write_summary(evals, tmp_path / "tau.csv", tmp_path / "tau.parquet")
     assert list(df.columns) == COLUMNS
     row = df.set_index("checkpoint").loc["step100"]
     assert row["tau"] == 1.5 and abs(row["tau_tokens_per_step"] - 8 / 6) < 1e-12 and row["mean_accepted"] == 0.5
+    assert (row["n_samples"], row["n_skipped"], row["verify_steps"], row["committed_tokens"]) == (2, 1, 6, 8)
     assert pd.read_parquet(tmp_path / "tau.parquet").equals(df)
     assert pd.isna(df.set_index("checkpoint").loc["final", "step"])
+    csv = (tmp_path / "tau.csv").read_text().splitlines()
+    assert csv[1].startswith("step100,100,humaneval,2,1.5000,1.3333,0.5000,8,1,6,8,")
     write_report(tmp_path / "tau.csv", evals, [], tmp_path / "report.md")
     text = (tmp_path / "report.md").read_text()
     assert "| step100 | 100 | 1.500 |" in text
     assert "| final |  | 2.000 |" in text  # a checkpoint without a step keeps its row
     assert "nan" not in text.split("## Full table")[0]
+    # histogram fractions of step100: 5 of 6 steps committed 1 token, 1 of 6 committed 3
+    assert "`step100` / `humaneval`: 1:0.83 3:0.17" in text
