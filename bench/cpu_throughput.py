@@ -2,7 +2,7 @@
 
 1. Hidden-state extraction: our forward hooks on the K stored layers (`cache.run_target`) vs HF
    `output_hidden_states=True` (all N+1 states materialised) — tokens/s and peak RSS growth.
-2. Replay: lazy LM head (`replay.SLOT_CHUNK = 4`, logits only while drafts still match) vs all
+2. Sequential replay: lazy LM head (`replay.SLOT_CHUNK = 4`, logits only while drafts still match) vs all
    B-1 slots at once — seconds per checkpoint and prompt set, tau identical by construction.
 
 Usage:
@@ -59,7 +59,8 @@ def bench_replay(drafter, cache, target_dir):
     for chunk in (4, 64):
         rp.SLOT_CHUNK = chunk
         t0 = time.perf_counter()
-        r = rp.evaluate(drafter, cache, target_dir, "/tmp/bench_replay.json", device="cpu", dtype="float32")
+        r = rp.evaluate(drafter, cache, target_dir, "/tmp/bench_replay.json", device="cpu", dtype="float32",
+                        replay_mode="sequential")  # SLOT_CHUNK is the sequential replay's
         times[chunk] = time.perf_counter() - t0
         print(f"replay      slot chunk {chunk:3d}: {times[chunk]:6.1f} s  tau {r['tau']:.4f}  ({r['verify_steps']} verify steps)")
     print(f"replay      ratio all-slots / lazy: {times[64] / times[4]:.2f}x time")

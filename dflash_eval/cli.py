@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="target HF folder (embed_tokens and lm_head are read from it)")
     p.add_argument("--block-size", type=int, default=0, help="override the drafter's block size (0 = from its config)")
     p.add_argument("--max-samples", type=int, default=D("evaluate.max_samples"), help="0 = all samples in the cache")
-    p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"), help="samples replayed side by side")
+    p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"),
+                   help="samples replayed together (0 = as many as fit the device's free memory)")
+    p.add_argument("--replay", choices=["batched", "sequential"], default=D("evaluate.replay"),
+                   help="batched: all anchors' blocks in large drafter calls, then the chain walk; sequential: one "
+                        "drafter call per verify step (the reference data flow); same acceptance")
     p.add_argument("--checkpoint-name", default=None, help="row label in the tau table (default: the drafter folder name)")
     p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
     p.add_argument("--allow-backend-mismatch", action="store_true",
@@ -232,7 +236,7 @@ def _dispatch(args) -> int | None:
                  block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
                  device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch,
                  training_backend=args.training_backend, checkpoint_name=args.checkpoint_name,
-                 prompt_set=args.prompt_set)
+                 prompt_set=args.prompt_set, replay_mode=args.replay)
     elif cmd == "kernel-parity":
         from .kernel_parity import kernel_parity
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,

@@ -393,9 +393,12 @@ class DFlashDrafter(nn.Module):
             block_positions: ``[N, B]`` int64 absolute positions ``start .. start+B-1``.
             ctx_kv: per-layer context ``(k, v)`` ``[N, n_kv, Tc, hd]`` (:meth:`context_kv`).
             ctx_positions: ``[N, Tc]`` int64 absolute positions of the context keys.
-            ctx_valid: ``[N, Tc]`` bool, True for committed context keys (positions ``< start``).
+            ctx_valid: ``[N, Tc]`` bool, True for committed context keys (positions ``< start``);
+                or ``[N, B, Tc]``, per query (several anchors' blocks packed into one row, as in
+                DFlash training: each block sees the context before its own anchor).
             block_valid: ``[N, B]`` bool, False for block slots past the verify size
-                (the reference shortens the last block to ``max_length - start``).
+                (the reference shortens the last block to ``max_length - start``); or
+                ``[N, B, B]`` per query (packed blocks: True only within a query's own block).
 
         Returns:
             ``[N, B, H]`` final-normed hidden states; slot ``j >= 1`` predicts the
@@ -416,13 +419,20 @@ class DFlashDrafter(nn.Module):
     def _masks(self, block_positions, ctx_positions, ctx_valid, block_valid) -> dict:
         """Boolean masks ``[N, B, Tc+B]`` (True = visible) keyed by ``(causal, window)`` of each layer.
 
+        ``ctx_valid`` / ``block_valid`` are ``[N, Tc]`` / ``[N, B]`` (shared by every query of a row)
+        or ``[N, B, Tc]`` / ``[N, B, B]`` (per query), see :meth:`forward`.
+
         ``(False, None)`` is the plain DFlash mask: committed context + the whole block. Causal
         layers also need ``key_pos <= query_pos``; windowed layers ``query_pos - key_pos < window``
         (and ``key_pos - query_pos < window`` when not causal), on absolute positions, as the
         reference ``_attention_mask`` computes them on its cache (whose index is the position).
         """
         b = block_positions.shape[1]
-        full = torch.cat([ctx_valid[:, None, :].expand(-1, b, -1), block_valid[:, None, :].expand(-1, b, -1)], dim=2)
+        if ctx_valid.dim() == 2:
+            ctx_valid = ctx_valid[:, None, :].expand(-1, b, -1)
+        if block_valid.dim() == 2:
+            block_valid = block_valid[:, None, :].expand(-1, b, -1)
+        full = torch.cat([ctx_valid, block_valid], dim=2)
         kinds = {(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers}
         masks = {}
         dist = None

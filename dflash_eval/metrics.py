@@ -5,15 +5,41 @@ records: ``acceptance[s][k]`` = tokens committed by verify step ``k`` of respons
 (accepted drafts ``a`` + the bonus token, so ``1 <= a + 1 <= block_size``; the last
 step of a response can be cut shorter by the stop token / ``max_new_tokens``).
 
-Conventions (the prefill token, produced by the target before the first verify step,
-is never counted):
+Three tau conventions, side by side (they differ only in what is counted and how
+responses are weighted; none is "the" right one, but only the first is comparable
+with the DFlash paper's tables):
 
 * ``tau`` (macro) -- the reference benchmark's acceptance length: per response the mean
-  over its verify steps of ``a + 1``, then the mean over responses
-  (z-lab/dflash ``benchmark.py``, ``_print_decode_summary``: ``np.mean([np.mean(r) ...])``).
+  over its verify steps of ``a + 1``, then the mean over responses; the prefill token is
+  not counted (z-lab/dflash ``dflash/benchmark.py``, ``_print_decode_summary``:
+  ``np.mean([np.mean(r) ...])``).
 * ``tau_tokens_per_step`` (micro) -- committed tokens / verify steps pooled over all
-  responses: long responses weigh more.
+  responses: long responses weigh more. It is vLLM's ``1 + accepted / drafts`` pooled
+  metric (vllm-project/vllm PR #17908) restricted to one (checkpoint, prompt set).
+* ``tau_sglang`` -- per response ``completion tokens / verify steps`` where the completion
+  tokens **include the prefill token** (so it exceeds the response's ``tau`` by
+  ``1 / steps``), then the mean over responses: SGLang's per-request
+  ``meta_info["spec_accept_length"] = completion_tokens / spec_verify_ct``
+  (sgl-project/sglang ``python/sglang/srt/managers/tokenizer_manager.py``,
+  ``_calculate_spec_decoding_metrics``), averaged over requests as the z-lab benchmark's
+  server mode does.
+
+Companions:
+
 * ``histogram[k]`` -- verify steps that committed exactly ``k`` tokens, ``k = 1..B``.
+* ``slot_acceptance[k]`` -- per-slot conditional acceptance
+  ``P(draft slot k accepted | slots 1..k-1 accepted)``, ``k = 1..B-1``, pooled over all
+  verify steps (the per-position acceptance that vLLM reports as
+  ``num_accepted_tokens_per_pos / num_drafts``, made conditional). A step that committed
+  ``n`` tokens accepted slots ``1..n-1``; slot ``n`` counts as a rejection only when it was
+  actually compared and refused: ``n <= B - 1`` and ``n < left``, with ``left = n_tokens - 1
+  - pos`` the tokens still to commit and ``pos`` the step's anchor index in the completion.
+  Otherwise the block was full (``n = B``) or the response ended inside it, and slot ``n``
+  is censored (neither accepted nor rejected). The shortened last block at
+  ``max_new_tokens`` needs no special case: its verify size is at least ``left + 1``.
+* ``position_tau[bin]`` -- tokens per verify step (micro) over the steps whose anchor lies
+  in that bin of completion positions (``pos``, 0 = the prefill token); bins
+  :data:`POSITION_BINS`. Shows whether acceptance decays along long responses.
 
 Responses with no verify step (the prefill token ended them: an eos right away, or
 ``max_new_tokens == 1``) have no tau; they are counted in ``n_skipped`` and left out of
@@ -26,6 +52,15 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+#: completion-position bin edges for :attr:`AcceptanceStats.position_tau` (last bin open-ended)
+POSITION_BINS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def position_bin_labels() -> list[str]:
+    """Bin labels ``"0-64", "64-128", ..., "4096-inf"`` in order (also the suffix of the tau.csv columns)."""
+    edges = list(POSITION_BINS) + [None]
+    return [f"{lo}-{hi if hi is not None else 'inf'}" for lo, hi in zip(edges[:-1], edges[1:])]
+
 
 @dataclass(frozen=True)
 class AcceptanceStats:
@@ -33,17 +68,31 @@ class AcceptanceStats:
 
     tau: float  #: macro: mean over responses of the per-response mean of a+1 (NaN when n_samples == 0)
     tau_tokens_per_step: float  #: micro: committed tokens / verify steps (NaN when no step)
+    tau_sglang: float  #: mean over responses of (completion tokens incl. the prefill token) / verify steps
     n_samples: int  #: responses with at least one verify step
     n_skipped: int  #: responses with no verify step
     verify_steps: int  #: total verify steps (= target forwards after prefill)
     committed_tokens: int  #: total tokens committed by verify steps
     histogram: dict[int, int]  #: k -> verify steps that committed k tokens, k = 1..block_size
+    slot_acceptance: dict[int, float]  #: k -> P(slot k accepted | slots < k accepted), k = 1..B-1 (NaN: never compared)
+    slot_compared: dict[int, int]  #: k -> verify steps in which slot k was compared (the denominator above)
+    position_tau: dict[str, float]  #: position bin label -> tokens per verify step of steps anchored there (NaN: none)
+    position_steps: dict[str, int]  #: position bin label -> verify steps anchored in that bin
 
     def as_dict(self) -> dict:
-        """JSON-ready dict (histogram keys as strings ``"1".."B"``)."""
+        """JSON-ready dict (integer keys as strings; NaN as None)."""
         d = asdict(self)
-        d["histogram"] = {str(k): v for k, v in self.histogram.items()}
-        return d
+        for key in ("histogram", "slot_acceptance", "slot_compared"):
+            d[key] = {str(k): v for k, v in d[key].items()}
+        return _nan_to_none(d)
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    return x
 
 
 def sample_tau(lengths: Sequence[int]) -> float:
@@ -51,12 +100,21 @@ def sample_tau(lengths: Sequence[int]) -> float:
     return sum(lengths) / len(lengths) if len(lengths) else math.nan
 
 
+def _bin_index(pos: int) -> int:
+    i = 0
+    while i + 1 < len(POSITION_BINS) and pos >= POSITION_BINS[i + 1]:
+        i += 1
+    return i
+
+
 def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> AcceptanceStats:
     """Aggregate per-response acceptance lengths.
 
     Args:
         acceptance: one list per response; entry ``k`` = tokens committed by verify step ``k``
-            (``a + 1``, an int in ``1..block_size``).
+            (``a + 1``, an int in ``1..block_size``). Every completion token after the prefill
+            token is committed by exactly one step, so a response has ``1 + sum(lengths)``
+            completion tokens.
         block_size: B, the largest possible entry (size of the histogram).
 
     Returns:
@@ -65,26 +123,49 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> Acceptanc
     Raises:
         ValueError: an entry outside ``1..block_size`` (a replay bug, never user input).
     """
-    hist = {k: 0 for k in range(1, block_size + 1)}
-    per_response = []
+    B = block_size
+    hist = {k: 0 for k in range(1, B + 1)}
+    accepted = [0] * B  # index k = slot k (0 unused)
+    compared = [0] * B
+    labels = position_bin_labels()
+    bin_tokens = [0] * len(labels)
+    bin_steps = [0] * len(labels)
+    per_response, per_response_sglang = [], []
     steps = tokens = skipped = 0
     for lengths in acceptance:
         if not len(lengths):
             skipped += 1
             continue
+        n_tokens = 1 + sum(lengths)
+        pos = 0  # completion index of the step's anchor (0 = the prefill token)
         for n in lengths:
             if n not in hist:
-                raise ValueError(f"acceptance length {n} outside 1..{block_size}")
+                raise ValueError(f"acceptance length {n} outside 1..{B}")
             hist[n] += 1
+            b = _bin_index(pos)
+            bin_tokens[b] += n
+            bin_steps[b] += 1
+            for k in range(1, n):
+                accepted[k] += 1
+                compared[k] += 1
+            if n <= B - 1 and n < n_tokens - 1 - pos:
+                compared[n] += 1  # slot n was compared and refused
+            pos += n
         per_response.append(sample_tau(lengths))
+        per_response_sglang.append(n_tokens / len(lengths))
         steps += len(lengths)
         tokens += sum(lengths)
     return AcceptanceStats(
         tau=sum(per_response) / len(per_response) if per_response else math.nan,
         tau_tokens_per_step=tokens / steps if steps else math.nan,
+        tau_sglang=sum(per_response_sglang) / len(per_response_sglang) if per_response_sglang else math.nan,
         n_samples=len(per_response),
         n_skipped=skipped,
         verify_steps=steps,
         committed_tokens=tokens,
         histogram=hist,
+        slot_acceptance={k: accepted[k] / compared[k] if compared[k] else math.nan for k in range(1, B)},
+        slot_compared={k: compared[k] for k in range(1, B)},
+        position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
+        position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
     )

@@ -1,7 +1,7 @@
 """Offline replay of greedy DFlash speculative decoding -> acceptance length (tau).
 
-What online greedy DFlash does (z-lab/dflash ``dflash_generate``; shared/reference/dflash.md §2),
-and what :func:`replay_batch` reproduces from the cache, per sample with prompt
+What online greedy DFlash does (z-lab/dflash ``dflash_generate``; the DFlash paper, arXiv
+2602.06036), and what this module reproduces from the cache, per sample with prompt
 length P, committed sequence ``x`` (prompt + greedy completion, length T) and
 ``max_length = P + max_new_tokens``:
 
@@ -20,24 +20,39 @@ length P, committed sequence ``x`` (prompt + greedy completion, length T) and
 * ``start += produced``; the context grows by the target states of the
   committed positions. Stop when ``start == T - 1``.
 
-tau (reference definition, ``dflash/benchmark.py`` ``_print_decode_summary``):
-mean over responses of (mean over verify steps of ``produced``). Also reported:
-``tokens / verify steps`` pooled over responses (micro average).
+The drafter's output for a verify step depends only on its anchor ``t = start``: the
+anchor token ``x[t]``, the context ``< t`` and the verify size ``vs(t)``. Two replays
+follow from that:
 
-Cost: the context K/V of every position are computed once per sample
-(:meth:`DFlashDrafter.context_kv`); per verify step the drafter runs one block
-per active sample (samples are replayed side by side), and LM-head logits are
-computed lazily, a few slots at a time, only while all earlier drafts still
-match — later drafts cannot change ``a``.
+* :func:`replay_batched` (the default of ``evaluate``) computes the block of **every**
+  possible anchor ``t in [P, T-2]`` at once (:func:`iter_anchor_drafts`), as DFlash
+  training does (one block per anchor, each seeing the context strictly before its
+  anchor and its own block, blocks invisible to each other; SpecForge
+  ``create_dflash_sdpa_mask``), then walks the chain: ``start = P``, ``a = acc[start]``,
+  ``start += min(a + 1, T - 1 - start)``. It does more drafter work than the online
+  loop (every anchor, not only the ~T/tau visited ones) but in large batches.
+* :func:`replay_batch` is the sequential reference: one drafter call per verify step,
+  samples side by side, exactly the online loop's data flow.
+
+Both give the same per-step acceptance lists up to floating-point reduction order
+(identical in float32 on the tests' drafters; in bf16 a draft whose top-2 logits are
+within rounding can flip, :func:`explain_differences` names such near-ties).
+
+tau (reference definition, ``dflash/benchmark.py`` ``_print_decode_summary``):
+mean over responses of (mean over verify steps of ``produced``); the other conventions
+are in :mod:`dflash_eval.metrics`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -46,7 +61,13 @@ from .metrics import aggregate, sample_tau
 
 log = logging.getLogger(__name__)
 
-SLOT_CHUNK = 4  # LM-head slots evaluated per pass while drafts keep matching
+SLOT_CHUNK = 4  # sequential replay: LM-head slots evaluated per pass while drafts keep matching
+#: batched replay: most query tokens (anchors x B) per drafter call. Larger chunks waste
+#: attention on the (chunk x chunk) block-diagonal mask; this keeps that waste below the
+#: context part for typical responses while still filling a GPU.
+MAX_CHUNK_TOKENS = {"cuda": 8192, "cpu": 2048}
+MEMORY_FRACTION = {"cuda": 0.6, "cpu": 0.25}  # share of free memory the replay plans its temporaries for
+REPLAY_MODES = ("batched", "sequential")
 
 
 @dataclass
@@ -57,6 +78,7 @@ class SampleResult:
     prompt_len: int
     n_tokens: int  # completion length, prefill token included
     acceptance_lengths: list[int] = field(default_factory=list)
+    max_new_tokens: int | None = None
 
     @property
     def steps(self) -> int:
@@ -67,6 +89,61 @@ class SampleResult:
         return sample_tau(self.acceptance_lengths)
 
 
+def free_memory_bytes(device: str | torch.device) -> int:
+    """Memory the replay may plan its temporaries for on ``device``, in bytes.
+
+    CUDA: ``MEMORY_FRACTION['cuda']`` of the free device memory (``torch.cuda.mem_get_info``)
+    plus what torch's caching allocator holds unused. CPU (and other devices):
+    ``MEMORY_FRACTION['cpu']`` of ``MemAvailable`` from ``/proc/meminfo`` (Linux), else of
+    the free physical pages (``os.sysconf``), else 2 GiB.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(MEMORY_FRACTION["cuda"] * (free + cached))
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 8 << 30
+    return int(MEMORY_FRACTION["cpu"] * avail)
+
+
+# ----------------------------------------------------------------------------- sequential reference
+
+def _context_bytes_per_token(cfg, elem: int) -> int:
+    """Device bytes one context token costs: stored states, fused state, per-layer context K/V, ids."""
+    k = len(cfg.target_layer_ids)
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    return elem * (k * cfg.hidden_size + 2 * cfg.hidden_size + kv) + 32
+
+
+def length_groups(lengths: list[int], tokens: int, max_samples: int = 0) -> list[list[int]]:
+    """Consecutive index groups whose summed ``lengths`` stay within ``tokens`` (at least one index per group).
+
+    ``max_samples > 0`` also caps the indices per group.
+    """
+    groups, cur, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (total + n > tokens or (max_samples and len(cur) >= max_samples)):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 @torch.inference_mode()
 def replay_batch(
     drafter,
@@ -75,14 +152,16 @@ def replay_batch(
     samples: list,
     block_size: int | None = None,
 ) -> list[list[int]]:
-    """Replay greedy speculative decoding for several cached samples side by side.
+    """Sequential reference replay: one drafter call per verify step, several samples side by side.
 
     Args:
         drafter: :class:`~dflash_eval.drafter.DFlashDrafter` on the compute device/dtype.
         embed_weight: target ``embed_tokens`` ``[V, H]`` (compute device/dtype).
         head_weight: target ``lm_head`` ``[V, H]`` (compute device/dtype).
         samples: :class:`~dflash_eval.cache.CacheSample` list; ``hidden`` holds exactly the
-            drafter's ``target_layer_ids`` in order, ``[T, K, H]``.
+            drafter's ``target_layer_ids`` in order, ``[T, K, H]``. All are replayed in one
+            batch: the caller bounds memory (about ``len(samples) * max T`` context tokens of
+            :func:`_context_bytes_per_token`, twice).
         block_size: B (default: the drafter's).
 
     Returns:
@@ -151,6 +230,483 @@ def replay_batch(
     return records
 
 
+# ----------------------------------------------------------------------------- all-anchor pass
+
+@dataclass
+class AnchorDrafts:
+    """The drafter's block for every possible verify-step start of one sample.
+
+    Row ``i`` is anchor ``t = anchors[i] = P + i``, the index of the last committed token,
+    for every ``t in [P, T-2]`` (``n = T - 1 - P`` rows; 0 when the prefill token ended the
+    response). Column ``j - 1`` is block slot ``j = 1..B-1``, which drafts position ``t + j``.
+    Tensors are on the compute device.
+
+    Attributes:
+        sample_id: the cache sample id.
+        prompt_len: P. n_tokens: T (prompt + completion). block_size: B.
+        anchors: ``[n]`` int64, ``P .. T-2``.
+        verify_size: ``[n]`` int64, ``vs = min(B, max_length - t)``: slots ``>= vs`` are masked
+            out of the block (the reference shortens the last block), which changes the drafts.
+        limit: ``[n]`` int64, ``min(vs - 1, T - 1 - t)``: draft slots that can be verified.
+        accepted: ``[n]`` int64, ``a(t)``: the longest prefix of slots ``1..limit`` whose greedy
+            draft equals ``x[t + j]`` (the chain's accepted drafts at that anchor).
+        greedy: ``[n, B-1]`` int64, the argmax draft per slot (``torch.argmax`` of the logits in
+            the compute dtype, as the online loop). With ``full=False`` only the slots the chain
+            needs are computed (slot ``j`` where slots ``< j`` matched and ``j <= limit``); the
+            rest hold -1. With ``full=True`` or ``topk > 0`` every slot of every anchor is set.
+        topk_logp: ``[n, B-1, K]`` float32 or None: the K largest full-vocabulary
+            ``log_softmax`` values per slot (of the logits cast to float32), descending.
+        topk_ids: ``[n, B-1, K]`` int64 or None: their token ids (``torch.topk`` order).
+    """
+
+    sample_id: str
+    prompt_len: int
+    n_tokens: int
+    block_size: int
+    anchors: torch.Tensor
+    verify_size: torch.Tensor
+    limit: torch.Tensor
+    accepted: torch.Tensor
+    greedy: torch.Tensor
+    topk_logp: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+
+def chain_walk(accepted: list[int], prompt_len: int, n_tokens: int) -> list[int]:
+    """Per-step committed tokens of the greedy chain from per-anchor accepted drafts.
+
+    Args:
+        accepted: ``a(t)`` for ``t = P .. T-2`` (:attr:`AnchorDrafts.accepted` as a list).
+        prompt_len: P. n_tokens: T.
+
+    Returns:
+        ``[min(a + 1, T - 1 - start), ...]`` walking ``start = P, P + produced, ...`` to ``T - 1``.
+    """
+    out, start, last = [], prompt_len, n_tokens - 1
+    while start < last:
+        produced = min(accepted[start - prompt_len] + 1, last - start)
+        out.append(produced)
+        start += produced
+    return out
+
+
+class _Plan:
+    """Sizes of one all-anchor pass (bytes per element ``elem``; see :func:`iter_anchor_drafts`)."""
+
+    def __init__(self, cfg, B: int, elem: int, vocab: int, mem: int, device: torch.device, topk: int, full: bool):
+        self.B = B
+        self.mem = mem
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        positional = any(lt == "sliding_attention" for lt in cfg.layer_types) or bool(cfg.is_causal)
+        # per (query, key) pair: bool masks (inputs, concatenation, per-layer-kind copy), the additive
+        # float mask SDPA builds, positions' distance (int64) when a layer is causal/windowed, and the
+        # scores + probabilities of a non-fused attention kernel (float32), for every head.
+        self.pair = 3 + elem + (8 if positional else 0) + nh * 8
+        # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product) and the
+        # head-repeated block K/V; per key token: the head-repeated context K/V.
+        self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd + 2 * nh * hd) + 64
+        self.key = elem * 2 * nh * hd
+        self.max_tokens = MAX_CHUNK_TOKENS.get(device.type, MAX_CHUNK_TOKENS["cpu"])
+        slots = B - 1 if (full or topk) else 1
+        row = vocab * (elem + (4 * 3 if topk else 0)) * slots
+        self.head_rows = max(1, mem // 2 // max(row, 1))  # rows per LM-head pass
+        # context tokens per group: context states + K/V, and the per-anchor outputs kept for the group
+        out = (B - 1) * (8 + 12 * topk) + 32
+        self.ctx_tokens = max(1, mem // 4 // (_context_bytes_per_token(cfg, elem) + out))
+
+    def cost(self, rows: int, keys: int) -> int:
+        q = rows * self.B
+        return q * (keys + q) * self.pair + q * self.token + (keys + q) * self.key
+
+    def fits(self, rows: int, keys: int) -> bool:
+        return rows * self.B <= self.max_tokens and self.cost(rows, keys) <= self.mem // 2
+
+
+def _plan_chunks(plan: _Plan, spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Split per-sample anchor ranges ``(sample, a0, a1)`` into drafter calls within ``plan``'s limits.
+
+    A chunk holds consecutive anchors of one or more samples; its context keys are, per sample,
+    the positions ``< max anchor`` of that sample in the chunk.
+    """
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    rows = keys = 0
+    for s, a0, a1 in spans:
+        while a0 < a1:
+            lo, hi = 0, a1 - a0  # largest r with fits(rows + r, keys + a0 + r - 1)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if plan.fits(rows + mid, keys + a0 + mid - 1):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            r = lo
+            if r == 0:
+                if cur:
+                    chunks.append(cur)
+                    cur, rows, keys = [], 0, 0
+                    continue
+                r = 1  # a single anchor always runs (even past the planned memory)
+            cur.append((s, a0, a0 + r))
+            rows += r
+            keys += a0 + r - 1
+            a0 += r
+            if a0 < a1:  # the sample continues in the next chunk
+                chunks.append(cur)
+                cur, rows, keys = [], 0, 0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+@torch.inference_mode()
+def iter_anchor_drafts(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    samples: list,
+    block_size: int | None = None,
+    topk: int = 0,
+    full: bool = False,
+    memory_bytes: int | None = None,
+    max_group_samples: int = 0,
+    stats: dict | None = None,
+) -> Iterator[AnchorDrafts]:
+    """All-anchor drafts of several samples, yielded per sample in input order.
+
+    Samples are taken in groups whose context (stored states, fused states and every draft
+    layer's context K/V, :func:`_context_bytes_per_token`) and outputs (``greedy``, top-K) fit a
+    quarter of ``memory_bytes``;
+    a group's context K/V is computed once for all its tokens (positions restart per sample).
+    The group's anchors are then drafted in chunks: one drafter call takes the blocks of
+    ``C`` consecutive anchors (of one or more samples) as one sequence of ``C*B`` queries
+    over the keys ``[context of those samples | the C blocks]``, with a boolean mask letting
+    each block see its own sample's context ``< anchor`` and its own slots ``< vs``
+    (the DFlash training mask). Memory bound per call, with ``Q = C*B`` queries and
+    ``Kc`` context keys (the sum over the chunk's samples of their largest anchor):
+    ``Q*(Kc+Q)*(11 + elem + 8*heads [+8 for causal/windowed layers]) + Q*elem*(8H + 3I +
+    (3*heads + 2*kv_heads)*head_dim) + (Kc+Q)*2*elem*heads*head_dim`` bytes, kept below half
+    of ``memory_bytes``, and ``Q <= MAX_CHUNK_TOKENS[device type]``. The LM head runs on at
+    most ``memory_bytes / 2 / (V * (elem [+ 12 with topk]) * slots)`` rows at once, where
+    ``slots`` is 1 (lazy greedy) or B-1 (``full`` / ``topk``); ``[anchors, B, V]`` logits are
+    never held at once.
+
+    Args:
+        drafter: :class:`~dflash_eval.drafter.DFlashDrafter` on the compute device/dtype.
+        embed_weight: target ``embed_tokens`` ``[V, H]`` (compute device/dtype).
+        head_weight: target ``lm_head`` ``[V, H]`` (compute device/dtype).
+        samples: :class:`~dflash_eval.cache.CacheSample` list (``hidden`` ``[T, K, H]`` = the
+            drafter's ``target_layer_ids`` in order).
+        block_size: B (default: the drafter's).
+        topk: K > 0 also returns the top-K full-vocabulary log-probabilities per slot.
+        full: compute the greedy draft of every slot (not only those the chain needs).
+        memory_bytes: plan for this many bytes of temporaries (default :func:`free_memory_bytes`).
+        max_group_samples: > 0 caps the samples per group.
+        stats: if given, accumulates ``query_tokens``, ``attn_pairs`` (query-key pairs
+            computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
+            ``calls`` (drafter calls), for FLOP accounting.
+
+    Yields:
+        one :class:`AnchorDrafts` per sample.
+    """
+    cfg = drafter.cfg
+    B = int(block_size or cfg.block_size)
+    dev, dt = embed_weight.device, embed_weight.dtype
+    elem = torch.finfo(dt).bits // 8
+    V = head_weight.shape[0]
+    K = min(int(topk), V)
+    mem = int(memory_bytes or free_memory_bytes(dev))
+    plan = _Plan(cfg, B, elem, V, mem, dev, K, full)
+    if stats is not None:
+        for key in ("query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
+            stats.setdefault(key, 0)
+    lengths = [len(s.input_ids) for s in samples]
+    for group in length_groups(lengths, plan.ctx_tokens, max_group_samples):
+        yield from _group_drafts(drafter, embed_weight, head_weight, [samples[i] for i in group], B, K,
+                                 full or K > 0, plan, stats)
+
+
+def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
+    cfg = drafter.cfg
+    dev, dt = embed.device, embed.dtype
+    T = [len(s.input_ids) for s in samples]
+    P = [s.prompt_len for s in samples]
+    n = [max(t - 1 - p, 0) for t, p in zip(T, P)]
+    off = [0]
+    for t in T:
+        off.append(off[-1] + t)
+    ids = torch.cat([s.input_ids for s in samples]).to(dev)
+    pos = torch.cat([torch.arange(t) for t in T]).to(dev)
+    hidden = torch.cat([s.hidden.reshape(len(s.input_ids), -1) for s in samples]).to(device=dev, dtype=dt)
+    ctx_kv = drafter.context_kv(hidden[None], pos[None])  # per layer [1, n_kv, sum T, hd]
+    del hidden
+    if stats is not None:
+        stats["context_tokens"] += off[-1]
+
+    out = []
+    for i, s in enumerate(samples):
+        anchors = torch.arange(P[i], P[i] + n[i], device=dev)
+        vs = torch.clamp(P[i] + s.max_new_tokens - anchors, max=B)
+        out.append(dict(
+            anchors=anchors, verify_size=vs, limit=torch.minimum(vs - 1, T[i] - 1 - anchors),
+            accepted=torch.zeros(n[i], dtype=torch.long, device=dev),
+            greedy=torch.full((n[i], B - 1), -1, dtype=torch.long, device=dev),
+            topk_logp=torch.empty((n[i], B - 1, K), dtype=torch.float32, device=dev) if K else None,
+            topk_ids=torch.empty((n[i], B - 1, K), dtype=torch.long, device=dev) if K else None,
+        ))
+    spans = [(i, P[i], P[i] + n[i]) for i in range(len(samples)) if n[i] > 0]
+    slot = torch.arange(B, device=dev)
+    for pieces in _plan_chunks(plan, spans):
+        owner = torch.cat([torch.full((a1 - a0,), i, device=dev) for i, a0, a1 in pieces])
+        anchors = torch.cat([torch.arange(a0, a1, device=dev) for _, a0, a1 in pieces])
+        base = torch.tensor(off[:-1], device=dev)[owner]  # flat offset of each row's sample
+        if len(pieces) == 1:
+            i, _, a1 = pieces[0]
+            key_idx = slice(off[i], off[i] + a1 - 1)
+            key_owner = torch.full((a1 - 1,), i, device=dev)
+        else:
+            key_idx = torch.cat([torch.arange(off[i], off[i] + a1 - 1, device=dev) for i, _, a1 in pieces])
+            key_owner = torch.cat([torch.full((a1 - 1,), i, device=dev) for i, _, a1 in pieces])
+        key_pos = pos[key_idx]
+        kv = [(k[:, :, key_idx], v[:, :, key_idx]) for k, v in ctx_kv]
+        h = _block_forward(drafter, embed, ids, base, owner, anchors, key_pos, key_owner, kv,
+                           [P[i] + samples[i].max_new_tokens for i in range(len(samples))], B)
+        # per row: verification targets and limits
+        Tr = torch.tensor(T, device=dev)[owner]
+        vs = torch.clamp(torch.tensor([P[i] + samples[i].max_new_tokens for i in range(len(samples))],
+                                      device=dev)[owner] - anchors, max=B)
+        limit = torch.minimum(vs - 1, Tr - 1 - anchors)
+        tgt = anchors[:, None] + slot[None]
+        want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=len(ids) - 1)], -1)
+        greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
+        match = (greedy == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])
+        acc = match.long().cumprod(-1).sum(-1)
+        r0 = 0
+        for i, a0, a1 in pieces:
+            rows = slice(a0 - P[i], a1 - P[i])
+            out[i]["accepted"][rows] = acc[r0 : r0 + a1 - a0]
+            out[i]["greedy"][rows] = greedy[r0 : r0 + a1 - a0]
+            if K:
+                out[i]["topk_logp"][rows] = logp[r0 : r0 + a1 - a0]
+                out[i]["topk_ids"][rows] = topi[r0 : r0 + a1 - a0]
+            r0 += a1 - a0
+        if stats is not None:
+            q = len(anchors) * B
+            stats["query_tokens"] += q
+            stats["attn_pairs"] += q * (len(key_pos) + q)
+            stats["calls"] += 1
+    for i, s in enumerate(samples):
+        yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
+
+
+def _block_forward(drafter, embed, ids, base, owner, anchors, key_pos, key_owner, kv, max_len, B):
+    """Drafter states ``[C, B, H]`` for the blocks of ``anchors`` (one sequence of C*B queries)."""
+    cfg = drafter.cfg
+    dev = embed.device
+    C = len(anchors)
+    slot = torch.arange(B, device=dev)
+    block_ids = torch.full((C, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = ids[base + anchors]
+    emb = embed[block_ids].reshape(1, C * B, -1)
+    if cfg.input_embedding_scale != 1.0:
+        emb = emb * cfg.input_embedding_scale
+    block_pos = (anchors[:, None] + slot[None]).reshape(1, C * B)
+    vs = torch.clamp(torch.tensor(max_len, device=dev)[owner] - anchors, max=B)
+    ctx_valid = (key_owner[None, :] == owner[:, None]) & (key_pos[None, :] < anchors[:, None])  # [C, Kc]
+    ctx_valid = ctx_valid.repeat_interleave(B, dim=0)[None]  # [1, C*B, Kc]
+    row = torch.arange(C * B, device=dev) // B
+    block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])
+    h = drafter(emb, block_pos, kv, key_pos[None], ctx_valid, block_valid[None])
+    return h.view(C, B, -1)
+
+
+def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
+    """Greedy drafts ``[C, B-1]`` (-1 = not computed) and, with K, top-K log-probs/ids ``[C, B-1, K]``."""
+    C = h.shape[0]
+    dev = h.device
+    greedy = torch.full((C, B - 1), -1, dtype=torch.long, device=dev)
+    logp = topi = None
+    step = plan.head_rows
+    if full:
+        if K:
+            logp = torch.empty((C, B - 1, K), dtype=torch.float32, device=dev)
+            topi = torch.empty((C, B - 1, K), dtype=torch.long, device=dev)
+        for r0 in range(0, C, step):
+            lg = drafter.logits(h[r0 : r0 + step, 1:], head)  # [n, B-1, V]
+            greedy[r0 : r0 + step] = lg.argmax(-1)
+            if K:
+                v, i = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
+                logp[r0 : r0 + step], topi[r0 : r0 + step] = v, i
+            del lg
+        if stats is not None:
+            stats["head_rows"] += C * (B - 1)
+        return greedy, logp, topi
+    alive = limit >= 1
+    for j in range(1, B):
+        sel = torch.nonzero(alive & (limit >= j)).flatten()
+        if sel.numel() == 0:
+            break
+        draft = torch.cat([drafter.logits(h[sel[r0 : r0 + step], j], head).argmax(-1)
+                           for r0 in range(0, len(sel), step)])
+        greedy[sel, j - 1] = draft
+        alive = torch.zeros_like(alive)
+        alive[sel] = draft == want[sel, j]
+        if stats is not None:
+            stats["head_rows"] += len(sel)
+    return greedy, logp, topi
+
+
+def anchor_drafts(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    sample,
+    block_size: int | None = None,
+    topk: int = 0,
+    full: bool = False,
+    memory_bytes: int | None = None,
+) -> AnchorDrafts:
+    """:class:`AnchorDrafts` of one sample (see :func:`iter_anchor_drafts` for arguments and memory)."""
+    return next(iter_anchor_drafts(drafter, embed_weight, head_weight, [sample], block_size, topk, full, memory_bytes))
+
+
+def replay_batched(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    samples: list,
+    block_size: int | None = None,
+    memory_bytes: int | None = None,
+    max_group_samples: int = 0,
+    stats: dict | None = None,
+) -> list[list[int]]:
+    """All-anchor replay: per sample, the tokens committed per verify step (same contract as :func:`replay_batch`).
+
+    Memory is bounded as in :func:`iter_anchor_drafts` (``memory_bytes`` default: the
+    device's free memory, :func:`free_memory_bytes`).
+    """
+    return [chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens)
+            for d in iter_anchor_drafts(drafter, embed_weight, head_weight, samples, block_size,
+                                        memory_bytes=memory_bytes, max_group_samples=max_group_samples, stats=stats)]
+
+
+def replay(drafter, embed_weight, head_weight, samples, block_size=None, mode: str = "batched",
+           memory_bytes: int | None = None, batch_size: int = 0) -> list[list[int]]:
+    """Replay ``samples`` with the all-anchor (``'batched'``) or the sequential reference replay.
+
+    ``batch_size`` > 0 caps the samples handled together (``0``: as many as fit
+    ``memory_bytes``, default :func:`free_memory_bytes`). Returns per-sample acceptance lists.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode == "batched":
+        return replay_batched(drafter, embed_weight, head_weight, samples, block_size, memory_bytes, batch_size)
+    if mode != "sequential":
+        raise ValueError(f"replay mode {mode!r} not in {REPLAY_MODES}")
+    dt = embed_weight.dtype
+    mem = int(memory_bytes or free_memory_bytes(embed_weight.device))
+    tokens = max(1, mem // 3 // _context_bytes_per_token(drafter.cfg, torch.finfo(dt).bits // 8))
+    recs: list[list[int]] = []
+    lengths = [len(s.input_ids) for s in samples]
+    groups, cur = [], []
+    for i in range(len(samples)):  # samples are padded to the longest of their group
+        if cur and ((len(cur) + 1) * max(lengths[j] for j in cur + [i]) > tokens or (batch_size and len(cur) >= batch_size)):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    for g in groups:
+        recs += replay_batch(drafter, embed_weight, head_weight, [samples[i] for i in g], block_size)
+    return recs
+
+
+# ----------------------------------------------------------------------------- bf16 differences
+
+@torch.inference_mode()
+def _single_block_logits(drafter, embed, head, sample, anchor: int, B: int, batched_style: bool) -> torch.Tensor:
+    """Logits ``[B, V]`` (float32 copy of the compute-dtype logits) of one anchor's block, computed
+    the sequential way (context ``[0, anchor)`` + the block) or the batched way (one-row chunk)."""
+    cfg = drafter.cfg
+    dev, dt = embed.device, embed.dtype
+    T = len(sample.input_ids)
+    ids = sample.input_ids.to(dev)
+    hidden = sample.hidden.reshape(T, -1).to(device=dev, dtype=dt)[None]
+    pos = torch.arange(T, device=dev)
+    ctx_kv = drafter.context_kv(hidden, pos[None])
+    max_len = sample.prompt_len + sample.max_new_tokens
+    a = torch.tensor([anchor], device=dev)
+    if batched_style:
+        kv = [(k[:, :, : anchor], v[:, :, : anchor]) for k, v in ctx_kv]
+        h = _block_forward(drafter, embed, ids, torch.zeros(1, dtype=torch.long, device=dev),
+                           torch.zeros(1, dtype=torch.long, device=dev), a, pos[:anchor],
+                           torch.zeros(anchor, dtype=torch.long, device=dev), kv, [max_len], B)[0]
+    else:
+        slot = torch.arange(B, device=dev)
+        vs = min(B, max_len - anchor)
+        block_ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[0, 0] = ids[anchor]
+        emb = embed[block_ids]
+        if cfg.input_embedding_scale != 1.0:
+            emb = emb * cfg.input_embedding_scale
+        kv = [(k[:, :, :anchor], v[:, :, :anchor]) for k, v in ctx_kv]
+        h = drafter(emb, anchor + slot[None], kv, pos[None, :anchor], torch.ones(1, anchor, dtype=torch.bool, device=dev),
+                    slot[None] < vs)[0]
+    return drafter.logits(h, head).float()
+
+
+def explain_differences(drafter, embed_weight, head_weight, samples, first: list[list[int]],
+                        second: list[list[int]], block_size: int | None = None) -> list[dict]:
+    """Name the draft decision behind each sample's first diverging verify step of two replays.
+
+    For every sample whose acceptance lists differ, the first differing step (anchor ``t``)
+    is decided at slot ``j = min(n_first, n_second)`` (one replay accepted the draft for
+    ``t + j``, the other did not). Its logits are recomputed both ways
+    (:func:`_single_block_logits`) and reported with the top-2 gap of each, so a flip can be
+    checked to be a near-tie (a gap of a few units in the last place of the compute dtype at
+    the logit's magnitude), not a bug.
+
+    Returns:
+        one dict per differing sample: ``sample_id``, ``anchor``, ``step``, ``slot``,
+        ``n_first``, ``n_second``, ``target_token`` (``x[t + j]``), and per way
+        (``sequential``/``batched``): ``top1``, ``top2`` (token ids), ``top1_logit``, ``gap``
+        (top-1 minus top-2 logit), ``gap_ulps`` (the gap in units in the last place of the
+        compute dtype at ``top1_logit``), ``target_margin`` (target logit minus the best
+        other logit).
+    """
+    B = int(block_size or drafter.cfg.block_size)
+    out = []
+    for s, f, g in zip(samples, first, second):
+        if f == g:
+            continue
+        k = next((i for i, (x, y) in enumerate(zip(f, g)) if x != y), min(len(f), len(g)))
+        if k >= min(len(f), len(g)):
+            out.append({"sample_id": s.sample_id, "step": k, "note": "lists differ in length only"})
+            continue
+        anchor = s.prompt_len + sum(f[:k])
+        j = min(f[k], g[k])
+        target = int(s.input_ids[anchor + j])
+        row = {"sample_id": s.sample_id, "anchor": anchor, "step": k, "slot": j, "n_first": f[k],
+               "n_second": g[k], "target_token": target}
+        for name, batched_style in (("sequential", False), ("batched", True)):
+            lg = _single_block_logits(drafter, embed_weight, head_weight, s, anchor, B, batched_style)[j]
+            top = torch.topk(lg, 2)
+            other = lg.clone()
+            other[target] = -float("inf")
+            top1 = float(top.values[0])
+            ulp = torch.finfo(embed_weight.dtype).eps * 2.0 ** math.floor(math.log2(abs(top1))) if top1 else 0.0
+            gap = float(top.values[0] - top.values[1])
+            row[name] = {"top1": int(top.indices[0]), "top2": int(top.indices[1]), "top1_logit": top1, "gap": gap,
+                         "gap_ulps": gap / ulp if ulp else math.inf,
+                         "target_margin": float(lg[target] - other.max())}
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- evaluate stage
+
 def evaluate(
     drafter_dir,
     cache_path,
@@ -158,31 +714,44 @@ def evaluate(
     out,
     block_size: int | None = None,
     max_samples: int = 0,
-    batch_size: int = 16,
+    batch_size: int = 0,
     device: str = "auto",
     dtype: str = "auto",
     allow_backend_mismatch: bool = False,
     training_backend: str = "unknown",
     checkpoint_name: str | None = None,
     prompt_set: str | None = None,
+    replay_mode: str = "batched",
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
+    Args:
+        batch_size: samples handled together (0 = as many as fit the device's free memory,
+            :func:`free_memory_bytes`).
+        replay_mode: ``'batched'`` (all-anchor, :func:`replay_batched`) or ``'sequential'``
+            (the reference, :func:`replay_batch`); both give the same acceptance lists.
+
     Output JSON keys: ``checkpoint`` (``checkpoint_name``, default the drafter folder name),
     ``prompt_set`` (``prompt_set``, default the cache file stem),
-    ``block_size``, ``samples`` (``id``, ``prompt_len``, ``n_tokens``, ``steps``, ``tau``,
-    ``acceptance_lengths``), ``histogram`` (verify steps per committed count 1..B),
-    ``tau`` (macro), ``tau_tokens_per_step`` (micro), ``n_samples`` (samples with >= 1 verify
-    step), ``n_skipped`` (no verify step: the prefill token ended the response), provenance.
+    ``block_size``, ``replay``, ``samples`` (``id``, ``prompt_len``, ``n_tokens``,
+    ``max_new_tokens``, ``steps``, ``tau``, ``acceptance_lengths``), and the
+    :class:`~dflash_eval.metrics.AcceptanceStats` fields: ``tau`` (macro),
+    ``tau_tokens_per_step`` (micro), ``tau_sglang`` (prefill token counted),
+    ``histogram`` (verify steps per committed count 1..B), ``slot_acceptance`` /
+    ``slot_compared`` (per-slot conditional acceptance), ``position_tau`` /
+    ``position_steps`` (by completion position), ``n_samples`` (samples with >= 1 verify
+    step), ``n_skipped`` (no verify step: the prefill token ended the response); provenance.
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab,
-            mask token, kernel backend).
+            mask token, kernel backend), or an unknown replay mode.
     """
     from .cache import CacheReader
     from .drafter import load_drafter
     from .target import load_embed_and_head, resolve_device, resolve_dtype
 
+    if replay_mode not in REPLAY_MODES:
+        raise InputError(None, "evaluate.replay", f"unknown replay mode {replay_mode!r}", f"use one of {REPLAY_MODES}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     drafter_dir = Path(drafter_dir)
@@ -217,14 +786,19 @@ def evaluate(
     n = len(reader) if not max_samples else min(max_samples, len(reader))
     lengths = [reader.length(i) for i in range(n)]
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
+    mem = free_memory_bytes(dev)
+    # samples read from the cache at a time: what one batched group / sequential batch holds
+    per_token = _context_bytes_per_token(cfg, torch.finfo(dt).bits // 8)
+    read_tokens = max(1, mem // 4 // per_token)
     results: dict[int, SampleResult] = {}
     t0 = time.perf_counter()
-    for b0 in range(0, n, batch_size):
-        idx = order[b0 : b0 + batch_size]
+    for group in length_groups([lengths[i] for i in order], read_tokens, batch_size):
+        idx = [order[g] for g in group]
         samples = [reader.sample(i, cfg.target_layer_ids) for i in idx]
-        recs = replay_batch(drafter, embed, head, samples, block_size)
+        recs = replay(drafter, embed, head, samples, block_size, replay_mode, mem, batch_size)
         for s, rec in zip(samples, recs):
-            results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec)
+            results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
+                                            s.max_new_tokens)
         log.info("replayed %d/%d samples", len(results), n)
     elapsed = time.perf_counter() - t0
     B = int(block_size or cfg.block_size)
@@ -242,18 +816,20 @@ def evaluate(
         "random_init": bool(strip_info.get("random_init", False)),
         "device": str(dev),
         "dtype": str(dt).replace("torch.", ""),
+        "replay": replay_mode,
         "cache": {"path": str(cache_path), "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
                   "linear_attn_kernel": a.get("linear_attn_kernel")},
         "elapsed_s": round(elapsed, 3),
         "samples": [
-            {"id": r.sample_id, "prompt_len": r.prompt_len, "n_tokens": r.n_tokens, "steps": r.steps,
-             "tau": r.tau if r.steps else None, "acceptance_lengths": r.acceptance_lengths}
+            {"id": r.sample_id, "prompt_len": r.prompt_len, "n_tokens": r.n_tokens, "max_new_tokens": r.max_new_tokens,
+             "steps": r.steps, "tau": r.tau if r.steps else None, "acceptance_lengths": r.acceptance_lengths}
             for r in per
         ],
     }
     reader.close()
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
-    log.info("%s on %s: tau %.3f over %d samples (%d verify steps, %.1f s, %s %s)", result["checkpoint"],
-             result["prompt_set"], stats.tau, stats.n_samples, stats.verify_steps, elapsed, dev, result["dtype"])
+    log.info("%s on %s: tau %.3f over %d samples (%d verify steps, %.1f s, %s %s, %s replay)", result["checkpoint"],
+             result["prompt_set"], stats.tau, stats.n_samples, stats.verify_steps, elapsed, dev, result["dtype"],
+             replay_mode)
     return result

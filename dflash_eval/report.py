@@ -9,7 +9,7 @@ import pandas as pd
 
 from .errors import atomic_path
 from .metrics import aggregate
-from .summary import summary_frame
+from .summary import COLUMNS, summary_frame
 
 
 def _md_table(df: pd.DataFrame) -> str:
@@ -38,8 +38,17 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     keyed = df.assign(step=df["step"].astype("string").fillna(""))  # a missing step must not drop the row
     pivot = keyed.pivot_table(index=["checkpoint", "step"], columns="prompt_set", values="tau").reset_index()
     pivot = pivot.sort_values(["step", "checkpoint"], key=lambda c: pd.to_numeric(c, errors="coerce") if c.name == "step" else c)
+    core = COLUMNS[: COLUMNS.index("tau_sglang") + 1]
+    pos = [c for c in df.columns if c.startswith("tau_pos_") and df[c].notna().any()]
+    slots = [c for c in df.columns if c.startswith("accept_slot_")]
     parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(pivot), "",
-              "## Full table", "", _md_table(df), ""]
+              "## Full table", "", _md_table(df[core]), "",
+              "## Acceptance by position in the response", "",
+              "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
+              _md_table(df[["checkpoint", "prompt_set"] + pos]), "",
+              "## Per-slot conditional acceptance", "",
+              "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
+              _md_table(df[["checkpoint", "prompt_set"] + slots]), ""]
     parts += ["## Acceptance histograms", "",
               "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
     results = [json.loads(Path(p).read_text()) for p in evals]

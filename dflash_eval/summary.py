@@ -18,7 +18,18 @@ verify_steps            total verify steps (= target forwards after prefill)
 committed_tokens        total tokens committed by verify steps
 random_init             True for randomly initialised (untrained) demo drafters
 device, dtype           where and in which precision the replay ran
+tau_sglang              mean over responses of (completion tokens incl. the prefill token) /
+                        verify steps: SGLang's per-request ``spec_accept_length``
+tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at completion
+                        position ``lo <= pos < hi`` (bins ``metrics.POSITION_BINS``; ``hi`` =
+                        ``inf`` for the last); empty when no step falls there
+accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
+                        largest B in the table; empty for rows with a smaller B or where
+                        slot k was never compared
 ======================  =====================================================================
+
+Sources and exact definitions of the three tau conventions (``tau``, ``tau_tokens_per_step``,
+``tau_sglang``) and of the per-slot / per-position columns: :mod:`dflash_eval.metrics`.
 """
 
 from __future__ import annotations
@@ -30,12 +41,18 @@ from pathlib import Path
 import pandas as pd
 
 from .errors import atomic_path
-from .metrics import aggregate
+from .metrics import aggregate, position_bin_labels
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
-           "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype"]
+           "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
+           "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()]
+
+
+def slot_columns(max_block_size: int) -> list[str]:
+    """``accept_slot_1 .. accept_slot_<B-1>``: the per-slot columns after :data:`COLUMNS`."""
+    return [f"accept_slot_{k}" for k in range(1, max_block_size)]
 
 
 def summary_frame(evals: list[str]) -> pd.DataFrame:
@@ -64,8 +81,12 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             "random_init": r.get("random_init", False),
             "device": r.get("device"),
             "dtype": r.get("dtype"),
+            "tau_sglang": stats.tau_sglang,
+            **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
+            **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
         })
-    df = pd.DataFrame(rows, columns=COLUMNS)
+    max_block = max((r["block_size"] for r in rows), default=1)
+    df = pd.DataFrame(rows, columns=COLUMNS + slot_columns(max_block))
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
 

@@ -28,13 +28,14 @@ rule evaluate:
         training_backend=config["target"]["training_backend"],
         max_samples=config["evaluate"]["max_samples"],
         batch_size=config["evaluate"]["batch_size"],
+        replay=config["evaluate"]["replay"],
         device=config["evaluate"]["device"],
         dtype=config["evaluate"]["dtype"],
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --training-backend {params.training_backend}"
-        " --max-samples {params.max_samples} --batch-size {params.batch_size}"
+        " --max-samples {params.max_samples} --batch-size {params.batch_size} --replay {params.replay}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --out {output:q} > {log:q} 2>&1"
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash_eval.metrics import aggregate, sample_tau
+from dflash_eval.metrics import aggregate, position_bin_labels, sample_tau
 
 
 def test_macro_and_micro_differ_and_are_exact():
@@ -39,3 +39,39 @@ def test_out_of_range_length_is_a_bug():
         aggregate([[5]], block_size=4)
     with pytest.raises(ValueError, match="outside 1..4"):
         aggregate([[0, 1]], block_size=4)
+
+
+def test_three_tau_conventions_side_by_side():
+    # A: [4, 4] -> 8 tokens in 2 steps + the prefill token = 9 completion tokens
+    # B: six steps of 1 -> 6 tokens + the prefill token = 7 completion tokens
+    s = aggregate([[4, 4], [1, 1, 1, 1, 1, 1]], block_size=4)
+    assert s.tau == (4.0 + 1.0) / 2  # reference: mean of per-response means, prefill token not counted
+    assert s.tau_tokens_per_step == 14 / 8  # pooled
+    assert s.tau_sglang == (9 / 2 + 7 / 6) / 2  # SGLang: completion_tokens / verify_ct per request, then mean
+    assert math.isnan(aggregate([[]], 4).tau_sglang)
+
+
+def test_slot_acceptance_by_hand():
+    # B = 4, one response, steps commit 3, 1, 4, 2 -> 11 completion tokens (prefill included)
+    # step 0 (pos 0, 10 left): slots 1, 2 accepted, slot 3 compared and refused
+    # step 1 (pos 3, 7 left): slot 1 refused
+    # step 2 (pos 4, 6 left): slots 1-3 accepted, the block was full: nothing refused
+    # step 3 (pos 8, 2 left): slot 1 accepted, slot 2 censored (the response ended inside the block)
+    s = aggregate([[3, 1, 4, 2]], block_size=4)
+    assert s.slot_compared == {1: 4, 2: 2, 3: 2}
+    assert s.slot_acceptance == {1: 3 / 4, 2: 2 / 2, 3: 1 / 2}
+    # a slot never compared has no rate
+    s = aggregate([[1, 1]], block_size=4)
+    assert s.slot_compared == {1: 1, 2: 0, 3: 0}  # the last step's slot 1 is censored (1 token left)
+    assert s.slot_acceptance[1] == 0.0 and math.isnan(s.slot_acceptance[2])
+    assert s.as_dict()["slot_acceptance"] == {"1": 0.0, "2": None, "3": None}
+
+
+def test_position_bins_by_hand():
+    # 20 steps of 4 (anchors at completion positions 0, 4, ..., 76), then 10 steps of 1 (80..89)
+    s = aggregate([[4] * 20 + [1] * 10], block_size=4)
+    assert s.position_steps["0-64"] == 16 and s.position_tau["0-64"] == 4.0
+    assert s.position_steps["64-128"] == 14 and s.position_tau["64-128"] == (4 * 4 + 10) / 14
+    assert s.position_steps["128-256"] == 0 and math.isnan(s.position_tau["128-256"])
+    assert list(s.position_tau) == position_bin_labels() and position_bin_labels()[-1] == "4096-inf"
+    assert sum(s.position_steps.values()) == s.verify_steps

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 
 from dflash_eval.report import write_report
-from dflash_eval.summary import COLUMNS, write_summary
+from dflash_eval.summary import COLUMNS, slot_columns, write_summary
 
 
 def _eval(tmp_path, ckpt, ps, step, samples, block=8):
@@ -26,9 +26,15 @@ def test_summary_and_report(tmp_path):
     evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1], []]),
              _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
     df = write_summary(evals, tmp_path / "tau.csv", tmp_path / "tau.parquet")
-    assert list(df.columns) == COLUMNS
+    assert list(df.columns) == COLUMNS + slot_columns(8)
     row = df.set_index("checkpoint").loc["step100"]
     assert row["tau"] == 1.5 and abs(row["tau_tokens_per_step"] - 8 / 6) < 1e-12 and row["mean_accepted"] == 0.5
+    assert row["tau_sglang"] == (5 / 2 + 5 / 4) / 2  # (1 + 4) / 2 steps and (1 + 4) / 4 steps
+    # [3, 1]: slots 1, 2 accepted then slot 3 refused (3 < 5 left), last step censored; [1, 1, 1, 1]:
+    # slot 1 refused three times, the last step censored
+    assert (row["accept_slot_1"], row["accept_slot_2"], row["accept_slot_3"]) == (1 / 4, 1.0, 0.0)
+    assert pd.isna(row["accept_slot_4"])
+    assert row["tau_pos_0_64"] == 8 / 6 and pd.isna(row["tau_pos_64_128"])
     assert (row["n_samples"], row["n_skipped"], row["verify_steps"], row["committed_tokens"]) == (2, 1, 6, 8)
     assert pd.read_parquet(tmp_path / "tau.parquet").equals(df)
     assert pd.isna(df.set_index("checkpoint").loc["final", "step"])

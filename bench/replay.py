@@ -1,0 +1,332 @@
+#!/usr/bin/env python
+"""Replay speed, side by side in one run: batched all-anchor replay vs the sequential replay vs the
+reference online loop (``dflash.model.dflash_generate``), plus achieved TFLOP/s of the batched pass.
+
+Cases:
+
+(i) ``smollm2`` -- the three committed demo drafters (``demo/drafters/*``, 2 layers, B=8) on a
+    SmolLM2-135M-shaped target. The real target (a 98 MB GGUF, 270 MB as bf16 safetensors) does
+    not fit what travels to the GPU host (64 MiB), so by default the target is **built with random
+    weights from SmolLM2-135M-Instruct's config** (:data:`SMOL`); ``--smol-target DIR`` uses a real
+    HF folder instead (e.g. ``resources/targets/smollm2-135m-instruct`` after ``make demo``). With
+    the random target the drafters accept almost nothing (tau ~1: the most verify steps, the worst
+    case for the sequential replay and the online loop), so tau is printed next to every time.
+    Samples: random prompts, the target's greedy completions (HF ``generate``), hidden states from
+    the pipeline's extraction hooks (``cache.run_target``), kept in memory.
+(ii) ``big`` -- a random llama-style target from a transformers ``LlamaConfig`` (:data:`BIG`:
+    hidden 2048, 24 layers, 16/8 heads of 128, FFN 8192, vocab 128256, untied: 2.03B parameters)
+    and a random drafter (``--big-draft-layers``, default 1 layer, B=16, 5 target layers); samples
+    of ``--big-prompt`` + ``--big-new`` (default 128 + 1024) tokens with random ids and random
+    hidden states (the replay's cost does not depend on their values; a random drafter accepts
+    ~nothing either way). The online loop decodes the same prompts for ``--big-new`` tokens with no
+    stop token, the target in the loop.
+
+Printed per case: wall seconds (and per sample) of the batched replay (memory-sized chunks), the
+sequential replay (memory-sized batches; ``--seq-batch`` caps them), and the online loop (batch 1,
+on the first ``--online-samples`` samples), the ratios, tau of each, how many samples' acceptance
+lists differ between batched and sequential (with the near-ties behind them, top-2 logit gaps),
+and the FLOPs the batched pass executed divided by its time, next to a measured dense GEMM rate
+in the same dtype. Goals (issue 9): batched >= 20x sequential at 1k tokens; offline tau of one
+checkpoint >= 50x faster than online decoding of the same samples.
+
+The reference package: ``dflash==0.1.0`` is installed ``--no-deps`` by ``make venv`` here; the GPU
+host has no network and no ``dflash``, so carry the wheel in the git-ignored ``.whl/dflash``:
+
+    python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash      # once, where PyPI is reachable
+
+This script puts ``.whl/dflash/dflash-*.whl`` on ``sys.path`` when ``import dflash`` fails (a
+pure-Python wheel imports from the zip). On one H200, from the repo root:
+
+    python bench/replay.py                      # both cases, bf16, ~4 min
+    python bench/replay.py --case big           # one case
+
+CPU smoke run (tiny sizes, float32; what the CI-free check here runs):
+
+    .venv/bin/python bench/replay.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from dflash_eval.cache import CacheSample, run_target  # noqa: E402
+from dflash_eval.drafter import DFlashDrafter, DrafterConfig, load_drafter  # noqa: E402
+from dflash_eval.metrics import aggregate  # noqa: E402
+from dflash_eval.replay import explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
+
+#: SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+#: a >= 1.5B llama-style target (Llama-3.2 layout, deeper): 2.03B parameters, 1.51B outside embeddings
+BIG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=16,
+           num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+           tie_word_embeddings=False)
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+            tie_word_embeddings=False)
+SMOL_LAYERS = [1, 8, 15, 22, 27]  # the demo drafters' target_layer_ids
+
+
+def import_reference():
+    """``dflash.model`` from the installed package, else from ``.whl/dflash/dflash-*.whl`` (zip import)."""
+    try:
+        import dflash.model as ref
+        return ref
+    except ImportError:
+        wheels = sorted(glob.glob(str(REPO / ".whl" / "dflash" / "dflash-*.whl")))
+        if not wheels:
+            sys.exit("dflash is not installed and .whl/dflash/dflash-*.whl is missing: run "
+                     "`python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash` where PyPI is reachable")
+        sys.path.insert(0, wheels[-1])
+        import dflash.model as ref
+        return ref
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(dev, fn):
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return out, time.perf_counter() - t0
+
+
+def gemm_rate(dev, dt) -> float:
+    """Dense GEMM TFLOP/s in ``dt`` (n x n by n x n, best of a few)."""
+    n = 8192 if dev.type == "cuda" else 1024
+    a = torch.randn(n, n, device=dev, dtype=dt)
+    b = torch.randn(n, n, device=dev, dtype=dt)
+    a @ b
+    best = float("inf")
+    for _ in range(5 if dev.type == "cuda" else 2):
+        _, t = timed(dev, lambda: [a @ b for _ in range(10 if dev.type == "cuda" else 1)])
+        best = min(best, t / (10 if dev.type == "cuda" else 1))
+    return 2 * n ** 3 / best / 1e12
+
+
+def batched_flops(cfg, stats: dict, vocab: int) -> float:
+    """FLOPs the batched pass executed (matmuls only), from :func:`iter_anchor_drafts` ``stats``."""
+    H, I, nh, nkv, hd, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                            cfg.head_dim, cfg.num_hidden_layers)
+    layer = H * nh * hd * 2 + H * nkv * hd * 2 + 3 * H * I  # q, o, k, v, MLP
+    ctx = len(cfg.target_layer_ids) * H * H + L * 2 * H * nkv * hd  # fc, per-layer context k/v
+    return (2 * stats["query_tokens"] * layer * L + 2 * stats["context_tokens"] * ctx
+            + 4 * stats["attn_pairs"] * nh * hd * L + 2 * stats["head_rows"] * H * vocab)
+
+
+def random_target(cfg: dict, dev, dt):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa"))
+    return model.to(dt).eval()
+
+
+def save_drafter(drafter: DFlashDrafter, raw_cfg: dict, folder: Path) -> Path:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw_cfg))
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def drafter_config(tcfg: dict, layers: int, block_size: int, layer_ids: list[int]) -> dict:
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tcfg["hidden_size"],
+            "intermediate_size": tcfg["intermediate_size"], "num_attention_heads": tcfg["num_attention_heads"],
+            "num_key_value_heads": tcfg["num_key_value_heads"], "head_dim": tcfg["head_dim"],
+            "num_hidden_layers": layers, "num_target_layers": tcfg["num_hidden_layers"],
+            "rms_norm_eps": tcfg["rms_norm_eps"], "rope_theta": tcfg["rope_theta"],
+            "max_position_embeddings": tcfg["max_position_embeddings"], "vocab_size": tcfg["vocab_size"],
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False, "block_size": block_size,
+            "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": tcfg["vocab_size"] - 1,
+                              "block_size": block_size}}
+
+
+def online(ref, ref_drafter, target, samples, max_new: int, stop, dev):
+    """Reference online loop per sample (batch 1): ``(seconds, [acceptance lists], [output ids])``."""
+    accs, outs = [], []
+
+    def run():
+        for s in samples:
+            o = ref.dflash_generate(ref_drafter, target, s.input_ids[: s.prompt_len][None].to(dev),
+                                    max_new_tokens=max_new, stop_token_ids=stop, return_stats=True)
+            accs.append(o.acceptance_lengths)
+            outs.append(o.output_ids[0, s.prompt_len:].tolist())
+    _, t = timed(dev, run)
+    return t, accs, outs
+
+
+def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_new, stop, args, dev, dt, flops_rate):
+    n = len(samples)
+    B = drafter.cfg.block_size
+    mem = free_memory_bytes(dev)
+    stats: dict = {}
+    replay_batched(drafter, embed, head, samples[: min(2, n)], memory_bytes=mem)  # warm-up (kernels, allocator)
+    bat, t_bat = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem, stats=stats))
+    seq, t_seq = timed(dev, lambda: replay(drafter, embed, head, samples, mode="sequential", memory_bytes=mem,
+                                           batch_size=args.seq_batch))
+    k = min(args.online_samples, n)
+    t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev)
+    tau = lambda recs: aggregate(recs, B).tau  # noqa: E731
+    tokens = sum(len(s.input_ids) - s.prompt_len for s in samples)
+    print(f"[{name}] {n} samples, {tokens / n:.0f} completion tokens/sample, B={B}, {dev.type} {str(dt)[6:]}")
+    print(f"  batched all-anchor : {t_bat:8.2f} s  ({t_bat / n * 1e3:8.1f} ms/sample)  tau {tau(bat):.4f}")
+    print(f"  sequential         : {t_seq:8.2f} s  ({t_seq / n * 1e3:8.1f} ms/sample)  tau {tau(seq):.4f}")
+    print(f"  online loop        : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  tau {tau(onl):.4f}")
+    print(f"  ratio sequential / batched        : {t_seq / t_bat:8.1f}x")
+    print(f"  ratio online / batched (per sample): {(t_onl / k) / (t_bat / n):8.1f}x")
+    print(f"  ratio online / sequential (per sample): {(t_onl / k) / (t_seq / n):8.1f}x")
+    same_out = [i for i in range(k) if outs[i] == samples[i].input_ids[samples[i].prompt_len:].tolist()]
+    print(f"  online output == cached completion: {len(same_out)}/{k} samples; of those, batched acceptance == online: "
+          f"{sum(bat[i] == onl[i] for i in same_out)}/{len(same_out)}")
+    diff = [i for i in range(n) if bat[i] != seq[i]]
+    print(f"  batched != sequential: {len(diff)}/{n} samples")
+    for row in explain_differences(drafter, embed, head, [samples[i] for i in diff[:8]], [bat[i] for i in diff[:8]],
+                                   [seq[i] for i in diff[:8]]):
+        if "slot" not in row:
+            print(f"    {row}")
+            continue
+        print(f"    near-tie? sample {row['sample_id']} anchor {row['anchor']} slot {row['slot']}: batched {row['n_first']} "
+              f"vs sequential {row['n_second']} tokens; target token {row['target_token']}; top-2 gap "
+              f"{row['sequential']['gap']:.4f} (sequential way) / {row['batched']['gap']:.4f} (batched way), target margin "
+              f"{row['sequential']['target_margin']:+.4f} / {row['batched']['target_margin']:+.4f}")
+    fl = batched_flops(drafter.cfg, stats, head.shape[0])
+    print(f"  batched pass: {stats['calls']} drafter calls, {stats['query_tokens']} query tokens, {stats['head_rows']} "
+          f"LM-head rows; {fl / 1e12:.2f} TFLOP executed -> {fl / t_bat / 1e12:.2f} TFLOP/s "
+          f"({100 * fl / t_bat / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.1f} TFLOP/s GEMM rate)")
+    return {"case": name, "n": n, "batched_s": t_bat, "sequential_s": t_seq, "online_s": t_onl, "online_n": k,
+            "tau_batched": tau(bat), "tau_sequential": tau(seq), "tau_online": tau(onl), "differ": len(diff),
+            "tflops": fl / t_bat / 1e12, "gemm_tflops": flops_rate}
+
+
+def case_smol(args, ref, dev, dt, rate):
+    from dflash_eval.target import load_target
+
+    if args.smol_target:
+        target, _ = load_target(args.smol_target, device=dev, dtype=dt)
+        label = f"SmolLM2 target {args.smol_target}"
+    else:
+        target = random_target(SMOL, dev, dt)
+        label = "random SmolLM2-135M-shaped target"
+    print(f"# (i) demo drafters on a {label}")
+    gen = torch.Generator().manual_seed(1)
+    vocab = target.config.vocab_size
+    prompts = torch.randint(3, vocab - 1, (args.smol_n, args.prompt_len), generator=gen)
+    stop = [target.config.eos_token_id] if target.config.eos_token_id is not None else None
+    seqs = []
+    with torch.inference_mode():
+        for b0 in range(0, args.smol_n, 64):
+            out = target.generate(prompts[b0:b0 + 64].to(dev), max_new_tokens=args.smol_new, do_sample=False,
+                                  eos_token_id=stop, pad_token_id=0)
+            for row in out.cpu():
+                ids = row.tolist()
+                cut = len(ids)
+                for j in range(args.prompt_len, len(ids)):
+                    if stop and ids[j] in stop:
+                        cut = j + 1
+                        break
+                seqs.append(ids[:cut])
+        samples = []
+        for b0 in range(0, len(seqs), 16):
+            for ids, (hidden, _) in zip(seqs[b0:b0 + 16], run_target(target, seqs[b0:b0 + 16], SMOL_LAYERS, dev)):
+                t = torch.tensor(ids)
+                samples.append(CacheSample(len(samples), f"s{len(samples)}", t, args.prompt_len, hidden, t.clone(),
+                                           "eos", args.smol_new))
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    results = []
+    for folder in sorted((REPO / "demo" / "drafters").glob("dflash-smollm2-*")):
+        drafter = load_drafter(folder, device=dev, dtype=dt)
+        ref_drafter = ref.DFlashDraftModel.from_pretrained(str(folder), dtype=dt).to(dev).eval()
+        results.append(compare(f"smollm2 {folder.name}", drafter, embed, head, samples, ref, ref_drafter, target,
+                               args.smol_new, stop, args, dev, dt, rate))
+    return results
+
+
+def case_big(args, ref, dev, dt, rate):
+    tcfg = TINY if args.smoke else BIG
+    target = random_target(tcfg, dev, dt)
+    nparams = sum(p.numel() for p in target.parameters())
+    print(f"# (ii) random llama-style target, {nparams / 1e9:.2f}B parameters, random {args.big_draft_layers}-layer drafter")
+    n_layers = tcfg["num_hidden_layers"]
+    layer_ids = sorted({round(1 + i * (n_layers - 3) / 4) for i in range(5)})
+    raw = drafter_config(tcfg, args.big_draft_layers, 16, layer_ids)
+    torch.manual_seed(2)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw)).to(device=dev, dtype=dt).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_drafter = ref.DFlashDraftModel.from_pretrained(str(save_drafter(drafter, raw, Path(tmp) / "d")),
+                                                           dtype=dt).to(dev).eval()
+    gen = torch.Generator().manual_seed(3)
+    P, N = args.big_prompt, args.big_new
+    samples = []
+    for i in range(args.big_n):
+        ids = torch.randint(0, tcfg["vocab_size"] - 1, (P + N,), generator=gen)
+        hidden = torch.randn(P + N, len(layer_ids), tcfg["hidden_size"], generator=gen).to(dt)
+        samples.append(CacheSample(i, f"r{i}", ids, P, hidden, ids.clone(), "length", N))
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    return [compare("big", drafter, embed, head, samples, ref, ref_drafter, target, N, None, args, dev, dt, rate)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=["all", "smollm2", "big"], default="all")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
+    ap.add_argument("--smol-target", default=None, help="real SmolLM2 HF folder (default: random weights from its config)")
+    ap.add_argument("--smol-n", type=int, default=64)
+    ap.add_argument("--smol-new", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=96)
+    ap.add_argument("--big-n", type=int, default=64)
+    ap.add_argument("--big-prompt", type=int, default=128)
+    ap.add_argument("--big-new", type=int, default=1024)
+    ap.add_argument("--big-draft-layers", type=int, default=1)
+    ap.add_argument("--online-samples", type=int, default=4, help="samples decoded by the online loop (per drafter)")
+    ap.add_argument("--seq-batch", type=int, default=0, help="cap on the sequential replay's batch (0 = memory-sized)")
+    ap.add_argument("--out", default=None, help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.smol_n, args.smol_new, args.prompt_len = 2, 24, 12
+        args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, 1
+    from dflash_eval.target import resolve_device, resolve_dtype
+
+    dev = resolve_device(args.device)
+    dt = resolve_dtype(args.dtype, dev)
+    ref = import_reference()
+    if dev.type != "cuda":
+        ref._cuda_time = time.perf_counter  # the reference times with cuda.synchronize
+    torch.set_grad_enabled(False)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    rate = gemm_rate(dev, dt)
+    print(f"device {name}, dtype {str(dt)[6:]}, torch {torch.__version__}; measured GEMM {rate:.1f} TFLOP/s; "
+          f"replay memory plan {free_memory_bytes(dev) / 2**30:.1f} GiB")
+    results = []
+    if args.case in ("all", "smollm2"):
+        results += case_smol(args, ref, dev, dt, rate)
+    if args.case in ("all", "big"):
+        results += case_big(args, ref, dev, dt, rate)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
