@@ -21,12 +21,14 @@ Cases:
     ~nothing either way). The online loop decodes the same prompts for ``--big-new`` tokens with no
     stop token, the target in the loop.
 
-Printed per case: wall seconds (and per sample) of the batched replay (memory-sized chunks), the
-sequential replay (memory-sized batches; ``--seq-batch`` caps them), and the online loop (batch 1,
-on the first ``--online-samples`` samples), the ratios, tau of each, how many samples' acceptance
-lists differ between batched and sequential (with the near-ties behind them, top-2 logit gaps),
-and the FLOPs the batched pass executed divided by its time, next to a measured dense GEMM rate
-in the same dtype. Goals (issue 9): batched >= 20x sequential at 1k tokens; offline tau of one
+Printed per case: wall seconds (and per sample) of the batched replay in both layouts (``rows``
+and ``packed``, memory-sized chunks; the device's default layout, ``replay.DEFAULT_LAYOUT``, is
+the one in the ratios), the sequential replay (memory-sized batches; ``--seq-batch`` caps them),
+and the online loop (batch 1, on the first ``--online-samples`` samples), the ratios, tau of each,
+how many samples' acceptance lists differ between batched and sequential (with the near-tie behind
+each, top-2 logit gap in ulps), and the FLOPs each batched pass executed divided by its time, next
+to a measured dense GEMM rate in the same dtype. Warm-up: each batched layout first runs on two
+samples; the sequential replay and the online loop run cold (their per-step work is small). Goals (issue 9): batched >= 20x sequential at 1k tokens; offline tau of one
 checkpoint >= 50x faster than online decoding of the same samples.
 
 The reference package: ``dflash==0.1.0`` is installed ``--no-deps`` by ``make venv`` here; the GPU
@@ -48,6 +50,7 @@ CPU smoke run (tiny sizes, float32; what the CI-free check here runs):
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import sys
@@ -60,10 +63,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up in redirected logs)
+
 from dflash_eval.cache import CacheSample, run_target  # noqa: E402
 from dflash_eval.drafter import DFlashDrafter, DrafterConfig, load_drafter  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.replay import explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
+from dflash_eval.replay import DEFAULT_LAYOUT, LAYOUTS, explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
 
 #: SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -178,43 +183,56 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
     n = len(samples)
     B = drafter.cfg.block_size
     mem = free_memory_bytes(dev)
-    stats: dict = {}
-    replay_batched(drafter, embed, head, samples[: min(2, n)], memory_bytes=mem)  # warm-up (kernels, allocator)
-    bat, t_bat = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem, stats=stats))
+    bat, t_bat, stats = {}, {}, {}
+    for layout in LAYOUTS:  # both layouts of the batched replay; the device's default is the headline
+        stats[layout] = {}
+        replay_batched(drafter, embed, head, samples[: min(2, n)], memory_bytes=mem, layout=layout)  # warm-up
+        bat[layout], t_bat[layout] = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem,
+                                                                       layout=layout, stats=stats[layout]))
+    default = DEFAULT_LAYOUT.get(dev.type, "rows")
     seq, t_seq = timed(dev, lambda: replay(drafter, embed, head, samples, mode="sequential", memory_bytes=mem,
                                            batch_size=args.seq_batch))
     k = min(args.online_samples, n)
     t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev)
     tau = lambda recs: aggregate(recs, B).tau  # noqa: E731
     tokens = sum(len(s.input_ids) - s.prompt_len for s in samples)
+    tb = t_bat[default]
     print(f"[{name}] {n} samples, {tokens / n:.0f} completion tokens/sample, B={B}, {dev.type} {str(dt)[6:]}")
-    print(f"  batched all-anchor : {t_bat:8.2f} s  ({t_bat / n * 1e3:8.1f} ms/sample)  tau {tau(bat):.4f}")
-    print(f"  sequential         : {t_seq:8.2f} s  ({t_seq / n * 1e3:8.1f} ms/sample)  tau {tau(seq):.4f}")
-    print(f"  online loop        : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  tau {tau(onl):.4f}")
-    print(f"  ratio sequential / batched        : {t_seq / t_bat:8.1f}x")
-    print(f"  ratio online / batched (per sample): {(t_onl / k) / (t_bat / n):8.1f}x")
-    print(f"  ratio online / sequential (per sample): {(t_onl / k) / (t_seq / n):8.1f}x")
+    for layout in LAYOUTS:
+        mark = " (default)" if layout == default else ""
+        print(f"  batched {layout:7s}{mark:10s}: {t_bat[layout]:8.2f} s  ({t_bat[layout] / n * 1e3:8.1f} ms/sample)  "
+              f"tau {tau(bat[layout]):.4f}")
+    print(f"  sequential                : {t_seq:8.2f} s  ({t_seq / n * 1e3:8.1f} ms/sample)  tau {tau(seq):.4f}")
+    print(f"  online loop               : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  "
+          f"tau {tau(onl):.4f}")
+    print(f"  ratio sequential / batched ({default})        : {t_seq / tb:8.1f}x   (goal >= 20x at 1k tokens)")
+    print(f"  ratio online / batched ({default}), per sample : {(t_onl / k) / (tb / n):8.1f}x   (goal >= 50x)")
+    print(f"  ratio online / sequential, per sample      : {(t_onl / k) / (t_seq / n):8.1f}x")
     same_out = [i for i in range(k) if outs[i] == samples[i].input_ids[samples[i].prompt_len:].tolist()]
     print(f"  online output == cached completion: {len(same_out)}/{k} samples; of those, batched acceptance == online: "
-          f"{sum(bat[i] == onl[i] for i in same_out)}/{len(same_out)}")
-    diff = [i for i in range(n) if bat[i] != seq[i]]
-    print(f"  batched != sequential: {len(diff)}/{n} samples")
-    for row in explain_differences(drafter, embed, head, [samples[i] for i in diff[:8]], [bat[i] for i in diff[:8]],
-                                   [seq[i] for i in diff[:8]]):
-        if "slot" not in row:
-            print(f"    {row}")
-            continue
-        print(f"    near-tie? sample {row['sample_id']} anchor {row['anchor']} slot {row['slot']}: batched {row['n_first']} "
-              f"vs sequential {row['n_second']} tokens; target token {row['target_token']}; top-2 gap "
-              f"{row['sequential']['gap']:.4f} (sequential way) / {row['batched']['gap']:.4f} (batched way), target margin "
-              f"{row['sequential']['target_margin']:+.4f} / {row['batched']['target_margin']:+.4f}")
-    fl = batched_flops(drafter.cfg, stats, head.shape[0])
-    print(f"  batched pass: {stats['calls']} drafter calls, {stats['query_tokens']} query tokens, {stats['head_rows']} "
-          f"LM-head rows; {fl / 1e12:.2f} TFLOP executed -> {fl / t_bat / 1e12:.2f} TFLOP/s "
-          f"({100 * fl / t_bat / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.1f} TFLOP/s GEMM rate)")
-    return {"case": name, "n": n, "batched_s": t_bat, "sequential_s": t_seq, "online_s": t_onl, "online_n": k,
-            "tau_batched": tau(bat), "tau_sequential": tau(seq), "tau_online": tau(onl), "differ": len(diff),
-            "tflops": fl / t_bat / 1e12, "gemm_tflops": flops_rate}
+          f"{sum(bat[default][i] == onl[i] for i in same_out)}/{len(same_out)}")
+    for layout in LAYOUTS:
+        diff = [i for i in range(n) if bat[layout][i] != seq[i]]
+        print(f"  batched {layout} != sequential: {len(diff)}/{n} samples")
+        for row in explain_differences(drafter, embed, head, [samples[i] for i in diff[:8]],
+                                       [bat[layout][i] for i in diff[:8]], [seq[i] for i in diff[:8]]):
+            if "slot" not in row:
+                print(f"    {row}")
+                continue
+            print(f"    sample {row['sample_id']} anchor {row['anchor']} slot {row['slot']}: batched {row['n_first']} vs "
+                  f"sequential {row['n_second']} tokens; target token {row['target_token']}, top-2 "
+                  f"{row['top1']}/{row['top2']}, top-1 logit {row['top1_logit']:.3f}, top-2 gap {row['gap']:.4f} "
+                  f"= {row['gap_ulps']:.1f} ulps, target margin {row['target_margin']:+.4f}")
+    for layout in LAYOUTS:
+        st = stats[layout]
+        fl = batched_flops(drafter.cfg, st, head.shape[0])
+        print(f"  batched {layout} pass: {st['calls']} drafter calls, {st['query_tokens']} query tokens, "
+              f"{st['head_rows']} LM-head rows; {fl / 1e9:.1f} GFLOP executed -> {fl / t_bat[layout] / 1e12:.3f} TFLOP/s "
+              f"({100 * fl / t_bat[layout] / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.3f} TFLOP/s GEMM rate)")
+    return {"case": name, "n": n, "batched_s": t_bat, "default_layout": default, "sequential_s": t_seq,
+            "online_s": t_onl, "online_n": k, "tau_batched": {x: tau(bat[x]) for x in LAYOUTS},
+            "tau_sequential": tau(seq), "tau_online": tau(onl),
+            "differ": {x: sum(bat[x][i] != seq[i] for i in range(n)) for x in LAYOUTS}, "gemm_tflops": flops_rate}
 
 
 def case_smol(args, ref, dev, dt, rate):
@@ -253,7 +271,8 @@ def case_smol(args, ref, dev, dt, rate):
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
     results = []
-    for folder in sorted((REPO / "demo" / "drafters").glob("dflash-smollm2-*")):
+    folders = sorted((REPO / "demo" / "drafters").glob("dflash-smollm2-*"))
+    for folder in folders[:1] if args.smoke else folders:
         drafter = load_drafter(folder, device=dev, dtype=dt)
         ref_drafter = ref.DFlashDraftModel.from_pretrained(str(folder), dtype=dt).to(dev).eval()
         results.append(compare(f"smollm2 {folder.name}", drafter, embed, head, samples, ref, ref_drafter, target,
@@ -305,7 +324,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.smol_n, args.smol_new, args.prompt_len = 2, 24, 12
+        args.smol_n, args.smol_new, args.prompt_len = 2, 12, 8
         args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, 1
     from dflash_eval.target import resolve_device, resolve_dtype
 
@@ -317,7 +336,7 @@ def main(argv=None):
     torch.set_grad_enabled(False)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     rate = gemm_rate(dev, dt)
-    print(f"device {name}, dtype {str(dt)[6:]}, torch {torch.__version__}; measured GEMM {rate:.1f} TFLOP/s; "
+    print(f"device {name}, dtype {str(dt)[6:]}, torch {torch.__version__}; measured GEMM {rate:.3f} TFLOP/s; "
           f"replay memory plan {free_memory_bytes(dev) / 2**30:.1f} GiB")
     results = []
     if args.case in ("all", "smollm2"):

@@ -62,10 +62,14 @@ from .metrics import aggregate, sample_tau
 log = logging.getLogger(__name__)
 
 SLOT_CHUNK = 4  # sequential replay: LM-head slots evaluated per pass while drafts keep matching
-#: batched replay: most query tokens (anchors x B) per drafter call. Larger chunks waste
-#: attention on the (chunk x chunk) block-diagonal mask; this keeps that waste below the
-#: context part for typical responses while still filling a GPU.
-MAX_CHUNK_TOKENS = {"cuda": 8192, "cpu": 2048}
+#: batched replay, how one drafter call holds its anchors' blocks (see :func:`iter_anchor_drafts`):
+#: ``rows`` = one row per anchor (per-row copies of the context K/V), ``packed`` = all blocks as
+#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys).
+LAYOUTS = ("rows", "packed")
+DEFAULT_LAYOUT = {"cuda": "packed", "cpu": "rows"}
+#: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
+#: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
+MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024}
 MEMORY_FRACTION = {"cuda": 0.6, "cpu": 0.25}  # share of free memory the replay plans its temporaries for
 REPLAY_MODES = ("batched", "sequential")
 
@@ -293,21 +297,24 @@ def chain_walk(accepted: list[int], prompt_len: int, n_tokens: int) -> list[int]
 class _Plan:
     """Sizes of one all-anchor pass (bytes per element ``elem``; see :func:`iter_anchor_drafts`)."""
 
-    def __init__(self, cfg, B: int, elem: int, vocab: int, mem: int, device: torch.device, topk: int, full: bool):
+    def __init__(self, cfg, B: int, elem: int, vocab: int, mem: int, device: torch.device, topk: int, full: bool,
+                 layout: str):
         self.B = B
         self.mem = mem
+        self.layout = layout
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         H, I = cfg.hidden_size, cfg.intermediate_size
         positional = any(lt == "sliding_attention" for lt in cfg.layer_types) or bool(cfg.is_causal)
-        # per (query, key) pair: bool masks (inputs, concatenation, per-layer-kind copy), the additive
+        # per (query, key) pair: bool masks (input, concatenation, per-layer-kind copy), the additive
         # float mask SDPA builds, positions' distance (int64) when a layer is causal/windowed, and the
         # scores + probabilities of a non-fused attention kernel (float32), for every head.
         self.pair = 3 + elem + (8 if positional else 0) + nh * 8
-        # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product) and the
-        # head-repeated block K/V; per key token: the head-repeated context K/V.
-        self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd + 2 * nh * hd) + 64
-        self.key = elem * 2 * nh * hd
-        self.max_tokens = MAX_CHUNK_TOKENS.get(device.type, MAX_CHUNK_TOKENS["cpu"])
+        # per (row, key) in ``rows`` / per key in ``packed``: the context + block K/V gathered
+        # (multi-sample chunks), concatenated, and repeated to every query head (GQA), one layer at a time.
+        self.row_key = elem * 2 * hd * (2 * nkv + nh)
+        # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product).
+        self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd) + 64
+        self.max_tokens = MAX_CHUNK_TOKENS[layout, "cuda" if device.type == "cuda" else "cpu"]
         slots = B - 1 if (full or topk) else 1
         row = vocab * (elem + (4 * 3 if topk else 0)) * slots
         self.head_rows = max(1, mem // 2 // max(row, 1))  # rows per LM-head pass
@@ -315,9 +322,16 @@ class _Plan:
         out = (B - 1) * (8 + 12 * topk) + 32
         self.ctx_tokens = max(1, mem // 4 // (_context_bytes_per_token(cfg, elem) + out))
 
+    def add_keys(self, keys: int, piece_keys: int) -> int:
+        """Context keys of a call after adding a piece: the largest piece's (``rows``) or their sum (``packed``)."""
+        return max(keys, piece_keys) if self.layout == "rows" else keys + piece_keys
+
     def cost(self, rows: int, keys: int) -> int:
+        """Peak temporary bytes of one drafter call on ``rows`` anchors and ``keys`` context keys."""
         q = rows * self.B
-        return q * (keys + q) * self.pair + q * self.token + (keys + q) * self.key
+        if self.layout == "rows":  # every row: keys + its own block
+            return q * (keys + self.B) * self.pair + rows * (keys + self.B) * self.row_key + q * self.token
+        return q * (keys + q) * self.pair + (keys + q) * self.row_key + q * self.token  # one sequence
 
     def fits(self, rows: int, keys: int) -> bool:
         return rows * self.B <= self.max_tokens and self.cost(rows, keys) <= self.mem // 2
@@ -326,18 +340,18 @@ class _Plan:
 def _plan_chunks(plan: _Plan, spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Split per-sample anchor ranges ``(sample, a0, a1)`` into drafter calls within ``plan``'s limits.
 
-    A chunk holds consecutive anchors of one or more samples; its context keys are, per sample,
-    the positions ``< max anchor`` of that sample in the chunk.
+    A chunk holds consecutive anchors of one or more samples; a piece ``(s, a0, a1)`` needs its
+    sample's context positions ``< a1 - 1`` (keys at or after a row's own anchor are masked).
     """
     chunks: list[list[tuple[int, int, int]]] = []
     cur: list[tuple[int, int, int]] = []
     rows = keys = 0
     for s, a0, a1 in spans:
         while a0 < a1:
-            lo, hi = 0, a1 - a0  # largest r with fits(rows + r, keys + a0 + r - 1)
+            lo, hi = 0, a1 - a0  # largest r with fits(rows + r, max(keys, a0 + r - 1))
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if plan.fits(rows + mid, keys + a0 + mid - 1):
+                if plan.fits(rows + mid, plan.add_keys(keys, a0 + mid - 1)):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -350,7 +364,7 @@ def _plan_chunks(plan: _Plan, spans: list[tuple[int, int, int]]) -> list[list[tu
                 r = 1  # a single anchor always runs (even past the planned memory)
             cur.append((s, a0, a0 + r))
             rows += r
-            keys += a0 + r - 1
+            keys = plan.add_keys(keys, a0 + r - 1)
             a0 += r
             if a0 < a1:  # the sample continues in the next chunk
                 chunks.append(cur)
@@ -371,26 +385,36 @@ def iter_anchor_drafts(
     full: bool = False,
     memory_bytes: int | None = None,
     max_group_samples: int = 0,
+    layout: str | None = None,
     stats: dict | None = None,
 ) -> Iterator[AnchorDrafts]:
     """All-anchor drafts of several samples, yielded per sample in input order.
 
     Samples are taken in groups whose context (stored states, fused states and every draft
     layer's context K/V, :func:`_context_bytes_per_token`) and outputs (``greedy``, top-K) fit a
-    quarter of ``memory_bytes``;
-    a group's context K/V is computed once for all its tokens (positions restart per sample).
-    The group's anchors are then drafted in chunks: one drafter call takes the blocks of
-    ``C`` consecutive anchors (of one or more samples) as one sequence of ``C*B`` queries
-    over the keys ``[context of those samples | the C blocks]``, with a boolean mask letting
-    each block see its own sample's context ``< anchor`` and its own slots ``< vs``
-    (the DFlash training mask). Memory bound per call, with ``Q = C*B`` queries and
-    ``Kc`` context keys (the sum over the chunk's samples of their largest anchor):
-    ``Q*(Kc+Q)*(11 + elem + 8*heads [+8 for causal/windowed layers]) + Q*elem*(8H + 3I +
-    (3*heads + 2*kv_heads)*head_dim) + (Kc+Q)*2*elem*heads*head_dim`` bytes, kept below half
-    of ``memory_bytes``, and ``Q <= MAX_CHUNK_TOKENS[device type]``. The LM head runs on at
-    most ``memory_bytes / 2 / (V * (elem [+ 12 with topk]) * slots)`` rows at once, where
-    ``slots`` is 1 (lazy greedy) or B-1 (``full`` / ``topk``); ``[anchors, B, V]`` logits are
-    never held at once.
+    quarter of ``memory_bytes``; a group's context K/V is computed once for all its tokens
+    (positions restart per sample). The group's anchors are then drafted in chunks of ``C``
+    consecutive anchors (of one or more samples), one drafter call each; every anchor ``t``
+    gets its block ``[x[t], MASK x (B-1)]`` seeing its own sample's context ``< t`` and its own
+    slots ``< vs(t)``, never another block: the DFlash training mask (SpecForge
+    ``create_dflash_sdpa_mask``), with the context K/V computed once and shared. Two layouts
+    (``layout``, default :data:`DEFAULT_LAYOUT` per device type):
+
+    * ``rows``: ``C`` rows of ``B`` queries, keys ``[context [0, Kc) | own block]`` per row
+      (``Kc`` = the chunk's largest anchor), the context K/V copied per row. Bytes per call,
+      with ``Q = C*B`` queries: ``Q*(Kc+B)*p + C*(Kc+B)*r + Q*t``;
+    * ``packed``: one sequence of ``Q`` queries over ``[the chunk's samples' contexts (Kc keys
+      in all) | all C blocks]`` with a per-query mask: no copies, but every query also scores
+      the ``Q`` block keys. Bytes per call: ``Q*(Kc+Q)*p + (Kc+Q)*r + Q*t``;
+
+    with heads ``nh``, KV heads ``nkv``, head dim ``hd``, element size ``elem``,
+    ``p = 11 + elem + 8*nh`` (+8 for causal/windowed layers: masks, the additive mask, scores
+    and probabilities of a non-fused kernel), ``r = 2*elem*hd*(2*nkv + nh)`` (K/V gathered,
+    concatenated, repeated for GQA) and ``t = elem*(8H + 3I + (nh + 2nkv)*hd) + 64``
+    (activations); kept below half of ``memory_bytes``, with ``Q <= MAX_CHUNK_TOKENS``.
+    The LM head runs on at most ``memory_bytes / 2 / (V * (elem [+ 12 with topk]) * slots)``
+    rows at once, where ``slots`` is 1 (lazy greedy) or B-1 (``full`` / ``topk``); no
+    ``[anchors, B, V]`` logits are ever held.
 
     Args:
         drafter: :class:`~dflash_eval.drafter.DFlashDrafter` on the compute device/dtype.
@@ -403,6 +427,8 @@ def iter_anchor_drafts(
         full: compute the greedy draft of every slot (not only those the chain needs).
         memory_bytes: plan for this many bytes of temporaries (default :func:`free_memory_bytes`).
         max_group_samples: > 0 caps the samples per group.
+        layout: ``'rows'`` or ``'packed'`` (default: :data:`DEFAULT_LAYOUT` for the device type);
+            both give the same drafts up to reduction order.
         stats: if given, accumulates ``query_tokens``, ``attn_pairs`` (query-key pairs
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
@@ -417,7 +443,10 @@ def iter_anchor_drafts(
     V = head_weight.shape[0]
     K = min(int(topk), V)
     mem = int(memory_bytes or free_memory_bytes(dev))
-    plan = _Plan(cfg, B, elem, V, mem, dev, K, full)
+    layout = layout or DEFAULT_LAYOUT.get(dev.type, "rows")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
+    plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout)
     if stats is not None:
         for key in ("query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
             stats.setdefault(key, 0)
@@ -428,7 +457,6 @@ def iter_anchor_drafts(
 
 
 def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
-    cfg = drafter.cfg
     dev, dt = embed.device, embed.dtype
     T = [len(s.input_ids) for s in samples]
     P = [s.prompt_len for s in samples]
@@ -443,11 +471,14 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
     del hidden
     if stats is not None:
         stats["context_tokens"] += off[-1]
+    T_t = torch.tensor(T, device=dev)
+    off_t = torch.tensor(off[:-1], device=dev)
+    max_len_t = torch.tensor([p + s.max_new_tokens for p, s in zip(P, samples)], device=dev)
 
     out = []
     for i, s in enumerate(samples):
         anchors = torch.arange(P[i], P[i] + n[i], device=dev)
-        vs = torch.clamp(P[i] + s.max_new_tokens - anchors, max=B)
+        vs = torch.clamp(max_len_t[i] - anchors, max=B)
         out.append(dict(
             anchors=anchors, verify_size=vs, limit=torch.minimum(vs - 1, T[i] - 1 - anchors),
             accepted=torch.zeros(n[i], dtype=torch.long, device=dev),
@@ -458,27 +489,21 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
     spans = [(i, P[i], P[i] + n[i]) for i in range(len(samples)) if n[i] > 0]
     slot = torch.arange(B, device=dev)
     for pieces in _plan_chunks(plan, spans):
-        owner = torch.cat([torch.full((a1 - a0,), i, device=dev) for i, a0, a1 in pieces])
+        owner = torch.cat([torch.full((a1 - a0,), i, dtype=torch.long, device=dev) for i, a0, a1 in pieces])
         anchors = torch.cat([torch.arange(a0, a1, device=dev) for _, a0, a1 in pieces])
-        base = torch.tensor(off[:-1], device=dev)[owner]  # flat offset of each row's sample
-        if len(pieces) == 1:
-            i, _, a1 = pieces[0]
-            key_idx = slice(off[i], off[i] + a1 - 1)
-            key_owner = torch.full((a1 - 1,), i, device=dev)
+        base = off_t[owner]  # flat offset of each row's sample
+        vs = torch.clamp(max_len_t[owner] - anchors, max=B)
+        if plan.layout == "packed":
+            h, n_keys = _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B)
+            pairs = len(anchors) * B * (n_keys + len(anchors) * B)
         else:
-            key_idx = torch.cat([torch.arange(off[i], off[i] + a1 - 1, device=dev) for i, _, a1 in pieces])
-            key_owner = torch.cat([torch.full((a1 - 1,), i, device=dev) for i, _, a1 in pieces])
-        key_pos = pos[key_idx]
-        kv = [(k[:, :, key_idx], v[:, :, key_idx]) for k, v in ctx_kv]
-        h = _block_forward(drafter, embed, ids, base, owner, anchors, key_pos, key_owner, kv,
-                           [P[i] + samples[i].max_new_tokens for i in range(len(samples))], B)
-        # per row: verification targets and limits
-        Tr = torch.tensor(T, device=dev)[owner]
-        vs = torch.clamp(torch.tensor([P[i] + samples[i].max_new_tokens for i in range(len(samples))],
-                                      device=dev)[owner] - anchors, max=B)
+            h, n_keys = _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B)
+            pairs = len(anchors) * B * (n_keys + B)
+        # verification targets x[t + j] (-1 past the sample) and comparable slots
+        Tr = T_t[owner]
         limit = torch.minimum(vs - 1, Tr - 1 - anchors)
         tgt = anchors[:, None] + slot[None]
-        want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=len(ids) - 1)], -1)
+        want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=off[-1] - 1)], -1)
         greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
         match = (greedy == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])
         acc = match.long().cumprod(-1).sum(-1)
@@ -492,33 +517,71 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
                 out[i]["topk_ids"][rows] = topi[r0 : r0 + a1 - a0]
             r0 += a1 - a0
         if stats is not None:
-            q = len(anchors) * B
-            stats["query_tokens"] += q
-            stats["attn_pairs"] += q * (len(key_pos) + q)
+            stats["query_tokens"] += len(anchors) * B
+            stats["attn_pairs"] += pairs
             stats["calls"] += 1
     for i, s in enumerate(samples):
         yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
 
 
-def _block_forward(drafter, embed, ids, base, owner, anchors, key_pos, key_owner, kv, max_len, B):
-    """Drafter states ``[C, B, H]`` for the blocks of ``anchors`` (one sequence of C*B queries)."""
+def _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B: int):
+    """``rows`` layout: drafter states ``[C, B, H]``, one row per anchor over its sample's first ``Kc`` keys
+    (``Kc`` = the chunk's largest anchor); returns ``(h, Kc)``."""
+    dev = embed.device
+    Kc = max(a1 - 1 for _, _, a1 in pieces)
+    if len(pieces) == 1:  # one sample: its context, shared by every row (no copy until the drafter's cat)
+        i = pieces[0][0]
+        kv = [(k[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1),
+               v[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1)) for k, v in ctx_kv]
+    else:  # several samples: each row gathers its own sample's first Kc keys (the tail is masked)
+        idx = (base[:, None] + torch.arange(Kc, device=dev)[None]).clamp(max=off[-1] - 1)
+        kv = [(k[0][:, idx].transpose(0, 1), v[0][:, idx].transpose(0, 1)) for k, v in ctx_kv]
+    return _block_forward(drafter, embed, ids[base + anchors], anchors, kv, Kc, vs, B), Kc
+
+
+def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B: int):
+    """``packed`` layout: drafter states ``[C, B, H]`` from one sequence of ``C*B`` queries over the keys
+    ``[each piece's sample context < its largest anchor | all blocks]``; returns ``(h, context keys)``."""
     cfg = drafter.cfg
     dev = embed.device
     C = len(anchors)
+    if len(pieces) == 1:
+        i, _, a1 = pieces[0]
+        key_idx = slice(off[i], off[i] + a1 - 1)
+        key_owner = torch.full((a1 - 1,), i, dtype=torch.long, device=dev)
+    else:
+        key_idx = torch.cat([torch.arange(off[i], off[i] + a1 - 1, device=dev) for i, _, a1 in pieces])
+        key_owner = torch.cat([torch.full((a1 - 1,), i, dtype=torch.long, device=dev) for i, _, a1 in pieces])
+    key_pos = pos[key_idx]
+    kv = [(k[:, :, key_idx], v[:, :, key_idx]) for k, v in ctx_kv]
     slot = torch.arange(B, device=dev)
     block_ids = torch.full((C, B), cfg.mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = ids[base + anchors]
     emb = embed[block_ids].reshape(1, C * B, -1)
     if cfg.input_embedding_scale != 1.0:
         emb = emb * cfg.input_embedding_scale
-    block_pos = (anchors[:, None] + slot[None]).reshape(1, C * B)
-    vs = torch.clamp(torch.tensor(max_len, device=dev)[owner] - anchors, max=B)
     ctx_valid = (key_owner[None, :] == owner[:, None]) & (key_pos[None, :] < anchors[:, None])  # [C, Kc]
-    ctx_valid = ctx_valid.repeat_interleave(B, dim=0)[None]  # [1, C*B, Kc]
     row = torch.arange(C * B, device=dev) // B
-    block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])
-    h = drafter(emb, block_pos, kv, key_pos[None], ctx_valid, block_valid[None])
-    return h.view(C, B, -1)
+    block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
+    h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
+                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None])
+    return h.view(C, B, -1), len(key_pos)
+
+
+def _block_forward(drafter, embed, anchor_ids, anchors, kv, Kc: int, vs, B: int):
+    """Drafter states ``[C, B, H]`` of the blocks at ``anchors`` ``[C]`` (anchor tokens ``anchor_ids``,
+    verify sizes ``vs``), over per-row context K/V ``[C, n_kv, Kc, hd]`` of positions ``0..Kc-1``."""
+    cfg = drafter.cfg
+    dev = embed.device
+    C = len(anchors)
+    slot = torch.arange(B, device=dev)
+    block_ids = torch.full((C, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+    block_ids[:, 0] = anchor_ids
+    emb = embed[block_ids]
+    if cfg.input_embedding_scale != 1.0:
+        emb = emb * cfg.input_embedding_scale
+    ctx_pos = torch.arange(Kc, device=dev)[None].expand(C, -1)
+    return drafter(emb, anchors[:, None] + slot[None], kv, ctx_pos, ctx_pos < anchors[:, None], slot[None] < vs[:, None])
 
 
 def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
@@ -566,9 +629,11 @@ def anchor_drafts(
     topk: int = 0,
     full: bool = False,
     memory_bytes: int | None = None,
+    layout: str | None = None,
 ) -> AnchorDrafts:
     """:class:`AnchorDrafts` of one sample (see :func:`iter_anchor_drafts` for arguments and memory)."""
-    return next(iter_anchor_drafts(drafter, embed_weight, head_weight, [sample], block_size, topk, full, memory_bytes))
+    return next(iter_anchor_drafts(drafter, embed_weight, head_weight, [sample], block_size, topk, full, memory_bytes,
+                                   layout=layout))
 
 
 def replay_batched(
@@ -579,6 +644,7 @@ def replay_batched(
     block_size: int | None = None,
     memory_bytes: int | None = None,
     max_group_samples: int = 0,
+    layout: str | None = None,
     stats: dict | None = None,
 ) -> list[list[int]]:
     """All-anchor replay: per sample, the tokens committed per verify step (same contract as :func:`replay_batch`).
@@ -588,7 +654,8 @@ def replay_batched(
     """
     return [chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens)
             for d in iter_anchor_drafts(drafter, embed_weight, head_weight, samples, block_size,
-                                        memory_bytes=memory_bytes, max_group_samples=max_group_samples, stats=stats)]
+                                        memory_bytes=memory_bytes, max_group_samples=max_group_samples,
+                                        layout=layout, stats=stats)]
 
 
 def replay(drafter, embed_weight, head_weight, samples, block_size=None, mode: str = "batched",
@@ -626,34 +693,18 @@ def replay(drafter, embed_weight, head_weight, samples, block_size=None, mode: s
 # ----------------------------------------------------------------------------- bf16 differences
 
 @torch.inference_mode()
-def _single_block_logits(drafter, embed, head, sample, anchor: int, B: int, batched_style: bool) -> torch.Tensor:
-    """Logits ``[B, V]`` (float32 copy of the compute-dtype logits) of one anchor's block, computed
-    the sequential way (context ``[0, anchor)`` + the block) or the batched way (one-row chunk)."""
-    cfg = drafter.cfg
+def _single_block_logits(drafter, embed, head, sample, anchor: int, B: int) -> torch.Tensor:
+    """Logits ``[B, V]`` (float32 copy of the compute-dtype logits) of one anchor's block alone:
+    context ``[0, anchor)`` + the block with its verify size (a one-row drafter call)."""
     dev, dt = embed.device, embed.dtype
     T = len(sample.input_ids)
     ids = sample.input_ids.to(dev)
     hidden = sample.hidden.reshape(T, -1).to(device=dev, dtype=dt)[None]
     pos = torch.arange(T, device=dev)
-    ctx_kv = drafter.context_kv(hidden, pos[None])
-    max_len = sample.prompt_len + sample.max_new_tokens
+    kv = [(k[:, :, :anchor], v[:, :, :anchor]) for k, v in drafter.context_kv(hidden, pos[None])]
     a = torch.tensor([anchor], device=dev)
-    if batched_style:
-        kv = [(k[:, :, : anchor], v[:, :, : anchor]) for k, v in ctx_kv]
-        h = _block_forward(drafter, embed, ids, torch.zeros(1, dtype=torch.long, device=dev),
-                           torch.zeros(1, dtype=torch.long, device=dev), a, pos[:anchor],
-                           torch.zeros(anchor, dtype=torch.long, device=dev), kv, [max_len], B)[0]
-    else:
-        slot = torch.arange(B, device=dev)
-        vs = min(B, max_len - anchor)
-        block_ids = torch.full((1, B), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[0, 0] = ids[anchor]
-        emb = embed[block_ids]
-        if cfg.input_embedding_scale != 1.0:
-            emb = emb * cfg.input_embedding_scale
-        kv = [(k[:, :, :anchor], v[:, :, :anchor]) for k, v in ctx_kv]
-        h = drafter(emb, anchor + slot[None], kv, pos[None, :anchor], torch.ones(1, anchor, dtype=torch.bool, device=dev),
-                    slot[None] < vs)[0]
+    vs = torch.clamp(sample.prompt_len + sample.max_new_tokens - a, max=B)
+    h = _block_forward(drafter, embed, ids[a], a, kv, anchor, vs, B)[0]
     return drafter.logits(h, head).float()
 
 
@@ -662,21 +713,22 @@ def explain_differences(drafter, embed_weight, head_weight, samples, first: list
     """Name the draft decision behind each sample's first diverging verify step of two replays.
 
     For every sample whose acceptance lists differ, the first differing step (anchor ``t``)
-    is decided at slot ``j = min(n_first, n_second)`` (one replay accepted the draft for
-    ``t + j``, the other did not). Its logits are recomputed both ways
-    (:func:`_single_block_logits`) and reported with the top-2 gap of each, so a flip can be
+    is decided at slot ``j = min(n_first, n_second)``: one replay accepted the draft for
+    ``t + j``, the other did not. That block's logits are recomputed alone
+    (:func:`_single_block_logits`) and reported with their top-2 gap, so a flip can be
     checked to be a near-tie (a gap of a few units in the last place of the compute dtype at
-    the logit's magnitude), not a bug.
+    the logit's magnitude, which the other replay's batching can round either way), not a bug.
 
     Returns:
         one dict per differing sample: ``sample_id``, ``anchor``, ``step``, ``slot``,
-        ``n_first``, ``n_second``, ``target_token`` (``x[t + j]``), and per way
-        (``sequential``/``batched``): ``top1``, ``top2`` (token ids), ``top1_logit``, ``gap``
-        (top-1 minus top-2 logit), ``gap_ulps`` (the gap in units in the last place of the
-        compute dtype at ``top1_logit``), ``target_margin`` (target logit minus the best
-        other logit).
+        ``n_first``, ``n_second``, ``target_token`` (``x[t + j]``), ``top1``, ``top2`` (token
+        ids), ``top1_logit``, ``gap`` (top-1 minus top-2 logit), ``gap_ulps`` (the gap in
+        units in the last place of the compute dtype at ``top1_logit``), ``target_margin``
+        (target logit minus the best other logit); or ``sample_id``, ``step``, ``note`` when
+        the lists differ only in length.
     """
     B = int(block_size or drafter.cfg.block_size)
+    eps = torch.finfo(embed_weight.dtype).eps
     out = []
     for s, f, g in zip(samples, first, second):
         if f == g:
@@ -688,20 +740,16 @@ def explain_differences(drafter, embed_weight, head_weight, samples, first: list
         anchor = s.prompt_len + sum(f[:k])
         j = min(f[k], g[k])
         target = int(s.input_ids[anchor + j])
-        row = {"sample_id": s.sample_id, "anchor": anchor, "step": k, "slot": j, "n_first": f[k],
-               "n_second": g[k], "target_token": target}
-        for name, batched_style in (("sequential", False), ("batched", True)):
-            lg = _single_block_logits(drafter, embed_weight, head_weight, s, anchor, B, batched_style)[j]
-            top = torch.topk(lg, 2)
-            other = lg.clone()
-            other[target] = -float("inf")
-            top1 = float(top.values[0])
-            ulp = torch.finfo(embed_weight.dtype).eps * 2.0 ** math.floor(math.log2(abs(top1))) if top1 else 0.0
-            gap = float(top.values[0] - top.values[1])
-            row[name] = {"top1": int(top.indices[0]), "top2": int(top.indices[1]), "top1_logit": top1, "gap": gap,
-                         "gap_ulps": gap / ulp if ulp else math.inf,
-                         "target_margin": float(lg[target] - other.max())}
-        out.append(row)
+        lg = _single_block_logits(drafter, embed_weight, head_weight, s, anchor, B)[j]
+        top = torch.topk(lg, 2)
+        top1, gap = float(top.values[0]), float(top.values[0] - top.values[1])
+        ulp = eps * 2.0 ** math.floor(math.log2(abs(top1))) if top1 else eps
+        other = lg.clone()
+        other[target] = -float("inf")
+        out.append({"sample_id": s.sample_id, "anchor": anchor, "step": k, "slot": j, "n_first": f[k],
+                    "n_second": g[k], "target_token": target, "top1": int(top.indices[0]),
+                    "top2": int(top.indices[1]), "top1_logit": top1, "gap": gap, "gap_ulps": gap / ulp,
+                    "target_margin": float(lg[target] - other.max())})
     return out
 
 

@@ -43,15 +43,14 @@ class OracleDrafter:
 
     def __call__(self, emb, block_pos, kv, ctx_pos, ctx_valid, block_valid):
         n, b = block_pos.shape
-        if ctx_valid.dim() == 3:  # batched replay: blocks of B queries packed into one row
-            B = self.cfg.block_size
-            rows = [(r, q) for r in range(n) for q in range(0, b, B)]
-            out = torch.zeros(n, b, V)
-            for r, q in rows:
-                self._draft(out[r, q : q + B], emb[r, q], int(block_pos[r, q]), int(ctx_valid[r, q].sum()),
-                            int(block_valid[r, q].sum()))
-            return out
         out = torch.zeros(n, b, V)
+        if ctx_valid.dim() == 3:  # batched replay, packed layout: blocks of B queries in one row
+            B = self.cfg.block_size
+            for r in range(n):
+                for q in range(0, b, B):
+                    self._draft(out[r, q : q + B], emb[r, q], int(block_pos[r, q]), int(ctx_valid[r, q].sum()),
+                                int(block_valid[r, q].sum()))
+            return out
         for r in range(n):
             self._draft(out[r], emb[r, 0], int(block_pos[r, 0]), int(ctx_valid[r].sum()), int(block_valid[r].sum()))
         return out
@@ -161,8 +160,9 @@ def test_batch_equals_one_by_one(mode):
         assert sum(rec) == len(s) - 1 - p  # every completion token after the prefill one is committed once
 
 
+@pytest.mark.parametrize("layout", ["rows", "packed"])
 @pytest.mark.parametrize("memory_bytes", [1, 10_000, 10**9])
-def test_chunking_does_not_change_the_result(memory_bytes):
+def test_chunking_does_not_change_the_result(memory_bytes, layout):
     # 1 byte: one anchor per drafter call; 10 kB: a few; 1 GB: everything in one packed call
     seqs = [seq_of(30, 0), seq_of(17, 1), seq_of(23, 2), seq_of(9, 3)]
     plens = [5, 3, 8, 2]
@@ -172,7 +172,7 @@ def test_chunking_does_not_change_the_result(memory_bytes):
     eye = torch.eye(V)
     stats = {}
     got = replay_batched(drafter, eye, eye, [sample(s, p, 1000) for s, p in zip(seqs, plens)],
-                         memory_bytes=memory_bytes, stats=stats)
+                         memory_bytes=memory_bytes, layout=layout, stats=stats)
     assert got == want
     assert stats["query_tokens"] == 4 * sum(len(s) - 1 - p for s, p in zip(seqs, plens))  # every anchor once
     if memory_bytes == 1:
