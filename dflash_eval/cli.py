@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int | None:
     cmd = args.cmd
     if cmd == "target-from-gguf":
-        from .target import convert_gguf, resolve_gguf
+        from .gguf import convert_gguf, resolve_gguf
         convert_gguf(resolve_gguf(args.gguf), args.out)
     elif cmd == "prompts":
         from .prompts import build_prompt_set, write_prompts
@@ -206,14 +206,14 @@ def _dispatch(args) -> int | None:
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
     elif cmd == "hidden-states":
-        from .cache import extract_hidden_states
+        from .extract import extract_hidden_states
         extract_hidden_states(target_dir=args.target, completions_path=args.completions, out=args.out,
                               layer_ids=args.layer_ids, batch_tokens=args.batch_tokens, device=args.device,
                               dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
     elif cmd == "strip":
         import json
 
-        from .checkpoints import strip_checkpoint
+        from .strip import strip_checkpoint
         overrides = {}
         for item in args.override:
             key, _, val = item.partition("=")
@@ -254,7 +254,7 @@ def _dispatch(args) -> int | None:
             init_from=args.init_from),
             device=args.device)
     elif cmd == "demo-checkpoint":
-        from .checkpoints import write_demo_checkpoint
+        from .demo import write_demo_checkpoint
         write_demo_checkpoint(target_dir=args.target, out=args.out, drafter_dir=args.drafter,
                               random_init=args.random_init, layer_ids=args.layer_ids, block_size=args.block_size,
                               num_layers=args.num_layers, step=args.step, seed=args.seed)

@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from .errors import InputError, atomic_path
+from .io import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def eos_ids_of(model, tokenizer, target_dir: str | Path | None = None) -> list[i
     """The stop ids: ``generation_config.eos_token_id`` (int or list), else the tokenizer's eos.
 
     ``dflash==0.1.0`` stops on ``generation_config.eos_token_id`` (a list for
-    Qwen3/Llama-3); z-lab HEAD on ``tokenizer.eos_token_id`` (dflash.md §3.2).
+    Qwen3/Llama-3); z-lab HEAD on ``tokenizer.eos_token_id`` (z-lab/dflash ``dflash/benchmark.py``).
 
     Raises:
         InputError: no eos id anywhere.
@@ -170,9 +171,11 @@ class TransformersSource(CompletionSource):
     def describe(self) -> dict:
         import transformers
 
+        from .runtime import dtype_name
+
         p = next(self.model.parameters())
         return {"source": "transformers", "transformers": transformers.__version__, "torch": torch.__version__,
-                "device": str(p.device), "dtype": str(p.dtype).replace("torch.", ""),
+                "device": str(p.device), "dtype": dtype_name(p.dtype),
                 "torch_threads": torch.get_num_threads(),
                 "eos_ids": self.eos_ids, "pad_id": self.pad_id, "max_new_tokens": self.max_new_tokens,
                 "attn_implementation": getattr(self.model.config, "_attn_implementation", None)}
@@ -180,16 +183,6 @@ class TransformersSource(CompletionSource):
 
 #: completion source name (``generation.source``) -> class
 SOURCES: dict[str, type[CompletionSource]] = {"transformers": TransformersSource}
-
-
-def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length (sorted by length, stable; longest first).
-
-    Longest first makes the first batch the most memory-hungry, so an
-    out-of-memory error shows up at once rather than at the end.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, source: str = "transformers",
@@ -219,8 +212,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         InputError: unknown source, bad limits, bad prompts file or target folder, prompt ids outside the vocabulary.
     """
     from .prompts import read_prompts
-    from .hybrid import load_target_bound
-    from .target import resolve_device, resolve_dtype, target_info, weights_sha256
+    from .runtime import length_batches, resolve_device, resolve_dtype
+    from .target import TargetSpec, load_target, target_info
 
     if source not in SOURCES:
         raise InputError(None, "generation.source", f"unknown completion source {source!r}", f"use one of {sorted(SOURCES)}")
@@ -231,7 +224,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     rows = read_prompts(prompts_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model, tok, kernel = load_target_bound(target_dir, device=dev, dtype=dt, backend=linear_attn_backend)
+    spec = TargetSpec.read(target_dir)
+    model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
     if kernel.backend != "none":
         log.info("linear-attention kernel: %s", kernel.backend)
     info = target_info(model)
@@ -247,14 +241,14 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                     longest, max_pos)
 
     src = SOURCES[source](model, tok, max_new_tokens, target_dir=target_dir)
-    sha = weights_sha256(target_dir)
+    sha = spec.weights_sha256()
     log.info("completions: target %s (sha256 %s, %s), %d prompts, %s", target_dir, sha[:16], info["model_type"],
              len(rows), json.dumps(src.describe()))
 
     results: dict[int, tuple[list[int], str]] = {}
     n_new = 0
     t0 = time.perf_counter()
-    for batch in length_sorted_batches([len(r["prompt_ids"]) for r in rows], batch_size):
+    for batch in length_batches([len(r["prompt_ids"]) for r in rows], max_items=batch_size):
         tb = time.perf_counter()
         outs = src.generate([rows[i]["prompt_ids"] for i in batch])
         for i, o in zip(batch, outs):
@@ -279,3 +273,22 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                 }, ensure_ascii=False) + "\n")
     log.info("wrote %d completions -> %s", len(rows), out)
     return out
+
+
+def read_completions(path: str | Path) -> list[dict]:
+    """Parse the completions JSONL (InputError with the line number on malformed lines)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(path, None, "completions file not found", "run the completions rule first")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
+            for k in ("id", "prompt_ids", "completion_ids", "max_new_tokens"):
+                if k not in r:
+                    raise InputError(path, f"line {n}: {k}", "missing", "regenerate the completions")
+            if not r["prompt_ids"]:
+                raise InputError(path, f"line {n}: prompt_ids", "empty prompt", "drop the sample")
+            rows.append(r)
+    if not rows:
+        raise InputError(path, None, "no samples", "check the prompt set and completions stage")
+    return rows

@@ -2,6 +2,22 @@
 # Demo checkpoints (checkpoints.demo) are written first by demo_checkpoint.
 
 
+def strip_inputs(wildcards):
+    row = CHECKPOINTS[wildcards.ckpt]
+    files = {
+        "checkpoint": plan.checkpoint_files(wildcards.ckpt, row),
+        **target_model_files(wildcards),
+    }
+    if row.get("drafter_config"):
+        files["drafter_config"] = row["drafter_config"]
+    return files
+
+
+def strip_args(wildcards):
+    """--drafter-config / --override flags: a params value, so editing them reruns the job."""
+    return " ".join(map(shlex.quote, plan.strip_args(CHECKPOINTS[wildcards.ckpt])))
+
+
 rule strip_drafter:
     input:
         unpack(strip_inputs),
@@ -18,14 +34,25 @@ rule strip_drafter:
     container:
         config["containers"]["cuda"]
     params:
-        checkpoint=checkpoint_path,
+        checkpoint=lambda wildcards: CHECKPOINTS[wildcards.ckpt]["path"],
         target=target_dir,
-        extra=strip_extra_args,
+        extra=strip_args,
         out_dir=output_dir,
     shell:
         "python -m dflash_eval strip --checkpoint {params.checkpoint:q}"
         " --target {params.target:q} {params.extra}"
         " --out-dir {params.out_dir:q} > {log:q} 2>&1"
+
+
+def demo_inputs(wildcards):
+    files = target_model_files(wildcards)
+    drafter = DEMO_CHECKPOINTS[wildcards.name].get("drafter")
+    if drafter:
+        files["drafter"] = [
+            os.path.join(drafter, "config.json"),
+            os.path.join(drafter, "model.safetensors"),
+        ]
+    return files
 
 
 rule demo_checkpoint:
@@ -41,7 +68,9 @@ rule demo_checkpoint:
         config["containers"]["cuda"]
     params:
         target=target_dir,
-        args=demo_args,
+        args=lambda wildcards: " ".join(
+            map(shlex.quote, plan.demo_args(DEMO_CHECKPOINTS[wildcards.name]))
+        ),
     shell:
         "python -m dflash_eval demo-checkpoint --target {params.target:q} {params.args}"
         " --out {output:q} > {log:q} 2>&1"

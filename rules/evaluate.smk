@@ -2,6 +2,17 @@
 # acceptance JSON; then the tau table and the markdown report for the run.
 
 
+def all_evaluations(wildcards):
+    """Exactly the configured (checkpoint, prompt set) pairs: nothing stale, nothing missing."""
+    return PLAN.evaluations(wildcards.run)
+
+
+def report_extra_args(wildcards, input):
+    """`--extra <json>...` for the report's optional sections (kernel parity), or nothing."""
+    files = list(input.extra) if "extra" in input.keys() else []
+    return " ".join(["--extra", *map(shlex.quote, files)]) if files else ""
+
+
 rule evaluate:
     input:
         unpack(target_model_files),
@@ -23,7 +34,7 @@ rule evaluate:
     resources:
         gpu=1,
     params:
-        drafter=drafter_dir,
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
         training_backend=config["target"]["training_backend"],
         max_samples=config["evaluate"]["max_samples"],
@@ -61,7 +72,7 @@ rule report:
     input:
         summary="results/{run}/tau.csv",
         evals=all_evaluations,
-        caches=all_caches,
+        caches=lambda wildcards: PLAN.caches(wildcards.run),
         extra=KERNEL_PARITY_ALL,
     output:
         "results/{run}/report.md",

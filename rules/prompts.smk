@@ -1,6 +1,31 @@
 # Prompt set -> chat-templated prompts (text + token ids) as JSONL.
 
 
+def prompt_set_param(key):
+    """params function: one option of the job's prompt set (entry keys over `prompt_set`)."""
+
+    def get(wildcards):
+        return PLAN.prompt_set_options(wildcards.prompt_set).get(key)
+
+    get.__name__ = f"prompt_set_{key}"
+    return get
+
+
+def prompts_inputs(wildcards):
+    """Tokenizer files, plus the prompt file when the entry names one."""
+    files = {"tokenizer": TARGET.tokenizer}
+    path = PLAN.prompt_set_options(wildcards.prompt_set).get("path")
+    if path:
+        files["prompt_file"] = path
+    return files
+
+
+def prompts_path_arg(wildcards, input):
+    if "prompt_file" in input.keys():
+        return f"--path {shlex.quote(input.prompt_file)}"
+    return ""
+
+
 rule prompts:
     input:
         unpack(prompts_inputs),
@@ -18,7 +43,11 @@ rule prompts:
         n=prompt_set_param("n"),
         seed=prompt_set_param("seed"),
         max_prompt_tokens=prompt_set_param("max_prompt_tokens"),
-        thinking=thinking_flag,
+        thinking=(
+            "--enable-thinking"
+            if config["generation"]["enable_thinking"]
+            else "--no-enable-thinking"
+        ),
         tokenizer=target_dir,
     shell:
         "python -m dflash_eval prompts --source {params.source} {params.path}"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from dflash_eval.completions import SOURCES, TransformersSource, cut_at_eos, generate_completions, length_sorted_batches
+from dflash_eval.completions import SOURCES, TransformersSource, cut_at_eos, generate_completions
 from dflash_eval.errors import InputError
 from dflash_eval.prompts import build_prompt_set, write_prompts
 from dflash_eval.target import load_target
@@ -45,7 +45,7 @@ def setup(request, tmp_path_factory):
     txt = root / "p.txt"
     txt.write_text("\n".join(p.replace("\n", " ") for p in PROMPTS) + "\n")
     prompts = write_prompts(build_prompt_set("file", target, n=0, seed=0, path=txt), root / "prompts.jsonl")
-    model, tok = load_target(target, device="cpu", dtype="float32")
+    model, tok, _ = load_target(target, device="cpu", dtype="float32")
     rows = [json.loads(line) for line in open(prompts)]
     assert len({len(r["prompt_ids"]) for r in rows}) == len(rows)  # lengths differ: batches really pad
     ref = {r["id"]: reference_greedy(model, r["prompt_ids"], {2}, MAX_NEW) for r in rows}
@@ -107,11 +107,6 @@ def test_cut_at_eos():
     assert cut_at_eos([5, 6, 7, 2], [2], 3) == ([5, 6, 7], "length")
     with pytest.raises(RuntimeError):
         cut_at_eos([5, 6], [2], 3)
-
-
-def test_length_sorted_batches():
-    assert length_sorted_batches([3, 9, 1, 9, 5], 2) == [[1, 3], [4, 0], [2]]
-    assert sorted(i for b in length_sorted_batches(list(range(7)), 3) for i in b) == list(range(7))
 
 
 def test_source_registry_and_pad_fallback(setup):
