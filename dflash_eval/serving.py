@@ -480,7 +480,8 @@ class VLLMServer:
         logging.getLogger("httpx").setLevel(logging.WARNING)
         if not self.port:
             self.port = free_port()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.env}
+        # The marker lets anyone find the server's processes (grep -l DFLASH_EVAL_VLLM_OWNER /proc/*/environ).
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.env, "DFLASH_EVAL_VLLM_OWNER": str(os.getpid())}
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_fh = open(self.log_path, "ab")
