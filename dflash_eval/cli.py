@@ -231,7 +231,7 @@ def _dispatch(args) -> int | None:
         write_prompts(rows, args.out)
     elif cmd == "completions":
         from .completions import ServerOptions, generate_completions
-        env = D("generation.vllm.env") if args.vllm_env is None else {}
+        env = dict(D("generation.vllm.env")) if args.vllm_env is None else {}
         for item in args.vllm_env or []:
             k, sep, v = item.partition("=")
             if not sep or not k:

@@ -196,7 +196,8 @@ class ServerClient:
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.retries + 1),
-            wait=tenacity.wait_exponential_jitter(initial=self.backoff_s, max=self.max_backoff_s),
+            wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
+                                                  jitter=self.backoff_s),
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
             before_sleep=self._count_retry, reraise=True)
         try:

@@ -8,6 +8,7 @@
 # .<prompt_set>.jsonl.partial, which is NOT a declared output, so Snakemake's clean-up
 # of a failed or killed job leaves it; rerunning the workflow resumes from it.
 
+
 include: "serving.smk"
 
 

@@ -39,7 +39,10 @@ class StandIn:
 
         self.target_dir = str(target_dir)
         self.mode, self.openai_ids = mode, openai_ids
+        from transformers import GenerationConfig
+
         self.model = AutoModelForCausalLM.from_pretrained(self.target_dir, dtype=torch.float32).eval()
+        self.model.generation_config = GenerationConfig()  # only the request's stop ids apply
         self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir or target_dir))
         self.faults = list(faults)
         self.api_key, self.trim_matched, self.ignore_stop = api_key, trim_matched, ignore_stop

@@ -43,9 +43,18 @@ def env(tmp_path_factory):
     txt = root / "p.txt"
     txt.write_text("\n".join(PROMPTS) + "\n")
     prompts = write_prompts(build_prompt_set("file", target, n=0, seed=0, path=txt), root / "prompts.jsonl")
+    # The random model rarely emits <|im_end|>: declare a second stop id that some completions contain and others
+    # do not, so that both kinds of stop (a stop id, max_new_tokens) are exercised.
+    free = _rows(generate_completions(target, prompts, root / "free.jsonl", max_new_tokens=MAX_NEW, batch_size=1,
+                                      device="cpu", dtype="float32"))
+    seen = [set(r["completion_ids"][2:MAX_NEW - 2]) for r in free]
+    stop = min((t for t in set().union(*seen) if 0 < sum(t in x for x in seen) < len(seen)),
+               key=lambda t: (abs(sum(t in x for x in seen) - len(seen) / 2), t))
+    gen = json.loads((target / "generation_config.json").read_text())
+    (target / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, stop]}))
     ref = _rows(generate_completions(target, prompts, root / "ref.jsonl", max_new_tokens=MAX_NEW, batch_size=1,
                                      device="cpu", dtype="float32"))
-    assert {r["stop_reason"] for r in ref} == {"eos", "length"}  # both kinds of stop are exercised
+    assert {r["stop_reason"] for r in ref} == {"eos", "length"}
     return root, target, prompts, ref
 
 
@@ -62,7 +71,8 @@ def test_sglang_source_equals_transformers(env, tmp_path):
     assert [g["text"] for g in got] == [r["text"] for r in ref]
     gen = got[0]["generation"]
     assert gen == {"source": "sglang", "engine": "sglang", "model": str(target), "server_version": "0.5.23-standin",
-                   "stop_ids": [2]}
+                   "stop_ids": ref[0]["generation"]["stop_ids"]}
+    assert len(gen["stop_ids"]) == 2
     assert all(g["generation"] == gen for g in got)
 
 
@@ -131,7 +141,7 @@ def test_api_key_is_sent_and_never_written(env, tmp_path):
         p = subprocess.run(cmd + ["--endpoint-url", s.url, "--out", str(tmp_path / "no.jsonl")], env=envv,
                            capture_output=True, text=True, cwd=tmp_path)
         assert p.returncode == 3 and "HTTP 401" in p.stderr  # no key: a clear server error
-        p = subprocess.run(cmd + ["--endpoint-url", s.url, "--out", str(tmp_path / "c.jsonl"), "-v"],
+        p = subprocess.run(cmd[:3] + ["-v"] + cmd[3:] + ["--endpoint-url", s.url, "--out", str(tmp_path / "c.jsonl")],
                            env={**envv, "MY_KEY": secret}, capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert _ids(_rows(tmp_path / "c.jsonl")) == _ids(ref)
@@ -233,3 +243,46 @@ def test_sigkill_of_the_job_stops_its_vllm(env, tmp_path):
     p.wait()
     assert _wait_gone(str(tmp_path / "fakevllm"), 60) == []
     assert _wait_gone("standin-engine-core", 10) == []
+
+
+# --------------------------------------------------------------------------- workflow wiring (dry runs)
+
+def test_dry_run_server_sources(tmp_path, monkeypatch):
+    """endpoint: the job gets the URL and the key's variable name, needs no weights and no GPU; the key itself is
+    in no command; inconsistent settings stop the workflow at parse time."""
+    import yaml
+    from test_workflow import copy_workflow, dflash_eval_argv, shell_commands, smk
+
+    from dflash_eval.cli import build_parser
+
+    wd = copy_workflow(tmp_path / "wf")
+    cfg_path = wd / "config" / "config.yaml"
+    base = yaml.safe_load(cfg_path.read_text())
+    secret = "sk-never-printed-41d2"
+
+    def run(gen, check=True):
+        cfg_path.write_text(yaml.safe_dump({**base, "generation": gen}, sort_keys=False))
+        return smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", check=check)
+
+    out = run({"source": "openai", "endpoint": {"url": "http://gpu-host:8000", "api_key": secret}, "concurrency": 32})
+    text = out.stdout + out.stderr
+    assert secret not in text
+    cmds = [c for c in shell_commands(out.stdout) if " completions " in c]
+    assert len(cmds) == 2
+    args = build_parser().parse_args(dflash_eval_argv(cmds[0]))
+    assert (args.source, args.endpoint_url, args.api_key_env, args.concurrency, args.serve) == (
+        "openai", "http://gpu-host:8000", "DFLASH_EVAL_API_KEY", 32, "none")
+    job = text[text.index("rule completions:"):].split("\n\n")[0]
+    assert "model.safetensors" not in job and "tokenizer.json" in job  # no weights needed
+    assert "resources: tmpdir=<TBD>, gpu=0" in job or "gpu=0" in job
+
+    out = run({"source": "openai", "serve": "vllm", "vllm": {"python": "/opt/vllm/bin/python", "args": ["--seed", "0"]}})
+    args = build_parser().parse_args(dflash_eval_argv(next(c for c in shell_commands(out.stdout) if " completions " in c)))
+    assert (args.serve, args.vllm_python, args.vllm_arg, args.vllm_env) == (
+        "vllm", "/opt/vllm/bin/python", ["--seed", "0"], ["VLLM_CPU_KVCACHE_SPACE=2"])
+
+    for gen, msg in [({"source": "sglang", "serve": "vllm"}, "serves the 'openai' protocol"),
+                     ({"source": "openai"}, "needs a server"),
+                     ({"source": "openai", "serve": "vllm", "endpoint": {"url": "http://x:1"}}, "both serve: vllm and")]:
+        proc = run(gen, check=False)
+        assert proc.returncode != 0 and msg in proc.stdout + proc.stderr, gen
