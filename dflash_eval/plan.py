@@ -250,6 +250,26 @@ def demo_args(row: dict) -> list[str]:
     return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
 
 
+def check_generation(gen: dict) -> None:
+    """Cross-field checks of config section ``generation`` (serving-engine sources).
+
+    Raises:
+        InputError: ``serve: vllm`` with a source other than ``openai`` or together with ``endpoint.url``;
+            a server source with neither a URL nor ``serve: vllm``.
+    """
+    serve_vllm = gen.get("serve") == "vllm"
+    url = (gen.get("endpoint") or {}).get("url")
+    if serve_vllm and gen["source"] != "openai":
+        raise InputError("config", "generation.serve", f"vllm serves the 'openai' protocol, but generation.source is "
+                         f"{gen['source']!r}", "set generation.source: openai")
+    if serve_vllm and url:
+        raise InputError("config", "generation", "both serve: vllm and endpoint.url are set",
+                         "use your server (endpoint.url, serve: none) or let the workflow start vLLM (serve: vllm, no url)")
+    if gen["source"] != "transformers" and not serve_vllm and not url:
+        raise InputError("config", "generation.source", f"{gen['source']!r} needs a server",
+                         "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
+
+
 @dataclass
 class Plan:
     """Everything the rules need, derived once from the validated config (see the module docstring)."""
@@ -320,6 +340,38 @@ class Plan:
     def demo_args(self, name: str) -> str:
         return " ".join(map(shlex.quote, demo_args(self.checkpoints[name])))
 
+    @property
+    def remote_server(self) -> bool:
+        """Completions come from the user's running server (no local target forward in the job)."""
+        gen = self.config["generation"]
+        return gen["source"] != "transformers" and gen.get("serve") != "vllm"
+
+    def completions_inputs(self) -> dict:
+        """Target files the completions job reads: a remote server needs only config + tokenizer."""
+        files = self.target_files(tokenizer=True)
+        if self.remote_server:
+            files.pop("target_weights")
+        return files
+
+    def completions_server_args(self) -> str:
+        """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""
+        gen = self.config["generation"]
+        if gen["source"] == "transformers":
+            return ""
+        args = ["--concurrency", gen["concurrency"], "--timeout-s", gen["timeout_s"], "--retries", gen["retries"]]
+        if gen["allow_retokenize"]:
+            args.append("--allow-retokenize")
+        if gen.get("serve") == "vllm":
+            vllm = gen["vllm"]
+            args += ["--serve", "vllm", "--vllm-python", vllm["python"], "--vllm-max-model-len", vllm["max_model_len"],
+                     "--vllm-start-timeout-s", vllm["start_timeout_s"]]
+            args += [f"--vllm-arg={a}" for a in vllm["args"]]
+            args += [f"--vllm-env={k}={v}" for k, v in sorted(vllm["env"].items())]
+        else:
+            ep = gen["endpoint"]
+            args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
 
 def build_plan(config: dict) -> Plan:
     """The :class:`Plan` of a validated config (schema defaults filled).
@@ -331,6 +383,7 @@ def build_plan(config: dict) -> Plan:
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     layers = cache_layer_ids(config["cache"], checkpoints, target_spec_if_known(target))
