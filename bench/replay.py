@@ -12,7 +12,7 @@ Cases:
     the random target the drafters accept almost nothing (tau ~1: the most verify steps, the worst
     case for the sequential replay and the online loop), so tau is printed next to every time.
     Samples: random prompts, the target's greedy completions (HF ``generate``), hidden states from
-    the pipeline's extraction hooks (``cache.run_target``), kept in memory.
+    the pipeline's extraction hooks (``extract.run_target``), kept in memory.
 (ii) ``big`` -- a random llama-style target from a transformers ``LlamaConfig`` (:data:`BIG`:
     hidden 2048, 24 layers, 16/8 heads of 128, FFN 8192, vocab 128256, untied: 2.03B parameters)
     and a random drafter (``--big-draft-layers``, default 1 layer, B=16, 5 target layers); samples
@@ -65,8 +65,10 @@ import torch  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up in redirected logs)
 
-from dflash_eval.cache import CacheSample, run_target  # noqa: E402
-from dflash_eval.drafter import DFlashDrafter, DrafterConfig, load_drafter  # noqa: E402
+from dflash_eval.cache import CacheSample  # noqa: E402
+from dflash_eval.extract import run_target  # noqa: E402
+from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
+from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
 from dflash_eval.replay import DEFAULT_LAYOUT, LAYOUTS, explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
 
@@ -239,7 +241,7 @@ def case_smol(args, ref, dev, dt, rate):
     from dflash_eval.target import load_target
 
     if args.smol_target:
-        target, _ = load_target(args.smol_target, device=dev, dtype=dt)
+        target, _, _ = load_target(args.smol_target, device=dev, dtype=dt)
         label = f"SmolLM2 target {args.smol_target}"
     else:
         target = random_target(SMOL, dev, dt)
@@ -326,7 +328,7 @@ def main(argv=None):
     if args.smoke:
         args.smol_n, args.smol_new, args.prompt_len = 2, 12, 8
         args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, 1
-    from dflash_eval.target import resolve_device, resolve_dtype
+    from dflash_eval.runtime import resolve_device, resolve_dtype
 
     dev = resolve_device(args.device)
     dt = resolve_dtype(args.dtype, dev)

@@ -2,6 +2,7 @@
 # acceptance JSON; then the tau table and the markdown report for the run.
 
 
+
 rule evaluate:
     input:
         unpack(target_model_files),
@@ -23,7 +24,7 @@ rule evaluate:
     resources:
         gpu=1,
     params:
-        drafter=drafter_dir,
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
         training_backend=config["target"]["training_backend"],
         max_samples=config["evaluate"]["max_samples"],
@@ -42,7 +43,7 @@ rule evaluate:
 
 rule summary:
     input:
-        all_evaluations,
+        lambda wildcards: PLAN.evaluations(wildcards.run),
     output:
         csv="results/{run}/tau.csv",
         parquet="results/{run}/tau.parquet",
@@ -61,8 +62,8 @@ rule summary:
 rule report:
     input:
         summary="results/{run}/tau.csv",
-        evals=all_evaluations,
-        caches=all_caches,
+        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        caches=lambda wildcards: PLAN.caches(wildcards.run),
         extra=KERNEL_PARITY_ALL,
     output:
         "results/{run}/report.md",
@@ -74,7 +75,11 @@ rule report:
     container:
         config["containers"]["cuda"]
     params:
-        extra=report_extra_args,
+        extra=lambda wildcards, input: (
+            "--extra " + " ".join(map(shlex.quote, input.extra))
+            if "extra" in input.keys() and input.extra
+            else ""
+        ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
         " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
