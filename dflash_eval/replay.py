@@ -165,6 +165,7 @@ def evaluate(
     training_backend: str = "unknown",
     checkpoint_name: str | None = None,
     prompt_set: str | None = None,
+    ddtree_budgets: tuple[int, ...] | list[int] = (),
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
@@ -174,15 +175,22 @@ def evaluate(
     ``acceptance_lengths``), ``histogram`` (verify steps per committed count 1..B),
     ``tau`` (macro), ``tau_tokens_per_step`` (micro), ``n_samples`` (samples with >= 1 verify
     step), ``n_skipped`` (no verify step: the prefill token ended the response), provenance.
+    With ``ddtree_budgets`` (node budgets, :mod:`dflash_eval.ddtree`): ``ddtree_budgets``, per sample
+    ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and ``ddtree`` (``{"<B>": aggregate}``).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab,
-            mask token, kernel backend).
+            mask token, kernel backend), or a DDTree budget < 1.
     """
     from .cache import CacheReader
+    from .ddtree import ddtree_replay
     from .drafter import load_drafter
     from .target import load_embed_and_head, resolve_device, resolve_dtype
 
+    budgets = sorted({int(b) for b in ddtree_budgets})
+    if budgets and budgets[0] < 1:
+        raise InputError(None, "evaluate.ddtree_budgets", f"{budgets} has a budget < 1",
+                         "give node budgets >= 1 (drafted nodes per verify step), or [] for no DDTree")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     drafter_dir = Path(drafter_dir)
@@ -218,6 +226,8 @@ def evaluate(
     lengths = [reader.length(i) for i in range(n)]
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
     results: dict[int, SampleResult] = {}
+    trees: dict[int, dict[int, list[int]]] = {}
+    tree_s = 0.0
     t0 = time.perf_counter()
     for b0 in range(0, n, batch_size):
         idx = order[b0 : b0 + batch_size]
@@ -225,6 +235,10 @@ def evaluate(
         recs = replay_batch(drafter, embed, head, samples, block_size)
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec)
+            if budgets:
+                t1 = time.perf_counter()
+                trees[s.index] = ddtree_replay(drafter, embed, head, s, budgets, block_size)
+                tree_s += time.perf_counter() - t1
         log.info("replayed %d/%d samples", len(results), n)
     elapsed = time.perf_counter() - t0
     B = int(block_size or cfg.block_size)
@@ -251,6 +265,13 @@ def evaluate(
             for r in per
         ],
     }
+    if budgets:
+        result["ddtree_budgets"] = budgets
+        result["ddtree_elapsed_s"] = round(tree_s, 3)  # included in elapsed_s
+        result["ddtree"] = {str(b): aggregate([trees[i][b] for i in range(n)], B).as_dict() for b in budgets}
+        for i, row in enumerate(result["samples"]):
+            row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
+        log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
     reader.close()
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))

@@ -18,6 +18,10 @@ verify_steps            total verify steps (= target forwards after prefill)
 committed_tokens        total tokens committed by verify steps
 random_init             True for randomly initialised (untrained) demo drafters
 device, dtype           where and in which precision the replay ran
+tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a node budget of B
+                        drafted nodes per verify step, one column per configured budget
+                        (``evaluate.ddtree_budgets``; :mod:`dflash_eval.ddtree`); empty for
+                        rows evaluated without that budget
 ======================  =====================================================================
 """
 
@@ -45,7 +49,7 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
     """
-    rows = []
+    rows, budgets = [], set()
     for path in evals:
         r = json.loads(Path(path).read_text())
         stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
@@ -65,7 +69,11 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             "device": r.get("device"),
             "dtype": r.get("dtype"),
         })
-    df = pd.DataFrame(rows, columns=COLUMNS)
+        for b in r.get("ddtree_budgets", []):
+            budgets.add(int(b))
+            rows[-1][f"tau_ddtree_{b}"] = aggregate([s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]],
+                                                    r["block_size"]).tau
+    df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)])
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
 

@@ -183,6 +183,36 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     assert "--extra" not in report
 
 
+def test_dry_run_validate_online_wiring(tmp_path):
+    """validate_online.enabled adds one job that reads the chosen checkpoints' drafters and evaluations;
+    the report takes its JSON via --extra; evaluate passes the DDTree budgets."""
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "vo.yaml").write_text(f"validate_online: {{enabled: true, checkpoints: [{DEMO_NAMES[-1]}], n_samples: 2}}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "vo.yaml").stdout
+    assert job_counts(out) == {**DEMO_JOBS, "validate_online": 1}
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    parsed = [parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
+    cmds = {a.cmd: a for a in parsed}
+    vo = cmds["validate-online"]
+    assert vo.drafter == [f"results/demo/drafters/{DEMO_NAMES[-1]}"]
+    assert vo.evals == [f"results/demo/eval/{DEMO_NAMES[-1]}/humaneval.json"]
+    assert vo.completions == "results/demo/completions/humaneval.jsonl"
+    assert (vo.n_samples, vo.ddtree_budget) == (2, 8)  # the smallest configured budget
+    assert cmds["report"].extra == ["results/demo/validate_online.json"]
+    assert all(a.ddtree_budgets == [8, 16, 32, 64, 128, 256] for a in parsed if a.cmd == "evaluate")
+    # A budget that evaluate does not replay is refused at parse time; [] turns DDTree off.
+    (wd / "bad.yaml").write_text("validate_online: {enabled: true, ddtree_budget: 12}\n")
+    proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "bad.yaml", check=False)
+    assert proc.returncode != 0 and "validate_online.ddtree_budget" in proc.stdout + proc.stderr
+    (wd / "off.yaml").write_text("evaluate: {ddtree_budgets: []}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "off.yaml").stdout
+    assert all(parser.parse_args(dflash_eval_argv(c)).ddtree_budgets == [] for c in shell_commands(out)
+               if " evaluate " in c)
+    assert "validate-online" not in out
+
+
 def _write_config(wd: Path, cfg: dict) -> None:
     (wd / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
