@@ -438,7 +438,9 @@ def tiny_run(tmp_path_factory):
             "demo": [{"name": "demo-step50", "step": 50, "random_init": True, "layer_ids": [1, 3],
                       "block_size": 4, "num_layers": 1, "seed": 5}],
         },
-        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4, "ddtree_budgets": [2, 8]},
+        "validate_online": {"enabled": True, "checkpoints": ["demo-step50"], "n_samples": 2, "device": "cpu",
+                            "dtype": "float32"},
     }
     _write_config(wd, cfg)
     smk(wd, "--workflow-profile", str(CI_PROFILE))
@@ -468,7 +470,17 @@ def test_end_to_end_tau_table(tiny_run):
         assert 1.0 <= row.tau <= row.block_size
         assert 1.0 <= row.tau_tokens_per_step <= row.block_size
         assert abs(row.mean_accepted - (row.tau - 1.0)) < 1e-3
-    assert (wd / "results" / "tiny" / "report.md").stat().st_size > 0
+        assert 1.0 <= row.tau_ddtree_2 <= row.block_size and 1.0 <= row.tau_ddtree_8 <= row.block_size
+        assert ev["ddtree_budgets"] == [2, 8] and set(ev["samples"][0]["acceptance_lengths_ddtree"]) == {"2", "8"}
+    report = (wd / "results" / "tiny" / "report.md").read_text()
+    # validate_online (chain + DDTree-2, the smallest budget) ran on CPU in float32: where the online output equals
+    # the cached completion, the per-step acceptance is identical; its section is in the report
+    vo = json.loads((wd / "results" / "tiny" / "validate_online.json").read_text())
+    modes = vo["checkpoints"][0]["modes"]
+    assert vo["budget"] == 2 and set(modes) == {"chain", "ddtree_2"}
+    for m in modes.values():
+        assert len(m["samples"]) == 2 and m["n_same_output"] == m["n_identical_steps"] == 2 and m["ok"]
+    assert f"## {vo['title']}" in report and "| demo-step50 | set_a | ddtree_2 |" in report
     # Complete and stable: nothing left to do.
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
     assert "Nothing to be done" in out.stdout + out.stderr
