@@ -160,6 +160,24 @@ def build_tree(logp, token_ids, budget: int, depth_limit: int | None = None) -> 
     return tree
 
 
+def _depths_from_ranks(lp: list[list[float]], path_ranks: Sequence[int], budgets: Sequence[int]) -> list[int]:
+    """Core of :func:`accepted_depths`: ``path_ranks[d]`` = rank of the continuation's token in slot ``d``'s
+    top-K (-1 when absent), one entry per reachable depth; ``lp`` rows up to the depth limit."""
+    bmax = max(budgets) if budgets else 0
+    span = len(path_ranks)
+    reach: list[int] = []  # reach[d-1] = pops until the depth-d prefix of the continuation was popped
+    path_node = 0
+    if span and 0 <= path_ranks[0] < bmax:
+        for n, (parent, _, rank) in enumerate(_heap_pops(lp, bmax, len(lp)), 1):
+            d = len(reach)
+            if parent == path_node and rank == path_ranks[d]:  # a child of the path's end: depth d + 1
+                reach.append(n)
+                path_node = n
+                if d + 1 >= span or not 0 <= path_ranks[d + 1] < bmax:
+                    break  # no budget can accept deeper
+    return [sum(1 for r in reach if r <= b) for b in budgets]
+
+
 def accepted_depths(logp, token_ids, continuation: Sequence[int], budgets: Sequence[int],
                     depth_limit: int | None = None) -> list[int]:
     """Accepted depth of the budget-B tree for every B in ``budgets``, from one heap run.
@@ -180,20 +198,12 @@ def accepted_depths(logp, token_ids, continuation: Sequence[int], budgets: Seque
     """
     limit = len(logp) if depth_limit is None else min(depth_limit, len(logp))
     lp, ids = _as_lists(logp, token_ids, limit)
-    bmax = max(budgets) if budgets else 0
-    span = min(limit, len(continuation))
-    in_lattice = [int(continuation[d]) in ids[d][:bmax] for d in range(span)]
-    reach: list[int] = []  # reach[d-1] = pops until the depth-d prefix of the continuation was popped
-    path_node = 0
-    if span and in_lattice[0]:
-        for n, (parent, depth, rank) in enumerate(_heap_pops(lp, bmax, limit), 1):
-            d = len(reach)
-            if parent == path_node and depth == d + 1 and ids[d][rank] == int(continuation[d]):
-                reach.append(n)
-                path_node = n
-                if d + 1 >= span or not in_lattice[d + 1]:
-                    break
-    return [sum(1 for r in reach if r <= b) for b in budgets]
+    ranks = []
+    for d in range(min(limit, len(continuation))):
+        row = ids[d]
+        tok = int(continuation[d])
+        ranks.append(row.index(tok) if tok in row else -1)
+    return _depths_from_ranks(lp, ranks, budgets)
 
 
 def walk_budgets(topk_logp: torch.Tensor, topk_ids: torch.Tensor, input_ids: Sequence[int], prompt_len: int,
@@ -203,7 +213,8 @@ def walk_budgets(topk_logp: torch.Tensor, topk_ids: torch.Tensor, input_ids: Seq
     Args:
         topk_logp: ``[n_anchor, block_size - 1, K]`` float, top-K full-vocabulary log-softmax per slot
             (descending) of the drafter's block at anchor ``t = prompt_len + i`` (``t`` = index of the
-            last committed token, the root), ``n_anchor = T - 1 - prompt_len``.
+            last committed token, the root), ``n_anchor = T - 1 - prompt_len``; ``K >= max(budgets)``
+            (or the vocabulary).
         topk_ids: ``[n_anchor, block_size - 1, K]`` int64 token ids of those entries.
         input_ids: the committed sequence, prompt + greedy completion, length ``T``.
         prompt_len: P; ``input_ids[P]`` is the prefill token (no verify step).
@@ -214,12 +225,27 @@ def walk_budgets(topk_logp: torch.Tensor, topk_ids: torch.Tensor, input_ids: Seq
     Returns:
         ``{budget: per verify step committed tokens}`` (entries ``1..min(budget, B-1) + 1``, the last
         one cut at the end of the response), the input of :func:`dflash_eval.metrics.aggregate`.
+
+    Cost: one vectorised rank lookup of the continuation in every slot's top-K, then per visited
+    anchor one heap run to the largest budget walking there (at most that many pops).
     """
-    x = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
+    x = torch.as_tensor(input_ids).cpu()
     T, P = len(x), int(prompt_len)
     max_len = P + int(max_new_tokens)
-    pos = {b: P for b in budgets}
+    n = T - 1 - P
     out: dict[int, list[int]] = {b: [] for b in budgets}
+    if n <= 0 or not budgets:
+        return out
+    # rank of the continuation's token x[t + j] in slot j's top-K, -1 when absent (or past the response)
+    cont = torch.full((n, block_size - 1), -1, dtype=torch.long)
+    for j in range(block_size - 1):
+        m = max(min(n, T - (P + 1 + j)), 0)
+        cont[:m, j] = x[P + 1 + j: P + 1 + j + m]
+    ids = topk_ids[:n].cpu()
+    hit = ids == cont[..., None]
+    ranks = torch.where(hit.any(-1), hit.to(torch.int8).argmax(-1), -1).tolist()
+    lp_all = topk_logp[:n].cpu().float().numpy()
+    pos = {b: P for b in budgets}
     while True:
         live = [b for b in budgets if pos[b] < T - 1]
         if not live:
@@ -228,7 +254,9 @@ def walk_budgets(topk_logp: torch.Tensor, topk_ids: torch.Tensor, input_ids: Seq
         group = [b for b in live if pos[b] == t]
         limit = min(block_size, max_len - t) - 1
         i = t - P
-        depths = accepted_depths(topk_logp[i], topk_ids[i], x[t + 1 : t + 1 + limit], group, limit)
+        span = min(limit, T - 1 - t)
+        lp = lp_all[i, :limit, : max(group)].tolist()
+        depths = _depths_from_ranks(lp, ranks[i][:span], group)
         for b, d in zip(group, depths):
             produced = min(d + 1, T - 1 - t)
             out[b].append(produced)
