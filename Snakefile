@@ -21,6 +21,7 @@ include: "rules/completions.smk"
 include: "rules/cache.smk"
 include: "rules/drafters.smk"
 include: "rules/kernel_parity.smk"
+include: "rules/validate_online.smk"
 include: "rules/evaluate.smk"
 
 
@@ -31,4 +32,5 @@ rule all:
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
         KERNEL_PARITY_ALL,
+        VALIDATE_ONLINE_ALL,
     localrule: True

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafter call per verify step (the reference data flow); same acceptance")
     p.add_argument("--checkpoint-name", default=None, help="row label in the tau table (default: the drafter folder name)")
     p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
+    p.add_argument("--ddtree-budgets", type=_layer_ids, default=D("evaluate.ddtree_budgets"),
+                   help="comma-separated DDTree node budgets (drafted nodes per verify step), each replayed offline "
+                        "on its own trajectory -> tau_ddtree_<B>; '' = none")
     p.add_argument("--allow-backend-mismatch", action="store_true",
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
     p.add_argument("--training-backend", default=D("target.training_backend"), choices=["unknown", "fla", "torch"],
@@ -158,6 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=D("cache.batch_tokens"))
     _add_device(p, "cache")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
+
+    p = sub.add_parser("validate-online", help="true speculative decoding (target in the loop: chain and one DDTree "
+                                               "budget) of a few prompts vs the offline replay of the same samples")
+    p.add_argument("--target", required=True, help="target HF folder (full-attention targets only)")
+    p.add_argument("--completions", required=True, help="completions JSONL of the prompt set; its first --n-samples "
+                                                        "prompts are decoded")
+    p.add_argument("--drafter", nargs="+", required=True, help="stripped drafter folders")
+    p.add_argument("--evals", nargs="+", required=True,
+                   help="evaluate JSONs of those drafters on this prompt set, in the order of --drafter")
+    p.add_argument("--n-samples", type=int, default=D("validate_online.n_samples"))
+    p.add_argument("--ddtree-budget", type=int, default=0,
+                   help="DDTree node budget verified online (one of the evaluation's ddtree_budgets); 0 = chain only")
+    _add_device(p, "validate_online")
+    p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the per-sample "
+                                                "comparison")
 
     p = sub.add_parser("summary", help="collect per-checkpoint results into tau.csv / tau.parquet")
     p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs")
@@ -279,12 +297,17 @@ def _dispatch(args) -> int | None:
                  block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
                  device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch,
                  training_backend=args.training_backend, checkpoint_name=args.checkpoint_name,
-                 prompt_set=args.prompt_set, replay_mode=args.replay)
+                 prompt_set=args.prompt_set, replay_mode=args.replay, ddtree_budgets=args.ddtree_budgets)
     elif cmd == "kernel-parity":
         from .kernel_parity import kernel_parity
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,
                       n_samples=args.n_samples, out=args.out, drafters=args.drafter, device=args.device,
                       dtype=args.dtype, batch_tokens=args.batch_tokens)
+    elif cmd == "validate-online":
+        from .online import validate_online
+        validate_online(target_dir=args.target, completions_path=args.completions, drafters=args.drafter,
+                        evals=args.evals, out=args.out, n_samples=args.n_samples, budget=args.ddtree_budget,
+                        device=args.device, dtype=args.dtype)
     elif cmd == "summary":
         from .summary import write_summary
         write_summary(args.evals, args.out_csv, args.out_parquet)

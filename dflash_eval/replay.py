@@ -770,6 +770,7 @@ def evaluate(
     checkpoint_name: str | None = None,
     prompt_set: str | None = None,
     replay_mode: str = "batched",
+    ddtree_budgets: tuple[int, ...] | list[int] = (),
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
@@ -778,6 +779,10 @@ def evaluate(
             :func:`free_memory_bytes`).
         replay_mode: ``'batched'`` (all-anchor, :func:`replay_batched`) or ``'sequential'``
             (the reference, :func:`replay_batch`); both give the same acceptance lists.
+        ddtree_budgets: DDTree node budgets (:mod:`dflash_eval.ddtree`); with ``'batched'`` the
+            chain and every budget come from one all-anchor pass keeping the top-``max(budgets)``
+            log-probs per slot (:func:`dflash_eval.ddtree.replay_with_trees`); with
+            ``'sequential'`` the chain is replayed step by step and the trees from that pass.
 
     Output JSON keys: ``checkpoint`` (``checkpoint_name``, default the drafter folder name),
     ``prompt_set`` (``prompt_set``, default the cache file stem),
@@ -789,19 +794,26 @@ def evaluate(
     ``slot_compared`` (per-slot conditional acceptance), ``position_tau`` /
     ``position_steps`` (by completion position), ``n_samples`` (samples with >= 1 verify
     step), ``n_skipped`` (no verify step: the prefill token ended the response); provenance.
+    With ``ddtree_budgets``: ``ddtree_budgets``, ``ddtree_elapsed_s``, per sample
+    ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and ``ddtree`` (``{"<B>": aggregate}``).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab,
-            mask token, kernel backend), or an unknown replay mode.
+            mask token, kernel backend), an unknown replay mode, or a DDTree budget < 1.
     """
     from .cache import CacheReader
     from .compat import check_compat
+    from .ddtree import replay_with_trees
     from .drafter import load_drafter
     from .runtime import dtype_name, resolve_device, resolve_dtype
     from .target import TargetSpec, load_embed_and_head
 
     if replay_mode not in REPLAY_MODES:
         raise InputError(None, "evaluate.replay", f"unknown replay mode {replay_mode!r}", f"use one of {REPLAY_MODES}")
+    budgets = sorted({int(b) for b in ddtree_budgets})
+    if budgets and budgets[0] < 1:
+        raise InputError(None, "evaluate.ddtree_budgets", f"{budgets} has a budget < 1",
+                         "give node budgets >= 1 (drafted nodes per verify step), or [] for no DDTree")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     drafter_dir = Path(drafter_dir)
@@ -831,11 +843,23 @@ def evaluate(
     per_token = _context_bytes_per_token(cfg, torch.finfo(dt).bits // 8)
     read_tokens = max(1, mem // 4 // per_token)
     results: dict[int, SampleResult] = {}
+    trees: dict[int, dict[int, list[int]]] = {}
+    tree_s = 0.0
     t0 = time.perf_counter()
     for group in length_groups([lengths[i] for i in order], read_tokens, batch_size):
         idx = [order[g] for g in group]
         samples = [reader.sample(i, cfg.target_layer_ids) for i in idx]
-        recs = replay(drafter, embed, head, samples, block_size, replay_mode, mem, batch_size)
+        if budgets:
+            # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
+            t1 = time.perf_counter()
+            both = replay_with_trees(drafter, embed, head, samples, budgets, block_size, mem, batch_size)
+            tree_s += time.perf_counter() - t1
+            for s, (_, tr) in zip(samples, both):
+                trees[s.index] = tr
+        if budgets and replay_mode == "batched":
+            recs = [chain for chain, _ in both]
+        else:
+            recs = replay(drafter, embed, head, samples, block_size, replay_mode, mem, batch_size)
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
@@ -866,6 +890,14 @@ def evaluate(
             for r in per
         ],
     }
+    if budgets:
+        result["ddtree_budgets"] = budgets
+        # the shared all-anchor pass + the tree walks (batched: the chain's time too); included in elapsed_s
+        result["ddtree_elapsed_s"] = round(tree_s, 3)
+        result["ddtree"] = {str(b): aggregate([trees[i][b] for i in range(n)], B).as_dict() for b in budgets}
+        for i, row in enumerate(result["samples"]):
+            row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
+        log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
     reader.close()
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))

@@ -26,6 +26,10 @@ tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at
 accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
                         largest B in the table; empty for rows with a smaller B or where
                         slot k was never compared
+tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a node budget of B
+                        drafted nodes per verify step, one column per configured budget
+                        (``evaluate.ddtree_budgets``; :mod:`dflash_eval.ddtree`); empty for
+                        rows evaluated without that budget
 ======================  =====================================================================
 
 Sources and exact definitions of the three tau conventions (``tau``, ``tau_tokens_per_step``,
@@ -62,7 +66,7 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
     """
-    rows = []
+    rows, budgets = [], set()
     for path in evals:
         r = json.loads(Path(path).read_text())
         stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
@@ -85,8 +89,12 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
             **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
         })
+        for b in r.get("ddtree_budgets", []):
+            budgets.add(int(b))
+            rows[-1][f"tau_ddtree_{b}"] = aggregate([s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]],
+                                                    r["block_size"]).tau
     max_block = max((r["block_size"] for r in rows), default=1)
-    df = pd.DataFrame(rows, columns=COLUMNS + slot_columns(max_block))
+    df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block))
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
 

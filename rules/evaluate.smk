@@ -32,12 +32,14 @@ rule evaluate:
         replay=config["evaluate"]["replay"],
         device=config["evaluate"]["device"],
         dtype=config["evaluate"]["dtype"],
+        ddtree_budgets=",".join(str(b) for b in config["evaluate"]["ddtree_budgets"]),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size} --replay {params.replay}"
         " --device {params.device:q} --dtype {params.dtype}"
+        " --ddtree-budgets={params.ddtree_budgets:q}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -64,7 +66,7 @@ rule report:
         summary="results/{run}/tau.csv",
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         caches=lambda wildcards: PLAN.caches(wildcards.run),
-        extra=KERNEL_PARITY_ALL,
+        extra=KERNEL_PARITY_ALL + VALIDATE_ONLINE_ALL,
     output:
         "results/{run}/report.md",
     log:

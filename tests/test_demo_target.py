@@ -3,6 +3,7 @@
 * Offline replay == online greedy DFlash: the reference package's own loop (``dflash.model.dflash_generate``,
   z-lab DFlash 0.1.0, KV caches and verify forwards of the target) commits the same tokens and records the
   same per-step acceptance as our completions -> cache -> replay pipeline.
+* Our own online loop (chain, and DDTree verified with tree attention) equals the offline replay per step.
 * The demo drafters' tau grows with training: tau(final) > tau(middle) > tau(early) >= 1 on both prompt sets.
 """
 
@@ -44,14 +45,19 @@ def _pipeline(smol, source, n, max_new_tokens, name):
     return smol / f"{name}.h5"
 
 
-def test_offline_replay_equals_reference_online_loop(smol, monkeypatch):
+@pytest.fixture(scope="module")
+def online_cache(smol):
+    return _pipeline(smol, "humaneval", 2, 48, "online")
+
+
+def test_offline_replay_equals_reference_online_loop(smol, online_cache, monkeypatch):
     import dflash.model as ref
 
     from dflash_eval.cache import CacheReader
     from dflash_eval.replay import evaluate
     from dflash_eval.target import load_target
 
-    cache = _pipeline(smol, "humaneval", 2, 48, "online")
+    cache = online_cache
     drafter_dir = DRAFTERS / f"dflash-smollm2-b8-step{STEPS[-1]}"
     ours = evaluate(drafter_dir, cache, smol / "target", smol / "online_eval.json", device="cpu", dtype="float32")
 
@@ -66,6 +72,27 @@ def test_offline_replay_equals_reference_online_loop(smol, monkeypatch):
             assert out.output_ids[0, s.prompt_len:].tolist() == s.input_ids[s.prompt_len:].tolist()  # lossless
             assert sample["acceptance_lengths"] == out.acceptance_lengths
     assert any(a > 1 for s in ours["samples"] for a in s["acceptance_lengths"])  # drafts were accepted
+
+
+def test_validate_online_chain_and_ddtree_equal_offline(smol, online_cache):
+    """Our online loop with the target in the loop (chain, and DDTree-16 verified in one tree-attention forward)
+    commits the cached completion and the exact per-step acceptance of the offline replay (float32)."""
+    from dflash_eval.online import validate_online
+    from dflash_eval.replay import evaluate
+
+    drafter_dir = DRAFTERS / f"dflash-smollm2-b8-step{STEPS[-1]}"
+    evaluate(drafter_dir, online_cache, smol / "target", smol / "online_dd.json", device="cpu", dtype="float32",
+             ddtree_budgets=[16, 64])
+    r = validate_online(smol / "target", smol / "online.jsonl", [drafter_dir], [smol / "online_dd.json"],
+                        smol / "validate_online.json", n_samples=2, budget=16, device="cpu", dtype="float32")
+    modes = r["checkpoints"][0]["modes"]
+    for name in ("chain", "ddtree_16"):
+        m = modes[name]
+        assert m["n_same_output"] == m["n_identical_steps"] == 2, (name, m["samples"])
+        assert m["tau_online"] == m["tau_offline"]
+    tree = [a for s in modes["ddtree_16"]["samples"] for a in s["online"]]
+    chain = [a for s in modes["chain"]["samples"] for a in s["online"]]
+    assert max(tree) > 2 and len(tree) < len(chain)  # the tree accepted deeper than one draft, in fewer steps
 
 
 def test_demo_drafters_improve_with_training(smol):

@@ -183,6 +183,36 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     assert "--extra" not in report
 
 
+def test_dry_run_validate_online_wiring(tmp_path):
+    """validate_online.enabled adds one job that reads the chosen checkpoints' drafters and evaluations;
+    the report takes its JSON via --extra; evaluate passes the DDTree budgets."""
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "vo.yaml").write_text(f"validate_online: {{enabled: true, checkpoints: [{DEMO_NAMES[-1]}], n_samples: 2}}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "vo.yaml").stdout
+    assert job_counts(out) == {**DEMO_JOBS, "validate_online": 1}
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    parsed = [parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
+    cmds = {a.cmd: a for a in parsed}
+    vo = cmds["validate-online"]
+    assert vo.drafter == [f"results/demo/drafters/{DEMO_NAMES[-1]}"]
+    assert vo.evals == [f"results/demo/eval/{DEMO_NAMES[-1]}/humaneval.json"]
+    assert vo.completions == "results/demo/completions/humaneval.jsonl"
+    assert (vo.n_samples, vo.ddtree_budget) == (2, 8)  # the smallest configured budget
+    assert cmds["report"].extra == ["results/demo/validate_online.json"]
+    assert all(a.ddtree_budgets == [8, 16, 32, 64, 128, 256] for a in parsed if a.cmd == "evaluate")
+    # A budget that evaluate does not replay is refused at parse time; [] turns DDTree off.
+    (wd / "bad.yaml").write_text("validate_online: {enabled: true, ddtree_budget: 12}\n")
+    proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "bad.yaml", check=False)
+    assert proc.returncode != 0 and "validate_online.ddtree_budget" in proc.stdout + proc.stderr
+    (wd / "off.yaml").write_text("evaluate: {ddtree_budgets: []}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "off.yaml").stdout
+    assert all(parser.parse_args(dflash_eval_argv(c)).ddtree_budgets == [] for c in shell_commands(out)
+               if " evaluate " in c)
+    assert "validate-online" not in out
+
+
 def _write_config(wd: Path, cfg: dict) -> None:
     (wd / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 
@@ -408,7 +438,9 @@ def tiny_run(tmp_path_factory):
             "demo": [{"name": "demo-step50", "step": 50, "random_init": True, "layer_ids": [1, 3],
                       "block_size": 4, "num_layers": 1, "seed": 5}],
         },
-        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4, "ddtree_budgets": [2, 8]},
+        "validate_online": {"enabled": True, "checkpoints": ["demo-step50"], "n_samples": 2, "device": "cpu",
+                            "dtype": "float32"},
     }
     _write_config(wd, cfg)
     smk(wd, "--workflow-profile", str(CI_PROFILE))
@@ -442,7 +474,22 @@ def test_end_to_end_tau_table(tiny_run):
         assert (row.tau, row.tau_tokens_per_step, row.mean_accepted, row.block_size) == (1.0, 1.0, 0.0, 4)
         ev = json.loads((wd / "results" / "tiny" / "eval" / row.checkpoint / f"{row.prompt_set}.json").read_text())
         assert [s["acceptance_lengths"] for s in ev["samples"]] == [[1] * (L - 1) for L in lengths]
-    assert (wd / "results" / "tiny" / "report.md").stat().st_size > 0
+        # DDTree: every budget's walk commits the whole completion after the prefill token, steps of 1..B
+        assert ev["ddtree_budgets"] == [2, 8]
+        for b in ("2", "8"):
+            walks = [s["acceptance_lengths_ddtree"][b] for s in ev["samples"]]
+            assert [sum(w) for w in walks] == [L - 1 for L in lengths]
+            assert all(1 <= a <= row.block_size for w in walks for a in w)
+        assert 1.0 <= row.tau_ddtree_2 <= row.tau_ddtree_8 <= row.block_size
+    report = (wd / "results" / "tiny" / "report.md").read_text()
+    # validate_online (chain + DDTree-2, the smallest budget) ran on CPU in float32: where the online output equals
+    # the cached completion, the per-step acceptance is identical; its section is in the report
+    vo = json.loads((wd / "results" / "tiny" / "validate_online.json").read_text())
+    modes = vo["checkpoints"][0]["modes"]
+    assert vo["budget"] == 2 and set(modes) == {"chain", "ddtree_2"}
+    for m in modes.values():
+        assert len(m["samples"]) == 2 and m["n_same_output"] == m["n_identical_steps"] == 2 and m["ok"]
+    assert f"## {vo['title']}" in report and "| demo-step50 | set_a | ddtree_2 |" in report
     # Complete and stable: nothing left to do.
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
     assert "Nothing to be done" in out.stdout + out.stderr

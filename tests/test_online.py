@@ -1,0 +1,131 @@
+"""Online speculative decoding (target in the loop) on a tiny random target, CPU float32.
+
+* The tree verify forward (4-D ancestor mask, position = start + depth) gives every node the target's
+  prediction after exactly its ancestor path, and the compacted KV cache equals a fresh forward's.
+* Chain and DDTree online decoding are lossless (= plain greedy decoding of the target).
+* validate_online: online and offline acceptance are identical per step wherever the outputs agree.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import make_tiny_target  # noqa: E402
+
+from dflash_eval.ddtree import build_tree  # noqa: E402
+from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify, validate_online  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from dflash_eval.demo import drafter_config_for_target
+    from dflash_eval.drafter import DFlashDrafter
+    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.target import TargetSpec, load_embed_and_head, load_target
+
+    d = tmp_path_factory.mktemp("online")
+    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
+    cfg = drafter_config_for_target(target_dir, layer_ids=[1, 3], block_size=5, num_layers=1,
+                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
+    (d / "drafter").mkdir()
+    (d / "drafter" / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(d / "drafter" / "model.safetensors"))
+    target, _, _ = load_target(target_dir, "cpu", "float32")
+    embed, head = (w.float() for w in load_embed_and_head(target_dir))
+    return {"dir": d, "target_dir": target_dir, "target": target, "drafter": drafter.eval(), "embed": embed,
+            "head": head}
+
+
+def _logits(target, ids):
+    with torch.inference_mode():
+        return target(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_tree_verify_sees_exactly_the_ancestor_path(tiny):
+    from transformers import DynamicCache
+
+    target = tiny["target"]
+    V = target.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(4, V, (11,), generator=g).tolist()
+    lp, ids = torch.topk(torch.log_softmax(torch.randn(4, V, generator=g) * 4, -1), 12, dim=-1)
+    tree = build_tree(lp, ids, budget=12)
+    assert max(tree.depths) >= 2 and len(tree.children[0]) >= 2  # branches and depth
+    cache = DynamicCache()
+    with torch.inference_mode():
+        target(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        out = tree_verify(target, cache, start=len(prompt) - 1, root=prompt[-1], tree=tree)
+    paths = [[]]
+    for i in range(len(tree)):
+        paths.append(paths[tree.parents[i + 1]] + [tree.tokens[i]])
+    for i, path in enumerate(paths):
+        torch.testing.assert_close(out.logits[0, i], _logits(target, prompt + path)[-1], atol=2e-4, rtol=1e-4)
+    # keep the rows of one root path; the next forward on the compacted cache equals a fresh forward
+    deep = max(range(1, len(tree) + 1), key=lambda i: tree.depths[i - 1])
+    rows, node = [], deep
+    while node:
+        rows.append(node)
+        node = tree.parents[node]
+    rows = [0] + rows[::-1]
+    keep_kv_rows(cache, len(prompt) - 1, torch.tensor(rows))
+    nxt = 7
+    committed = prompt + paths[deep]
+    with torch.inference_mode():
+        got = target(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[len(committed)]]),
+                     past_key_values=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(got, _logits(target, committed + [nxt])[-1], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 1, 6, 24])
+def test_online_decoding_is_lossless(tiny, budget):
+    """Greedy speculative decoding (chain or DDTree) commits exactly the target's own greedy output."""
+    target = tiny["target"]
+    prompt = [1, 40, 41, 42, 43, 44, 45, 2, 1, 50]
+    with torch.inference_mode():
+        ref = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                              pad_token_id=3)[0, len(prompt):].tolist()
+    o = spec_generate(target, tiny["drafter"], tiny["embed"], tiny["head"], prompt, 30, stop_ids=[], budget=budget)
+    assert o.completion_ids == ref
+    assert sum(o.acceptance_lengths) == 29 and all(1 <= a <= 5 for a in o.acceptance_lengths)
+    if budget == 1:
+        assert max(o.acceptance_lengths) <= 2  # one drafted node: at most one draft + the bonus
+
+
+@pytest.mark.slow
+def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
+    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.completions import generate_completions
+    from dflash_eval.replay import evaluate
+
+    d = tiny["dir"]
+    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
+               enumerate([[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]])]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    generate_completions(tiny["target_dir"], d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=24, batch_size=3,
+                         device="cpu", dtype="float32")
+    extract_hidden_states(tiny["target_dir"], d / "c.jsonl", d / "c.h5", layer_ids=[1, 3], device="cpu",
+                          dtype="float32")
+    evaluate(d / "drafter", d / "c.h5", tiny["target_dir"], d / "ev.json", device="cpu", dtype="float32",
+             ddtree_budgets=[4, 32])
+    r = validate_online(tiny["target_dir"], d / "c.jsonl", [d / "drafter"], [d / "ev.json"], d / "vo.json",
+                        n_samples=3, budget=32, device="cpu", dtype="float32")
+    modes = r["checkpoints"][0]["modes"]
+    assert set(modes) == {"chain", "ddtree_32"}
+    for m in modes.values():
+        assert m["n_same_output"] == m["n_identical_steps"] == 3 and m["ok"]
+        assert m["tau_online"] == m["tau_offline"] and m["rel_diff"] == 0
+        for s in m["samples"]:
+            assert s["online"] == s["offline"] and s["first_step_diff"] is None
+    assert max(a for s in modes["ddtree_32"]["samples"] for a in s["online"]) > 1  # the tree accepted drafts
+    saved = json.loads((d / "vo.json").read_text())
+    assert saved["title"] and "| ddtree_32 |" in saved["markdown"]
