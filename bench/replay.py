@@ -37,7 +37,9 @@ host has no network and no ``dflash``, so carry the wheel in the git-ignored ``.
     python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash      # once, where PyPI is reachable
 
 This script puts ``.whl/dflash/dflash-*.whl`` on ``sys.path`` when ``import dflash`` fails (a
-pure-Python wheel imports from the zip). On one H200, from the repo root:
+pure-Python wheel imports from the zip); without either, the online loop is this package's
+:func:`dflash_eval.online.spec_generate` (chain, batch 1) and the output says so. On one H200,
+from the repo root:
 
     python bench/replay.py                      # both cases, bf16, ~4 min
     python bench/replay.py --case big           # one case
@@ -94,8 +96,11 @@ def import_reference():
     except ImportError:
         wheels = sorted(glob.glob(str(REPO / ".whl" / "dflash" / "dflash-*.whl")))
         if not wheels:
-            sys.exit("dflash is not installed and .whl/dflash/dflash-*.whl is missing: run "
-                     "`python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash` where PyPI is reachable")
+            print("# dflash is not installed and .whl/dflash/dflash-*.whl is missing: the online loop is "
+                  "dflash_eval.online.spec_generate (chain; lossless and step-identical to the offline replay in "
+                  "float32, tests/test_online.py), not dflash.model.dflash_generate. For the reference: "
+                  "`python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash` where PyPI is reachable")
+            return None
         sys.path.insert(0, wheels[-1])
         import dflash.model as ref
         return ref
@@ -167,12 +172,24 @@ def drafter_config(tcfg: dict, layers: int, block_size: int, layer_ids: list[int
                               "block_size": block_size}}
 
 
-def online(ref, ref_drafter, target, samples, max_new: int, stop, dev):
-    """Reference online loop per sample (batch 1): ``(seconds, [acceptance lists], [output ids])``."""
+def online(ref, ref_drafter, target, samples, max_new: int, stop, dev, drafter=None, embed=None, head=None):
+    """Online loop per sample (batch 1): ``(seconds, [acceptance lists], [output ids])``.
+
+    ``ref`` = ``dflash.model``: the reference ``dflash_generate``; ``ref = None``: our
+    :func:`dflash_eval.online.spec_generate` (chain) with ``drafter``/``embed``/``head``.
+    """
+    from dflash_eval.online import spec_generate
+
     accs, outs = [], []
 
     def run():
         for s in samples:
+            if ref is None:
+                o = spec_generate(target, drafter, embed, head, s.input_ids[: s.prompt_len].tolist(), max_new,
+                                  list(stop or []))
+                accs.append(o.acceptance_lengths)
+                outs.append(list(o.completion_ids))
+                continue
             o = ref.dflash_generate(ref_drafter, target, s.input_ids[: s.prompt_len][None].to(dev),
                                     max_new_tokens=max_new, stop_token_ids=stop, return_stats=True)
             accs.append(o.acceptance_lengths)
@@ -195,7 +212,7 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
     seq, t_seq = timed(dev, lambda: replay(drafter, embed, head, samples, mode="sequential", memory_bytes=mem,
                                            batch_size=args.seq_batch))
     k = min(args.online_samples, n)
-    t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev)
+    t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev, drafter, embed, head)
     tau = lambda recs: aggregate(recs, B).tau  # noqa: E731
     tokens = sum(len(s.input_ids) - s.prompt_len for s in samples)
     tb = t_bat[default]
@@ -205,7 +222,7 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
         print(f"  batched {layout:7s}{mark:10s}: {t_bat[layout]:8.2f} s  ({t_bat[layout] / n * 1e3:8.1f} ms/sample)  "
               f"tau {tau(bat[layout]):.4f}")
     print(f"  sequential                : {t_seq:8.2f} s  ({t_seq / n * 1e3:8.1f} ms/sample)  tau {tau(seq):.4f}")
-    print(f"  online loop               : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  "
+    print(f"  online loop ({'dflash' if ref is not None else 'ours'})        : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  "
           f"tau {tau(onl):.4f}")
     print(f"  ratio sequential / batched ({default})        : {t_seq / tb:8.1f}x   (goal >= 20x at 1k tokens)")
     print(f"  ratio online / batched ({default}), per sample : {(t_onl / k) / (tb / n):8.1f}x   (goal >= 50x)")
@@ -232,7 +249,8 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
               f"{st['head_rows']} LM-head rows; {fl / 1e9:.1f} GFLOP executed -> {fl / t_bat[layout] / 1e12:.3f} TFLOP/s "
               f"({100 * fl / t_bat[layout] / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.3f} TFLOP/s GEMM rate)")
     return {"case": name, "n": n, "batched_s": t_bat, "default_layout": default, "sequential_s": t_seq,
-            "online_s": t_onl, "online_n": k, "tau_batched": {x: tau(bat[x]) for x in LAYOUTS},
+            "online_s": t_onl, "online_n": k, "online_loop": "dflash" if ref is not None else "dflash_eval.online",
+            "tau_batched": {x: tau(bat[x]) for x in LAYOUTS},
             "tau_sequential": tau(seq), "tau_online": tau(onl),
             "differ": {x: sum(bat[x][i] != seq[i] for i in range(n)) for x in LAYOUTS}, "gemm_tflops": flops_rate}
 
@@ -276,7 +294,8 @@ def case_smol(args, ref, dev, dt, rate):
     folders = sorted((REPO / "demo" / "drafters").glob("dflash-smollm2-*"))
     for folder in folders[:1] if args.smoke else folders:
         drafter = load_drafter(folder, device=dev, dtype=dt)
-        ref_drafter = ref.DFlashDraftModel.from_pretrained(str(folder), dtype=dt).to(dev).eval()
+        ref_drafter = (ref.DFlashDraftModel.from_pretrained(str(folder), dtype=dt).to(dev).eval()
+                       if ref is not None else None)
         results.append(compare(f"smollm2 {folder.name}", drafter, embed, head, samples, ref, ref_drafter, target,
                                args.smol_new, stop, args, dev, dt, rate))
     return results
@@ -292,9 +311,11 @@ def case_big(args, ref, dev, dt, rate):
     raw = drafter_config(tcfg, args.big_draft_layers, 16, layer_ids)
     torch.manual_seed(2)
     drafter = DFlashDrafter(DrafterConfig.from_dict(raw)).to(device=dev, dtype=dt).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        ref_drafter = ref.DFlashDraftModel.from_pretrained(str(save_drafter(drafter, raw, Path(tmp) / "d")),
-                                                           dtype=dt).to(dev).eval()
+    ref_drafter = None
+    if ref is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            ref_drafter = ref.DFlashDraftModel.from_pretrained(str(save_drafter(drafter, raw, Path(tmp) / "d")),
+                                                               dtype=dt).to(dev).eval()
     gen = torch.Generator().manual_seed(3)
     P, N = args.big_prompt, args.big_new
     samples = []
@@ -333,7 +354,7 @@ def main(argv=None):
     dev = resolve_device(args.device)
     dt = resolve_dtype(args.dtype, dev)
     ref = import_reference()
-    if dev.type != "cuda":
+    if dev.type != "cuda" and ref is not None:
         ref._cuda_time = time.perf_counter  # the reference times with cuda.synchronize
     torch.set_grad_enabled(False)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
