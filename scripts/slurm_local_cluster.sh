@@ -24,7 +24,8 @@
 #
 # The node is declared, not detected (SlurmdParameters=config_overrides): by default 16 CPUs,
 # 128 GiB and 2 GPUs (GresTypes=gpu; the GPU "device files" are links to /dev/null), so jobs asking what profiles/slurm-gpu asks are accepted on a small machine;
-# they then share its real cores. Change with SLURM_LOCAL_CPUS / _MEM_MB / _GPUS before `start`.
+# they then share its real cores. Change with SLURM_LOCAL_CPUS / _MEM_MB / _GPUS before `start`
+# (SLURM_LOCAL_GPUS=0: a cluster without GPU gres, where `--gpus` requests are rejected).
 # Without slurmdbd there is no `sacct`: finished jobs stay visible to `squeue` and
 # `scontrol show job` for MinJobAge=3600 s, and each is written to log/jobcomp.log
 # (JobCompType=jobcomp/filetxt) with its JobState, Partition and TRES.
@@ -117,10 +118,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 SlurmdParameters=config_overrides
 GresTypes=gpu
-NodeName=${NODE} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${MEM_MB} Gres=gpu:${GPUS} State=UNKNOWN
+NodeName=${NODE} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${MEM_MB}$([ "$GPUS" -gt 0 ] && echo " Gres=gpu:${GPUS}") State=UNKNOWN
 PartitionName=cpu Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP
 PartitionName=gpu Nodes=${NODE} MaxTime=INFINITE State=UP
 EOF
+    [ "$GPUS" -gt 0 ] || { : > "$DIR/etc/gres.conf"; return 0; }
     cat > "$DIR/etc/gres.conf" <<EOF
 # Fake GPUs: slurmd drops GPUs without a File, and a File must be a character device;
 # links to /dev/null pass that check. Jobs get CUDA_VISIBLE_DEVICES=<index> as usual.

@@ -169,26 +169,43 @@ def _unavailable(reason: str):
     pytest.skip(f"SLURM test cluster unavailable: {reason}")
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """A running single-node cluster; yields (environment for Snakemake, state directory)."""
+def _start_cluster(tmp_path_factory, gpus: int):
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged")
                if not shutil.which(b) and not Path("/usr/sbin", b).exists()]
     if missing:
         _unavailable(f"{', '.join(missing)} not installed (as root: scripts/slurm_local_cluster.sh install)")
     if os.geteuid() != 0:
         _unavailable("the SLURM daemons need root")
-    state = tmp_path_factory.mktemp("slurm")
+    state = tmp_path_factory.mktemp(f"slurm-gpus{gpus}")
     ctld, slurmd = _free_ports(2)
     env = {**os.environ, "SLURM_LOCAL_DIR": str(state), "SLURM_LOCAL_PORT": str(ctld),
-           "SLURM_LOCAL_SLURMD_PORT": str(slurmd)}
+           "SLURM_LOCAL_SLURMD_PORT": str(slurmd), "SLURM_LOCAL_GPUS": str(gpus)}
     proc = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         _unavailable(f"scripts/slurm_local_cluster.sh start failed:\n{proc.stdout}\n{proc.stderr}")
     run_env = {**env, "SLURM_CONF": str(state / "etc" / "slurm.conf"),
                "PATH": f"{state / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    yield run_env, state
+    return env, run_env, state
+
+
+def _stop_cluster(env):
     subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A running single-node cluster with 2 (fake) GPUs; yields (environment for Snakemake, state dir)."""
+    env, run_env, state = _start_cluster(tmp_path_factory, gpus=2)
+    yield run_env, state
+    _stop_cluster(env)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster_without_gpus(tmp_path_factory):
+    """The same without GPU gres (GresTypes=gpu, no GPU on the node)."""
+    env, run_env, state = _start_cluster(tmp_path_factory, gpus=0)
+    yield run_env, state
+    _stop_cluster(env)
 
 
 def _fields(line: str) -> dict[str, str]:
@@ -249,18 +266,27 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_slurm_cpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
-    """The shipped slurm-cpu profile: a torch rule (completions) runs on the cpu partition with no
+def test_slurm_profiles_on_a_cluster_without_gpus(slurm_cluster_without_gpus, tiny_run, tmp_path):
+    """Without GPU gres, slurm-gpu's GPU job is rejected by sbatch once (no retry resubmits it) with
+    SLURM's reason in the error; slurm-cpu runs the same torch rule on the cpu partition without a
     GPU request and gives the local run's completions."""
-    env, state = slurm_cluster
+    env, state = slurm_cluster_without_gpus
+    target = "results/tiny/completions/set_a.jsonl"
     wd = make_tiny_workdir(tmp_path / "wf", **SLURM_TEST_CONFIG)
-    smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-cpu"),
-        "--slurm-init-seconds-before-status-checks", "2", "results/tiny/completions/set_a.jsonl",
-        env=env, timeout=600)
+    proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-gpu"),
+               "--slurm-init-seconds-before-status-checks", "2", target, env=env, timeout=600, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("SLURM sbatch failed") == 1, out[-3000:]
+    assert "Requested node configuration is not available" in out
+    assert [j["rule"] for j in slurm_jobs(state, env, wd)] == ["prompts"]
+
+    proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-cpu"),
+               "--slurm-init-seconds-before-status-checks", "2", target, env=env, timeout=600)
     jobs = slurm_jobs(state, env, wd)
-    assert sorted(j["rule"] for j in jobs) == ["completions", "prompts"], jobs
+    assert sorted(j["rule"] for j in jobs) == ["completions", "prompts"], jobs  # prompts ran before
     for job in jobs:
         assert job["JobState"] == "COMPLETED" and job["Partition"] == "cpu", job
-        assert "gpu" not in job["TresPerJob"] and "gres/gpu" not in job["Tres"], job
+        assert "gpu" not in job["TresPerJob"], job
     assert_same_completions(tiny_run / "results" / "tiny" / "completions" / "set_a.jsonl",
-                            wd / "results" / "tiny" / "completions" / "set_a.jsonl")
+                            wd / target)

@@ -306,13 +306,15 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 def test_environment_pins_agree():
     host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
-    image = _pins((REPO / "containers" / "cuda" / "requirements.txt").read_text().splitlines())
+    image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
+                   for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image
     for env_file, reference in (("cpu.yaml", host), ("gpu.yaml", image)):
         env = _env_pins(REPO / "envs" / env_file)
         for name, version in env.items():
             if name in reference:
                 assert version == reference[name], f"envs/{env_file}: {name}=={version} vs {reference[name]}"
+    assert {"fla-core", "flash-linear-attention"} <= set(image)
     shared = set(host) & set(image)
     assert {"transformers", "safetensors", "h5py"} <= shared
     assert all(host[n] == image[n] for n in shared), {n: (host[n], image[n]) for n in shared if host[n] != image[n]}
