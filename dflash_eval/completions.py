@@ -187,7 +187,7 @@ SOURCES: dict[str, type[CompletionSource]] = {"transformers": TransformersSource
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, source: str = "transformers",
                          max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto",
-                         dtype: str = "auto", linear_attn_backend: str = "auto") -> Path:
+                         dtype: str = "auto", linear_attn_backend: str = "auto", target_fingerprint=None) -> Path:
     """Greedy completions of every prompt in a prompts JSONL (format: module docstring).
 
     Prompts are sorted by length and generated ``batch_size`` at a time; rows are
@@ -204,6 +204,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
             use the one the cache stage uses.
         device, dtype: see :func:`dflash_eval.target.resolve_device` / :func:`~dflash_eval.target.resolve_dtype`
             (``auto``: bf16 on CUDA, float32 on CPU).
+        target_fingerprint: a ``target-fingerprint`` record, so the weights are not hashed again.
 
     Returns:
         ``Path(out)``.
@@ -224,7 +225,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     rows = read_prompts(prompts_path)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    spec = TargetSpec.read(target_dir)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
     if kernel.backend != "none":
         log.info("linear-attention kernel: %s", kernel.backend)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,11 @@ class TargetSpec:
     layer_types: tuple[str, ...] = ()  #: per-layer types when the config lists them
     tie_word_embeddings: bool | None = None  #: None when the config does not say
     max_position_embeddings: int | None = None
+    fingerprint_file: Path | None = None  #: a :func:`write_fingerprint` record used by :meth:`weights_sha256`
 
     @classmethod
-    def read(cls, target_dir: str | Path) -> "TargetSpec":
-        """Read ``<target_dir>/config.json``.
+    def read(cls, target_dir: str | Path, fingerprint_file: str | Path | None = None) -> "TargetSpec":
+        """Read ``<target_dir>/config.json`` (``fingerprint_file``: see :meth:`weights_sha256`).
 
         Shape fields a config does not state are None (transformers then fails to load such a
         target, with its own message); checks that need them are skipped.
@@ -82,7 +84,8 @@ class TargetSpec:
                    num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
                    vocab_size=text.get("vocab_size"), layer_types=tuple(text.get("layer_types") or ()),
                    tie_word_embeddings=None if tie is None else bool(tie),
-                   max_position_embeddings=text.get("max_position_embeddings"))
+                   max_position_embeddings=text.get("max_position_embeddings"),
+                   fingerprint_file=Path(fingerprint_file) if fingerprint_file else None)
 
     @property
     def has_linear_attention(self) -> bool:
@@ -94,8 +97,8 @@ class TargetSpec:
         return weight_files(self.path)
 
     def weights_sha256(self) -> str:
-        """:func:`weights_sha256` of the folder."""
-        return weights_sha256(self.path)
+        """:func:`weights_sha256` of the folder, from :attr:`fingerprint_file` when that record still matches."""
+        return weights_sha256(self.path, record=self.fingerprint_file)
 
 
 def as_spec(target: "str | Path | TargetSpec") -> TargetSpec:
@@ -115,18 +118,76 @@ def weight_files(target_dir: str | Path) -> list[Path]:
     return files
 
 
-def weights_sha256(target_dir: "str | Path | TargetSpec") -> str:
+FINGERPRINT_FORMAT = "dflash-eval/target-fingerprint"
+
+
+def _weight_stats(files: list[Path]) -> list[dict]:
+    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | None = None) -> str:
     """Hex sha256 of a target's weights: one stream over every ``*.safetensors`` in sorted file-name order.
 
-    For a single-file model this equals ``sha256sum model.safetensors``.
+    For a single-file model this equals ``sha256sum model.safetensors``. Hashing reads every
+    weight file (minutes for a 54 GB target), so the workflow does it once per target
+    (rule ``target_fingerprint`` -> :func:`write_fingerprint`) and every job passes the record
+    here: when the record's files (names, sizes, mtimes) equal the folder's, its sha256 is
+    returned without reading the weights; otherwise (weights replaced since, unreadable record)
+    the weights are hashed again, with a warning.
 
     Raises:
         InputError: no ``*.safetensors`` files.
     """
+    files = weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir)
+    if record is not None:
+        try:
+            rec = json.loads(Path(record).read_text(encoding="utf-8"))
+            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == _weight_stats(files):
+                log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
+                return str(rec["sha256"])
+            log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them again",
+                        record)
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            log.warning("fingerprint record %s unreadable (%s): hashing the weights", record, err)
     h = hashlib.sha256()
-    for f in weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir):
+    t0 = time.perf_counter()
+    for f in files:
         sha256_file(f, h)
+    log.info("hashed %d weight file(s) in %.1f s", len(files), time.perf_counter() - t0)
     return h.hexdigest()
+
+
+def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) -> Path:
+    """Hash a target's weights once and record it (the ``target-fingerprint`` stage).
+
+    Output JSON: ``format`` (``"dflash-eval/target-fingerprint"``), ``sha256``
+    (:func:`weights_sha256`), ``files`` (``name``, ``size``, ``mtime_ns`` of each weight file,
+    the key under which later jobs reuse the hash), ``target`` (folder), ``seconds``.
+
+    Raises:
+        InputError: no ``*.safetensors`` files.
+    """
+    from .errors import atomic_path
+
+    spec = as_spec(target_dir)
+    files = spec.weight_files()
+    before = _weight_stats(files)
+    t0 = time.perf_counter()
+    sha = weights_sha256(spec.path)
+    if _weight_stats(files) != before:
+        raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
+                         "rerun when nothing writes to the target folder")
+    rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
+           "seconds": round(time.perf_counter() - t0, 3)}
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+    log.info("target %s: weights sha256 %s -> %s", spec.path, sha, out)
+    return Path(out)
 
 
 def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", backend: str = "auto"):
