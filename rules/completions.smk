@@ -4,6 +4,7 @@
 rule completions:
     input:
         unpack(target_all_files),
+        fingerprint=TARGET.fingerprint,
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
     output:
         "results/{run}/completions/{prompt_set}.jsonl",
@@ -32,4 +33,5 @@ rule completions:
         " --max-new-tokens {params.max_new_tokens} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --linear-attn-backend {params.linear_attn_backend}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --out {output:q} > {log:q} 2>&1"
