@@ -25,27 +25,30 @@ File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 2
             sha256            hex sha256 of the stored bytes of input_ids, target_argmax and hidden, in
                               this order (little-endian, C order): :func:`sample_sha256`
 
-File attributes (FILE_ATTRS; lists and dicts of strings are stored as JSON strings):
+File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
+strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 and 2 (1 had no
-  ``sha256`` / ``completion_len`` per sample and no ``extraction_runs``).
-- ``target_name`` (folder name), ``target_sha256`` (weights fingerprint,
-  :func:`dflash_eval.target.weights_sha256`), ``target_model_type``, ``num_target_layers``,
-  ``hidden_size`` (H), ``vocab_size`` (embedding rows).
-- ``target_layer_ids`` (int array, K entries), ``layer_convention`` (text), ``last_layer_normed`` (bool).
-- ``dtype`` (``"bfloat16"`` | ``"float32"``), ``storage`` (how ``hidden`` holds it).
-- ``device``, ``device_name`` (GPU name or CPU architecture).
+- ``format``, ``format_version``: see above. Readers accept versions 1 and 2 (1 had no per-sample
+  ``sha256`` / ``completion_len`` and no ``batching`` / ``extraction_runs``).
+- ``target_name``, ``target_sha256``, ``target_model_type``, ``num_target_layers``, ``hidden_size``,
+  ``vocab_size``: the target's folder name, weights fingerprint (:func:`dflash_eval.target.weights_sha256`),
+  model type, decoder layers, H, embedding rows.
+- ``target_layer_ids``, ``layer_convention``, ``last_layer_normed``: the K stored layers (int array), the
+  convention below as text, whether the last (final-normed) layer is among them.
+- ``dtype``, ``storage``: ``"bfloat16"`` | ``"float32"``, and how ``hidden`` holds it.
+- ``device``, ``device_name``: torch device, GPU name or CPU architecture.
 - ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
-  ``dflash_eval_version``.
-- ``linear_attn_kernel`` (JSON, see below), ``linear_attn_backend``, ``layer_types`` (JSON), ``image``,
-  ``env`` (JSON: ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS``, ``DFLASH_EVAL_*`` variables).
-- ``batching``: ``"packed"`` (the samples of a forward concatenated, attention per sequence through
-  ``cu_seqlens``, positions restarting at 0) or ``"right-padded"``; ``padding_side`` (``"right"``, or
-  ``"none"`` when packed); ``batch_tokens`` (tokens per forward: real tokens when packed, padded ones
-  otherwise). See :mod:`dflash_eval.extract` for when each is used and how their numbers differ.
-- ``completions_sha256`` (sha256 of the completions file), ``prompt_set`` (its stem).
-- ``created_at`` (first run), ``extraction_runs`` (JSON list, one entry per run that worked on the file:
-  ``started_at``, ``host``, ``pid``, ``computed`` and ``reused`` sample counts).
+  ``dflash_eval_version``: the writer's packages.
+- ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
+  (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
+  ``DFLASH_EVAL_*`` variables.
+- ``batching``, ``padding_side``, ``batch_tokens``: ``"packed"`` (the samples of a forward concatenated,
+  attention per sample through ``cu_seqlens``, positions restarting at 0) or ``"right-padded"``;
+  ``"right"``, or ``"none"`` when packed; tokens per forward (real tokens when packed, padded ones
+  otherwise). When each is used and how their numbers differ: :mod:`dflash_eval.extract`.
+- ``completions_sha256``, ``prompt_set``: sha256 of the completions file, and its stem.
+- ``created_at``, ``extraction_runs``: when the first run started; JSON list with one entry per run that
+  worked on the file (``started_at``, ``host``, ``pid``, and ``computed`` / ``reused`` sample counts).
 - ``n_samples``: written last, when every sample is in the file; a file without it is unfinished.
 
 Layer convention (transformers ``utils/generic.py`` collects ``hidden_states``; z-lab/dflash
@@ -423,19 +426,39 @@ class PartialCache:
         if not self.path.exists():
             return None
         try:
-            f = h5py.File(self.path, "r+")
+            f = h5py.File(self.path, "r+", locking="best-effort")
         except OSError as err:
-            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or "unable to lock file" in str(err):
+            text = str(err)
+            if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or "unable to lock file, errno = 11" in text:
                 raise InputError(self.path, None, "in use: another process is writing this cache (an orphaned "
                                  "hidden_states job of a killed Snakemake, or a second run)",
                                  "wait for that process to finish (or stop it), then rerun") from None
-            log.warning("%s: the partial file of an earlier run cannot be opened (%s); starting over", self.path, err)
+            if "lock" in text.lower() or isinstance(err, PermissionError):
+                raise InputError(self.path, None, f"cannot open the partial file of an earlier run ({text})",
+                                 "if the file system has no file locks, set HDF5_USE_FILE_LOCKING=FALSE") from None
+            log.warning("%s: the partial file of an earlier run is damaged (%s; killed inside a flush?): "
+                        "starting over", self.path, text)
             self.path.unlink()
             return None
         try:
-            reused = self._check_partial(f)
+            diff = self._identity_diff(f)
+            if diff and "n_samples" in f.attrs:
+                # a finished cache of other settings (a kept link whose output Snakemake deleted for a rerun):
+                # nothing unfinished is lost by starting over
+                f.close()
+                log.info("%s: finished cache of other settings (%s): removed, starting over", self.path, ", ".join(diff))
+                self.path.unlink()
+                return None
+            if diff:
+                named = "; ".join(f"{k}: partial {old!r} vs now {new!r}" for k, (old, new) in diff.items())
+                raise InputError(self.path, ", ".join(diff),
+                                 f"an unfinished cache written with other settings ({named}); its samples cannot be "
+                                 "mixed with this run's",
+                                 f"delete {self.path} to start over, or rerun with the settings it was written with")
+            reused = self._verify_partial(f)
         except BaseException:
-            f.close()
+            if f.id.valid:
+                f.close()
             raise
         self._f = f
         self._start_run(reused)
@@ -446,7 +469,7 @@ class PartialCache:
         import h5py
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        f = h5py.File(self.path, "w")
+        f = h5py.File(self.path, "w", locking="best-effort")
         try:
             for key, val in {**attrs, **self.identity}.items():
                 f.attrs[key] = _attr_value(val)
@@ -467,19 +490,20 @@ class PartialCache:
         self._run = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
                      "pid": os.getpid(), "computed": 0, "reused": len(reused)}
 
-    def _check_partial(self, f) -> set[int]:
+    def _identity_diff(self, f) -> dict:
+        """``{key: (partial's value, this run's)}`` for every identity attribute that differs."""
         a = {k: _py(v) for k, v in f.attrs.items()}
         want = {k: _py(_attr_value(self.identity.get(k))) for k in IDENTITY_ATTRS}
         diff = {k: (a.get(k), want[k]) for k in IDENTITY_ATTRS if a.get(k) != want[k]}
+        if a.get("format") != FORMAT:
+            diff["format"] = (a.get("format"), FORMAT)
         ids = [_py(s) for s in f["sample_ids"][()]] if "sample_ids" in f else None
-        if ids is not None and ids != [m.sample_id for m in self.meta]:
-            diff["sample_ids"] = (f"{len(ids)} ids", f"{len(self.meta)} ids")
-        if a.get("format") != FORMAT or diff:
-            named = "; ".join(f"{k}: partial {old!r} vs now {new!r}" for k, (old, new) in diff.items())
-            raise InputError(self.path, ", ".join(diff) or "format",
-                             f"a partial cache written with other settings ({named or 'not a dflash-eval cache'}); "
-                             "its samples cannot be mixed with this run's",
-                             f"delete {self.path} to start over, or rerun with the settings it was written with")
+        if ids != [m.sample_id for m in self.meta]:
+            diff["sample_ids"] = (f"{len(ids or [])} ids", f"{len(self.meta)} ids")
+        return diff
+
+    def _verify_partial(self, f) -> set[int]:
+        a = {k: _py(v) for k, v in f.attrs.items()}
         self._runs = json.loads(a.get("extraction_runs") or "[]")
         grp = f.require_group("samples")
         reused: set[int] = set()

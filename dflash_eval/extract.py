@@ -518,8 +518,9 @@ def extract_hidden_states(
         cache.close()
         if is_no_space(err):
             left = len(seqs) - len(cache.done)
-            raise InputError(cache.path, None, f"no space left on the device while writing the cache ({err}); "
-                             f"{len(cache.done)} of {len(seqs)} samples are committed in this partial file and kept",
+            raise InputError(cache.path, None, f"no room left to write the cache (disk, quota or file size limit: "
+                             f"{err}); {len(cache.done)} of {len(seqs)} samples are committed in this partial file "
+                             "and kept",
                              f"free space (about {_bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)} "
                              f"more for the {left} samples left) and rerun: the job resumes from the partial file") from err
         raise
