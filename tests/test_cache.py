@@ -212,7 +212,7 @@ def _documented():
     file_attrs = {n for item in items for n in re.findall(r"``([a-z0-9_]+)``", " ".join(item.split()).split(": ")[0])}
     layout = doc[doc.index("/samples/<i:06d>/"): doc.index("File attributes (FILE_ATTRS")]
     datasets = set(re.findall(r"^ {8}([a-z_]+) +\[", layout, flags=re.M))
-    sample_attrs = set(re.findall(r"^ {12}([a-z_]+) {2,}", layout, flags=re.M))
+    sample_attrs = set(re.findall(r"^ {12}([a-z0-9_]+) {2,}", layout, flags=re.M))
     return file_attrs, datasets, sample_attrs
 
 
