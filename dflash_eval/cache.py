@@ -105,6 +105,8 @@ import json
 import logging
 import os
 import queue
+import re
+import shutil
 import socket
 import threading
 import time
@@ -143,6 +145,9 @@ IDENTITY_ATTRS = (
 )
 #: errno values that mean "no room to write": disk full, quota, file size limit
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: partial files detached after a failed write in this process (:meth:`PartialCache._detach`); HDF5's
+#: own shutdown at interpreter exit can crash on their leftover handles, so the CLI exits without it
+DETACHED: list[Path] = []
 
 
 # --------------------------------------------------------------------------- bf16 <-> uint16
@@ -200,10 +205,13 @@ def _py(v):
 
 
 def is_no_space(err: BaseException) -> bool:
-    """True for an OSError that means the disk (or quota, or file size limit) is full (h5py included)."""
-    if not isinstance(err, OSError):
+    """True for an error that means the disk (or quota, or file size limit) is full.
+
+    h5py raises ``OSError`` or ``RuntimeError`` (a failed flush) and names the errno only in its text.
+    """
+    if not isinstance(err, (OSError, RuntimeError)):
         return False
-    if err.errno in NO_SPACE_ERRNOS:
+    if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS:
         return True
     text = str(err)
     return any(f"errno = {e}," in text for e in NO_SPACE_ERRNOS) or "No space left" in text
@@ -401,6 +409,7 @@ class PartialCache:
         self.meta = meta
         self.keep_link = keep_link
         self._f = None
+        self.broken = False  # a write failed: the HDF5 state in memory must not reach the file
         self.done: set[int] = set()
         self._run: dict = {}
         self._runs: list = []
@@ -426,7 +435,17 @@ class PartialCache:
         if not self.path.exists():
             return None
         try:
-            f = h5py.File(self.path, "r+", locking="best-effort")
+            try:
+                f = h5py.File(self.path, "r+", locking="best-effort")
+            except OSError as err:
+                m = re.search(r"truncated file: eof = (\d+), .*stored_eof = (\d+)", str(err))
+                if not m or int(m.group(2)) <= int(m.group(1)):
+                    raise
+                # the end of the file was lost (node loss): restore its length, then verify what is there
+                log.warning("%s: partial file shorter than its header says (%s): extended to %s bytes, every "
+                            "sample is verified", self.path, m.group(1), m.group(2))
+                os.truncate(self.path, int(m.group(2)))
+                f = h5py.File(self.path, "r+", locking="best-effort")
         except OSError as err:
             text = str(err)
             if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or "unable to lock file, errno = 11" in text:
@@ -455,7 +474,7 @@ class PartialCache:
                                  f"an unfinished cache written with other settings ({named}); its samples cannot be "
                                  "mixed with this run's",
                                  f"delete {self.path} to start over, or rerun with the settings it was written with")
-            reused = self._verify_partial(f)
+            f, reused = self._verify_partial(f)
         except BaseException:
             if f.id.valid:
                 f.close()
@@ -502,29 +521,70 @@ class PartialCache:
             diff["sample_ids"] = (f"{len(ids or [])} ids", f"{len(self.meta)} ids")
         return diff
 
-    def _verify_partial(self, f) -> set[int]:
+    def _verify_partial(self, f):
+        """Keep the verified samples, unlink the rest; ``(open file, verified indices)``."""
         a = {k: _py(v) for k, v in f.attrs.items()}
         self._runs = json.loads(a.get("extraction_runs") or "[]")
         grp = f.require_group("samples")
         reused: set[int] = set()
-        dropped = 0
+        bad: list[str] = []
         for name in list(grp):
             i = int(name) if name.isdigit() else -1
-            sha = _verify_group(grp[name]) if 0 <= i < len(self.meta) else None
-            if sha is None:
-                del grp[name]  # unverifiable remains of a killed run: recomputed
-                dropped += 1
-            else:
+            try:
+                ok = 0 <= i < len(self.meta) and _verify_group(grp[name]) is not None
+            except (OSError, KeyError, ValueError, RuntimeError):  # a link to an object that never reached the disk
+                ok = False
+            if ok:
                 reused.add(i)
-        if dropped:
-            log.warning("%s: dropped %d sample group(s) that failed verification (recomputed)", self.path, dropped)
-        f.flush()
-        return reused
+            else:
+                bad.append(name)
+        if bad:
+            log.warning("%s: %d sample group(s) failed verification (a write cut short): recomputed", self.path, len(bad))
+            try:
+                for name in bad:
+                    del grp[name]
+                f.flush()
+            except (OSError, KeyError, ValueError, RuntimeError) as err:
+                log.warning("%s: cannot unlink them (%s): copying the %d verified samples to a fresh file",
+                            self.path, err, len(reused))
+                return self._salvage(f, reused), reused
+        return f, reused
+
+    def _salvage(self, f, reused: set[int]):
+        """Rebuild the sidecar from its verified samples when its group index is damaged; the reopened file."""
+        import h5py
+
+        tmp = self.path.with_name(self.path.name + ".salvage")
+        with h5py.File(tmp, "w", locking="best-effort") as g:
+            for key, val in f.attrs.items():
+                g.attrs[key] = val
+            g.create_dataset("sample_ids", data=f["sample_ids"][()], dtype=h5py.string_dtype())
+            dst = g.create_group("samples")
+            for i in sorted(reused):
+                f.copy(f[f"samples/{i:06d}"], dst, name=f"{i:06d}")
+        f.close()
+        os.replace(tmp, self.path)
+        return h5py.File(self.path, "r+", locking="best-effort")
 
     # ---------------------------------------------------------------- writing
+    def check_room(self, nbytes: int) -> None:
+        """Raise ``OSError(ENOSPC)`` before writing ``nbytes`` when the file system has less free space than
+        that plus 64 MiB (HDF5 itself cannot recover from a failed write: see :meth:`close`)."""
+        free = shutil.disk_usage(self.path.parent).free
+        if free < nbytes + (64 << 20):
+            raise OSError(errno.ENOSPC, f"No space left on device: {free / 1e6:.0f} MB free, the next batch needs "
+                          f"{nbytes / 1e6:.0f} MB + 64 MB of headroom", str(self.path.parent))
+
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
                      sha256: str, argmax_agreement: float) -> None:
         """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32)."""
+        try:
+            self._write_sample(i, hidden, logical_dtype, target_argmax, sha256, argmax_agreement)
+        except BaseException:
+            self._detach()
+            raise
+
+    def _write_sample(self, i, hidden, logical_dtype, target_argmax, sha256, argmax_agreement) -> None:
         m = self.meta[i]
         grp = self._f["samples"]
         name = f"{i:06d}"
@@ -547,8 +607,12 @@ class PartialCache:
 
     def commit(self) -> None:
         """Flush to the OS: everything written so far survives a kill of this process."""
-        self._f.attrs["extraction_runs"] = json.dumps(self._runs + [self._run])
-        self._f.flush()
+        try:
+            self._f.attrs["extraction_runs"] = json.dumps(self._runs + [self._run])
+            self._f.flush()
+        except BaseException:
+            self._detach()
+            raise
 
     def finish(self) -> Path:
         """Mark the file finished (``n_samples``), fsync, and rename it to ``out`` atomically.
@@ -578,13 +642,39 @@ class PartialCache:
         os.replace(self.path, self.out)
         return self.out
 
+    def _detach(self) -> None:
+        """After a failed write: point HDF5's file descriptor at ``/dev/null`` at once.
+
+        HDF5 cannot recover from a failed write (disk full): every later flush, object release
+        or close would write the half-done state and can leave a file that no longer opens (its
+        header then claims more bytes than the disk took) or crash the interpreter at exit.
+        Detached, the file stays as the last commit left it, exactly as after a SIGKILL.
+        """
+        if self.broken or self._f is None:
+            return
+        self.broken = True
+        DETACHED.append(self.path)
+        try:
+            fd = self._f.id.get_vfd_handle()
+            nul = os.open(os.devnull, os.O_RDWR)
+            os.dup2(nul, fd)
+            os.close(nul)
+        except Exception as err:  # noqa: BLE001 - nothing more can be done for the file
+            log.debug("could not detach %s: %s", self.path, err)
+
     def close(self) -> None:
-        """Close without finishing: the sidecar keeps every committed sample for the next run."""
-        if self._f is not None:
+        """Close without finishing: the sidecar keeps every committed sample for the next run
+        (after a failed write, the detached handle is released; see :meth:`_detach`)."""
+        f, self._f = self._f, None
+        if f is None:
+            return
+        if self.broken:
             try:
-                self._f.close()
-            finally:
-                self._f = None
+                f.close()
+            except Exception:  # noqa: BLE001 - writes to /dev/null of a broken state
+                pass
+            return
+        f.close()
 
 
 # --------------------------------------------------------------------------- streaming writer thread
@@ -689,6 +779,7 @@ class StreamingWriter:
         if batch.ready is not None:
             batch.ready()
         meta = self.cache.meta
+        self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
         shas = list(self._pool.map(lambda k: sample_sha256(ids32[k], argmax32[k], batch.samples[k][1]),

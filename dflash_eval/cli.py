@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import schema_default as D
@@ -209,15 +210,22 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
     try:
-        return _dispatch(args) or 0
+        code = _dispatch(args) or 0
     except InputError as err:
         logging.getLogger("dflash_eval").error("%s", err)
         print(f"dflash-eval {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except Interrupted as err:
         logging.getLogger("dflash_eval").error("%s: %s stopped; temporary files removed", err, args.cmd)
         print(f"dflash-eval {args.cmd}: {err}", file=sys.stderr)
-        return 128 + err.signum
+        code = 128 + err.signum
+    cache = sys.modules.get("dflash_eval.cache")
+    if cache is not None and cache.DETACHED:  # HDF5 after a failed write: skip its shutdown (it can crash)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _dispatch(args) -> int | None:

@@ -514,7 +514,7 @@ def extract_hidden_states(
         elif not cache.is_open:  # no samples at all cannot happen (read_completions refuses); keep it safe
             raise RuntimeError("nothing to compute and no partial file")
         cache.finish()
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         cache.close()
         if is_no_space(err):
             left = len(seqs) - len(cache.done)

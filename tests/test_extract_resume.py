@@ -290,3 +290,31 @@ def test_packed_batches_never_exceed_the_token_budget():
     assert all(sum(lengths[i] for i in b) <= 100 for b in batches[1:])
     assert batches == length_batches(lengths, max_tokens=100, packed=True)  # deterministic (resume)
     assert np.diff([max(lengths[i] for i in b) for b in batches]).max() <= 0  # longest first
+
+
+@pytest.mark.slow
+def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
+    """Free space below the next batch's size (statvfs): stop before HDF5 writes, commit kept, resume."""
+    import shutil as _shutil
+
+    from dflash_eval import cache as cache_mod
+    from dflash_eval.extract import extract_hidden_states
+
+    calls = {"n": 0}
+    real = _shutil.disk_usage
+
+    def filling(path):
+        calls["n"] += 1
+        u = real(path)
+        return u._replace(free=u.free if calls["n"] <= 3 else 10 << 20)  # full after 3 batches
+
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage", filling)
+    base = dict(target_dir=work / "target", completions_path=work / "completions.jsonl", out=tmp_path / "c.h5",
+                layer_ids=[1, 3], batch_tokens=BATCH_TOKENS, device="cpu", dtype="float32")
+    with pytest.raises(InputError, match=r"no room left .* No space left on device") as err:
+        extract_hidden_states(**base)
+    assert "samples are committed in this partial file and kept" in err.value.problem and "free space" in err.value.fix
+    assert not (tmp_path / "c.h5").exists()
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage", real)
+    extract_hidden_states(**base)
+    assert datasets(tmp_path / "c.h5") == datasets(work / "ref.h5")
