@@ -377,6 +377,26 @@ def _verify_group(g) -> str | None:
 
 
 # --------------------------------------------------------------------------- writer
+def _h5_writable(path: Path, create: bool):
+    """Open (or create) an HDF5 file for writing with HDF5's sieve buffer off.
+
+    Raw data then reaches the file inside the call that writes it, so a failed write (disk full)
+    raises there, in :meth:`PartialCache.write_sample`, and not later when h5py releases a
+    dataset handle (where it can only print the error and HDF5's state is left broken). File
+    locking is best-effort (on where the file system has locks).
+    """
+    import h5py
+    from h5py import h5f, h5p
+
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)  # h5py's default
+    fapl.set_file_locking(True, True)
+    fapl.set_sieve_buf_size(0)
+    name = os.fsencode(path)
+    fid = h5f.create(name, h5f.ACC_TRUNC, fapl=fapl) if create else h5f.open(name, h5f.ACC_RDWR, fapl=fapl)
+    return h5py.File(fid)
+
+
 @dataclass
 class SampleMeta:
     """What the writer needs of a sample besides its computed arrays."""
@@ -436,7 +456,7 @@ class PartialCache:
             return None
         try:
             try:
-                f = h5py.File(self.path, "r+", locking="best-effort")
+                f = _h5_writable(self.path, create=False)
             except OSError as err:
                 m = re.search(r"truncated file: eof = (\d+), .*stored_eof = (\d+)", str(err))
                 if not m or int(m.group(2)) <= int(m.group(1)):
@@ -445,7 +465,7 @@ class PartialCache:
                 log.warning("%s: partial file shorter than its header says (%s): extended to %s bytes, every "
                             "sample is verified", self.path, m.group(1), m.group(2))
                 os.truncate(self.path, int(m.group(2)))
-                f = h5py.File(self.path, "r+", locking="best-effort")
+                f = _h5_writable(self.path, create=False)
         except OSError as err:
             text = str(err)
             if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or "unable to lock file, errno = 11" in text:
@@ -488,7 +508,7 @@ class PartialCache:
         import h5py
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        f = h5py.File(self.path, "w", locking="best-effort")
+        f = _h5_writable(self.path, create=True)
         try:
             for key, val in {**attrs, **self.identity}.items():
                 f.attrs[key] = _attr_value(val)
@@ -564,7 +584,7 @@ class PartialCache:
                 f.copy(f[f"samples/{i:06d}"], dst, name=f"{i:06d}")
         f.close()
         os.replace(tmp, self.path)
-        return h5py.File(self.path, "r+", locking="best-effort")
+        return _h5_writable(self.path, create=False)
 
     # ---------------------------------------------------------------- writing
     def check_room(self, nbytes: int) -> None:

@@ -243,3 +243,37 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
             assert g.attrs["completion_len"] == len(g["input_ids"]) - g.attrs["prompt_len"] == 2
     with CacheReader(out) as rd:
         assert rd.verify() == []
+
+
+def test_resume_salvages_a_partial_whose_group_index_is_damaged(tmp_path, caplog):
+    """A sample group whose object header never reached the disk (a kill between metadata writes): it
+    cannot be opened nor unlinked, so the verified samples are copied to a fresh file and the rest recomputed."""
+    from dflash_eval.cache import IDENTITY_ATTRS, PartialCache, SampleMeta, sample_sha256
+
+    meta = [SampleMeta(f"s{i}", np.arange(5, dtype=np.int32) + i, 2, "eos", 8) for i in range(4)]
+    identity = {k: 1 for k in IDENTITY_ATTRS} | {"format": "dflash-eval/hidden-state-cache", "target_layer_ids": [0]}
+    arrays = [(np.full((5, 1, 4), i, dtype=np.float32), np.arange(5, dtype=np.int32)) for i in range(4)]
+
+    def write(cache, i):
+        h, a = arrays[i]
+        cache.write_sample(i, h, "float32", a, sample_sha256(meta[i].input_ids, a, h), 1.0)
+
+    cache = PartialCache(tmp_path / "c.h5", identity, meta)
+    cache.create({})
+    for i in range(4):
+        write(cache, i)
+    cache.commit()
+    addr = h5py.h5o.get_info(cache._f["samples/000003"].id).addr
+    cache.close()
+    with open(cache.path, "r+b") as fh:  # destroy sample 3's object header
+        fh.seek(addr)
+        fh.write(b"\0" * 64)
+    caplog.set_level("WARNING")
+    again = PartialCache(tmp_path / "c.h5", identity, meta)
+    assert again.resume() == {0, 1, 2}
+    assert "copying the 3 verified samples to a fresh file" in caplog.text
+    write(again, 3)
+    again.commit()
+    again.finish()
+    with CacheReader(tmp_path / "c.h5") as rd:
+        assert len(rd) == 4 and rd.verify() == [] and float(rd.sample(3).hidden[0, 0, 0]) == 3.0
