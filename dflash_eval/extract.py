@@ -201,7 +201,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     ``query [1, Hq, N, D]``, ``key/value [1, Hkv, N, D]`` of the N packed tokens; the per-sample
     offsets come from :data:`_PACK`. Returns ``([1, N, Hq, D], None)`` like transformers' SDPA path.
     """
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
     if q.is_cuda and _PACK.get("flash", True):
         try:
             out = _flash_varlen(q, k, v, _PACK["cu"], _PACK["max_len"], scaling)
@@ -348,11 +348,15 @@ def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, 
 def check_packing(model, seqs: list[list[int]], layer_ids: list[int], device, pad_id: int = 0) -> float:
     """Compare a packed forward of a few short samples with the right-padded one.
 
+    Rounding differs between the two (other GEMM shapes, another attention kernel): ~1e-6 in
+    float32, up to a few 1e-2 in bf16 after many layers. A packing bug (attention or positions
+    leaking from one sample into the next) gives differences of order 1.
+
     Returns:
         the largest relative L2 difference of any stored layer of any sample.
 
     Raises:
-        RuntimeError: above 2e-2 (bf16 rounding is ~4e-3): packed attention does not separate
+        RuntimeError: above 1e-3 (float32) / 1e-1 (bf16, fp16): packed attention does not separate
             the samples on this target; set ``cache.packing: off``.
     """
     sample = [s[:64] for s in seqs[:3]]
@@ -365,7 +369,8 @@ def check_packing(model, seqs: list[list[int]], layer_ids: list[int], device, pa
             x, y = a[o : o + len(s), k], b[o : o + len(s), k]
             worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-30)))
         o += len(s)
-    if worst > 2e-2:
+    limit = 1e-3 if next(model.parameters()).dtype == torch.float32 else 1e-1
+    if worst > limit:
         raise RuntimeError(f"packed forward differs from the padded one by rel-L2 {worst:.2e} on this target: "
                            "set cache.packing: off (and report the target's architecture)")
     log.info("packed vs padded forward on %d samples: max rel-L2 %.2e", len(sample), worst)
