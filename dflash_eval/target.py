@@ -16,6 +16,7 @@ reads exactly those two tensors of the target, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -232,6 +233,106 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     model.to(dev).eval()
     log.info("loaded target %s (%s) on %s in %s", spec.path, model.config.model_type, dev, dtype_name(dt))
     return model, tok, check_bound_kernel(model, binding)
+
+
+#: attention implementation of :func:`gqa_sdpa` (registered with transformers on first use)
+GQA_SDPA = "dflash_eval_sdpa_gqa"
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """transformers' SDPA attention with grouped KV heads broadcast by SDPA instead of copied.
+
+    With an attention mask (left-padded batched generation), transformers' ``sdpa`` path copies the
+    whole KV cache ``num_key_value_groups`` times per layer and step (``repeat_kv``; its
+    ``use_gqa_in_sdpa`` passes ``enable_gqa`` only without a mask): on CPU that copy was half of a
+    decode step of SmolLM2 (9 query / 3 KV heads) at batch 16. ``scaled_dot_product_attention(...,
+    enable_gqa=True)`` reads the shared heads in place and gives bit-identical outputs (checked in
+    ``tests/test_completions.py``). Shapes as in transformers: ``query [b, Hq, q, D]``, ``key/value
+    [b, Hkv, k, D]`` -> ``([b, q, Hq, D], None)``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=False, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def gqa_sdpa(model):
+    """Run ``model`` with :func:`sdpa_gqa_attention` (masks built as for ``sdpa``) inside the block.
+
+    Only for models whose attention is ``sdpa``; others are left as they are.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    cfg = model.config
+    old = cfg._attn_implementation
+    if old != "sdpa":
+        yield
+        return
+    AttentionInterface.register(GQA_SDPA, sdpa_gqa_attention)
+    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    cfg._attn_implementation = GQA_SDPA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+
+
+def prefill_unpadded(model, prompts, width: int):
+    """The KV cache of left-padded prompts, each prompt computed alone (CPU: no work on padding).
+
+    ``model.generate`` on a left-padded ``[B, width]`` batch runs the prefill over every pad
+    position too (47-73 % of the demo's prompt tokens). Here each prompt but its last token goes
+    through the model on its own, unpadded, and the per-layer keys/values are placed at the right
+    end of a ``[B, Hkv, width - 1, D]`` cache (zeros under the pads, which the attention mask hides);
+    ``generate(input_ids, attention_mask, past_key_values=cache)`` then starts at the last prompt
+    token, with the positions it derives from the mask (each prompt's own 0..len-1). Floating-point
+    results match the padded prefill up to reduction order (as left-padded rows match unpadded ones).
+
+    Args:
+        prompts: B token-id lists, each non-empty; width: the padded length (longest prompt).
+
+    Returns:
+        a ``DynamicCache``, or None where it does not apply (not on CPU, where the batched GPU prefill
+        is cheaper than B separate ones; no prompt longer than one token; caches other than plain
+        attention layers, e.g. hybrid linear-attention or sliding-window targets).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    if dev.type != "cpu" or width < 2:
+        return None
+    parts = []
+    for p in prompts:
+        c = DynamicCache(config=model.config)
+        if len(p) > 1:
+            model(input_ids=torch.tensor([list(p[:-1])], device=dev), past_key_values=c, use_cache=True,
+                  logits_to_keep=1)
+        parts.append(c)
+    ref = next((c for c in parts if c.get_seq_length() > 0), None)
+    if ref is None or any(type(layer).__name__ != "DynamicLayer" for layer in ref.layers):
+        return None
+    batch = DynamicCache(config=model.config)
+    for li, layer in enumerate(ref.layers):
+        shape_k = (len(prompts), layer.keys.shape[1], width - 1, layer.keys.shape[3])
+        shape_v = (len(prompts), layer.values.shape[1], width - 1, layer.values.shape[3])
+        keys, values = layer.keys.new_zeros(shape_k), layer.values.new_zeros(shape_v)
+        for b, c in enumerate(parts):
+            n = c.get_seq_length()
+            if n:
+                keys[b, :, width - 1 - n:] = c.layers[li].keys[0]
+                values[b, :, width - 1 - n:] = c.layers[li].values[0]
+        batch.update(keys, values, li)
+    return batch
 
 
 def target_info(model) -> dict[str, Any]:
