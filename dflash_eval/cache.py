@@ -815,10 +815,21 @@ class StreamingWriter:
             self._progress(len(batch.samples), sum(len(a) for a in argmax32))
 
     def close(self) -> None:
-        """Write every queued batch, stop the thread, and raise its error if it had one."""
+        """Write every queued batch, stop the thread, and raise its error if it had one.
+
+        Waits for the thread even when interrupted (SIGTERM while waiting): the file must not be
+        closed under a write in progress; the interruption is raised once the thread is done.
+        """
         self._queue.put(None)
-        self._thread.join()
+        interrupted = None
+        while self._thread.is_alive():
+            try:
+                self._thread.join()
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                interrupted = interrupted or err
         self._pool.shutdown(wait=True)
+        if interrupted is not None:
+            raise interrupted
         self._raise_if_failed()
 
 
