@@ -450,8 +450,6 @@ class PartialCache:
             InputError: the sidecar was written with other settings (every differing
                 :data:`IDENTITY_ATTRS` key is named), or another process has it open.
         """
-        import h5py
-
         if not self.path.exists():
             return None
         try:
