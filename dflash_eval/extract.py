@@ -443,11 +443,8 @@ def extract_hidden_states(
     completions_path, out = Path(completions_path), Path(out)
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-    bad = [i for i in layer_ids if not 0 <= i < spec.num_layers]
-    if bad:
-        raise InputError("config", "cache.target_layer_ids",
-                         f"layer ids {bad} out of range for a target with {spec.num_layers} decoder layers ({target_dir})",
-                         f"use ids in 0..{spec.num_layers - 1}")
+    if spec.num_layers is not None:  # checked before anything is loaded or written
+        _check_layers(layer_ids, spec.num_layers, target_dir)
     if len(set(layer_ids)) != len(layer_ids):
         raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {layer_ids}", "list each layer once")
     if packing not in ("auto", "off"):
@@ -485,8 +482,9 @@ def extract_hidden_states(
         if todo:
             model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
             pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+            info = target_info(model)
+            _check_layers(layer_ids, info["num_hidden_layers"], target_dir)
             if not cache.is_open:
-                info = target_info(model)
                 cache.create({
                     **identity,
                     "target_name": Path(target_dir).name,
@@ -537,9 +535,17 @@ def extract_hidden_states(
     return out
 
 
-def _bytes_needed(seqs, done, K: int, H: int, dt) -> str:
+def _check_layers(layer_ids: list[int], n_layers: int, target_dir) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise InputError("config", "cache.target_layer_ids",
+                         f"layer ids {bad} out of range for a target with {n_layers} decoder layers ({target_dir})",
+                         f"use ids in 0..{n_layers - 1}")
+
+
+def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> str:
     tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
-    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB"
+    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB" if H else f"{tokens} tokens' states"
 
 
 @torch.inference_mode()
