@@ -4,7 +4,7 @@
 # replay of the same samples -> results/{run}/validate_online.json (title + markdown for
 # `report --extra`). Enabled by validate_online.enabled (off by default).
 #
-# Include after common.smk (uses PLAN, PROMPT_SETS, CHECKPOINTS, target_model_files,
+# Include after common.smk (uses PLAN, PROMPT_SETS, CHECKPOINTS, TORCH_THREADS, target_model_files,
 # target_dir) and before evaluate.smk (the report rule reads VALIDATE_ONLINE_ALL).
 
 VALIDATE_ONLINE = config["validate_online"]
@@ -66,7 +66,7 @@ rule validate_online:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
+    threads: TORCH_THREADS
     resources:
         gpu=1,
     params:
