@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from .errors import InputError, atomic_path
+from .progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,12 @@ class CacheReader:
     def length(self, i: int) -> int:
         """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
         return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
+
+    def sample_attrs(self, i: int) -> dict:
+        """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
+        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
+        g = self._f[f"samples/{i:06d}"]
+        return {**{k: _py(v) for k, v in g.attrs.items()}, "length": int(g["input_ids"].shape[0])}
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
@@ -409,12 +416,14 @@ def extract_hidden_states(
     def generate():
         nonlocal n_tok
         results: dict[int, tuple] = {}
-        for b in batches:
-            outs = run_target(model, [seqs[i] for i in b], layer_ids, dev, pad_id)
-            for i, o in zip(b, outs):
-                results[i] = o
-            n_tok += sum(len(seqs[i]) for i in b)
-            log.info("extracted %d/%d samples, %d tokens", len(results), len(seqs), n_tok)
+        with Progress(sum(len(s) for s in seqs), "hidden states", logger=log) as bar:
+            for b in batches:
+                outs = run_target(model, [seqs[i] for i in b], layer_ids, dev, pad_id)
+                for i, o in zip(b, outs):
+                    results[i] = o
+                n_tok += sum(len(seqs[i]) for i in b)
+                bar.update(sum(len(seqs[i]) for i in b))
+                log.debug("extracted %d/%d samples, %d tokens", len(results), len(seqs), n_tok)
         for i, r in enumerate(rows):  # write in completions order
             hidden, argmax = results.pop(i)
             P = len(r["prompt_ids"])

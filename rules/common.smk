@@ -6,6 +6,7 @@
 # the package's heavy dependencies.
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -21,6 +22,10 @@ validate(config, "../config/schemas/config.schema.yaml")
 
 RUN = config["run"]
 PROMPT_SETS = sorted(config["prompt_sets"])
+# Hash of the validated, default-filled config: shown under provenance in the report.
+CONFIG_SHA256 = hashlib.sha256(
+    json.dumps(config, sort_keys=True, default=str).encode()
+).hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -454,6 +459,12 @@ def report_extra_args(wildcards, input):
     """`--extra <json>...` for the report's optional sections (kernel parity), or nothing."""
     files = list(input.extra) if "extra" in input.keys() else []
     return " ".join(["--extra", *map(shlex.quote, files)]) if files else ""
+
+
+def report_costs_arg(wildcards, input):
+    """`--costs <json>` when rule target_costs is enabled, or nothing."""
+    files = list(input.costs) if "costs" in input.keys() else []
+    return f"--costs {shlex.quote(files[0])}" if files else ""
 
 
 def _alternatives(values):

@@ -1,5 +1,6 @@
 # Per (checkpoint, prompt set): offline speculative-decoding replay -> per-sample
-# acceptance JSON; then the tau table and the markdown report for the run.
+# acceptance JSON; then the tau table and the report (HTML + markdown + figures) for the run.
+# tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
 rule evaluate:
@@ -43,7 +44,11 @@ rule summary:
     input:
         all_evaluations,
     output:
-        csv="results/{run}/tau.csv",
+        csv=report(
+            "results/{run}/tau.csv",
+            caption="../report/tau_table.rst",
+            category="Tau table",
+        ),
         parquet="results/{run}/tau.parquet",
     log:
         "logs/summary/{run}.log",
@@ -63,8 +68,21 @@ rule report:
         evals=all_evaluations,
         caches=all_caches,
         extra=KERNEL_PARITY_ALL,
+        costs=TARGET_COSTS_ALL,
     output:
-        "results/{run}/report.md",
+        md="results/{run}/report.md",
+        html=report(
+            "results/{run}/report.html",
+            caption="../report/report_html.rst",
+            category="Report",
+        ),
+        figures=report(
+            directory("results/{run}/figures"),
+            patterns=["{name}.png"],
+            caption="../report/figures.rst",
+            category="Figures",
+            labels={"figure": "{name}"},
+        ),
     log:
         "logs/report/{run}.log",
     localrule: True
@@ -74,7 +92,10 @@ rule report:
         config["containers"]["cuda"]
     params:
         extra=report_extra_args,
+        costs=report_costs_arg,
+        config_sha256=CONFIG_SHA256,
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --evals {input.evals:q} --caches {input.caches:q} {params.extra} {params.costs}"
+        " --config-sha256 {params.config_sha256} --out {output.md:q}"
+        " --out-html {output.html:q} --figures-dir {output.figures:q} > {log:q} 2>&1"
