@@ -14,6 +14,7 @@ import math
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
 from .costs import ddtree_budgets
 
@@ -113,8 +114,9 @@ def slot_curves(prompt_set: str, checkpoints: list[str], curves: dict) -> Figure
         for i, ck in enumerate(checkpoints):
             ys = curves.get((ck, prompt_set), {}).get(m)
             if ys:
-                ax.plot(range(1, len(ys) + 1), ys, marker=".", color=cmap(i / max(1, len(checkpoints) - 1)), label=ck)
+                ax.plot(range(1, len(ys) + 1), ys, marker=".", color=cmap(0.85 * i / max(1, len(checkpoints) - 1)), label=ck)
         ax.set_title(m)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft slot k")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -122,6 +124,12 @@ def slot_curves(prompt_set: str, checkpoints: list[str], curves: dict) -> Figure
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Per-slot conditional acceptance: {prompt_set}")
     return fig
+
+
+def _log2_axis(ax) -> None:
+    """Log-2 x axis labelled with plain numbers (8, 16, 32 rather than 2^3 ...)."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
 
 
 def _cmap():
@@ -142,7 +150,7 @@ def speedup_vs_budget(speedups: pd.DataFrame, label: str) -> Figure:
     for ax, ps in zip(axes, sets):
         sub = speedups[speedups["prompt_set"] == ps]
         for i, ck in enumerate(order):
-            c = cmap(i / max(1, len(order) - 1))
+            c = cmap(0.85 * i / max(1, len(order) - 1))  # viridis without its pale yellow end
             rows = sub[sub["checkpoint"] == ck]
             tree = rows[rows["method"] != "chain"].sort_values("verify_tokens")
             if len(tree):
@@ -151,7 +159,7 @@ def speedup_vs_budget(speedups: pd.DataFrame, label: str) -> Figure:
             ax.plot(chain["verify_tokens"], chain["speedup"], marker="s", linestyle="none", color=c,
                     markeredgecolor="black", label=None if len(tree) else ck)
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log", base=2)
+        _log2_axis(ax)
         ax.set_xlabel("tokens per verify forward n (square: chain)")
         ax.set_title(ps)
         ax.grid(alpha=0.3)
@@ -171,7 +179,7 @@ def verify_costs(costs: dict, label: str) -> Figure:
         if pts:
             ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"{mask} mask")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xscale("log", base=2)
+    _log2_axis(ax)
     ax.set_xlabel("tokens per verify forward n")
     ax.set_ylabel("t_verify(n) / t_decode")
     ax.grid(alpha=0.3)

@@ -377,7 +377,7 @@ _BEST = "background-color: #c8f0c8; font-weight: bold"
 
 def _styled(df: pd.DataFrame, digits: int = 4, table_id: str = "table"):
     """A Styler with ``digits`` decimals, NaN as empty, no index; the table's id is ``T_<table_id>``."""
-    st = df.style.format(precision=digits, na_rep="", thousands=None).hide(axis="index")
+    st = df.style.format(precision=digits, na_rep="", thousands=None, escape="html").hide(axis="index")
     return st.set_uuid(table_id).set_table_attributes(f'class="data" data-table="{table_id}"')
 
 
@@ -491,13 +491,14 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
 
     ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
-    precision, tau.csv being rounded to 4 decimals). The run name is taken from ``results/<run>/``.
+    precision, tau.csv being rounded to 4 decimals). The run name (title) is ``<run>`` of ``results/<run>/report.md``.
     All outputs are written atomically.
 
     Raises:
         InputError: unreadable inputs (see :func:`load_report_data`).
     """
-    run = Path(out).parent.name or None
+    folder = Path(out).resolve().parent
+    run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
