@@ -97,7 +97,7 @@ def _timed(run: Callable[[object], object], setup: Callable[[], object], repeats
     """Seconds of ``run(setup())`` for ``repeats`` runs after ``warmup`` untimed ones (setup not timed)."""
     import torch
 
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     out = []
     for i in range(warmup + repeats):
         arg = setup()
