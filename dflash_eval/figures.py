@@ -1,7 +1,8 @@
 """The report's figures (matplotlib, no pyplot state: every function returns a new Figure).
 
 Each figure adapts to the data present: DDTree panels appear only when the tau table has
-``tau_ddtree_<budget>`` columns, per-slot curves only when the evaluate JSONs carry them,
+``tau_ddtree_<budget>`` columns, per-slot and per-position curves only with ``accept_slot_<k>`` /
+``tau_pos_<lo>_<hi>`` columns,
 speedup figures only when target costs were measured. :func:`png` renders a figure to PNG
 bytes (embedded as base64 in ``report.html`` and written to ``figures/`` for Snakemake's
 report).
@@ -123,6 +124,29 @@ def slot_curves(prompt_set: str, checkpoints: list[str], curves: dict) -> Figure
     axes[0].set_ylabel("P(slot k accepted | slots < k accepted)")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Per-slot conditional acceptance: {prompt_set}")
+    return fig
+
+
+def position_tau(frame: pd.DataFrame, positions: list[tuple[str, str]]) -> Figure:
+    """Tokens per verify step by position bin of the anchor, one panel per prompt set, one line per checkpoint."""
+    sets = sorted(frame["prompt_set"].unique())
+    fig, axes = _grid(len(sets), ncols=3, w=4.6, h=3.2)
+    order = checkpoint_order(frame)
+    cmap = _cmap()
+    labels = [lab for lab, _ in positions]
+    for ax, ps in zip(axes, sets):
+        sub = frame[frame["prompt_set"] == ps].set_index("checkpoint")
+        for i, ck in enumerate(order):
+            if ck in sub.index:
+                ys = [float(sub.at[ck, c]) if pd.notna(sub.at[ck, c]) else math.nan for _, c in positions]
+                ax.plot(range(len(labels)), ys, marker="o", color=cmap(0.85 * i / max(1, len(order) - 1)), label=ck)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_xlabel("anchor position in the completion (tokens)")
+        ax.set_title(ps)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens per verify step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Acceptance by position in the response")
     return fig
 
 

@@ -19,9 +19,9 @@ Contents, each adapting to what the data has:
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.costs`), labelled as an estimate with that device;
 * acceptance-length histograms per checkpoint and prompt set;
-* per-slot conditional acceptance ``P(slot k accepted | slots < k accepted)`` when the
-  evaluate JSONs carry it: key ``slot_acceptance``, either a list ``[p_1 .. p_{B-1}]``
-  (the chain) or ``{method: [p_1, ...]}`` (``chain``, ``ddtree_<budget>``);
+* per-slot conditional acceptance ``P(slot k accepted | slots < k accepted)`` of the chain
+  and tau by position in the response, when the tau table has them (``accept_slot_<k>``,
+  ``tau_pos_<lo>_<hi>`` columns, computed by :mod:`dflash_eval.metrics`);
 * target agreement per prompt set: the share of completion tokens equal to the target's
   teacher-forced argmax in the cache (sample attribute ``argmax_agreement``, pooled over
   completion tokens);
@@ -45,8 +45,7 @@ from .errors import InputError, atomic_dir, atomic_path
 from .metrics import aggregate
 from .summary import summary_frame
 
-#: evaluate-JSON key of per-slot conditional acceptance (see module docstring)
-SLOT_KEY = "slot_acceptance"
+SLOT_PREFIX, POS_PREFIX = "accept_slot_", "tau_pos_"
 
 CITATIONS = [
     ("DFlash: Block Diffusion for Flash Speculative Decoding (Chen, Liang, Liu), arXiv:2602.06036",
@@ -69,6 +68,7 @@ class ReportData:
     frame: pd.DataFrame  #: the tau table at full precision (plus any tau_ddtree_<B> columns)
     hists: dict  #: (checkpoint, prompt_set) -> (block_size, {k: verify steps})
     slot_curves: dict  #: (checkpoint, prompt_set) -> {method: [p_1, ...]} (only where available)
+    positions: list  #: [(bin label, tau_pos column)] with data
     agreement: pd.DataFrame  #: one row per prompt set
     caches: dict  #: prompt_set -> cache attributes
     costs: dict | None = None
@@ -88,15 +88,30 @@ class ReportData:
         return sorted(self.frame["prompt_set"].unique())
 
 
-def _slot_curves(result: dict, path) -> dict:
-    raw = result.get(SLOT_KEY)
-    if raw is None:
-        return {}
-    curves = {"chain": raw} if isinstance(raw, list) else raw
-    if not isinstance(curves, dict) or not all(isinstance(v, list) for v in curves.values()):
-        raise InputError(path, SLOT_KEY, f"expected a list or {{method: list}}, got {type(raw).__name__}",
-                         "re-run evaluate with this version")
-    return {str(m): [float(x) for x in v] for m, v in curves.items()}
+def slot_columns(frame: pd.DataFrame) -> list[tuple[int, str]]:
+    """``[(k, "accept_slot_<k>")]`` of the tau table, by slot."""
+    cols = [(int(c[len(SLOT_PREFIX):]), c) for c in frame.columns if c.startswith(SLOT_PREFIX) and c[len(SLOT_PREFIX):].isdigit()]
+    return sorted(cols)
+
+
+def position_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[("0-64", "tau_pos_0_64"), ...]``: position-bin columns holding any value, in table order."""
+    return [(c[len(POS_PREFIX):].replace("_", "-"), c) for c in frame.columns
+            if c.startswith(POS_PREFIX) and frame[c].notna().any()]
+
+
+def slot_curves(frame: pd.DataFrame) -> dict:
+    """``{(checkpoint, prompt_set): {"chain": [p_1, ..., p_m]}}`` from the ``accept_slot_<k>`` columns
+    (trailing empty slots of smaller block sizes dropped; rows without any value left out)."""
+    cols = slot_columns(frame)
+    out = {}
+    for r in frame.to_dict("records"):
+        ys = [float(r[c]) if pd.notna(r[c]) else math.nan for _, c in cols]
+        while ys and math.isnan(ys[-1]):
+            ys.pop()
+        if ys:
+            out[(r["checkpoint"], r["prompt_set"])] = {"chain": ys}
+    return out
 
 
 def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -138,21 +153,17 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         run: run name (title).
 
     Raises:
-        InputError: unreadable inputs, or a malformed ``slot_acceptance`` entry.
+        InputError: unreadable inputs.
     """
     frame = summary_frame(evals)
-    hists, curves = {}, {}
+    hists = {}
     for p in evals:
         r = json.loads(Path(p).read_text())
-        key = (r["checkpoint"], r["prompt_set"])
-        hists[key] = (int(r["block_size"]),
-                      aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram)
-        c = _slot_curves(r, p)
-        if c:
-            curves[key] = c
+        hists[(r["checkpoint"], r["prompt_set"])] = (
+            int(r["block_size"]), aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram)
     agreement, cache_attrs = _agreement(list(caches))
-    data = ReportData(frame=frame, hists=hists, slot_curves=curves, agreement=agreement, caches=cache_attrs,
-                      config_sha256=config_sha256, run=run)
+    data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
+                      agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
     if costs:
         from .costs import read_costs, speedup_frame
 
@@ -354,11 +365,13 @@ def render_markdown(data: ReportData) -> str:
             parts.append(f"- `{ck}` / `{ps}`: " + " ".join(f"{k}:{v / total:.2f}" for k, v in h.items() if v))
     parts.append("")
     if data.slot_curves:
-        parts += ["## Per-slot conditional acceptance", "", "P(slot k accepted | slots < k accepted), k = 1, 2, ...", ""]
-        for (ck, ps), curves in sorted(data.slot_curves.items()):
-            for m, ys in curves.items():
-                parts.append(f"- `{ck}` / `{ps}` / {m}: " + " ".join(f"{y:.2f}" for y in ys))
-        parts.append("")
+        parts += ["## Per-slot conditional acceptance", "",
+                  "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
+                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in slot_columns(f)]]), ""]
+    if data.positions:
+        parts += ["## Acceptance by position in the response", "",
+                  "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
+                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in data.positions]]), ""]
     if len(data.agreement):
         parts += ["## Target agreement", "",
                   "Share of completion tokens equal to the target's teacher-forced argmax in the cache.", "",
@@ -427,7 +440,11 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     for ps in data.prompt_sets:
         cks = [c for c in data.checkpoints if (c, ps) in data.slot_curves]
         if cks:
-            add(f"slots_{_slug(ps)}.png", f"Per-slot conditional acceptance, {ps}.", F.slot_curves(ps, cks, data.slot_curves))
+            add(f"slots_{_slug(ps)}.png", f"Per-slot conditional acceptance, {ps}: P(draft slot k accepted | "
+                "slots 1..k-1 accepted), pooled over verify steps.", F.slot_curves(ps, cks, data.slot_curves))
+    if data.positions:
+        add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
+            "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
     return out
 
 
@@ -480,7 +497,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         methods=[label for _, label in method_columns(f)], prompt_sets=data.prompt_sets,
         checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
         ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
-        slots=data.slot_curves, slot_key=SLOT_KEY,
+        slots=bool(data.slot_curves), positions=bool(data.positions),
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS)

@@ -61,7 +61,7 @@ def fake_costs(tmp_path, budgets=(2, 8)):
 def run(tmp_path):
     # early: humaneval responses [2, 1] (mean 1.5) and [3] -> tau 2.25; late: [4, 4] -> 4.0
     evals = [write_eval(tmp_path, "early", "humaneval", 100, [[2, 1], [3]]),
-             write_eval(tmp_path, "late", "humaneval", 200, [[4, 4]], slot_acceptance=[1.0, 0.5, 0.25]),
+             write_eval(tmp_path, "late", "humaneval", 200, [[4, 4]]),
              write_eval(tmp_path, "early", "chat", 100, [[1, 1]]),
              write_eval(tmp_path, "late", "chat", 200, [[1, 2], []])]
     caches = [write_h5(tmp_path, "humaneval", [1.0, 0.5], [7, 5]), write_h5(tmp_path, "chat", [1.0], [4])]
@@ -83,7 +83,7 @@ def test_tables_and_agreement(run):
     assert ag.loc["humaneval", "agreement"] == pytest.approx(5 / 6)
     assert ag.loc["humaneval", "completion_tokens"] == 6 and ag.loc["humaneval", "samples_below_1"] == 1
     assert ag.loc["humaneval", "lowest_sample"] == 0.5 and ag.loc["chat", "agreement"] == 1.0
-    assert data.slot_curves == {("late", "humaneval"): {"chain": [1.0, 0.5, 0.25]}}
+    assert data.slot_curves == {} and data.positions == []  # no accept_slot_* / tau_pos_* columns
 
 
 def test_speedup_estimate_exact(run):
@@ -97,13 +97,25 @@ def test_speedup_estimate_exact(run):
     assert speedup(2.0, 1.0, 1.0, math.nan) != speedup(2.0, 1.0, 1.0, math.nan)  # NaN when a cost is missing
 
 
-def test_fake_ddtree_columns_adapt(run):
-    """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget."""
+def with_fake_columns(data):
+    """tau_ddtree_2/8 (tau + 0.5 / + 1), per-slot columns (a block-3 row leaves slot 3 empty) and
+    position bins (the last one empty everywhere), as issue 9's summary adds them."""
+    f = data.frame
+    f["tau_ddtree_2"] = f["tau"] + 0.5
+    f["tau_ddtree_8"] = f["tau"] + 1.0
+    f["accept_slot_1"], f["accept_slot_2"] = 0.9, 0.6
+    f["accept_slot_3"] = [0.3 if ck == "late" else math.nan for ck in f["checkpoint"]]
+    f["tau_pos_0_64"], f["tau_pos_64_128"], f["tau_pos_128_inf"] = f["tau"], f["tau"] - 0.1, math.nan
+    data.slot_curves, data.positions = R.slot_curves(f), R.position_columns(f)
+    data.speedups = speedup_frame(f, data.costs)
+    return data
+
+
+def test_fake_columns_adapt(run):
+    """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget; per-slot
+    and per-position columns add their figures and tables."""
     tmp_path, evals, caches = run
-    data = R.load_report_data(evals, caches, costs=fake_costs(tmp_path))
-    data.frame["tau_ddtree_2"] = data.frame["tau"] + 0.5
-    data.frame["tau_ddtree_8"] = data.frame["tau"] + 1.0
-    data.speedups = speedup_frame(data.frame, data.costs)
+    data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
     s = data.speedups.set_index(["checkpoint", "prompt_set", "method"])
     # ddtree_8 of "late" on humaneval: (4 + 1) * 10 / (10 + 9 + 2.5) = 50 / 21.5
     assert s.loc[("late", "humaneval", "ddtree_8"), "speedup"] == pytest.approx(50 / 21.5)
@@ -112,7 +124,10 @@ def test_fake_ddtree_columns_adapt(run):
     assert s["best"].sum() == 4  # one per (checkpoint, prompt set)
     figs = R.build_figures(data)
     assert list(figs) == ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png",
-                          "slots_humaneval.png"]
+                          "slots_chat.png", "slots_humaneval.png", "position.png"]
+    assert data.slot_curves[("early", "chat")] == {"chain": [0.9, 0.6]}  # trailing empty slot dropped
+    assert data.slot_curves[("late", "chat")] == {"chain": [0.9, 0.6, 0.3]}
+    assert data.positions == [("0-64", "tau_pos_0_64"), ("64-128", "tau_pos_64_128")]
     from dflash_eval.figures import method_columns, tau_vs_step
 
     assert [c for c, _ in method_columns(data.frame)] == ["tau", "tau_ddtree_2", "tau_ddtree_8"]
@@ -122,6 +137,8 @@ def test_fake_ddtree_columns_adapt(run):
     assert 'data-table="speedup-humaneval"' in html and "ddtree_2" in html
     md = R.render_markdown(data)
     assert "## DDTree: tau per node budget" in md and "| late | 200 | 4.000 | 4.500 | 5.000 |" in md
+    assert "| late | humaneval | 0.900 | 0.600 | 0.300 |" in md and "| early | chat | 0.900 | 0.600 |  |" in md
+    assert "| late | humaneval | 4.000 | 3.900 |" in md  # by position
 
 
 def test_html_self_contained_and_markdown(run):
@@ -133,9 +150,9 @@ def test_html_self_contained_and_markdown(run):
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()
     srcs = re.findall(r'<img src="([^"]+)"', html)
-    assert len(srcs) == 6 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == 5 and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
-        ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png", "slots_humaneval.png"])
+        ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png"])
     assert "<script" not in html and not re.search(r'(src|href)="(?!data:|#|https://(arxiv\.org|github\.com))', html)
     assert "CPU (CPU: test, float32, 2 threads)" in html and "Estimate, not a measurement" in html
     assert "f00d" in html and "ab" * 32 in html  # config hash and target fingerprint
@@ -145,7 +162,6 @@ def test_html_self_contained_and_markdown(run):
     assert "Best checkpoint per prompt set: chat: `late` (tau 1.500); humaneval: `late` (tau 4.000)" in md
     assert "**Estimate** from costs measured on **CPU (CPU: test, float32, 2 threads)**" in md
     assert "| late | 2.50 | chain |" in md  # 4.0 * 10 / 16
-    assert "- `late` / `humaneval` / chain: 1.00 0.50 0.25" in md
     assert "- `early` / `humaneval`: 1:0.33 2:0.33 3:0.33" in md
 
 
@@ -168,13 +184,13 @@ def test_renders_in_chromium(run):
     if browser.CHROMIUM is None:
         pytest.skip(browser.SKIP_REASON)
     tmp_path, evals, caches = run
-    data = R.load_report_data(evals, caches, costs=fake_costs(tmp_path))
-    data.frame["tau_ddtree_8"] = data.frame["tau"] + 1.0
+    data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
+    data.frame = data.frame.drop(columns="tau_ddtree_2")
     data.speedups = speedup_frame(data.frame, data.costs)
     page = tmp_path / "report.html"
     page.write_text(R.render_html(data, R.build_figures(data)))
     seen = browser.render(page, tmp_path)
-    assert len(seen["images"]) == 6
+    assert len(seen["images"]) == 8
     assert all(i["complete"] and i["width"] > 100 and i["height"] > 100 for i in seen["images"]), seen["images"]
     assert seen["tables"]["tau-csv"] == _csv_cells(data.frame)
     pivot = seen["tables"]["tau-table"]
