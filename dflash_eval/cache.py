@@ -416,14 +416,15 @@ def extract_hidden_states(
     def generate():
         nonlocal n_tok
         results: dict[int, tuple] = {}
-        with Progress(sum(len(s) for s in seqs), "hidden states", logger=log) as bar:
-            for b in batches:
-                outs = run_target(model, [seqs[i] for i in b], layer_ids, dev, pad_id)
-                for i, o in zip(b, outs):
-                    results[i] = o
-                n_tok += sum(len(seqs[i]) for i in b)
-                bar.update(sum(len(seqs[i]) for i in b))
-                log.debug("extracted %d/%d samples, %d tokens", len(results), len(seqs), n_tok)
+        bar = Progress(sum(len(s) for s in seqs), "hidden states", logger=log)
+        for b in batches:
+            outs = run_target(model, [seqs[i] for i in b], layer_ids, dev, pad_id)
+            for i, o in zip(b, outs):
+                results[i] = o
+            n_tok += sum(len(seqs[i]) for i in b)
+            bar.update(sum(len(seqs[i]) for i in b))
+            log.debug("extracted %d/%d samples, %d tokens", len(results), len(seqs), n_tok)
+        bar.close()
         for i, r in enumerate(rows):  # write in completions order
             hidden, argmax = results.pop(i)
             P = len(r["prompt_ids"])

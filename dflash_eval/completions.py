@@ -255,15 +255,18 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     results: dict[int, tuple[list[int], str]] = {}
     n_new = 0
     t0 = time.perf_counter()
-    with Progress(len(rows) * max_new_tokens, "completions", logger=log) as bar:  # total: at most
-        for batch in length_sorted_batches([len(r["prompt_ids"]) for r in rows], batch_size):
-            outs = src.generate([rows[i]["prompt_ids"] for i in batch])
-            for i, o in zip(batch, outs):
-                results[i] = o
-            toks = sum(len(o[0]) for o in outs)
-            n_new += toks
-            bar.update(toks)
-            log.debug("generated %d/%d prompts: batch of %d, %d new tokens", len(results), len(rows), len(batch), toks)
+    bar = Progress(len(rows) * max_new_tokens, "completions", logger=log)  # total: at most
+    for batch in length_sorted_batches([len(r["prompt_ids"]) for r in rows], batch_size):
+        tb = time.perf_counter()
+        outs = src.generate([rows[i]["prompt_ids"] for i in batch])
+        for i, o in zip(batch, outs):
+            results[i] = o
+        toks = sum(len(o[0]) for o in outs)
+        n_new += toks
+        bar.update(toks)
+        log.debug("generated %d/%d prompts: batch of %d, %d new tokens, %.1f tokens/s", len(results), len(rows),
+                  len(batch), toks, toks / max(time.perf_counter() - tb, 1e-9))
+    bar.close()
     elapsed = time.perf_counter() - t0
     n_eos = sum(1 for c, s in results.values() if s == STOP_EOS)
     log.info("completions done: %d new tokens in %.1f s = %.1f tokens/s; %d stopped at eos, %d at max_new_tokens=%d",

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class Progress(contextlib.AbstractContextManager):
-    """``with Progress(total, "replay") as p: ... p.update(n_tokens)``.
+    """``with Progress(total, "replay") as p: ... p.update(n_tokens)`` (or call :meth:`close` at the end).
 
     Args:
         total: expected units (tokens), or None when unknown.
@@ -58,7 +58,11 @@ class Progress(contextlib.AbstractContextManager):
         """Units per second since the start."""
         return self.n / max(time.perf_counter() - self.t0, 1e-9)
 
-    def __exit__(self, *exc):
+    def close(self) -> None:
+        """Close the bar (idempotent); also what leaving the ``with`` block does."""
         self.bar.close()
         self._redirect.close()
+
+    def __exit__(self, *exc):
+        self.close()
         return None

@@ -220,16 +220,17 @@ def evaluate(
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
     results: dict[int, SampleResult] = {}
     t0 = time.perf_counter()
-    n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))
-    with Progress(n_comp, "replay", logger=log) as bar:  # completion tokens replayed
-        for b0 in range(0, n, batch_size):
-            idx = order[b0 : b0 + batch_size]
-            samples = [reader.sample(i, cfg.target_layer_ids) for i in idx]
-            recs = replay_batch(drafter, embed, head, samples, block_size)
-            for s, rec in zip(samples, recs):
-                results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec)
-            bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
-            log.debug("replayed %d/%d samples", len(results), n)
+    n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
+    bar = Progress(n_comp, "replay", logger=log)
+    for b0 in range(0, n, batch_size):
+        idx = order[b0 : b0 + batch_size]
+        samples = [reader.sample(i, cfg.target_layer_ids) for i in idx]
+        recs = replay_batch(drafter, embed, head, samples, block_size)
+        for s, rec in zip(samples, recs):
+            results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec)
+        bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
+        log.debug("replayed %d/%d samples", len(results), n)
+    bar.close()
     elapsed = time.perf_counter() - t0
     B = int(block_size or cfg.block_size)
     per = [results[i] for i in range(n)]
