@@ -29,7 +29,7 @@ def bench_extraction(target_dir, completions, layer_ids, n):
     from dflash_eval.cache import read_completions, run_target
     from dflash_eval.target import load_target
 
-    model, _ = load_target(target_dir, device="cpu", dtype="float32")
+    model, _, _ = load_target(target_dir, device="cpu", dtype="float32")
     rows = read_completions(__import__("pathlib").Path(completions))[:n]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     tokens = sum(map(len, seqs))

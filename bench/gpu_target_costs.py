@@ -43,7 +43,7 @@ def build(shape: str, root: Path, device: str) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_eval.checkpoints import demo_drafter_config
+    from dflash_eval.demo import drafter_config_for_target
     from tiny import make_tiny_tokenizer
 
     hidden, inter, layers, heads, kv, d_layers, block, tli = SHAPES[shape]
@@ -62,7 +62,7 @@ def build(shape: str, root: Path, device: str) -> tuple[Path, Path]:
         torch.cuda.empty_cache()
     drafter = root / "drafters" / f"{shape}-drafter"
     drafter.mkdir(parents=True)
-    (drafter / "config.json").write_text(json.dumps(demo_drafter_config(target, tli, block, d_layers)))
+    (drafter / "config.json").write_text(json.dumps(drafter_config_for_target(target, tli, block, d_layers, VOCAB - 1)))
     print(f"{shape}: random target {n_params / 1e9:.2f}B parameters, drafter {d_layers} layers, block {block}", flush=True)
     return target, drafter / "config.json"
 

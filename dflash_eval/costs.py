@@ -146,7 +146,7 @@ def measure_target_costs(
         context_tokens: KV-cache length (tokens) before every timed forward.
         repeats: timed runs per measurement (the median is reported, seconds).
         warmup: untimed runs before them.
-        device, dtype: see :func:`dflash_eval.target.resolve_device` / ``resolve_dtype``.
+        device, dtype: see :func:`dflash_eval.runtime.resolve_device` / ``resolve_dtype``.
         linear_attn_backend: GDN kernel of hybrid targets (``auto`` | ``fla`` | ``torch``).
         seed: seed of the random token ids and drafter weights.
 
@@ -160,9 +160,10 @@ def measure_target_costs(
     import torch
 
     from . import __version__
-    from .drafter import DFlashDrafter, DrafterConfig
-    from .hybrid import load_target_bound
-    from .target import resolve_device, resolve_dtype, target_info, weights_sha256
+    from .drafter import DFlashDrafter
+    from .drafter_config import DrafterConfig
+    from .runtime import dtype_name, resolve_device, resolve_dtype
+    from .target import TargetSpec, load_target, target_info
 
     if not drafter_configs:
         raise InputError(None, "--drafter-config", "no drafter config given", "pass at least one drafter's config.json")
@@ -190,9 +191,10 @@ def measure_target_costs(
         drafters[path.parent.name] = {"config": str(path), "config_sha256": sha, "block_size": cfg.block_size,
                                       "num_layers": cfg.num_hidden_layers}
 
-    model, _tok, kernel = load_target_bound(str(target_dir), device=dev, dtype=dt, backend=linear_attn_backend)
+    spec = TargetSpec.read(target_dir)
+    model, _tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
     info = target_info(model)
-    max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    max_pos = spec.max_position_embeddings
     n_max = max([cfg.block_size for cfg in by_hash.values()] + [int(b) + 1 for b in budgets])
     if max_pos and context_tokens + n_max > max_pos:
         raise InputError(None, "target_costs.context_tokens", f"{context_tokens} + {n_max} new tokens exceed the "
@@ -250,13 +252,13 @@ def measure_target_costs(
         "format_version": FORMAT_VERSION,
         "device": dev.type,
         "device_name": device_name(dev),
-        "dtype": str(dt).replace("torch.", ""),
+        "dtype": dtype_name(dt),
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "dflash_eval_version": __version__,
         "linear_attn_kernel": kernel.backend,
-        "target": {"path": str(target_dir), "sha256": weights_sha256(target_dir), "model_type": info["model_type"],
+        "target": {"path": str(target_dir), "sha256": spec.weights_sha256(), "model_type": info["model_type"],
                    "num_layers": info["num_hidden_layers"], "hidden_size": info["hidden_size"],
                    "params": sum(p.numel() for p in model.parameters())},
         "context_tokens": context_tokens,

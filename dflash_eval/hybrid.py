@@ -1,6 +1,7 @@
 """Linear-attention (Gated DeltaNet, GDN) kernel binding for hybrid targets (Qwen3.5/3.6, Qwen3-Next).
 
-Why this module exists (shared/reference/qwen35-fla.md §2, §6): a drafter trained
+Why this module exists (kernel dispatch: transformers ``models/qwen3_5/modeling_qwen3_5.py``;
+fla-vs-torch differences: measured with ``bench/gpu_hybrid_parity.py``, README): a drafter trained
 on hidden states extracted with flash-linear-attention (fla) on GPU sees states
 that differ by ~1-3 % relative L2 per layer from those of transformers'
 pure-torch GDN fallback, and that can wreck acceptance. So the cache must say
@@ -164,14 +165,13 @@ def fla_status() -> tuple[bool, str]:
     return True, _dist_version("fla")
 
 
-def target_has_linear_attention(target_dir) -> bool:
-    """True if the target's config lists ``linear_attention`` layers (top level or ``text_config``)."""
-    cfg_path = Path(target_dir) / "config.json"
-    if not cfg_path.exists():
+def target_has_linear_attention(target) -> bool:
+    """True if the target (folder or :class:`~dflash_eval.target.TargetSpec`) has ``linear_attention`` layers."""
+    from .target import TargetSpec, as_spec
+
+    if not isinstance(target, TargetSpec) and not (Path(target) / "config.json").exists():
         return False
-    cfg = json.loads(cfg_path.read_text())
-    types = list(cfg.get("layer_types") or []) + list((cfg.get("text_config") or {}).get("layer_types") or [])
-    return "linear_attention" in types or cfg.get("model_type", "").startswith(("qwen3_next", "qwen3_5"))
+    return as_spec(target).has_linear_attention
 
 
 # --------------------------------------------------------------------------- reading and setting the binding
@@ -241,15 +241,15 @@ def force_backend(module, backend: str) -> None:
         setattr(module, GDN_FUNCTIONS[key], fn)
 
 
-# --------------------------------------------------------------------------- the two calls cache.py makes
-def bind_linear_attention(backend: str, device, target_dir) -> KernelBinding:
+# --------------------------------------------------------------------------- the two calls target.load_target makes
+def bind_linear_attention(backend: str, device, target) -> KernelBinding:
     """Resolve the configured backend before the target is loaded; refuse impossible requests.
 
     Args:
         backend: ``"auto"`` (fla on CUDA when ``fla.ops.gated_delta_rule`` imports, else torch),
             ``"fla"`` or ``"torch"`` (config ``target.linear_attn_backend``).
         device: torch device (or string) the target will run on.
-        target_dir: HF target folder (only its ``config.json`` is read).
+        target: HF target folder or :class:`~dflash_eval.target.TargetSpec` (only ``config.json`` is read).
 
     Returns:
         ``KernelBinding("none")`` for targets without linear-attention layers, else the resolved
@@ -261,7 +261,7 @@ def bind_linear_attention(backend: str, device, target_dir) -> KernelBinding:
     """
     if backend not in BACKENDS:
         raise InputError("config", "target.linear_attn_backend", f"unknown backend {backend!r}", f"use one of {BACKENDS}")
-    if not target_has_linear_attention(target_dir):
+    if not target_has_linear_attention(target):
         return KernelBinding("none", {"note": "target has no linear-attention layers"})
     dev = torch.device(device)
     ok, why = fla_status()
@@ -332,19 +332,3 @@ def check_bound_kernel(model, binding: KernelBinding) -> KernelBinding:
               "flash_qla": qla}
     log.info("linear-attention kernel: %s; %s", binding.backend, json.dumps(functions))
     return KernelBinding(binding.backend, detail)
-
-
-def load_target_bound(target_dir, device="auto", dtype="auto", backend: str = "auto"):
-    """Load a target with its linear-attention kernel chosen, applied and verified.
-
-    The one entry point for every stage that runs the target (completions, extraction,
-    training), so that none of them hits fla's CPU crash or silently uses another kernel.
-
-    Returns:
-        ``(model, tokenizer, KernelBinding)``.
-    """
-    from .target import load_target, resolve_device
-
-    binding = bind_linear_attention(backend, resolve_device(device), target_dir)
-    model, tok = load_target(target_dir, device=device, dtype=dtype)
-    return model, tok, check_bound_kernel(model, binding)

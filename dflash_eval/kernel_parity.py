@@ -3,13 +3,13 @@
 The diagnosis users otherwise do by hand when a drafter trained on fla states
 (GPU) is evaluated on states from transformers' torch GDN fallback: on the first
 ``n_samples`` completions, :func:`kernel_parity` writes two temporary caches
-through the real extraction (:func:`dflash_eval.cache.extract_hidden_states`),
+through the real extraction (:func:`dflash_eval.extract.extract_hidden_states`),
 
 * **A** = fla and **B** = torch, both in the cache dtype (bf16 on GPU), when the
   device is CUDA and ``fla.ops.gated_delta_rule`` imports;
 * otherwise (CPU, or fla missing) **A** = torch in bfloat16 and **B** = torch in
   float32 — the bf16 noise floor, which on a random-init model is the same size
-  as fla-vs-torch (shared/reference/qwen35-fla.md §6) — and the report says
+  as fla-vs-torch (measured with ``bench/gpu_hybrid_parity.py``, README) — and the report says
   in its first line that fla was unavailable and why;
 
 then compares them per stored layer over all tokens of all samples:
@@ -43,10 +43,10 @@ def plan(device: str, dtype: str, target_dir) -> dict:
     ``a``/``b`` hold ``backend`` (``fla``/``torch``) and ``dtype`` (``bfloat16``/``float32``).
     """
     from .hybrid import fla_status, target_has_linear_attention
-    from .target import resolve_device, resolve_dtype
+    from .runtime import dtype_name, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
-    dt = str(resolve_dtype(dtype, dev)).replace("torch.", "")
+    dt = dtype_name(resolve_dtype(dtype, dev))
     if not target_has_linear_attention(target_dir):
         return {"a": None, "b": None, "fla_available": None,
                 "note": "target has no linear-attention layers: nothing depends on the GDN kernel"}
@@ -136,7 +136,9 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples:
     Raises:
         InputError: ``n_samples < 1``, bad completions, layer ids, or drafter/target mismatches.
     """
-    from .cache import CacheReader, extract_hidden_states, read_completions
+    from .cache import CacheReader
+    from .completions import read_completions
+    from .extract import extract_hidden_states
     from .replay import evaluate
 
     if n_samples < 1:

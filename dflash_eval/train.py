@@ -1,4 +1,4 @@
-"""A compact DFlash trainer (for the demo drafters of the SmolLM2 target; shared/reference/dflash.md §5).
+"""A compact DFlash trainer (for the demo drafters of the SmolLM2 target).
 
 Recipe (SpecForge ``OnlineDFlashModel`` after PR #473, the z-lab paper):
 
@@ -17,9 +17,8 @@ Recipe (SpecForge ``OnlineDFlashModel`` after PR #473, the z-lab paper):
 * AdamW, linear warmup then cosine decay, grad clip 1.0; bf16 activations (autocast) over fp32
   master weights on GPU; checkpoints are written with bf16 weights.
 
-Training checkpoints (``step<N>.pt``) use the realistic layout that ``dflash-eval strip`` reads:
-``{"step", "draft_config", "model": {drafter keys, "embed_tokens.weight", "lm_head.weight"},
-"optimizer": AdamW state, "train_loss"}``.
+Training checkpoints (``step<N>.pt``) are written by :func:`dflash_eval.demo.save_training_checkpoint`
+(the layout ``dflash-eval strip`` reads, documented there), with ``train_loss`` added.
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .cache import capture_layers, pad_right
-from .checkpoints import demo_drafter_config
-from .drafter import DFlashDrafter, DrafterConfig
-from .errors import InputError, atomic_path
+from .demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from .drafter import DFlashDrafter
+from .drafter_config import DrafterConfig
+from .extract import capture_layers, pad_right
+from .errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -71,25 +71,6 @@ class TrainConfig:
     seed: int = 0
     init_from: str | None = None  # training checkpoint to start from (weights only)
     linear_attn_backend: str = "auto"  # GDN kernel of hybrid targets (dflash_eval.hybrid); recorded in the log
-
-
-def pick_mask_token(tokenizer, data: list[list[int]]) -> int:
-    """An existing special token that never occurs in ``data`` (the target has no spare embedding row).
-
-    Preference: the highest-id additional special token that is not bos/eos/pad/unk and
-    does not occur in any sequence. Raises InputError when none qualifies.
-    """
-    seen = set()
-    for seq in data:
-        seen.update(seq)
-    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
-    special = {int(i) for i in tokenizer.all_special_ids}
-    special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    cands = sorted(special - reserved - seen, reverse=True)
-    if not cands:
-        raise InputError(None, "mask_token_id", "no unused special token in the tokenizer",
-                         "pass --mask-token-id explicitly (a row of the target embedding never seen in data)")
-    return cands[0]
 
 
 def sample_anchors(prompt_lens: torch.Tensor, lens: torch.Tensor, n: int, gen: torch.Generator, L: int):
@@ -169,9 +150,9 @@ def train(
     Returns:
         the checkpoint paths written (early/middle/... and final).
     """
-    from .cache import read_completions
-    from .hybrid import load_target_bound
-    from .target import resolve_device
+    from .completions import read_completions
+    from .runtime import resolve_device
+    from .target import TargetSpec, load_target
 
     dev = resolve_device(device)
     torch.manual_seed(cfg.seed)
@@ -186,20 +167,18 @@ def train(
         raise InputError(data_path, None, "no sequence has a completion to supervise", "generate longer completions")
 
     amp_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target, tok, kernel = load_target_bound(target_dir, device=str(dev), dtype="bfloat16" if dev.type == "cuda" else "float32",
-                                            backend=cfg.linear_attn_backend)
+    spec = TargetSpec.read(target_dir)
+    target, tok, kernel = load_target(spec, device=dev, dtype="bfloat16" if dev.type == "cuda" else "float32",
+                                      backend=cfg.linear_attn_backend)
     log.info("target linear-attention kernel: %s", kernel.describe())
     target.requires_grad_(False)
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else pick_mask_token(tok, seqs)
-    dcfg = demo_drafter_config(target_dir, cfg.target_layer_ids, cfg.block_size, cfg.num_layers, mask_id)
+    dcfg = drafter_config_for_target(spec, cfg.target_layer_ids, cfg.block_size, cfg.num_layers, mask_id)
     if cfg.intermediate_size:
         dcfg["intermediate_size"] = cfg.intermediate_size
     dcfg["dflash_config"]["training"] = {"trainer": "dflash_eval.train", **{k: v for k, v in asdict(cfg).items() if k not in ("save_steps", "save_fracs")}}
-    drafter = DFlashDrafter(DrafterConfig.from_dict(dcfg)).to(dev)
+    drafter = random_init_(DFlashDrafter(DrafterConfig.from_dict(dcfg))).to(dev)
     with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if p.ndim == 2:
-                torch.nn.init.normal_(p, std=0.02)
         # the drafter's states go through the target's LM head: start from the target's final-norm scale
         drafter.norm.weight.copy_(target.get_decoder().norm.weight.float())
         if cfg.init_from:
@@ -277,24 +256,14 @@ def train(
             budget_marks.pop(0)
             due = True
         if due or over_budget or step == cfg.max_steps:
-            saved.append(save_training_checkpoint(out_dir / f"step{step}.pt", drafter, dcfg, opt, embed, head, step, loss_val))
+            saved.append(save_training_checkpoint(out_dir / f"step{step}.pt", drafter, dcfg, opt.state_dict(), embed, head,
+                                                  step, train_loss=loss_val))
+            log.info("saved %s (step %d, loss %.4f)", saved[-1], step, loss_val)
         if over_budget:
             log.info("time budget %.0f s reached at step %d", cfg.time_budget_s, step)
             break
     logf.close()
     return saved
-
-
-def save_training_checkpoint(path, drafter, dcfg, opt, embed, head, step, loss) -> Path:
-    """Write a training checkpoint (layout: module docstring) atomically."""
-    state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in drafter.state_dict().items()}
-    state["embed_tokens.weight"] = embed.detach().cpu().clone()
-    state["lm_head.weight"] = head.detach().cpu().clone()
-    ckpt = {"step": step, "draft_config": dcfg, "model": state, "optimizer": opt.state_dict(), "train_loss": loss}
-    with atomic_path(path) as tmp:
-        torch.save(ckpt, tmp)
-    log.info("saved %s (step %d, loss %.4f)", path, step, loss)
-    return Path(path)
 
 
 def build_train_prompts(tokenizer_dir, out, holdout_n: int = 128, seed: int = 0, eval_max_prompt_tokens: int = 1024,

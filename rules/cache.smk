@@ -22,7 +22,7 @@ rule hidden_states:
         gpu=1,
     params:
         target=target_dir,
-        layer_ids=",".join(str(i) for i in CACHE_LAYER_IDS),
+        layer_ids=LAYER_IDS_ARG,
         batch_tokens=config["cache"]["batch_tokens"],
         linear_attn_backend=config["target"]["linear_attn_backend"],
         device=config["cache"]["device"],

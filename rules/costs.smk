@@ -4,21 +4,15 @@
 # architecture's block pass -> results/{run}/target_costs.json (dflash_eval/costs.py).
 # The drafters' config.json are the inputs (timing depends on shapes, not weights).
 #
-# Include after common.smk (uses CHECKPOINTS, run_path, target_model_files, target_dir).
-# Constants only, no functions (snakemake --lint).
-
-TARGET_COSTS = config["target_costs"]
+# Include after common.smk (uses PLAN, target_dir).
 
 # For the report rule's input (costs=TARGET_COSTS_ALL, passed as --costs).
-TARGET_COSTS_ALL = [run_path("target_costs.json")] if TARGET_COSTS["enabled"] else []
+TARGET_COSTS_ALL = PLAN.target_costs_outputs()
 
 
 rule target_costs:
     input:
-        unpack(target_model_files),
-        drafter_configs=expand(
-            "results/{{run}}/drafters/{ckpt}/config.json", ckpt=CHECKPOINTS
-        ),
+        unpack(lambda wildcards: PLAN.target_costs_inputs(wildcards.run)),
     output:
         "results/{run}/target_costs.json",
     log:
@@ -34,17 +28,8 @@ rule target_costs:
         gpu=1,
     params:
         target=target_dir,
-        budgets=",".join(str(b) for b in TARGET_COSTS["budgets"]),
-        context_tokens=TARGET_COSTS["context_tokens"],
-        repeats=TARGET_COSTS["repeats"],
-        warmup=TARGET_COSTS["warmup"],
-        backend=config["target"]["linear_attn_backend"],
-        device=TARGET_COSTS["device"],
-        dtype=TARGET_COSTS["dtype"],
+        args=PLAN.target_costs_args(),
     shell:
         "python -m dflash_eval target-costs --target {params.target:q}"
-        " --drafter-config {input.drafter_configs:q} --budgets {params.budgets:q}"
-        " --context-tokens {params.context_tokens} --repeats {params.repeats}"
-        " --warmup {params.warmup} --linear-attn-backend {params.backend}"
-        " --device {params.device:q} --dtype {params.dtype}"
+        " --drafter-config {input.drafter_configs:q} {params.args}"
         " --out {output:q} > {log:q} 2>&1"

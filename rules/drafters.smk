@@ -4,7 +4,7 @@
 
 rule strip_drafter:
     input:
-        unpack(strip_inputs),
+        unpack(lambda wildcards: PLAN.strip_inputs(wildcards.ckpt)),
     output:
         weights="results/{run}/drafters/{ckpt}/model.safetensors",
         config="results/{run}/drafters/{ckpt}/config.json",
@@ -18,9 +18,9 @@ rule strip_drafter:
     container:
         config["containers"]["cuda"]
     params:
-        checkpoint=checkpoint_path,
+        checkpoint=lambda wildcards: CHECKPOINTS[wildcards.ckpt]["path"],
         target=target_dir,
-        extra=strip_extra_args,
+        extra=lambda wildcards: PLAN.strip_args(wildcards.ckpt),
         out_dir=output_dir,
     shell:
         "python -m dflash_eval strip --checkpoint {params.checkpoint:q}"
@@ -30,7 +30,7 @@ rule strip_drafter:
 
 rule demo_checkpoint:
     input:
-        unpack(demo_inputs),
+        unpack(lambda wildcards: PLAN.demo_inputs(wildcards.name)),
     output:
         "resources/demo/checkpoints/{name}.pt",
     log:
@@ -41,7 +41,7 @@ rule demo_checkpoint:
         config["containers"]["cuda"]
     params:
         target=target_dir,
-        args=demo_args,
+        args=lambda wildcards: PLAN.demo_args(wildcards.name),
     shell:
         "python -m dflash_eval demo-checkpoint --target {params.target:q} {params.args}"
         " --out {output:q} > {log:q} 2>&1"

@@ -3,6 +3,7 @@
 # tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
+
 rule evaluate:
     input:
         unpack(target_model_files),
@@ -24,7 +25,7 @@ rule evaluate:
     resources:
         gpu=1,
     params:
-        drafter=drafter_dir,
+        drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
         training_backend=config["target"]["training_backend"],
         max_samples=config["evaluate"]["max_samples"],
@@ -42,7 +43,7 @@ rule evaluate:
 
 rule summary:
     input:
-        all_evaluations,
+        lambda wildcards: PLAN.evaluations(wildcards.run),
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -65,8 +66,8 @@ rule summary:
 rule report:
     input:
         summary="results/{run}/tau.csv",
-        evals=all_evaluations,
-        caches=all_caches,
+        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        caches=lambda wildcards: PLAN.caches(wildcards.run),
         extra=KERNEL_PARITY_ALL,
         costs=TARGET_COSTS_ALL,
     output:
@@ -91,11 +92,11 @@ rule report:
     container:
         config["containers"]["cuda"]
     params:
-        extra=report_extra_args,
-        costs=report_costs_arg,
-        config_sha256=CONFIG_SHA256,
+        args=lambda wildcards, input: PLAN.report_args(
+            input.get("extra", []), input.get("costs", [])
+        ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q} {params.extra} {params.costs}"
-        " --config-sha256 {params.config_sha256} --out {output.md:q}"
+        " --evals {input.evals:q} --caches {input.caches:q} {params.args}"
+        " --out {output.md:q}"
         " --out-html {output.html:q} --figures-dir {output.figures:q} > {log:q} 2>&1"

@@ -4,8 +4,8 @@
 # `report --extra`). Enabled by kernel_parity.enabled; on a host without CUDA + fla
 # the job compares torch bf16 with torch fp32 instead and says so in the report.
 #
-# Include after common.smk (uses PROMPT_SETS, CHECKPOINTS, CACHE_LAYER_IDS, run_path,
-# target_model_files, target_dir). Constants only, no functions (snakemake --lint).
+# Include after common.smk (uses PLAN, PROMPT_SETS, CHECKPOINTS, LAYER_IDS_ARG,
+# target_model_files, target_dir).
 
 KERNEL_PARITY = config["kernel_parity"]
 KERNEL_PARITY_PROMPT_SET = KERNEL_PARITY.get("prompt_set") or PROMPT_SETS[0]
@@ -25,7 +25,7 @@ if KERNEL_PARITY["enabled"]:
         )
 
 # For rule all and the report rule's input (extra=KERNEL_PARITY_ALL, passed as --extra).
-KERNEL_PARITY_ALL = [run_path("kernel_parity.json")] if KERNEL_PARITY["enabled"] else []
+KERNEL_PARITY_ALL = [PLAN.run_path("kernel_parity.json")] if KERNEL_PARITY["enabled"] else []
 
 
 rule kernel_parity:
@@ -52,7 +52,7 @@ rule kernel_parity:
         gpu=1,
     params:
         target=target_dir,
-        layer_ids=",".join(str(i) for i in CACHE_LAYER_IDS),
+        layer_ids=LAYER_IDS_ARG,
         n_samples=KERNEL_PARITY["n_samples"],
         drafters=lambda wildcards, input: " ".join(
             shlex.quote(d)

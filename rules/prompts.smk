@@ -3,7 +3,7 @@
 
 rule prompts:
     input:
-        unpack(prompts_inputs),
+        unpack(lambda wildcards: PLAN.prompts_inputs(wildcards.prompt_set)),
     output:
         "results/{run}/prompts/{prompt_set}.jsonl",
     log:
@@ -13,12 +13,16 @@ rule prompts:
     container:
         config["containers"]["cuda"]
     params:
-        source=prompt_set_param("source"),
-        path=prompts_path_arg,
-        n=prompt_set_param("n"),
-        seed=prompt_set_param("seed"),
-        max_prompt_tokens=prompt_set_param("max_prompt_tokens"),
-        thinking=thinking_flag,
+        source=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("source"),
+        path=lambda wildcards: PLAN.prompts_path_arg(wildcards.prompt_set),
+        n=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("n"),
+        seed=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("seed"),
+        max_prompt_tokens=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("max_prompt_tokens"),
+        thinking=(
+            "--enable-thinking"
+            if config["generation"]["enable_thinking"]
+            else "--no-enable-thinking"
+        ),
         tokenizer=target_dir,
     shell:
         "python -m dflash_eval prompts --source {params.source} {params.path}"

@@ -3,26 +3,26 @@
 # is used in place and its concrete files are the inputs of the later stages.
 
 
-if TARGET_FROM_GGUF:
+if TARGET.from_gguf:
 
     rule target_from_gguf:
         input:
-            gguf_input,
+            lambda wildcards: PLAN.gguf_input(),
         output:
-            config=TARGET["config"][0],
-            weights=TARGET["weights"][0],
-            tokenizer=TARGET["tokenizer"][0],
-            tokenizer_config=TARGET["tokenizer"][1],
+            config=TARGET.config[0],
+            weights=TARGET.weights[0],
+            tokenizer=TARGET.tokenizer[0],
+            tokenizer_config=TARGET.tokenizer[1],
         log:
-            TARGET_LOG,
+            f"logs/target_from_gguf/{config['target']['name']}.log",
         benchmark:
-            TARGET_BENCHMARK
+            f"benchmarks/target_from_gguf/{config['target']['name']}.tsv"
         conda:
             "../envs/gpu.yaml"
         container:
             config["containers"]["cuda"]
         params:
-            gguf=gguf_spec,
+            gguf=TARGET.gguf,
             out_dir=output_dir,
         shell:
             "python -m dflash_eval target-from-gguf --gguf {params.gguf:q}"

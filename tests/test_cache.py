@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_eval.cache import FILE_ATTRS, CacheReader, from_storage, length_batches, run_target, to_storage, write_cache
+from dflash_eval.cache import FILE_ATTRS, CacheReader, from_storage, to_storage, write_cache
+from dflash_eval.extract import run_target
+from dflash_eval.runtime import length_batches
 from dflash_eval.errors import InputError
 
 
@@ -57,8 +59,13 @@ def test_reader_rejects_foreign_files(tmp_path):
 
 
 def test_length_batches():
-    assert length_batches([5, 10, 3, 10], 20) == [[1, 3], [0, 2]]
-    assert length_batches([50, 1], 20) == [[0], [1]]  # over-long samples get a batch of their own
+    assert length_batches([5, 10, 3, 10], max_tokens=20) == [[1, 3], [0, 2]]
+    assert length_batches([50, 1], max_tokens=20) == [[0], [1]]  # over-long samples get a batch of their own
+    # by count (the completions stage): longest first, stable among equal lengths
+    assert length_batches([3, 9, 1, 9, 5], max_items=2) == [[1, 3], [4, 0], [2]]
+    assert sorted(i for b in length_batches(list(range(7)), max_items=3) for i in b) == list(range(7))
+    # both limits: at most 2 items and at most 20 padded tokens
+    assert length_batches([4, 4, 4, 12, 12], max_tokens=20, max_items=2) == [[3], [4], [0, 1], [2]]
 
 
 def test_hooks_match_hf_hidden_states_and_padding_is_harmless():

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_eval.checkpoints import FORMATS, detect_format, strip_checkpoint
+from dflash_eval.checkpoints import FORMATS, detect_format
+from dflash_eval.strip import strip_checkpoint
 from dflash_eval.drafter import load_drafter
 from dflash_eval.errors import InputError
 from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
@@ -371,7 +372,7 @@ def test_layer_ids_beyond_target(tmp_path, cfg, state):
     write_hf(tmp_path / "d", cfg, state)
     with pytest.raises(InputError) as exc:  # id 4 of [0, 2, 4] needs 5 target layers
         strip_checkpoint(tmp_path / "d", tmp_path / "out", target_dir=tmp_path / "target")
-    assert_refused(exc, tmp_path / "d" / "model.safetensors", "dflash_config.target_layer_ids", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", "dflash_config.target_layer_ids", tmp_path / "out")
     assert "[4] out of range for the 4-layer target" in str(exc.value)
     write_hf(tmp_path / "e", dict(cfg, num_target_layers=4), state)  # no target: the config's own count
     with pytest.raises(InputError) as exc:
@@ -384,7 +385,7 @@ def test_mask_token_must_be_a_target_row(tmp_path, cfg, state):
     write_hf(tmp_path / "d", cfg, state)
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "d", tmp_path / "out", target_dir=tmp_path / "target")
-    assert_refused(exc, tmp_path / "d" / "model.safetensors", "dflash_config.mask_token_id", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", "dflash_config.mask_token_id", tmp_path / "out")
     write_hf(tmp_path / "e", dict(cfg, dflash_config=dict(cfg["dflash_config"], mask_token_id=VOCAB)), state)
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "e", tmp_path / "out")

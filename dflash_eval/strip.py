@@ -1,0 +1,193 @@
+"""Strip a training checkpoint to the folder the reference loads, after validating everything.
+
+Formats are detected and read by :mod:`dflash_eval.checkpoints`; this module resolves the
+drafter config, validates the weights against it (and against the target,
+:func:`dflash_eval.compat.check_compat`) and writes the stripped folder.
+
+Validation (each failure is an :class:`~dflash_eval.errors.InputError` naming the file, the
+key or field and the fix; nothing is written):
+
+* config: ``target_layer_ids`` / ``mask_token_id`` / ``block_size`` from ``dflash_config``
+  or the top level, never guessed (:class:`~dflash_eval.drafter_config.DrafterConfig`); every
+  required field present; ``partial_rotary_factor`` ignored with a note;
+* ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
+  layer count (``num_target_layers`` of the config when no target is given);
+  ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
+* the exact key set: missing, unexpected and mis-shaped keys, all listed; no key twice
+  after prefix stripping; finite floating-point weights; fp16 refused unless
+  ``allow_fp16`` (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991);
+* files: truncated safetensors (the first tensor past the end is named), a shard listed
+  in the index but missing, a ``.pt`` that is not a dict, a pickle needing classes
+  (everything is loaded with ``torch.load(weights_only=True)``; DCP metadata with a
+  restricted unpickler), no state dict found.
+
+Output of :func:`strip_checkpoint` (what the reference loads, z-lab/dflash ``dflash/model.py`` ``DFlashDraftModel.from_pretrained``)::
+
+    <out_dir>/config.json          HF Qwen3-style config with dflash_config
+                                   {target_layer_ids, mask_token_id, block_size}
+    <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.*
+    <out_dir>/strip_info.json      provenance: source path, format, step, dropped keys, notes
+
+No optimizer state and no shared target tensors are kept; the drafter always uses the
+target's own ``embed_tokens`` and ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
+from .compat import check_compat
+from .drafter import DFlashDrafter, check_state_dict
+from .drafter_config import DrafterConfig
+from .errors import InputError, atomic_dir
+from .io import read_json_object
+from .runtime import dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[DrafterConfig, str, list[str]]:
+    """``--drafter-config`` > the checkpoint's own config > the first existing sidecar ``config.json``."""
+    notes = []
+    if drafter_config:
+        cfg, src = read_json_object(Path(drafter_config), "drafter config", RESAVE), str(drafter_config)
+        if ck.config is not None and ck.config != cfg:
+            notes.append(f"--drafter-config {src} replaces the checkpoint's own config ({ck.config_source})")
+    elif ck.config is not None:
+        cfg, src = ck.config, ck.config_source
+    else:
+        side = next((p for p in ck.sidecars if p.is_file()), None)
+        if side is None:
+            raise InputError(ck.path, "config.json", "no drafter config: none in the checkpoint, none at "
+                             f"{[str(p) for p in ck.sidecars]}, no --drafter-config",
+                             "give the checkpoint entry a drafter_config: path/to/config.json")
+        cfg, src = read_json_object(side, "drafter config", RESAVE), str(side)
+    return DrafterConfig.from_dict(cfg, source=src, overrides=overrides), src, notes
+
+
+def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state: dict, allow_fp16: bool) -> None:
+    """fc width, exact key set and shapes, dtypes and finiteness of the drafter tensors."""
+    k, h = len(cfg.target_layer_ids), cfg.hidden_size
+    fc = state.get("fc.weight")
+    if fc is not None and fc.ndim == 2 and fc.shape[1] != k * h:
+        fused = f" (the weights fuse {fc.shape[1] // h} target layers)" if fc.shape[1] % h == 0 else ""
+        raise InputError(ck.path, "fc.weight", f"in_features {fc.shape[1]} != len(dflash_config.target_layer_ids) {k} x "
+                         f"hidden_size {h} = {k * h}{fused}; config {cfg_src}",
+                         "use the target_layer_ids the drafter was trained with (--override target_layer_ids=[...])")
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    check_state_dict(state, model, str(ck.path))
+    for key, v in sorted(state.items()):
+        if not v.is_floating_point():
+            raise InputError(ck.path, key, f"dtype {v.dtype}: drafter weights are floating point", "check the checkpoint")
+        if v.dtype == torch.float16 and not allow_fp16:
+            raise InputError(ck.path, key, "fp16 drafter weights (acceptance collapses to ~0 in fp16: vLLM #55250, lmdeploy #4991)",
+                             "convert from the bf16/fp32 master weights, or pass --allow-fp16")
+        if not bool(torch.isfinite(v).all()):
+            raise InputError(ck.path, key, "contains NaN or Inf", "use an earlier checkpoint of the run")
+
+
+def strip_checkpoint(
+    checkpoint,
+    out_dir,
+    target_dir=None,
+    drafter_config=None,
+    overrides: dict | None = None,
+    allow_fp16: bool = False,
+    allow_shared_mismatch: bool = False,
+) -> Path:
+    """Checkpoint -> ``out_dir`` with ``config.json``, bf16 ``model.safetensors``, ``strip_info.json``.
+
+    Args:
+        checkpoint: file or folder, format auto-detected (module docstring table).
+        out_dir: output folder (replaced atomically; untouched on any error).
+        target_dir: target HF folder; when given, ``target_layer_ids`` must be < its layer count,
+            ``hidden_size`` equal, ``mask_token_id`` a row of its embedding, and shared
+            ``embed_tokens``/``lm_head`` copies equal to its own. Without it the config's own
+            ``num_target_layers`` / ``vocab_size`` bound the ids.
+        drafter_config: config.json replacing the checkpoint's own (or supplying a missing one).
+        overrides: ``dflash_config`` fields (``target_layer_ids``, ``mask_token_id``, ``block_size``).
+        allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
+        allow_shared_mismatch: accept shared tensors that differ from the target's.
+
+    Returns:
+        ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
+        values, so bf16 sources are copied bit for bit).
+
+    Raises:
+        InputError: with the file, key and fix, for every validation failure; nothing is written.
+    """
+    from safetensors.torch import save_file
+
+    ck = load_checkpoint(checkpoint)
+    cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)
+    notes = ck.notes + cfg_notes + list(cfg.notes)
+    state = dict(ck.state)
+    shared = {k: state.pop(k) for k in list(state) if k in SHARED_KEYS}
+    buffers = [k for k in list(state) if IGNORABLE_BUFFERS.search(k)]
+    for k in buffers:
+        state.pop(k)
+    if buffers:
+        notes.append(f"dropped non-persistent rotary buffers {buffers}")
+    _check_weights(ck, cfg, cfg_src, state, allow_fp16)
+    if target_dir is not None:
+        from .target import TargetSpec, load_embed_and_head
+
+        spec = TargetSpec.read(target_dir)
+        embed, head = load_embed_and_head(spec)
+        notes += check_compat(cfg, cfg_src, target=spec, embed_rows=embed.shape[0])
+        _compare_shared(ck, shared, embed, head, target_dir, allow_shared_mismatch, notes)
+    else:
+        notes += check_compat(cfg, cfg_src)
+        if shared:
+            notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
+    fmt = ck.format + ("+shared" if shared else "")
+    out_state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
+    config_out = dict(cfg.raw)
+    dcfg = dict(config_out.get("dflash_config") or {})
+    dcfg.update(target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
+    config_out["dflash_config"] = dcfg
+    config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level
+    config_out.setdefault("architectures", ["DFlashDraftModel"])
+    config_out.setdefault("model_type", "qwen3")
+    config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"
+    info = {
+        "source": str(checkpoint),
+        "format": fmt,
+        "config_source": cfg_src,
+        "step": ck.meta.get("step"),
+        "random_init": bool(ck.meta.get("random_init", False)),
+        "dropped_shared": sorted(shared),
+        "source_dtypes": sorted({dtype_name(v.dtype) for v in state.values()}),
+        "notes": notes,
+    }
+    for note in notes:
+        log.warning("%s: %s", ck.path, note)
+    with atomic_dir(out_dir) as tmp:
+        save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config_out, indent=2, sort_keys=True))
+        (tmp / "strip_info.json").write_text(json.dumps(info, indent=2))
+    log.info("stripped %s (format %s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, fmt, info["step"], out_dir,
+             len(out_state), sum(v.numel() for v in out_state.values()) * 2 / 1e6)
+    return Path(out_dir)
+
+
+def _compare_shared(ck, shared, embed, head, target_dir, allow_shared_mismatch, notes) -> None:
+    """Shared ``embed_tokens``/``lm_head`` copies in the checkpoint must equal the target's own."""
+    for key, tensor in sorted(shared.items()):
+        ref = embed if SHARED_KEYS[key] == "embed" else head
+        same = tuple(tensor.shape) == tuple(ref.shape) and torch.equal(tensor.to(ref.dtype), ref)
+        if not same:
+            close = tuple(tensor.shape) == tuple(ref.shape) and torch.allclose(tensor.float(), ref.float(), rtol=1e-2, atol=1e-3)
+            msg = f"shared tensor differs from the target's{' (close: dtype rounding?)' if close else ''}"
+            if not allow_shared_mismatch:
+                raise InputError(ck.path, key, f"{msg}: checkpoint {tuple(tensor.shape)} vs target {tuple(ref.shape)} ({target_dir}) — "
+                                 "a different target", "evaluate against the target it was trained with, or pass --allow-shared-mismatch")
+            notes.append(f"{key}: {msg} (allowed by --allow-shared-mismatch)")
+        else:
+            notes.append(f"{key}: equal to the target's; dropped")

