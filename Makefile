@@ -46,8 +46,9 @@ demo: venv
 	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
 
+# PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/snakemake --lint

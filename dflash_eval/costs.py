@@ -134,6 +134,7 @@ def measure_target_costs(
     dtype: str = "auto",
     linear_attn_backend: str = "auto",
     seed: int = 0,
+    target_fingerprint=None,
 ) -> dict:
     """Time the target's decode step, its verify forwards and each drafter architecture's block pass.
 
@@ -149,6 +150,7 @@ def measure_target_costs(
         device, dtype: see :func:`dflash_eval.runtime.resolve_device` / ``resolve_dtype``.
         linear_attn_backend: GDN kernel of hybrid targets (``auto`` | ``fla`` | ``torch``).
         seed: seed of the random token ids and drafter weights.
+        target_fingerprint: a ``target-fingerprint`` record (the weights are then not hashed again).
 
     Returns:
         the JSON dict.
@@ -191,7 +193,7 @@ def measure_target_costs(
         drafters[path.parent.name] = {"config": str(path), "config_sha256": sha, "block_size": cfg.block_size,
                                       "num_layers": cfg.num_hidden_layers}
 
-    spec = TargetSpec.read(target_dir)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     model, _tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
     info = target_info(model)
     max_pos = spec.max_position_embeddings

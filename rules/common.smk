@@ -17,7 +17,7 @@ from snakemake.utils import validate
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
-from dflash_eval.errors import InputError
+from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.plan import build_plan
 
 CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"
@@ -62,6 +62,34 @@ def _shell_prefix():
 
 
 shell.prefix(_shell_prefix())
+
+
+# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity, target_costs): config
+# torch_threads. Snakemake exports it as OMP_NUM_THREADS (torch's intra-op threads), SLURM
+# jobs ask for that many CPUs (--cpus-per-task), and --cores caps it (local runs: at most the
+# cores you allow). Not workflow.cores: that fails at parse time when --cores is unset
+# (cluster runs) and would size cluster jobs by the login node.
+TORCH_THREADS = config["torch_threads"]
+
+
+# Container image (only with --sdm apptainer): a local .sif must exist before any job
+# starts; apptainer would otherwise fail in every job.
+def _check_container_image():
+    image = config["containers"]["cuda"]
+    methods = workflow.deployment_settings.deployment_method
+    if DeploymentMethod.APPTAINER not in methods or "://" in image:
+        return
+    if image.endswith(".sif") and not os.path.isfile(image):
+        raise WorkflowError(
+            f"config containers.cuda: image file {image!r} does not exist (relative paths are "
+            "resolved against the working directory). Fix: build it (containers/README.md: "
+            "podman/docker build, then apptainer build ... docker-archive:...), set "
+            "containers.cuda to the .sif you have or to docker://<your-registry>/<image>:<tag>, "
+            "or run without --sdm apptainer."
+        )
+
+
+_check_container_image()
 
 
 def target_model_files(wildcards):

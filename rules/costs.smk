@@ -4,7 +4,7 @@
 # architecture's block pass -> results/{run}/target_costs.json (dflash_eval/costs.py).
 # The drafters' config.json are the inputs (timing depends on shapes, not weights).
 #
-# Include after common.smk (uses PLAN, target_dir).
+# Include after common.smk (uses PLAN, TARGET, TORCH_THREADS, target_dir).
 
 # For the report rule's input (costs=TARGET_COSTS_ALL, passed as --costs).
 TARGET_COSTS_ALL = PLAN.target_costs_outputs()
@@ -13,6 +13,7 @@ TARGET_COSTS_ALL = PLAN.target_costs_outputs()
 rule target_costs:
     input:
         unpack(lambda wildcards: PLAN.target_costs_inputs(wildcards.run)),
+        fingerprint=TARGET.fingerprint,
     output:
         "results/{run}/target_costs.json",
     log:
@@ -23,7 +24,7 @@ rule target_costs:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
+    threads: TORCH_THREADS
     resources:
         gpu=1,
     params:
@@ -32,4 +33,5 @@ rule target_costs:
     shell:
         "python -m dflash_eval target-costs --target {params.target:q}"
         " --drafter-config {input.drafter_configs:q} {params.args}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --out {output:q} > {log:q} 2>&1"

@@ -10,14 +10,28 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-SKIP_REASON = ("headless Chromium not found (Debian: apt-get install -y chromium; .ci/run installs it): "
+SKIP_REASON = ("headless Chromium not found (Debian: apt-get install -y --no-install-recommends chromium; .ci/run installs it): "
                "the report is not rendered in a browser here")
+
+
+
+def need_chromium() -> None:
+    """Skip the calling test where Chromium is missing; fail instead under ``DFLASH_EVAL_REQUIRE_CHROMIUM=1``
+    (``.ci/run`` installs it and sets that, so CI never skips the browser checks silently)."""
+    import pytest
+
+    if CHROMIUM is None:
+        if os.environ.get("DFLASH_EVAL_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("DFLASH_EVAL_REQUIRE_CHROMIUM=1 but " + SKIP_REASON)
+        pytest.skip(SKIP_REASON)
+
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

@@ -28,13 +28,22 @@ def write_eval(tmp_path, ckpt, ps, step, samples, block=4, **extra):
     return str(p)
 
 
+def _argmax(n: int, prompt_len: int, agreement: float) -> np.ndarray:
+    """target_argmax of ids 0..n-1 whose completion positions agree in round(agreement * (n - prompt_len)) places
+    (the writer computes argmax_agreement from it: argmax[t - 1] == input_ids[t] for t >= prompt_len)."""
+    a = np.arange(1, n + 1)  # argmax[t] = input_ids[t + 1]: full agreement
+    n_bad = (n - prompt_len) - round(agreement * (n - prompt_len))
+    a[prompt_len - 1 : prompt_len - 1 + n_bad] += 1000
+    return a
+
+
 def write_h5(tmp_path, ps, agreements, lengths, prompt_len=3):
-    """A cache with per-sample argmax_agreement (hidden states are placeholders)."""
+    """A cache whose per-sample argmax_agreement is ``agreements`` (hidden states are placeholders)."""
     attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "target_name": "tiny", "target_sha256": "ab" * 32,
              "target_layer_ids": [1, 2], "dtype": "float32", "device": "cpu", "prompt_set": ps,
              "torch_version": torch.__version__, "linear_attn_kernel": json.dumps({"backend": "none"})}
     samples = [{"sample_id": f"s{i}", "input_ids": np.arange(n), "prompt_len": prompt_len,
-                "hidden": torch.zeros(n, 2, 4), "target_argmax": np.arange(n), "stop_reason": "eos",
+                "hidden": torch.zeros(n, 2, 4), "target_argmax": _argmax(n, prompt_len, a), "stop_reason": "eos",
                 "max_new_tokens": 32, "argmax_agreement": a} for i, (a, n) in enumerate(zip(agreements, lengths))]
     p = tmp_path / "cache" / f"{ps}.h5"
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -181,8 +190,7 @@ def test_renders_in_chromium(run):
     """Every figure loads in headless Chromium, and the tau tables the browser shows equal tau.csv."""
     import browser
 
-    if browser.CHROMIUM is None:
-        pytest.skip(browser.SKIP_REASON)
+    browser.need_chromium()
     tmp_path, evals, caches = run
     data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
     data.frame = data.frame.drop(columns="tau_ddtree_2")

@@ -28,6 +28,7 @@ DEMO_ENTRIES = {e["name"]: e for e in yaml.safe_load((REPO / "config" / "config.
 DEMO_NAMES = list(DEMO_ENTRIES)
 DEMO_JOBS = {
     "target_from_gguf": 1,
+    "target_fingerprint": 1,
     "demo_checkpoint": len(DEMO_NAMES),
     "prompts": 2,
     "completions": 2,
@@ -39,7 +40,7 @@ DEMO_JOBS = {
     "report": 1,
     "all": 1,
 }
-TARGET_RULES = {"target_from_gguf", "prompts", "completions", "hidden_states"}
+TARGET_RULES = {"target_from_gguf", "target_fingerprint", "prompts", "completions", "hidden_states"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -58,9 +59,11 @@ def copy_workflow(dst: Path) -> Path:
     return dst
 
 
-def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
-    """Run ``python -m snakemake`` in ``workdir``; the package comes from this checkout."""
-    env = dict(os.environ)
+def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 1800,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m snakemake`` in ``workdir``; the package comes from this checkout.
+    ``env``: the environment (default ``os.environ``)."""
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
@@ -154,6 +157,10 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
         seen.add(args.cmd)
         if args.cmd == "hidden-states":
             assert args.layer_ids == [1, 8, 15, 22, 27]
+            assert args.keep_partial and args.packing == "auto"
+            assert args.target_fingerprint == "resources/targets/smollm2-135m-instruct.fingerprint.json"
+        if args.cmd in ("completions", "hidden-states"):
+            assert args.target_fingerprint is not None
         if args.cmd == "completions":
             assert args.max_new_tokens == 256
         if args.cmd == "prompts":
@@ -162,8 +169,8 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
-    assert seen == {"target-from-gguf", "prompts", "completions", "hidden-states", "strip", "evaluate", "summary",
-                    "report", "demo-checkpoint", "target-costs"}
+    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip",
+                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs"}
 
 
 def test_dry_run_kernel_parity_wiring(tmp_path):
@@ -305,60 +312,21 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 def test_environment_pins_agree():
     host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
-    image = _pins((REPO / "containers" / "cuda" / "requirements.txt").read_text().splitlines())
+    image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
+                   for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image
     for env_file, reference in (("cpu.yaml", host), ("gpu.yaml", image)):
         env = _env_pins(REPO / "envs" / env_file)
         for name, version in env.items():
             if name in reference:
                 assert version == reference[name], f"envs/{env_file}: {name}=={version} vs {reference[name]}"
+    assert {"fla-core", "flash-linear-attention"} <= set(image)
     shared = set(host) & set(image)
     assert {"transformers", "safetensors", "h5py"} <= shared
     assert all(host[n] == image[n] for n in shared), {n: (host[n], image[n]) for n in shared if host[n] != image[n]}
     assert "torch==2.13.0" in (REPO / "Makefile").read_text()
     assert 'TORCH_VERSION=2.13.0' in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
     assert "FLA_FLASH_QLA=0" in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
-
-
-def test_profiles():
-    profiles = {p.parent.name: yaml.safe_load(p.read_text()) for p in (REPO / "profiles").glob("*/config.yaml")}
-    assert set(profiles) == {"local-gpu", "slurm-gpu", "ci"}
-    assert profiles["ci"]["cores"] == 2 and profiles["ci"]["resources"] == {"gpu": 1}
-    assert "software-deployment-method" not in profiles["ci"]
-    for name in ("local-gpu", "slurm-gpu"):
-        assert profiles[name]["software-deployment-method"] == ["apptainer"]
-        assert "--nv" in profiles[name]["apptainer-args"]
-    slurm = profiles["slurm-gpu"]
-    assert slurm["executor"] == "slurm"
-    for rule_resources in [slurm["default-resources"], *slurm["set-resources"].values()]:
-        assert "gres" not in rule_resources
-        assert not re.search(r"--(gres|gpus)", str(rule_resources.get("slurm_extra", "")))
-    assert "cpus_per_task" not in slurm["default-resources"] and "tasks" not in slurm["default-resources"]
-
-
-def test_slurm_profile_submit_string():
-    """The SLURM plugin turns the profile's GPU resources into --gpus/--cpus-per-gpu."""
-    submit = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
-    utils = pytest.importorskip("snakemake_executor_plugin_slurm.utils")
-    slurm = yaml.safe_load((REPO / "profiles" / "slurm-gpu" / "config.yaml").read_text())
-
-    class Resources(dict):
-        __getattr__ = dict.get
-
-    class Job:
-        threads = 1
-
-        def __init__(self, resources):
-            self.resources = Resources(resources)
-
-    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "",
-              "workdir": "."}
-    job = Job({**slurm["default-resources"], **slurm["set-resources"]["evaluate"], "gpu": 1})
-    call = submit.get_submit_command(job, params) + " " + utils.set_gres_string(job)
-    assert "--gpus=1" in call and "--cpus-per-gpu=8" in call and "--gres" not in call
-    cpu_job = Job({**slurm["default-resources"], **slurm["set-resources"]["strip_drafter"]})
-    call = submit.get_submit_command(cpu_job, params)
-    assert "--cpus-per-task=4" in call and "--gpus" not in call
 
 
 # --------------------------------------------------------------------------- tiny end-to-end
@@ -378,14 +346,15 @@ PROMPTS_A = ["Write a function that adds two numbers.", "What is the capital of 
 PROMPTS_B = ["def add(a, b):", "Tell me about Paris.", "Explain bullet points."]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A full run of the workflow on a tiny random target and tiny random drafters."""
+def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
+    """A workflow copy in ``wd`` on a tiny random target, two tiny random checkpoints (glob) and one
+    random-init demo entry, two prompt sets from files; CPU float32. ``config_overrides`` replace
+    top-level config keys. Nothing is run."""
     pytest.importorskip("h5py")
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target
 
-    wd = copy_workflow(tmp_path_factory.mktemp("tiny") / "wf")
+    wd = copy_workflow(wd)
     make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
     (wd / "prompts").mkdir()
     (wd / "prompts" / "a.jsonl").write_text(
@@ -411,8 +380,16 @@ def tiny_run(tmp_path_factory):
         },
         "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
         "target_costs": {"budgets": [2, 8], "context_tokens": 32, "repeats": 2, "warmup": 1, "device": "cpu"},
+        **config_overrides,
     }
     _write_config(wd, cfg)
+    return wd
+
+
+def run_tiny_locally(wd: Path) -> Path:
+    """``make_tiny_workdir`` + a full local run with the CI profile (2 cores, so torch jobs use 2
+    threads). Used by the session fixture ``tiny_run`` (tests/conftest.py)."""
+    wd = make_tiny_workdir(wd)
     smk(wd, "--workflow-profile", str(CI_PROFILE))
     return wd
 
@@ -462,8 +439,7 @@ def check_report_in_browser(run: Path, tmp_path: Path) -> None:
     assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
     figures = sorted(p.name for p in (run / "figures").glob("*.png"))
     assert "tau_vs_step.png" in figures and len(srcs) == len(figures)
-    if browser.CHROMIUM is None:
-        pytest.skip(browser.SKIP_REASON)
+    browser.need_chromium()
     seen = browser.render(run / "report.html", tmp_path)
     assert sorted(i["alt"] for i in seen["images"]) == figures
     broken = [i for i in seen["images"] if not (i["complete"] and i["width"] > 100 and i["height"] > 100)]
@@ -554,3 +530,86 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
 
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
     assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
+
+
+# --------------------------------------------------------------------------- a killed Snakemake
+
+
+def _orphans(wd: Path) -> list[int]:
+    """Pids of hidden-states jobs running in ``wd`` (Linux /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if b"hidden-states" in (d / "cmdline").read_bytes() and os.readlink(d / "cwd") == str(wd):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc to find the orphaned job")
+def test_killed_snakemake_orphan_output_is_reused(tmp_path):
+    """SIGKILL of Snakemake during hidden_states: the orphaned job finishes its cache; the rerun needs
+    --unlock (Snakemake's lock of the dead run stays), then reruns the job it did not see finish, which
+    verifies and reuses the orphan's cache (kept as <cache>.partial) instead of recomputing it."""
+    import signal
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import make_tiny_target
+
+    wd = copy_workflow(tmp_path / "wf")
+    make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
+    (wd / "prompts").mkdir()
+    n = 24
+    (wd / "prompts" / "a.jsonl").write_text("".join(
+        json.dumps({"id": f"a{i}", "prompt": f"{PROMPTS_A[i % 4]} ({i})"}) + "\n" for i in range(n)))
+    _write_config(wd, {
+        "run": "orphan",
+        "target": {"name": "tiny", "path": "tiny_target"},
+        "prompt_set": {"n": 0, "max_prompt_tokens": 0},
+        "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
+        "generation": {"max_new_tokens": 8, "batch_size": n, "device": "cpu", "dtype": "float32"},
+        "cache": {"target_layer_ids": [1, 3], "batch_tokens": 64, "device": "cpu", "dtype": "float32"},
+        "checkpoints": {"demo": [{"name": "r", "step": 1, "random_init": True, "layer_ids": [1, 3],
+                                  "block_size": 4, "num_layers": 1, "seed": 5}]},
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+    })
+    cache = wd / "results" / "orphan" / "cache" / "set_a.h5"
+    job_log = wd / "logs" / "hidden_states" / "orphan" / "set_a.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    target = str(cache.relative_to(wd))
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--workflow-profile", str(CI_PROFILE), target],
+                            cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t0 = time.monotonic()
+    while not _orphans(wd):  # the hidden_states job has started
+        assert proc.poll() is None, "snakemake ended before the hidden_states job started"
+        assert time.monotonic() - t0 < 900, "no hidden_states job"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # Snakemake only: its job runs on as an orphan
+    proc.wait()
+    while _orphans(wd):
+        assert time.monotonic() - t0 < 1800, "the orphaned job did not finish"
+        time.sleep(0.1)
+    assert cache.exists(), job_log.read_text()[-3000:]
+    assert f"computed {n} samples" in job_log.read_text()  # the orphan did the work once
+    assert os.path.samefile(cache, str(cache) + ".partial")  # kept as a hard link for the rerun
+
+    locked = smk(wd, "--workflow-profile", str(CI_PROFILE), target, check=False)
+    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
+    smk(wd, "--workflow-profile", str(CI_PROFILE), "--unlock", target)
+    rerun = smk(wd, "--workflow-profile", str(CI_PROFILE), target)
+    assert "hidden_states" in rerun.stdout + rerun.stderr  # rerun as incomplete (rerun-incomplete: true)
+    text = job_log.read_text()
+    assert f"{n} verified in the partial file and kept, 0 to compute" in text
+    assert not re.search(r"computed \d+ samples,", text) and "loaded target" not in text
+    assert not Path(str(cache) + ".partial").exists()  # removed when the run succeeded (onsuccess)
+    from dflash_eval.cache import CacheReader
+
+    with CacheReader(cache) as rd:
+        assert len(rd) == n and rd.verify() == []
