@@ -237,7 +237,7 @@ def slurm_jobs(state: Path, env: dict, workdir: Path) -> list[dict]:
 
 
 SLURM_TEST_CONFIG = {
-    # one checkpoint and one prompt set: 7 SLURM jobs (a small cluster run) (a small cluster run)
+    # one checkpoint and one prompt set: 7 SLURM jobs (a small cluster run)
     "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
     "checkpoints": {"glob": "ckpts/step100.pt", "demo": []},
     # as many threads as the reference run (CI profile, 2 cores): bitwise-equal float32 results
