@@ -109,6 +109,9 @@ class LoadedCheckpoint:
     config_source: str | None = None
     sidecars: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: why the checkpoint's own config cannot be used (several differing copies), raised unless a
+    #: ``--drafter-config`` replaces it
+    config_error: InputError | None = None
 
 
 def parse_step(name: str) -> int | None:
@@ -293,13 +296,25 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
         raise InputError(path, "top level", f"is a {type(obj).__name__}, not a dict",
                          "save a state dict, or a dict holding one under 'model' / 'state_dict'")
     state, nest = _find_state_dict(obj, path)
-    cfg_key = next((k for k in CONFIG_KEYS if isinstance(obj.get(k), dict)), None)
+    cfg_keys = [k for k in CONFIG_KEYS if isinstance(obj.get(k), dict)]
+    # several drafter configs (not e.g. a training-arguments dict under 'config') must agree
+    drafter_cfgs = [k for k in cfg_keys if {"hidden_size", "dflash_config"} & set(obj[k])]
+    conflict = None
+    if len(drafter_cfgs) > 1 and len({json.dumps(obj[k], sort_keys=True, default=str) for k in drafter_cfgs}) > 1:
+        conflict = InputError(path, " / ".join(drafter_cfgs), "the checkpoint holds several different drafter configs",
+                              "pass the right one with --drafter-config (workflow: the checkpoint entry's drafter_config)")
+    cfg_keys = drafter_cfgs or cfg_keys
+    cfg_key = cfg_keys[0] if cfg_keys and conflict is None else None
     meta = {k: obj[k] for k in ("step", "global_step", "epoch", "random_init") if isinstance(obj.get(k), (int, float, str))}
     step = meta.get("step", meta.get("global_step"))
+    notes = []
+    if isinstance(meta.get("global_step"), (int, float)) and "step" in meta and meta["global_step"] != meta["step"]:
+        notes.append(f"the checkpoint stores step={meta['step']!r} and global_step={meta['global_step']!r}; "
+                     "the step column uses 'step'")
     meta["step"] = int(step) if isinstance(step, (int, float)) else parse_step(step_name)
     return LoadedCheckpoint(path, fmt + (f"[{'/'.join(nest)}]" if nest else ""), _strip_prefixes(state, path),
                             obj[cfg_key] if cfg_key else None, meta, f"{path} [{cfg_key}]" if cfg_key else None,
-                            [path.parent / "config.json"])
+                            [path.parent / "config.json"], notes=notes, config_error=conflict)
 
 
 # --------------------------------------------------------------------------- one loader per format

@@ -14,6 +14,7 @@ import logging
 import sys
 
 from .config import schema_default as D
+from .drafter_config import OVERRIDE_KEYS
 from .errors import InputError
 
 
@@ -94,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter config.json; replaces the checkpoint's own (noted in strip_info.json), or supplies "
                         "one where the checkpoint has none (SpecForge <run>-stepN, DCP)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
-                   help="set a dflash_config field (target_layer_ids, mask_token_id, block_size), e.g. "
-                        "target_layer_ids=[1,9,17]; a value differing from the checkpoint's is noted")
+                   help="set a config field, e.g. target_layer_ids=[1,9,17]: one the checkpoint lacks, or one it stores "
+                        f"twice with different values (written to every copy). Keys: {', '.join(OVERRIDE_KEYS)}; any "
+                        "other key is an error. A value differing from the checkpoint's is noted in strip_info.json")
     p.add_argument("--allow-fp16", action="store_true",
                    help="accept fp16 weights (known to collapse acceptance: vLLM #55250); the output is bf16 anyway")
     p.add_argument("--allow-shared-mismatch", action="store_true",

@@ -35,3 +35,31 @@ def schema_default(dotted: str) -> Any:
         raise KeyError(f"schema property {dotted} has no default")
     return node["default"]
 
+
+
+def describe_validation_error(err) -> tuple[str, str]:
+    """``(config entry, problem)`` of a ``jsonschema.ValidationError`` raised for a workflow config.
+
+    The entry is a dotted path with list indices (``checkpoints.list[0].overrides``); the problem is
+    jsonschema's message, except for ``oneOf``/``anyOf`` failures, whose bare message ("... is not
+    valid under any of the given schemas") says nothing: they read the ``description`` of the schema
+    node that failed, which for such nodes states the rule (e.g. "set either random_init: true or
+    drafter (exactly one)").
+    """
+    if not hasattr(err, "absolute_path"):  # not a jsonschema error: keep its text
+        return "(config)", str(err)
+    # jsonschema's best_match descends into one alternative of a oneOf ("False was expected"); the
+    # alternative means nothing to the user, the rule of the oneOf does
+    node = err
+    while node.parent is not None:
+        node = node.parent
+        if node.validator in ("oneOf", "anyOf") and isinstance(node.schema, dict) and node.schema.get("description"):
+            err = node
+    path = ""
+    for part in err.absolute_path:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    problem = err.message
+    if err.validator in ("oneOf", "anyOf") and isinstance(err.schema, dict) and err.schema.get("description"):
+        problem = f"not one of the allowed forms: {err.schema['description']}"
+    return path or "(top level)", problem
+

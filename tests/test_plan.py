@@ -146,3 +146,34 @@ def test_strip_and_demo_args():
     assert plan.demo_args({"step": 0, "random_init": True, "seed": 1, "layer_ids": [1, 2], "block_size": 4,
                            "num_layers": 1}) == ["--step", "0", "--random-init", "--seed", "1", "--layer-ids", "1,2",
                                                  "--block-size", "4", "--num-layers", "1"]
+
+
+def test_schema_override_keys_are_the_packages():
+    """The workflow schema accepts exactly the override keys strip accepts (an unknown key is an error in both)."""
+    from dflash_eval.config import load_schema
+    from dflash_eval.drafter_config import OVERRIDE_KEYS
+
+    entry = load_schema()["properties"]["checkpoints"]["properties"]["list"]["items"]["properties"]["overrides"]
+    assert entry["propertyNames"]["enum"] == list(OVERRIDE_KEYS)
+
+
+@pytest.mark.parametrize("cfg, entry, problem", [
+    ({"checkpoints": {"list": [{"name": "a", "path": "a.pt", "overrides": {"frobnicate": 1}}]}},
+     "checkpoints.list[0].overrides", "'frobnicate' is not one of ['target_layer_ids'"),
+    ({"checkpoints": {"demo": [{"name": "a", "step": 1}]}}, "checkpoints.demo[0]",
+     "set either random_init: true or drafter"),
+    ({"checkpoints": {"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}}, "checkpoints.demo[0]",
+     "(exactly one)"),
+    ({"evaluate": {"batch_size": 0}}, "evaluate.batch_size", "0 is less than the minimum of 1"),
+    ({"evaluat": {}}, "(top level)", "'evaluat' was unexpected"),
+])
+def test_schema_errors_name_the_entry(cfg, entry, problem):
+    """What rules/common.smk prints for a config the schema refuses: the entry as a config path and a
+    problem that says what is wrong (a oneOf failure reads the rule from the schema's description)."""
+    import jsonschema
+
+    from dflash_eval.config import describe_validation_error, load_schema
+
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(cfg))
+    got_entry, got_problem = describe_validation_error(err)
+    assert got_entry == entry and problem in got_problem, (got_entry, got_problem)

@@ -232,9 +232,9 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     ({"list": [{"name": "a", "path": "a.pt"}, {"name": "a", "path": "b.pt"}]}, "duplicate checkpoint name 'a'"),
     ({"demo": [{"name": "a", "step": 1}]}, "set either random_init: true or drafter"),
     ({"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}, "(exactly one)"),
-    ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids is not set"),
+    ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids: not set"),
     ({}, "no checkpoint configured"),
-    ({"list": [{"name": "a", "path": "missing.pt"}]}, "path 'missing.pt' does not exist"),
+    ({"list": [{"name": "a", "path": "missing.pt"}]}, "path: 'missing.pt' does not exist"),
 ])
 def test_config_errors_are_clear(tmp_path, checkpoints, message):
     wd = copy_workflow(tmp_path / "wf")
