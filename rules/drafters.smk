@@ -5,7 +5,7 @@
 def strip_inputs(wildcards):
     row = CHECKPOINTS[wildcards.ckpt]
     files = {
-        "checkpoint": plan.checkpoint_files(wildcards.ckpt, row),
+        "checkpoint": row["files"],  # plan.checkpoint_files, checked at parse time
         **target_model_files(wildcards),
     }
     if row.get("drafter_config"):
