@@ -143,6 +143,11 @@ class CacheReader:
         """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
         return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
 
+    def argmax_agreement(self, i: int) -> float | None:
+        """Sample ``i``'s ``argmax_agreement`` attribute (None when not recorded), without reading its states."""
+        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
+        return None if v is None else float(v)
+
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
         g = self._f[f"samples/{i:06d}"]

@@ -236,6 +236,9 @@ def _torch_load(path: Path, allowed: tuple = ()) -> Any:
     """
     fix = ("save plain tensors and dicts, e.g. {'model': model.state_dict(), 'step': N}; dflash-eval loads "
            "checkpoints with torch.load(weights_only=True) and never runs pickled code")
+    problem = _not_a_torch_file(path)
+    if problem:
+        raise InputError(path, None, problem, RESAVE)
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -246,7 +249,30 @@ def _torch_load(path: Path, allowed: tuple = ()) -> Any:
                              "refuses to import", fix) from None
         raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
     except Exception as err:  # truncated zip, not a torch file, ...
-        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
+        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): "
+                         f"{type(err).__name__}: {str(err).rstrip('. ')}", RESAVE) from None
+
+
+def _not_a_torch_file(path: Path) -> str | None:
+    """Why ``path`` cannot be a torch checkpoint, judged from its first bytes (None when it may be one).
+
+    torch.save writes a zip archive (``PK\\x03\\x04``) since torch 1.6, a pickle (protocol >= 2,
+    first byte ``0x80``) before; anything else (an empty file, text, HTML from a failed download)
+    gets a message saying what it is instead of the unpickler's bare ``: 101``.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    if not head:
+        return "empty file (0 bytes): not a torch checkpoint"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(c.isprintable() or c in "\n\r\t" for c in text):
+        return f"a text file, not a torch checkpoint (starts with {text[:40]!r})"
+    return f"not a torch checkpoint (neither a zip archive nor a pickle; starts with bytes {head[:16]!r})"
 
 
 def _strip_prefixes(state: dict, source) -> dict:

@@ -22,15 +22,26 @@ def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
+def schema_property(dotted: str) -> dict:
+    """The schema node of a property, e.g. ``schema_property("evaluate.max_samples")["minimum"] == 0``.
+
+    Raises:
+        KeyError: the property does not exist (a bug, not user input).
+    """
+    node = load_schema()
+    for part in dotted.split("."):
+        node = node.get("items", node)  # a list's entries: "checkpoints.demo.step"
+        node = node["properties"][part]
+    return node
+
+
 def schema_default(dotted: str) -> Any:
     """Default of a schema property, e.g. ``schema_default("generation.max_new_tokens") == 256``.
 
     Raises:
         KeyError: the property or its default does not exist (a bug, not user input).
     """
-    node = load_schema()
-    for part in dotted.split("."):
-        node = node["properties"][part]
+    node = schema_property(dotted)
     if "default" not in node:
         raise KeyError(f"schema property {dotted} has no default")
     return node["default"]

@@ -156,13 +156,12 @@ def extract_hidden_states(
     from .target import TargetSpec, load_target, target_info
 
     completions_path = Path(completions_path)
+    if not layer_ids:
+        raise InputError(None, "--layer-ids", "no layer given", "pass comma-separated 0-based decoder layers, e.g. 1,8,15")
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
-    info = target_info(model)
-    n_layers = info["num_hidden_layers"]
+    # checked from config.json before the target loads (the workflow checks it at parse time too)
+    n_layers = spec.num_layers
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
     if bad:
         raise InputError(
@@ -172,6 +171,10 @@ def extract_hidden_states(
         )
     if len(set(layer_ids)) != len(layer_ids):
         raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {layer_ids}", "list each layer once")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+    info = target_info(model)
     pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
 
     seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]

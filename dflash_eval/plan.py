@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
+from .io import read_json_object
 
 #: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -177,8 +178,7 @@ def demo_layer_ids(name: str, row: dict) -> list[int] | None:
     layers = row.get("layer_ids")
     cfg_path = os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
     if cfg_path and os.path.isfile(cfg_path):
-        with open(cfg_path, encoding="utf-8") as fh:
-            from_drafter = (json.load(fh).get("dflash_config") or {}).get("target_layer_ids")
+        from_drafter = (read_json_object(cfg_path, "drafter config").get("dflash_config") or {}).get("target_layer_ids")
         if from_drafter is not None:
             if layers and list(layers) != list(from_drafter):
                 raise InputError("config", f"checkpoints.demo ({name}).layer_ids",

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError, atomic_path
-from .io import iter_jsonl, packaged_file
+from .io import iter_jsonl, packaged_file, read_text
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
     if not path.is_file():
         raise InputError(path, "--path", "ShareGPT file not found", "give a ShareGPT JSON file or omit --path")
     t0 = time.perf_counter()
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     dec = json.JSONDecoder()
     end = len(text.rstrip())
     i = _WS.match(text, 0).end()
@@ -206,11 +206,10 @@ def load_file(path: str | Path) -> list[tuple[str, str | list[dict]]]:
         raise InputError(path, "--path", "prompt file not found", "check the path in prompt_sets.<name>.path")
     out: list[tuple[str, Any]] = []
     if path.suffix.lower() == ".txt":
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                line = line.rstrip("\r\n")
-                if line.strip():
-                    out.append((f"line-{lineno}", line))
+        for lineno, line in enumerate(read_text(path).split("\n"), 1):  # not splitlines: \x0c, \u2028 stay in a line
+            line = line.rstrip("\r")
+            if line.strip():
+                out.append((f"line-{lineno}", line))
     else:
         seen: dict[str, int] = {}
         with open(path, encoding="utf-8") as fh:

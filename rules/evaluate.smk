@@ -41,13 +41,24 @@ rule evaluate:
         batch_size=config["evaluate"]["batch_size"],
         device=config["evaluate"]["device"],
         dtype=config["evaluate"]["dtype"],
+        agreement_warn=config["evaluate"]["agreement_warn"],
+        agreement_min=config["evaluate"]["agreement_min"],
+        allow=" ".join(
+            flag
+            for key, flag in (
+                ("allow_low_agreement", "--allow-low-agreement"),
+                ("allow_foreign_cache", "--allow-foreign-cache"),
+            )
+            if config["evaluate"][key]
+        ),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --agreement-warn {params.agreement_warn} --agreement-min {params.agreement_min}"
+        " {params.allow} --out {output:q} > {log:q} 2>&1"
 
 
 rule summary:

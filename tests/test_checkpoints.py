@@ -292,6 +292,19 @@ def test_pt_not_a_dict(tmp_path):
     assert "list, not a dict" in str(exc.value)
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b"", "empty file (0 bytes): not a torch checkpoint"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\n", "a text file, not a torch checkpoint (starts with 'version https://git-lfs"),
+    (b"\x00\x01\x02junk", "neither a zip archive nor a pickle"),
+])
+def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
+    """Issue 13 item 12: these ended in the unpickler's bare message (': 101.')."""
+    (tmp_path / "bad.pt").write_bytes(content)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "bad.pt", problem, tmp_path / "out")
+
+
 class Opaque:
     """A class a weights-only unpickler must refuse to import."""
 

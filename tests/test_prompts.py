@@ -199,6 +199,21 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, field):
     assert ei.value.fix
 
 
+@pytest.mark.parametrize("name, data, field", [
+    ("p.txt", b"first\ncaf\xe9 au lait\n", "line 2 column 4"),  # latin-1, the usual culprit
+    ("p.jsonl", b"".join(b'{"id": %d, "prompt": "a"}\n' % i for i in range(2000)) + b'{"id": "x", "prompt": "\xff"}\n',
+     "line 2001 column 24"),  # past the first read buffer: the line is still exact
+])
+def test_non_utf8_file_names_line_and_column(tmp_path, name, data, field):
+    """Issue 13 item 12: a non-UTF-8 prompt file ended in a raw UnicodeDecodeError traceback."""
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(InputError) as ei:
+        load_file(p)
+    assert (ei.value.file, ei.value.field) == (str(p), field)
+    assert "not UTF-8" in ei.value.problem and "iconv" in ei.value.fix
+
+
 def test_missing_file(tmp_path, tok_dir):
     with pytest.raises(InputError, match="not found") as ei:
         build_prompt_set("file", tok_dir, n=1, seed=0, path=tmp_path / "nope.jsonl")
