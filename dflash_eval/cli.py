@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip prompts longer than this many tokens after templating (0 = no limit)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=D("generation.enable_thinking"),
                    help="passed to apply_chat_template (must match how the drafter was trained)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="prompts JSONL; skip counts per reason go to <name>.meta.json beside it")
 
     p = sub.add_parser("completions", help="greedy target completions (token ids + text) for a prompt set")
     p.add_argument("--target", required=True, help="target HF folder")
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", required=True, help="tau.csv")
     p.add_argument("--evals", nargs="+", required=True)
     p.add_argument("--caches", nargs="*", default=[])
+    p.add_argument("--prompts-meta", nargs="*", default=[],
+                   help="<set>.meta.json files of the prompts stage (what was skipped, per reason)")
     p.add_argument("--extra", nargs="*", default=[], help="extra JSON sections (e.g. kernel parity)")
     p.add_argument("--out", required=True)
 
@@ -256,11 +258,11 @@ def _dispatch(args) -> int | None:
         from .gguf import convert_gguf, resolve_gguf
         convert_gguf(resolve_gguf(args.gguf), args.out)
     elif cmd == "prompts":
-        from .prompts import build_prompt_set, write_prompts
-        rows = build_prompt_set(source=args.source, tokenizer_dir=args.tokenizer, n=args.n, seed=args.seed,
-                                path=args.path, enable_thinking=args.enable_thinking,
-                                max_prompt_tokens=args.max_prompt_tokens)
-        write_prompts(rows, args.out)
+        from .prompts import build_prompt_set_with_meta, write_prompts
+        rows, meta = build_prompt_set_with_meta(source=args.source, tokenizer_dir=args.tokenizer, n=args.n,
+                                                seed=args.seed, path=args.path, enable_thinking=args.enable_thinking,
+                                                max_prompt_tokens=args.max_prompt_tokens)
+        write_prompts(rows, args.out, meta)
     elif cmd == "completions":
         from .completions import generate_completions
         generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
@@ -306,7 +308,7 @@ def _dispatch(args) -> int | None:
         write_summary(args.evals, args.out_csv, args.out_parquet)
     elif cmd == "report":
         from .report import write_report
-        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra)
+        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra, prompts_meta=args.prompts_meta)
     elif cmd == "train":
         from .train import TrainConfig, train
         train(args.target, args.data, args.out_dir, TrainConfig(

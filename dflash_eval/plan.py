@@ -305,6 +305,10 @@ class Plan:
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
                 for c in self.checkpoints for p in self.prompt_sets]
 
+    def prompt_metas(self, run: str | None = None) -> list[str]:
+        """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
+        return [os.path.join("results", run or self.run, "prompts", f"{p}.meta.json") for p in self.prompt_sets]
+
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
 

@@ -84,6 +84,7 @@ rule report:
         summary="results/{run}/tau.csv",
         evals=all_evaluations,
         caches=lambda wildcards: PLAN.caches(wildcards.run),
+        prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=KERNEL_PARITY_ALL,
     output:
         "results/{run}/report.md",
@@ -98,5 +99,6 @@ rule report:
         extra=report_extra_args,
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
+        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --prompts-meta {input.prompts_meta:q} {params.extra}"
         " --out {output:q} > {log:q} 2>&1"

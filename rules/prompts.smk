@@ -1,4 +1,5 @@
-# Prompt set -> chat-templated prompts (text + token ids) as JSONL.
+# Prompt set -> chat-templated prompts (text + token ids) as JSONL, and <set>.meta.json beside it
+# (what was skipped and why; read by the report).
 
 
 def prompt_set_param(key):
@@ -30,7 +31,8 @@ rule prompts:
     input:
         unpack(prompts_inputs),
     output:
-        "results/{run}/prompts/{prompt_set}.jsonl",
+        prompts="results/{run}/prompts/{prompt_set}.jsonl",
+        meta="results/{run}/prompts/{prompt_set}.meta.json",  # skip counts per reason (report)
     log:
         "logs/prompts/{run}/{prompt_set}.log",
     conda:
@@ -53,4 +55,4 @@ rule prompts:
         "python -m dflash_eval prompts --source {params.source} {params.path}"
         " --tokenizer {params.tokenizer:q} --n {params.n} --seed {params.seed}"
         " --max-prompt-tokens {params.max_prompt_tokens} {params.thinking}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output.prompts:q} > {log:q} 2>&1"
