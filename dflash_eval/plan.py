@@ -278,6 +278,51 @@ def demo_args(row: dict) -> list[str]:
     return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
 
 
+def checkpoint_config_file(row: dict) -> str | None:
+    """The drafter ``config.json`` strip will use for a checkpoint, when it is a plain JSON file known
+    without opening the weights: the entry's ``drafter_config``, a demo entry's wrapped drafter, or the
+    ``config.json`` of a z-lab/HF-style folder (with ``model.safetensors`` or its index). None otherwise
+    (a torch file or SpecForge state may carry its own config: strip reads it)."""
+    if row.get("drafter_config"):
+        return row["drafter_config"]
+    if row.get("kind") == "demo":
+        return os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
+    path = row["path"]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) and (
+            os.path.isfile(os.path.join(path, "model.safetensors"))
+            or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
+        return os.path.join(path, "config.json")
+    return None
+
+
+def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], target_spec=None) -> None:
+    """Parse every drafter config known at parse time (:func:`checkpoint_config_file`, with the entry's
+    ``overrides``) and check it against the cached layers and, when its config.json exists, the target:
+    the same checks strip and evaluate make (:class:`~dflash_eval.drafter_config.DrafterConfig`,
+    :func:`~dflash_eval.compat.check_compat`), before any job runs. Torch-free.
+
+    Raises:
+        InputError: naming the checkpoint entry, the drafter config file and the problem.
+    """
+    from .compat import check_compat
+    from .drafter_config import DrafterConfig
+
+    for name, row in checkpoints.items():
+        cfg_file = checkpoint_config_file(row)
+        if not cfg_file or not os.path.isfile(cfg_file):
+            continue
+        try:
+            cfg = DrafterConfig.from_dict(read_json_object(cfg_file, "drafter config"), source=cfg_file,
+                                          overrides=row.get("overrides"))
+            check_compat(cfg, cfg_file, target=target_spec, cache_attrs={
+                "hidden_size": target_spec.hidden_size if target_spec else cfg.hidden_size,
+                "target_layer_ids": layers, "num_target_layers": target_spec.num_layers if target_spec else 10 ** 9},
+                cache_path=cfg_file)
+        except InputError as err:
+            where = ": ".join(str(x) for x in (err.file, err.field) if x)
+            raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", err.fix) from None
+
+
 @dataclass
 class Plan:
     """Everything the rules need, derived once from the validated config (see the module docstring)."""
@@ -325,5 +370,7 @@ def build_plan(config: dict) -> Plan:
                              "resolved against the working directory)", "correct the path or remove the prompt set")
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
-    layers = cache_layer_ids(config["cache"], checkpoints, target_spec_if_known(target))
+    spec = target_spec_if_known(target)
+    layers = cache_layer_ids(config["cache"], checkpoints, spec)
+    check_checkpoint_configs(checkpoints, layers, spec)
     return Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)

@@ -216,3 +216,36 @@ def test_schema_errors_name_the_entry(cfg, entry, problem):
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(cfg))
     got_entry, got_problem = describe_validation_error(err)
     assert got_entry == entry and problem in got_problem, (got_entry, got_problem)
+
+
+def _drafter_cfg(layers=(1, 2), **extra):
+    cfg = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+           "intermediate_size": 16, "vocab_size": 32,
+           "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": 3, "block_size": 4}}
+    cfg.update(extra)
+    return cfg
+
+
+def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
+    """Issue 13 item 11: what a checkpoint's plain config.json says is checked before any job runs (layers
+    not cached or beyond the target, a field stored twice with different values), with the entry named."""
+    monkeypatch.chdir(tmp_path)
+    _target(tmp_path / "hf", layers=4)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")
+
+    def run(cfg, **entry):
+        (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+        return plan.build_plan(_config(target={"name": "t", "path": "hf"},
+                                       checkpoints={"list": [{"name": "c", "path": "ck", **entry}]}))
+
+    assert run(_drafter_cfg()).cache_layer_ids == [1, 2]
+    with pytest.raises(InputError) as ei:
+        run(_drafter_cfg(layers=(1, 3)))
+    assert ei.value.field == "checkpoint c (list)" and "needs target layers [3] but the cache stores [1, 2]" in ei.value.problem
+    assert "ck/config.json" in ei.value.problem
+    run(_drafter_cfg(layers=(1, 3)), overrides={"target_layer_ids": [1, 2]})  # the override is what strip uses
+    with pytest.raises(InputError, match="stored twice with different values"):
+        run(_drafter_cfg(block_size=8))
+    with pytest.raises(InputError, match="hidden_size: drafter 16 != target 8"):
+        run(_drafter_cfg(hidden_size=16))
