@@ -89,6 +89,7 @@ IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$
 PARAM_LEAF = re.compile(r"(^|\.)(weight|bias)$")
 STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
 RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
+LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
 
 
 @dataclass
@@ -180,6 +181,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     size = path.stat().st_size
     with open(path, "rb") as fh:
+        if fh.read(len(LFS_POINTER)) == LFS_POINTER.encode():
+            raise InputError(path, None, "a Git LFS pointer, not the weights (run 'git lfs pull' in its repository)", RESAVE)
+        fh.seek(0)
         head = fh.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 0 or 8 + n > size:
@@ -270,6 +274,8 @@ def _not_a_torch_file(path: Path) -> str | None:
         text = head.decode("utf-8")
     except UnicodeDecodeError:
         text = None
+    if text is not None and text.startswith(LFS_POINTER):
+        return "a Git LFS pointer, not the checkpoint itself (run 'git lfs pull' in its repository)"
     if text is not None and all(c.isprintable() or c in "\n\r\t" for c in text):
         return f"a text file, not a torch checkpoint (starts with {text[:40]!r})"
     return f"not a torch checkpoint (neither a zip archive nor a pickle; starts with bytes {head[:16]!r})"

@@ -68,7 +68,9 @@ def _norm(value: Any) -> Any:
 
 def _rope_dict(d: dict) -> dict:
     """A RoPE dict without ``rope_theta`` (a field of its own), ``type`` spelled ``rope_type``."""
-    out = {("rope_type" if k == "type" else k): _norm(v) for k, v in d.items() if k != "rope_theta"}
+    out = {k: _norm(v) for k, v in d.items() if k not in ("rope_theta", "type")}
+    if "type" in d and "rope_type" not in d:
+        out["rope_type"] = _norm(d["type"])
     return out
 
 
@@ -78,8 +80,9 @@ def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
     Fields: each of :data:`DFLASH_FIELDS` (``dflash_config.<f>`` and top-level ``<f>``), ``dtype``
     (``dtype``, ``torch_dtype``), ``rope_theta`` (top level, ``rope_parameters.rope_theta``,
     ``rope_scaling.rope_theta``) and ``rope_parameters`` (the ``rope_parameters`` and
-    ``rope_scaling`` dicts without ``rope_theta``, ``type`` read as ``rope_type``; a dict holding
-    both ``type`` and ``rope_type`` counts as two copies). Only copies that are present are listed.
+    ``rope_scaling`` dicts without ``rope_theta``, ``type`` read as ``rope_type``; a dict naming
+    two different types in ``type`` and ``rope_type`` counts as two copies). Only copies that are
+    present are listed.
     """
     dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     out: dict[str, list[tuple[str, Any]]] = {}
@@ -89,11 +92,14 @@ def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
     ropes = [(k, cfg[k]) for k in ROPE_DICTS if isinstance(cfg.get(k), dict)]
     out["rope_theta"] = ([("rope_theta", cfg["rope_theta"])] if cfg.get("rope_theta") is not None else []) + [
         (f"{k}.rope_theta", d["rope_theta"]) for k, d in ropes if d.get("rope_theta") is not None]
-    rope_copies = [(k, _rope_dict(d)) for k, d in ropes]
+    rope_copies = []
     for k, d in ropes:
-        if "type" in d and "rope_type" in d:
-            rope_copies.append((f"{k}.type", {"rope_type": _norm(d["type"])}))
-            rope_copies.append((f"{k}.rope_type", {"rope_type": _norm(d["rope_type"])}))
+        if "type" in d and "rope_type" in d and _norm(d["type"]) != _norm(d["rope_type"]):
+            # one dict naming two RoPE types: two readings of it, as different as two dicts
+            rope_copies.append((f"{k} (read by 'type')", {**_rope_dict(d), "rope_type": _norm(d["type"])}))
+            rope_copies.append((f"{k} (read by 'rope_type')", {**_rope_dict(d), "rope_type": _norm(d["rope_type"])}))
+        else:
+            rope_copies.append((k, _rope_dict(d)))
     out["rope_parameters"] = rope_copies
     return {k: v for k, v in out.items() if v}
 

@@ -294,7 +294,8 @@ def test_pt_not_a_dict(tmp_path):
 
 @pytest.mark.parametrize("content, problem", [
     (b"", "empty file (0 bytes): not a torch checkpoint"),
-    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\n", "a text file, not a torch checkpoint (starts with 'version https://git-lfs"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 12\n", "a Git LFS pointer, not the checkpoint"),
+    (b"<html><body>403 Forbidden</body></html>\n", "a text file, not a torch checkpoint (starts with '<html>"),
     (b"\x00\x01\x02junk", "neither a zip archive nor a pickle"),
 ])
 def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
@@ -303,6 +304,15 @@ def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
     assert_refused(exc, tmp_path / "bad.pt", problem, tmp_path / "out")
+
+
+def test_safetensors_that_is_a_git_lfs_pointer(tmp_path, cfg):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "git lfs pull", tmp_path / "out")
 
 
 class Opaque:
@@ -482,7 +492,9 @@ def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
     (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "rope_theta",
      ("rope_theta=10000.0", "rope_parameters.rope_theta=1000000.0")),
     (lambda c: c.update(rope_parameters={"rope_type": "default"}, rope_scaling={"type": "linear", "factor": 2.0}),
-     "rope_parameters", ("rope_parameters={'rope_type': 'default'}", "rope_scaling={'rope_type': 'linear', 'factor': 2.0}")),
+     "rope_parameters", ("rope_parameters={'rope_type': 'default'}", "rope_scaling={'factor': 2.0, 'rope_type': 'linear'}")),
+    (lambda c: c.update(rope_parameters={"type": "yarn", "rope_type": "default"}), "rope_parameters",
+     ("rope_parameters (read by 'type')={'rope_type': 'yarn'}", "rope_parameters (read by 'rope_type')={'rope_type': 'default'}")),
 ])
 def test_field_stored_twice_with_different_values_is_refused(tmp_path, cfg, state, edit, field, values):
     """Never a silent choice between two copies: the error names both values and the --override fix;
@@ -507,7 +519,7 @@ def test_field_stored_twice_with_different_values_is_refused(tmp_path, cfg, stat
     if field == "rope_theta":
         assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 1e6
     if field == "rope_parameters":
-        assert written["rope_parameters"]["rope_type"] == written["rope_scaling"]["rope_type"] == "default"
+        assert written["rope_parameters"] == {"rope_type": "default"} == written.get("rope_scaling", {"rope_type": "default"})
     if field in ("block_size", "mask_token_id", "target_layer_ids"):
         assert {json.dumps(v) for _, v in field_locations(written)[field]} == {json.dumps(value)}
 
