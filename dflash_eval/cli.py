@@ -17,6 +17,7 @@ from .config import schema_default as D
 from .config import schema_property
 from .drafter_config import OVERRIDE_KEYS
 from .errors import InputError
+from .serving import ServerError, ServerUnavailable
 
 
 def _int_at_least(low: int, what: str):
@@ -104,13 +105,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("completions", help="greedy target completions (token ids + text) for a prompt set")
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--prompts", required=True, help="prompts JSONL from the 'prompts' stage")
-    p.add_argument("--source", default=D("generation.source"), choices=["transformers"],
-                   help="where completions come from (pluggable; serving endpoints planned)")
+    p.add_argument("--source", default=D("generation.source"), choices=["transformers", "openai", "sglang"],
+                   help="transformers: HF generate here; openai: vLLM / OpenAI-compatible server returning token ids; "
+                        "sglang: SGLang native /generate (see dflash_eval/serving.py)")
     p.add_argument("--max-new-tokens", type=S("generation.max_new_tokens"), default=D("generation.max_new_tokens"))
-    p.add_argument("--batch-size", type=S("generation.batch_size"), default=D("generation.batch_size"), help="prompts per generate() call (left padding)")
+    p.add_argument("--batch-size", type=S("generation.batch_size"), default=D("generation.batch_size"),
+                   help="transformers source: prompts per generate() call (left padding)")
     p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
                    help="GDN kernel of hybrid targets (use the same as the hidden-states stage)")
     _add_device(p, "generation")
+    g = p.add_argument_group("server sources (openai, sglang)")
+    g.add_argument("--endpoint-url", default=D("generation.endpoint.url"), help="base URL of your server")
+    g.add_argument("--model", default=D("generation.endpoint.model"), help="served model name ('' = the only one)")
+    g.add_argument("--api-key-env", default=D("generation.endpoint.api_key_env"),
+                   help="environment variable holding the API key (the key itself is never a flag)")
+    g.add_argument("--concurrency", type=int, default=D("generation.concurrency"), help="requests in flight")
+    g.add_argument("--timeout-s", type=float, default=D("generation.timeout_s"), help="seconds per request")
+    g.add_argument("--retries", type=int, default=D("generation.retries"),
+                   help="retries per request (connection errors, timeouts, HTTP 408/429/5xx), exponential backoff")
+    g.add_argument("--allow-retokenize", action="store_true", default=D("generation.allow_retokenize"),
+                   help="accept a server that returns text only (re-tokenized, inexact; mismatch rate logged)")
+    g.add_argument("--serve", default=D("generation.serve"), choices=["none", "vllm"],
+                   help="vllm: start vLLM on 127.0.0.1 for this job and stop it after (needs --source openai)")
+    g.add_argument("--vllm-python", default=D("generation.vllm.python"), help="Python of the vLLM environment")
+    g.add_argument("--vllm-arg", action="append", default=None, metavar="ARG",
+                   help="extra vLLM argument (repeat; use --vllm-arg=--flag for values starting with '-')")
+    g.add_argument("--vllm-env", action="append", default=None, metavar="KEY=VALUE",
+                   help="extra environment of the server (repeat); default from generation.vllm.env")
+    g.add_argument("--vllm-max-model-len", type=int, default=D("generation.vllm.max_model_len"),
+                   help="0 = longest prompt + max_new_tokens, rounded up to 256")
+    g.add_argument("--vllm-start-timeout-s", type=float, default=D("generation.vllm.start_timeout_s"))
+    g.add_argument("--server-log", default=None, help="log file of the served vLLM (default: <out>.vllm.log)")
     p.add_argument("--out", required=True)
 
     p = sub.add_parser("hidden-states", help="run the target over prompt+completion ids and write the HDF5 cache")
@@ -250,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dflash_eval").error("%s", err)
         print(f"dflash-eval {args.cmd}: error: {err}", file=sys.stderr)
         return 2
+    except (ServerError, ServerUnavailable) as err:
+        logging.getLogger("dflash_eval").error("%s: %s", type(err).__name__, err)
+        print(f"dflash-eval {args.cmd}: server error: {err}. Work already done is kept; rerun to resume.", file=sys.stderr)
+        return 3
 
 
 def _dispatch(args) -> int | None:
@@ -264,10 +293,24 @@ def _dispatch(args) -> int | None:
                                                 max_prompt_tokens=args.max_prompt_tokens)
         write_prompts(rows, args.out, meta)
     elif cmd == "completions":
-        from .completions import generate_completions
+        from .completions import ServerOptions, generate_completions
+        env = dict(D("generation.vllm.env")) if args.vllm_env is None else {}
+        for item in args.vllm_env or []:
+            k, sep, v = item.partition("=")
+            if not sep or not k:
+                raise InputError(None, "--vllm-env", f"expected KEY=VALUE, got {item!r}", "e.g. --vllm-env VLLM_CPU_KVCACHE_SPACE=4")
+            env[k] = v
+        server = ServerOptions(url=args.endpoint_url, model=args.model, api_key_env=args.api_key_env,
+                               concurrency=args.concurrency, timeout_s=args.timeout_s, retries=args.retries,
+                               allow_retokenize=args.allow_retokenize, serve=args.serve, vllm_python=args.vllm_python,
+                               vllm_args=args.vllm_arg or list(D("generation.vllm.args")), vllm_env=env,
+                               vllm_max_model_len=args.vllm_max_model_len,
+                               vllm_start_timeout_s=args.vllm_start_timeout_s,
+                               server_log=args.server_log or f"{args.out}.vllm.log")
         generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                             device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
+                             device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend,
+                             server=server)
     elif cmd == "hidden-states":
         from .extract import extract_hidden_states
         extract_hidden_states(target_dir=args.target, completions_path=args.completions, out=args.out,

@@ -46,9 +46,9 @@ def check_compat(
     notes: list[str] = []
     ids = cfg.target_layer_ids
     n_layers, where = None, None
-    if target is not None:
+    if target is not None and target.num_layers is not None:
         n_layers, where = target.num_layers, f"the {target.num_layers}-layer target {target.path}"
-        if cfg.hidden_size != target.hidden_size:
+        if target.hidden_size is not None and cfg.hidden_size != target.hidden_size:
             raise InputError(source, "hidden_size", f"drafter {cfg.hidden_size} != target {target.hidden_size} ({target.path})",
                              "evaluate against the target this drafter was trained for")
         claimed = cfg.raw.get("num_target_layers")

@@ -136,7 +136,12 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
     elif random_init:
         from transformers import AutoTokenizer
 
-        mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))
+        try:
+            mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))
+        except InputError:
+            mask = spec.vocab_size - 1
+            log.warning("%s: the tokenizer has no unused special token; the random-init demo drafter uses the last "
+                        "embedding row %d as its mask token (an ordinary token of this vocabulary)", spec.path, mask)
         cfg_dict = drafter_config_for_target(spec, layer_ids, block_size, num_layers, mask)
         torch.manual_seed(seed)
         model = random_init_(DFlashDrafter(DrafterConfig.from_dict(cfg_dict)))

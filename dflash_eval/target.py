@@ -49,9 +49,9 @@ class TargetSpec:
     path: Path  #: the HF folder
     config: dict = field(repr=False)  #: ``config.json`` as read
     model_type: str  #: of the text config
-    num_layers: int  #: decoder layers (``num_hidden_layers``)
-    hidden_size: int
-    vocab_size: int  #: ``vocab_size`` of the config (embedding rows may be more; see :func:`load_embed_and_head`)
+    num_layers: int | None  #: decoder layers (``num_hidden_layers``)
+    hidden_size: int | None
+    vocab_size: int | None  #: ``vocab_size`` of the config (embedding rows may be more; see :func:`load_embed_and_head`)
     layer_types: tuple[str, ...] = ()  #: per-layer types when the config lists them
     tie_word_embeddings: bool | None = None  #: None when the config does not say
     max_position_embeddings: int | None = None
@@ -60,9 +60,11 @@ class TargetSpec:
     def read(cls, target_dir: str | Path) -> "TargetSpec":
         """Read ``<target_dir>/config.json``.
 
+        Shape fields a config does not state are None (transformers then fails to load such a
+        target, with its own message); checks that need them are skipped.
+
         Raises:
-            InputError: the folder or its config.json is missing, unreadable, or lacks
-                ``num_hidden_layers`` / ``hidden_size`` / ``vocab_size``.
+            InputError: the folder or its config.json is missing or unreadable, or a shape field is not an integer.
         """
         path = Path(target_dir)
         if not path.is_dir():
@@ -72,13 +74,13 @@ class TargetSpec:
         cfg = read_json_object(path / "config.json", "target config", "re-save the target with save_pretrained")
         text = cfg.get("text_config") or cfg
         for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-            if not isinstance(text.get(key), int):
-                raise InputError(path / "config.json", key, f"missing or not an integer ({text.get(key)!r})",
+            if text.get(key) is not None and (isinstance(text[key], bool) or not isinstance(text[key], int)):
+                raise InputError(path / "config.json", key, f"not an integer ({text[key]!r})",
                                  "use the target's own config.json")
         tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings"))
         return cls(path=path, config=cfg, model_type=str(text.get("model_type") or cfg.get("model_type", "")),
-                   num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                   vocab_size=int(text["vocab_size"]), layer_types=tuple(text.get("layer_types") or ()),
+                   num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
+                   vocab_size=text.get("vocab_size"), layer_types=tuple(text.get("layer_types") or ()),
                    tie_word_embeddings=None if tie is None else bool(tie),
                    max_position_embeddings=text.get("max_position_embeddings"))
 

@@ -19,7 +19,6 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError
-from dflash_eval import plan
 from dflash_eval.plan import build_plan
 
 CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"
@@ -70,12 +69,12 @@ shell.prefix(_shell_prefix())
 
 def target_model_files(wildcards):
     """Target config + weights (what the GPU stages and strip/evaluate read)."""
-    return {"target_config": TARGET.config, "target_weights": TARGET.weights}
+    return PLAN.target_files()
 
 
 def target_all_files(wildcards):
     """Target config + weights + tokenizer (completions decode text too)."""
-    return {**target_model_files(wildcards), "tokenizer": TARGET.tokenizer}
+    return PLAN.target_files(tokenizer=True)
 
 
 def target_dir(wildcards):

@@ -1,35 +1,53 @@
-# Greedy target completions (token ids + text) for one prompt set.
+# Greedy target completions (token ids + text) for one prompt set: from the target
+# itself (generation.source: transformers) or from a serving engine (openai = vLLM's
+# OpenAI-compatible server, sglang = SGLang's native API), either the user's server
+# (generation.endpoint.url) or vLLM started and stopped by the job itself
+# (generation.serve: vllm; the job owns the server's lifetime, dflash_eval/serving.py).
+#
+# Resume: the job appends finished completions to results/<run>/completions/
+# .<prompt_set>.jsonl.partial, which is NOT a declared output, so Snakemake's clean-up
+# of a failed or killed job leaves it; rerunning the workflow resumes from it.
+
+
+GEN = config["generation"]
+if GEN["endpoint"].get("api_key"):
+    # Handed to the jobs through the environment only: never a param, a shell word or a log line.
+    os.environ[GEN["endpoint"]["api_key_env"]] = GEN["endpoint"]["api_key"]
 
 
 rule completions:
     input:
-        unpack(target_all_files),
+        unpack(lambda wildcards: PLAN.completions_inputs()),
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
     output:
         "results/{run}/completions/{prompt_set}.jsonl",
     log:
-        "logs/completions/{run}/{prompt_set}.log",
+        main="logs/completions/{run}/{prompt_set}.log",
+        server="logs/completions/{run}/{prompt_set}.vllm.log",
     benchmark:
         "benchmarks/completions/{run}/{prompt_set}.tsv"
     conda:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
+    # torch intra-op threads; GPU jobs run one at a time (gpu=1). A remote server
+    # needs neither: several prompt sets are then sent to it side by side.
+    threads: 1 if PLAN.remote_server else workflow.cores
     resources:
-        gpu=1,
+        gpu=0 if PLAN.remote_server else 1,
     params:
         target=target_dir,
-        source=config["generation"]["source"],
-        max_new_tokens=config["generation"]["max_new_tokens"],
-        batch_size=config["generation"]["batch_size"],
-        device=config["generation"]["device"],
-        dtype=config["generation"]["dtype"],
+        source=GEN["source"],
+        max_new_tokens=GEN["max_new_tokens"],
+        batch_size=GEN["batch_size"],
+        device=GEN["device"],
+        dtype=GEN["dtype"],
         linear_attn_backend=config["target"]["linear_attn_backend"],
+        server=lambda wildcards: PLAN.completions_server_args(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
         " --prompts {input.prompts:q} --source {params.source}"
         " --max-new-tokens {params.max_new_tokens} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
-        " --linear-attn-backend {params.linear_attn_backend}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --linear-attn-backend {params.linear_attn_backend} {params.server}"
+        " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

@@ -2,16 +2,6 @@
 # acceptance JSON; then the tau table and the markdown report for the run.
 
 
-def all_evaluations(wildcards):
-    """Exactly the configured (checkpoint, prompt set) pairs: nothing stale, nothing missing."""
-    return PLAN.evaluations(wildcards.run)
-
-
-def report_extra_args(wildcards, input):
-    """`--extra <json>...` for the report's optional sections (kernel parity), or nothing."""
-    files = list(input.extra) if "extra" in input.keys() else []
-    return " ".join(["--extra", *map(shlex.quote, files)]) if files else ""
-
 
 rule evaluate:
     input:
@@ -63,7 +53,7 @@ rule evaluate:
 
 rule summary:
     input:
-        all_evaluations,
+        lambda wildcards: PLAN.evaluations(wildcards.run),
     output:
         csv="results/{run}/tau.csv",
         parquet="results/{run}/tau.parquet",
@@ -82,7 +72,7 @@ rule summary:
 rule report:
     input:
         summary="results/{run}/tau.csv",
-        evals=all_evaluations,
+        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=KERNEL_PARITY_ALL,
@@ -96,7 +86,11 @@ rule report:
     container:
         config["containers"]["cuda"]
     params:
-        extra=report_extra_args,
+        extra=lambda wildcards, input: (
+            "--extra " + " ".join(map(shlex.quote, input.extra))
+            if "extra" in input.keys() and input.extra
+            else ""
+        ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
         " --evals {input.evals:q} --caches {input.caches:q}"

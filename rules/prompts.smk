@@ -2,34 +2,9 @@
 # (what was skipped and why; read by the report).
 
 
-def prompt_set_param(key):
-    """params function: one option of the job's prompt set (entry keys over `prompt_set`)."""
-
-    def get(wildcards):
-        return PLAN.prompt_set_options(wildcards.prompt_set).get(key)
-
-    get.__name__ = f"prompt_set_{key}"
-    return get
-
-
-def prompts_inputs(wildcards):
-    """Tokenizer files, plus the prompt file when the entry names one."""
-    files = {"tokenizer": TARGET.tokenizer}
-    path = PLAN.prompt_set_options(wildcards.prompt_set).get("path")
-    if path:
-        files["prompt_file"] = path
-    return files
-
-
-def prompts_path_arg(wildcards, input):
-    if "prompt_file" in input.keys():
-        return f"--path {shlex.quote(input.prompt_file)}"
-    return ""
-
-
 rule prompts:
     input:
-        unpack(prompts_inputs),
+        unpack(lambda wildcards: PLAN.prompts_inputs(wildcards.prompt_set)),
     output:
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
         meta="results/{run}/prompts/{prompt_set}.meta.json",  # skip counts per reason (report)
@@ -40,11 +15,11 @@ rule prompts:
     container:
         config["containers"]["cuda"]
     params:
-        source=prompt_set_param("source"),
-        path=prompts_path_arg,
-        n=prompt_set_param("n"),
-        seed=prompt_set_param("seed"),
-        max_prompt_tokens=prompt_set_param("max_prompt_tokens"),
+        source=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("source"),
+        path=lambda wildcards: PLAN.prompts_path_arg(wildcards.prompt_set),
+        n=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("n"),
+        seed=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("seed"),
+        max_prompt_tokens=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("max_prompt_tokens"),
         thinking=(
             "--enable-thinking"
             if config["generation"]["enable_thinking"]

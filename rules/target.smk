@@ -3,16 +3,11 @@
 # is used in place and its concrete files are the inputs of the later stages.
 
 
-def gguf_input(wildcards):
-    """The .gguf file as an input; nothing for 'pkg:<wheel>' (resolved inside the job)."""
-    return [] if TARGET.gguf.startswith("pkg:") else [TARGET.gguf]
-
-
 if TARGET.from_gguf:
 
     rule target_from_gguf:
         input:
-            gguf_input,
+            lambda wildcards: PLAN.gguf_input(),
         output:
             config=TARGET.config[0],
             weights=TARGET.weights[0],

@@ -224,12 +224,12 @@ def test_convert_smollm2_gguf(tmp_path):
     out = G.convert_gguf(gguf_path, tmp_path / "smol")
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            T.PROVENANCE_FILE} <= names
+            G.PROVENANCE_FILE} <= names
     assert not [n for n in names if n.startswith(".")]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16" and cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
-    prov = json.loads((out / T.PROVENANCE_FILE).read_text())
+    prov = json.loads((out / G.PROVENANCE_FILE).read_text())
     assert prov["gguf_file"] == gguf_path.name
     assert prov["gguf_sha256"] == hashlib.sha256(gguf_path.read_bytes()).hexdigest()
     assert prov["special_token_ids"] == {"bos_token": 1, "eos_token": 2, "pad_token": 2, "unk_token": 0}
