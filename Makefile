@@ -45,8 +45,9 @@ demo: venv
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
 
+# PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/snakemake --lint

@@ -33,7 +33,10 @@ target's per-layer type list as JSON (``linear_attention`` / ``full_attention``,
 when the config has none); ``linear_attn_kernel`` is JSON with ``backend``
 (``none``/``fla``/``torch``; ``evaluate`` compares it with ``target.training_backend``),
 the bound GDN/conv functions, gated-norm class, package versions and ``FLA_*`` env;
-``image`` is env ``DFLASH_EVAL_IMAGE`` of the container that wrote the file (``""`` outside one).
+``image`` is env ``DFLASH_EVAL_IMAGE`` of the container that wrote the file (``""`` outside one);
+``causal_conv1d_kernel`` says whether the causal-conv1d kernels imported
+(:func:`dflash_eval.hybrid.causal_conv1d_status`: ``imported <version>``, ``absent``, or
+``import failed: ...``), beside ``causal_conv1d_version`` (the installed distribution).
 
 Files are written to a temporary name in the destination folder and renamed
 when complete; a file at the final path is always whole.
@@ -61,7 +64,7 @@ FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
     "hidden_size", "vocab_size", "target_layer_ids", "layer_convention", "last_layer_normed", "dtype",
     "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
-    "causal_conv1d_version", "linear_attn_kernel", "linear_attn_backend", "layer_types", "image", "env", "padding_side",
+    "causal_conv1d_version", "causal_conv1d_kernel", "linear_attn_kernel", "linear_attn_backend", "layer_types", "image", "env", "padding_side",
     "batch_tokens", "completions_sha256", "prompt_set", "n_samples", "created_at", "dflash_eval_version",
 )
 

@@ -38,12 +38,14 @@ def _versions() -> dict:
     import transformers
 
     from . import __version__
+    from .hybrid import causal_conv1d_status
 
     return {
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "fla_version": v("fla-core") if v("fla-core") != "absent" else v("flash-linear-attention"),
         "causal_conv1d_version": v("causal-conv1d"),
+        "causal_conv1d_kernel": causal_conv1d_status(),
         "dflash_eval_version": __version__,
     }
 

@@ -165,6 +165,26 @@ def fla_status() -> tuple[bool, str]:
     return True, _dist_version("fla")
 
 
+def causal_conv1d_status() -> str:
+    """Whether the causal-conv1d kernels can be used, for the cache attribute ``causal_conv1d_kernel``.
+
+    ``"imported <version>"`` when ``causal_conv1d`` and its compiled extension
+    ``causal_conv1d_cuda`` import; ``"absent"`` when the package is not installed (transformers
+    then runs the GDN short convolution with its torch ``F.conv1d`` fallback); otherwise
+    ``"import failed: <error>"`` (installed but unusable, e.g. built for another torch or CUDA;
+    the fallback runs too). A version alone cannot tell these apart. transformers also binds
+    the package only with a CUDA torch (reference: transformers ``is_causal_conv1d_available``).
+    """
+    if importlib.util.find_spec("causal_conv1d") is None:
+        return "absent"
+    try:
+        importlib.import_module("causal_conv1d")
+        importlib.import_module("causal_conv1d_cuda")
+    except Exception as err:  # noqa: BLE001 - any import failure means "not usable"
+        return f"import failed: {type(err).__name__}: {err}"
+    return f"imported {_dist_version('causal_conv1d')}"
+
+
 def target_has_linear_attention(target) -> bool:
     """True if the target (folder or :class:`~dflash_eval.target.TargetSpec`) has ``linear_attention`` layers."""
     from .target import TargetSpec, as_spec

@@ -67,6 +67,34 @@ def _shell_prefix():
 shell.prefix(_shell_prefix())
 
 
+# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity): config
+# torch_threads. Snakemake exports it as OMP_NUM_THREADS (torch's intra-op threads), SLURM
+# jobs ask for that many CPUs (--cpus-per-task), and --cores caps it (local runs: at most the
+# cores you allow). Not workflow.cores: that fails at parse time when --cores is unset
+# (cluster runs) and would size cluster jobs by the login node.
+TORCH_THREADS = config["torch_threads"]
+
+
+# Container image (only with --sdm apptainer): a local .sif must exist before any job
+# starts; apptainer would otherwise fail in every job.
+def _check_container_image():
+    image = config["containers"]["cuda"]
+    methods = workflow.deployment_settings.deployment_method
+    if DeploymentMethod.APPTAINER not in methods or "://" in image:
+        return
+    if image.endswith(".sif") and not os.path.isfile(image):
+        raise WorkflowError(
+            f"config containers.cuda: image file {image!r} does not exist (relative paths are "
+            "resolved against the working directory). Fix: build it (containers/README.md: "
+            "podman/docker build, then apptainer build ... docker-archive:...), set "
+            "containers.cuda to the .sif you have or to docker://<your-registry>/<image>:<tag>, "
+            "or run without --sdm apptainer."
+        )
+
+
+_check_container_image()
+
+
 def target_model_files(wildcards):
     """Target config + weights (what the GPU stages and strip/evaluate read)."""
     return PLAN.target_files()

@@ -32,7 +32,7 @@ rule completions:
         config["containers"]["cuda"]
     # torch intra-op threads; GPU jobs run one at a time (gpu=1). A remote server
     # needs neither: several prompt sets are then sent to it side by side.
-    threads: 1 if PLAN.remote_server else workflow.cores
+    threads: 1 if PLAN.remote_server else TORCH_THREADS
     resources:
         gpu=0 if PLAN.remote_server else 1,
     params:

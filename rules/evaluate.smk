@@ -20,7 +20,7 @@ rule evaluate:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
+    threads: TORCH_THREADS
     resources:
         gpu=1,
     params:

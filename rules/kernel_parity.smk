@@ -47,7 +47,7 @@ rule kernel_parity:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: workflow.cores  # torch intra-op threads; GPU jobs run one at a time (gpu=1)
+    threads: TORCH_THREADS
     resources:
         gpu=1,
     params:

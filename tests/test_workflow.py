@@ -57,9 +57,11 @@ def copy_workflow(dst: Path) -> Path:
     return dst
 
 
-def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 1800) -> subprocess.CompletedProcess:
-    """Run ``python -m snakemake`` in ``workdir``; the package comes from this checkout."""
-    env = dict(os.environ)
+def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 1800,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m snakemake`` in ``workdir``; the package comes from this checkout.
+    ``env``: the environment (default ``os.environ``)."""
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", *args],
@@ -312,60 +314,21 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 def test_environment_pins_agree():
     host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
-    image = _pins((REPO / "containers" / "cuda" / "requirements.txt").read_text().splitlines())
+    image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
+                   for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image
     for env_file, reference in (("cpu.yaml", host), ("gpu.yaml", image)):
         env = _env_pins(REPO / "envs" / env_file)
         for name, version in env.items():
             if name in reference:
                 assert version == reference[name], f"envs/{env_file}: {name}=={version} vs {reference[name]}"
+    assert {"fla-core", "flash-linear-attention"} <= set(image)
     shared = set(host) & set(image)
     assert {"transformers", "safetensors", "h5py"} <= shared
     assert all(host[n] == image[n] for n in shared), {n: (host[n], image[n]) for n in shared if host[n] != image[n]}
     assert "torch==2.13.0" in (REPO / "Makefile").read_text()
     assert 'TORCH_VERSION=2.13.0' in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
     assert "FLA_FLASH_QLA=0" in (REPO / "containers" / "cuda" / "Dockerfile").read_text()
-
-
-def test_profiles():
-    profiles = {p.parent.name: yaml.safe_load(p.read_text()) for p in (REPO / "profiles").glob("*/config.yaml")}
-    assert set(profiles) == {"local-gpu", "slurm-gpu", "ci"}
-    assert profiles["ci"]["cores"] == 2 and profiles["ci"]["resources"] == {"gpu": 1}
-    assert "software-deployment-method" not in profiles["ci"]
-    for name in ("local-gpu", "slurm-gpu"):
-        assert profiles[name]["software-deployment-method"] == ["apptainer"]
-        assert "--nv" in profiles[name]["apptainer-args"]
-    slurm = profiles["slurm-gpu"]
-    assert slurm["executor"] == "slurm"
-    for rule_resources in [slurm["default-resources"], *slurm["set-resources"].values()]:
-        assert "gres" not in rule_resources
-        assert not re.search(r"--(gres|gpus)", str(rule_resources.get("slurm_extra", "")))
-    assert "cpus_per_task" not in slurm["default-resources"] and "tasks" not in slurm["default-resources"]
-
-
-def test_slurm_profile_submit_string():
-    """The SLURM plugin turns the profile's GPU resources into --gpus/--cpus-per-gpu."""
-    submit = pytest.importorskip("snakemake_executor_plugin_slurm.submit_string")
-    utils = pytest.importorskip("snakemake_executor_plugin_slurm.utils")
-    slurm = yaml.safe_load((REPO / "profiles" / "slurm-gpu" / "config.yaml").read_text())
-
-    class Resources(dict):
-        __getattr__ = dict.get
-
-    class Job:
-        threads = 1
-
-        def __init__(self, resources):
-            self.resources = Resources(resources)
-
-    params = {"run_uuid": "u", "slurm_logfile": "l", "comment_str": "c", "account": "", "partition": "",
-              "workdir": "."}
-    job = Job({**slurm["default-resources"], **slurm["set-resources"]["evaluate"], "gpu": 1})
-    call = submit.get_submit_command(job, params) + " " + utils.set_gres_string(job)
-    assert "--gpus=1" in call and "--cpus-per-gpu=8" in call and "--gres" not in call
-    cpu_job = Job({**slurm["default-resources"], **slurm["set-resources"]["strip_drafter"]})
-    call = submit.get_submit_command(cpu_job, params)
-    assert "--cpus-per-task=4" in call and "--gpus" not in call
 
 
 # --------------------------------------------------------------------------- tiny end-to-end
@@ -385,14 +348,15 @@ PROMPTS_A = ["Write a function that adds two numbers.", "What is the capital of 
 PROMPTS_B = ["def add(a, b):", "Tell me about Paris.", "Explain bullet points."]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A full run of the workflow on a tiny random target and tiny random drafters."""
+def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
+    """A workflow copy in ``wd`` on a tiny random target, two tiny random checkpoints (glob) and one
+    random-init demo entry, two prompt sets from files; CPU float32. ``config_overrides`` replace
+    top-level config keys. Nothing is run."""
     pytest.importorskip("h5py")
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target
 
-    wd = copy_workflow(tmp_path_factory.mktemp("tiny") / "wf")
+    wd = copy_workflow(wd)
     make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
     (wd / "prompts").mkdir()
     (wd / "prompts" / "a.jsonl").write_text(
@@ -417,8 +381,16 @@ def tiny_run(tmp_path_factory):
                       "block_size": 4, "num_layers": 1, "seed": 5}],
         },
         "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+        **config_overrides,
     }
     _write_config(wd, cfg)
+    return wd
+
+
+def run_tiny_locally(wd: Path) -> Path:
+    """``make_tiny_workdir`` + a full local run with the CI profile (2 cores, so torch jobs use 2
+    threads). Used by the session fixture ``tiny_run`` (tests/conftest.py)."""
+    wd = make_tiny_workdir(wd)
     smk(wd, "--workflow-profile", str(CI_PROFILE))
     return wd
 
