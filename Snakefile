@@ -32,3 +32,10 @@ rule all:
         expand("results/{run}/report.md", run=RUN),
         KERNEL_PARITY_ALL,
     localrule: True
+
+
+# A finished hidden_states job leaves its sidecar <cache>.partial as a hard link of the
+# cache (rules/cache.smk), for a rerun after a lost Snakemake; a run that succeeded
+# needs none of them.
+onsuccess:
+    remove_done_links(PLAN.caches())

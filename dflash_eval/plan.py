@@ -49,6 +49,7 @@ class TargetFiles:
     config: list[str] = field(default_factory=list)
     weights: list[str] = field(default_factory=list)
     tokenizer: list[str] = field(default_factory=list)
+    fingerprint: str = ""  #: ``resources/targets/<name>.fingerprint.json`` (rule target_fingerprint)
 
 
 def resolve_target(target_cfg: dict) -> TargetFiles:
@@ -87,7 +88,8 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
         d = os.path.join("resources", "targets", name)
         o = GGUF_TARGET_OUTPUTS
         return TargetFiles(d, True, spec, [os.path.join(d, o["config"])], [os.path.join(d, o["weights"])],
-                           [os.path.join(d, o["tokenizer"]), os.path.join(d, o["tokenizer_config"])])
+                           [os.path.join(d, o["tokenizer"]), os.path.join(d, o["tokenizer_config"])],
+                           fingerprint_path(name))
     d = os.path.normpath(spec)
     if not os.path.isdir(d):
         raise InputError("config", "target.path", f"{spec!r} is neither an HF model folder, a .gguf file nor "
@@ -102,7 +104,12 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
                          f"{'a' if os.path.isfile(os.path.join(d, 'config.json')) else 'no'} config.json",
                          "save the model and its tokenizer there with save_pretrained()")
     return TargetFiles(d, False, None, [os.path.join(d, "config.json")],
-                       weights + ([index] if os.path.isfile(index) else []), tokenizer)
+                       weights + ([index] if os.path.isfile(index) else []), tokenizer, fingerprint_path(name))
+
+
+def fingerprint_path(name: str) -> str:
+    """Where rule target_fingerprint records the target's weights sha256, next to the converted target."""
+    return os.path.join("resources", "targets", f"{name}.fingerprint.json")
 
 
 def target_spec_if_known(target: TargetFiles):
@@ -425,11 +432,18 @@ class Plan:
         return gen["source"] != "transformers" and gen.get("serve") != "vllm"
 
     def completions_inputs(self) -> dict:
-        """Target files the completions job reads: a remote server needs only config + tokenizer."""
+        """Target files the completions job reads: a remote server needs only config + tokenizer;
+        the local sources also read the weights and their sha256 record (``fingerprint``)."""
         files = self.target_files(tokenizer=True)
         if self.remote_server:
             files.pop("target_weights")
+        else:
+            files["fingerprint"] = self.target.fingerprint
         return files
+
+    def completions_fingerprint_arg(self) -> str:
+        """``--target-fingerprint <record>`` for the local sources ('' for a remote server)."""
+        return "" if self.remote_server else f"--target-fingerprint {shlex.quote(self.target.fingerprint)}"
 
     def completions_server_args(self) -> str:
         """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""

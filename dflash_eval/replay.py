@@ -169,6 +169,7 @@ def evaluate(
     agreement_warn: float = 0.99,
     agreement_min: float = 0.9,
     allow_low_agreement: bool = False,
+    target_fingerprint: str | Path | None = None,
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
@@ -181,7 +182,8 @@ def evaluate(
     ``argmax_agreement`` (min/mean of the samples' target agreement and the thresholds,
     :func:`~dflash_eval.compat.check_agreement`; each sample also carries its own) and
     ``target_check`` (the target's and the cache's weight fingerprints,
-    :func:`~dflash_eval.compat.check_cache_target`).
+    :func:`~dflash_eval.compat.check_cache_target`; ``target_fingerprint`` is the
+    ``target-fingerprint`` record, so the weights are not hashed again by every evaluate job).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab,
@@ -210,7 +212,7 @@ def evaluate(
     cfg = drafter.cfg
     reader = CacheReader(cache_path)
     a = reader.attrs
-    spec = TargetSpec.read(target_dir)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     embed, head = load_embed_and_head(spec)
     check_compat(cfg, drafter_dir / "config.json", target=spec, embed_rows=embed.shape[0], cache_attrs=a,
                  cache_path=cache_path)

@@ -68,18 +68,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def length_batches(lengths: Sequence[int], max_tokens: int | None = None, max_items: int | None = None) -> list[list[int]]:
+def length_batches(lengths: Sequence[int], max_tokens: int | None = None, max_items: int | None = None,
+                   packed: bool = False) -> list[list[int]]:
     """Group indices into batches of similar length, longest first.
 
     Indices are sorted by length (descending, stable) and cut into consecutive batches so that
-    ``len(batch) * longest <= max_tokens`` (padded tokens) and ``len(batch) <= max_items``; a
+    ``len(batch) * longest <= max_tokens`` (padded tokens; with ``packed``: ``sum of lengths <=
+    max_tokens``, the batch is one concatenated sequence) and ``len(batch) <= max_items``; a
     single item longer than ``max_tokens`` gets a batch of its own. Longest first makes the
-    first batch the most memory-hungry, so an out-of-memory error shows at once.
+    first batch the most memory-hungry, so an out-of-memory error shows at once. The result
+    depends only on the arguments (a resumed run gets the same batches).
 
     Args:
         lengths: per-item lengths (tokens).
-        max_tokens: padded-token budget per batch (None = no limit).
+        max_tokens: token budget per batch (None = no limit).
         max_items: items per batch (None = no limit).
+        packed: count real tokens instead of padded ones.
 
     Returns:
         lists of indices into ``lengths``.
@@ -87,13 +91,16 @@ def length_batches(lengths: Sequence[int], max_tokens: int | None = None, max_it
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     cur: list[int] = []
+    used = 0
     for i in order:
+        cost = used + lengths[i] if packed else (len(cur) + 1) * (lengths[cur[0]] if cur else lengths[i])
         full = cur and ((max_items is not None and len(cur) >= max_items)
-                        or (max_tokens is not None and (len(cur) + 1) * lengths[cur[0]] > max_tokens))
+                        or (max_tokens is not None and cost > max_tokens))
         if full:
             batches.append(cur)
-            cur = []
+            cur, used = [], 0
         cur.append(i)
+        used += lengths[i]
     if cur:
         batches.append(cur)
     return batches

@@ -552,25 +552,3 @@ class VLLMServer:
         self.stop()
 
 
-@contextlib.contextmanager
-def signals_as_exit():
-    """Turn SIGTERM/SIGHUP (SLURM time limits, Snakemake job cancellation) into ``SystemExit(128 + signum)``.
-
-    ``finally`` blocks and context managers then run: the served vLLM is stopped and the temp
-    output is removed, while the append-only partial file keeps every completion already written.
-    Only installed in the main thread; previous handlers are restored on exit.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-

@@ -16,9 +16,11 @@ reads exactly those two tensors of the target, nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,10 +57,11 @@ class TargetSpec:
     layer_types: tuple[str, ...] = ()  #: per-layer types when the config lists them
     tie_word_embeddings: bool | None = None  #: None when the config does not say
     max_position_embeddings: int | None = None
+    fingerprint_file: Path | None = None  #: a :func:`write_fingerprint` record used by :meth:`weights_sha256`
 
     @classmethod
-    def read(cls, target_dir: str | Path) -> "TargetSpec":
-        """Read ``<target_dir>/config.json``.
+    def read(cls, target_dir: str | Path, fingerprint_file: str | Path | None = None) -> "TargetSpec":
+        """Read ``<target_dir>/config.json`` (``fingerprint_file``: see :meth:`weights_sha256`).
 
         Shape fields a config does not state are None (transformers then fails to load such a
         target, with its own message); checks that need them are skipped.
@@ -82,7 +85,8 @@ class TargetSpec:
                    num_layers=text.get("num_hidden_layers"), hidden_size=text.get("hidden_size"),
                    vocab_size=text.get("vocab_size"), layer_types=tuple(text.get("layer_types") or ()),
                    tie_word_embeddings=None if tie is None else bool(tie),
-                   max_position_embeddings=text.get("max_position_embeddings"))
+                   max_position_embeddings=text.get("max_position_embeddings"),
+                   fingerprint_file=Path(fingerprint_file) if fingerprint_file else None)
 
     @property
     def has_linear_attention(self) -> bool:
@@ -94,8 +98,8 @@ class TargetSpec:
         return weight_files(self.path)
 
     def weights_sha256(self) -> str:
-        """:func:`weights_sha256` of the folder."""
-        return weights_sha256(self.path)
+        """:func:`weights_sha256` of the folder, from :attr:`fingerprint_file` when that record still matches."""
+        return weights_sha256(self.path, record=self.fingerprint_file)
 
 
 def as_spec(target: "str | Path | TargetSpec") -> TargetSpec:
@@ -115,18 +119,76 @@ def weight_files(target_dir: str | Path) -> list[Path]:
     return files
 
 
-def weights_sha256(target_dir: "str | Path | TargetSpec") -> str:
+FINGERPRINT_FORMAT = "dflash-eval/target-fingerprint"
+
+
+def _weight_stats(files: list[Path]) -> list[dict]:
+    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | None = None) -> str:
     """Hex sha256 of a target's weights: one stream over every ``*.safetensors`` in sorted file-name order.
 
-    For a single-file model this equals ``sha256sum model.safetensors``.
+    For a single-file model this equals ``sha256sum model.safetensors``. Hashing reads every
+    weight file (minutes for a 54 GB target), so the workflow does it once per target
+    (rule ``target_fingerprint`` -> :func:`write_fingerprint`) and every job passes the record
+    here: when the record's files (names, sizes, mtimes) equal the folder's, its sha256 is
+    returned without reading the weights; otherwise (weights replaced since, unreadable record)
+    the weights are hashed again, with a warning.
 
     Raises:
         InputError: no ``*.safetensors`` files.
     """
+    files = weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir)
+    if record is not None:
+        try:
+            rec = json.loads(Path(record).read_text(encoding="utf-8"))
+            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == _weight_stats(files):
+                log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
+                return str(rec["sha256"])
+            log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them again",
+                        record)
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            log.warning("fingerprint record %s unreadable (%s): hashing the weights", record, err)
     h = hashlib.sha256()
-    for f in weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir):
+    t0 = time.perf_counter()
+    for f in files:
         sha256_file(f, h)
+    log.info("hashed %d weight file(s) in %.1f s", len(files), time.perf_counter() - t0)
     return h.hexdigest()
+
+
+def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) -> Path:
+    """Hash a target's weights once and record it (the ``target-fingerprint`` stage).
+
+    Output JSON: ``format`` (``"dflash-eval/target-fingerprint"``), ``sha256``
+    (:func:`weights_sha256`), ``files`` (``name``, ``size``, ``mtime_ns`` of each weight file,
+    the key under which later jobs reuse the hash), ``target`` (folder), ``seconds``.
+
+    Raises:
+        InputError: no ``*.safetensors`` files.
+    """
+    from .errors import atomic_path
+
+    spec = as_spec(target_dir)
+    files = spec.weight_files()
+    before = _weight_stats(files)
+    t0 = time.perf_counter()
+    sha = weights_sha256(spec.path)
+    if _weight_stats(files) != before:
+        raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
+                         "rerun when nothing writes to the target folder")
+    rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
+           "seconds": round(time.perf_counter() - t0, 3)}
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
+    log.info("target %s: weights sha256 %s -> %s", spec.path, sha, out)
+    return Path(out)
 
 
 def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", backend: str = "auto"):
@@ -171,6 +233,106 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     model.to(dev).eval()
     log.info("loaded target %s (%s) on %s in %s", spec.path, model.config.model_type, dev, dtype_name(dt))
     return model, tok, check_bound_kernel(model, binding)
+
+
+#: attention implementation of :func:`gqa_sdpa` (registered with transformers on first use)
+GQA_SDPA = "dflash_eval_sdpa_gqa"
+
+
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                       is_causal=None, **kwargs):
+    """transformers' SDPA attention with grouped KV heads broadcast by SDPA instead of copied.
+
+    With an attention mask (left-padded batched generation), transformers' ``sdpa`` path copies the
+    whole KV cache ``num_key_value_groups`` times per layer and step (``repeat_kv``; its
+    ``use_gqa_in_sdpa`` passes ``enable_gqa`` only without a mask): on CPU that copy was half of a
+    decode step of SmolLM2 (9 query / 3 KV heads) at batch 16. ``scaled_dot_product_attention(...,
+    enable_gqa=True)`` reads the shared heads in place and gives bit-identical outputs (checked in
+    ``tests/test_completions.py``). Shapes as in transformers: ``query [b, Hq, q, D]``, ``key/value
+    [b, Hkv, k, D]`` -> ``([b, q, Hq, D], None)``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=False, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def gqa_sdpa(model):
+    """Run ``model`` with :func:`sdpa_gqa_attention` (masks built as for ``sdpa``) inside the block.
+
+    Only for models whose attention is ``sdpa``; others are left as they are.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    cfg = model.config
+    old = cfg._attn_implementation
+    if old != "sdpa":
+        yield
+        return
+    AttentionInterface.register(GQA_SDPA, sdpa_gqa_attention)
+    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    cfg._attn_implementation = GQA_SDPA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+
+
+def prefill_unpadded(model, prompts, width: int):
+    """The KV cache of left-padded prompts, each prompt computed alone (CPU: no work on padding).
+
+    ``model.generate`` on a left-padded ``[B, width]`` batch runs the prefill over every pad
+    position too (47-73 % of the demo's prompt tokens). Here each prompt but its last token goes
+    through the model on its own, unpadded, and the per-layer keys/values are placed at the right
+    end of a ``[B, Hkv, width - 1, D]`` cache (zeros under the pads, which the attention mask hides);
+    ``generate(input_ids, attention_mask, past_key_values=cache)`` then starts at the last prompt
+    token, with the positions it derives from the mask (each prompt's own 0..len-1). Floating-point
+    results match the padded prefill up to reduction order (as left-padded rows match unpadded ones).
+
+    Args:
+        prompts: B token-id lists, each non-empty; width: the padded length (longest prompt).
+
+    Returns:
+        a ``DynamicCache``, or None where it does not apply (not on CPU, where the batched GPU prefill
+        is cheaper than B separate ones; no prompt longer than one token; caches other than plain
+        attention layers, e.g. hybrid linear-attention or sliding-window targets).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    if dev.type != "cpu" or width < 2:
+        return None
+    parts = []
+    for p in prompts:
+        c = DynamicCache(config=model.config)
+        if len(p) > 1:
+            model(input_ids=torch.tensor([list(p[:-1])], device=dev), past_key_values=c, use_cache=True,
+                  logits_to_keep=1)
+        parts.append(c)
+    ref = next((c for c in parts if c.get_seq_length() > 0), None)
+    if ref is None or any(type(layer).__name__ != "DynamicLayer" for layer in ref.layers):
+        return None
+    batch = DynamicCache(config=model.config)
+    for li, layer in enumerate(ref.layers):
+        shape_k = (len(prompts), layer.keys.shape[1], width - 1, layer.keys.shape[3])
+        shape_v = (len(prompts), layer.values.shape[1], width - 1, layer.values.shape[3])
+        keys, values = layer.keys.new_zeros(shape_k), layer.values.new_zeros(shape_v)
+        for b, c in enumerate(parts):
+            n = c.get_seq_length()
+            if n:
+                keys[b, :, width - 1 - n:] = c.layers[li].keys[0]
+                values[b, :, width - 1 - n:] = c.layers[li].values[0]
+        batch.update(keys, values, li)
+    return batch
 
 
 def target_info(model) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from snakemake.utils import validate
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
-from dflash_eval.errors import InputError
+from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.plan import build_plan
 
 CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"

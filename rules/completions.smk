@@ -44,10 +44,12 @@ rule completions:
         dtype=GEN["dtype"],
         linear_attn_backend=config["target"]["linear_attn_backend"],
         server=lambda wildcards: PLAN.completions_server_args(),
+        fingerprint=lambda wildcards: PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
         " --prompts {input.prompts:q} --source {params.source}"
         " --max-new-tokens {params.max_new_tokens} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --linear-attn-backend {params.linear_attn_backend} {params.server}"
+        " {params.fingerprint}"
         " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

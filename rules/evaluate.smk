@@ -6,6 +6,7 @@
 rule evaluate:
     input:
         unpack(target_model_files),
+        fingerprint=TARGET.fingerprint,
         drafter_weights="results/{run}/drafters/{ckpt}/model.safetensors",
         drafter_config="results/{run}/drafters/{ckpt}/config.json",
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
@@ -44,6 +45,7 @@ rule evaluate:
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"

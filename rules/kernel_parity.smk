@@ -31,6 +31,7 @@ KERNEL_PARITY_ALL = [PLAN.run_path("kernel_parity.json")] if KERNEL_PARITY["enab
 rule kernel_parity:
     input:
         unpack(target_model_files),
+        fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{KERNEL_PARITY_PROMPT_SET}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",
@@ -66,5 +67,6 @@ rule kernel_parity:
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --n-samples {params.n_samples} --drafter {params.drafters}"
         " --batch-tokens {params.batch_tokens}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --out {output:q} > {log:q} 2>&1"

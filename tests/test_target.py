@@ -259,3 +259,23 @@ def test_convert_smollm2_gguf(tmp_path):
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
     answer = tok.decode(gen[0, ids.shape[1]:])
     assert "Paris" in answer and answer.endswith("<|im_end|>"), answer
+
+
+def test_fingerprint_record_is_used_while_files_are_unchanged(tmp_path, tiny_untied, monkeypatch, caplog):
+    import os
+
+    tiny_untied = Path(shutil.copytree(tiny_untied, tmp_path / "t"))  # its mtime is changed below
+    rec = T.write_fingerprint(tiny_untied, tmp_path / "fp.json")
+    want = hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
+    data = json.loads(rec.read_text())
+    assert data["sha256"] == want and [f["name"] for f in data["files"]] == ["model.safetensors"]
+    calls = []
+    real = T.sha256_file
+    monkeypatch.setattr(T, "sha256_file", lambda *a: calls.append(a) or real(*a))
+    assert T.TargetSpec.read(tiny_untied, fingerprint_file=rec).weights_sha256() == want
+    assert calls == []  # no weight file read
+    st = (tiny_untied / "model.safetensors").stat()
+    os.utime(tiny_untied / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced/touched
+    caplog.set_level("WARNING")
+    assert T.weights_sha256(tiny_untied, record=rec) == want
+    assert len(calls) == 1 and "does not match the weight files" in caplog.text

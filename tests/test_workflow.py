@@ -28,6 +28,7 @@ DEMO_ENTRIES = {e["name"]: e for e in yaml.safe_load((REPO / "config" / "config.
 DEMO_NAMES = list(DEMO_ENTRIES)
 DEMO_JOBS = {
     "target_from_gguf": 1,
+    "target_fingerprint": 1,
     "demo_checkpoint": len(DEMO_NAMES),
     "prompts": 2,
     "completions": 2,
@@ -38,7 +39,7 @@ DEMO_JOBS = {
     "report": 1,
     "all": 1,
 }
-TARGET_RULES = {"target_from_gguf", "prompts", "completions", "hidden_states"}
+TARGET_RULES = {"target_from_gguf", "target_fingerprint", "prompts", "completions", "hidden_states"}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -155,6 +156,10 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
         seen.add(args.cmd)
         if args.cmd == "hidden-states":
             assert args.layer_ids == [1, 8, 15, 22, 27]
+            assert args.keep_partial and args.packing == "auto"
+            assert args.target_fingerprint == "resources/targets/smollm2-135m-instruct.fingerprint.json"
+        if args.cmd in ("completions", "hidden-states"):
+            assert args.target_fingerprint is not None
         if args.cmd == "completions":
             assert args.max_new_tokens == 256
         if args.cmd == "prompts":
@@ -163,8 +168,8 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
-    assert seen == {"target-from-gguf", "prompts", "completions", "hidden-states", "strip", "evaluate", "summary",
-                    "report", "demo-checkpoint"}
+    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip",
+                    "evaluate", "summary", "report", "demo-checkpoint"}
 
 
 def test_dry_run_kernel_parity_wiring(tmp_path):
@@ -223,7 +228,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
                                                      "overrides": {"target_layer_ids": [0, 1]}}]},
     })
     out = smk(wd, "-n", "-p").stdout
-    assert job_counts(out) == {"prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
+    assert job_counts(out) == {"target_fingerprint": 1, "prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
                                "evaluate": 3, "summary": 1, "report": 1, "all": 1}
     jobs = planned_jobs(out)
     assert {w for r, w in jobs if r == "strip_drafter"} == {
@@ -560,6 +565,9 @@ def test_agreement_columns_and_mask_token_of_the_tiny_run(tiny_run):
     assert (csv.agreement_min == 1.0).all() and (csv.agreement_mean == 1.0).all()
     ev = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())
     assert ev["argmax_agreement"]["min"] == 1.0 and ev["target_check"]["match"] is True
+    log = (tiny_run / "logs/evaluate/tiny/step100/set_a.log").read_text()  # the fingerprint record, not a re-hash
+    assert "from resources/targets/tiny.fingerprint.json (file sizes and mtimes match)" in log
+    assert "hashed" not in log
     assert [s["argmax_agreement"] for s in ev["samples"]] == [1.0] * len(PROMPTS_A)
     meta = json.loads((tiny_run / "results/tiny/prompts/set_b.meta.json").read_text())
     assert (meta["available"], meta["written"], meta["skipped"]) == (3, 2, {})
@@ -630,3 +638,86 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     assert sorted(zip(df.agreement_min.round(6), df.agreement_mean.round(6))) == [(0.8, 0.875), (0.96, 0.985)]
     with pytest.raises(InputError, match="--max-samples"):
         _evaluate(tiny_run, tmp_path / "m.json", max_samples=-1)
+
+
+# --------------------------------------------------------------------------- a killed Snakemake
+
+
+def _orphans(wd: Path) -> list[int]:
+    """Pids of hidden-states jobs running in ``wd`` (Linux /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if b"hidden-states" in (d / "cmdline").read_bytes() and os.readlink(d / "cwd") == str(wd):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc to find the orphaned job")
+def test_killed_snakemake_orphan_output_is_reused(tmp_path):
+    """SIGKILL of Snakemake during hidden_states: the orphaned job finishes its cache; the rerun needs
+    --unlock (Snakemake's lock of the dead run stays), then reruns the job it did not see finish, which
+    verifies and reuses the orphan's cache (kept as <cache>.partial) instead of recomputing it."""
+    import signal
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import make_tiny_target
+
+    wd = copy_workflow(tmp_path / "wf")
+    make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
+    (wd / "prompts").mkdir()
+    n = 24
+    (wd / "prompts" / "a.jsonl").write_text("".join(
+        json.dumps({"id": f"a{i}", "prompt": f"{PROMPTS_A[i % 4]} ({i})"}) + "\n" for i in range(n)))
+    _write_config(wd, {
+        "run": "orphan",
+        "target": {"name": "tiny", "path": "tiny_target"},
+        "prompt_set": {"n": 0, "max_prompt_tokens": 0},
+        "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
+        "generation": {"max_new_tokens": 8, "batch_size": n, "device": "cpu", "dtype": "float32"},
+        "cache": {"target_layer_ids": [1, 3], "batch_tokens": 64, "device": "cpu", "dtype": "float32"},
+        "checkpoints": {"demo": [{"name": "r", "step": 1, "random_init": True, "layer_ids": [1, 3],
+                                  "block_size": 4, "num_layers": 1, "seed": 5}]},
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+    })
+    cache = wd / "results" / "orphan" / "cache" / "set_a.h5"
+    job_log = wd / "logs" / "hidden_states" / "orphan" / "set_a.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    target = str(cache.relative_to(wd))
+    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--workflow-profile", str(CI_PROFILE), target],
+                            cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t0 = time.monotonic()
+    while not _orphans(wd):  # the hidden_states job has started
+        assert proc.poll() is None, "snakemake ended before the hidden_states job started"
+        assert time.monotonic() - t0 < 900, "no hidden_states job"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # Snakemake only: its job runs on as an orphan
+    proc.wait()
+    while _orphans(wd):
+        assert time.monotonic() - t0 < 1800, "the orphaned job did not finish"
+        time.sleep(0.1)
+    assert cache.exists(), job_log.read_text()[-3000:]
+    assert f"computed {n} samples" in job_log.read_text()  # the orphan did the work once
+    assert os.path.samefile(cache, str(cache) + ".partial")  # kept as a hard link for the rerun
+
+    locked = smk(wd, "--workflow-profile", str(CI_PROFILE), target, check=False)
+    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
+    smk(wd, "--workflow-profile", str(CI_PROFILE), "--unlock", target)
+    rerun = smk(wd, "--workflow-profile", str(CI_PROFILE), target)
+    assert "hidden_states" in rerun.stdout + rerun.stderr  # rerun as incomplete (rerun-incomplete: true)
+    text = job_log.read_text()
+    assert f"{n} verified in the partial file and kept, 0 to compute" in text
+    assert not re.search(r"computed \d+ samples,", text) and "loaded target" not in text
+    assert not Path(str(cache) + ".partial").exists()  # removed when the run succeeded (onsuccess)
+    from dflash_eval.cache import CacheReader
+
+    with CacheReader(cache) as rd:
+        assert len(rd) == n and rd.verify() == []

@@ -1,0 +1,305 @@
+"""Hidden-state extraction: dflash-eval's hidden-states stage vs the plain HF loop a user would write.
+
+For each model (random weights built from a transformers config: no hub, no GGUF), on the same
+synthetic completions and the same stored layers, one run prints:
+
+- tok/s of ``python -m dflash_eval hidden-states`` (the stage as the workflow runs it: packed
+  batches, pinned copies, writer thread, per-sample sha256, the HDF5 cache written to ``--out-dir``;
+  timed from its first batch to its last commit, model loading excluded) and of the plain loop
+  (``model(ids, attention_mask, output_hidden_states=True)`` over length-sorted right-padded batches of
+  ``--loop-batch`` samples, the stored layers and the logits' argmax copied to the host; nothing written),
+  their ratio, and the useful TFLOP/s of each against a bf16 (fp32 on CPU) GEMM rate measured here;
+- the cache's agreement with the loop (max relative L2 of the stored states per sample, argmax agreement);
+- peak RSS of the stage for ``--rss-samples`` samples and for 4x as many (streaming: it must not grow).
+
+Useful FLOPs per sample of T tokens: 2 x (parameters without the input embedding, LM head included) x T
+plus the causal attention scores, 2 x n_layers x hidden x T^2 (padding not counted, for either side).
+
+CPU smoke test (tiny models, float32, a minute here): ``.venv/bin/python bench/extraction.py --smoke``
+On one H200 (torch 2.11, transformers 5.17, h5py; no network), from the repository root:
+
+    python3 bench/extraction.py --out-dir /tmp/dflash-bench
+
+(``--out-dir`` on a local disk; ~17 GB at peak for the 1.66B model's caches; ``/dev/shm`` if it is large
+enough takes the disk out of the measurement.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+#: name -> (transformers LlamaConfig kwargs, samples, (min, max) tokens per sample, stored layers, loop batch)
+MODELS = {
+    "smollm2-135m": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                          max_position_embeddings=8192), 2048, (40, 630), [1, 8, 15, 22, 27], 64),
+    "llama-1.66b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=49152, tie_word_embeddings=False, rope_theta=100000.0,
+                         max_position_embeddings=8192), 768, (64, 1600), [1, 6, 12, 18, 23], 32),
+}
+SMOKE = {
+    "smollm2-135m": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=384, tie_word_embeddings=True,
+                          max_position_embeddings=512), 24, (8, 120), [1, 3], 8),
+    "llama-1.66b": (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=384, tie_word_embeddings=False,
+                         max_position_embeddings=512), 16, (16, 200), [0, 3], 4),
+}
+
+
+def build_target(out: Path, cfg: dict, seed: int = 0) -> Path:
+    """A random-init LlamaForCausalLM saved in bf16 with a small byte-level tokenizer (ids beyond it are fine:
+    extraction never decodes)."""
+    import torch
+    from tiny import make_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tiny_tokenizer(out)
+    torch.manual_seed(seed)
+    conf = LlamaConfig(**cfg, bos_token_id=0, eos_token_id=2, pad_token_id=3, initializer_range=0.02)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.66B params: fast on a GPU
+        model = LlamaForCausalLM(conf).to(torch.bfloat16)
+    model.save_pretrained(str(out))
+    del model, tok
+    return out
+
+
+def write_completions(path: Path, n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=n)
+    with open(path, "w") as fh:
+        for i, T in enumerate(lengths):
+            P = max(1, int(T * rng.uniform(0.2, 0.6)))
+            ids = rng.integers(4, vocab, size=int(T)).tolist()
+            fh.write(json.dumps({"id": f"b{i}", "prompt_ids": ids[:P], "completion_ids": ids[P:],
+                                 "stop_reason": "length", "max_new_tokens": int(T) - P}) + "\n")
+    return lengths.tolist()
+
+
+def useful_flops(cfg: dict, lengths: list[int]) -> float:
+    H, L, V, I = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["intermediate_size"]
+    kv = H * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    per_layer = 2 * H * H + 2 * H * kv + 3 * H * I
+    dense = 2 * (L * per_layer + H * V) * sum(lengths)
+    attn = sum(2 * L * H * T * T for T in lengths)
+    return float(dense + attn)
+
+
+def gemm_rate(device: str, dtype) -> float:
+    """Measured dense GEMM rate (TFLOP/s): n^3 matmuls, n = 8192 on CUDA (bf16), 512 on CPU (fp32)."""
+    import torch
+
+    n = 8192 if device.startswith("cuda") else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20 if device.startswith("cuda") else 5
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------- children (own process each)
+def child_loop(target: str, completions: str, layers: list[int], batch: int, device: str, dtype: str,
+               parity_out: str, parity_n: int) -> None:
+    """The plain HF loop; prints one JSON line with its timing, writes the first samples' states for parity."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dt = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, attn_implementation="sdpa").to(device).eval()
+    rows = [json.loads(line) for line in open(completions)]
+    seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    batches = [order[i : i + batch] for i in range(0, len(order), batch)]
+    keep = set(range(parity_n))
+    saved = {}
+
+    def run(b):
+        L = max(len(seqs[i]) for i in b)
+        ids = torch.zeros((len(b), L), dtype=torch.long)
+        mask = torch.zeros((len(b), L), dtype=torch.long)
+        for r, i in enumerate(b):
+            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+            mask[r, : len(seqs[i])] = 1
+        with torch.inference_mode():
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            states = torch.stack([out.hidden_states[i + 1] for i in layers], dim=2).cpu()  # [b, L, K, H]
+            argmax = out.logits.argmax(-1).cpu()
+        return states, argmax
+
+    run(batches[-1])  # warm-up
+    sync(device)
+    t = time.perf_counter()
+    for b in batches:
+        states, argmax = run(b)
+        for r, i in enumerate(b):
+            if i in keep:
+                T = len(seqs[i])
+                saved[f"h{i}"] = states[r, :T].float().numpy()
+                saved[f"a{i}"] = argmax[r, :T].numpy()
+    sync(device)
+    secs = time.perf_counter() - t
+    np.savez(parity_out, **saved)
+    print(json.dumps({"seconds": secs, "tokens": sum(len(s) for s in seqs)}))
+
+
+def child_stage(argv: list[str]) -> None:
+    """``python -m dflash_eval <argv>`` in this process; prints the peak RSS (KB) at the end."""
+    from dflash_eval.cli import main
+
+    code = main(argv)
+    print(f"PEAK_RSS_KB={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+# --------------------------------------------------------------------------- driver
+def run_child(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {args[:2]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_tokens, env) -> dict:
+    argv = ["hidden-states", "--target", str(target), "--completions", str(comp), "--out", str(out),
+            "--layer-ids", ",".join(map(str, layers)), "--device", device, "--dtype", dtype,
+            "--batch-tokens", str(batch_tokens)]
+    proc = run_child(["--child-stage", "--", *argv], env)
+    m = re.search(r"computed (\d+) samples, (\d+) tokens in ([\d.]+) s", proc.stderr)
+    rss = int(re.search(r"PEAK_RSS_KB=(\d+)", proc.stderr).group(1))
+    batching = re.search(r"batching: (\S+)", proc.stderr).group(1)
+    peak = re.search(r"peak host memory: states of (\d+) samples \((\d+) tokens\)", proc.stderr)
+    total = float(re.search(r"wrote .* in ([\d.]+) s in total", proc.stderr).group(1))
+    return {"tokens": int(m.group(2)), "seconds": float(m.group(3)), "rss_gb": rss / 1e6, "batching": batching,
+            "held": (int(peak.group(1)), int(peak.group(2))), "total": total}
+
+
+def parity(cache: Path, loop_npz: Path, n: int) -> tuple[float, float]:
+    import numpy as np
+
+    from dflash_eval.cache import CacheReader
+
+    ref = np.load(loop_npz)
+    worst, agree, total = 0.0, 0, 0
+    with CacheReader(cache) as rd:
+        for i in range(min(n, len(rd))):
+            s = rd.sample(i)
+            h = s.hidden.float().numpy()
+            r = ref[f"h{i}"]
+            for k in range(h.shape[1]):
+                worst = max(worst, float(np.linalg.norm(h[:, k] - r[:, k]) / max(np.linalg.norm(r[:, k]), 1e-30)))
+            agree += int((s.target_argmax.numpy() == ref[f"a{i}"]).sum())
+            total += len(s.target_argmax)
+    return worst, agree / max(total, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny models and data, float32 on CPU (checks the script)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    ap.add_argument("--out-dir", default=None, help="where targets and caches are written (default: a temp dir)")
+    ap.add_argument("--batch-tokens", type=int, default=None, help="default: the config schema's cache.batch_tokens")
+    ap.add_argument("--rss-samples", type=int, default=None, help="samples of the 1x RSS run (default 128; smoke 8)")
+    ap.add_argument("--parity-samples", type=int, default=8)
+    ap.add_argument("--child-loop", nargs=8, metavar="ARG", help=argparse.SUPPRESS)
+    ap.add_argument("--child-stage", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child_loop:
+        t, c, layers, b, dev, dt, po, pn = a.child_loop
+        return child_loop(t, c, json.loads(layers), int(b), dev, dt, po, int(pn))
+    if a.child_stage:
+        return child_stage(a.rest)
+
+    import torch
+
+    from dflash_eval.config import schema_default
+    from dflash_eval.runtime import resolve_device
+
+    dev = str(resolve_device("cpu" if a.smoke else a.device))
+    dtype = "float32" if dev == "cpu" else "bfloat16"
+    batch_tokens = a.batch_tokens or (512 if a.smoke else schema_default("cache.batch_tokens"))
+    rss_n = a.rss_samples or (8 if a.smoke else 128)
+    table = SMOKE if a.smoke else MODELS
+    root = Path(a.out_dir or tempfile.mkdtemp(prefix="dflash-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "CPU"
+    rate = gemm_rate(dev, getattr(torch, dtype))
+    print(f"device {dev} ({name}), {dtype}; dense GEMM rate measured here: {rate:.3f} TFLOP/s; torch {torch.__version__}")
+    print(f"outputs under {root}" + (" (smoke test: tiny models, numbers say nothing about speed)" if a.smoke else ""))
+    for model in a.models.split(","):
+        cfg, n, (lo, hi), layers, loop_batch = table[model]
+        work = root / model
+        target = build_target(work / "target", cfg)
+        comp = work / "completions.jsonl"
+        lengths = write_completions(comp, n, lo, hi, cfg["vocab_size"])
+        flops = useful_flops(cfg, lengths)
+        print(f"\n{model}: random init, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}; {n} samples, "
+              f"{sum(lengths):,} tokens ({lo}-{hi} per sample), stored layers {layers}")
+        loop_npz = work / "loop_parity.npz"
+        lp = json.loads(run_child(["--child-loop", str(target), str(comp), json.dumps(layers), str(loop_batch), dev,
+                                   dtype, str(loop_npz), str(a.parity_samples)], env).stdout.strip().splitlines()[-1])
+        cache = work / "cache.h5"
+        st = stage(target, comp, cache, layers, dev, dtype, batch_tokens, env)
+        size = cache.stat().st_size / 1e9
+        tps_s, tps_l = st["tokens"] / st["seconds"], lp["tokens"] / lp["seconds"]
+        tf_s, tf_l = flops / st["seconds"] / 1e12, flops / lp["seconds"] / 1e12
+        print(f"  dflash-eval hidden-states : {tps_s:12,.0f} tok/s  {tf_s:8.3f} TFLOP/s ({100 * tf_s / rate:4.1f} % of GEMM)"
+              f"  [{st['batching']}, batch_tokens {batch_tokens}, {size:.2f} GB cache written; whole job "
+              f"{st['total']:.1f} s incl. model load and the final fsync]")
+        print(f"  plain HF loop (batch {loop_batch:3d}) : {tps_l:12,.0f} tok/s  {tf_l:8.3f} TFLOP/s "
+              f"({100 * tf_l / rate:4.1f} % of GEMM)  [output_hidden_states, padded, states to host, nothing written]")
+        print(f"  ratio dflash-eval / loop  : {tps_s / tps_l:.2f}x")
+        worst, agree = parity(cache, loop_npz, a.parity_samples)
+        print(f"  cache vs loop, first {a.parity_samples} samples: max rel-L2 of a stored layer {worst:.2e}, "
+              f"argmax agreement {agree:.4f}")
+        cache.unlink()
+        rss = {}
+        for mult in (1, 4):
+            c = work / f"rss{mult}.jsonl"
+            ls = write_completions(c, rss_n * mult, lo, hi, cfg["vocab_size"], seed=mult)
+            r = stage(target, c, work / f"rss{mult}.h5", layers, dev, dtype, batch_tokens, env)
+            rss[mult] = (r, sum(ls))
+            (work / f"rss{mult}.h5").unlink()
+        (r1, t1), (r4, t4) = rss[1], rss[4]
+        print(f"  peak RSS {rss_n} samples ({t1:,} tokens): {r1['rss_gb']:.2f} GB; {4 * rss_n} samples ({t4:,} tokens): "
+              f"{r4['rss_gb']:.2f} GB (ratio {r4['rss_gb'] / r1['rss_gb']:.2f}); states held at once: "
+              f"{r1['held'][1]:,} / {r4['held'][1]:,} tokens")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

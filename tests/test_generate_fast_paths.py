@@ -1,0 +1,55 @@
+"""CPU fast paths of greedy generation (TransformersSource): same tokens as the plain left-padded generate()."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def test_sdpa_gqa_equals_repeated_kv_heads():
+    import torch.nn.functional as F
+
+    from dflash_eval.target import sdpa_gqa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 1, 8, generator=g)
+    k, v = torch.randn(3, 2, 20, 8, generator=g), torch.randn(3, 2, 20, 8, generator=g)
+    mask = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    mask[0, ..., :7] = False  # left padding
+    module = type("Attn", (), {"num_key_value_groups": 3, "is_causal": True})()
+    out, _ = sdpa_gqa_attention(module, q, k, v, mask, scaling=8 ** -0.5)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=mask,
+                                         scale=8 ** -0.5).transpose(1, 2)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fast_generate_matches_plain_generate(tmp_path, arch, monkeypatch):
+    """Unpadded prefill + GQA-in-place attention give the completions of the plain padded generate()."""
+    from tiny import make_tiny_target
+
+    import dflash_eval.target as T
+    from dflash_eval.completions import TransformersSource
+
+    target = make_tiny_target(tmp_path / "t", arch=arch, num_layers=3, hidden=64, seed=3)
+    model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, len(tok), (n,), generator=g).tolist() for n in (17, 3, 1, 30, 9)]
+    src = TransformersSource(model, tok, max_new_tokens=12)
+    calls = []
+    real = T.prefill_unpadded
+    monkeypatch.setattr(T, "prefill_unpadded", lambda *a: calls.append(1) or real(*a))
+    fast = src.generate(prompts)
+    assert calls and real(model, prompts, 30) is not None  # the fast prefill was used
+    monkeypatch.setattr(T, "prefill_unpadded", lambda *a: None)
+    monkeypatch.setattr(T, "gqa_sdpa", lambda m: contextlib.nullcontext())
+    plain = src.generate(prompts)
+    assert fast == plain
+    assert model.config._attn_implementation == "sdpa"
