@@ -141,7 +141,8 @@ def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
 
 
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
-                     config_sha256: str | None = None, run: str | None = None) -> ReportData:
+                     config_sha256: str | None = None, run: str | None = None,
+                     prompts_meta: list[str] | None = None) -> ReportData:
     """Collect the report's data from the run's files.
 
     Args:
@@ -151,6 +152,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         extra: JSON files with ``title`` + ``markdown`` (e.g. kernel parity).
         config_sha256: hash of the workflow config (provenance).
         run: run name (title).
+        prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.prompts.read_prompt_meta`),
+            shown as one section with the skip counts per reason.
 
     Raises:
         InputError: unreadable inputs.
@@ -169,6 +172,13 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
 
         data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
+    if prompts_meta:
+        from .prompts import read_prompt_meta, skip_table_markdown
+
+        metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
+        data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
+                           "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
+                           + skip_table_markdown(metas)))
     for path in extra or []:
         d = json.loads(Path(path).read_text())
         data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
@@ -504,7 +514,8 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
 
 
 def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None,
-                 costs=None, out_html=None, figures_dir=None, config_sha256: str | None = None) -> ReportData:
+                 costs=None, out_html=None, figures_dir=None, config_sha256: str | None = None,
+                 prompts_meta: list[str] | None = None) -> ReportData:
     """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
 
     ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
@@ -516,7 +527,8 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     """
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
-    data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run)
+    data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
+                            prompts_meta=prompts_meta)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
     if out_html or figures_dir:
