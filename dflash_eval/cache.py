@@ -39,6 +39,7 @@ strings are stored as JSON strings):
 - ``device``, ``device_name``: torch device, GPU name or CPU architecture.
 - ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
   ``dflash_eval_version``: the writer's packages.
+- ``causal_conv1d_kernel``: whether the causal-conv1d kernels imported (below).
 - ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
   (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
   ``DFLASH_EVAL_*`` variables.
@@ -318,6 +319,17 @@ class CacheReader:
     def length(self, i: int) -> int:
         """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
         return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
+
+    def sample_attrs(self, i: int) -> dict:
+        """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
+        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
+        g = self._f[f"samples/{i:06d}"]
+        return {**{k: _py(v) for k, v in g.attrs.items()}, "length": int(g["input_ids"].shape[0])}
+
+    def argmax_agreement(self, i: int) -> float | None:
+        """Sample ``i``'s ``argmax_agreement`` attribute (None when not recorded), without reading its states."""
+        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
+        return None if v is None else float(v)
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""

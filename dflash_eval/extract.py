@@ -61,6 +61,7 @@ from .cache import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, Batch, PartialCach
                     is_no_space)
 from .errors import InputError
 from .io import sha256_file
+from .progress import Progress
 from .runtime import dtype_name, length_batches, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -443,6 +444,8 @@ def extract_hidden_states(
 
     t_start = time.perf_counter()
     completions_path, out = Path(completions_path), Path(out)
+    if not layer_ids:
+        raise InputError(None, "--layer-ids", "no layer given", "pass comma-separated 0-based decoder layers, e.g. 1,8,15")
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     if spec.num_layers is not None:  # checked before anything is loaded or written
@@ -556,9 +559,14 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     K, H = len(layer_ids), model.config.get_text_config().hidden_size
     cuda = dev.type == "cuda"
     total = {"n": len(cache.done), "of": len(cache.meta)}
+    # tqdm bar of committed tokens on a terminal; off a terminal the INFO line per commit below is the
+    # progress (tests/test_extract_resume.py reads it), so the bar logs none of its own.
+    bar = Progress(sum(len(seqs[i]) for b in todo for i in b if i not in cache.done), "hidden states",
+                   logger=log, log_every=float("inf"))
 
-    def progress(n, tokens):
+    def progress(n, tokens):  # called by the writer thread after each commit
         total["n"] += n
+        bar.update(tokens)
         log.info("committed %d samples (%d tokens); %d/%d samples in the file", n, tokens, total["n"], total["of"])
 
     writer = StreamingWriter(cache, max_batches=2, progress=progress)
@@ -602,7 +610,12 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
             writer.close()  # what is already on the host is written and committed
         except BaseException as err:  # noqa: BLE001 - the first error is the one to report
             log.error("cache writer: %s", err)
+        finally:
+            bar.close()
         raise
-    writer.close()
+    try:
+        writer.close()
+    finally:
+        bar.close()
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}

@@ -17,6 +17,7 @@ from snakemake.utils import validate
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
+from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.plan import build_plan
 
@@ -25,10 +26,12 @@ CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"
 try:
     validate(config, "../config/schemas/config.schema.yaml")
 except WorkflowError as err:
+    # the jsonschema error is the context of Snakemake's; name the entry as a config path
+    entry, problem = describe_validation_error(err.__context__ or err)
     raise WorkflowError(
-        f"config ({CONFIG_FILES}) does not match config/schemas/config.schema.yaml: {err}\n"
-        "Fix: correct the entry named above (each option, its type and default is described in the schema)."
-    )
+        f"config ({CONFIG_FILES}): {entry}: {problem}. Fix: correct that entry; "
+        "config/schemas/config.schema.yaml describes every option, its type and its default."
+    ) from None
 try:
     PLAN = build_plan(config)
 except InputError as err:
@@ -64,7 +67,7 @@ def _shell_prefix():
 shell.prefix(_shell_prefix())
 
 
-# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity): config
+# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity, target_costs): config
 # torch_threads. Snakemake exports it as OMP_NUM_THREADS (torch's intra-op threads), SLURM
 # jobs ask for that many CPUs (--cpus-per-task), and --cores caps it (local runs: at most the
 # cores you allow). Not workflow.cores: that fails at parse time when --cores is unset

@@ -1,11 +1,13 @@
 # Per (checkpoint, prompt set): offline speculative-decoding replay -> per-sample
-# acceptance JSON; then the tau table and the markdown report for the run.
+# acceptance JSON; then the tau table and the report (HTML + markdown + figures) for the run.
+# tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
 
 rule evaluate:
     input:
         unpack(target_model_files),
+        fingerprint=TARGET.fingerprint,
         drafter_weights="results/{run}/drafters/{ckpt}/model.safetensors",
         drafter_config="results/{run}/drafters/{ckpt}/config.json",
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
@@ -33,21 +35,37 @@ rule evaluate:
         device=config["evaluate"]["device"],
         dtype=config["evaluate"]["dtype"],
         ddtree_budgets=",".join(str(b) for b in config["evaluate"]["ddtree_budgets"]),
+        agreement_warn=config["evaluate"]["agreement_warn"],
+        agreement_min=config["evaluate"]["agreement_min"],
+        allow=" ".join(
+            flag
+            for key, flag in (
+                ("allow_low_agreement", "--allow-low-agreement"),
+                ("allow_foreign_cache", "--allow-foreign-cache"),
+            )
+            if config["evaluate"][key]
+        ),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size} --replay {params.replay}"
         " --device {params.device:q} --dtype {params.dtype}"
         " --ddtree-budgets={params.ddtree_budgets:q}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --agreement-warn {params.agreement_warn} --agreement-min {params.agreement_min}"
+        " {params.allow} --out {output:q} > {log:q} 2>&1"
 
 
 rule summary:
     input:
         lambda wildcards: PLAN.evaluations(wildcards.run),
     output:
-        csv="results/{run}/tau.csv",
+        csv=report(
+            "results/{run}/tau.csv",
+            caption="../report/tau_table.rst",
+            category="Tau table",
+        ),
         parquet="results/{run}/tau.parquet",
     log:
         "logs/summary/{run}.log",
@@ -66,9 +84,23 @@ rule report:
         summary="results/{run}/tau.csv",
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         caches=lambda wildcards: PLAN.caches(wildcards.run),
+        prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=KERNEL_PARITY_ALL + VALIDATE_ONLINE_ALL,
+        costs=TARGET_COSTS_ALL,
     output:
-        "results/{run}/report.md",
+        md="results/{run}/report.md",
+        html=report(
+            "results/{run}/report.html",
+            caption="../report/report_html.rst",
+            category="Report",
+        ),
+        figures=report(
+            directory("results/{run}/figures"),
+            patterns=["{name}.png"],
+            caption="../report/figures.rst",
+            category="Figures",
+            labels={"figure": "{name}"},
+        ),
     log:
         "logs/report/{run}.log",
     localrule: True
@@ -77,12 +109,12 @@ rule report:
     container:
         config["containers"]["cuda"]
     params:
-        extra=lambda wildcards, input: (
-            "--extra " + " ".join(map(shlex.quote, input.extra))
-            if "extra" in input.keys() and input.extra
-            else ""
+        args=lambda wildcards, input: PLAN.report_args(
+            input.get("extra", []), input.get("costs", [])
         ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --prompts-meta {input.prompts_meta:q} {params.args}"
+        " --out {output.md:q}"
+        " --out-html {output.html:q} --figures-dir {output.figures:q} > {log:q} 2>&1"
