@@ -203,7 +203,7 @@ def test_schema_override_keys_are_the_packages():
      "set either random_init: true or drafter"),
     ({"checkpoints": {"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}}, "checkpoints.demo[0]",
      "(exactly one)"),
-    ({"evaluate": {"batch_size": 0}}, "evaluate.batch_size", "0 is less than the minimum of 1"),
+    ({"evaluate": {"batch_size": -1}}, "evaluate.batch_size", "-1 is less than the minimum of 0"),  # 0 = memory-sized
     ({"evaluat": {}}, "(top level)", "'evaluat' was unexpected"),
 ])
 def test_schema_errors_name_the_entry(cfg, entry, problem):
