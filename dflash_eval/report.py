@@ -43,7 +43,7 @@ import pandas as pd
 
 from .errors import InputError, atomic_dir, atomic_path
 from .metrics import aggregate
-from .summary import COLUMNS, summary_frame
+from .summary import summary_frame
 
 SLOT_PREFIX, POS_PREFIX = "accept_slot_", "tau_pos_"
 
@@ -363,17 +363,7 @@ def render_markdown(data: ReportData) -> str:
             parts += [f"> **Warning:** {warn}", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(speedup_pivot(data, ps), 2), ""]
-    core = COLUMNS[: COLUMNS.index("tau_sglang") + 1]
-    pos = [c for c in f.columns if c.startswith("tau_pos_") and f[c].notna().any()]
-    slots = [c for c in f.columns if c.startswith("accept_slot_")]
-    trees = [c for c in f.columns if c.startswith("tau_ddtree_")]
-    parts += ["## Acceptance by position in the response", "",
-              "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
-              _md_table(f[["checkpoint", "prompt_set"] + pos]), "",
-              "## Per-slot conditional acceptance", "",
-              "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
-              _md_table(f[["checkpoint", "prompt_set"] + slots]), ""]
-    parts += ["## Full table", "", _md_table(f[core + trees]), ""]
+    parts += ["## Full table", "", _md_table(f), ""]
     parts += ["## Acceptance histograms", "",
               "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
     for ps in data.prompt_sets:

@@ -92,7 +92,12 @@ def test_tables_and_agreement(run):
     assert ag.loc["humaneval", "agreement"] == pytest.approx(5 / 6)
     assert ag.loc["humaneval", "completion_tokens"] == 6 and ag.loc["humaneval", "samples_below_1"] == 1
     assert ag.loc["humaneval", "lowest_sample"] == 0.5 and ag.loc["chat", "agreement"] == 1.0
-    assert data.slot_curves == {} and data.positions == []  # no accept_slot_* / tau_pos_* columns
+    # per-slot conditional acceptance from the tau table (slot k compared only where slots < k matched and the
+    # response continued): early/humaneval steps [2, 1] + [3] -> slot 1: 2/2, slot 2: 1/2 (the others censored)
+    assert data.slot_curves == {("early", "humaneval"): {"chain": [1.0, 0.5]},
+                                ("late", "humaneval"): {"chain": [1.0, 1.0, 1.0]},
+                                ("early", "chat"): {"chain": [0.0]}, ("late", "chat"): {"chain": [0.5]}}
+    assert data.positions == [("0-64", "tau_pos_0_64")]  # every step lies in the first position bin
 
 
 def test_speedup_estimate_exact(run):
@@ -159,9 +164,10 @@ def test_html_self_contained_and_markdown(run):
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()
     srcs = re.findall(r'<img src="([^"]+)"', html)
-    assert len(srcs) == 5 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert len(srcs) == 8 and all(s.startswith("data:image/png;base64,") for s in srcs)
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
-        ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png"])
+        ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png",
+         "position.png", "slots_chat.png", "slots_humaneval.png"])  # the tau table has slot/position columns
     assert "<script" not in html and not re.search(r'(src|href)="(?!data:|#|https://(arxiv\.org|github\.com))', html)
     assert "CPU (CPU: test, float32, 2 threads)" in html and "Estimate, not a measurement" in html
     assert "f00d" in html and "ab" * 32 in html  # config hash and target fingerprint
