@@ -518,7 +518,8 @@ def check_report_in_browser(run: Path, tmp_path: Path) -> None:
 def test_report_html_renders(tiny_run, tmp_path):
     run = tiny_run / "results" / "tiny"
     assert sorted(p.name for p in (run / "figures").glob("*.png")) == [
-        "hist_set_a.png", "hist_set_b.png", "speedup.png", "tau_vs_step.png", "verify_costs.png"]
+        "hist_set_a.png", "hist_set_b.png", "position.png", "slots_set_a.png", "slots_set_b.png", "speedup.png",
+        "tau_vs_step.png", "verify_costs.png"]  # slots/position: the tau table's accept_slot_* / tau_pos_* columns
     html = (run / "report.html").read_text()
     assert "Estimated decode speedup" in html and "<b>CPU (CPU" in html  # the estimate names the device it came from
     md = (run / "report.md").read_text()
