@@ -150,7 +150,7 @@ def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     assert not (wd / "dflash_eval").exists()
     proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "ci"), "--sdm", "apptainer", env=env, timeout=1800)
     out = proc.stdout + proc.stderr
-    assert "8 of 8 steps (100%) done" in out, out[-3000:]
+    assert "9 of 9 steps (100%) done" in out, out[-3000:]
     with h5py.File(wd / "results" / "tiny" / "cache" / "set_a.h5", "r") as f:
         assert f.attrs["image"] == tag
         assert f.attrs["causal_conv1d_kernel"] == "absent" and f.attrs["causal_conv1d_version"] == "absent"

