@@ -449,6 +449,7 @@ class PartialCache:
         self._f = None
         self.broken = False  # a write failed: the HDF5 state in memory must not reach the file
         self.done: set[int] = set()
+        self._unsealed: dict = {}  # sample index -> its group, written but without its checksum yet
         self._run: dict = {}
         self._runs: list = []
 
@@ -661,9 +662,12 @@ class PartialCache:
         g.create_dataset("input_ids", data=m.input_ids)
         g.create_dataset("hidden", data=hidden)
         g.create_dataset("target_argmax", data=target_argmax)
+        self._unsealed[i] = g
 
     def write_agreement(self, indices: Sequence[int], values: Sequence[float]) -> None:
         """Write the ``argmax_agreement`` of several samples in one HDF5 call (before their groups)."""
+        if not len(indices):
+            return
         try:
             order = np.argsort(np.asarray(indices))
             self._f["argmax_agreement"][np.asarray(indices)[order]] = np.asarray(values, dtype=np.float64)[order]
@@ -672,7 +676,10 @@ class PartialCache:
             raise
 
     def _seal(self, i: int, sha256: str) -> None:
-        self._f["samples"][f"{i:06d}"].attrs["sha256"] = sha256
+        g = self._unsealed.pop(i, None)
+        if g is None:
+            g = self._f["samples"][f"{i:06d}"]
+        g.attrs["sha256"] = sha256
         self.done.add(i)
         self._run["computed"] += 1
 
