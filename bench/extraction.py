@@ -9,6 +9,9 @@ synthetic completions and the same stored layers, one run prints:
   (``model(ids, attention_mask, output_hidden_states=True)`` over length-sorted right-padded batches of
   ``--loop-batch`` samples, the stored layers and the logits' argmax copied to the host; nothing written),
   their ratio, and the useful TFLOP/s of each against a bf16 (fp32 on CPU) GEMM rate measured here;
+- how long the stage's cache writer thread was busy (hashing, HDF5 writes, flushes) against the stage's
+  time (near 100 % = the writer bounds the stage; see ``bench/cache_writer.py`` for the writer alone),
+  and a note when packed attention fell back to one SDPA call per sample and layer;
 - the cache's agreement with the loop (max relative L2 of the stored states per sample, argmax agreement);
 - peak RSS of the stage for ``--rss-samples`` samples and for 4x as many (streaming: it must not grow).
 
