@@ -47,8 +47,8 @@ strings are stored as JSON strings):
 - ``device``, ``device_name``: torch device, GPU name or CPU architecture.
 - ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
   ``dflash_eval_version``: the writer's packages.
-- ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``causal_conv1d_kernel``, ``image``,
-  ``env``: kernel provenance
+- ``causal_conv1d_kernel``: whether the causal-conv1d kernels imported (below).
+- ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
   (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
   ``DFLASH_EVAL_*`` variables.
 - ``batching``, ``padding_side``, ``batch_tokens``: ``"packed"`` (the samples of a forward concatenated,
@@ -331,6 +331,18 @@ class CacheReader:
     def length(self, i: int) -> int:
         """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
         return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
+
+    def argmax_agreement(self, i: int) -> float | None:
+        """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
+
+        Format 3: the file-level array (read at each call: a file edited in place is seen); 1/2: the
+        group attribute.
+        """
+        if "argmax_agreement" in self._f:
+            v = float(self._f["argmax_agreement"][i])
+            return None if np.isnan(v) else v
+        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
+        return None if v is None else float(v)
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""

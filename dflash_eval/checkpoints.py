@@ -89,6 +89,7 @@ IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$
 PARAM_LEAF = re.compile(r"(^|\.)(weight|bias)$")
 STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
 RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
+LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
 
 
 @dataclass
@@ -109,6 +110,9 @@ class LoadedCheckpoint:
     config_source: str | None = None
     sidecars: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: why the checkpoint's own config cannot be used (several differing copies), raised unless a
+    #: ``--drafter-config`` replaces it
+    config_error: InputError | None = None
 
 
 def parse_step(name: str) -> int | None:
@@ -177,6 +181,9 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     size = path.stat().st_size
     with open(path, "rb") as fh:
+        if fh.read(len(LFS_POINTER)) == LFS_POINTER.encode():
+            raise InputError(path, None, "a Git LFS pointer, not the weights (run 'git lfs pull' in its repository)", RESAVE)
+        fh.seek(0)
         head = fh.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 0 or 8 + n > size:
@@ -233,6 +240,9 @@ def _torch_load(path: Path, allowed: tuple = ()) -> Any:
     """
     fix = ("save plain tensors and dicts, e.g. {'model': model.state_dict(), 'step': N}; dflash-eval loads "
            "checkpoints with torch.load(weights_only=True) and never runs pickled code")
+    problem = _not_a_torch_file(path)
+    if problem:
+        raise InputError(path, None, problem, RESAVE)
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -243,7 +253,32 @@ def _torch_load(path: Path, allowed: tuple = ()) -> Any:
                              "refuses to import", fix) from None
         raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
     except Exception as err:  # truncated zip, not a torch file, ...
-        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): {err}", RESAVE) from None
+        raise InputError(path, None, f"cannot be read with torch.load(weights_only=True): "
+                         f"{type(err).__name__}: {str(err).rstrip('. ')}", RESAVE) from None
+
+
+def _not_a_torch_file(path: Path) -> str | None:
+    """Why ``path`` cannot be a torch checkpoint, judged from its first bytes (None when it may be one).
+
+    torch.save writes a zip archive (``PK\\x03\\x04``) since torch 1.6, a pickle (protocol >= 2,
+    first byte ``0x80``) before; anything else (an empty file, text, HTML from a failed download)
+    gets a message saying what it is instead of the unpickler's bare ``: 101``.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(64)
+    if not head:
+        return "empty file (0 bytes): not a torch checkpoint"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.startswith(LFS_POINTER):
+        return "a Git LFS pointer, not the checkpoint itself (run 'git lfs pull' in its repository)"
+    if text is not None and all(c.isprintable() or c in "\n\r\t" for c in text):
+        return f"a text file, not a torch checkpoint (starts with {text[:40]!r})"
+    return f"not a torch checkpoint (neither a zip archive nor a pickle; starts with bytes {head[:16]!r})"
 
 
 def _strip_prefixes(state: dict, source) -> dict:
@@ -293,13 +328,25 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
         raise InputError(path, "top level", f"is a {type(obj).__name__}, not a dict",
                          "save a state dict, or a dict holding one under 'model' / 'state_dict'")
     state, nest = _find_state_dict(obj, path)
-    cfg_key = next((k for k in CONFIG_KEYS if isinstance(obj.get(k), dict)), None)
+    cfg_keys = [k for k in CONFIG_KEYS if isinstance(obj.get(k), dict)]
+    # several drafter configs (not e.g. a training-arguments dict under 'config') must agree
+    drafter_cfgs = [k for k in cfg_keys if {"hidden_size", "dflash_config"} & set(obj[k])]
+    conflict = None
+    if len(drafter_cfgs) > 1 and len({json.dumps(obj[k], sort_keys=True, default=str) for k in drafter_cfgs}) > 1:
+        conflict = InputError(path, " / ".join(drafter_cfgs), "the checkpoint holds several different drafter configs",
+                              "pass the right one with --drafter-config (workflow: the checkpoint entry's drafter_config)")
+    cfg_keys = drafter_cfgs or cfg_keys
+    cfg_key = cfg_keys[0] if cfg_keys and conflict is None else None
     meta = {k: obj[k] for k in ("step", "global_step", "epoch", "random_init") if isinstance(obj.get(k), (int, float, str))}
     step = meta.get("step", meta.get("global_step"))
+    notes = []
+    if isinstance(meta.get("global_step"), (int, float)) and "step" in meta and meta["global_step"] != meta["step"]:
+        notes.append(f"the checkpoint stores step={meta['step']!r} and global_step={meta['global_step']!r}; "
+                     "the step column uses 'step'")
     meta["step"] = int(step) if isinstance(step, (int, float)) else parse_step(step_name)
     return LoadedCheckpoint(path, fmt + (f"[{'/'.join(nest)}]" if nest else ""), _strip_prefixes(state, path),
                             obj[cfg_key] if cfg_key else None, meta, f"{path} [{cfg_key}]" if cfg_key else None,
-                            [path.parent / "config.json"])
+                            [path.parent / "config.json"], notes=notes, config_error=conflict)
 
 
 # --------------------------------------------------------------------------- one loader per format

@@ -17,15 +17,60 @@ import os
 import sys
 
 from .config import schema_default as D
+from .config import schema_property
+from .drafter_config import OVERRIDE_KEYS
 from .errors import InputError, Interrupted, install_signal_handlers
 from .serving import ServerError, ServerUnavailable
 
 
-def _layer_ids(text: str) -> list[int]:
+def _int_at_least(low: int, what: str):
+    """argparse type: an integer >= ``low`` (``what`` names the rule in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low} ({what}), got {value}")
+        return value
+
+    return parse
+
+
+def S(dotted: str):
+    """argparse type of an integer option that mirrors the config schema property ``dotted`` (its
+    ``minimum`` is enforced, so the CLI accepts exactly what a workflow config may set)."""
+    low = schema_property(dotted).get("minimum")
+    return _int_at_least(low if low is not None else -(10 ** 18), f"{dotted} in the config schema")
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    """Comma-separated integers (``""`` = none)."""
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _layer_ids(text: str) -> list[int]:
+    """Comma-separated 0-based decoder layers: at least one, none negative."""
+    ids = _int_list(text)
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected at least one 0-based layer id (e.g. 1,8,15), got {text!r}")
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"layer ids are 0-based decoder layers (>= 0), got {text!r}")
+    return ids
 
 
 def _add_device(p: argparse.ArgumentParser, section: str) -> None:
@@ -63,13 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--path", default=None, help="JSONL (id + prompt|messages) or .txt (one prompt per line) for --source file; "
                                                "optional override of the packaged data file otherwise")
     p.add_argument("--tokenizer", required=True, help="target folder holding the tokenizer and chat template")
-    p.add_argument("--n", type=int, default=D("prompt_set.n"), help="number of prompts (0 = all)")
+    p.add_argument("--n", type=S("prompt_set.n"), default=D("prompt_set.n"), help="number of prompts (0 = all)")
     p.add_argument("--seed", type=int, default=D("prompt_set.seed"), help="shuffle seed of the deterministic subset")
-    p.add_argument("--max-prompt-tokens", type=int, default=D("prompt_set.max_prompt_tokens"),
+    p.add_argument("--max-prompt-tokens", type=S("prompt_set.max_prompt_tokens"), default=D("prompt_set.max_prompt_tokens"),
                    help="skip prompts longer than this many tokens after templating (0 = no limit)")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=D("generation.enable_thinking"),
                    help="passed to apply_chat_template (must match how the drafter was trained)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="prompts JSONL; skip counts per reason go to <name>.meta.json beside it")
 
     p = sub.add_parser("completions", help="greedy target completions (token ids + text) for a prompt set")
     p.add_argument("--target", required=True, help="target HF folder")
@@ -77,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", default=D("generation.source"), choices=["transformers", "openai", "sglang"],
                    help="transformers: HF generate here; openai: vLLM / OpenAI-compatible server returning token ids; "
                         "sglang: SGLang native /generate (see dflash_eval/serving.py)")
-    p.add_argument("--max-new-tokens", type=int, default=D("generation.max_new_tokens"))
-    p.add_argument("--batch-size", type=int, default=D("generation.batch_size"),
+    p.add_argument("--max-new-tokens", type=S("generation.max_new_tokens"), default=D("generation.max_new_tokens"))
+    p.add_argument("--batch-size", type=S("generation.batch_size"), default=D("generation.batch_size"),
                    help="transformers source: prompts per generate() call (left padding)")
     p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
                    help="GDN kernel of hybrid targets (use the same as the hidden-states stage)")
@@ -114,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-ids", type=_layer_ids, required=True,
                    help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
                         "of every configured drafter's dflash_config.target_layer_ids")
-    p.add_argument("--batch-tokens", type=int, default=D("cache.batch_tokens"),
+    p.add_argument("--batch-tokens", type=S("cache.batch_tokens"), default=D("cache.batch_tokens"),
                    help="padded tokens per target forward (samples are batched by length)")
     p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
                    help="kernel for linear-attention (Gated DeltaNet) layers of hybrid targets; the bound kernel is "
@@ -143,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafter config.json; replaces the checkpoint's own (noted in strip_info.json), or supplies "
                         "one where the checkpoint has none (SpecForge <run>-stepN, DCP)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
-                   help="set a dflash_config field (target_layer_ids, mask_token_id, block_size), e.g. "
-                        "target_layer_ids=[1,9,17]; a value differing from the checkpoint's is noted")
+                   help="set a config field, e.g. target_layer_ids=[1,9,17]: one the checkpoint lacks, or one it stores "
+                        f"twice with different values (written to every copy). Keys: {', '.join(OVERRIDE_KEYS)}; any "
+                        "other key is an error. A value differing from the checkpoint's is noted in strip_info.json")
     p.add_argument("--allow-fp16", action="store_true",
                    help="accept fp16 weights (known to collapse acceptance: vLLM #55250); the output is bf16 anyway")
     p.add_argument("--allow-shared-mismatch", action="store_true",
@@ -155,13 +201,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", required=True, help="stripped drafter folder")
     p.add_argument("--cache", required=True, help="HDF5 hidden-state cache")
     p.add_argument("--target", required=True, help="target HF folder (embed_tokens and lm_head are read from it)")
-    p.add_argument("--block-size", type=int, default=0, help="override the drafter's block size (0 = from its config)")
-    p.add_argument("--max-samples", type=int, default=D("evaluate.max_samples"), help="0 = all samples in the cache")
-    p.add_argument("--batch-size", type=int, default=D("evaluate.batch_size"), help="samples replayed side by side")
+    p.add_argument("--block-size", type=_int_at_least(0, "0 = the drafter's own, else >= 2"), default=0,
+                   help="override the drafter's block size (0 = from its config)")
+    p.add_argument("--max-samples", type=S("evaluate.max_samples"), default=D("evaluate.max_samples"),
+                   help="0 = all samples in the cache")
+    p.add_argument("--batch-size", type=S("evaluate.batch_size"), default=D("evaluate.batch_size"),
+                   help="samples replayed side by side")
     p.add_argument("--checkpoint-name", default=None, help="row label in the tau table (default: the drafter folder name)")
     p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
     p.add_argument("--allow-backend-mismatch", action="store_true",
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
+    _add_fingerprint(p)
+    p.add_argument("--allow-foreign-cache", action="store_true",
+                   help="evaluate a cache extracted from another target (its target_sha256 differs from the target's "
+                        "weights); recorded in the output. Refused by default")
+    p.add_argument("--agreement-warn", type=_fraction, default=D("evaluate.agreement_warn"),
+                   help="warn when the mean target argmax agreement of the cached completions is below this (0..1)")
+    p.add_argument("--agreement-min", type=_fraction, default=D("evaluate.agreement_min"),
+                   help="refuse when it is below this: the completions are not the target's greedy output (0..1)")
+    p.add_argument("--allow-low-agreement", action="store_true",
+                   help="evaluate below --agreement-min anyway (recorded in the output)")
     p.add_argument("--training-backend", default=D("target.training_backend"), choices=["unknown", "fla", "torch"],
                    help="linear-attention kernel the drafter was trained on (config target.training_backend); a cache "
                         "extracted with another one is refused ('unknown' = no check)")
@@ -173,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True)
     p.add_argument("--completions", required=True, help="completions JSONL; its first --n-samples rows are used")
     p.add_argument("--layer-ids", type=_layer_ids, required=True, help="comma-separated 0-based decoder layers to compare")
-    p.add_argument("--n-samples", type=int, default=D("kernel_parity.n_samples"))
+    p.add_argument("--n-samples", type=S("kernel_parity.n_samples"), default=D("kernel_parity.n_samples"))
     p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
-    p.add_argument("--batch-tokens", type=int, default=D("cache.batch_tokens"))
+    p.add_argument("--batch-tokens", type=S("cache.batch_tokens"), default=D("cache.batch_tokens"))
     _add_fingerprint(p)
     _add_device(p, "cache")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
@@ -189,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", required=True, help="tau.csv")
     p.add_argument("--evals", nargs="+", required=True)
     p.add_argument("--caches", nargs="*", default=[])
+    p.add_argument("--prompts-meta", nargs="*", default=[],
+                   help="<set>.meta.json files of the prompts stage (what was skipped, per reason)")
     p.add_argument("--extra", nargs="*", default=[], help="extra JSON sections (e.g. kernel parity)")
     p.add_argument("--out", required=True)
 
@@ -196,18 +257,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True, help="completions JSONL (prompt_ids + completion_ids) generated by the target")
     p.add_argument("--out-dir", required=True, help="folder for step<N>.pt training checkpoints + train_log.jsonl")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    p.add_argument("--intermediate-size", type=int, default=0, help="draft MLP width (0 = the target's)")
+    p.add_argument("--block-size", type=_int_at_least(2, "a block holds the last token and >= 1 mask"), default=16)
+    p.add_argument("--num-layers", type=_int_at_least(1, "draft decoder layers"), default=1, help="draft decoder layers")
+    p.add_argument("--intermediate-size", type=_int_at_least(0, "0 = the target's"), default=0,
+                   help="draft MLP width (0 = the target's)")
     p.add_argument("--layer-ids", type=_layer_ids, default=None, help="target_layer_ids (default: 5 spread over the target)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: an unused special token of the tokenizer")
-    p.add_argument("--seqs-per-step", type=int, default=32)
-    p.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
-    p.add_argument("--max-len", type=int, default=640, help="tokens per training sequence (prompt + completion, truncated)")
+    p.add_argument("--seqs-per-step", type=_int_at_least(1, "sequences per step"), default=32)
+    p.add_argument("--anchors", type=_int_at_least(1, "anchor blocks per sequence"), default=32,
+                   help="anchor blocks per sequence")
+    p.add_argument("--max-len", type=_int_at_least(2, "tokens per sequence"), default=640,
+                   help="tokens per training sequence (prompt + completion, truncated)")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--max-steps", type=int, default=1000)
+    p.add_argument("--max-steps", type=_int_at_least(1, "optimizer steps"), default=1000)
     p.add_argument("--time-budget-s", type=float, default=0.0, help="stop and save when exceeded (0 = none)")
-    p.add_argument("--save-steps", type=_layer_ids, default=[], help="comma-separated extra checkpoint steps")
+    p.add_argument("--save-steps", type=_int_list, default=[], help="comma-separated extra checkpoint steps")
     p.add_argument("--save-fracs", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
                    help="extra checkpoints at these fractions of the time budget (or of max-steps without one)")
     p.add_argument("--seed", type=int, default=0)
@@ -219,9 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None, help="stripped drafter folder to wrap (trained demo drafters)")
     p.add_argument("--random-init", action="store_true", help="random weights (labelled random_init in the checkpoint)")
     p.add_argument("--layer-ids", type=_layer_ids, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--step", type=int, default=0)
+    p.add_argument("--block-size", type=S("checkpoints.demo.block_size"), default=16)
+    p.add_argument("--num-layers", type=S("checkpoints.demo.num_layers"), default=1)
+    p.add_argument("--step", type=S("checkpoints.demo.step"), default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     return ap
@@ -266,11 +330,11 @@ def _dispatch(args) -> int | None:
         from .target import write_fingerprint
         write_fingerprint(args.target, args.out)
     elif cmd == "prompts":
-        from .prompts import build_prompt_set, write_prompts
-        rows = build_prompt_set(source=args.source, tokenizer_dir=args.tokenizer, n=args.n, seed=args.seed,
-                                path=args.path, enable_thinking=args.enable_thinking,
-                                max_prompt_tokens=args.max_prompt_tokens)
-        write_prompts(rows, args.out)
+        from .prompts import build_prompt_set_with_meta, write_prompts
+        rows, meta = build_prompt_set_with_meta(source=args.source, tokenizer_dir=args.tokenizer, n=args.n,
+                                                seed=args.seed, path=args.path, enable_thinking=args.enable_thinking,
+                                                max_prompt_tokens=args.max_prompt_tokens)
+        write_prompts(rows, args.out, meta)
     elif cmd == "completions":
         from .completions import ServerOptions, generate_completions
         env = dict(D("generation.vllm.env")) if args.vllm_env is None else {}
@@ -318,7 +382,9 @@ def _dispatch(args) -> int | None:
                  block_size=args.block_size or None, max_samples=args.max_samples, batch_size=args.batch_size,
                  device=args.device, dtype=args.dtype, allow_backend_mismatch=args.allow_backend_mismatch,
                  training_backend=args.training_backend, checkpoint_name=args.checkpoint_name,
-                 prompt_set=args.prompt_set)
+                 prompt_set=args.prompt_set, allow_foreign_cache=args.allow_foreign_cache,
+                 agreement_warn=args.agreement_warn, agreement_min=args.agreement_min,
+                 allow_low_agreement=args.allow_low_agreement, target_fingerprint=args.target_fingerprint)
     elif cmd == "kernel-parity":
         from .kernel_parity import kernel_parity
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,
@@ -329,7 +395,7 @@ def _dispatch(args) -> int | None:
         write_summary(args.evals, args.out_csv, args.out_parquet)
     elif cmd == "report":
         from .report import write_report
-        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra)
+        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra, prompts_meta=args.prompts_meta)
     elif cmd == "train":
         from .train import TrainConfig, train
         train(args.target, args.data, args.out_dir, TrainConfig(

@@ -22,16 +22,55 @@ def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
 
 
+def schema_property(dotted: str) -> dict:
+    """The schema node of a property, e.g. ``schema_property("evaluate.max_samples")["minimum"] == 0``.
+
+    Raises:
+        KeyError: the property does not exist (a bug, not user input).
+    """
+    node = load_schema()
+    for part in dotted.split("."):
+        node = node.get("items", node)  # a list's entries: "checkpoints.demo.step"
+        node = node["properties"][part]
+    return node
+
+
 def schema_default(dotted: str) -> Any:
     """Default of a schema property, e.g. ``schema_default("generation.max_new_tokens") == 256``.
 
     Raises:
         KeyError: the property or its default does not exist (a bug, not user input).
     """
-    node = load_schema()
-    for part in dotted.split("."):
-        node = node["properties"][part]
+    node = schema_property(dotted)
     if "default" not in node:
         raise KeyError(f"schema property {dotted} has no default")
     return node["default"]
+
+
+
+def describe_validation_error(err) -> tuple[str, str]:
+    """``(config entry, problem)`` of a ``jsonschema.ValidationError`` raised for a workflow config.
+
+    The entry is a dotted path with list indices (``checkpoints.list[0].overrides``); the problem is
+    jsonschema's message, except for ``oneOf``/``anyOf`` failures, whose bare message ("... is not
+    valid under any of the given schemas") says nothing: they read the ``description`` of the schema
+    node that failed, which for such nodes states the rule (e.g. "set either random_init: true or
+    drafter (exactly one)").
+    """
+    if not hasattr(err, "absolute_path"):  # not a jsonschema error: keep its text
+        return "(config)", str(err)
+    # jsonschema's best_match descends into one alternative of a oneOf ("False was expected"); the
+    # alternative means nothing to the user, the rule of the oneOf does
+    node = err
+    while node.parent is not None:
+        node = node.parent
+        if node.validator in ("oneOf", "anyOf") and isinstance(node.schema, dict) and node.schema.get("description"):
+            err = node
+    path = ""
+    for part in err.absolute_path:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    problem = err.message
+    if err.validator in ("oneOf", "anyOf") and isinstance(err.schema, dict) and err.schema.get("description"):
+        problem = f"not one of the allowed forms: {err.schema['description']}"
+    return path or "(top level)", problem
 

@@ -3,13 +3,28 @@
 Kept apart from :mod:`dflash_eval.drafter` so that the model file reads top to bottom
 against the paper. The fields and where they are read from follow the reference
 ``z-lab/dflash`` (``dflash/model.py``, ``_draft_value``): ``block_size``,
-``mask_token_id`` and ``target_layer_ids`` come from ``dflash_config`` first, then
-from the top level (older checkpoints), and are never guessed.
+``mask_token_id`` and ``target_layer_ids`` come from ``dflash_config`` or from the top
+level (older checkpoints), and are never guessed.
+
+**Fields stored twice.** Several fields can sit in two places of one config
+(:func:`field_locations`): a ``dflash_config`` field and its top-level copy (dflash 0.1.0
+reads ``dflash_config`` first, z-lab HEAD reads ``block_size`` from the top level),
+``dtype`` and its older name ``torch_dtype``, ``rope_theta`` at the top level and inside
+``rope_parameters`` / ``rope_scaling``, and the two RoPE dicts themselves (transformers 5
+uses ``rope_scaling`` when both are present and drops ``rope_parameters``,
+``modeling_rope_utils.py`` ``convert_rope_params_to_dict``). When the copies agree nothing
+is said; when they differ the config is refused with both values named
+(:func:`check_duplicated_fields`) -- never a silent choice -- and ``--override FIELD=JSON``
+(workflow: the checkpoint entry's ``overrides``) settles it by writing the given value to
+every copy (recorded in ``strip_info.json`` notes). :data:`OVERRIDE_KEYS` are the only
+accepted override keys; any other key is an error.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +43,147 @@ UNSUPPORTED_DFLASH_KEYS = (
 UNSUPPORTED_DFLASH_SWITCHES = ("use_swa", "causal")
 # Target-only fields that must not leak into the drafter (speculators #613/#738).
 IGNORED_TARGET_FIELDS = ("partial_rotary_factor",)
+#: ``dflash_config`` fields the drafter reads; older checkpoints keep them at the top level
+DFLASH_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "final_logit_softcapping",
+                 "input_embedding_scale", "output_multiplier")
+#: the RoPE dicts of an HF config: transformers 5's name first, then the older one
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+#: keys ``--override`` / a checkpoint entry's ``overrides`` accept: the fields above, plus the
+#: other fields a config can hold twice (an override writes its value to every copy)
+OVERRIDE_KEYS = DFLASH_FIELDS + ("dtype", "rope_theta", "rope_parameters")
+
+
+def _norm(value: Any) -> Any:
+    """Comparable form of a config value: tuples as lists, ``torch.bfloat16`` as ``bfloat16``."""
+    if isinstance(value, tuple):
+        return [_norm(v) for v in value]
+    if isinstance(value, list):
+        return [_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items()}
+    if isinstance(value, str) and value.startswith("torch."):
+        return value[len("torch."):]
+    return value
+
+
+def _rope_dict(d: dict) -> dict:
+    """A RoPE dict without ``rope_theta`` (a field of its own), ``type`` spelled ``rope_type``."""
+    out = {k: _norm(v) for k, v in d.items() if k not in ("rope_theta", "type")}
+    if "type" in d and "rope_type" not in d:
+        out["rope_type"] = _norm(d["type"])
+    return out
+
+
+def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
+    """Every copy of each field a drafter config can hold twice: ``{field: [(location, value), ...]}``.
+
+    Fields: each of :data:`DFLASH_FIELDS` (``dflash_config.<f>`` and top-level ``<f>``), ``dtype``
+    (``dtype``, ``torch_dtype``), ``rope_theta`` (top level, ``rope_parameters.rope_theta``,
+    ``rope_scaling.rope_theta``) and ``rope_parameters`` (the ``rope_parameters`` and
+    ``rope_scaling`` dicts without ``rope_theta``, ``type`` read as ``rope_type``; a dict naming
+    two different types in ``type`` and ``rope_type`` counts as two copies). Only copies that are
+    present are listed.
+    """
+    dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    out: dict[str, list[tuple[str, Any]]] = {}
+    for name in DFLASH_FIELDS:
+        out[name] = [(loc, d[name]) for loc, d in ((f"dflash_config.{name}", dcfg), (name, cfg)) if name in d]
+    out["dtype"] = [(k, cfg[k]) for k in ("dtype", "torch_dtype") if k in cfg and cfg[k] is not None]
+    ropes = [(k, cfg[k]) for k in ROPE_DICTS if isinstance(cfg.get(k), dict)]
+    out["rope_theta"] = ([("rope_theta", cfg["rope_theta"])] if cfg.get("rope_theta") is not None else []) + [
+        (f"{k}.rope_theta", d["rope_theta"]) for k, d in ropes if d.get("rope_theta") is not None]
+    rope_copies = []
+    for k, d in ropes:
+        if "type" in d and "rope_type" in d and _norm(d["type"]) != _norm(d["rope_type"]):
+            # one dict naming two RoPE types: two readings of it, as different as two dicts
+            rope_copies.append((f"{k} (read by 'type')", {**_rope_dict(d), "rope_type": _norm(d["type"])}))
+            rope_copies.append((f"{k} (read by 'rope_type')", {**_rope_dict(d), "rope_type": _norm(d["rope_type"])}))
+        else:
+            rope_copies.append((k, _rope_dict(d)))
+    out["rope_parameters"] = rope_copies
+    return {k: v for k, v in out.items() if v}
+
+
+def check_duplicated_fields(cfg: dict, source: str) -> None:
+    """Refuse a config whose copies of one field (:func:`field_locations`) disagree.
+
+    Raises:
+        InputError: naming the field, every copy with its value, and the ``--override`` that settles it.
+    """
+    for name, copies in field_locations(cfg).items():
+        if len({json.dumps(_norm(v), sort_keys=True) for _, v in copies}) > 1:
+            values = ", ".join(f"{loc}={v!r}" for loc, v in copies)
+            raise InputError(
+                source, name,
+                f"stored twice with different values ({values}); dflash-eval does not guess which one the "
+                "drafter was trained with",
+                f"set the right value with --override {name}=<JSON> (workflow: the checkpoint entry's "
+                f"overrides: {{{name}: ...}}), which writes it to every copy, or correct the config file",
+            )
+
+
+def check_override_keys(overrides: dict | None) -> None:
+    """Refuse override keys outside :data:`OVERRIDE_KEYS` (an unknown key must never be ignored).
+
+    Raises:
+        InputError: naming the key, the accepted keys and the closest one.
+    """
+    for name in overrides or {}:
+        if name not in OVERRIDE_KEYS:
+            close = difflib.get_close_matches(str(name), OVERRIDE_KEYS, n=1)
+            raise InputError(
+                None, f"override {name!r}",
+                f"unknown key (accepted: {', '.join(OVERRIDE_KEYS)})" + (f"; did you mean {close[0]!r}?" if close else ""),
+                "fix the key in the checkpoint entry's overrides (CLI: strip --override KEY=JSON)",
+            )
+
+
+def apply_overrides(cfg: dict, overrides: dict, source: str) -> list[str]:
+    """Write each override to every copy of its field in ``cfg`` (in place); returns notes.
+
+    A field with no copy yet is written to its main place (``dflash_config.<f>`` for
+    :data:`DFLASH_FIELDS`, the top level otherwise).
+
+    Raises:
+        InputError: a key outside :data:`OVERRIDE_KEYS` (with the closest accepted key), or a
+            ``rope_parameters`` value that is not an object.
+    """
+    check_override_keys(overrides)
+    notes: list[str] = []
+    locations = field_locations(cfg)
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name == "rope_parameters" and not isinstance(value, dict):
+            raise InputError(None, "override 'rope_parameters'", f"must be a JSON object, got {value!r}",
+                             'e.g. rope_parameters={"rope_type": "default"}')
+        stored = [(loc, v) for loc, v in locations.get(name, [])]
+        differing = [f"{loc}={v!r}" for loc, v in stored if _norm(v) != _norm(value)
+                     and not (name == "rope_parameters" and v == _rope_dict(value))]
+        if differing:
+            notes.append(f"override {name}={value!r} replaces the checkpoint's {', '.join(differing)}")
+        if name in DFLASH_FIELDS:
+            dcfg = cfg.setdefault("dflash_config", {})
+            dcfg[name] = copy.deepcopy(value)
+            if name in cfg:
+                cfg[name] = copy.deepcopy(value)
+        elif name == "dtype":
+            cfg["dtype"] = value
+            if "torch_dtype" in cfg:
+                cfg["torch_dtype"] = value
+        elif name == "rope_theta":
+            cfg["rope_theta"] = value
+            for k in ROPE_DICTS:
+                if isinstance(cfg.get(k), dict) and "rope_theta" in cfg[k]:
+                    cfg[k]["rope_theta"] = value
+        else:  # rope_parameters: one dict for both names; rope_theta stays its own field
+            present = [k for k in ROPE_DICTS if isinstance(cfg.get(k), dict)] or ["rope_parameters"]
+            for k in present:
+                theta = (cfg.get(k) or {}).get("rope_theta") if isinstance(cfg.get(k), dict) else None
+                cfg[k] = copy.deepcopy(value)
+                if theta is not None and "rope_theta" not in value:
+                    cfg[k]["rope_theta"] = theta
+    return notes
 
 
 @dataclass
@@ -35,8 +191,9 @@ class DrafterConfig:
     """Drafter hyper-parameters, read from an HF ``config.json`` (Qwen3 layout + ``dflash_config``).
 
     ``block_size``, ``mask_token_id`` and ``target_layer_ids`` are read from
-    ``dflash_config`` first, then from the top level (older checkpoints), as
-    ``dflash==0.1.0`` ``_draft_value`` does. They are never recomputed.
+    ``dflash_config`` or the top level (older checkpoints), as ``dflash==0.1.0``
+    ``_draft_value`` does; a field stored in both places with different values is
+    refused (module docstring). They are never recomputed.
     ``sliding_window`` is set only for configs with ``sliding_attention`` layers
     (which require ``use_sliding_window: true``); ``is_causal`` is the optional
     top-level override of every layer's causality (reference semantics).
@@ -71,23 +228,24 @@ class DrafterConfig:
         source: str = "config.json",
         overrides: dict | None = None,
     ) -> "DrafterConfig":
-        """Parse and validate a drafter ``config.json`` dict.
+        """Parse and validate a drafter ``config.json`` dict (the argument is never modified).
 
         Args:
             cfg: the JSON object (HF Qwen3 config with ``dflash_config``).
             source: file name used in error messages.
-            overrides: user-supplied values for ``target_layer_ids``,
-                ``mask_token_id`` or ``block_size`` (used only where the file
-                lacks them, or where the user forces them).
+            overrides: ``{field: value}`` with keys from :data:`OVERRIDE_KEYS`, e.g. a
+                ``target_layer_ids`` the file lacks; each value is written to every copy of
+                its field (noted when it replaces a stored value). ``raw`` holds the result.
 
         Raises:
-            InputError: a required field is missing or malformed, or the
-                config names a DFlash variant this project does not implement.
+            InputError: an unknown override key; a field stored twice with different values
+                (:func:`check_duplicated_fields`); a required field missing or malformed; or a
+                DFlash variant this project does not implement.
         """
         cfg = copy.deepcopy(cfg)
-        overrides = dict(overrides or {})
+        notes: list[str] = apply_overrides(cfg, dict(overrides or {}), source)
+        check_duplicated_fields(cfg, source)
         dcfg = cfg.get("dflash_config") or {}
-        notes: list[str] = []
 
         unsupported = [k for k in UNSUPPORTED_DFLASH_KEYS if k in dcfg or k in cfg]
         unsupported += [k for k in UNSUPPORTED_DFLASH_SWITCHES if dcfg.get(k) or cfg.get(k)]
@@ -108,11 +266,7 @@ class DrafterConfig:
                 )
 
         def pick(name: str, required: bool = True, default: Any = None):
-            if name in overrides and overrides[name] is not None:
-                stored = dcfg.get(name, cfg.get(name))
-                if stored is not None and stored != overrides[name]:
-                    notes.append(f"override {name}={overrides[name]!r} replaces the checkpoint's {stored!r}")
-                return overrides[name]
+            # copies agree (check_duplicated_fields), so the order only picks where to look first
             if name in dcfg:
                 return dcfg[name]
             if name in cfg:
@@ -200,11 +354,15 @@ class DrafterConfig:
         )
 
     def rotary_config(self):
-        """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim)."""
+        """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim); ``raw`` is not modified."""
         from transformers import Qwen3Config
 
-        keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
-        kw = {k: self.raw[k] for k in keys if k in self.raw and self.raw[k] is not None}
+        # deep copies: transformers writes into the RoPE dict it is given (rope_theta, rope_type), and
+        # raw is what strip writes out. The two RoPE dicts agree (check_duplicated_fields), so one is passed.
+        rope = next((self.raw[k] for k in ROPE_DICTS if isinstance(self.raw.get(k), dict)), None)
+        kw = {k: self.raw[k] for k in ("rope_theta", "max_position_embeddings") if self.raw.get(k) is not None}
+        if rope is not None:
+            kw["rope_parameters"] = copy.deepcopy(rope)
         return Qwen3Config(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,

@@ -443,6 +443,8 @@ def extract_hidden_states(
 
     t_start = time.perf_counter()
     completions_path, out = Path(completions_path), Path(out)
+    if not layer_ids:
+        raise InputError(None, "--layer-ids", "no layer given", "pass comma-separated 0-based decoder layers, e.g. 1,8,15")
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     if spec.num_layers is not None:  # checked before anything is loaded or written

@@ -58,13 +58,58 @@ def packaged_file(dist: str, relpath: str, fix: str | None = None) -> Path:
     raise InputError(dist, relpath, f"distribution {dist!r} does not contain this file", fix)
 
 
+UTF8_FIX = "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in > out)"
+
+
+def not_utf8(path: str | Path, fix: str = UTF8_FIX) -> InputError:
+    """The error for a text input that is not UTF-8, naming the line and column of its first bad byte.
+
+    The file is re-read in binary (through gzip for ``.gz``) to locate the byte; a text stream's
+    own ``UnicodeDecodeError`` only knows the offset in the chunk it was decoding.
+    """
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return InputError(path, f"line {lineno} column {err.start + 1}",
+                                  f"not UTF-8 text (byte 0x{raw[err.start]:02x}: {err.reason})", fix)
+    return InputError(path, None, "not UTF-8 text", fix)
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's content.
+
+    Raises:
+        InputError: not UTF-8 (names the line and column), or missing.
+    """
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    except FileNotFoundError:
+        raise InputError(path, None, "file not found", "fix the path") from None
+
+
 def iter_jsonl(fh: IO[str], path: str | Path, fix: str = "write one JSON object per line") -> Iterator[tuple[int, dict]]:
     """Yield ``(1-based line number, object)`` for the non-blank lines of a JSONL stream.
 
     Raises:
-        InputError: a line that is not JSON, or not a JSON object (names the line and column).
+        InputError: a line that is not JSON, or not a JSON object (names the line and column);
+            a file that is not UTF-8 (names the line and column of the first bad byte).
     """
-    for lineno, line in enumerate(fh, 1):
+    lines = enumerate(fh, 1)
+    while True:
+        try:
+            lineno, line = next(lines)
+        except StopIteration:
+            return
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None
         if not line.strip():
             continue
         try:
@@ -87,7 +132,9 @@ def read_json_object(path: str | Path, what: str, fix: str = "fix the file") -> 
         obj = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(path, None, f"{what} not found", "fix the path") from None
-    except (ValueError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
+    except ValueError as err:
         raise InputError(path, None, f"{what} is not valid JSON: {err}", fix) from None
     if not isinstance(obj, dict):
         raise InputError(path, None, f"{what} is a JSON {type(obj).__name__}, not an object", fix)

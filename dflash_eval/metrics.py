@@ -88,3 +88,21 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> Acceptanc
         committed_tokens=tokens,
         histogram=hist,
     )
+
+
+@dataclass(frozen=True)
+class AgreementStats:
+    """Target argmax agreement of the replayed samples (the cache's per-sample ``argmax_agreement``:
+    the fraction of a completion's tokens equal to the target's teacher-forced greedy token)."""
+
+    min: float  #: lowest per-sample agreement (NaN when no sample records one)
+    mean: float  #: mean over samples (macro, like tau; NaN when no sample records one)
+    n_unknown: int  #: samples without a recorded agreement
+
+
+def agreement(values: Sequence[float | None]) -> AgreementStats:
+    """Aggregate per-sample argmax agreements (``None`` = not recorded)."""
+    known = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    return AgreementStats(min=min(known) if known else math.nan,
+                          mean=sum(known) / len(known) if known else math.nan,
+                          n_unknown=len(values) - len(known))

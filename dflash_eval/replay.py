@@ -165,6 +165,11 @@ def evaluate(
     training_backend: str = "unknown",
     checkpoint_name: str | None = None,
     prompt_set: str | None = None,
+    allow_foreign_cache: bool = False,
+    agreement_warn: float = 0.99,
+    agreement_min: float = 0.9,
+    allow_low_agreement: bool = False,
+    target_fingerprint: str | Path | None = None,
 ) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
@@ -173,12 +178,27 @@ def evaluate(
     ``block_size``, ``samples`` (``id``, ``prompt_len``, ``n_tokens``, ``steps``, ``tau``,
     ``acceptance_lengths``), ``histogram`` (verify steps per committed count 1..B),
     ``tau`` (macro), ``tau_tokens_per_step`` (micro), ``n_samples`` (samples with >= 1 verify
-    step), ``n_skipped`` (no verify step: the prefill token ended the response), provenance.
+    step), ``n_skipped`` (no verify step: the prefill token ended the response), provenance;
+    ``argmax_agreement`` (min/mean of the samples' target agreement and the thresholds,
+    :func:`~dflash_eval.compat.check_agreement`; each sample also carries its own) and
+    ``target_check`` (the target's and the cache's weight fingerprints,
+    :func:`~dflash_eval.compat.check_cache_target`; ``target_fingerprint`` is the
+    ``target-fingerprint`` record, so the weights are not hashed again by every evaluate job).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab,
-            mask token, kernel backend).
+            mask token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
+            completions that are not the target's greedy output (mean agreement below
+            ``agreement_min``, unless ``allow_low_agreement``); ``max_samples < 0``, a block size
+            of 1, or nothing to replay (no sample with a verify step).
     """
+    from .compat import check_agreement, check_cache_target
+
+    if max_samples < 0:
+        raise InputError(None, "--max-samples", f"must be >= 0 (0 = all), got {max_samples}", "pass 0 or a sample count")
+    if block_size is not None and block_size < 2:
+        raise InputError(None, "--block-size", f"must be >= 2 (or 0 = the drafter's), got {block_size}",
+                         "a block holds the last committed token and at least one mask")
     from .cache import CacheReader
     from .compat import check_compat
     from .drafter import load_drafter
@@ -192,10 +212,14 @@ def evaluate(
     cfg = drafter.cfg
     reader = CacheReader(cache_path)
     a = reader.attrs
-    spec = TargetSpec.read(target_dir)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     embed, head = load_embed_and_head(spec)
     check_compat(cfg, drafter_dir / "config.json", target=spec, embed_rows=embed.shape[0], cache_attrs=a,
                  cache_path=cache_path)
+    target_check = check_cache_target(spec, a, cache_path, allow_foreign_cache)
+    if target_check["allowed_mismatch"]:
+        log.warning("%s: extracted from another target (sha256 %s, given %s); evaluated anyway (--allow-foreign-cache)",
+                    cache_path, target_check["cache_target_sha256"], target_check["target_sha256"])
     cache_backend = json.loads(a.get("linear_attn_kernel", "{}") or "{}").get("backend", "none")
     if (training_backend not in ("unknown", cache_backend) and cache_backend != "none"
             and not allow_backend_mismatch):
@@ -207,6 +231,13 @@ def evaluate(
     head = head.to(device=dev, dtype=dt)
 
     n = len(reader) if not max_samples else min(max_samples, len(reader))
+    if n == 0:
+        raise InputError(cache_path, "n_samples", "the cache holds no sample", "re-run the prompts/completions stages")
+    agreement, agreement_warnings = check_agreement([reader.argmax_agreement(i) for i in range(n)],
+                                                    reader.sample_ids[:n], cache_path, agreement_warn, agreement_min,
+                                                    allow_low_agreement)
+    for line in agreement_warnings:
+        log.warning("%s", line)
     lengths = [reader.length(i) for i in range(n)]
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
     results: dict[int, SampleResult] = {}
@@ -222,6 +253,10 @@ def evaluate(
     B = int(block_size or cfg.block_size)
     per = [results[i] for i in range(n)]
     stats = aggregate([r.acceptance_lengths for r in per], B)
+    if stats.n_samples == 0:
+        raise InputError(cache_path, "samples", f"none of the {n} samples has a verify step (every response ended "
+                         "at its first token), so tau is undefined", "check the completions (max_new_tokens, stop "
+                         "tokens) of this prompt set")
     strip_info = {}
     if (drafter_dir / "strip_info.json").exists():
         strip_info = json.loads((drafter_dir / "strip_info.json").read_text())
@@ -236,11 +271,14 @@ def evaluate(
         "dtype": dtype_name(dt),
         "cache": {"path": str(cache_path), "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
                   "linear_attn_kernel": a.get("linear_attn_kernel")},
+        "argmax_agreement": agreement,
+        "target_check": target_check,
         "elapsed_s": round(elapsed, 3),
         "samples": [
             {"id": r.sample_id, "prompt_len": r.prompt_len, "n_tokens": r.n_tokens, "steps": r.steps,
-             "tau": r.tau if r.steps else None, "acceptance_lengths": r.acceptance_lengths}
-            for r in per
+             "tau": r.tau if r.steps else None, "acceptance_lengths": r.acceptance_lengths,
+             "argmax_agreement": reader.argmax_agreement(i)}
+            for i, r in enumerate(per)
         ],
     }
     reader.close()

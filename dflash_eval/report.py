@@ -24,8 +24,12 @@ def _md_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None) -> None:
-    """Markdown report: tau pivot, acceptance histograms, cache provenance, extra JSON sections.
+def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None,
+                 prompts_meta: list[str] | None = None) -> None:
+    """Markdown report: tau pivot, acceptance histograms, prompt-set skip counts, cache provenance, extra JSON sections.
+
+    ``prompts_meta``: ``<set>.meta.json`` files of the prompts stage
+    (:func:`dflash_eval.prompts.read_prompt_meta`), shown as one table of skip counts per reason.
 
     ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
     precision, tau.csv being rounded to 4 decimals).
@@ -50,6 +54,13 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
         hist = " ".join(f"{k}:{v / total:.2f}" for k, v in histogram.items() if v)
         parts.append(f"- `{r['checkpoint']}` / `{r['prompt_set']}`: {hist}")
     parts.append("")
+    if prompts_meta:
+        from .prompts import read_prompt_meta, skip_table_markdown
+
+        metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
+        parts += ["## Prompt sets", "", "Prompts available in each source, written to the set, and left out "
+                  "per reason (loader skips over the whole source; too long: met before n were taken).", "",
+                  skip_table_markdown(metas), ""]
     if caches:
         from .cache import CacheReader
 

@@ -8,8 +8,14 @@ Validation (each failure is an :class:`~dflash_eval.errors.InputError` naming th
 key or field and the fix; nothing is written):
 
 * config: ``target_layer_ids`` / ``mask_token_id`` / ``block_size`` from ``dflash_config``
-  or the top level, never guessed (:class:`~dflash_eval.drafter_config.DrafterConfig`); every
-  required field present; ``partial_rotary_factor`` ignored with a note;
+  or the top level, never guessed (:class:`~dflash_eval.drafter_config.DrafterConfig`); a
+  field stored twice with different values (``dflash_config`` vs top level, ``dtype`` vs
+  ``torch_dtype``, ``rope_theta`` / ``rope_parameters`` vs ``rope_scaling``) refused with
+  both values named, settled only by ``--override``; unknown ``--override`` keys refused;
+  every required field present; ``partial_rotary_factor`` ignored with a note. The input
+  config is never modified: the written ``config.json`` is the input with the overrides
+  applied, the three ``dflash_config`` fields written to both places and ``dtype`` /
+  ``torch_dtype`` set to ``bfloat16`` (the stored weights);
 * ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
   layer count (``num_target_layers`` of the config when no target is given);
   ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
@@ -34,6 +40,7 @@ target's own ``embed_tokens`` and ``lm_head``.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -43,7 +50,7 @@ import torch
 from .checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
 from .compat import check_compat
 from .drafter import DFlashDrafter, check_state_dict
-from .drafter_config import DrafterConfig
+from .drafter_config import DrafterConfig, check_override_keys
 from .errors import InputError, atomic_dir
 from .io import read_json_object
 from .runtime import dtype_name
@@ -58,8 +65,14 @@ def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[Dr
         cfg, src = read_json_object(Path(drafter_config), "drafter config", RESAVE), str(drafter_config)
         if ck.config is not None and ck.config != cfg:
             notes.append(f"--drafter-config {src} replaces the checkpoint's own config ({ck.config_source})")
+    elif ck.config_error is not None:
+        raise ck.config_error
     elif ck.config is not None:
         cfg, src = ck.config, ck.config_source
+        side = next((p for p in ck.sidecars if p.is_file()), None)
+        if side is not None and read_json_object(side, "drafter config", RESAVE) != cfg:
+            notes.append(f"used the config inside the checkpoint ({src}); {side} differs and was not read "
+                         "(pass --drafter-config to use it)")
     else:
         side = next((p for p in ck.sidecars if p.is_file()), None)
         if side is None:
@@ -111,7 +124,9 @@ def strip_checkpoint(
             ``embed_tokens``/``lm_head`` copies equal to its own. Without it the config's own
             ``num_target_layers`` / ``vocab_size`` bound the ids.
         drafter_config: config.json replacing the checkpoint's own (or supplying a missing one).
-        overrides: ``dflash_config`` fields (``target_layer_ids``, ``mask_token_id``, ``block_size``).
+        overrides: ``{field: value}``, keys from :data:`~dflash_eval.drafter_config.OVERRIDE_KEYS`
+            (``target_layer_ids``, ``mask_token_id``, ``block_size``, ..., ``dtype``, ``rope_theta``):
+            sets a field the config lacks, or settles one stored twice with different values.
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
 
@@ -124,6 +139,7 @@ def strip_checkpoint(
     """
     from safetensors.torch import save_file
 
+    check_override_keys(overrides)  # before reading a possibly large checkpoint
     ck = load_checkpoint(checkpoint)
     cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)
     notes = ck.notes + cfg_notes + list(cfg.notes)
@@ -148,14 +164,14 @@ def strip_checkpoint(
             notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
     fmt = ck.format + ("+shared" if shared else "")
     out_state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
-    config_out = dict(cfg.raw)
-    dcfg = dict(config_out.get("dflash_config") or {})
+    config_out = copy.deepcopy(cfg.raw)  # the parsed config with overrides applied; never the caller's dict
+    dcfg = config_out.get("dflash_config") or {}
     dcfg.update(target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
     config_out["dflash_config"] = dcfg
-    config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level
+    config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level (both copies agree: DrafterConfig)
     config_out.setdefault("architectures", ["DFlashDraftModel"])
     config_out.setdefault("model_type", "qwen3")
-    config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"
+    config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"  # what model.safetensors now holds
     info = {
         "source": str(checkpoint),
         "format": fmt,

@@ -18,6 +18,11 @@ verify_steps            total verify steps (= target forwards after prefill)
 committed_tokens        total tokens committed by verify steps
 random_init             True for randomly initialised (untrained) demo drafters
 device, dtype           where and in which precision the replay ran
+agreement_min           lowest per-sample target argmax agreement of the replayed samples: the
+                        fraction of a completion's tokens equal to the target's teacher-forced
+                        greedy token (1.0 = the completion is exactly the target's greedy output)
+agreement_mean          mean of the same (evaluate warns below ``evaluate.agreement_warn`` and
+                        refuses below ``evaluate.agreement_min``); empty for older caches
 ======================  =====================================================================
 """
 
@@ -29,13 +34,38 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import atomic_path
-from .metrics import aggregate
+from .errors import InputError, atomic_path
+from .io import read_json_object
+from .metrics import aggregate, agreement
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
-           "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype"]
+           "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
+           "agreement_min", "agreement_mean"]
+
+
+EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
+
+
+def read_eval(path) -> dict:
+    """One evaluate output (per-sample JSON).
+
+    Raises:
+        InputError: missing file, not JSON, or lacking ``EVAL_KEYS`` / per-sample ``acceptance_lengths``.
+    """
+    if not Path(path).is_file():
+        raise InputError(path, None, "evaluate output not found",
+                         "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
+    r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
+    missing = [k for k in EVAL_KEYS if k not in r]
+    if not missing and (not isinstance(r["samples"], list)
+                        or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):
+        missing = ["samples[].acceptance_lengths"]
+    if missing:
+        raise InputError(path, missing[0], "missing: not an evaluate output of this version",
+                         "re-run its evaluate job (snakemake -R evaluate)")
+    return r
 
 
 def summary_frame(evals: list[str]) -> pd.DataFrame:
@@ -44,11 +74,22 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
     Every aggregate is recomputed with :func:`dflash_eval.metrics.aggregate` from the
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
+
+    Raises:
+        InputError: an evaluate output is missing or malformed (:func:`read_eval`), or two outputs
+            are for the same (checkpoint, prompt set).
     """
     rows = []
+    seen: dict[tuple, str] = {}
     for path in evals:
-        r = json.loads(Path(path).read_text())
+        r = read_eval(path)
+        key = (r["checkpoint"], r["prompt_set"])
+        if key in seen:
+            raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",
+                             "pass each evaluate output once")
+        seen[key] = str(path)
         stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
+        agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         rows.append({
             "checkpoint": r["checkpoint"],
             "step": r.get("step"),
@@ -64,6 +105,8 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             "random_init": r.get("random_init", False),
             "device": r.get("device"),
             "dtype": r.get("dtype"),
+            "agreement_min": agree.min,
+            "agreement_mean": agree.mean,
         })
     df = pd.DataFrame(rows, columns=COLUMNS)
     df["step"] = df["step"].astype("Int64")

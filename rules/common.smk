@@ -17,6 +17,7 @@ from snakemake.utils import validate
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
+from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.plan import build_plan
 
@@ -25,10 +26,12 @@ CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"
 try:
     validate(config, "../config/schemas/config.schema.yaml")
 except WorkflowError as err:
+    # the jsonschema error is the context of Snakemake's; name the entry as a config path
+    entry, problem = describe_validation_error(err.__context__ or err)
     raise WorkflowError(
-        f"config ({CONFIG_FILES}) does not match config/schemas/config.schema.yaml: {err}\n"
-        "Fix: correct the entry named above (each option, its type and default is described in the schema)."
-    )
+        f"config ({CONFIG_FILES}): {entry}: {problem}. Fix: correct that entry; "
+        "config/schemas/config.schema.yaml describes every option, its type and its default."
+    ) from None
 try:
     PLAN = build_plan(config)
 except InputError as err:

@@ -6,6 +6,7 @@
 rule evaluate:
     input:
         unpack(target_model_files),
+        fingerprint=TARGET.fingerprint,
         drafter_weights="results/{run}/drafters/{ckpt}/model.safetensors",
         drafter_config="results/{run}/drafters/{ckpt}/config.json",
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
@@ -31,13 +32,25 @@ rule evaluate:
         batch_size=config["evaluate"]["batch_size"],
         device=config["evaluate"]["device"],
         dtype=config["evaluate"]["dtype"],
+        agreement_warn=config["evaluate"]["agreement_warn"],
+        agreement_min=config["evaluate"]["agreement_min"],
+        allow=" ".join(
+            flag
+            for key, flag in (
+                ("allow_low_agreement", "--allow-low-agreement"),
+                ("allow_foreign_cache", "--allow-foreign-cache"),
+            )
+            if config["evaluate"][key]
+        ),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
+        " --target-fingerprint {input.fingerprint:q}"
         " --training-backend {params.training_backend}"
         " --max-samples {params.max_samples} --batch-size {params.batch_size}"
         " --device {params.device:q} --dtype {params.dtype}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --agreement-warn {params.agreement_warn} --agreement-min {params.agreement_min}"
+        " {params.allow} --out {output:q} > {log:q} 2>&1"
 
 
 rule summary:
@@ -63,6 +76,7 @@ rule report:
         summary="results/{run}/tau.csv",
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         caches=lambda wildcards: PLAN.caches(wildcards.run),
+        prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=KERNEL_PARITY_ALL,
     output:
         "results/{run}/report.md",
@@ -81,5 +95,6 @@ rule report:
         ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
-        " --evals {input.evals:q} --caches {input.caches:q} {params.extra}"
+        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --prompts-meta {input.prompts_meta:q} {params.extra}"
         " --out {output:q} > {log:q} 2>&1"

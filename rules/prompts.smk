@@ -1,11 +1,13 @@
-# Prompt set -> chat-templated prompts (text + token ids) as JSONL.
+# Prompt set -> chat-templated prompts (text + token ids) as JSONL, and <set>.meta.json beside it
+# (what was skipped and why; read by the report).
 
 
 rule prompts:
     input:
         unpack(lambda wildcards: PLAN.prompts_inputs(wildcards.prompt_set)),
     output:
-        "results/{run}/prompts/{prompt_set}.jsonl",
+        prompts="results/{run}/prompts/{prompt_set}.jsonl",
+        meta="results/{run}/prompts/{prompt_set}.meta.json",  # skip counts per reason (report)
     log:
         "logs/prompts/{run}/{prompt_set}.log",
     conda:
@@ -28,4 +30,4 @@ rule prompts:
         "python -m dflash_eval prompts --source {params.source} {params.path}"
         " --tokenizer {params.tokenizer:q} --n {params.n} --seed {params.seed}"
         " --max-prompt-tokens {params.max_prompt_tokens} {params.thinking}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output.prompts:q} > {log:q} 2>&1"

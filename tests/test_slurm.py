@@ -259,7 +259,7 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
 
     jobs = slurm_jobs(state, env, wd)
     rules = sorted(j["rule"] for j in jobs)
-    assert rules == sorted(["prompts", "completions", "hidden_states", "strip_drafter", "evaluate"]), jobs
+    assert rules == sorted(["target_fingerprint", "prompts", "completions", "hidden_states", "strip_drafter", "evaluate"]), jobs
     for job in jobs:
         assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", job
         if job["rule"] in GPU_RULES:

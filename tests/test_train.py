@@ -53,6 +53,20 @@ def test_mask_token_is_an_unused_special_token():
         pick_mask_token(tok, [[0, 3, 4, 5]])
 
 
+def test_random_init_demo_drafter_uses_an_unused_special_mask_token(tiny, tmp_path):
+    """Issue 13 item 7: random-init demo drafters used vocab_size - 1, an ordinary BPE token, as the mask
+    token; they now follow the trainer's rule (an existing special token, not bos/eos/pad/unk)."""
+    from transformers import AutoTokenizer
+
+    from dflash_eval.demo import write_demo_checkpoint
+
+    out = write_demo_checkpoint(tiny / "target", tmp_path / "d.pt", random_init=True, layer_ids=[1, 2], block_size=4)
+    mask = torch.load(out, weights_only=True)["draft_config"]["dflash_config"]["mask_token_id"]
+    tok = AutoTokenizer.from_pretrained(str(tiny / "target"))
+    assert mask == pick_mask_token(tok) == tok.convert_tokens_to_ids("<|im_start|>")  # ids 0, 2, 3: bos/eos/pad
+    assert mask != len(tok) - 1 and tok.added_tokens_decoder[mask].special
+
+
 def test_anchors_stay_in_the_completion():
     g = torch.Generator().manual_seed(0)
     a, ok = sample_anchors(torch.tensor([3, 5]), torch.tensor([10, 7]), 6, g, 10)

