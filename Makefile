@@ -1,5 +1,5 @@
 # dflash-eval developer entry points. Everything installs into ./.venv.
-#   make demo   - set up, run the demo workflow on CPU, print results/demo/tau.csv
+#   make demo   - set up, run the demo workflow on CPU, print results/demo/tau.csv, write results/demo/report.html
 #   make test   - set up, run the test suite
 #   make lint   - snakemake --lint (+ snakefmt --check when installed)
 
@@ -44,6 +44,7 @@ demo: venv
 	$(BIN)/snakemake --cores all --resources gpu=1 --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
+	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
 
 # PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
 test: venv

@@ -14,6 +14,10 @@ min_version("9.11")
 configfile: "config/config.yaml"
 
 
+# `snakemake --report report.html` (or report.zip): Snakemake's own report of a finished run.
+report: "report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/target.smk"
 include: "rules/prompts.smk"
@@ -21,6 +25,7 @@ include: "rules/completions.smk"
 include: "rules/cache.smk"
 include: "rules/drafters.smk"
 include: "rules/kernel_parity.smk"
+include: "rules/costs.smk"
 include: "rules/evaluate.smk"
 
 
@@ -30,6 +35,7 @@ rule all:
         expand("results/{run}/tau.csv", run=RUN),
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
+        expand("results/{run}/report.html", run=RUN),
         KERNEL_PARITY_ALL,
     localrule: True
 

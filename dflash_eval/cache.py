@@ -332,6 +332,19 @@ class CacheReader:
         """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
         return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
 
+    def sample_attrs(self, i: int) -> dict:
+        """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
+        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
+        g = self._f[f"samples/{i:06d}"]
+        length = int(g["input_ids"].shape[0])
+        if self._per_sample is None:  # format 1/2: group attributes
+            return {**{k: _py(v) for k, v in g.attrs.items()}, "length": length}
+        per = self._per_sample  # format 3: the file-level arrays (agreement read afresh)
+        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
+                "completion_len": length - int(per["prompt_len"][i]), "stop_reason": str(_py(per["stop_reason"][i])),
+                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": self.argmax_agreement(i),
+                "sha256": _py(g.attrs.get("sha256")), "length": length}
+
     def argmax_agreement(self, i: int) -> float | None:
         """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
 

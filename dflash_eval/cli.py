@@ -239,19 +239,44 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(p, "cache")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
+    p = sub.add_parser("target-costs", help="time the target's decode step, its verify forwards of n tokens and the "
+                                            "drafters' block pass at batch 1 (inputs of the report's speedup estimate)")
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--drafter-config", nargs="+", required=True,
+                   help="stripped drafters' config.json (results/<run>/drafters/<ckpt>/config.json); the parent folder "
+                        "name is the checkpoint name; identical configs are timed once (random weights: cost depends "
+                        "on shapes only)")
+    p.add_argument("--budgets", type=_int_list, default=D("target_costs.budgets"),
+                   help="comma-separated DDTree node budgets; each adds a verify forward of budget + 1 tokens with a "
+                        "tree mask ('' = none)")
+    p.add_argument("--context-tokens", type=int, default=D("target_costs.context_tokens"),
+                   help="target KV-cache length (tokens) before every timed forward")
+    p.add_argument("--repeats", type=int, default=D("target_costs.repeats"), help="timed runs (the median is reported, s)")
+    p.add_argument("--warmup", type=int, default=D("target_costs.warmup"), help="untimed runs first")
+    p.add_argument("--linear-attn-backend", default=D("target.linear_attn_backend"), choices=["auto", "fla", "torch"],
+                   help="GDN kernel of hybrid targets (use the one the run serves with)")
+    _add_device(p, "target_costs")
+    _add_fingerprint(p)
+    p.add_argument("--out", required=True, help="target_costs.json (layout: dflash_eval/costs.py)")
+
     p = sub.add_parser("summary", help="collect per-checkpoint results into tau.csv / tau.parquet")
     p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs")
     p.add_argument("--out-csv", required=True)
     p.add_argument("--out-parquet", required=True)
 
-    p = sub.add_parser("report", help="markdown report (tau table, histograms, cache provenance)")
+    p = sub.add_parser("report", help="HTML + markdown report (tau curves and table, histograms, speedup estimate, "
+                                      "target agreement, provenance)")
     p.add_argument("--summary", required=True, help="tau.csv")
     p.add_argument("--evals", nargs="+", required=True)
     p.add_argument("--caches", nargs="*", default=[])
     p.add_argument("--prompts-meta", nargs="*", default=[],
                    help="<set>.meta.json files of the prompts stage (what was skipped, per reason)")
     p.add_argument("--extra", nargs="*", default=[], help="extra JSON sections (e.g. kernel parity)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--costs", default=None, help="target_costs.json: adds the estimated decode speedup")
+    p.add_argument("--config-sha256", default=None, help="hash of the workflow config, shown under provenance")
+    p.add_argument("--out", required=True, help="report.md")
+    p.add_argument("--out-html", default=None, help="self-contained report.html (figures embedded)")
+    p.add_argument("--figures-dir", default=None, help="folder for the figures as PNG files (Snakemake report)")
 
     p = sub.add_parser("train", help="train a DFlash drafter on target-generated completions (demo drafters)")
     p.add_argument("--target", required=True)
@@ -390,12 +415,20 @@ def _dispatch(args) -> int | None:
         kernel_parity(target_dir=args.target, completions_path=args.completions, layer_ids=args.layer_ids,
                       n_samples=args.n_samples, out=args.out, drafters=args.drafter, device=args.device,
                       dtype=args.dtype, batch_tokens=args.batch_tokens, target_fingerprint=args.target_fingerprint)
+    elif cmd == "target-costs":
+        from .costs import measure_target_costs
+        measure_target_costs(args.target, args.drafter_config, args.out, budgets=args.budgets,
+                             context_tokens=args.context_tokens, repeats=args.repeats, warmup=args.warmup,
+                             device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend,
+                             target_fingerprint=args.target_fingerprint)
     elif cmd == "summary":
         from .summary import write_summary
         write_summary(args.evals, args.out_csv, args.out_parquet)
     elif cmd == "report":
         from .report import write_report
-        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra, prompts_meta=args.prompts_meta)
+        write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra, costs=args.costs,
+                     out_html=args.out_html, figures_dir=args.figures_dir, config_sha256=args.config_sha256,
+                     prompts_meta=args.prompts_meta)
     elif cmd == "train":
         from .train import TrainConfig, train
         train(args.target, args.data, args.out_dir, TrainConfig(

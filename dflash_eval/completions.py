@@ -58,6 +58,7 @@ import torch
 
 from .errors import InputError, atomic_path
 from .io import iter_jsonl, sha256_file
+from .progress import Progress
 from .runtime import dtype_name, length_batches
 
 log = logging.getLogger(__name__)
@@ -786,10 +787,13 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                      f"resumed from {partial.path}" if len(todo) < len(rows) else "fresh start", len(todo))
             n_new = n_gen = 0
             t0 = time.perf_counter()
+            # tqdm bar on a terminal (total: at most max_new_tokens per prompt); off a terminal the
+            # throttled INFO lines below are the progress, so the bar logs none of its own.
+            bar = Progress(len(todo) * max_new_tokens, "completions", logger=log, log_every=float("inf"))
 
             def emit(results) -> None:
                 nonlocal n_new, n_gen
-                lines = []
+                lines, toks = [], 0
                 for i, ids, stop, extra in results:
                     r = rows[i]
                     row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
@@ -798,15 +802,20 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)
-                    n_new += len(ids)
+                    toks += len(ids)
                 partial.append(lines)
                 n_gen += len(lines)
+                n_new += toks
+                bar.update(toks)
                 el = max(time.perf_counter() - t0, 1e-9)
                 if n_gen == len(todo) or len(lines) > 1 or n_gen % max(1, len(todo) // 20) == 0:
                     log.info("generated %d/%d prompts (%d done in all), %d new tokens, %.1f tokens/s", n_gen, len(todo),
                              len(done), n_new, n_new / el)
 
-            src.run([r["prompt_ids"] for r in rows], todo, emit)
+            try:
+                src.run([r["prompt_ids"] for r in rows], todo, emit)
+            finally:
+                bar.close()
             elapsed = time.perf_counter() - t0
             partial.finish([done[str(r["id"])] for r in rows])
         except BaseException:

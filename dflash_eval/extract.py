@@ -61,6 +61,7 @@ from .cache import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, Batch, PartialCach
                     is_no_space)
 from .errors import InputError
 from .io import sha256_file
+from .progress import Progress
 from .runtime import dtype_name, length_batches, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -558,9 +559,14 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     K, H = len(layer_ids), model.config.get_text_config().hidden_size
     cuda = dev.type == "cuda"
     total = {"n": len(cache.done), "of": len(cache.meta)}
+    # tqdm bar of committed tokens on a terminal; off a terminal the INFO line per commit below is the
+    # progress (tests/test_extract_resume.py reads it), so the bar logs none of its own.
+    bar = Progress(sum(len(seqs[i]) for b in todo for i in b if i not in cache.done), "hidden states",
+                   logger=log, log_every=float("inf"))
 
-    def progress(n, tokens):
+    def progress(n, tokens):  # called by the writer thread after each commit
         total["n"] += n
+        bar.update(tokens)
         log.info("committed %d samples (%d tokens); %d/%d samples in the file", n, tokens, total["n"], total["of"])
 
     writer = StreamingWriter(cache, max_batches=2, progress=progress)
@@ -604,8 +610,13 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
             writer.close()  # what is already on the host is written and committed
         except BaseException as err:  # noqa: BLE001 - the first error is the one to report
             log.error("cache writer: %s", err)
+        finally:
+            bar.close()
         raise
-    writer.close()
+    try:
+        writer.close()
+    finally:
+        bar.close()
     log.info("cache writer thread: %s", ", ".join(f"{k} {v:.1f} s" for k, v in writer.timings.items()))
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}

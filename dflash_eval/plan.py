@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import hashlib
 import json
 import os
 import re
@@ -462,6 +463,38 @@ class Plan:
         else:
             ep = gen["endpoint"]
             args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+    # ---- target_costs (decode costs for the report's speedup estimate) and the report
+    def target_costs_outputs(self) -> list[str]:
+        """``[results/<run>/target_costs.json]`` when ``target_costs.enabled``, else ``[]`` (input of rule report)."""
+        return [self.run_path("target_costs.json")] if self.config["target_costs"]["enabled"] else []
+
+    def target_costs_inputs(self, run: str | None = None) -> dict[str, list[str]]:
+        """Target config + weights and every stripped drafter's ``config.json`` (costs depend on shapes only)."""
+        return {**self.target_files(),
+                "drafter_configs": [os.path.join("results", run or self.run, "drafters", c, "config.json")
+                                    for c in self.checkpoints]}
+
+    def target_costs_args(self) -> str:
+        """CLI flags of ``target-costs`` from config ``target_costs`` (a params value: editing them reruns the job)."""
+        tc = self.config["target_costs"]
+        args = ["--budgets", ",".join(str(b) for b in tc["budgets"]), "--context-tokens", tc["context_tokens"],
+                "--repeats", tc["repeats"], "--warmup", tc["warmup"],
+                "--linear-attn-backend", self.config["target"]["linear_attn_backend"],
+                "--device", tc["device"], "--dtype", tc["dtype"]]
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+    @property
+    def config_sha256(self) -> str:
+        """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
+        return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
+
+    def report_args(self, extra=(), costs=()) -> str:
+        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--config-sha256``."""
+        args = ["--extra", *extra] if extra else []
+        args += ["--costs", costs[0]] if costs else []
+        args += ["--config-sha256", self.config_sha256]
         return " ".join(shlex.quote(str(a)) for a in args)
 
 

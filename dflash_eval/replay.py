@@ -43,6 +43,7 @@ import torch
 
 from .errors import InputError, atomic_path
 from .metrics import aggregate, sample_tau
+from .progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -242,13 +243,17 @@ def evaluate(
     order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
     results: dict[int, SampleResult] = {}
     t0 = time.perf_counter()
+    n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
+    bar = Progress(n_comp, "replay", logger=log)
     for b0 in range(0, n, batch_size):
         idx = order[b0 : b0 + batch_size]
         samples = [reader.sample(i, cfg.target_layer_ids) for i in idx]
         recs = replay_batch(drafter, embed, head, samples, block_size)
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec)
-        log.info("replayed %d/%d samples", len(results), n)
+        bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
+        log.debug("replayed %d/%d samples", len(results), n)
+    bar.close()
     elapsed = time.perf_counter() - t0
     B = int(block_size or cfg.block_size)
     per = [results[i] for i in range(n)]
@@ -284,6 +289,7 @@ def evaluate(
     reader.close()
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
-    log.info("%s on %s: tau %.3f over %d samples (%d verify steps, %.1f s, %s %s)", result["checkpoint"],
-             result["prompt_set"], stats.tau, stats.n_samples, stats.verify_steps, elapsed, dev, result["dtype"])
+    log.info("evaluate %s on %s: tau %.4f over %d samples (%d verify steps, %.1f s, %.0f tok/s, %s %s)",
+             result["checkpoint"], result["prompt_set"], stats.tau, stats.n_samples, stats.verify_steps, elapsed,
+             n_comp / max(elapsed, 1e-9), dev, result["dtype"])
     return result

@@ -1,5 +1,6 @@
 # Per (checkpoint, prompt set): offline speculative-decoding replay -> per-sample
-# acceptance JSON; then the tau table and the markdown report for the run.
+# acceptance JSON; then the tau table and the report (HTML + markdown + figures) for the run.
+# tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
 
@@ -57,7 +58,11 @@ rule summary:
     input:
         lambda wildcards: PLAN.evaluations(wildcards.run),
     output:
-        csv="results/{run}/tau.csv",
+        csv=report(
+            "results/{run}/tau.csv",
+            caption="../report/tau_table.rst",
+            category="Tau table",
+        ),
         parquet="results/{run}/tau.parquet",
     log:
         "logs/summary/{run}.log",
@@ -78,8 +83,21 @@ rule report:
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=KERNEL_PARITY_ALL,
+        costs=TARGET_COSTS_ALL,
     output:
-        "results/{run}/report.md",
+        md="results/{run}/report.md",
+        html=report(
+            "results/{run}/report.html",
+            caption="../report/report_html.rst",
+            category="Report",
+        ),
+        figures=report(
+            directory("results/{run}/figures"),
+            patterns=["{name}.png"],
+            caption="../report/figures.rst",
+            category="Figures",
+            labels={"figure": "{name}"},
+        ),
     log:
         "logs/report/{run}.log",
     localrule: True
@@ -88,13 +106,12 @@ rule report:
     container:
         config["containers"]["cuda"]
     params:
-        extra=lambda wildcards, input: (
-            "--extra " + " ".join(map(shlex.quote, input.extra))
-            if "extra" in input.keys() and input.extra
-            else ""
+        args=lambda wildcards, input: PLAN.report_args(
+            input.get("extra", []), input.get("costs", [])
         ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"
         " --evals {input.evals:q} --caches {input.caches:q}"
-        " --prompts-meta {input.prompts_meta:q} {params.extra}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --prompts-meta {input.prompts_meta:q} {params.args}"
+        " --out {output.md:q}"
+        " --out-html {output.html:q} --figures-dir {output.figures:q} > {log:q} 2>&1"

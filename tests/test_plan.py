@@ -249,3 +249,26 @@ def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
         run(_drafter_cfg(block_size=8))
     with pytest.raises(InputError, match="hidden_size: drafter 16 != target 8"):
         run(_drafter_cfg(hidden_size=16))
+
+
+def test_target_costs_and_report_args():
+    """Rule target_costs' inputs/flags and the report's optional flags, from config target_costs (schema defaults)."""
+    from dflash_eval.config import schema_default
+
+    tc = {k: schema_default(f"target_costs.{k}") for k in ("enabled", "context_tokens", "warmup", "device", "dtype")}
+    tc.update(budgets=[4, 16], repeats=3)
+    cfg = {"target_costs": tc, "target": {"linear_attn_backend": "torch"}, "run": "r"}
+    p = plan.Plan(cfg, "r", ["a"], plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"]),
+                  {"ck1": {}, "ck 2": {}}, [1])
+    assert p.target_costs_outputs() == ["results/r/target_costs.json"]
+    assert p.target_costs_inputs("r") == {"target_config": ["t/config.json"], "target_weights": ["t/model.safetensors"],
+                                          "drafter_configs": ["results/r/drafters/ck1/config.json",
+                                                              "results/r/drafters/ck 2/config.json"]}
+    assert p.target_costs_args() == ("--budgets 4,16 --context-tokens 512 --repeats 3 --warmup 2 "
+                                     "--linear-attn-backend torch --device auto --dtype auto")
+    sha = p.config_sha256
+    assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
+    assert p.report_args() == f"--config-sha256 {sha}"
+    assert p.report_args(["k p.json"], ["c.json"]) == f"--extra 'k p.json' --costs c.json --config-sha256 {sha}"
+    cfg["target_costs"] = {**tc, "enabled": False}
+    assert p.target_costs_outputs() == [] and p.config_sha256 != sha

@@ -42,7 +42,7 @@ LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" i
 
 def test_profiles_set():
     assert set(PROFILES) == {"local-gpu", "slurm-gpu", "slurm-cpu", "ci"}
-    assert GPU_RULES == {"completions", "hidden_states", "evaluate", "kernel_parity"}
+    assert GPU_RULES == {"completions", "hidden_states", "evaluate", "kernel_parity", "target_costs"}
     assert {"summary", "report"} <= LOCAL_RULES
     assert PROFILES["ci"]["cores"] == 2 and PROFILES["ci"]["resources"] == {"gpu": 1}
     for name, prof in PROFILES.items():
@@ -237,7 +237,7 @@ def slurm_jobs(state: Path, env: dict, workdir: Path) -> list[dict]:
 
 
 SLURM_TEST_CONFIG = {
-    # one checkpoint and one prompt set: 5 SLURM jobs in 4 waves (a small cluster run)
+    # one checkpoint and one prompt set: 7 SLURM jobs (a small cluster run)
     "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
     "checkpoints": {"glob": "ckpts/step100.pt", "demo": []},
     # as many threads as the reference run (CI profile, 2 cores): bitwise-equal float32 results
@@ -255,11 +255,12 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
     proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "slurm-gpu"),
                "--slurm-init-seconds-before-status-checks", "2", env=env, timeout=900)
     out = proc.stdout + proc.stderr
-    assert "9 of 9 steps (100%) done" in out, out[-3000:]
+    assert "10 of 10 steps (100%) done" in out, out[-3000:]
 
     jobs = slurm_jobs(state, env, wd)
     rules = sorted(j["rule"] for j in jobs)
-    assert rules == sorted(["target_fingerprint", "prompts", "completions", "hidden_states", "strip_drafter", "evaluate"]), jobs
+    assert rules == sorted(["target_fingerprint", "prompts", "completions", "hidden_states", "strip_drafter",
+                            "evaluate", "target_costs"]), jobs
     for job in jobs:
         assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", job
         if job["rule"] in GPU_RULES:

@@ -35,6 +35,7 @@ DEMO_JOBS = {
     "hidden_states": 2,
     "strip_drafter": len(DEMO_NAMES),
     "evaluate": 2 * len(DEMO_NAMES),
+    "target_costs": 1,
     "summary": 1,
     "report": 1,
     "all": 1,
@@ -46,12 +47,12 @@ TARGET_RULES = {"target_from_gguf", "target_fingerprint", "prompts", "completion
 
 
 def copy_workflow(dst: Path) -> Path:
-    """Copy Snakefile, rules/, config/ and envs/ into ``dst`` (symlinks followed; Snakemake
+    """Copy Snakefile, rules/, config/, envs/ and report/ into ``dst`` (symlinks followed; Snakemake
     reads the rules' conda env files for its job metadata even without --sdm conda), and
     link demo/ (the committed demo drafters the default config wraps)."""
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
-    for folder in ("rules", "config", "envs"):
+    for folder in ("rules", "config", "envs", "report"):
         shutil.copytree(REPO / folder, dst / folder, dirs_exist_ok=True)
     if (REPO / "demo").is_dir():
         (dst / "demo").symlink_to(REPO / "demo", target_is_directory=True)
@@ -169,7 +170,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
     assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip",
-                    "evaluate", "summary", "report", "demo-checkpoint"}
+                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs"}
 
 
 def test_dry_run_kernel_parity_wiring(tmp_path):
@@ -228,8 +229,9 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
                                                      "overrides": {"target_layer_ids": [0, 1]}}]},
     })
     out = smk(wd, "-n", "-p").stdout
-    assert job_counts(out) == {"target_fingerprint": 1, "prompts": 1, "completions": 1, "hidden_states": 1, "strip_drafter": 3,
-                               "evaluate": 3, "summary": 1, "report": 1, "all": 1}
+    assert job_counts(out) == {"target_fingerprint": 1, "prompts": 1, "completions": 1, "hidden_states": 1,
+                               "strip_drafter": 3, "evaluate": 3, "target_costs": 1, "summary": 1, "report": 1,
+                               "all": 1}
     jobs = planned_jobs(out)
     assert {w for r, w in jobs if r == "strip_drafter"} == {
         "run=r1, ckpt=epoch_0_step_200", "run=r1, ckpt=step100", "run=r1, ckpt=mine"}
@@ -386,6 +388,7 @@ def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
                       "block_size": 4, "num_layers": 1, "seed": 5}],
         },
         "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+        "target_costs": {"budgets": [2, 8], "context_tokens": 32, "repeats": 2, "warmup": 1, "device": "cpu"},
         **config_overrides,
     }
     _write_config(wd, cfg)
@@ -433,6 +436,69 @@ def test_end_to_end_tau_table(tiny_run):
     assert "Nothing to be done" in out.stdout + out.stderr
 
 
+def check_report_in_browser(run: Path, tmp_path: Path) -> None:
+    """``run``'s report.html: figures embedded, every one loads in headless Chromium, and the tau
+    tables the browser shows equal tau.csv cell for cell."""
+    import csv
+
+    import browser
+
+    html = (run / "report.html").read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', html)
+    assert srcs and all(s.startswith("data:image/png;base64,") for s in srcs)
+    figures = sorted(p.name for p in (run / "figures").glob("*.png"))
+    assert "tau_vs_step.png" in figures and len(srcs) == len(figures)
+    browser.need_chromium()
+    seen = browser.render(run / "report.html", tmp_path)
+    assert sorted(i["alt"] for i in seen["images"]) == figures
+    broken = [i for i in seen["images"] if not (i["complete"] and i["width"] > 100 and i["height"] > 100)]
+    assert not broken, broken
+    with open(run / "tau.csv", newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert seen["tables"]["tau-csv"] == rows
+    head, body = rows[0], [dict(zip(rows[0], r)) for r in rows[1:]]
+    pivot = seen["tables"]["tau-table"]
+    sets, cols = pivot[0][2:], pivot[1]
+    shown = {}
+    for line in pivot[2:]:
+        for k, (name, col) in enumerate(zip([s for s in sets for _ in (0, 1)], cols[2:])):
+            if col == "tau":
+                shown[(line[0], name)] = line[2 + k]
+    assert shown == {(r["checkpoint"], r["prompt_set"]): r["tau"] for r in body}, (head, shown)
+
+
+@pytest.mark.slow
+def test_report_html_renders(tiny_run, tmp_path):
+    run = tiny_run / "results" / "tiny"
+    assert sorted(p.name for p in (run / "figures").glob("*.png")) == [
+        "hist_set_a.png", "hist_set_b.png", "speedup.png", "tau_vs_step.png", "verify_costs.png"]
+    html = (run / "report.html").read_text()
+    assert "Estimated decode speedup" in html and "<b>CPU (CPU" in html  # the estimate names the device it came from
+    md = (run / "report.md").read_text()
+    assert "## Estimated decode speedup" in md and "**CPU (" in md
+    check_report_in_browser(run, tmp_path)
+
+
+def test_demo_report_renders(tmp_path):
+    """``make demo``'s results/demo/report.html, when this checkout has run the demo."""
+    run = REPO / "results" / "demo"
+    if not (run / "report.html").is_file():
+        pytest.skip("results/demo/report.html not found: run `make demo` first")
+    assert "<b>CPU (" in (run / "report.html").read_text() or "<b>GPU (" in (run / "report.html").read_text()
+    check_report_in_browser(run, tmp_path)
+
+
+@pytest.mark.slow
+def test_snakemake_report(tiny_run, tmp_path):
+    """`snakemake --report` on a finished run: the figures, tau.csv and report.html are in it."""
+    out = tmp_path / "smk-report.html"
+    proc = smk(tiny_run, "--workflow-profile", str(CI_PROFILE), "--report", str(out))
+    assert out.is_file(), proc.stdout + proc.stderr
+    text = out.read_text()
+    for needle in ("Figures", "Tau table", "tau_vs_step.png", "hist_set_a.png", "speedup.png", "tau.csv", "report.html"):
+        assert needle in text, needle
+
+
 @pytest.mark.slow
 def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     """Adding one checkpoint and changing another's bytes reruns only their strip + evaluate
@@ -461,6 +527,7 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
         ("evaluate", "run=tiny, ckpt=new-ckpt, prompt_set=set_b"),
         ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_a"),
         ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_b"),
+        ("target_costs", "run=tiny"),  # a new drafter config to time
         ("summary", "run=tiny"),
         ("report", "run=tiny"),
         ("all", ""),

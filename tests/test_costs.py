@@ -1,0 +1,93 @@
+"""target_costs: what is timed (shapes, masks, dedup of drafter configs), its errors, and the tree mask."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from dflash_eval.demo import drafter_config_for_target  # noqa: E402
+from dflash_eval.cli import build_parser  # noqa: E402
+from dflash_eval.costs import _tree_mask, measure_target_costs, read_costs  # noqa: E402
+from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.target import TargetSpec  # noqa: E402
+
+
+def _drafter_configs(tmp_path, target, specs):
+    paths = []
+    for name, block in specs:
+        d = tmp_path / "drafters" / name
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps(drafter_config_for_target(target, [1, 2], block, 1, TargetSpec.read(target).vocab_size - 1)))
+        paths.append(d / "config.json")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tiny import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("costs") / "target", num_layers=3, hidden=64)
+
+
+def test_measures_every_shape_once(llama, tmp_path):
+    cfgs = _drafter_configs(tmp_path, llama, [("ck-a", 4), ("ck-b", 4), ("ck-c", 6)])
+    out = tmp_path / "target_costs.json"
+    r = measure_target_costs(llama, cfgs, out, budgets=[3, 8], context_tokens=32, repeats=2, warmup=1, device="cpu")
+    assert read_costs(out) == json.loads(json.dumps(r))
+    assert r["device"] == "cpu" and r["dtype"] == "float32" and r["context_tokens"] == 32
+    # chain verify at each block size (causal), tree verify at budget + 1
+    assert [(v["n"], v["mask"]) for v in r["verify"]] == [(4, "causal"), (4, "tree"), (6, "causal"), (9, "tree")]
+    assert all(len(v["samples_s"]) == 2 and v["median_s"] > 0 for v in r["verify"])
+    assert len(r["decode_samples_s"]) == 2 and r["decode_s"] > 0
+    d = r["drafters"]
+    assert set(d) == {"ck-a", "ck-b", "ck-c"}
+    # identical configs are timed once and share the numbers; another block size is timed apart
+    assert d["ck-a"]["config_sha256"] == d["ck-b"]["config_sha256"] != d["ck-c"]["config_sha256"]
+    assert d["ck-a"]["draft_samples_s"] == d["ck-b"]["draft_samples_s"] != d["ck-c"]["draft_samples_s"]
+    assert set(d["ck-c"]["draft_tree_s"]) == {"3", "8"} and d["ck-c"]["block_size"] == 6
+    assert r["target"]["num_layers"] == 3 and len(r["target"]["sha256"]) == 64
+
+
+def test_hybrid_target_cache_copies(tmp_path):
+    """Recurrent (Gated DeltaNet) state lives in the cache too: each timed forward starts from a copy."""
+    import tiny_hybrid as th
+
+    target = th.save_target(tmp_path / "hybrid", kind="qwen3_5")
+    cfgs = _drafter_configs(tmp_path, target, [("ck", 4)])
+    r = measure_target_costs(target, cfgs, tmp_path / "c.json", budgets=[4], context_tokens=16, repeats=1, warmup=0,
+                             device="cpu", linear_attn_backend="torch")
+    assert r["linear_attn_kernel"] == "torch" and [v["n"] for v in r["verify"]] == [4, 5]
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"budgets": [0]}, "target_costs.budgets"),
+    ({"repeats": 0}, "target_costs"),
+    ({"context_tokens": 600}, "target_costs.context_tokens"),  # tiny target: max_position_embeddings 512
+])
+def test_errors(llama, tmp_path, kw, field):
+    cfgs = _drafter_configs(tmp_path, llama, [("ck", 4)])
+    with pytest.raises(InputError) as err:
+        measure_target_costs(llama, cfgs, tmp_path / "c.json", **{"context_tokens": 8, "repeats": 1, **kw}, device="cpu")
+    assert err.value.field == field
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_tree_mask():
+    m = _tree_mask(3, 2, torch.float32, torch.device("cpu"))[0, 0]
+    neg = torch.finfo(torch.float32).min
+    assert m.shape == (3, 5)
+    assert (m[:, :2] == 0).all()  # the committed past is visible to every node
+    assert m[0, 3] == neg and m[0, 2] == 0 and m[2, 2:].eq(0).all()  # each node sees itself and its ancestors
+
+
+def test_cli_defaults_from_schema():
+    a = build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "a/config.json", "--out", "o"])
+    assert a.budgets == [8, 16, 32, 64, 128, 256] and a.context_tokens == 512 and a.repeats == 7 and a.device == "auto"
+    assert build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "x", "--budgets", "",
+                                      "--out", "o"]).budgets == []

@@ -1,0 +1,209 @@
+"""The report (HTML + markdown) from hand-built evaluate JSONs, caches and costs: exact numbers,
+figures that adapt to the columns present (fake DDTree columns, per-slot curves), the speedup
+estimate, target agreement, and a self-contained page."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from dflash_eval import report as R
+from dflash_eval.cache import FORMAT, FORMAT_VERSION, write_cache
+from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame
+
+
+def write_eval(tmp_path, ckpt, ps, step, samples, block=4, **extra):
+    r = {"checkpoint": ckpt, "prompt_set": ps, "block_size": block, "step": step, "random_init": False,
+         "device": "cpu", "dtype": "float32", "samples": [{"id": str(i), "acceptance_lengths": s} for i, s in enumerate(samples)],
+         **extra}
+    p = tmp_path / "eval" / ckpt / f"{ps}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(r))
+    return str(p)
+
+
+def _argmax(n: int, prompt_len: int, agreement: float) -> np.ndarray:
+    """target_argmax of ids 0..n-1 whose completion positions agree in round(agreement * (n - prompt_len)) places
+    (the writer computes argmax_agreement from it: argmax[t - 1] == input_ids[t] for t >= prompt_len)."""
+    a = np.arange(1, n + 1)  # argmax[t] = input_ids[t + 1]: full agreement
+    n_bad = (n - prompt_len) - round(agreement * (n - prompt_len))
+    a[prompt_len - 1 : prompt_len - 1 + n_bad] += 1000
+    return a
+
+
+def write_h5(tmp_path, ps, agreements, lengths, prompt_len=3):
+    """A cache whose per-sample argmax_agreement is ``agreements`` (hidden states are placeholders)."""
+    attrs = {"format": FORMAT, "format_version": FORMAT_VERSION, "target_name": "tiny", "target_sha256": "ab" * 32,
+             "target_layer_ids": [1, 2], "dtype": "float32", "device": "cpu", "prompt_set": ps,
+             "torch_version": torch.__version__, "linear_attn_kernel": json.dumps({"backend": "none"})}
+    samples = [{"sample_id": f"s{i}", "input_ids": np.arange(n), "prompt_len": prompt_len,
+                "hidden": torch.zeros(n, 2, 4), "target_argmax": _argmax(n, prompt_len, a), "stop_reason": "eos",
+                "max_new_tokens": 32, "argmax_agreement": a} for i, (a, n) in enumerate(zip(agreements, lengths))]
+    p = tmp_path / "cache" / f"{ps}.h5"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_cache(p, attrs, samples)
+    return str(p)
+
+
+def fake_costs(tmp_path, budgets=(2, 8)):
+    """t_decode 10 ms; t_verify(n) = 10 ms + n ms (causal and tree); t_draft 2 ms (+0.5 ms with top-k)."""
+    c = {"format": COSTS_FORMAT, "format_version": COSTS_VERSION, "device": "cpu", "device_name": "CPU: test",
+         "dtype": "float32", "threads": 2, "torch_version": "x", "transformers_version": "y",
+         "target": {"sha256": "ab" * 32}, "context_tokens": 64, "repeats": 3, "measured_at": "now",
+         "decode_s": 0.010,
+         "verify": [{"n": 4, "mask": "causal", "median_s": 0.014}]
+         + [{"n": b + 1, "mask": "tree", "median_s": 0.010 + (b + 1) * 0.001} for b in budgets],
+         "drafters": {ck: {"config_sha256": "cd" * 32, "block_size": 4, "num_layers": 1, "draft_s": 0.002,
+                           "draft_tree_s": {str(b): 0.0025 for b in budgets}} for ck in ("early", "late", "nostep")}}
+    p = tmp_path / "target_costs.json"
+    p.write_text(json.dumps(c))
+    return str(p)
+
+
+@pytest.fixture
+def run(tmp_path):
+    # early: humaneval responses [2, 1] (mean 1.5) and [3] -> tau 2.25; late: [4, 4] -> 4.0
+    evals = [write_eval(tmp_path, "early", "humaneval", 100, [[2, 1], [3]]),
+             write_eval(tmp_path, "late", "humaneval", 200, [[4, 4]]),
+             write_eval(tmp_path, "early", "chat", 100, [[1, 1]]),
+             write_eval(tmp_path, "late", "chat", 200, [[1, 2], []])]
+    caches = [write_h5(tmp_path, "humaneval", [1.0, 0.5], [7, 5]), write_h5(tmp_path, "chat", [1.0], [4])]
+    return tmp_path, evals, caches
+
+
+def test_tables_and_agreement(run):
+    tmp_path, evals, caches = run
+    data = R.load_report_data(evals, caches)
+    piv = R.tau_pivot(data)
+    assert list(piv[("checkpoint", "")]) == ["early", "late"]
+    assert list(piv[("humaneval", "tau")]) == [2.25, 4.0]
+    assert piv[("humaneval", "Δ prev")].iloc[1] == 1.75 and math.isnan(piv[("humaneval", "Δ prev")].iloc[0])
+    assert list(piv[("chat", "tau")]) == [1.0, 1.5]
+    best = R.best_checkpoints(data).set_index("prompt_set")
+    assert best.loc["humaneval", "checkpoint"] == "late" and best.loc["chat", "checkpoint"] == "late"
+    # agreement pooled over completion tokens: (1.0 * 4 + 0.5 * 2) / 6
+    ag = data.agreement.set_index("prompt_set")
+    assert ag.loc["humaneval", "agreement"] == pytest.approx(5 / 6)
+    assert ag.loc["humaneval", "completion_tokens"] == 6 and ag.loc["humaneval", "samples_below_1"] == 1
+    assert ag.loc["humaneval", "lowest_sample"] == 0.5 and ag.loc["chat", "agreement"] == 1.0
+    assert data.slot_curves == {} and data.positions == []  # no accept_slot_* / tau_pos_* columns
+
+
+def test_speedup_estimate_exact(run):
+    tmp_path, evals, caches = run
+    data = R.load_report_data(evals, caches, costs=fake_costs(tmp_path))
+    s = data.speedups.set_index(["checkpoint", "prompt_set", "method"])
+    # chain: tau * t_decode / (t_verify(B=4) + t_draft) = 4.0 * 10 / (14 + 2)
+    assert s.loc[("late", "humaneval", "chain"), "speedup"] == pytest.approx(4.0 * 10 / 16)
+    assert s.loc[("early", "humaneval", "chain"), "speedup"] == pytest.approx(2.25 * 10 / 16)
+    assert set(s.index.get_level_values("method")) == {"chain"}  # no tau_ddtree_* columns: chain only
+    assert speedup(2.0, 1.0, 1.0, math.nan) != speedup(2.0, 1.0, 1.0, math.nan)  # NaN when a cost is missing
+
+
+def with_fake_columns(data):
+    """tau_ddtree_2/8 (tau + 0.5 / + 1), per-slot columns (a block-3 row leaves slot 3 empty) and
+    position bins (the last one empty everywhere), as issue 9's summary adds them."""
+    f = data.frame
+    f["tau_ddtree_2"] = f["tau"] + 0.5
+    f["tau_ddtree_8"] = f["tau"] + 1.0
+    f["accept_slot_1"], f["accept_slot_2"] = 0.9, 0.6
+    f["accept_slot_3"] = [0.3 if ck == "late" else math.nan for ck in f["checkpoint"]]
+    f["tau_pos_0_64"], f["tau_pos_64_128"], f["tau_pos_128_inf"] = f["tau"], f["tau"] - 0.1, math.nan
+    data.slot_curves, data.positions = R.slot_curves(f), R.position_columns(f)
+    data.speedups = speedup_frame(f, data.costs)
+    return data
+
+
+def test_fake_columns_adapt(run):
+    """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget; per-slot
+    and per-position columns add their figures and tables."""
+    tmp_path, evals, caches = run
+    data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
+    s = data.speedups.set_index(["checkpoint", "prompt_set", "method"])
+    # ddtree_8 of "late" on humaneval: (4 + 1) * 10 / (10 + 9 + 2.5) = 50 / 21.5
+    assert s.loc[("late", "humaneval", "ddtree_8"), "speedup"] == pytest.approx(50 / 21.5)
+    assert s.loc[("late", "humaneval", "ddtree_2"), "speedup"] == pytest.approx(45 / 15.5)
+    assert s.loc[("late", "humaneval", "ddtree_2"), "best"] and not s.loc[("late", "humaneval", "chain"), "best"]
+    assert s["best"].sum() == 4  # one per (checkpoint, prompt set)
+    figs = R.build_figures(data)
+    assert list(figs) == ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png",
+                          "slots_chat.png", "slots_humaneval.png", "position.png"]
+    assert data.slot_curves[("early", "chat")] == {"chain": [0.9, 0.6]}  # trailing empty slot dropped
+    assert data.slot_curves[("late", "chat")] == {"chain": [0.9, 0.6, 0.3]}
+    assert data.positions == [("0-64", "tau_pos_0_64"), ("64-128", "tau_pos_64_128")]
+    from dflash_eval.figures import method_columns, tau_vs_step
+
+    assert [c for c, _ in method_columns(data.frame)] == ["tau", "tau_ddtree_2", "tau_ddtree_8"]
+    assert len([ax for ax in tau_vs_step(data.frame).axes if ax.get_visible()]) == 3
+    html = R.render_html(data, figs)
+    assert 'data-table="ddtree-humaneval"' in html and "budget 8" in html
+    assert 'data-table="speedup-humaneval"' in html and "ddtree_2" in html
+    md = R.render_markdown(data)
+    assert "## DDTree: tau per node budget" in md and "| late | 200 | 4.000 | 4.500 | 5.000 |" in md
+    assert "| late | humaneval | 0.900 | 0.600 | 0.300 |" in md and "| early | chat | 0.900 | 0.600 |  |" in md
+    assert "| late | humaneval | 4.000 | 3.900 |" in md  # by position
+
+
+def test_html_self_contained_and_markdown(run):
+    tmp_path, evals, caches = run
+    out = tmp_path / "results" / "r1"
+    out.mkdir(parents=True)
+    pd.DataFrame().to_csv(out / "tau.csv")
+    R.write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
+                   out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
+    html = (out / "report.html").read_text()
+    srcs = re.findall(r'<img src="([^"]+)"', html)
+    assert len(srcs) == 5 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
+        ["tau_vs_step.png", "speedup.png", "verify_costs.png", "hist_chat.png", "hist_humaneval.png"])
+    assert "<script" not in html and not re.search(r'(src|href)="(?!data:|#|https://(arxiv\.org|github\.com))', html)
+    assert "CPU (CPU: test, float32, 2 threads)" in html and "Estimate, not a measurement" in html
+    assert "f00d" in html and "ab" * 32 in html  # config hash and target fingerprint
+    md = (out / "report.md").read_text()
+    assert "# dflash-eval report: r1" in md
+    assert "| early | 100 | 1.000 | 2.250 |" in md and "| late | 200 | 1.500 | 4.000 |" in md
+    assert "Best checkpoint per prompt set: chat: `late` (tau 1.500); humaneval: `late` (tau 4.000)" in md
+    assert "**Estimate** from costs measured on **CPU (CPU: test, float32, 2 threads)**" in md
+    assert "| late | 2.50 | chain |" in md  # 4.0 * 10 / 16
+    assert "- `early` / `humaneval`: 1:0.33 2:0.33 3:0.33" in md
+
+
+# --------------------------------------------------------------------------- in a browser
+
+def _csv_cells(frame: pd.DataFrame) -> list[list[str]]:
+    """A frame as tau.csv writes it (4 decimals, empty NaN), as rows of cell texts, header first."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    frame.to_csv(buf, index=False, float_format="%.4f")
+    return [row for row in csv.reader(io.StringIO(buf.getvalue()))]
+
+
+def test_renders_in_chromium(run):
+    """Every figure loads in headless Chromium, and the tau tables the browser shows equal tau.csv."""
+    import browser
+
+    browser.need_chromium()
+    tmp_path, evals, caches = run
+    data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
+    data.frame = data.frame.drop(columns="tau_ddtree_2")
+    data.speedups = speedup_frame(data.frame, data.costs)
+    page = tmp_path / "report.html"
+    page.write_text(R.render_html(data, R.build_figures(data)))
+    seen = browser.render(page, tmp_path)
+    assert len(seen["images"]) == 8
+    assert all(i["complete"] and i["width"] > 100 and i["height"] > 100 for i in seen["images"]), seen["images"]
+    assert seen["tables"]["tau-csv"] == _csv_cells(data.frame)
+    pivot = seen["tables"]["tau-table"]
+    assert pivot[0] == ["checkpoint", "step", "chat", "humaneval"] and pivot[1] == ["", "", "tau", "Δ prev", "tau", "Δ prev"]
+    assert pivot[2:] == [["early", "100", "1.0000", "", "2.2500", ""], ["late", "200", "1.5000", "+0.5000", "4.0000", "+1.7500"]]
+    # late on humaneval: chain 4 * 10 / (14 + 2) = 2.50 beats DDTree-8 5 * 10 / (19 + 2.5) = 2.33
+    assert seen["tables"]["speedup-humaneval"][0] == ["checkpoint", "chain", "ddtree_8", "best"]
+    assert seen["tables"]["speedup-humaneval"][2] == ["late", "2.50", "2.33", "chain"]
