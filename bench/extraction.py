@@ -9,6 +9,9 @@ synthetic completions and the same stored layers, one run prints:
   (``model(ids, attention_mask, output_hidden_states=True)`` over length-sorted right-padded batches of
   ``--loop-batch`` samples, the stored layers and the logits' argmax copied to the host; nothing written),
   their ratio, and the useful TFLOP/s of each against a bf16 (fp32 on CPU) GEMM rate measured here;
+- how long the stage's cache writer thread was busy (hashing, HDF5 writes, flushes) against the stage's
+  time (near 100 % = the writer bounds the stage; see ``bench/cache_writer.py`` for the writer alone),
+  and a note when packed attention fell back to one SDPA call per sample and layer;
 - the cache's agreement with the loop (max relative L2 of the stored states per sample, argmax agreement);
 - peak RSS of the stage for ``--rss-samples`` samples and for 4x as many (streaming: it must not grow).
 
@@ -200,8 +203,11 @@ def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_toke
     batching = re.search(r"batching: (\S+)", proc.stderr).group(1)
     peak = re.search(r"peak host memory: states of (\d+) samples \((\d+) tokens\)", proc.stderr)
     total = float(re.search(r"wrote .* in ([\d.]+) s in total", proc.stderr).group(1))
+    phases = re.search(r"cache writer thread: (.*)", proc.stderr)
     return {"tokens": int(m.group(2)), "seconds": float(m.group(3)), "rss_gb": rss / 1e6, "batching": batching,
-            "held": (int(peak.group(1)), int(peak.group(2))), "total": total}
+            "held": (int(peak.group(1)), int(peak.group(2))), "total": total,
+            "sdpa_fallback": "varlen flash attention unavailable" in proc.stderr,
+            "writer": dict((k, float(v)) for k, v in re.findall(r"(\w+) ([\d.]+) s", phases.group(1))) if phases else {}}
 
 
 def parity(cache: Path, loop_npz: Path, n: int) -> tuple[float, float]:
@@ -280,6 +286,14 @@ def main() -> None:
         print(f"  dflash-eval hidden-states : {tps_s:12,.0f} tok/s  {tf_s:8.3f} TFLOP/s ({100 * tf_s / rate:4.1f} % of GEMM)"
               f"  [{st['batching']}, batch_tokens {batch_tokens}, {size:.2f} GB cache written; whole job "
               f"{st['total']:.1f} s incl. model load and the final fsync]")
+        if st["sdpa_fallback"]:
+            print("  NOTE: the stage fell back to causal SDPA per packed sample (no varlen flash attention): "
+                  "one attention call per sample and layer")
+        if st["writer"]:
+            busy = sum(v for k, v in st["writer"].items() if k != "wait")
+            print(f"  cache writer thread busy {busy:.1f} s of the stage's {st['seconds']:.1f} s "
+                  f"({100 * busy / st['seconds']:.0f} %; near 100 % = the writer bounds the stage): "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in st["writer"].items()))
         print(f"  plain HF loop (batch {loop_batch:3d}) : {tps_l:12,.0f} tok/s  {tf_l:8.3f} TFLOP/s "
               f"({100 * tf_l / rate:4.1f} % of GEMM)  [output_hidden_states, padded, states to host, nothing written]")
         print(f"  ratio dflash-eval / loop  : {tps_s / tps_l:.2f}x")

@@ -4,32 +4,40 @@ One file per (target, prompt set). The target runs once over each sample's
 prompt + completion token ids; the outputs of the requested decoder layers are
 stored so that any number of drafter checkpoints can be replayed offline.
 
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 2``)::
+File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 3``)::
 
     /                         file attributes (FILE_ATTRS, listed below)
     /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
+    /prompt_len               [S] int32    P: input_ids[:P] is the prompt
+    /completion_len           [S] int32    T - P
+    /stop_reason              [S] utf-8    "eos" | "length" (from the completions file)
+    /max_new_tokens           [S] int32    the generation limit of the completion
+    /argmax_agreement         [S] float64  fraction of completion tokens equal to the teacher-forced argmax at
+                                           the previous position (1.0 unless generation and extraction numerics
+                                           differ); NaN until sample i is written
     /samples/<i:06d>/         one group per sample i (0-based index into sample_ids)
         input_ids             [T] int32    prompt + completion token ids (never re-tokenized)
-        hidden                [T, K, H]    uint16 = raw bfloat16 bits (attrs logical_dtype="bfloat16"),
-                                           or float32 (logical_dtype="float32", CPU extraction);
+        hidden                [T, K, H]    uint16 = raw bfloat16 bits (file attribute dtype = "bfloat16"),
+                                           or float32 (dtype = "float32", CPU extraction);
                                            hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1]
         target_argmax         [T] int32    target's greedy token after position t (teacher forced)
         attrs (SAMPLE_ATTRS):
-            sample_id         = sample_ids[i]
-            prompt_len        P: input_ids[:P] is the prompt
-            completion_len    T - P
-            stop_reason       "eos" | "length" (from the completions file)
-            max_new_tokens    the generation limit of the completion
-            argmax_agreement  fraction of completion tokens equal to the teacher-forced argmax at the
-                              previous position (1.0 unless generation and extraction numerics differ)
             sha256            hex sha256 of the stored bytes of input_ids, target_argmax and hidden, in
-                              this order (little-endian, C order): :func:`sample_sha256`
+                              this order (little-endian, C order): :func:`sample_sha256`; written last,
+                              so a group with it has all its parts
+
+The per-sample values known before the target runs are file-level arrays written once when the
+file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
+datasets and one attribute (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
+``stop_reason``, ``max_new_tokens``, ``argmax_agreement`` as attributes of each group and
+``logical_dtype`` on each ``hidden``: about 2x the HDF5 calls per sample; readers accept both).
 
 File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
 strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 and 2 (1 had no per-sample
-  ``sha256`` / ``completion_len`` and no ``batching`` / ``extraction_runs``).
+- ``format``, ``format_version``: see above. Readers accept versions 1 to 3 (2: per-sample values as
+  group attributes, see above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no
+  ``batching`` / ``extraction_runs``).
 - ``target_name``, ``target_sha256``, ``target_model_type``, ``num_target_layers``, ``hidden_size``,
   ``vocab_size``: the target's folder name, weights fingerprint (:func:`dflash_eval.target.weights_sha256`),
   model type, decoder layers, H, embedding rows.
@@ -114,7 +122,7 @@ import shutil
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -127,8 +135,8 @@ from .errors import InputError, partial_path
 log = logging.getLogger(__name__)
 
 FORMAT = "dflash-eval/hidden-state-cache"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 LAYER_CONVENTION = "hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1] (output of 0-based decoder layer)"
 FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
@@ -138,9 +146,10 @@ FILE_ATTRS = (
     "image", "env", "batching", "padding_side", "batch_tokens", "completions_sha256", "prompt_set", "created_at",
     "extraction_runs", "n_samples",
 )
+#: file-level per-sample arrays ``[S]`` (format 3), besides ``sample_ids``
+FILE_DATASETS = ("prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
 SAMPLE_DATASETS = ("input_ids", "hidden", "target_argmax")
-SAMPLE_ATTRS = ("sample_id", "prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement",
-                "sha256")
+SAMPLE_ATTRS = ("sha256",)
 #: file attributes a partial file must share with the run that continues it (else it is refused)
 IDENTITY_ATTRS = (
     "format_version", "target_sha256", "target_layer_ids", "completions_sha256", "hidden_size", "dtype", "storage",
@@ -299,6 +308,9 @@ class CacheReader:
         self.attrs = {k: _py(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
+        # format 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
+        self._per_sample = ({k: self._f[k][()] for k in ("prompt_len", "stop_reason", "max_new_tokens")}
+                            if "prompt_len" in self._f else None)
         n_groups = len(self._f["samples"]) if "samples" in self._f else 0
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
             raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
@@ -324,10 +336,24 @@ class CacheReader:
         """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
         ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
         g = self._f[f"samples/{i:06d}"]
-        return {**{k: _py(v) for k, v in g.attrs.items()}, "length": int(g["input_ids"].shape[0])}
+        length = int(g["input_ids"].shape[0])
+        if self._per_sample is None:  # format 1/2: group attributes
+            return {**{k: _py(v) for k, v in g.attrs.items()}, "length": length}
+        per = self._per_sample  # format 3: the file-level arrays (agreement read afresh)
+        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
+                "completion_len": length - int(per["prompt_len"][i]), "stop_reason": str(_py(per["stop_reason"][i])),
+                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": self.argmax_agreement(i),
+                "sha256": _py(g.attrs.get("sha256")), "length": length}
 
     def argmax_agreement(self, i: int) -> float | None:
-        """Sample ``i``'s ``argmax_agreement`` attribute (None when not recorded), without reading its states."""
+        """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
+
+        Format 3: the file-level array (read at each call: a file edited in place is seen); 1/2: the
+        group attribute.
+        """
+        if "argmax_agreement" in self._f:
+            v = float(self._f["argmax_agreement"][i])
+            return None if np.isnan(v) else v
         v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
         return None if v is None else float(v)
 
@@ -335,7 +361,9 @@ class CacheReader:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
         g = self._f[f"samples/{i:06d}"]
         hidden_ds = g["hidden"]
-        logical = _py(hidden_ds.attrs["logical_dtype"])
+        per = self._per_sample
+        logical = (_py(hidden_ds.attrs["logical_dtype"]) if per is None
+                   else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
         if layer_ids is None:
             arr = hidden_ds[()]
         else:
@@ -343,13 +371,13 @@ class CacheReader:
             arr = hidden_ds[()][:, idx] if idx != list(range(len(self.layer_ids))) else hidden_ds[()]
         return CacheSample(
             index=i,
-            sample_id=str(_py(g.attrs["sample_id"])),
+            sample_id=self.sample_ids[i] if per is not None else str(_py(g.attrs["sample_id"])),
             input_ids=torch.from_numpy(g["input_ids"][()].astype(np.int64)),
-            prompt_len=int(g.attrs["prompt_len"]),
+            prompt_len=int(per["prompt_len"][i] if per is not None else g.attrs["prompt_len"]),
             hidden=from_storage(arr, logical),
             target_argmax=torch.from_numpy(g["target_argmax"][()].astype(np.int64)),
-            stop_reason=str(_py(g.attrs["stop_reason"])),
-            max_new_tokens=int(g.attrs["max_new_tokens"]),
+            stop_reason=str(_py(per["stop_reason"][i] if per is not None else g.attrs["stop_reason"])),
+            max_new_tokens=int(per["max_new_tokens"][i] if per is not None else g.attrs["max_new_tokens"]),
         )
 
     def verify(self, indices: Sequence[int] | None = None) -> list[int]:
@@ -446,6 +474,7 @@ class PartialCache:
         self._f = None
         self.broken = False  # a write failed: the HDF5 state in memory must not reach the file
         self.done: set[int] = set()
+        self._unsealed: dict = {}  # sample index -> its group, written but without its checksum yet
         self._run: dict = {}
         self._runs: list = []
 
@@ -528,6 +557,13 @@ class PartialCache:
             f.attrs["extraction_runs"] = "[]"
             f.create_dataset("sample_ids", data=np.array([m.sample_id for m in self.meta], dtype=object),
                              dtype=h5py.string_dtype())
+            f.create_dataset("prompt_len", data=np.array([m.prompt_len for m in self.meta], dtype=np.int32))
+            f.create_dataset("completion_len", data=np.array([len(m.input_ids) - m.prompt_len for m in self.meta],
+                                                             dtype=np.int32))
+            f.create_dataset("stop_reason", data=np.array([m.stop_reason for m in self.meta], dtype=object),
+                             dtype=h5py.string_dtype())
+            f.create_dataset("max_new_tokens", data=np.array([m.max_new_tokens for m in self.meta], dtype=np.int32))
+            f.create_dataset("argmax_agreement", data=np.full(len(self.meta), np.nan))
             f.create_group("samples")
             f.flush()
         except BaseException:
@@ -591,7 +627,11 @@ class PartialCache:
         with h5py.File(tmp, "w", locking="best-effort") as g:
             for key, val in f.attrs.items():
                 g.attrs[key] = val
-            g.create_dataset("sample_ids", data=f["sample_ids"][()], dtype=h5py.string_dtype())
+            for name in ("sample_ids", "stop_reason"):
+                g.create_dataset(name, data=f[name][()], dtype=h5py.string_dtype())
+            for name in FILE_DATASETS:
+                if name != "stop_reason":
+                    g.create_dataset(name, data=f[name][()])
             dst = g.create_group("samples")
             for i in sorted(reused):
                 f.copy(f[f"samples/{i:06d}"], dst, name=f"{i:06d}")
@@ -609,32 +649,62 @@ class PartialCache:
                           f"{nbytes / 1e6:.0f} MB + 64 MB of headroom", str(self.path.parent))
 
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
-                     sha256: str, argmax_agreement: float) -> None:
-        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32)."""
+                     sha256: str | None, argmax_agreement: float | None) -> None:
+        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32).
+
+        ``logical_dtype`` must be the file's ``dtype`` (kept for callers; format 3 stores it once).
+        ``argmax_agreement=None``: already written by :meth:`write_agreement`.
+
+        With ``sha256=None`` the group is written without its checksum, so it does not count as
+        written (a resumed run discards it) until :meth:`seal` adds it: the writer hashes in other
+        threads while HDF5 writes.
+        """
         try:
-            self._write_sample(i, hidden, logical_dtype, target_argmax, sha256, argmax_agreement)
+            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement)
+            if sha256 is not None:
+                self._seal(i, sha256)
         except BaseException:
             self._detach()
             raise
 
-    def _write_sample(self, i, hidden, logical_dtype, target_argmax, sha256, argmax_agreement) -> None:
+    def seal(self, i: int, sha256: str) -> None:
+        """Add sample ``i``'s checksum (written last: a group with a checksum has all its parts)."""
+        try:
+            self._seal(i, sha256)
+        except BaseException:
+            self._detach()
+            raise
+
+    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement) -> None:
         m = self.meta[i]
         grp = self._f["samples"]
         name = f"{i:06d}"
         if name in grp:  # a group of a failed earlier attempt of this run
             del grp[name]
+        if argmax_agreement is not None:
+            self._f["argmax_agreement"][i] = argmax_agreement
         g = grp.create_group(name)
         g.create_dataset("input_ids", data=m.input_ids)
-        d = g.create_dataset("hidden", data=hidden)
-        d.attrs["logical_dtype"] = logical_dtype
+        g.create_dataset("hidden", data=hidden)
         g.create_dataset("target_argmax", data=target_argmax)
-        g.attrs["sample_id"] = m.sample_id
-        g.attrs["prompt_len"] = m.prompt_len
-        g.attrs["completion_len"] = len(m.input_ids) - m.prompt_len
-        g.attrs["stop_reason"] = m.stop_reason
-        g.attrs["max_new_tokens"] = m.max_new_tokens
-        g.attrs["argmax_agreement"] = argmax_agreement
-        g.attrs["sha256"] = sha256  # last: a group with a checksum has all its parts
+        self._unsealed[i] = g
+
+    def write_agreement(self, indices: Sequence[int], values: Sequence[float]) -> None:
+        """Write the ``argmax_agreement`` of several samples in one HDF5 call (before their groups)."""
+        if not len(indices):
+            return
+        try:
+            order = np.argsort(np.asarray(indices))
+            self._f["argmax_agreement"][np.asarray(indices)[order]] = np.asarray(values, dtype=np.float64)[order]
+        except BaseException:
+            self._detach()
+            raise
+
+    def _seal(self, i: int, sha256: str) -> None:
+        g = self._unsealed.pop(i, None)
+        if g is None:
+            g = self._f["samples"][f"{i:06d}"]
+        g.attrs["sha256"] = sha256
         self.done.add(i)
         self._run["computed"] += 1
 
@@ -756,6 +826,10 @@ class StreamingWriter:
         self.held_samples = self.held_tokens = 0
         self.max_held_samples = self.max_held_tokens = 0
         self.written = 0
+        #: seconds the writer thread spent per phase (the stage logs them): ``wait`` (for the batch's
+        #: device-to-host copy), ``write`` (HDF5 objects and data), ``hash`` (waiting for checksums still
+        #: being computed once the writes are done, plus adding them), ``commit`` (flush)
+        self.timings = {"wait": 0.0, "hash": 0.0, "write": 0.0, "commit": 0.0}
         self._progress = progress
         self._pool = ThreadPoolExecutor(max_workers=hash_threads or max(1, min(8, (os.cpu_count() or 2) - 1)),
                                         thread_name_prefix="dflash-hash")
@@ -809,20 +883,39 @@ class StreamingWriter:
                 self._slots.release()
 
     def _write(self, batch: Batch) -> None:
+        tm, t0 = self.timings, time.perf_counter()
         if batch.ready is not None:
             batch.ready()
+        t1 = time.perf_counter()
+        tm["wait"] += t1 - t0
         meta = self.cache.meta
         self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
-        shas = list(self._pool.map(lambda k: sample_sha256(ids32[k], argmax32[k], batch.samples[k][1]),
-                                   range(len(batch.samples))))
-        for k, (i, hidden, _) in enumerate(batch.samples):
-            m = meta[i]
-            P, T = m.prompt_len, len(m.input_ids)
-            agree = float((argmax32[k][P - 1 : T - 1] == m.input_ids[P:]).mean()) if T > P else 1.0
-            self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], shas[k], agree)
+        # hashes run in the pool (hashlib and HDF5's dataset writes release the GIL) while this thread
+        # writes the groups; each checksum is added once its group is written
+        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h) for k, (_, h, _) in enumerate(batch.samples)]
+        t2 = time.perf_counter()
+        try:
+            agree = []
+            for k, (i, _, _) in enumerate(batch.samples):
+                m = meta[i]
+                P, T = m.prompt_len, len(m.input_ids)
+                agree.append(float((argmax32[k][P - 1 : T - 1] == m.input_ids[P:]).mean()) if T > P else 1.0)
+            self.cache.write_agreement([i for i, _, _ in batch.samples], agree)
+            for k, (i, hidden, _) in enumerate(batch.samples):
+                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None)
+            t3 = time.perf_counter()
+            tm["write"] += t3 - t2
+            for k, (i, _, _) in enumerate(batch.samples):
+                self.cache.seal(i, shas[k].result())
+        except BaseException:
+            wait(shas)  # no hash may still read the batch's buffer once it is released
+            raise
+        t4 = time.perf_counter()
+        tm["hash"] += t4 - t3  # hashing left once the writes are done
         self.cache.commit()
+        tm["commit"] += time.perf_counter() - t4
         self.written += len(batch.samples)
         if self._progress is not None:
             self._progress(len(batch.samples), sum(len(a) for a in argmax32))

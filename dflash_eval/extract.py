@@ -617,5 +617,6 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
         writer.close()
     finally:
         bar.close()
+    log.info("cache writer thread: %s", ", ".join(f"{k} {v:.1f} s" for k, v in writer.timings.items()))
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}

@@ -210,10 +210,12 @@ def _documented():
     files_part = doc[doc.index("File attributes (FILE_ATTRS"): doc.index("Layer convention")]
     items = re.split(r"\n- ", files_part)[1:]
     file_attrs = {n for item in items for n in re.findall(r"``([a-z0-9_]+)``", " ".join(item.split()).split(": ")[0])}
+    top = doc[doc.index("File layout"): doc.index("/samples/<i:06d>/")]
+    file_datasets = set(re.findall(r"^ {4}/([a-z_]+) +\[", top, flags=re.M))
     layout = doc[doc.index("/samples/<i:06d>/"): doc.index("File attributes (FILE_ATTRS")]
     datasets = set(re.findall(r"^ {8}([a-z_]+) +\[", layout, flags=re.M))
     sample_attrs = set(re.findall(r"^ {12}([a-z0-9_]+) {2,}", layout, flags=re.M))
-    return file_attrs, datasets, sample_attrs
+    return file_attrs, file_datasets, datasets, sample_attrs
 
 
 def test_documented_attributes_are_the_written_ones(tmp_path):
@@ -222,7 +224,7 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
     import sys
     from pathlib import Path
 
-    from dflash_eval.cache import SAMPLE_ATTRS, SAMPLE_DATASETS
+    from dflash_eval.cache import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
     from dflash_eval.extract import extract_hidden_states
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -233,14 +235,19 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
                                                           "completion_ids": [8, 9], "stop_reason": "eos",
                                                           "max_new_tokens": 4}) + "\n" for i in range(3)))
     out = extract_hidden_states(target, tmp_path / "c.jsonl", tmp_path / "c.h5", [0, 1], device="cpu")
-    file_doc, ds_doc, sample_doc = _documented()
+    file_doc, file_ds_doc, ds_doc, sample_doc = _documented()
     with h5py.File(out, "r", locking=False) as f:
         assert set(f.attrs) == file_doc == set(FILE_ATTRS)
+        assert set(f) == file_ds_doc | {"samples"} == {"sample_ids", "samples", *FILE_DATASETS}
+        assert f["prompt_len"][()].tolist() == [1, 2, 3] and f["completion_len"][()].tolist() == [2, 2, 2]
+        assert f["max_new_tokens"][()].tolist() == [4, 4, 4] and f["argmax_agreement"].dtype == np.float64
+        assert [s.decode() for s in f["stop_reason"][()]] == ["eos"] * 3
+        assert not np.isnan(f["argmax_agreement"][()]).any()
         for name, g in f["samples"].items():
             assert set(g) == ds_doc == set(SAMPLE_DATASETS)
             assert set(g.attrs) == sample_doc == set(SAMPLE_ATTRS)
-            assert set(g["hidden"].attrs) == {"logical_dtype"}
-            assert g.attrs["completion_len"] == len(g["input_ids"]) - g.attrs["prompt_len"] == 2
+            assert set(g["hidden"].attrs) == set()
+            assert len(g["input_ids"]) - f["prompt_len"][int(name)] == f["completion_len"][int(name)]
     with CacheReader(out) as rd:
         assert rd.verify() == []
 

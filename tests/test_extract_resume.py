@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
+from dflash_eval.cache import FILE_DATASETS
 from dflash_eval.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,6 +91,9 @@ def datasets(path: Path) -> dict:
     out = {}
     with h5py.File(path, "r", locking=False) as f:
         out["sample_ids"] = [s.decode() if isinstance(s, bytes) else s for s in f["sample_ids"][()]]
+        for name in FILE_DATASETS:  # per-sample arrays (argmax_agreement included)
+            arr = f[name][()]
+            out[name] = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.dtype.kind != "O" else arr.tolist()
         for name, g in f["samples"].items():
             for ds in ("input_ids", "hidden", "target_argmax"):
                 arr = g[ds][()]
