@@ -640,7 +640,8 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     del cfg["prompt_sets"]["set_b"]  # lists and nested keys of the overlay merge, so drop it at the source
     _write_config(wd, cfg)
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *args)
-    assert job_counts(out.stdout + out.stderr) == {"summary": 1, "report": 1, "all": 1}
+    # target_costs measures every configured drafter's block pass: a changed checkpoint set reruns it
+    assert job_counts(out.stdout + out.stderr) == {"target_costs": 1, "summary": 1, "report": 1, "all": 1}
     smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
     assert sorted(zip(csv.checkpoint, csv.prompt_set)) == [("demo-step50", "set_a"), ("step100", "set_a")]
@@ -666,6 +667,7 @@ def test_changing_overrides_reruns_strip_and_evaluate(tiny_run, tmp_path):
         ("strip_drafter", "run=tiny, ckpt=step100"),
         ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_a"),
         ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_b"),
+        ("target_costs", "run=tiny"),  # its input, the stripped config.json, was rewritten
         ("summary", "run=tiny"), ("report", "run=tiny"), ("all", "")])
     assert "Params have changed since last execution" in text and "--override mask_token_id=1" in text
 
