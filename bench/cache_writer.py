@@ -25,7 +25,6 @@ import hashlib
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -133,7 +132,6 @@ def run_writer(out: Path, lengths, K: int, H: int, batch_tokens: int, hash_threa
 
 def breakdown(tmp: Path, lengths, K: int, H: int, n: int) -> dict:
     """Per-sample costs of the pieces, each alone in one thread, on ``n`` samples of the shape."""
-    import h5py
 
     from dflash_eval.cache import _h5_writable
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import InputError, atomic_dir, atomic_path
+from .errors import atomic_dir, atomic_path
 from .metrics import aggregate
 from .summary import summary_frame
 

@@ -43,7 +43,6 @@ Sources and exact definitions of the three tau conventions (``tau``, ``tau_token
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
