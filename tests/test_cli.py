@@ -26,7 +26,7 @@ REQUIRED = {
     ("hidden-states", ["--layer-ids", "1", "--batch-tokens", "0"], "must be >= 1 (cache.batch_tokens in the config schema)"),
     ("kernel-parity", ["--layer-ids", "1", "--n-samples", "0"], "kernel_parity.n_samples"),
     ("evaluate", ["--max-samples", "-1"], "must be >= 0 (evaluate.max_samples in the config schema), got -1"),
-    ("evaluate", ["--batch-size", "0"], "evaluate.batch_size"),
+    ("evaluate", ["--batch-size", "-1"], "evaluate.batch_size"),
     ("evaluate", ["--agreement-min", "1.5"], "expected a number in [0, 1]"),
     ("completions", ["--max-new-tokens", "0"], "generation.max_new_tokens"),
     ("prompts", ["--n", "-1"], "prompt_set.n"),
