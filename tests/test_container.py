@@ -150,7 +150,7 @@ def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     assert not (wd / "dflash_eval").exists()
     proc = smk(wd, "--workflow-profile", str(REPO / "profiles" / "ci"), "--sdm", "apptainer", env=env, timeout=1800)
     out = proc.stdout + proc.stderr
-    assert "9 of 9 steps (100%) done" in out, out[-3000:]
+    assert re.search(r"\b(\d+) of \1 steps \(100%\) done", out), out[-3000:]  # every planned job ran
     with h5py.File(wd / "results" / "tiny" / "cache" / "set_a.h5", "r") as f:
         assert f.attrs["image"] == tag
         assert f.attrs["causal_conv1d_kernel"] == "absent" and f.attrs["causal_conv1d_version"] == "absent"
