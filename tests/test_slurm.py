@@ -42,7 +42,7 @@ LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" i
 
 def test_profiles_set():
     assert set(PROFILES) == {"local-gpu", "slurm-gpu", "slurm-cpu", "ci"}
-    assert GPU_RULES == {"completions", "hidden_states", "evaluate", "kernel_parity", "target_costs"}
+    assert GPU_RULES == {"completions", "hidden_states", "evaluate", "kernel_parity", "target_costs", "validate_online"}
     assert {"summary", "report"} <= LOCAL_RULES
     assert PROFILES["ci"]["cores"] == 2 and PROFILES["ci"]["resources"] == {"gpu": 1}
     for name, prof in PROFILES.items():
