@@ -178,8 +178,10 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples:
         for d in drafters:
             taus = {}
             for k in ("a", "b"):
+                # Both backends on purpose; a backend whose states drift far enough to lower the
+                # argmax agreement is what this report shows (argmax_agreement above), not refused.
                 ev = evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=device,
-                              allow_backend_mismatch=True)
+                              allow_backend_mismatch=True, allow_low_agreement=True)
                 taus[k] = ev["tau"]
             result["drafters"].append({"checkpoint": Path(d).name, "tau_a": taus["a"], "tau_b": taus["b"]})
     result["title"] = f"Linear-attention kernel parity: A = {label['a']}, B = {label['b']}"

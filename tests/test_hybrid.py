@@ -4,6 +4,7 @@ backend refusal, the evaluate backend check and the kernel-parity stage."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -215,12 +216,14 @@ def test_cache_records_backend_and_evaluate_refuses_mismatch(target, completions
     assert kernel["env"]["FLA_FLASH_QLA"] == "0" and json.loads(a["env"])["FLA_FLASH_QLA"] == "0"
     assert a["fla_version"] == kernel["versions"]["fla"] == "absent"
     with pytest.raises(InputError, match="made with the 'torch' kernel but the drafter was trained on 'fla'"):
-        evaluate(drafter, cache, target, tmp_path / "e.json", device="cpu", training_backend="fla")
+        evaluate(drafter, cache, target, tmp_path / "e.json", device="cpu", training_backend="fla",
+                 allow_low_agreement=True)  # synthetic completions: not the target's greedy output
     assert not (tmp_path / "e.json").exists()
-    r = evaluate(drafter, cache, target, tmp_path / "e.json", device="cpu", training_backend="torch")
+    r = evaluate(drafter, cache, target, tmp_path / "e.json", device="cpu", training_backend="torch",
+                 allow_low_agreement=True)
     assert r["n_samples"] == 3 and r["tau"] >= 1.0
     args = ["evaluate", "--drafter", str(drafter), "--cache", str(cache), "--target", str(target), "--device", "cpu",
-            "--out", str(tmp_path / "e2.json"), "--training-backend", "fla"]
+            "--out", str(tmp_path / "e2.json"), "--training-backend", "fla", "--allow-low-agreement"]
     assert main(args) == 2 and not (tmp_path / "e2.json").exists()
     assert main(args + ["--allow-backend-mismatch"]) == 0
     assert json.loads((tmp_path / "e2.json").read_text())["tau"] == r["tau"]
@@ -290,4 +293,4 @@ def test_whole_pipeline_through_the_cli(kind, tmp_path):
     assert ev["n_samples"] == 3 and ev["tau"] >= 1.0
     report = (d / "report.md").read_text()
     assert "## Linear-attention kernel parity: A = torch bfloat16, B = torch float32" in report
-    assert '"backend": "torch"' in report
+    assert re.search(r"cache: linear_attn_kernel\s*\|\s*torch\s*\|", report), report  # provenance table
