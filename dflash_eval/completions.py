@@ -298,7 +298,7 @@ class TransformersSource(CompletionSource):
         from .target import gqa_sdpa, prefill_unpadded
 
         with gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
-            cache = prefill_unpadded(self.model, prompt_ids_batch, P)  # CPU: no prefill work on the padding
+            cache = prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
                                       past_key_values=cache, generation_config=self.gen_config)
         new = out[:, P:].cpu().tolist()

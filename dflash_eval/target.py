@@ -286,7 +286,43 @@ def gqa_sdpa(model):
         cfg._attn_implementation = old
 
 
-def prefill_unpadded(model, prompts, width: int):
+def _preallocated_layer_class():
+    """A transformers ``DynamicLayer`` whose keys/values are views of buffers sized once.
+
+    ``DynamicLayer.update`` concatenates the whole cache with each new token (``torch.cat``): for
+    the demo's batch-16 CPU decoding that copy was a fifth of a decode step. This layer writes the
+    new keys/values into a buffer of ``capacity`` positions (set by :func:`prefill_unpadded`) and
+    returns views of its first ``n`` positions; past the capacity it concatenates as before. The
+    attention reads the same values in the same order (same tokens: ``tests/test_generate_fast_paths.py``).
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def reserve(self, capacity: int) -> None:
+            n = self.keys.shape[-2]
+            kbuf = self.keys.new_empty((*self.keys.shape[:-2], capacity, self.keys.shape[-1]))
+            vbuf = self.values.new_empty((*self.values.shape[:-2], capacity, self.values.shape[-1]))
+            kbuf[..., :n, :] = self.keys
+            vbuf[..., :n, :] = self.values
+            self._bufs = (kbuf, vbuf)
+            self.keys, self.values = kbuf[..., :n, :], vbuf[..., :n, :]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            bufs = getattr(self, "_bufs", None)
+            n = self.keys.shape[-2] if self.is_initialized else 0
+            m = n + key_states.shape[-2]
+            if bufs is None or m > bufs[0].shape[-2] or key_states.shape[0] != bufs[0].shape[0]:
+                self._bufs = None
+                return super().update(key_states, value_states, *args, **kwargs)
+            bufs[0][..., n:m, :] = key_states
+            bufs[1][..., n:m, :] = value_states
+            self.keys, self.values = bufs[0][..., :m, :], bufs[1][..., :m, :]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def prefill_unpadded(model, prompts, width: int, capacity: int = 0):
     """The KV cache of left-padded prompts, each prompt computed alone (CPU: no work on padding).
 
     ``model.generate`` on a left-padded ``[B, width]`` batch runs the prefill over every pad
@@ -299,6 +335,9 @@ def prefill_unpadded(model, prompts, width: int):
 
     Args:
         prompts: B token-id lists, each non-empty; width: the padded length (longest prompt).
+        capacity: > 0 sizes each layer's key/value buffers for this many positions (the padded
+            prompt plus the new tokens), so decoding writes in place instead of concatenating
+            (:func:`_preallocated_layer_class`).
 
     Returns:
         a ``DynamicCache``, or None where it does not apply (not on CPU, where the batched GPU prefill
@@ -332,6 +371,11 @@ def prefill_unpadded(model, prompts, width: int):
                 keys[b, :, width - 1 - n:] = c.layers[li].keys[0]
                 values[b, :, width - 1 - n:] = c.layers[li].values[0]
         batch.update(keys, values, li)
+    if capacity > width - 1:
+        layer_class = _preallocated_layer_class()
+        for layer in batch.layers:
+            layer.__class__ = layer_class  # same state, in-place update()
+            layer.reserve(capacity)
     return batch
 
 

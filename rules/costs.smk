@@ -24,7 +24,7 @@ rule target_costs:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: TORCH_THREADS
+    threads: config["target_costs"]["threads"] or TORCH_THREADS
     resources:
         gpu=1,
     params:

@@ -53,3 +53,33 @@ def test_fast_generate_matches_plain_generate(tmp_path, arch, monkeypatch):
     plain = src.generate(prompts)
     assert fast == plain
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_preallocated_kv_layer_writes_in_place(tmp_path):
+    """prefill_unpadded(capacity=...) sizes each layer's buffers once; decoding writes into them (no
+    concatenation) and the cache holds exactly what the concatenating DynamicLayer would; past the
+    capacity it falls back to concatenation."""
+    from tiny import make_tiny_target
+
+    import dflash_eval.target as T
+
+    target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
+    model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    plain = T.prefill_unpadded(model, prompts, 4)
+    cache = T.prefill_unpadded(model, prompts, 4, capacity=5)
+    layer, ref = cache.layers[0], plain.layers[0]
+    kbuf, vbuf = layer._bufs
+    assert kbuf.shape[-2] == 5 and layer.keys.shape[-2] == 3
+    assert torch.equal(layer.keys, ref.keys) and torch.equal(layer.values, ref.values)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):  # 3 -> 4 -> 5 positions in the buffer, then 6: concatenated
+        k, v = torch.randn(2, *ref.keys.shape[1:2], 1, ref.keys.shape[-1], generator=g), None
+        v = torch.randn(k.shape, generator=g)
+        keys, values = layer.update(k, v)
+        ref_keys, ref_values = ref.update(k, v)
+        assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+        in_buffer = step < 2
+        assert (keys.data_ptr() == kbuf.data_ptr()) == in_buffer
+        assert (values.data_ptr() == vbuf.data_ptr()) == in_buffer
+    assert layer.get_seq_length() == 6
