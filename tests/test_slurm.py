@@ -135,7 +135,11 @@ def test_torch_threads_from_config(tmp_path):
     assert t["prompts"] == t["strip_drafter"] == {1}
     t = threads("--cores", "2", "--config", "torch_threads=3")
     assert t["completions"] == t["evaluate"] == {2}  # capped by --cores
-    assert threads("--cores", "64", "--config", "torch_threads=3")["hidden_states"] == {3}
+    t = threads("--cores", "64", "--config", "torch_threads=3")
+    assert t["hidden_states"] == t["target_costs"] == {3}
+    # the demo overlay: torch jobs at 1 thread, the timing job on every core --cores allows
+    t = threads("--cores", "2", "--configfile", "config/demo.yaml")
+    assert t["completions"] == t["hidden_states"] == t["evaluate"] == {1} and t["target_costs"] == {2}
 
 
 def test_missing_sif_stops_at_parse_time(tmp_path):
