@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vllm-max-model-len", type=int, default=D("generation.vllm.max_model_len"),
                    help="0 = longest prompt + max_new_tokens, rounded up to 256")
     g.add_argument("--vllm-start-timeout-s", type=float, default=D("generation.vllm.start_timeout_s"))
-    g.add_argument("--server-log", default=None, help="log file of the served vLLM (default: <out>.vllm.log)")
+    g.add_argument("--server-log", default=None, help="log file of the served vLLM (default: <out>.vllm.log); when the job starts no server, "
+                   "a given file gets one line saying so (the workflow declares it for every source)")
     p.add_argument("--out", required=True)
 
     p = sub.add_parser("hidden-states", help="run the target over prompt+completion ids and write the HDF5 cache")
@@ -395,7 +396,7 @@ def _dispatch(args) -> int | None:
                                vllm_args=args.vllm_arg or list(D("generation.vllm.args")), vllm_env=env,
                                vllm_max_model_len=args.vllm_max_model_len,
                                vllm_start_timeout_s=args.vllm_start_timeout_s,
-                               server_log=args.server_log or f"{args.out}.vllm.log")
+                               server_log=args.server_log)
         generate_completions(target_dir=args.target, prompts_path=args.prompts, out=args.out, source=args.source,
                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                              device=args.device, dtype=args.dtype, linear_attn_backend=args.linear_attn_backend,

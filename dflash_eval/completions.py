@@ -569,7 +569,8 @@ class ServerOptions:
         vllm_python, vllm_args, vllm_env, vllm_max_model_len, vllm_start_timeout_s: see
             :class:`dflash_eval.serving.VLLMServer` (max_model_len 0 = longest prompt + max_new_tokens,
             rounded up to 256).
-        server_log: the served vLLM's log file.
+        server_log: the served vLLM's log file (default ``<out>.vllm.log``); when no server is started,
+            a given file gets one line saying so.
     """
 
     url: str = ""
@@ -625,6 +626,11 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
     """Yield ``(source, tokenizer, vocab_size)``; stops a served vLLM and closes clients on exit."""
     from .runtime import resolve_device, resolve_dtype
 
+    if server is not None and server.server_log and (source == "transformers" or server.serve != "vllm"):
+        # the rule declares this log for every source: say why it holds no server output
+        Path(server.server_log).parent.mkdir(parents=True, exist_ok=True)
+        Path(server.server_log).write_text(f"no server started by this job (generation.source: {source}, "
+                                           f"generation.serve: {server.serve or 'none'})\n")
     if source == "transformers":
         from .target import TargetSpec, load_target, target_info
 
@@ -671,7 +677,8 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
             mml = server.vllm_max_model_len or -(-need // 256) * 256
             vllm = VLLMServer(server.vllm_python, target_dir, dtype=dt, max_model_len=mml,
                               enforce_eager=dev.type == "cpu", extra_args=server.vllm_args, env=server.vllm_env,
-                              log_path=server.server_log, start_timeout_s=server.vllm_start_timeout_s)
+                              log_path=server.server_log or f"{out}.vllm.log",
+                              start_timeout_s=server.vllm_start_timeout_s)
             stack.enter_context(vllm)
             url = vllm.url
             launch = {**vllm.describe(), "max_model_len": mml}

@@ -260,3 +260,18 @@ def test_convert_gguf_writes_every_end_of_generation_id(tmp_path, monkeypatch):
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
     assert stop_token_ids(out) == ([2, 0], {"generation_config.json": [2, 0], "gguf metadata": [2, 0],
                                             "config.json": [2], "tokenizer eos": [2]})
+
+
+def test_declared_server_log_says_no_server(setup):
+    """The workflow declares <set>.vllm.log for every source: without a server it holds one line
+    saying so (not an empty file); without --server-log nothing is written beside the output."""
+    from dflash_eval.completions import ServerOptions
+
+    root, target, prompts, *_ = setup
+    log = root / "logs" / "set.vllm.log"
+    generate_completions(target, prompts, root / "s.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
+                         dtype="float32", server=ServerOptions(server_log=str(log)))
+    assert log.read_text() == "no server started by this job (generation.source: transformers, generation.serve: none)\n"
+    generate_completions(target, prompts, root / "t.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
+                         dtype="float32", server=ServerOptions())
+    assert not (root / "t.jsonl.vllm.log").exists()
