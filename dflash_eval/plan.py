@@ -329,7 +329,11 @@ def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], ta
                 cache_path=cfg_file)
         except InputError as err:
             where = ": ".join(str(x) for x in (err.file, err.field) if x)
-            raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", err.fix) from None
+            fix = err.fix
+            if row.get("overrides"):  # the problem may come from the entry's overrides, not the file
+                fix = (f"{fix}; or correct this entry's overrides {json.dumps(row['overrides'])}, which are "
+                       f"applied over {cfg_file}")
+            raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", fix) from None
 
 
 def check_generation(gen: dict) -> None:

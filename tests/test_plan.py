@@ -244,7 +244,12 @@ def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
         run(_drafter_cfg(layers=(1, 3)))
     assert ei.value.field == "checkpoint c (list)" and "needs target layers [3] but the cache stores [1, 2]" in ei.value.problem
     assert "ck/config.json" in ei.value.problem
+    assert "overrides" not in ei.value.fix
     run(_drafter_cfg(layers=(1, 3)), overrides={"target_layer_ids": [1, 2]})  # the override is what strip uses
+    with pytest.raises(InputError) as ei:  # a wrong override: both fixes named
+        run(_drafter_cfg(), overrides={"target_layer_ids": [1, 3]})
+    assert "add them to cache.target_layer_ids" in ei.value.fix
+    assert 'correct this entry\'s overrides {"target_layer_ids": [1, 3]}' in ei.value.fix
     with pytest.raises(InputError, match="stored twice with different values"):
         run(_drafter_cfg(block_size=8))
     with pytest.raises(InputError, match="hidden_size: drafter 16 != target 8"):
