@@ -83,3 +83,26 @@ def test_preallocated_kv_layer_writes_in_place(tmp_path):
         assert (keys.data_ptr() == kbuf.data_ptr()) == in_buffer
         assert (values.data_ptr() == vbuf.data_ptr()) == in_buffer
     assert layer.get_seq_length() == 6
+
+
+def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
+    """A batch logs its decode steps (throttled; here every step) and yields the same tokens."""
+    import logging
+
+    from tiny import make_tiny_target
+
+    import dflash_eval.target as T
+    from dflash_eval.completions import TransformersSource
+
+    target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
+    model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    src = TransformersSource(model, tok, max_new_tokens=6, stop_ids=[10 ** 6])  # no stop: 6 steps
+    quiet = src.generate(prompts)
+    src.log_every = 0.0
+    with caplog.at_level(logging.INFO, logger="dflash_eval.completions"):
+        loud = src.generate(prompts)
+    assert loud == quiet and all(len(ids) == 6 for ids, _ in loud)
+    steps = [r.getMessage() for r in caplog.records if "decode step" in r.getMessage()]
+    assert [m.split("decode step ")[1].split(",")[0] for m in steps] == [f"{i}/6" for i in range(1, 7)]
+    assert steps[0].startswith("batch of 2 prompts")
