@@ -21,7 +21,16 @@ from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.plan import build_plan
 
-CONFIG_FILES = ", ".join(map(str, workflow.configfiles)) or "the config"
+def _shown(path):
+    """A config file as the user would type it: relative to the working directory when inside it."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+CONFIG_FILES = ", ".join(_shown(f) for f in workflow.configfiles) or "the config"
 
 try:
     validate(config, "../config/schemas/config.schema.yaml")
@@ -84,7 +93,7 @@ def _check_container_image():
         return
     if image.endswith(".sif") and not os.path.isfile(image):
         raise WorkflowError(
-            f"config containers.cuda: image file {image!r} does not exist (relative paths are "
+            f"config ({CONFIG_FILES}): containers.cuda: image file {image!r} does not exist (relative paths are "
             "resolved against the working directory). Fix: build it (containers/README.md: "
             "podman/docker build, then apptainer build ... docker-archive:...), set "
             "containers.cuda to the .sif you have or to docker://<your-registry>/<image>:<tag>, "

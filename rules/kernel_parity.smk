@@ -14,13 +14,13 @@ KERNEL_PARITY_CHECKPOINTS = KERNEL_PARITY["checkpoints"] or list(CHECKPOINTS)
 if KERNEL_PARITY["enabled"]:
     if KERNEL_PARITY_PROMPT_SET not in PROMPT_SETS:
         raise WorkflowError(
-            f"config kernel_parity.prompt_set: {KERNEL_PARITY_PROMPT_SET!r} is not one of the "
+            f"config ({CONFIG_FILES}): kernel_parity.prompt_set: {KERNEL_PARITY_PROMPT_SET!r} is not one of the "
             f"prompt sets {PROMPT_SETS}. Fix: name a key of prompt_sets, or drop the setting."
         )
     _unknown = [c for c in KERNEL_PARITY_CHECKPOINTS if c not in CHECKPOINTS]
     if _unknown:
         raise WorkflowError(
-            f"config kernel_parity.checkpoints: {_unknown} are not configured checkpoints "
+            f"config ({CONFIG_FILES}): kernel_parity.checkpoints: {_unknown} are not configured checkpoints "
             f"({list(CHECKPOINTS)}). Fix: use names from checkpoints (or [] for all)."
         )
 

@@ -17,13 +17,13 @@ VALIDATE_ONLINE_BUDGET = VALIDATE_ONLINE.get(
 if VALIDATE_ONLINE["enabled"]:
     if VALIDATE_ONLINE_PROMPT_SET not in PROMPT_SETS:
         raise WorkflowError(
-            f"config validate_online.prompt_set: {VALIDATE_ONLINE_PROMPT_SET!r} is not one of the "
+            f"config ({CONFIG_FILES}): validate_online.prompt_set: {VALIDATE_ONLINE_PROMPT_SET!r} is not one of the "
             f"prompt sets {PROMPT_SETS}. Fix: name a key of prompt_sets, or drop the setting."
         )
     _unknown = [c for c in VALIDATE_ONLINE_CHECKPOINTS if c not in CHECKPOINTS]
     if _unknown:
         raise WorkflowError(
-            f"config validate_online.checkpoints: {_unknown} are not configured checkpoints "
+            f"config ({CONFIG_FILES}): validate_online.checkpoints: {_unknown} are not configured checkpoints "
             f"({list(CHECKPOINTS)}). Fix: use names from checkpoints (or [] for all)."
         )
     if (
@@ -31,7 +31,7 @@ if VALIDATE_ONLINE["enabled"]:
         and VALIDATE_ONLINE_BUDGET not in config["evaluate"]["ddtree_budgets"]
     ):
         raise WorkflowError(
-            f"config validate_online.ddtree_budget: {VALIDATE_ONLINE_BUDGET} is not one of "
+            f"config ({CONFIG_FILES}): validate_online.ddtree_budget: {VALIDATE_ONLINE_BUDGET} is not one of "
             f"evaluate.ddtree_budgets {config['evaluate']['ddtree_budgets']} (the offline side of "
             "the comparison). Fix: add it there, pick one of them, or set 0 (chain only)."
         )
