@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -706,7 +706,7 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
             mml = server.vllm_max_model_len or -(-need // 256) * 256
             vllm = VLLMServer(server.vllm_python, target_dir, dtype=dt, max_model_len=mml,
                               enforce_eager=dev.type == "cpu", extra_args=server.vllm_args, env=server.vllm_env,
-                              log_path=server.server_log or f"{out}.vllm.log",
+                              log_path=server.server_log,
                               start_timeout_s=server.vllm_start_timeout_s)
             stack.enter_context(vllm)
             url = vllm.url
@@ -790,6 +790,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
             raise InputError(prompts_path, f"line {k + 1}: id", f"duplicate prompt id {r['id']!r}", "give every prompt a unique id")
         ids_seen.add(str(r["id"]))
 
+    if server is not None and server.serve == "vllm" and not server.server_log:
+        server = replace(server, server_log=f"{out}.vllm.log")  # the served vLLM's log beside the output
     with _open_source(source, target_dir, rows, max_new_tokens, batch_size, device, dtype, linear_attn_backend, server,
                       target_fingerprint) as (src, tok, vocab):
         for k, r in enumerate(rows):
