@@ -56,5 +56,6 @@ test: venv
 
 lint: venv
 	$(BIN)/snakemake --lint
+	$(BIN)/python -m ruff check --select F dflash_eval bench scripts tests
 	@if [ -n "$(SNAKEFMT)" ]; then $(SNAKEFMT) --check Snakefile rules/; \
 	else echo "snakefmt not installed: skipped (pip install snakefmt==2.1.0)"; fi
