@@ -342,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. Exit status: 0 done, 2 bad input (message names file, field and fix),
     ``128 + signal`` after SIGTERM (143) / SIGINT (130), once the stage has cleaned up."""
     args = build_parser().parse_args(argv)
+    if not sys.stderr.isatty():
+        # a log file (Snakemake, SLURM): no carriage-return progress bars from transformers
+        # ("Loading weights"; read by huggingface_hub at import) or other libraries' tqdm defaults.
+        # dflash-eval's own bars (progress.py) decide for themselves and log lines instead.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()

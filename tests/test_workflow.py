@@ -687,6 +687,9 @@ def test_agreement_columns_and_mask_token_of_the_tiny_run(tiny_run):
     log = (tiny_run / "logs/evaluate/tiny/step100/set_a.log").read_text()  # the fingerprint record, not a re-hash
     assert "from resources/targets/tiny.fingerprint.json (file sizes and mtimes match)" in log
     assert "hashed" not in log
+    # job logs hold log lines, not carriage-return progress bars (transformers' "Loading weights")
+    for job_log in (tiny_run / "logs").rglob("*.log"):
+        assert "\r" not in job_log.read_text() and "it/s]" not in job_log.read_text(), job_log
     assert [s["argmax_agreement"] for s in ev["samples"]] == [1.0] * len(PROMPTS_A)
     meta = json.loads((tiny_run / "results/tiny/prompts/set_b.meta.json").read_text())
     assert (meta["available"], meta["written"], meta["skipped"]) == (3, 2, {})
