@@ -1,5 +1,5 @@
 # dflash-eval developer entry points. Everything installs into ./.venv.
-#   make demo   - set up, run the demo workflow on CPU, print results/demo/tau.csv, write results/demo/report.html
+#   make demo   - set up, run the demo workflow on CPU, print the tau table (results/demo/tau.csv), write results/demo/report.html
 #   make test   - set up, run the test suite
 #   make lint   - snakemake --lint (+ snakefmt --check when installed)
 
@@ -47,7 +47,9 @@ DEMO_GPUS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-
 demo: venv
 	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
-	print(pd.read_csv('results/demo/tau.csv').to_string(index=False))"
+	t = pd.read_csv('results/demo/tau.csv'); \
+	print(t[['checkpoint', 'step', 'prompt_set', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"
+	@echo "tau table: chain tau and DDTree tau per node budget; every column: results/demo/tau.csv"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
 
 # PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)

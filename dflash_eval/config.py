@@ -7,6 +7,7 @@ through :func:`schema_default`, so a default lives in exactly one place.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from pathlib import Path
 from typing import Any
@@ -72,5 +73,11 @@ def describe_validation_error(err) -> tuple[str, str]:
     problem = err.message
     if err.validator in ("oneOf", "anyOf") and isinstance(err.schema, dict) and err.schema.get("description"):
         problem = f"not one of the allowed forms: {err.schema['description']}"
+    elif err.validator == "additionalProperties" and isinstance(err.instance, dict) and isinstance(err.schema, dict):
+        known = list(err.schema.get("properties", {}))
+        for key in sorted(set(err.instance) - set(known)):  # a misspelt option: name the closest known one
+            close = difflib.get_close_matches(key, known, n=1)
+            if close:
+                problem += f"; the closest known option to {key!r} is {close[0]!r}"
     return path or "(top level)", problem
 

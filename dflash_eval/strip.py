@@ -182,8 +182,8 @@ def strip_checkpoint(
         "source_dtypes": sorted({dtype_name(v.dtype) for v in state.values()}),
         "notes": notes,
     }
-    for note in notes:
-        log.warning("%s: %s", ck.path, note)
+    for note in notes:  # an equal shared copy dropped is the expected case (INFO); the rest need a look
+        log.log(logging.INFO if note.endswith(SHARED_EQUAL_NOTE) else logging.WARNING, "%s: %s", ck.path, note)
     with atomic_dir(out_dir) as tmp:
         save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2, sort_keys=True))
@@ -191,6 +191,10 @@ def strip_checkpoint(
     log.info("stripped %s (format %s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, fmt, info["step"], out_dir,
              len(out_state), sum(v.numel() for v in out_state.values()) * 2 / 1e6)
     return Path(out_dir)
+
+
+#: note (strip_info.json ``notes``) for a shared embed/lm_head copy equal to the target's
+SHARED_EQUAL_NOTE = "equal to the target's; dropped"
 
 
 def _compare_shared(ck, shared, embed, head, target_dir, allow_shared_mismatch, notes) -> None:
@@ -206,4 +210,4 @@ def _compare_shared(ck, shared, embed, head, target_dir, allow_shared_mismatch, 
                                  "a different target", "evaluate against the target it was trained with, or pass --allow-shared-mismatch")
             notes.append(f"{key}: {msg} (allowed by --allow-shared-mismatch)")
         else:
-            notes.append(f"{key}: equal to the target's; dropped")
+            notes.append(f"{key}: {SHARED_EQUAL_NOTE}")

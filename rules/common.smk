@@ -30,7 +30,16 @@ def _shown(path):
         return str(path)
 
 
-CONFIG_FILES = ", ".join(_shown(f) for f in workflow.configfiles) or "the config"
+# in merge order: the Snakefile's config/config.yaml, then each --configfile (later ones win)
+_CLI_CONFIG_FILES = [str(f) for f in workflow.overwrite_configfiles]
+CONFIG_FILES = (
+    ", ".join(
+        _shown(f)
+        for f in [f for f in map(str, workflow.configfiles) if f not in _CLI_CONFIG_FILES]
+        + _CLI_CONFIG_FILES
+    )
+    or "the config"
+)
 
 try:
     validate(config, "../config/schemas/config.schema.yaml")

@@ -191,12 +191,18 @@ def test_dcp_round_trip(tmp_path, cfg, state):
     assert any("skipped 4 non-parameter DCP entries" in n for n in info["notes"])  # 3 exp_avg + step
 
 
-def test_custom_layout_with_target_tensors(tmp_path, cfg, state):
+def test_custom_layout_with_target_tensors(tmp_path, cfg, state, caplog):
+    import logging
+
     embed, head = write_target(tmp_path / "target")
     full = {**state, "embed_tokens.weight": embed.float(), "lm_head.weight": head.clone(),
             "verifier_lm_head.weight": head.clone()}
     torch.save({"model": full, "draft_config": cfg}, tmp_path / "big.pt")
-    out = strip_checkpoint(tmp_path / "big.pt", tmp_path / "out", target_dir=tmp_path / "target")
+    with caplog.at_level(logging.INFO, logger="dflash_eval.strip"):
+        out = strip_checkpoint(tmp_path / "big.pt", tmp_path / "out", target_dir=tmp_path / "target")
+    # equal shared copies dropped: the expected case, logged at INFO (a WARNING only for what needs a look)
+    dropped = [r for r in caplog.records if r.getMessage().endswith("equal to the target's; dropped")]
+    assert len(dropped) == 3 and {r.levelname for r in dropped} == {"INFO"}
     assert_bf16_equal(out, state)
     info = json.loads((out / "strip_info.json").read_text())
     assert info["format"] == "torch-dict[model]+shared"

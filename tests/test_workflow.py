@@ -214,8 +214,14 @@ def test_dry_run_validate_online_wiring(tmp_path):
     (wd / "bad.yaml").write_text("validate_online: {enabled: true, ddtree_budget: 12}\n")
     proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "bad.yaml", check=False)
     assert proc.returncode != 0 and "validate_online.ddtree_budget" in proc.stdout + proc.stderr
-    # the config files are named as typed, relative to the working directory (all of them)
-    assert "config (config/demo.yaml, bad.yaml, config/config.yaml): " in proc.stdout + proc.stderr
+    # the config files are named as typed, relative to the working directory, in merge order
+    assert "config (config/config.yaml, config/demo.yaml, bad.yaml): " in proc.stdout + proc.stderr
+    # a misspelt option: the closest known one is named
+    (wd / "typo.yaml").write_text("evaluate: {ddtree_budget: [8]}\n")
+    proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "typo.yaml", check=False)
+    assert proc.returncode != 0
+    assert "evaluate: Additional properties are not allowed ('ddtree_budget' was unexpected); the closest known " \
+           "option to 'ddtree_budget' is 'ddtree_budgets'. Fix: " in proc.stdout + proc.stderr
     (wd / "off.yaml").write_text("evaluate: {ddtree_budgets: []}\n")
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "off.yaml").stdout
     assert all(parser.parse_args(dflash_eval_argv(c)).ddtree_budgets == [] for c in shell_commands(out)
