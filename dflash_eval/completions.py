@@ -706,8 +706,7 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
             mml = server.vllm_max_model_len or -(-need // 256) * 256
             vllm = VLLMServer(server.vllm_python, target_dir, dtype=dt, max_model_len=mml,
                               enforce_eager=dev.type == "cpu", extra_args=server.vllm_args, env=server.vllm_env,
-                              log_path=server.server_log,
-                              start_timeout_s=server.vllm_start_timeout_s)
+                              log_path=server.server_log, start_timeout_s=server.vllm_start_timeout_s)
             stack.enter_context(vllm)
             url = vllm.url
             launch = {**vllm.describe(), "max_model_len": mml}

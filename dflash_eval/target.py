@@ -17,6 +17,7 @@ reads exactly those two tensors of the target, nothing else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -286,6 +287,7 @@ def gqa_sdpa(model):
         cfg._attn_implementation = old
 
 
+@functools.lru_cache(maxsize=None)
 def _preallocated_layer_class():
     """A transformers ``DynamicLayer`` whose keys/values are views of buffers sized once.
 
