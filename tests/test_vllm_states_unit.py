@@ -145,3 +145,20 @@ def test_check_dump_takes_bf16_dumps_as_they_are():
     # checked in float32, returned in the dump dtype (the cache stores bf16 as its raw bits)
     d = {"hidden_states": torch.randn(3, 1, 4).to(torch.bfloat16), "token_ids": torch.tensor([1, 2, 3])}
     assert check_dump(d, np.array([1, 2, 3]), 1, 4, "p", "s", [0]).dtype == torch.bfloat16
+
+
+def test_a_server_not_in_extract_mode_is_a_clear_error(tmp_path):
+    from standin_server import StandIn
+    from tiny import make_tiny_target
+
+    from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm
+
+    target = make_tiny_target(tmp_path / "t", num_layers=2, hidden=32)
+    comp = tmp_path / "c.jsonl"
+    comp.write_text(json.dumps({"id": "a", "prompt_ids": [1, 5, 9], "completion_ids": [7, 2], "stop_reason": "eos",
+                                "max_new_tokens": 8}) + "\n")
+    with StandIn(target, mode="openai") as srv:
+        with pytest.raises(InputError, match="returned no kv_transfer_params.hidden_states_path: the server is not in "
+                                             "extract mode"):
+            extract_hidden_states_vllm(target, comp, tmp_path / "c.h5", [0, 1], VLLMStatesOptions(url=srv.url))
+    assert not (tmp_path / "c.h5").exists() and not (tmp_path / "c.h5.partial").exists()

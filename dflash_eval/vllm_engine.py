@@ -1,0 +1,216 @@
+"""Acceptance as vLLM measures it: DFlash speculative decoding on a server, converted to the replay's convention.
+
+A stripped drafter folder (``strip_drafter``'s output: ``config.json`` + ``model.safetensors``,
+embedding and LM head taken from the target) runs as it is in vLLM's DFlash path
+(:func:`dflash_args`: ``--speculative-config '{"method": "dflash", "model": DIR,
+"num_speculative_tokens": B - 1}'``; ``vllm/v1/spec_decode/dflash.py``,
+``vllm/model_executor/models/qwen3_dflash.py``). The prompt set is sent greedily
+(:func:`run_requests`) and vLLM reports acceptance twice:
+
+* Prometheus counters (``GET /metrics``, vLLM PR #16665; read before and after, :class:`SpecCounters`):
+  ``vllm:spec_decode_num_drafts_total`` (verify steps), ``..._num_draft_tokens_total``,
+  ``..._num_accepted_tokens_total`` and ``..._num_accepted_tokens_per_pos_total{position=k}``
+  (k = 0..B-2 is block slot k + 1). Mean acceptance length = 1 + accepted / drafts (PR #17908),
+  pooled over every verify step of every request.
+* Per request, with ``--per-request-spec-decode-metrics detailed``: the response's
+  ``metrics.speculative_decoding.per_step_accepted`` / ``per_step_drafted``, one entry per verify step.
+
+How vLLM counts, and the conversion (:func:`engine_acceptance_lengths`). The scheduler takes
+a step's accepted drafts as ``len(sampled tokens) - 1`` *before* it cuts the output at a stop
+token or at ``max_tokens`` (``vllm/v1/core/sched/scheduler.py``, ``update_from_output``, then
+``_update_request_with_output`` / ``check_stop``), and the scheduler drafts a full block
+(``num_speculative_tokens``) up to ``max_tokens`` too. So in the last step of a response,
+drafts past the stop token that happen to equal the target's greedy continuation after it
+are counted as accepted; dflash-eval's replay (as ``dflash==0.1.0``'s ``dflash_generate``)
+commits ``min(a + 1, tokens left)`` and never compares a slot past the end. The conversion
+walks a request's steps with the same cut: ``produced = min(a + 1, n - 1 - pos)`` (``n`` the
+completion tokens, prefill token included; ``pos`` the tokens committed so far). On the
+converted lists every :mod:`dflash_eval.metrics` aggregate applies as on the replay's.
+
+Per-position acceptance, two conventions (both shown, :func:`per_position`):
+vLLM's ``unconditional[k] = P(slots 1..k all accepted)`` = ``accepted_per_pos[k-1] / drafts``
+(speculators ``acceptance_at_pos_k`` reads it the same way), and dflash-eval's
+``slot_acceptance[k] = P(slot k accepted | slots < k accepted)`` (:mod:`dflash_eval.metrics`);
+``conditional[k] = unconditional[k] / unconditional[k-1]`` up to the steps cut at the end
+(which vLLM counts and the replay censors).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+#: Prometheus counter names (vLLM ``vllm/v1/spec_decode/metrics.py``, ``SpecDecodingProm``)
+COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total", "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+            "accepted": "vllm:spec_decode_num_accepted_tokens_total"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$')
+
+
+def dflash_args(drafter_dir: str | Path, block_size: int, method: str = "dflash") -> list[str]:
+    """vLLM flags that run a stripped DFlash drafter with block size ``block_size`` (B - 1 drafts per step).
+
+    ``method``: ``dflash`` (vLLM's ``qwen3_dflash``) or ``dflash2`` where the engine offers it.
+    Prefix caching is off (a cached prompt prefix gives the drafter no context states for it) and the
+    per-request step arrays are on.
+    """
+    spec = {"method": method, "model": str(drafter_dir), "num_speculative_tokens": int(block_size) - 1}
+    return ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
+            "--per-request-spec-decode-metrics", "detailed"]
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """vLLM's spec-decode Prometheus counters (summed over engines); subtract two reads for one run."""
+
+    drafts: float = 0.0  #: verify steps
+    draft_tokens: float = 0.0
+    accepted: float = 0.0  #: accepted drafts, counted before the stop / max_tokens cut
+    accepted_per_pos: tuple[float, ...] = ()  #: index k: steps whose slot k + 1 was accepted (with every slot before)
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda t: tuple(t) + (0.0,) * (n - len(t))  # noqa: E731
+        return SpecCounters(self.drafts - other.drafts, self.draft_tokens - other.draft_tokens,
+                            self.accepted - other.accepted,
+                            tuple(a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts (vLLM PR #17908), NaN without a draft."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
+
+    def as_dict(self) -> dict:
+        return {"drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+def parse_counters(text: str) -> SpecCounters:
+    """:class:`SpecCounters` from a Prometheus text exposition (``GET /metrics``); absent counters are 0."""
+    tot = {k: 0.0 for k in COUNTERS}
+    per: dict[int, float] = {}
+    names = {v: k for k, v in COUNTERS.items()}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name in names:
+            tot[names[name]] += value
+        elif name == PER_POS:
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per[int(pos.group(1))] = per.get(int(pos.group(1)), 0.0) + value
+    return SpecCounters(tot["drafts"], tot["draft_tokens"], tot["accepted"],
+                        tuple(per.get(k, 0.0) for k in range(max(per) + 1)) if per else ())
+
+
+def read_counters(client) -> SpecCounters:
+    """The server's counters now (``client``: :class:`dflash_eval.serving.ServerClient`)."""
+    r = client._http.get("/metrics")
+    r.raise_for_status()
+    return parse_counters(r.text)
+
+
+@dataclass
+class EngineRequest:
+    """One prompt as the engine served it."""
+
+    sample_id: str
+    completion_ids: list[int]
+    finish: str
+    latency_s: float  #: request sent -> response received, seconds
+    per_step_accepted: list[int] = field(default_factory=list)  #: vLLM's accepted drafts per verify step
+    per_step_drafted: list[int] = field(default_factory=list)
+
+
+def run_requests(client, rows: Sequence[dict], max_new_tokens: int, stop_ids: Sequence[int],
+                 concurrency: int = 1) -> tuple[list[EngineRequest], float]:
+    """Send every prompt greedily (token ids in, token ids out); the requests and the wall time in seconds.
+
+    ``rows``: prompts or completions rows (``id``, ``prompt_ids``). Sampling is pinned as in
+    :meth:`dflash_eval.serving.OpenAIClient.complete`.
+    """
+    from .serving import ServerError, _neutral_sampling
+
+    def one(row) -> EngineRequest:
+        body = {"model": client.model or None, "prompt": [int(t) for t in row["prompt_ids"]],
+                "max_tokens": int(max_new_tokens), "n": 1, "stream": False, "return_token_ids": True,
+                "stop_token_ids": [int(t) for t in stop_ids], "skip_special_tokens": False, "ignore_eos": False,
+                "min_tokens": 0, **_neutral_sampling()}
+        t0 = time.perf_counter()
+        out = client.request("POST", "/v1/completions", body)
+        dt = time.perf_counter() - t0
+        try:
+            choice = out["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(f"{client.url}/v1/completions: no choices: {str(out)[:300]}") from None
+        sd = ((out.get("metrics") or {}).get("speculative_decoding") or {})
+        return EngineRequest(str(row["id"]), [int(t) for t in choice.get("token_ids") or []],
+                             "length" if choice.get("finish_reason") == "length" else "stop", dt,
+                             list(sd.get("per_step_accepted") or []), list(sd.get("per_step_drafted") or []))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="dflash-engine") as pool:
+        reqs = list(pool.map(one, rows))
+    return reqs, time.perf_counter() - t0
+
+
+def engine_acceptance_lengths(per_step_accepted: Sequence[int], n_completion: int) -> tuple[list[int], int]:
+    """vLLM's per-step accepted drafts -> the replay's committed tokens per verify step.
+
+    Args:
+        per_step_accepted: accepted drafts per verify step as vLLM counts them (before the end cut).
+        n_completion: completion tokens of the response (prefill token and stop token included).
+
+    Returns:
+        ``(lengths, past_end)``: ``lengths[s] = min(a_s + 1, n_completion - 1 - pos_s)``, walking
+        ``pos`` from 0 (the prefill token) as :func:`dflash_eval.replay.chain_walk` does; ``past_end`` =
+        the accepted drafts vLLM counted past the stop token / ``max_tokens`` (``sum(a + 1) - sum(lengths)``).
+
+    Raises:
+        ValueError: the steps do not commit exactly ``n_completion - 1`` tokens (the trace does not
+            belong to this response).
+    """
+    out, pos, last = [], 0, n_completion - 1
+    for a in per_step_accepted:
+        if pos >= last:
+            raise ValueError(f"{len(per_step_accepted)} steps for {n_completion} tokens: steps left after the end")
+        produced = min(int(a) + 1, last - pos)
+        out.append(produced)
+        pos += produced
+    if pos != last:
+        raise ValueError(f"the steps commit {pos} tokens after the prefill token, the response has {last}")
+    return out, sum(int(a) + 1 for a in per_step_accepted) - sum(out)
+
+
+def per_position(lengths: Sequence[Sequence[int]], block_size: int) -> dict:
+    """Both per-position conventions from committed-token lists (the replay's or converted engine ones).
+
+    Returns:
+        ``{"unconditional": {k: P(slots 1..k accepted)}, "conditional": {k: P(slot k | slots < k)}}``,
+        ``k = 1..B-1``; unconditional over every verify step (vLLM's ``accepted_per_pos / drafts``
+        on converted counts), conditional as :attr:`dflash_eval.metrics.AcceptanceStats.slot_acceptance`.
+    """
+    from .metrics import aggregate
+
+    steps = [n for r in lengths for n in r]
+    stats = aggregate(lengths, block_size)
+    return {"unconditional": {k: sum(n > k for n in steps) / len(steps) if steps else float("nan")
+                              for k in range(1, block_size)},
+            "conditional": dict(stats.slot_acceptance)}
+
+
+def raw_per_position(per_step_accepted: Sequence[Sequence[int]], block_size: int) -> dict[int, float]:
+    """vLLM's unconditional per-position rate from raw per-step counts (equals its Prometheus vector)."""
+    steps = [a for r in per_step_accepted for a in r]
+    return {k: sum(a >= k for a in steps) / len(steps) if steps else float("nan") for k in range(1, block_size)}

