@@ -285,6 +285,36 @@ def final_norm(spec):
     return norm
 
 
+_HYBRID_PROBE = ("import sys\n"
+                 "from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m\n"
+                 "sys.exit(0 if hasattr(m.ExampleHiddenStatesConnector, '_get_cache_block_size') else 3)\n")
+
+
+def check_hybrid_fix(python: str, env: dict | None = None) -> None:
+    """Refuse a vLLM whose hidden-states connector predates PR #46301 (all-zero states on hybrid targets).
+
+    The fix reads the block size from the hidden-states KV group's own spec
+    (``ExampleHiddenStatesConnector._get_cache_block_size``); a vLLM without it is refused for hybrid
+    targets. Runs ``python`` (the server's interpreter) once; the dumps are checked anyway (:func:`check_dump`).
+
+    Raises:
+        InputError: the connector has no such method.
+    """
+    import subprocess
+
+    try:
+        p = subprocess.run([python, "-c", _HYBRID_PROBE], capture_output=True, text=True,
+                           env={**os.environ, **(env or {})})
+    except OSError:
+        return  # no such interpreter: the server start names it
+    if p.returncode == 3:
+        raise InputError(python, "cache.vllm.python", "this vLLM's ExampleHiddenStatesConnector predates PR #46301: "
+                         "hybrid targets get all-zero hidden states", HYBRID_FIX)
+    if p.returncode != 0:
+        log.warning("could not check the vLLM connector for PR #46301 (%s); the dumps are checked instead",
+                    (p.stderr or "").strip().splitlines()[-1:] or p.returncode)
+
+
 # --------------------------------------------------------------------------- the stage
 def _engine_identity_diff(path: Path, want: dict) -> dict:
     """``{key: (partial's, this run's)}`` of the engine attributes of an unfinished sidecar (``{}`` if none)."""
@@ -369,6 +399,8 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             dumps.mkdir(parents=True)
             stack.callback(shutil.rmtree, dumps, True)
             env = dict(opt.env)
+            if spec.has_linear_attention:
+                check_hybrid_fix(opt.python, env)
             extra = extract_args(layer_ids, dumps / "states", connector)
             if connector == "cpu":
                 pymod = connector_module_dir(dumps)

@@ -162,3 +162,24 @@ def test_a_server_not_in_extract_mode_is_a_clear_error(tmp_path):
                                              "extract mode"):
             extract_hidden_states_vllm(target, comp, tmp_path / "c.h5", [0, 1], VLLMStatesOptions(url=srv.url))
     assert not (tmp_path / "c.h5").exists() and not (tmp_path / "c.h5.partial").exists()
+
+
+def test_hybrid_fix_check_refuses_a_connector_without_the_group_block_size(tmp_path):
+    import os
+    import sys
+
+    from dflash_eval.vllm_states import check_hybrid_fix
+
+    fake = tmp_path / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+    fake.mkdir(parents=True)
+    for d in [fake, *fake.parents][: 5]:
+        (d / "__init__.py").touch()
+    mod = fake / "example_hidden_states_connector.py"
+    mod.write_text("class ExampleHiddenStatesConnector:\n    pass\n")  # before vLLM PR #46301
+    env = {"PYTHONPATH": str(tmp_path)}
+    with pytest.raises(InputError, match="predates PR #46301"):
+        check_hybrid_fix(sys.executable, env)
+    mod.write_text("class ExampleHiddenStatesConnector:\n    def _get_cache_block_size(self): pass\n")
+    check_hybrid_fix(sys.executable, env)
+    check_hybrid_fix(str(tmp_path / "no-python"), env)  # the server start reports a missing interpreter
+    assert os.environ.get("PYTHONPATH") != str(tmp_path)
