@@ -214,3 +214,128 @@ def raw_per_position(per_step_accepted: Sequence[Sequence[int]], block_size: int
     """vLLM's unconditional per-position rate from raw per-step counts (equals its Prometheus vector)."""
     steps = [a for r in per_step_accepted for a in r]
     return {k: sum(a >= k for a in steps) / len(steps) if steps else float("nan") for k in range(1, block_size)}
+
+
+# --------------------------------------------------------------------------- server set-up
+def cpu_fix_dir(work_dir: str | Path) -> Path:
+    """Copy :mod:`dflash_eval.vllm_sitecustomize` to ``<work_dir>/pyfix/sitecustomize.py``; that directory.
+
+    On the ``PYTHONPATH`` of a CPU vLLM server it fixes the grouped ``rms_norm`` of vLLM's DFlash drafter
+    (see that module); nothing else of dflash-eval is importable from it.
+    """
+    import shutil
+
+    d = Path(work_dir) / "pyfix"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__).with_name("vllm_sitecustomize.py"), d / "sitecustomize.py")
+    return d
+
+
+def server_env(env: dict, work_dir: str | Path, cpu_fix: bool) -> dict:
+    """The server's environment: ``env`` plus, with ``cpu_fix``, :func:`cpu_fix_dir` first on ``PYTHONPATH``."""
+    import os
+
+    out = dict(env)
+    if cpu_fix:
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(cpu_fix_dir(work_dir)), out.get("PYTHONPATH", "")) if p)
+    return out
+
+
+# --------------------------------------------------------------------------- engine vs offline
+#: divergence kinds of one request (:func:`compare`), in the order they are checked
+DIVERGENCES = {
+    "none": "the converted engine steps equal the replay's, step for step",
+    "stop-counting": "equal after conversion; vLLM counted accepted drafts past the stop token / max_tokens",
+    "generation": "the engine generated other tokens than the completion (the replay follows the completion)",
+    "drafts": "same tokens, other drafts: the engine's drafter computed something else at some anchor",
+    "no-trace": "the server returned no per-step arrays (--per-request-spec-decode-metrics detailed)",
+}
+
+
+def compare(rows: Sequence[dict], offline: dict, requests: Sequence[EngineRequest], block_size: int) -> dict:
+    """Engine requests next to the offline replay of the same completions, per request and pooled.
+
+    Args:
+        rows: completions rows (``id``, ``completion_ids``): what the replay replayed.
+        offline: the ``evaluate`` JSON of the same checkpoint and prompt set (``samples[].acceptance_lengths``).
+        requests: :func:`run_requests` output, in any order.
+        block_size: B.
+
+    Returns:
+        ``{"requests": [...], "kinds": {kind: count}, "offline": {...}, "engine": {...}}`` where each
+        request has ``id``, ``kind`` (:data:`DIVERGENCES`), ``tokens_equal``, ``first_token_diff``,
+        ``steps_offline`` / ``steps_engine``, ``accepted_offline`` / ``accepted_engine_raw``,
+        ``past_end``, ``first_step_diff`` (index of the first differing step, else None), and the three
+        lists; ``offline`` / ``engine`` hold ``tau``, ``tau_tokens_per_step``, ``per_position``
+        (both conventions, :func:`per_position`) of the replay and of the converted engine steps, and
+        ``engine`` also ``mean_acceptance_length_raw`` (vLLM's 1 + accepted / drafts on its own counts)
+        and ``per_position_raw``.
+    """
+    from .metrics import aggregate
+
+    by_id = {str(r["id"]): r for r in rows}
+    off = {str(s["id"]): s["acceptance_lengths"] for s in offline["samples"]}
+    out, kinds = [], {k: 0 for k in DIVERGENCES}
+    conv_all, off_all, raw_all = [], [], []
+    for req in requests:
+        row = by_id[req.sample_id]
+        want = list(row["completion_ids"])
+        tok_eq = req.completion_ids == want
+        first_tok = None if tok_eq else next((j for j, (a, b) in enumerate(zip(req.completion_ids, want)) if a != b),
+                                             min(len(want), len(req.completion_ids)))
+        o = off[req.sample_id]
+        rec = {"id": req.sample_id, "tokens_equal": tok_eq, "first_token_diff": first_tok, "steps_offline": len(o),
+               "steps_engine": len(req.per_step_accepted), "accepted_offline": sum(o) - len(o),
+               "accepted_engine_raw": sum(req.per_step_accepted), "offline": o, "engine_raw": req.per_step_accepted,
+               "latency_s": round(req.latency_s, 4)}
+        conv, past = None, None
+        if req.per_step_accepted:
+            try:
+                conv, past = engine_acceptance_lengths(req.per_step_accepted, len(req.completion_ids))
+            except ValueError:
+                conv = None
+        rec.update(engine=conv, past_end=past,
+                   first_step_diff=None if conv == o or conv is None else
+                   next((k for k, (a, b) in enumerate(zip(conv, o)) if a != b), min(len(conv), len(o))))
+        if not req.per_step_accepted and len(req.completion_ids) > 1:
+            kind = "no-trace"
+        elif not tok_eq:
+            kind = "generation"
+        elif conv != o:
+            kind = "drafts"
+        elif past:
+            kind = "stop-counting"
+        else:
+            kind = "none"
+        rec["kind"] = kind
+        kinds[kind] += 1
+        if conv is not None and tok_eq:
+            conv_all.append(conv)
+            off_all.append(o)
+            raw_all.append(req.per_step_accepted)
+        out.append(rec)
+
+    def summary(lists):
+        st = aggregate(lists, block_size)
+        return {"tau": st.tau, "tau_tokens_per_step": st.tau_tokens_per_step, "verify_steps": st.verify_steps,
+                "per_position": per_position(lists, block_size)}
+
+    eng = summary(conv_all)
+    steps = sum(len(r) for r in raw_all)
+    eng["mean_acceptance_length_raw"] = 1 + sum(map(sum, raw_all)) / steps if steps else float("nan")
+    eng["per_position_raw"] = raw_per_position(raw_all, block_size)
+    return {"requests": out, "kinds": kinds, "offline": summary(off_all), "engine": eng,
+            "n_compared": len(conv_all)}
+
+
+def latency_summary(requests: Sequence[EngineRequest], wall_s: float) -> dict:
+    """Output tokens / s over the run (completion tokens / wall time) and per-request latency (seconds)."""
+    lat = sorted(r.latency_s for r in requests)
+    toks = sum(len(r.completion_ids) for r in requests)
+
+    def q(p):
+        return lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))] if lat else float("nan")
+
+    return {"requests": len(requests), "output_tokens": toks, "wall_s": round(wall_s, 3),
+            "output_tok_per_s": toks / wall_s if wall_s else float("nan"),
+            "latency_s": {"mean": sum(lat) / len(lat) if lat else float("nan"), "p50": q(0.5), "p90": q(0.9)}}
