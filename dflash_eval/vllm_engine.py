@@ -339,3 +339,97 @@ def latency_summary(requests: Sequence[EngineRequest], wall_s: float) -> dict:
     return {"requests": len(requests), "output_tokens": toks, "wall_s": round(wall_s, 3),
             "output_tok_per_s": toks / wall_s if wall_s else float("nan"),
             "latency_s": {"mean": sum(lat) / len(lat) if lat else float("nan"), "p50": q(0.5), "p90": q(0.9)}}
+
+
+# --------------------------------------------------------------------------- one validation run
+@dataclass
+class EngineOptions:
+    """The job-owned vLLM server of ``validate_engine`` (config section ``validate_engine``).
+
+    Attributes:
+        python, args, env, max_model_len, start_timeout_s: :class:`dflash_eval.serving.VLLMServer`
+            (``max_model_len`` 0 = the longest prompt + ``max_new_tokens``, rounded up to 256).
+        dtype: ``--dtype`` (``auto``: bfloat16 with CUDA, float32 without).
+        tensor_parallel_size: ``--tensor-parallel-size``.
+        concurrency: requests in flight (1 = one request at a time: per-request latency without queueing).
+        cpu_fix: ``auto`` (on where this host has no CUDA), ``on``, ``off``: :mod:`dflash_eval.vllm_sitecustomize`.
+        method: vLLM's speculative method for the drafter (``dflash``; ``dflash2`` for DFlash 2 drafters).
+        timeout_s, retries: per request.
+    """
+
+    python: str = ".venv-vllm/bin/python"
+    args: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    max_model_len: int = 0
+    start_timeout_s: float = 900.0
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    concurrency: int = 1
+    cpu_fix: str = "auto"
+    method: str = "dflash"
+    timeout_s: float = 600.0
+    retries: int = 2
+
+
+def device_label(cuda: bool) -> str:
+    """What the engine ran on, for the report: the GPU name(s), else the CPU model."""
+    import platform
+
+    if cuda:
+        import torch
+
+        n = torch.cuda.device_count()
+        return f"{n} x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"CPU: {name} ({os.cpu_count()} cores)"
+
+
+def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, work_dir, log_path,
+                      opts: EngineOptions, drafter_dir=None, block_size: int = 0) -> dict:
+    """Start vLLM (plain, or with the drafter when ``drafter_dir``), send ``rows`` greedily, stop it.
+
+    Returns:
+        ``{"requests": [EngineRequest], "counters": SpecCounters | None, "timing": latency_summary(...),
+        "server": {...}, "device": device_label(...)}``; ``counters`` = after - before (DFlash only).
+
+    Raises:
+        InputError / ServerUnavailable: as :class:`dflash_eval.serving.VLLMServer`; ServerError from requests.
+    """
+    import torch
+
+    from .completions import stop_token_ids
+    from .runtime import dtype_name, resolve_device, resolve_dtype
+    from .serving import OpenAIClient, VLLMServer
+
+    cuda = torch.cuda.is_available()
+    dt = dtype_name(resolve_dtype(opts.dtype, resolve_device("cuda" if cuda else "cpu")))
+    fix = opts.cpu_fix == "on" or (opts.cpu_fix == "auto" and not cuda)
+    extra = dflash_args(drafter_dir, block_size, opts.method) if drafter_dir else ["--no-enable-prefix-caching"]
+    if opts.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(int(opts.tensor_parallel_size))]
+    need = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
+    mml = opts.max_model_len or -(-need // 256) * 256
+    server = VLLMServer(opts.python, target_dir, dtype=dt, max_model_len=mml, enforce_eager=not cuda,
+                        extra_args=extra + list(opts.args), env=server_env(opts.env, work_dir, fix and bool(drafter_dir)),
+                        log_path=log_path, start_timeout_s=opts.start_timeout_s)
+    stop = stop_token_ids(target_dir)[0]
+    with server, OpenAIClient(server.url, timeout_s=opts.timeout_s, retries=opts.retries,
+                              concurrency=opts.concurrency) as client:
+        info = client.info()
+        before = read_counters(client) if drafter_dir else None
+        reqs, wall = run_requests(client, rows, max_new_tokens, stop, opts.concurrency)
+        after = read_counters(client) if drafter_dir else None
+    return {"requests": reqs, "counters": (after - before) if drafter_dir else None,
+            "timing": latency_summary(reqs, wall), "device": device_label(cuda),
+            "server": {"engine": "vllm", "version": info.version, "dtype": dt, "max_model_len": mml,
+                       "flags": extra + list(opts.args), "cpu_fix": bool(fix and drafter_dir),
+                       "concurrency": opts.concurrency}}
