@@ -1,0 +1,201 @@
+"""Stage ``validate_engine`` (rule ``validate_engine``): acceptance and speed measured by vLLM vs the offline replay.
+
+For the first ``n_samples`` prompts of one prompt set: one plain vLLM server (the speed baseline),
+then per selected checkpoint one vLLM server running the stripped drafter with ``method: dflash``
+(:func:`dflash_eval.vllm_engine.serve_and_measure`); each is sent the prompts greedily, the
+Prometheus counters are read before and after, and the per-request step arrays are compared with
+the checkpoint's evaluate JSON of the same samples after the stop-token conversion
+(:func:`dflash_eval.vllm_engine.compare`; conventions and the traced divergences:
+``docs/serving-engines.md``). Measured speedup = DFlash output tokens/s / plain output tokens/s
+(same prompts, same concurrency, same host), shown next to the cost-model estimate
+(:mod:`dflash_eval.costs`) when ``target_costs.json`` is given. Options: config section
+``validate_engine`` (:mod:`dflash_eval.options`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import fields
+from pathlib import Path
+
+from .. import options as options_mod
+from ..completions_file import read_completions
+from ..errors import InputError, atomic_path
+from ..vllm_engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
+
+log = logging.getLogger(__name__)
+
+STAGE = "validate_engine"
+#: done-when thresholds: converted engine tau/step within 1 % of the replay's, per-position rates within 0.02
+REL_TOL, POS_TOL = 0.01, 0.02
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder (served by vLLM)")
+    p.add_argument("--completions", required=True, help="completions JSONL of the prompt set; its first n_samples "
+                                                        "prompts are sent")
+    p.add_argument("--drafter", nargs="+", required=True, help="stripped drafter folders")
+    p.add_argument("--evals", nargs="+", required=True,
+                   help="evaluate JSONs of those drafters on this prompt set, in the order of --drafter")
+    p.add_argument("--target-costs", default=None, help="target_costs.json: the cost-model speedup beside the measured one")
+    p.add_argument("--work-dir", default=None, help="scratch folder for the servers' logs and helper modules "
+                                                    "(default: beside --out)")
+    p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
+
+
+def main(args, opts) -> None:
+    validate_engine(args.target, args.completions, args.drafter, args.evals, args.out, opts,
+                    target_costs=args.target_costs, work_dir=args.work_dir)
+
+
+def _engine_options(opts) -> EngineOptions:
+    names = {f.name for f in fields(EngineOptions)}
+    vals = {k: getattr(opts, k) for k in names if hasattr(opts, k)}
+    return EngineOptions(**{k: (list(v) if k == "args" else dict(v) if k == "env" else v) for k, v in vals.items()})
+
+
+def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) -> float:
+    from ..costs import speedup
+
+    if not costs:
+        return math.nan
+    verify = {(int(v["n"]), v["mask"]): float(v["median_s"]) for v in costs["verify"]}
+    d = costs["drafters"].get(checkpoint, {})
+    return speedup(tau, float(costs["decode_s"]), verify.get((block_size, "causal"), math.nan),
+                   float(d["draft_s"]) if d.get("draft_s") is not None else math.nan)
+
+
+def validate_engine(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None, *,
+                    target_costs=None, work_dir=None, **overrides) -> dict:
+    """vLLM's acceptance and speed for every drafter next to the offline replay of the same samples.
+
+    Args:
+        target_dir: HF target folder.
+        completions_path: completions JSONL the evaluations used (the engine must reproduce these tokens).
+        drafters: stripped drafter folders, in the order of ``evals``.
+        evals: evaluate JSONs (per-sample ``acceptance_lengths``), one per drafter.
+        out: JSON path. Keys: ``title``, ``markdown`` (``report --extra``), ``device``, ``server``, ``plain``
+            (timing), ``checkpoints``: per drafter ``mean_acceptance_length_raw`` (vLLM's 1 + accepted /
+            drafts, Prometheus), ``tau_tokens_per_step_engine`` (converted), ``tau_tokens_per_step_offline``,
+            ``rel_diff``, ``per_position`` (``engine`` / ``offline`` / ``engine_raw``; both conventions),
+            ``max_pos_diff``, ``ok`` (within :data:`REL_TOL` and :data:`POS_TOL`), ``kinds`` (divergence kind
+            counts, :data:`dflash_eval.vllm_engine.DIVERGENCES`), ``timing``, ``speedup_measured``,
+            ``speedup_estimated``, ``counters``, ``requests``.
+        opts: the stage's options (config section ``validate_engine``): ``n_samples`` and the server settings
+            of :class:`dflash_eval.vllm_engine.EngineOptions`.
+        target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
+        work_dir: scratch folder (default ``<out>.work``).
+
+    Raises:
+        InputError: drafters/evals of different lengths, an evaluation without one of the samples.
+    """
+    from ..costs import device_label as costs_device, read_costs
+
+    opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
+    if len(drafters) != len(evals):
+        raise InputError(None, "--drafter/--evals", f"{len(drafters)} drafters but {len(evals)} evaluations",
+                         "pass one evaluate JSON per drafter, in the same order")
+    eng = _engine_options(opts)
+    out = Path(out)
+    work = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    rows = read_completions(Path(completions_path))[: opts.n_samples]
+    max_new = max(int(r["max_new_tokens"]) for r in rows)
+    costs = read_costs(target_costs) if target_costs else None
+    t0 = time.perf_counter()
+    plain = serve_and_measure(target_dir, rows, max_new, work, work / "plain.vllm.log", eng)
+    log.info("plain vLLM: %.1f output tok/s over %d requests (%s)", plain["timing"]["output_tok_per_s"], len(rows),
+             plain["device"])
+    result: dict = {"title": "Acceptance and speed measured by vLLM vs offline replay", "device": plain["device"],
+                    "server": plain["server"], "n_samples": len(rows), "completions": str(completions_path),
+                    "plain": plain["timing"], "costs_device": costs_device(costs) if costs else None,
+                    "checkpoints": []}
+    for drafter_dir, eval_path in zip(drafters, evals):
+        ev = json.loads(Path(eval_path).read_text())
+        have = {s["id"] for s in ev["samples"]}
+        missing = [r["id"] for r in rows if r["id"] not in have]
+        if missing:
+            raise InputError(eval_path, "samples", f"no offline result for {missing[:5]}",
+                             "evaluate the drafter on the cache built from these completions")
+        B = int(ev["block_size"])
+        name = ev.get("checkpoint", Path(drafter_dir).name)
+        run = serve_and_measure(target_dir, rows, max_new, work, work / f"{name}.vllm.log", eng,
+                                drafter_dir=drafter_dir, block_size=B)
+        cmp = compare(rows, ev, run["requests"], B)
+        e, o = cmp["engine"], cmp["offline"]
+        rel = (e["tau_tokens_per_step"] - o["tau_tokens_per_step"]) / o["tau_tokens_per_step"]
+        pos = max([abs(e["per_position"][c][k] - o["per_position"][c][k]) for c in ("unconditional", "conditional")
+                   for k in o["per_position"][c]
+                   if not math.isnan(e["per_position"][c][k]) and not math.isnan(o["per_position"][c][k])] or [0.0])
+        speed = run["timing"]["output_tok_per_s"] / plain["timing"]["output_tok_per_s"]
+        entry = {"checkpoint": name, "prompt_set": ev.get("prompt_set"), "block_size": B,
+                 "mean_acceptance_length_raw": run["counters"].mean_acceptance_length,
+                 "tau_tokens_per_step_engine": e["tau_tokens_per_step"],
+                 "tau_tokens_per_step_offline": o["tau_tokens_per_step"], "tau_engine": e["tau"], "tau_offline": o["tau"],
+                 "rel_diff": rel, "max_pos_diff": pos, "ok": abs(rel) <= REL_TOL and pos <= POS_TOL,
+                 "per_position": {"engine": e["per_position"], "offline": o["per_position"],
+                                  "engine_raw_unconditional": e["per_position_raw"]},
+                 "kinds": cmp["kinds"], "n_compared": cmp["n_compared"], "timing": run["timing"],
+                 "speedup_measured": speed, "speedup_estimated": _estimate(costs, name, o["tau"], B),
+                 "cpu_fix": run["server"]["cpu_fix"], "counters": run["counters"].as_dict(),
+                 "requests": cmp["requests"]}
+        log.info("%s: vLLM raw %.4f, converted %.4f vs offline %.4f tokens/step (%+.2f %%), max per-position diff "
+                 "%.4f; kinds %s; measured speedup %.2fx", name, entry["mean_acceptance_length_raw"],
+                 e["tau_tokens_per_step"], o["tau_tokens_per_step"], 100 * rel, pos,
+                 {k: v for k, v in cmp["kinds"].items() if v}, speed)
+        result["checkpoints"].append(entry)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["markdown"] = _markdown(result)
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    return result
+
+
+def _f(x, fmt="{:.4f}"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _markdown(r: dict) -> str:
+    fix = any(c["cpu_fix"] for c in r["checkpoints"])
+    lines = [f"vLLM {r['server'].get('version')} ({r['device']}, {r['server']['dtype']}) served the first "
+             f"{r['n_samples']} prompts of `{r['completions']}` greedily, one plain server and one per checkpoint "
+             "with `method: dflash`. *raw*: vLLM's mean acceptance length 1 + accepted / drafts (Prometheus); it counts "
+             "drafts accepted past the stop token / max_tokens. *converted*: vLLM's per-request steps cut at the end "
+             "as the replay does; *offline*: the replay of the same samples (tokens per verify step, pooled). "
+             "*ok*: converted within 1 % and every per-position rate (both conventions) within 0.02."
+             + (" The CPU server ran with dflash-eval's work-around for vLLM CPU's grouped `rms_norm` "
+                "(docs/serving-engines.md)." if fix else ""), "",
+             "| checkpoint | prompt set | raw | converted | offline | diff | max pos. diff | ok | requests equal | "
+             "speedup measured | speedup estimated |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for c in r["checkpoints"]:
+        eq = c["kinds"]["none"] + c["kinds"]["stop-counting"]
+        lines.append(f"| {c['checkpoint']} | {c['prompt_set']} | {_f(c['mean_acceptance_length_raw'])} | "
+                     f"{_f(c['tau_tokens_per_step_engine'])} | {_f(c['tau_tokens_per_step_offline'])} | "
+                     f"{100 * c['rel_diff']:+.2f} % | {_f(c['max_pos_diff'])} | {'yes' if c['ok'] else '**no**'} | "
+                     f"{eq}/{len(c['requests'])} | {_f(c['speedup_measured'], '{:.2f}x')} | "
+                     f"{_f(c['speedup_estimated'], '{:.2f}x')} |")
+    p = r["plain"]
+    lines += ["", f"Measured on {r['device']}: plain vLLM {_f(p['output_tok_per_s'], '{:.1f}')} output tok/s, "
+              f"mean latency {_f(p['latency_s']['mean'], '{:.2f}')} s per request (concurrency "
+              f"{r['server']['concurrency']}); the estimate is the cost model on "
+              f"{r['costs_device'] or 'no target_costs.json'}."]
+    kinds = {k: sum(c["kinds"][k] for c in r["checkpoints"]) for k in DIVERGENCES}
+    lines += ["", "Divergence kinds over all requests: " + ", ".join(f"*{k}* {v} ({DIVERGENCES[k]})"
+                                                                        for k, v in kinds.items() if v) + "."]
+    pos_rows = []
+    for c in r["checkpoints"]:
+        for conv in ("unconditional", "conditional"):
+            e, o = c["per_position"]["engine"][conv], c["per_position"]["offline"][conv]
+            pos_rows.append(f"| {c['checkpoint']} | {conv} | " + " | ".join(
+                f"{_f(e[k], '{:.3f}')} / {_f(o[k], '{:.3f}')}" for k in sorted(o, key=int)) + " |")
+    if pos_rows:
+        B = r["checkpoints"][0]["block_size"]
+        lines += ["", "Per-position acceptance, engine (converted) / offline; unconditional = P(slots 1..k accepted), "
+                      "conditional = P(slot k | slots < k):", "",
+                  "| checkpoint | convention | " + " | ".join(f"slot {k}" for k in range(1, B)) + " |",
+                  "|---|---|" + "---:|" * (B - 1)] + pos_rows
+    return "\n".join(lines)
