@@ -20,13 +20,18 @@ import textwrap
 import pytest
 
 from test_vllm import VLLM_PYTHON
-from test_vllm_states import DRAFTER, ENV, MAX_NEW, smol  # noqa: F401 - the module fixture
+from test_vllm_states import DRAFTER, ENV, MAX_NEW, build_smol
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
                                                    "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env)"),
 ]
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    return build_smol(tmp_path_factory.mktemp("vllm-engine"))
+
 
 KERNEL = textwrap.dedent("""
     import torch

