@@ -67,12 +67,14 @@ import torch  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up in redirected logs)
 
-from dflash_eval.cache import CacheSample  # noqa: E402
+from dflash_eval.cache_format import CacheSample# noqa: E402
 from dflash_eval.extract import run_target  # noqa: E402
 from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.replay import DEFAULT_LAYOUT, LAYOUTS, explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
+from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched# noqa: E402
+from dflash_eval.replay import explain_differences, replay# noqa: E402
+from dflash_eval.runtime import free_memory_bytes# noqa: E402
 
 #: SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

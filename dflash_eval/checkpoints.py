@@ -39,7 +39,7 @@ format (noted when it differs from the checkpoint's own). ``--override KEY=JSON`
 entry's ``overrides``) sets ``dflash_config`` fields such as ``target_layer_ids``. Anything
 else is refused with an error listing these formats.
 
-Validation and the stripped output: :mod:`dflash_eval.strip`.
+Validation and the stripped output: :mod:`dflash_eval.stages.strip_drafter`.
 """
 
 from __future__ import annotations

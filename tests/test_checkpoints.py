@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_eval.checkpoints import FORMATS, detect_format
-from dflash_eval.strip import strip_checkpoint
+from dflash_eval.stages.strip_drafter import strip_checkpoint
 from dflash_eval.drafter import DFlashDrafter, load_drafter
 from dflash_eval.errors import InputError
 from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
@@ -198,7 +198,7 @@ def test_custom_layout_with_target_tensors(tmp_path, cfg, state, caplog):
     full = {**state, "embed_tokens.weight": embed.float(), "lm_head.weight": head.clone(),
             "verifier_lm_head.weight": head.clone()}
     torch.save({"model": full, "draft_config": cfg}, tmp_path / "big.pt")
-    with caplog.at_level(logging.INFO, logger="dflash_eval.strip"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.stages.strip_drafter"):
         out = strip_checkpoint(tmp_path / "big.pt", tmp_path / "out", target_dir=tmp_path / "target")
     # equal shared copies dropped: the expected case, logged at INFO (a WARNING only for what needs a look)
     dropped = [r for r in caplog.records if r.getMessage().endswith("equal to the target's; dropped")]

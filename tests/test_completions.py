@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from dflash_eval.completions import (SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, generate_completions,
-                                    stop_token_ids)
+from dflash_eval.generation import SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, stop_token_ids
+from dflash_eval.stages.completions import generate_completions
 from dflash_eval.errors import InputError
 from dflash_eval.prompts import build_prompt_set, write_prompts
 from dflash_eval.target import load_target
@@ -265,13 +265,12 @@ def test_convert_gguf_writes_every_end_of_generation_id(tmp_path, monkeypatch):
 def test_declared_server_log_says_no_server(setup):
     """The workflow declares <set>.vllm.log for every source: without a server it holds one line
     saying so (not an empty file); without --server-log nothing is written beside the output."""
-    from dflash_eval.completions import ServerOptions
 
     root, target, prompts, *_ = setup
     log = root / "logs" / "set.vllm.log"
     generate_completions(target, prompts, root / "s.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
-                         dtype="float32", server=ServerOptions(server_log=str(log)))
+                         dtype="float32", server_log=str(log))
     assert log.read_text() == "no server started by this job (generation.source: transformers, generation.serve: none)\n"
     generate_completions(target, prompts, root / "t.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
-                         dtype="float32", server=ServerOptions())
+                         dtype="float32", )
     assert not (root / "t.jsonl.vllm.log").exists()

@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dflash_eval.demo import drafter_config_for_target  # noqa: E402
 from dflash_eval.cli import build_parser  # noqa: E402
-from dflash_eval.costs import _tree_mask, measure_target_costs, read_costs  # noqa: E402
+from dflash_eval.costs import read_costs
+from dflash_eval.stages.target_costs import _tree_mask, measure_target_costs  # noqa: E402
 from dflash_eval.errors import InputError  # noqa: E402
-from dflash_eval.target import TargetSpec  # noqa: E402
+from dflash_eval.target_spec import TargetSpec# noqa: E402
 
 
 def _drafter_configs(tmp_path, target, specs):

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dflash_eval.cache import FILE_DATASETS
+from dflash_eval.cache_format import FILE_DATASETS
 from dflash_eval.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,7 +301,7 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
     """Free space below the next batch's size (statvfs): stop before HDF5 writes, commit kept, resume."""
     import shutil as _shutil
 
-    from dflash_eval import cache as cache_mod
+    from dflash_eval import cache_writer as cache_mod
     from dflash_eval.extract import extract_hidden_states
 
     calls = {"n": 0}

@@ -35,7 +35,7 @@ def test_fast_generate_matches_plain_generate(tmp_path, arch, monkeypatch):
     from tiny import make_tiny_target
 
     import dflash_eval.target as T
-    from dflash_eval.completions import TransformersSource
+    from dflash_eval.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch=arch, num_layers=3, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -92,7 +92,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     from tiny import make_tiny_target
 
     import dflash_eval.target as T
-    from dflash_eval.completions import TransformersSource
+    from dflash_eval.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")

@@ -30,7 +30,7 @@ def _config(**over):
 
 
 def test_plan_module_imports_no_torch():
-    code = "import sys, dflash_eval.plan, dflash_eval.target; sys.exit('torch' in sys.modules)"
+    code = "import sys, dflash_eval.plan, dflash_eval.target_spec, dflash_eval.options; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -128,7 +128,7 @@ def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
         plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
     with pytest.raises(InputError, match="duplicate"):
         plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
-    from dflash_eval.target import TargetSpec
+    from dflash_eval.target_spec import TargetSpec
 
     spec = TargetSpec.read(_target(tmp_path / "t", layers=3))
     with pytest.raises(InputError) as ei:
@@ -269,8 +269,9 @@ def test_target_costs_and_report_args():
     assert p.target_costs_inputs("r") == {"target_config": ["t/config.json"], "target_weights": ["t/model.safetensors"],
                                           "drafter_configs": ["results/r/drafters/ck1/config.json",
                                                               "results/r/drafters/ck 2/config.json"]}
-    assert p.target_costs_args() == ("--budgets 4,16 --context-tokens 512 --repeats 3 --warmup 2 "
-                                     "--linear-attn-backend torch --device auto --dtype auto")
+    assert p.stage_flags("target_costs") == ("--budgets=4,16 --context-tokens=512 --repeats=3 --warmup=2 "
+                                             "--device=auto --dtype=auto --linear-attn-backend=torch")
+    assert p.stage_flags("target_costs", rerun=False) == ""
     sha = p.config_sha256
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"

@@ -6,8 +6,9 @@ import json
 
 import pandas as pd
 
-from dflash_eval.report import write_report
-from dflash_eval.summary import COLUMNS, slot_columns, write_summary
+from dflash_eval.stages.report import write_report
+from dflash_eval.stages.summary import write_summary
+from dflash_eval.tau_table import COLUMNS, slot_columns
 
 
 def _eval(tmp_path, ckpt, ps, step, samples, block=8):

@@ -705,7 +705,7 @@ def test_agreement_columns_and_mask_token_of_the_tiny_run(tiny_run):
 
 
 def _evaluate(tiny_run, out, cache=None, target=None, **kw):
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
 
     return evaluate(tiny_run / "results/tiny/drafters/step100", cache or tiny_run / "results/tiny/cache/set_a.h5",
                     target or tiny_run / "tiny_target", out, device="cpu", dtype="float32", **kw)
@@ -721,7 +721,7 @@ def test_evaluate_refuses_a_cache_of_another_target(tiny_run, tmp_path):
     with pytest.raises(InputError) as ei:
         _evaluate(tiny_run, tmp_path / "e.json", target=other)
     cache_sha = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())["cache"]["target_sha256"]
-    from dflash_eval.target import weights_sha256
+    from dflash_eval.target_spec import weights_sha256
 
     assert ei.value.field == "target_sha256" and cache_sha in ei.value.problem and weights_sha256(other) in ei.value.problem
     assert "--allow-foreign-cache" in ei.value.fix and not (tmp_path / "e.json").exists()
@@ -740,7 +740,7 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     import h5py
 
     from dflash_eval.errors import InputError
-    from dflash_eval.summary import summary_frame
+    from dflash_eval.tau_table import summary_frame
 
     cache = tmp_path / "set_a.h5"
     shutil.copy(tiny_run / "results/tiny/cache/set_a.h5", cache)
@@ -844,7 +844,7 @@ def test_killed_snakemake_orphan_output_is_reused(tmp_path):
     assert f"{n} verified in the partial file and kept, 0 to compute" in text
     assert not re.search(r"computed \d+ samples,", text) and "loaded target" not in text
     assert not Path(str(cache) + ".partial").exists()  # removed when the run succeeded (onsuccess)
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
 
     with CacheReader(cache) as rd:
         assert len(rd) == n and rd.verify() == []

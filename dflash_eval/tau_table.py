@@ -1,4 +1,6 @@
-"""The tau table (``tau.csv`` / ``tau.parquet``), rebuilt from the per-sample results of ``evaluate``.
+"""The tau table (``tau.csv`` / ``tau.parquet``: its columns, documented here), rebuilt from the per-sample results of ``evaluate``.
+
+Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
 (checkpoint, prompt set) with columns
@@ -48,7 +50,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import InputError, atomic_path
+from .errors import InputError
 from .io import read_json_object
 from .metrics import aggregate, agreement, position_bin_labels
 
@@ -139,14 +141,3 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block))
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
-
-
-def write_summary(evals: list[str], out_csv, out_parquet) -> pd.DataFrame:
-    """Write ``tau.csv`` and ``tau.parquet`` atomically; returns the frame."""
-    df = summary_frame(evals)
-    with atomic_path(out_csv) as tmp:
-        df.to_csv(tmp, index=False, float_format="%.4f")
-    with atomic_path(out_parquet) as tmp:
-        df.to_parquet(tmp, index=False)
-    log.info("tau table:\n%s", df[["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]].to_string(index=False))
-    return df
