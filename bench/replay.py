@@ -28,7 +28,7 @@ and the online loop (batch 1, on the first ``--online-samples`` samples), the ra
 how many samples' acceptance lists differ between batched and sequential (with the near-tie behind
 each, top-2 logit gap in ulps), and the FLOPs each batched pass executed divided by its time, next
 to a measured dense GEMM rate in the same dtype. Warm-up: each batched layout first runs on two
-samples; the sequential replay and the online loop run cold (their per-step work is small). Goals (issue 9): batched >= 20x sequential at 1k tokens; offline tau of one
+samples; the sequential replay and the online loop run cold (their per-step work is small). Goals: batched >= 20x sequential at 1k tokens; offline tau of one
 checkpoint >= 50x faster than online decoding of the same samples.
 
 The reference package: ``dflash==0.1.0`` is installed ``--no-deps`` by ``make venv`` here; the GPU

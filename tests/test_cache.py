@@ -227,7 +227,7 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
     from pathlib import Path
 
     from dflash_eval.cache_format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
 
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target

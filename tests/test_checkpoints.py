@@ -305,7 +305,7 @@ def test_pt_not_a_dict(tmp_path):
     (b"\x00\x01\x02junk", "neither a zip archive nor a pickle"),
 ])
 def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
-    """Issue 13 item 12: these ended in the unpickler's bare message (': 101.')."""
+    """These ended in the unpickler's bare message (': 101.')."""
     (tmp_path / "bad.pt").write_bytes(content)
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
@@ -488,7 +488,7 @@ def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
 
 
 
-# --------------------------------------------------------------------------- fields stored twice (issue 13 item 2)
+# --------------------------------------------------------------------------- fields stored twice
 @pytest.mark.parametrize("edit, field, values", [
     (lambda c: c.update(block_size=4), "block_size", ("dflash_config.block_size=8", "block_size=4")),
     (lambda c: c.update(mask_token_id=5), "mask_token_id", (f"dflash_config.mask_token_id={MASK_ID}", "mask_token_id=5")),

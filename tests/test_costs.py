@@ -67,8 +67,8 @@ def test_hybrid_target_cache_copies(tmp_path):
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"budgets": [0]}, "target_costs.budgets"),
-    ({"repeats": 0}, "target_costs"),
+    ({"budgets": [0]}, "--budgets"),
+    ({"repeats": 0}, "--repeats"),
     ({"context_tokens": 600}, "target_costs.context_tokens"),  # tiny target: max_position_embeddings 512
 ])
 def test_errors(llama, tmp_path, kw, field):

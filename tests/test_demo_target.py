@@ -32,7 +32,7 @@ def smol(tmp_path_factory):
 
 
 def _pipeline(smol, source, n, max_new_tokens, name):
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.prompts import build_prompt_set, write_prompts
 

@@ -100,7 +100,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     src = TransformersSource(model, tok, max_new_tokens=6, stop_ids=[10 ** 6])  # no stop: 6 steps
     quiet = src.generate(prompts)
     src.log_every = 0.0
-    with caplog.at_level(logging.INFO, logger="dflash_eval.completions"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.generation"):
         loud = src.generate(prompts)
     assert loud == quiet and all(len(ids) == 6 for ids, _ in loud)
     steps = [r.getMessage() for r in caplog.records if "decode step" in r.getMessage()]

@@ -16,7 +16,8 @@ import torch
 
 import tiny_hybrid as th
 from dflash_eval import hybrid
-from dflash_eval.extract import extract_hidden_states, run_target
+from dflash_eval.extract import run_target
+from dflash_eval.stages.hidden_states import extract_hidden_states
 from dflash_eval.cli import main
 from dflash_eval.errors import InputError
 

@@ -105,7 +105,7 @@ def test_online_decoding_is_lossless(tiny, budget):
 
 @pytest.mark.slow
 def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.evaluate import evaluate
 

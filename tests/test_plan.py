@@ -82,7 +82,7 @@ def test_checkpoint_files_of_a_folder(tmp_path):
 
 
 def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypatch):
-    """Issue 13 item 12: a folder without weights used to reach Snakemake as an input-function error
+    """A folder without weights used to reach Snakemake as an input-function error
     (hidden: 'Missing files after 5 seconds' and an empty eval/<ckpt>/); now the plan names the entry."""
     monkeypatch.chdir(tmp_path)
     for d, f in (("cfgonly", "config.json"), ("txt", "README.txt"), ("empty", None)):
@@ -98,7 +98,7 @@ def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypat
 
 
 def test_checkpoint_inputs_include_the_config_strip_falls_back_to(tmp_path, monkeypatch):
-    """Issue 13 item 9: strip reads the config.json beside a file checkpoint (or above a folder without
+    """Strip reads the config.json beside a file checkpoint (or above a folder without
     one); editing it must rerun strip, so it is an input."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run" / "run-step5").mkdir(parents=True)
@@ -227,7 +227,7 @@ def _drafter_cfg(layers=(1, 2), **extra):
 
 
 def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
-    """Issue 13 item 11: what a checkpoint's plain config.json says is checked before any job runs (layers
+    """What a checkpoint's plain config.json says is checked before any job runs (layers
     not cached or beyond the target, a field stored twice with different values), with the entry named."""
     monkeypatch.chdir(tmp_path)
     _target(tmp_path / "hf", layers=4)

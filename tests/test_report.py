@@ -115,7 +115,7 @@ def test_speedup_estimate_exact(run):
 
 def with_fake_columns(data):
     """tau_ddtree_2/8 (tau + 0.5 / + 1), per-slot columns (a block-3 row leaves slot 3 empty) and
-    position bins (the last one empty everywhere), as issue 9's summary adds them."""
+    position bins (the last one empty everywhere)."""
     f = data.frame
     f["tau_ddtree_2"] = f["tau"] + 0.5
     f["tau_ddtree_8"] = f["tau"] + 1.0

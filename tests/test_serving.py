@@ -82,7 +82,7 @@ def test_openai_text_only_server_refused_unless_allowed(env, tmp_path, caplog):
             generate_completions(target, prompts, tmp_path / "a.jsonl", source="openai", max_new_tokens=MAX_NEW,
                                  endpoint={"url": s.url})
         assert not (tmp_path / "a.jsonl").exists()
-        with caplog.at_level("WARNING", logger="dflash_eval.completions"):
+        with caplog.at_level("WARNING", logger="dflash_eval.stages.completions"):
             got = _rows(generate_completions(target, prompts, tmp_path / "b.jsonl", source="openai",
                                              max_new_tokens=MAX_NEW, endpoint={"url": s.url}, allow_retokenize=True))
     assert all(g["retokenized"] is True for g in got)
@@ -269,7 +269,7 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
     cmds = [c for c in shell_commands(out.stdout) if " completions " in c]
     assert len(cmds) == 2
     args = build_parser().parse_args(dflash_eval_argv(cmds[0]))
-    assert (args.source, args.endpoint_url, args.api_key_env, args.concurrency, args.serve) == (
+    assert (args.source, args.endpoint__url, args.endpoint__api_key_env, args.concurrency, args.serve) == (
         "openai", "http://gpu-host:8000", "DFLASH_EVAL_API_KEY", 32, "none")
     job = text[text.index("rule completions:"):].split("\n\n")[0]
     assert "model.safetensors" not in job and "tokenizer.json" in job  # no weights needed
@@ -277,8 +277,8 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
 
     out = run({"source": "openai", "serve": "vllm", "vllm": {"python": "/opt/vllm/bin/python", "args": ["--seed", "0"]}})
     args = build_parser().parse_args(dflash_eval_argv(next(c for c in shell_commands(out.stdout) if " completions " in c)))
-    assert (args.serve, args.vllm_python, args.vllm_arg, args.vllm_env) == (
-        "vllm", "/opt/vllm/bin/python", ["--seed", "0"], ["VLLM_CPU_KVCACHE_SPACE=2"])
+    assert (args.serve, args.vllm__python, args.vllm__args, args.vllm__env) == (
+        "vllm", "/opt/vllm/bin/python", ["--seed", "0"], {"VLLM_CPU_KVCACHE_SPACE": "2"})
 
     for gen, msg in [({"source": "sglang", "serve": "vllm"}, "serves the 'openai' protocol"),
                      ({"source": "openai"}, "needs a server"),

@@ -54,7 +54,7 @@ def test_mask_token_is_an_unused_special_token():
 
 
 def test_random_init_demo_drafter_uses_an_unused_special_mask_token(tiny, tmp_path):
-    """Issue 13 item 7: random-init demo drafters used vocab_size - 1, an ordinary BPE token, as the mask
+    """Random-init demo drafters used vocab_size - 1, an ordinary BPE token, as the mask
     token; they now follow the trainer's rule (an existing special token, not bos/eos/pad/unk)."""
     from transformers import AutoTokenizer
 

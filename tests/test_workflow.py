@@ -169,7 +169,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
-    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip",
+    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip-drafter",
                     "evaluate", "summary", "report", "demo-checkpoint", "target-costs"}
 
 
@@ -597,7 +597,7 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
 
 
-# --------------------------------------------------------------------------- issue 13: stale results, late checks, reruns
+# --------------------------------------------------------------------------- stale results, late checks, reruns
 
 
 def _copy_run(tiny_run, dst: Path) -> Path:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, atomic_path
-from ..target_spec import FINGERPRINT_FORMAT, TargetSpec, _weight_stats, as_spec, weights_sha256
+from ..target_spec import FINGERPRINT_FORMAT, TargetSpec, weight_stats, as_spec, weights_sha256
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     """
     spec = as_spec(target_dir)
     files = spec.weight_files()
-    before = _weight_stats(files)
+    before = weight_stats(files)
     t0 = time.perf_counter()
     sha = weights_sha256(spec.path)
-    if _weight_stats(files) != before:
+    if weight_stats(files) != before:
         raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
                          "rerun when nothing writes to the target folder")
     rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
