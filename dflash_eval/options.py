@@ -17,8 +17,10 @@ annotations steer this:
 
 * ``x-plan: true``: read by the workflow plan at parse time (which prompt set, which checkpoints,
   whether a rule runs, the cached layers, a secret), never by the stage: no field, no flag;
-* ``x-rerun: false``: cannot change a stage's outputs (timeouts, retries, requests in flight): the
-  rule passes it outside its ``params``, so editing it reruns nothing.
+* ``x-rerun: false``: cannot change a stage's outputs (timeouts, retries, requests in flight). The
+  workflow hands these to the jobs through the environment variable :data:`RUNTIME_ENV` (set by
+  the rules' shell prefix, which is no rerun trigger), not as a rule's ``params``, so editing one
+  reruns nothing; an explicit flag still wins.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "validate_online": ("validate_online",),
     "target_costs": ("target_costs", "target.linear_attn_backend"),
 }
+
+#: JSON ``{stage: {option path joined by ".": value}}`` of the ``x-rerun: false`` options (:func:`runtime_env`)
+RUNTIME_ENV = "DFLASH_EVAL_RUNTIME_OPTIONS"
 
 _JSON_TYPES = {"integer": int, "number": float, "string": str, "boolean": bool, "array": list, "object": dict}
 
@@ -279,6 +284,9 @@ def add_flags(parser: argparse.ArgumentParser, stage: str) -> None:
         desc = " ".join(str(node.get("description", "")).split())
         default = node.get("default")
         help_ = f"{desc} [{dotted}; default {json.dumps(default)}]".strip()
+        if node.get("x-rerun") is False:
+            default = None  # resolved by from_args: the workflow's environment, else the schema default
+            help_ += f" (the workflow passes it in {RUNTIME_ENV}: editing it reruns nothing)"
         if _python_type(node) is bool:
             group.add_argument(flag_name(path), dest=_dest(path), action=argparse.BooleanOptionalAction,
                                default=default, help=help_)
@@ -294,13 +302,29 @@ def from_args(stage: str, args: argparse.Namespace):
     Raises:
         InputError: a value the schema refuses, naming the flag.
     """
+    import os
+
+    runtime = json.loads(os.environ.get(RUNTIME_ENV) or "{}").get(stage, {})
     tree: dict = {}
-    for path, _, _ in _leaves(stage):
+    for path, _, node in _leaves(stage):
         value = getattr(args, _dest(path), None)
+        if value is None and node.get("x-rerun") is False:
+            value = runtime.get(".".join(path))
         if value is not None:
             _set(tree, path, value)
     validate(stage, tree)
     return _instantiate(options_class(stage), tree)
+
+
+def runtime_env(config: dict) -> str:
+    """The value of :data:`RUNTIME_ENV` for a validated workflow ``config``: every stage's ``x-rerun: false`` options."""
+    out = {}
+    for stage in STAGE_OPTIONS:
+        values = section_values(stage, config)
+        picked = {".".join(path): _get(values, path) for path, _, node in _leaves(stage) if node.get("x-rerun") is False}
+        if picked:
+            out[stage] = picked
+    return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
 def _render(node: dict, value) -> str:

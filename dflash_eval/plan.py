@@ -471,16 +471,19 @@ class Plan:
             values["ddtree_budget"] = self.validate_online_budget
         return values
 
-    def stage_flags(self, stage: str, prompt_set: str | None = None, rerun: bool = True) -> str:
-        """Shell-quoted CLI flags of ``stage``'s options (:meth:`stage_options`).
-
-        ``rerun=True``: the options that can change outputs, a rule's ``params`` (editing one reruns the
-        job); ``rerun=False``: the ``x-rerun: false`` ones (timeouts, retries), which the rules pass
-        outside their params so that editing them reruns nothing.
-        """
+    def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:
+        """Shell-quoted CLI flags of ``stage``'s options (:meth:`stage_options`) that can change outputs: a rule's
+        ``params``, so editing one reruns the jobs. The ``x-rerun: false`` ones (timeouts, retries) travel in
+        :meth:`runtime_env` instead."""
         from .options import to_flags
 
-        return " ".join(shlex.quote(w) for w in to_flags(stage, self.stage_options(stage, prompt_set), rerun=rerun))
+        return " ".join(shlex.quote(w) for w in to_flags(stage, self.stage_options(stage, prompt_set), rerun=True))
+
+    def runtime_env(self) -> str:
+        """``DFLASH_EVAL_RUNTIME_OPTIONS`` for the jobs' environment (:func:`dflash_eval.options.runtime_env`)."""
+        from .options import runtime_env
+
+        return runtime_env(self.config)
 
     # ---- optional rules: kernel_parity and validate_online (checked in build_plan)
     def _selected(self, section: str) -> tuple[str, list[str]]:

@@ -19,7 +19,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
-from dflash_eval.options import STAGE_OPTIONS
+from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.plan import build_plan
 
 def _shown(path):
@@ -65,12 +65,6 @@ CHECKPOINTS = PLAN.checkpoints
 DEMO_CHECKPOINTS = PLAN.demo_checkpoints
 LAYER_IDS_ARG = ",".join(str(i) for i in PLAN.cache_layer_ids)
 
-# Each stage's options travel one way: the schema entries it reads (dflash_eval/options.py) rendered
-# as its CLI flags. Those that can change outputs are a rule's params (PLAN.stage_flags(stage)); the
-# x-rerun: false ones (timeouts, retries) are passed from here, outside params, so editing them
-# reruns nothing.
-RUNTIME_FLAGS = {stage: PLAN.stage_flags(stage, rerun=False) for stage in STAGE_OPTIONS}
-
 if config["generation"]["endpoint"].get("api_key"):
     # Handed to the completions jobs through the environment only: never a param, a shell word or a log line.
     os.environ[config["generation"]["endpoint"]["api_key_env"]] = config["generation"]["endpoint"]["api_key"]
@@ -80,9 +74,12 @@ if config["generation"]["endpoint"].get("api_key"):
 # --sdm, `python` is the interpreter running Snakemake (so `.venv/bin/snakemake` works
 # without activating the venv); in a container or conda env it is that env's own. A
 # checkout's package source goes first on PYTHONPATH, so rules and CLI come from one
-# commit. The prefix is not part of a rule's code hash: it never triggers reruns.
+# commit. The prefix is not part of a rule's code hash: it never triggers reruns. That is
+# why it carries the stage options that cannot change outputs (schema `x-rerun: false`:
+# timeouts, retries); every other option is a rule's params (PLAN.stage_flags(stage)),
+# so editing it reruns the jobs that read it.
 def _shell_prefix():
-    parts = ["set -euo pipefail;"]
+    parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
     methods = workflow.deployment_settings.deployment_method
     if not (DeploymentMethod.CONDA in methods or DeploymentMethod.APPTAINER in methods):
         parts.append(f"export PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH;")

@@ -35,5 +35,5 @@ rule completions:
         fingerprint=PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
-        " --prompts {input.prompts:q} {params.options} {RUNTIME_FLAGS[completions]}"
+        " --prompts {input.prompts:q} {params.options}"
         " {params.fingerprint} --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

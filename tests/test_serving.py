@@ -269,8 +269,13 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
     cmds = [c for c in shell_commands(out.stdout) if " completions " in c]
     assert len(cmds) == 2
     args = build_parser().parse_args(dflash_eval_argv(cmds[0]))
-    assert (args.source, args.endpoint__url, args.endpoint__api_key_env, args.concurrency, args.serve) == (
-        "openai", "http://gpu-host:8000", "DFLASH_EVAL_API_KEY", 32, "none")
+    assert (args.source, args.endpoint__url, args.serve) == ("openai", "http://gpu-host:8000", "none")
+    # requests in flight, timeouts, retries and the key's variable cannot change the completions: they travel in the
+    # jobs' environment (options.RUNTIME_ENV), not as rerun-triggering params
+    assert args.concurrency is None and args.endpoint__api_key_env is None and "--concurrency" not in cmds[0]
+    from dflash_eval.options import runtime_env
+
+    assert json.loads(runtime_env({"generation": {"concurrency": 32}}))["completions"]["concurrency"] == 32
     job = text[text.index("rule completions:"):].split("\n\n")[0]
     assert "model.safetensors" not in job and "tokenizer.json" in job  # no weights needed
     assert "resources: tmpdir=<TBD>, gpu=0" in job or "gpu=0" in job

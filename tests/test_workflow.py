@@ -277,7 +277,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     assert "ckpts/epoch_0_step_200/config.json, ckpts/epoch_0_step_200/model.safetensors" in out
     cmds = shell_commands(out)
     prompts_cmd = next(c for c in cmds if " prompts " in c)
-    assert "--source file --path prompts.jsonl" in prompts_cmd and "--n 0" in prompts_cmd
+    assert "--source file --path prompts.jsonl" in prompts_cmd and "--n=0" in prompts_cmd
     strip_mine = next(c for c in cmds if "--checkpoint mine.pt" in c)
     assert "--override 'target_layer_ids=[0,1]'" in strip_mine
     assert not any("target-from-gguf" in c for c in cmds)
