@@ -259,14 +259,14 @@ def _convert(node: dict, text: str):
     if nullable and text.lower() in ("null", "none", ""):
         return None
     if typ in (list, dict):
+        if typ is list and node.get("items", {}).get("type") == "integer" and not text.lstrip().startswith("["):
+            try:  # the comma form of an integer list: "8,16", "8", "" (none)
+                return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
         try:
             return json.loads(text)
         except ValueError:
-            if typ is list and node.get("items", {}).get("type") == "integer":
-                try:
-                    return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-                except ValueError:
-                    pass
             raise argparse.ArgumentTypeError(f"expected JSON ({'a list' if typ is list else 'an object'}), got {text!r}") from None
     try:
         return typ(text)

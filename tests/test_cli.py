@@ -51,3 +51,14 @@ def test_summary_with_a_missing_or_foreign_eval_file(tmp_path, capsys):
     assert main(["summary", "--evals", str(tmp_path / "other.json"), *out]) == 2
     assert "other.json: checkpoint: missing: not an evaluate output" in capsys.readouterr().err
     assert not (tmp_path / "tau.csv").exists()
+
+
+@pytest.mark.parametrize("text, want", [("8,16", [8, 16]), ("8", [8]), ("", []), ("[4, 32]", [4, 32])])
+def test_integer_list_flags_take_the_comma_and_the_json_form(text, want):
+    """What the rules render (``--ddtree-budgets=8``: one budget) parses back to the same list."""
+    from dflash_eval import options
+    from dflash_eval.cli import build_parser
+
+    args = build_parser("evaluate").parse_args(["evaluate", *REQUIRED["evaluate"], f"--ddtree-budgets={text}"])
+    assert args.ddtree_budgets == want
+    assert options.to_flags("evaluate", {"ddtree_budgets": want})[5] == f"--ddtree-budgets={','.join(map(str, want))}"
