@@ -143,6 +143,7 @@ class Watcher:
         self.state = Path("results", self.run, "watch")
         self.out = out or sys.stdout
         self._lock_fd = None
+        self._waiting: dict[str, str] = {}
 
     # ---- state in the results folder
     def record(self, kind: str, name: str) -> Path:
@@ -193,7 +194,9 @@ class Watcher:
             if cand.name in done:
                 continue
             if not cand.complete:
-                log.info("waiting for %s: %s", path, cand.reason)
+                if self._waiting.get(cand.name) != cand.reason:  # once per reason, not every poll
+                    log.info("waiting for %s: %s", path, cand.reason)
+                    self._waiting[cand.name] = cand.reason
                 continue
             failed = self.record("failed", cand.name)
             if failed.is_file():
