@@ -300,9 +300,20 @@ class Watcher:
         return (o.until_step is not None and cand.step is not None and cand.step >= o.until_step) \
             or matches(cand.name, o.final_checkpoint)
 
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def run_forever(self) -> int:
         """Poll until a stop condition (module docstring); returns the process exit code."""
         self.lock()
+        try:
+            return self._loop()
+        finally:
+            self.unlock()
+
+    def _loop(self) -> int:
         log.info("watching %s every %g s (run %s, prompt sets %s)", self.opts.dir, self.opts.poll_s, self.run,
                  ", ".join(self.prompt_sets))
         if any(self.stop_after(c) for c in self._done_candidates()):
