@@ -15,7 +15,7 @@ from dflash_eval.errors import InputError
 from dflash_eval.prompts import build_prompt_set_with_meta
 from tiny import make_tiny_tokenizer
 
-FIX = Path(__file__).parent / "fixtures" / "benchmarks"
+FIX = Path(__file__).parent / "fixtures" / "prompt_sets"  # (not "benchmarks": .gitignore holds Snakemake's)
 EXPORTS = {"gsm8k": FIX / "gsm8k.jsonl", "math500": FIX / "math500.jsonl", "mbpp": FIX / "mbpp.jsonl",
            "mt-bench": FIX / "mt_bench_prompts.jsonl", "alpaca": FIX / "alpaca.jsonl"}
 REFERENCE_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
