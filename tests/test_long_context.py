@@ -23,7 +23,7 @@ def test_long_prompt_through_cache_and_replay(tmp_path):
         prompt_set={"n": 0, "max_prompt_tokens": 0},
         prompt_sets={"long": {"source": "file", "path": "prompts/long.jsonl"}},
         checkpoints={"glob": "ckpts/step100.pt", "demo": []},
-        evaluate={"device": "cpu", "dtype": "float32", "batch_size": 2, "ddtree_budgets": [2]},
+        evaluate={"device": "cpu", "dtype": "float32", "batch_size": 2, "ddtree_budgets": [2, 4]},
         target_costs={"enabled": False})
     cfg_path = wd / "tiny_target" / "config.json"
     cfg = json.loads(cfg_path.read_text())

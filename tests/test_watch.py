@@ -59,7 +59,7 @@ def _sha(path: Path) -> str:
 def test_watch_evaluates_each_complete_checkpoint_once_across_a_kill(tmp_path):
     wd = make_tiny_workdir(
         tmp_path / "wf", prompt_sets={"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
-        checkpoints={"demo": []}, evaluate={"device": "cpu", "dtype": "float32", "batch_size": 4, "ddtree_budgets": [2]})
+        checkpoints={"demo": []}, evaluate={"device": "cpu", "dtype": "float32", "batch_size": 4, "ddtree_budgets": [2, 4]})
     staged = wd / "ckpts"
     _demo_checkpoint(wd, "ckpts/step300.pt", step=300, seed=3)
     train = wd / "train"  # the trainer's output folder
