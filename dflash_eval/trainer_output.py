@@ -176,16 +176,25 @@ def _marker_problem(path: Path) -> str | None:
     return None
 
 
-def inspect(path: str | Path, settle_s: float = 30.0, now: float | None = None) -> Candidate:
-    """Whether ``path`` is a complete checkpoint (module docstring, rules 1-5), its step and name."""
-    from .checkpoints import detect_format, parse_step
+def identify(path: str | Path) -> tuple[str, int | None]:
+    """``(workflow name, step)`` of a candidate from its name and trainer-state JSON (cheap: no weights read)."""
+    from .checkpoints import parse_step
 
     path = Path(path)
-    now = time.time() if now is None else now
     step = parse_step(path.name if path.is_dir() else path.stem)
     if step is None:
         step = _json_step(path)
-    cand = Candidate(path, checkpoint_name(path, step), step, False)
+    return checkpoint_name(path, step), step
+
+
+def inspect(path: str | Path, settle_s: float = 30.0, now: float | None = None) -> Candidate:
+    """Whether ``path`` is a complete checkpoint (module docstring, rules 1-5), its step and name."""
+    from .checkpoints import detect_format
+
+    path = Path(path)
+    now = time.time() if now is None else now
+    name, step = identify(path)
+    cand = Candidate(path, name, step, False)
     try:
         fmt, _ = detect_format(path)
     except InputError as err:

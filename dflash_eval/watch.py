@@ -47,7 +47,7 @@ from pathlib import Path
 import yaml
 
 from .errors import InputError, atomic_path
-from .trainer_output import Candidate, candidates, inspect, matches, same_files
+from .trainer_output import Candidate, candidates, identify, inspect, matches, same_files
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +190,9 @@ class Watcher:
         done = self.done()
         ready = []
         for path in candidates(self.opts.dir, self.opts.pattern):
-            cand = inspect(path, self.opts.settle_s)
-            if cand.name in done:
+            if identify(path)[0] in done:  # evaluated: not inspected again
                 continue
+            cand = inspect(path, self.opts.settle_s)
             if not cand.complete:
                 if self._waiting.get(cand.name) != cand.reason:  # once per reason, not every poll
                     log.info("waiting for %s: %s", path, cand.reason)
