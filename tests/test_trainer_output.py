@@ -126,3 +126,17 @@ def test_candidates_skip_links_logs_hidden_and_temporary_entries(tmp_path):
 def test_names_are_workflow_safe(tmp_path):
     assert checkpoint_name(tmp_path / "epoch 1 (best)", 50) == "epoch_1__best_-step50"
     assert checkpoint_name(tmp_path / "step10.pt", 10) == "step10"
+
+
+def test_strip_takes_the_step_of_training_state_json(tmp_path):
+    from dflash_eval.checkpoints import load_checkpoint
+
+    ck = _weights(tmp_path / "0")
+    (ck / "training_state.json").write_text(json.dumps({"epoch": 0, "local_step": 7, "global_step": 16626}))
+    loaded = load_checkpoint(ck)
+    assert loaded.format == "hf-folder" and loaded.meta["step"] == 16626
+    hf = _weights(tmp_path / "checkpoint-500")
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 400}))
+    loaded = load_checkpoint(hf)
+    assert loaded.meta["step"] == 400
+    assert any("trainer_state.json global_step 400 differs from the folder name's step 500" in n for n in loaded.notes)
