@@ -30,6 +30,9 @@ tau_sglang              mean over responses of (completion tokens incl. the pref
 tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at completion
                         position ``lo <= pos < hi`` (bins ``metrics.POSITION_BINS``; ``hi`` =
                         ``inf`` for the last); empty when no step falls there
+tau_prompt_<lo>_<hi>    tau (same convention) of the responses whose prompt is ``lo <= tokens <
+                        hi`` long (bins ``metrics.PROMPT_BINS``); empty when none is
+n_prompt_<lo>_<hi>      responses in that prompt-length bin
 accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
                         largest B in the table; empty for rows with a smaller B or where
                         slot k was never compared
@@ -52,13 +55,14 @@ import pandas as pd
 
 from .errors import InputError
 from .io import read_json_object
-from .metrics import aggregate, agreement, position_bin_labels
+from .metrics import PROMPT_BINS, aggregate, agreement, position_bin_labels
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
-           "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()]
+           "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
+    + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n") for label in position_bin_labels(PROMPT_BINS)]
 
 
 def slot_columns(max_block_size: int) -> list[str]:
@@ -110,7 +114,9 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",
                              "pass each evaluate output once")
         seen[key] = str(path)
-        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
+        lens = [s.get("prompt_len") for s in r["samples"]]
+        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"],
+                          lens if all(isinstance(x, int) for x in lens) else None)
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         rows.append({
             "checkpoint": r["checkpoint"],
@@ -131,6 +137,8 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             "agreement_mean": agree.mean,
             "tau_sglang": stats.tau_sglang,
             **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
+            **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
+            **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
             **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
         })
         for b in r.get("ddtree_budgets", []):
