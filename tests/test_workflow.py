@@ -358,7 +358,8 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 
 def test_environment_pins_agree():
-    host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
+    host = _pins([line for f in ("requirements.txt", "requirements-trackers.txt")
+                  for line in (REPO / "envs" / f).read_text().splitlines()])
     image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
                    for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image
