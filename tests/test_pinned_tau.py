@@ -21,9 +21,9 @@ reverted):
 
 (a) the acceptance walk always rejects: ``dflash_eval.replay.chain_walk`` commits 1 token per step
     (``produced = 1``), and ``dflash_eval.ddtree.walk_budgets`` takes depth 0 (``produced = 1``);
-(b) it accepts one more draft than it should: ``chain_walk`` commits ``min(a + 2, tokens left)`` and
-    ``walk_budgets`` ``min(d + 2, tokens left)``; and, in the all-anchor pass
-    (``dflash_eval.replay._group_drafts``), the accepted prefix counted one slot past the first mismatch
+(b) it accepts one more draft than it should: ``chain_walk`` commits ``min(a + 2, tokens left)``,
+    ``walk_budgets`` ``min(min(d + 1, depth limit) + 1, tokens left)``, and the all-anchor pass
+    (``dflash_eval.replay._group_drafts``) counts the accepted prefix one slot past the first mismatch
     (``acc = min(acc + 1, limit)``).
 """
 
