@@ -135,6 +135,7 @@ def cpu_image(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.container
 def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     """`--sdm apptainer` with the podman stand-in: every stage runs in the image without network
     and gives the local run's completions, caches and tau; the cache names the image and records

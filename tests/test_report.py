@@ -192,6 +192,7 @@ def _csv_cells(frame: pd.DataFrame) -> list[list[str]]:
     return [row for row in csv.reader(io.StringIO(buf.getvalue()))]
 
 
+@pytest.mark.browser
 def test_renders_in_chromium(run):
     """Every figure loads in headless Chromium, and the tau tables the browser shows equal tau.csv."""
     import browser

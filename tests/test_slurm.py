@@ -250,6 +250,7 @@ SLURM_TEST_CONFIG = {
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
     """The shipped slurm-gpu profile, unchanged, on a cluster without accounting: every job
     COMPLETED in SLURM's records, GPU rules on the gpu partition with one GPU, the rest on cpu
@@ -276,6 +277,7 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_slurm_profiles_on_a_cluster_without_gpus(slurm_cluster_without_gpus, tiny_run, tmp_path):
     """Without GPU gres, slurm-gpu's GPU job is rejected by sbatch once (no retry resubmits it) with
     SLURM's reason in the error; slurm-cpu runs the same torch rule on the cpu partition without a

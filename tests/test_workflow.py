@@ -534,6 +534,7 @@ def check_report_in_browser(run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_report_html_renders(tiny_run, tmp_path):
     run = tiny_run / "results" / "tiny"
     assert sorted(p.name for p in (run / "figures").glob("*.png")) == [
@@ -546,6 +547,7 @@ def test_report_html_renders(tiny_run, tmp_path):
     check_report_in_browser(run, tmp_path)
 
 
+@pytest.mark.browser
 def test_demo_report_renders(tmp_path):
     """``make demo``'s results/demo/report.html, when this checkout has run the demo."""
     run = REPO / "results" / "demo"
