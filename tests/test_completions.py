@@ -39,7 +39,7 @@ def _read(path):
     return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"compl-{request.param}")
     target = make_tiny_target(root / "target", arch=request.param, seed=3)

@@ -92,6 +92,7 @@ def test_causal_conv1d_status(tmp_path, monkeypatch, case, expected):
     assert causal_conv1d_status() == expected
 
 
+@pytest.mark.container
 def test_check_image_fails_loudly(tmp_path):
     """The image's import check exits 1 and names what is wrong (here: a CPU torch in the CUDA
     variant, and fla missing)."""

@@ -154,6 +154,7 @@ fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
 '''
 
 
+@pytest.mark.slow
 def test_fla_bound_at_import_is_detected_and_overridden(tmp_path):
     """With an importable fla, transformers binds it at import and a CPU forward crashes (reference §2.3).
 
@@ -258,6 +259,7 @@ def test_kernel_parity_skips_targets_without_linear_attention(tmp_path):
     assert json.loads((tmp_path / "kp.json").read_text())["layers"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_whole_pipeline_through_the_cli(kind, tmp_path):
     """prompts -> completions -> hidden-states -> demo checkpoint -> strip -> evaluate -> kernel-parity -> report."""

@@ -116,6 +116,7 @@ def test_slurm_submit_strings():
     assert "-p cpu" in call and "--mem 64000" in call and "--gpus" not in call and "--cpus-per-task=1" in call
 
 
+@pytest.mark.slow
 def test_torch_threads_from_config(tmp_path):
     """Torch rules take config torch_threads (default 8), capped by --cores; no rule reads
     workflow.cores (it fails at parse time when --cores is unset, as on a cluster)."""
