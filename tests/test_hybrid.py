@@ -89,6 +89,7 @@ def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
     assert torch.equal(embed, vlm.model.language_model.embed_tokens.weight.detach())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_right_padding_is_batch_invariant(kind):
     """Same sample alone vs right-padded next to longer ones.

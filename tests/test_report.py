@@ -125,6 +125,7 @@ def with_fake_columns(data):
     return data
 
 
+@pytest.mark.slow
 def test_fake_columns_adapt(run):
     """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget; per-slot
     and per-position columns add their figures and tables."""

@@ -143,6 +143,7 @@ def test_torch_threads_from_config(tmp_path):
     assert t["completions"] == t["hidden_states"] == t["evaluate"] == {1} and t["target_costs"] == {2}
 
 
+@pytest.mark.slow
 def test_missing_sif_stops_at_parse_time(tmp_path):
     """With --sdm apptainer, a containers.cuda .sif that does not exist is named at parse time."""
     wd = copy_workflow(tmp_path / "wf")
