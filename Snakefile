@@ -37,8 +37,7 @@ rule all:
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
         expand("results/{run}/report.html", run=RUN),
-        KERNEL_PARITY_ALL,
-        VALIDATE_ONLINE_ALL,
+        PLAN.extra_outputs(),
     localrule: True
 
 

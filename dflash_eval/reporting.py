@@ -1,7 +1,7 @@
-"""The run's report: ``report.html`` (self-contained, figures embedded) and ``report.md``, from one data set.
+"""The run's report, built: its data, tables, figures, markdown and HTML (written by :mod:`dflash_eval.stages.report`).
 
 Everything is recomputed from the per-sample acceptance lists of the evaluate JSONs
-(:func:`dflash_eval.summary.summary_frame`, :mod:`dflash_eval.metrics`), the caches'
+(:func:`dflash_eval.tau_table.summary_frame`, :mod:`dflash_eval.metrics`), the caches'
 attributes and the measured target costs -- the same data as ``tau.csv`` -- and rendered
 twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the page
 by a Jinja2 template, ``templates/report.html.j2``; no network access needed to view it)
@@ -41,9 +41,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import atomic_dir, atomic_path
 from .metrics import aggregate
-from .summary import summary_frame
+from .tau_table import summary_frame
 
 SLOT_PREFIX, POS_PREFIX = "accept_slot_", "tau_pos_"
 
@@ -115,7 +114,7 @@ def slot_curves(frame: pd.DataFrame) -> dict:
 
 
 def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
-    from .cache import CacheReader
+    from .cache_reader import CacheReader
 
     rows, attrs = [], {}
     for c in caches:
@@ -511,33 +510,3 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS)
-
-
-def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None,
-                 costs=None, out_html=None, figures_dir=None, config_sha256: str | None = None,
-                 prompts_meta: list[str] | None = None) -> ReportData:
-    """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
-
-    ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
-    precision, tau.csv being rounded to 4 decimals). The run name (title) is ``<run>`` of ``results/<run>/report.md``.
-    All outputs are written atomically.
-
-    Raises:
-        InputError: unreadable inputs (see :func:`load_report_data`).
-    """
-    folder = Path(out).resolve().parent
-    run = folder.name if folder.parent.name == "results" else None
-    data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta)
-    with atomic_path(out) as tmp:
-        tmp.write_text(render_markdown(data))
-    if out_html or figures_dir:
-        figs = build_figures(data)
-        if figures_dir:
-            with atomic_dir(figures_dir) as tmp:
-                for name, (_, png) in figs.items():
-                    (tmp / name).write_bytes(png)
-        if out_html:
-            with atomic_path(out_html) as tmp:
-                tmp.write_text(render_html(data, figs))
-    return data
