@@ -64,6 +64,7 @@ demo: venv venv-trackers
 	print(t[['checkpoint', 'step', 'prompt_set', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"
 	@echo "tau table: chain tau and DDTree tau per node budget; every column: results/demo/tau.csv"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
+	@echo "TensorBoard: $(BIN)/tensorboard --logdir results/demo/tensorboard"
 
 # PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
 test: venv venv-trackers

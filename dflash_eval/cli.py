@@ -45,7 +45,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summary": ("stages.summary", "collect per-checkpoint results into tau.csv / tau.parquet"),
     "report": ("stages.report", "HTML + markdown report (tau curves and table, histograms, speedup estimate, "
                                 "target agreement, provenance)"),
+    "trackers": ("stages.trackers", "log the tau table to TensorBoard / W&B / MLflow at each checkpoint's step"),
     "train": ("train", "train a DFlash drafter on target-generated completions (the demo drafters)"),
+    "watch": ("watch", "follow a training output folder and evaluate each checkpoint once it is complete "
+                       "(not a rule: runs Snakemake per checkpoint)"),
 }
 #: older spellings still accepted
 ALIASES = {"strip": "strip-drafter"}

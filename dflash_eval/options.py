@@ -43,6 +43,7 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "kernel_parity": ("kernel_parity", "cache.batch_tokens", "cache.device", "cache.dtype"),
     "validate_online": ("validate_online",),
     "target_costs": ("target_costs", "target.linear_attn_backend"),
+    "trackers": ("trackers",),
 }
 
 #: JSON ``{stage: {option path joined by ".": value}}`` of the ``x-rerun: false`` options (:func:`runtime_env`)

@@ -336,6 +336,26 @@ def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], ta
             raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", fix) from None
 
 
+def check_prompt_sets(prompt_sets: dict) -> None:
+    """Cross-entry checks of ``prompt_sets``: an ``mt-bench-turn2`` set names (``turn1``) a configured set of
+    source ``mt-bench`` and reads the same data.
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for name, ps in prompt_sets.items():
+        if ps["source"] != "mt-bench-turn2":
+            continue
+        first = prompt_sets.get(ps["turn1"])
+        if first is None or first["source"] != "mt-bench":
+            what = "is not a configured prompt set" if first is None else f"has source {first['source']!r}"
+            raise InputError("config", f"prompt_sets.{name}.turn1", f"{ps['turn1']!r} {what}",
+                             "name the prompt set with source: mt-bench whose answers open the second turn")
+        if ps.get("path") and ps["path"] != first.get("path"):
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} differs from the first turn's data "
+                             f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
+
+
 def check_generation(gen: dict) -> None:
     """Cross-field checks of config section ``generation`` (serving-engine sources).
 
@@ -405,15 +425,40 @@ class Plan:
         """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
         return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
 
+    def prompt_data_path(self, prompt_set: str) -> str | None:
+        """The data file of a prompt set: its ``path``; for ``mt-bench-turn2`` the first turn's when unset."""
+        opts = self.prompt_set_options(prompt_set)
+        if opts.get("path") or opts["source"] != "mt-bench-turn2":
+            return opts.get("path")
+        return self.config["prompt_sets"][opts["turn1"]].get("path")
+
+    def turn1_completions(self, prompt_set: str) -> str | None:
+        """``results/<run>/completions/<turn1>.jsonl`` for an ``mt-bench-turn2`` set (its second turns open with
+        the target's answers to the first), else None."""
+        opts = self.prompt_set_options(prompt_set)
+        return self.run_path("completions", f"{opts['turn1']}.jsonl") if opts["source"] == "mt-bench-turn2" else None
+
     def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
-        """Tokenizer files, plus the prompt file when the entry names one."""
+        """Tokenizer files, plus the prompt file when the entry names one, plus the first turn's completions
+        for ``mt-bench-turn2``."""
         files: dict = {"tokenizer": self.target.tokenizer}
-        path = self.prompt_set_options(prompt_set).get("path")
-        return {**files, "prompt_file": path} if path else files
+        path = self.prompt_data_path(prompt_set)
+        if path:
+            files["prompt_file"] = path
+        turn1 = self.turn1_completions(prompt_set)
+        return {**files, "turn1_completions": turn1} if turn1 else files
 
     def prompts_path_arg(self, prompt_set: str) -> str:
-        path = self.prompt_set_options(prompt_set).get("path")
-        return f"--path {shlex.quote(path)}" if path else ""
+        """``--path`` (the data file) and ``--turn1-completions`` (mt-bench-turn2) of the prompts stage."""
+        path, turn1 = self.prompt_data_path(prompt_set), self.turn1_completions(prompt_set)
+        return " ".join(([f"--path {shlex.quote(path)}"] if path else [])
+                        + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else []))
+
+    def trackers_outputs(self) -> list[str]:
+        """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
+        from .trackers import enabled
+
+        return [self.run_path("trackers.json")] if enabled(self.config.get("trackers")) else []
 
     def strip_inputs(self, ckpt: str) -> dict:
         """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
@@ -563,6 +608,7 @@ def build_plan(config: dict) -> Plan:
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])

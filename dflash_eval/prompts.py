@@ -427,7 +427,7 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
         if not turn1_completions:
             raise InputError(None, "prompt_sets.<name>.turn1", "source 'mt-bench-turn2' needs the first turn's completions",
                              "name the mt-bench prompt set whose answers open the second turn")
-        from .completions import read_completions
+        from .completions_file import read_completions
 
         items = mt_bench_turn2_items(read_completions(turn1_completions), tok, path, turn1_completions)
     else:

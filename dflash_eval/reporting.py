@@ -44,7 +44,7 @@ import pandas as pd
 from .metrics import aggregate
 from .tau_table import summary_frame
 
-SLOT_PREFIX, POS_PREFIX = "accept_slot_", "tau_pos_"
+SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
 
 CITATIONS = [
     ("DFlash: Block Diffusion for Flash Speculative Decoding (Chen, Liang, Liu), arXiv:2602.06036",
@@ -75,6 +75,7 @@ class ReportData:
     extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
     config_sha256: str | None = None
     run: str | None = None
+    prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
 
     @property
     def checkpoints(self) -> list[str]:
@@ -97,6 +98,22 @@ def position_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """``[("0-64", "tau_pos_0_64"), ...]``: position-bin columns holding any value, in table order."""
     return [(c[len(POS_PREFIX):].replace("_", "-"), c) for c in frame.columns
             if c.startswith(POS_PREFIX) and frame[c].notna().any()]
+
+
+def prompt_length_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[("0-128", "tau_prompt_0_128"), ...]``: prompt-length bins holding any response, in table order."""
+    return [(c[len(PROMPT_PREFIX):].replace("_", "-"), c) for c in frame.columns
+            if c.startswith(PROMPT_PREFIX) and frame[c].notna().any()]
+
+
+def prompt_length_table(frame: pd.DataFrame, cols: list[tuple[str, str]]) -> pd.DataFrame:
+    """Checkpoint, prompt set and ``"<tau> (<responses>)"`` per prompt-length bin (empty where none)."""
+    out = frame[["checkpoint", "prompt_set"]].copy()
+    for label, c in cols:
+        n = frame["n" + c[len("tau"):]] if "n" + c[len("tau"):] in frame else None
+        out[f"{label} tokens"] = [f"{t:.3f} ({int(k)})" if pd.notna(t) else ""
+                                  for t, k in zip(frame[c], n if n is not None else [0] * len(frame))]
+    return out
 
 
 def slot_curves(frame: pd.DataFrame) -> dict:
@@ -165,6 +182,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
             int(r["block_size"]), aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram)
     agreement, cache_attrs = _agreement(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
+                      prompt_lengths=prompt_length_columns(frame),
                       agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
     if costs:
         from .costs import read_costs, speedup_frame
@@ -381,6 +399,10 @@ def render_markdown(data: ReportData) -> str:
         parts += ["## Acceptance by position in the response", "",
                   "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
                   _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in data.positions]]), ""]
+    if data.prompt_lengths:
+        parts += ["## Acceptance by prompt length", "",
+                  "tau of the responses whose templated prompt has that many tokens (responses in brackets).", "",
+                  _md_table(prompt_length_table(f, data.prompt_lengths)), ""]
     if len(data.agreement):
         parts += ["## Target agreement", "",
                   "Share of completion tokens equal to the target's teacher-forced argmax in the cache.", "",
@@ -507,6 +529,8 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
         ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
         slots=bool(data.slot_curves), positions=bool(data.positions),
+        prompt_lengths=_styled(prompt_length_table(f, data.prompt_lengths), 3, "prompt-lengths").to_html()
+        if data.prompt_lengths else None,
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS)

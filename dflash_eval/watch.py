@@ -240,8 +240,17 @@ class Watcher:
             with open(logf, "a") as fh:
                 fh.write(f"$ {' '.join(cmd)}\n")
                 fh.flush()
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None).returncode
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                                        preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None)
+                try:
+                    rc = proc.wait()
+                except BaseException:  # SIGTERM / Ctrl-C of watch: let Snakemake stop its jobs and unlock
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=300)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    raise
             if rc == 0 or LOCKED not in logf.read_text()[-4000:] or time.time() > deadline:
                 return rc, logf
             log.info("another Snakemake holds this folder's lock; retrying in 10 s")
@@ -289,7 +298,7 @@ class Watcher:
 
     def table(self, also: str | None = None):
         """Tau table of every evaluated checkpoint (and ``also``), written to ``results/<run>/watch/tau.*``."""
-        from .summary import write_summary
+        from .stages.summary import write_summary
 
         names = list(self.done()) + ([also] if also else [])
         evals = [t for n in dict.fromkeys(names) for t in self.targets(n) if os.path.isfile(t)]
@@ -336,9 +345,9 @@ class Watcher:
         return [Candidate(Path(r.get("path", n)), n, r.get("step"), True) for n, r in self.done().items()]
 
 
-def main(configfiles: list[str], once: bool = False, until_step: int | None = None, poll_s: float | None = None,
-         out=None) -> int:
-    """``python -m dflash_eval watch``: load the config, then :meth:`Watcher.run_forever`.
+def run(configfiles: list[str], once: bool = False, until_step: int | None = None, poll_s: float | None = None,
+        out=None) -> int:
+    """Load the config, then :meth:`Watcher.run_forever`; returns the exit code.
 
     Raises:
         InputError: a bad config (no ``watch.dir``), or another watch of the run is running.
@@ -348,11 +357,8 @@ def main(configfiles: list[str], once: bool = False, until_step: int | None = No
     return Watcher(configfiles, opts, cfg, out).run_forever()
 
 
-def build_parser():
-    """Arguments of ``python -m dflash_eval watch`` (also ``python -m dflash_eval.watch``)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="dflash-eval watch", description=__doc__.split("\n\n")[0])
+def add_arguments(p) -> None:
+    """Arguments of ``python -m dflash_eval watch``."""
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="the config file(s) you give Snakemake, with a watch section (watch.dir: the training "
                         "output folder); merged after config/config.yaml")
@@ -360,14 +366,8 @@ def build_parser():
     p.add_argument("--until-step", type=int, default=None, help="stop after the checkpoint at or past this step "
                    "(overrides watch.until_step)")
     p.add_argument("--poll-s", type=float, default=None, help="seconds between looks at the folder (watch.poll_s)")
-    return p
 
 
-if __name__ == "__main__":  # pragma: no cover
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    a = build_parser().parse_args()
-    try:
-        sys.exit(main(a.configfile, a.once, a.until_step, a.poll_s))
-    except InputError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+def main(args, opts=None) -> int:
+    """``python -m dflash_eval watch`` (:func:`run`)."""
+    return run(args.configfile, args.once, args.until_step, args.poll_s)

@@ -33,7 +33,7 @@ def _env() -> dict:
 
 def _start(wd: Path, out: Path, *extra: str) -> subprocess.Popen:
     fh = open(out, "a")
-    return subprocess.Popen([sys.executable, "-m", "dflash_eval.watch", "--configfile", "watch.yaml", *extra],
+    return subprocess.Popen([sys.executable, "-m", "dflash_eval", "watch", "--configfile", "watch.yaml", *extra],
                             cwd=wd, env=_env(), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -79,7 +79,7 @@ def test_watch_evaluates_each_complete_checkpoint_once_across_a_kill(tmp_path):
             fh.write(whole[: len(whole) // 2])
         _wait(lambda: any(" step100:" in x for x in _lines(log_a)), "step100 evaluated", 900, a, log_a)
         # a second watch of the same run is refused while the first one runs
-        second = subprocess.run([sys.executable, "-m", "dflash_eval.watch", "--configfile", "watch.yaml", "--once"],
+        second = subprocess.run([sys.executable, "-m", "dflash_eval", "watch", "--configfile", "watch.yaml", "--once"],
                                 cwd=wd, env=_env(), capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and "another watch of run 'tiny' is running" in second.stderr
         time.sleep(4)  # several polls: the half-written checkpoint is still not taken

@@ -38,6 +38,7 @@ DEMO_JOBS = {
     "target_costs": 1,
     "summary": 1,
     "report": 1,
+    "trackers": 1,  # config/demo.yaml logs to TensorBoard
     "all": 1,
 }
 TARGET_RULES = {"target_from_gguf", "target_fingerprint", "prompts", "completions", "hidden_states"}
@@ -170,7 +171,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
     assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip-drafter",
-                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs"}
+                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs", "trackers"}
 
 
 def test_dry_run_kernel_parity_wiring(tmp_path):
@@ -358,7 +359,8 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 
 def test_environment_pins_agree():
-    host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
+    host = _pins([line for f in ("requirements.txt", "requirements-trackers.txt")
+                  for line in (REPO / "envs" / f).read_text().splitlines()])
     image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
                    for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image

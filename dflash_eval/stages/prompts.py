@@ -17,6 +17,8 @@ def add_arguments(p) -> None:
     p.add_argument("--source", required=True, choices=SOURCES, help="prompt source (config prompt_sets.<name>.source)")
     p.add_argument("--path", default=None, help="JSONL (id + prompt|messages) or .txt (one prompt per line) for "
                                                "--source file; optional override of the packaged data file otherwise")
+    p.add_argument("--turn1-completions", default=None,
+                   help="--source mt-bench-turn2: completions JSONL of the mt-bench set whose answers open the second turns")
     p.add_argument("--tokenizer", required=True, help="target folder holding the tokenizer and chat template")
     p.add_argument("--out", required=True, help="prompts JSONL; skip counts per reason go to <name>.meta.json beside it")
 
@@ -24,5 +26,6 @@ def add_arguments(p) -> None:
 def main(args, opts) -> None:
     rows, meta = build_prompt_set_with_meta(source=args.source, tokenizer_dir=args.tokenizer, n=opts.n, seed=opts.seed,
                                             path=args.path, enable_thinking=opts.enable_thinking,
-                                            max_prompt_tokens=opts.max_prompt_tokens)
+                                            max_prompt_tokens=opts.max_prompt_tokens,
+                                            turn1_completions=args.turn1_completions)
     write_prompts(rows, args.out, meta)
