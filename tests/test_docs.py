@@ -213,10 +213,6 @@ def test_links_and_anchors_resolve(files):
     assert broken_links(md, REPO, files) == []
 
 
-# The layout table describes the package after the stage modules move to dflash_eval/stages/.
-# Until that tree exists this check is skipped; the lead removes the skip when it merges.
-@pytest.mark.skipif(not (REPO / "dflash_eval" / "stages").is_dir(),
-                    reason="dflash_eval/stages/ does not exist yet (the layout table describes it)")
 def test_layout_table_matches_the_tree(readme, files):
     assert layout_problems(readme, files) == []
 
@@ -229,10 +225,7 @@ def test_cache_reading_example_runs(tmp_path):
     """The h5py example of docs/cache-format.md, run on a cache written by the real writer."""
     import torch
 
-    try:
-        from dflash_eval.cache_writer import write_cache
-    except ImportError:  # before the cache module is split into format, reader and writer
-        from dflash_eval.cache import write_cache
+    from dflash_eval.cache_writer import write_cache
 
     text = (REPO / "docs" / "cache-format.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
