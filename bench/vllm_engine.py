@@ -47,7 +47,7 @@ def compare_caches(hf_path, vllm_path) -> dict:
     """Per stored layer the largest rel-L2 (vLLM vs HF) over samples; ids / argmax identical; argmax agreement."""
     import torch
 
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
 
     with CacheReader(hf_path) as a, CacheReader(vllm_path) as b:
         worst = [0.0] * len(a.layer_ids)
@@ -83,10 +83,10 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.gguf import convert_gguf, resolve_gguf
     from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.runtime import dtype_name, resolve_device, resolve_dtype
     from dflash_eval.vllm_engine import EngineOptions, compare, serve_and_measure
     from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
                         tensor_parallel_size=args.tensor_parallel_size, cpu_fix=args.cpu_fix)
     t0 = time.perf_counter()
     plain = serve_and_measure(target, rows, max_new, out, out / "plain.vllm.log", eng)
-    from dflash_eval.completions import stop_token_ids
+    from dflash_eval.generation import stop_token_ids
 
     stops = set(stop_token_ids(target)[0])
     comp = out / "completions.jsonl"

@@ -406,7 +406,7 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
     """
     import torch
 
-    from .completions import stop_token_ids
+    from .generation import stop_token_ids
     from .runtime import dtype_name, resolve_device, resolve_dtype
     from .serving import OpenAIClient, VLLMServer
 

@@ -13,7 +13,7 @@ Per sample this module sends prompt + completion ids as the prompt with ``max_to
 ``prompt_logprobs: 1`` to ``POST /v1/completions``, waits for the connector's write (a shared
 ``flock`` on ``<path>.lock``, the connector's own protocol), reads the file, checks it
 (:func:`check_dump`), deletes it and its lock, and streams the sample into the cache through
-:class:`dflash_eval.cache.PartialCache` (resumable like the HF path). ``target_argmax`` comes
+:class:`dflash_eval.cache_writer.PartialCache` (resumable like the HF path). ``target_argmax`` comes
 from the prompt log-probs: the rank-1 token at position ``t + 1`` is the target's greedy
 token after ``t``; after the last position it is the generated token.
 
@@ -52,7 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import FORMAT, FORMAT_VERSION, Batch, PartialCache, SampleMeta, StreamingWriter, open_h5_readonly, to_storage
+from .cache_format import FORMAT, FORMAT_VERSION, to_storage
+from .cache_reader import open_h5_readonly
+from .cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from .errors import InputError, partial_path
 from .io import sha256_file
 
@@ -260,7 +262,7 @@ def final_norm(spec):
     """
     from safetensors import safe_open
 
-    from .target import _key_locations
+    from .target_spec import _key_locations
 
     if spec.model_type not in PLAIN_RMSNORM_TYPES:
         raise InputError("config", "cache.target_layer_ids",
@@ -344,13 +346,13 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
 
     Args:
         target_dir: HF target folder (the one the server serves).
-        completions_path: completions JSONL (:func:`dflash_eval.completions.read_completions`).
+        completions_path: completions JSONL (:func:`dflash_eval.completions_file.read_completions`).
         out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
         layer_ids: dflash ``target_layer_ids`` (0-based decoder layers, order kept in the cache).
         options: :class:`VLLMStatesOptions`.
         dtype: the job-owned server's ``--dtype`` (``auto``: bfloat16 with CUDA, float32 without);
             with ``url`` the server's own dtype is used and recorded.
-        target_fingerprint, keep_partial: as :func:`dflash_eval.extract.extract_hidden_states`.
+        target_fingerprint, keep_partial: as :func:`dflash_eval.stages.hidden_states.extract_hidden_states`.
 
     Returns:
         ``Path(out)``.
@@ -360,11 +362,11 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             partial cache of other settings or engine, no room on the disk.
         ServerUnavailable / ServerError: the server failed (what was committed stays for the rerun).
     """
-    from .completions import read_completions
-    from .extract import _check_layers, _versions
+    from .completions_file import read_completions
+    from .extract import check_layers, versions
     from .runtime import dtype_name, resolve_device, resolve_dtype
     from .serving import OpenAIClient, VLLMServer, api_key_from_env
-    from .target import TargetSpec
+    from .target_spec import TargetSpec
 
     opt = options or VLLMStatesOptions()
     t_start = time.perf_counter()
@@ -376,7 +378,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
         raise InputError("config", "cache.vllm.connector", f"unknown value {opt.connector!r}", "use auto, cpu or stock")
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-    _check_layers(layer_ids, spec.num_layers, target_dir)
+    check_layers(layer_ids, spec.num_layers, target_dir)
     norm = final_norm(spec) if spec.num_layers - 1 in layer_ids else None
     seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
     meta = [SampleMeta(str(r["id"]), np.asarray(s, dtype=np.int32), len(r["prompt_ids"]),
@@ -433,7 +435,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             "batching": "vllm-server", "batch_tokens": 0,
             "device_name": _server_device(cuda) if not opt.url else f"vLLM server {client.url}",
             "linear_attn_backend": ("fla" if cuda else "vllm-cpu") if spec.has_linear_attention else "none",
-            **_versions(),
+            **versions(),
         }
         diff = _engine_identity_diff(partial_path(out), engine)
         if diff:

@@ -62,8 +62,8 @@ def test_cpu_rms_norm_with_stacked_weights_and_the_work_around(tmp_path):
 
 
 def test_engine_acceptance_equals_the_replay_after_conversion(smol, tmp_path):
-    from dflash_eval.completions import read_completions
-    from dflash_eval.replay import evaluate
+    from dflash_eval.completions_file import read_completions
+    from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.vllm_engine import EngineOptions, compare, serve_and_measure
 
     root, target, comp, hf = smol

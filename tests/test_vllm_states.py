@@ -47,8 +47,8 @@ def smol(tmp_path_factory):
 
 def build_smol(root: Path):
     """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache under ``root``."""
-    from dflash_eval.completions import generate_completions
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.completions import generate_completions
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.gguf import convert_gguf, resolve_gguf
     from dflash_eval.prompts import build_prompt_set, write_prompts
 
@@ -61,7 +61,7 @@ def build_smol(root: Path):
 
 
 def _assert_same_cache(hf_path, vllm_path):
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
 
     with CacheReader(hf_path) as a, CacheReader(vllm_path) as b:
         assert b.attrs["engine"] == "vllm" and b.attrs["engine_version"] == "0.32.0"
@@ -88,7 +88,7 @@ def _dumps(root: Path) -> list[Path]:
 
 
 def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
 
     root, target, comp, hf = smol
     out = tmp_path / "vllm.h5"
@@ -123,7 +123,7 @@ def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
 
 
 def test_users_server_started_with_the_documented_flags(smol, tmp_path):
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
     from dflash_eval.serving import VLLMServer
     from dflash_eval.vllm_states import VLLMStatesOptions, connector_module_dir, extract_args, extract_hidden_states_vllm
 

@@ -115,7 +115,7 @@ def test_final_norm_equals_the_hf_last_hidden_state(tmp_path):
     from tiny import make_tiny_target
     from transformers import AutoModelForCausalLM
 
-    from dflash_eval.target import TargetSpec
+    from dflash_eval.target_spec import TargetSpec
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=3, hidden=32)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
@@ -133,7 +133,7 @@ def test_final_norm_equals_the_hf_last_hidden_state(tmp_path):
 
 
 def test_final_norm_refuses_other_norm_types(tmp_path):
-    from dflash_eval.target import TargetSpec
+    from dflash_eval.target_spec import TargetSpec
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 4,
                                                       "hidden_size": 8, "vocab_size": 16}))
