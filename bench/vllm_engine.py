@@ -83,13 +83,13 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.gguf import convert_gguf, resolve_gguf
     from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.runtime import dtype_name, resolve_device, resolve_dtype
+    from dflash_eval.stages.evaluate import evaluate
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.vllm_engine import EngineOptions, compare, serve_and_measure
-    from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm
+    from dflash_eval.vllm_states import extract_hidden_states_vllm
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,10 +123,10 @@ def main(argv=None) -> dict:
                                  "stop_reason": "eos" if ids and ids[-1] in stops else "length",
                                  "max_new_tokens": max_new}) + "\n")
     hf = extract_hidden_states(target, comp, out / "hf.h5", layers, device=str(dev), dtype=dt)
-    vl = extract_hidden_states_vllm(target, comp, out / "vllm.h5", layers,
-                                    VLLMStatesOptions(python=args.vllm_python, env=env,
-                                                      tensor_parallel_size=args.tensor_parallel_size,
-                                                      server_log=str(out / "extract.vllm.log")), dtype=dt)
+    vl = extract_hidden_states_vllm(target, comp, out / "vllm.h5", layers, source="vllm", dtype=dt,
+                                    vllm={"python": args.vllm_python, "env": env,
+                                          "tensor_parallel_size": args.tensor_parallel_size},
+                                    server_log=str(out / "extract.vllm.log"))
     states = compare_caches(hf, vl)
     comp_rows = [json.loads(line) for line in open(comp, encoding="utf-8")]
     result = {"device": plain["device"], "dtype": dt, "n": n, "max_new_tokens": max_new, "plain": plain["timing"],

@@ -159,6 +159,31 @@ def check_generation(gen: dict) -> None:
                          "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
 
 
+def check_cache(cache: dict) -> None:
+    """Cross-field checks of config section ``cache`` (the ``vllm`` source).
+
+    Raises:
+        InputError: ``cache.vllm.url`` with ``source: hf`` (it would be ignored); settings of the job-owned
+            server (``tensor_parallel_size`` > 1, a ``connector`` other than ``auto``) together with ``url``
+            (your server has its own flags: docs/serving-engines.md); ``storage_dir`` without ``url``.
+    """
+    v = cache.get("vllm") or {}
+    url = v.get("url")
+    if cache.get("source", "hf") != "vllm":
+        if url:
+            raise InputError("config", "cache.vllm.url", "set, but cache.source is 'hf' (the HF forward inside the "
+                             "job): the server would not be used", "set cache.source: vllm, or drop cache.vllm.url")
+        return
+    if url:
+        if int(v.get("tensor_parallel_size", 1)) > 1 or v.get("connector", "auto") != "auto":
+            raise InputError("config", "cache.vllm", "tensor_parallel_size / connector configure the server the job "
+                             "starts, but cache.vllm.url names your own server",
+                             "start your server with those flags (docs/serving-engines.md) and drop them here")
+    elif v.get("storage_dir"):
+        raise InputError("config", "cache.vllm.storage_dir", "only for your own server (cache.vllm.url); the "
+                         "job-owned server writes its dumps beside the cache", "drop storage_dir, or set cache.vllm.url")
+
+
 @dataclass
 class Plan:
     """Everything the rules need, derived once from the validated config (see the module docstring)."""
@@ -269,6 +294,20 @@ class Plan:
         gen = self.config["generation"]
         return gen["source"] != "transformers" and gen.get("serve") != "vllm"
 
+    @property
+    def remote_cache_server(self) -> bool:
+        """The hidden states come from the user's running vLLM server (``cache.source: vllm`` with ``cache.vllm.url``)."""
+        cache = self.config["cache"]
+        return cache.get("source") == "vllm" and bool((cache.get("vllm") or {}).get("url"))
+
+    @property
+    def hidden_states_gpus(self) -> int:
+        """GPUs of a hidden_states job: 0 for the user's server, ``tensor_parallel_size`` for a job-owned vLLM, else 1."""
+        cache = self.config["cache"]
+        if cache.get("source") != "vllm":
+            return 1
+        return 0 if self.remote_cache_server else int((cache.get("vllm") or {}).get("tensor_parallel_size", 1))
+
     def completions_inputs(self) -> dict:
         """Target files the completions job reads: a remote server needs only config + tokenizer;
         the local sources also read the weights and their sha256 record (``fingerprint``)."""
@@ -288,7 +327,8 @@ class Plan:
         """The options of ``stage`` (:mod:`dflash_eval.options`) from the validated config, with what the plan derives.
 
         ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys;
-        ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any).
+        ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
+        ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
         from .options import section_values
 
@@ -297,6 +337,8 @@ class Plan:
             values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
         if stage == "validate_online":
             values["ddtree_budget"] = self.validate_online_budget
+        if stage == "hidden_states" and values.get("source") != "vllm":
+            values["vllm"] = section_values(stage, {})["vllm"]  # unused by source hf: editing them reruns nothing
         return values
 
     def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:
@@ -393,6 +435,7 @@ def build_plan(config: dict) -> Plan:
                              "resolved against the working directory)", "correct the path or remove the prompt set")
     check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
+    check_cache(config["cache"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     spec = target_spec_if_known(target)

@@ -46,7 +46,6 @@ import platform
 import shutil
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,41 +71,6 @@ STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 CPU_CONNECTOR, CPU_CONNECTOR_MODULE = "CPUHiddenStatesConnector", "dflash_eval_vllm_connector"
 HYBRID_FIX = ("vLLM PR #46301 (2026-06) fixed all-zero hidden states on hybrid targets; use a vLLM with it "
               "(vllm 0.32.0 has it), or cache.source: hf")
-
-
-@dataclass
-class VLLMStatesOptions:
-    """Where the states come from (``cache.vllm`` in the workflow config).
-
-    Attributes:
-        url: a user's server already in extract mode (flags: :func:`extract_args`, ``docs/serving-engines.md``);
-            ``""`` = start one for this job.
-        storage_dir: the directory of the user's server's dumps as seen from this job (``""`` = the path the
-            server returns); the job-owned server uses ``.<cache name>.vllm-dumps/`` beside the cache.
-        model: served model name (``""`` = the server's only model). api_key_env: variable with the API key.
-        python, args, env, max_model_len, start_timeout_s: the job-owned server (:class:`dflash_eval.serving.VLLMServer`;
-            ``max_model_len`` 0 = the longest sample + 1, rounded up to 256).
-        tensor_parallel_size: ``--tensor-parallel-size`` of the job-owned server (targets larger than one GPU).
-        connector: ``auto`` (the CPU connector where this host has no CUDA, the stock one otherwise), ``cpu``, ``stock``.
-        concurrency: requests in flight. timeout_s: per request, seconds. retries: per request.
-        server_log: the job-owned server's log (default ``<cache>.vllm.log``).
-    """
-
-    url: str = ""
-    storage_dir: str = ""
-    model: str = ""
-    api_key_env: str = "DFLASH_EVAL_API_KEY"
-    python: str = ".venv-vllm/bin/python"
-    args: list[str] = field(default_factory=list)
-    env: dict = field(default_factory=dict)
-    max_model_len: int = 0
-    start_timeout_s: float = 900.0
-    tensor_parallel_size: int = 1
-    connector: str = "auto"
-    concurrency: int = 4
-    timeout_s: float = 600.0
-    retries: int = 8
-    server_log: str | None = None
 
 
 def aux_layer_ids(layer_ids: list[int]) -> list[int]:
@@ -339,9 +303,9 @@ def _server_device(cuda: bool) -> str:
     return platform.processor() or platform.machine()
 
 
-def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: list[int],
-                               options: VLLMStatesOptions | None = None, dtype: str = "auto",
-                               target_fingerprint=None, keep_partial: bool = False) -> Path:
+def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: list[int], opts=None, *,
+                               target_fingerprint=None, keep_partial: bool = False, server_log: str | None = None,
+                               **overrides) -> Path:
     """Write the cache of ``completions_path`` from a vLLM server's hidden states (module docstring).
 
     Args:
@@ -349,10 +313,18 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
         completions_path: completions JSONL (:func:`dflash_eval.completions_file.read_completions`).
         out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
         layer_ids: dflash ``target_layer_ids`` (0-based decoder layers, order kept in the cache).
-        options: :class:`VLLMStatesOptions`.
-        dtype: the job-owned server's ``--dtype`` (``auto``: bfloat16 with CUDA, float32 without);
-            with ``url`` the server's own dtype is used and recorded.
+        opts: the ``hidden_states`` stage's options (:func:`dflash_eval.options.make`; config section
+            ``cache``): ``dtype`` (the job-owned server's ``--dtype``; ``auto``: bfloat16 with CUDA, float32
+            without; with ``vllm.url`` the server's own dtype is used and recorded) and ``vllm``: ``url`` (a
+            user's server in extract mode, flags: :func:`extract_args`; ``""`` = start one for this job),
+            ``storage_dir`` (the user's server's dumps as seen from this job), ``model``, ``api_key_env``,
+            ``python`` / ``args`` / ``env`` / ``max_model_len`` / ``start_timeout_s`` /
+            ``tensor_parallel_size`` (the job-owned :class:`dflash_eval.serving.VLLMServer`), ``connector``
+            (``auto``: the CPU connector where this host has no CUDA), ``concurrency``, ``timeout_s``
+            (seconds per request and per dump), ``retries``.
         target_fingerprint, keep_partial: as :func:`dflash_eval.stages.hidden_states.extract_hidden_states`.
+        server_log: the job-owned server's log (default ``<out>.vllm.log``).
+        **overrides: option values, when ``opts`` is not given (``vllm={...}`` for the server's).
 
     Returns:
         ``Path(out)``.
@@ -362,13 +334,15 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             partial cache of other settings or engine, no room on the disk.
         ServerUnavailable / ServerError: the server failed (what was committed stays for the rerun).
     """
+    from . import options as options_mod
     from .completions_file import read_completions
     from .extract import check_layers, versions
     from .runtime import dtype_name, resolve_device, resolve_dtype
     from .serving import OpenAIClient, VLLMServer, api_key_from_env
     from .target_spec import TargetSpec
 
-    opt = options or VLLMStatesOptions()
+    opts = opts if opts is not None else options_mod.make("hidden_states", **overrides)
+    opt, dtype = opts.vllm, opts.dtype
     t_start = time.perf_counter()
     completions_path, out = Path(completions_path), Path(out)
     if not layer_ids or len(set(layer_ids)) != len(layer_ids):
@@ -412,7 +386,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             mml = opt.max_model_len or -(-(max(len(s) for s in seqs) + 1) // 256) * 256
             server = VLLMServer(opt.python, target_dir, dtype=dt_name, max_model_len=mml, enforce_eager=not cuda,
                                 extra_args=extra + list(opt.args), env=env,
-                                log_path=opt.server_log or f"{out}.vllm.log", start_timeout_s=opt.start_timeout_s)
+                                log_path=server_log or f"{out}.vllm.log", start_timeout_s=opt.start_timeout_s)
             stack.enter_context(server)
             url = server.url
             launch = {"server": "job", **server.describe(), "max_model_len": mml, "connector": connector,
@@ -471,7 +445,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
 class _Fetcher:
     """One request -> one checked sample (runs in worker threads)."""
 
-    def __init__(self, client, opt: VLLMStatesOptions, n_aux, H, layer_ids, cols, norm):
+    def __init__(self, client, opt, n_aux, H, layer_ids, cols, norm):
         self.client, self.opt, self.n_aux, self.H = client, opt, n_aux, H
         self.layer_ids, self.cols, self.norm = layer_ids, cols, norm
 

@@ -9,6 +9,10 @@
 # --keep-partial leaves the finished sidecar as a hard link of the output until the
 # workflow succeeds (Snakefile onsuccess), so a rerun after a lost Snakemake reuses
 # the output of a job it did not see finish (docs/errors.md: troubleshooting).
+#
+# cache.source: vllm takes the states from a vLLM server in extract mode instead (the
+# job's own, on tensor_parallel_size GPUs, log beside the job's; or the user's server at
+# cache.vllm.url: no GPU, one thread); same cache format (docs/serving-engines.md).
 
 
 rule hidden_states:
@@ -19,16 +23,17 @@ rule hidden_states:
     output:
         "results/{run}/cache/{prompt_set}.h5",
     log:
-        "logs/hidden_states/{run}/{prompt_set}.log",
+        main="logs/hidden_states/{run}/{prompt_set}.log",
+        server="logs/hidden_states/{run}/{prompt_set}.vllm.log",
     benchmark:
         "benchmarks/hidden_states/{run}/{prompt_set}.tsv"
     conda:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: TORCH_THREADS
+    threads: 1 if PLAN.remote_cache_server else TORCH_THREADS
     resources:
-        gpu=1,
+        gpu=PLAN.hidden_states_gpus,
     params:
         target=target_dir,
         layer_ids=LAYER_IDS_ARG,
@@ -37,4 +42,4 @@ rule hidden_states:
         "python -m dflash_eval hidden-states --target {params.target:q}"
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

@@ -12,7 +12,7 @@ import pytest
 
 from test_vllm import VLLM_PYTHON, _env
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run "
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run "
                                                                                 "`make venv-vllm`")]
 REPO = Path(__file__).resolve().parents[1]
 

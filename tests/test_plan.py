@@ -278,3 +278,44 @@ def test_target_costs_and_report_args():
     assert p.report_args(["k p.json"], ["c.json"]) == f"--extra 'k p.json' --costs c.json --config-sha256 {sha}"
     cfg["target_costs"] = {**tc, "enabled": False}
     assert p.target_costs_outputs() == [] and p.config_sha256 != sha
+
+
+@pytest.mark.parametrize("cache,field,problem", [
+    ({"source": "hf", "vllm": {"url": "http://h:8000"}}, "cache.vllm.url", "cache.source is 'hf'"),
+    ({"source": "vllm", "vllm": {"url": "http://h:8000", "tensor_parallel_size": 4}}, "cache.vllm",
+     "names your own server"),
+    ({"source": "vllm", "vllm": {"url": "http://h:8000", "connector": "cpu"}}, "cache.vllm", "names your own server"),
+    ({"source": "vllm", "vllm": {"storage_dir": "/shared/dumps"}}, "cache.vllm.storage_dir", "only for your own server"),
+])
+def test_cache_source_vllm_checks(cache, field, problem):
+    with pytest.raises(InputError, match=problem) as err:
+        plan.check_cache(cache)
+    assert err.value.field == field
+
+
+def test_cache_source_vllm_flags_gpus_and_rerun_neutral_options():
+    """The hidden_states rule's flags, GPUs and threads follow cache.source / cache.vllm (schema defaults filled)."""
+    from dflash_eval.config import load_schema
+
+    base = {"run": "r", "target": {"linear_attn_backend": "auto"}}
+
+    def p(cache):
+        full = {"cache": cache, **base}
+        return plan.Plan(full, "r", ["a"], plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"]),
+                         {}, [1])
+
+    assert load_schema()["properties"]["cache"]["properties"]["source"]["default"] == "hf"
+    hf = p({"source": "hf", "vllm": {"python": "/opt/vllm/bin/python"}})
+    assert "--source=hf" in hf.stage_flags("hidden_states").split()
+    assert "--vllm-python=.venv-vllm/bin/python" in hf.stage_flags("hidden_states").split()  # unused: not a trigger
+    assert hf.hidden_states_gpus == 1 and not hf.remote_cache_server
+    job = p({"source": "vllm", "vllm": {"python": "/opt/vllm/bin/python", "tensor_parallel_size": 2, "concurrency": 16}})
+    flags = job.stage_flags("hidden_states").split()
+    assert {"--source=vllm", "--vllm-python=/opt/vllm/bin/python", "--vllm-tensor-parallel-size=2"} <= set(flags)
+    assert not any(f.startswith(("--vllm-concurrency", "--vllm-timeout-s", "--vllm-retries", "--vllm-storage-dir"))
+                   for f in flags)  # x-rerun: false -> the jobs' environment
+    assert json.loads(job.runtime_env())["hidden_states"]["vllm.concurrency"] == 16
+    assert job.hidden_states_gpus == 2 and not job.remote_cache_server
+    user = p({"source": "vllm", "vllm": {"url": "http://gpu-host:8000"}})
+    assert user.hidden_states_gpus == 0 and user.remote_cache_server
+    assert "--vllm-url=http://gpu-host:8000" in user.stage_flags("hidden_states").split()

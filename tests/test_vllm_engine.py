@@ -24,6 +24,7 @@ from test_vllm_states import DRAFTER, ENV, MAX_NEW, build_smol
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
                                                    "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env)"),
 ]

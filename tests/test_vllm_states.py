@@ -29,6 +29,7 @@ from test_vllm import VLLM_PYTHON, _env, _served_processes, _wait_no_server
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
                                                    "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env)"),
 ]
@@ -93,12 +94,13 @@ def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
     root, target, comp, hf = smol
     out = tmp_path / "vllm.h5"
     log = tmp_path / "x.log"
-    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
-            "from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm as x; "
-            f"x({str(target)!r}, {str(comp)!r}, {str(out)!r}, {LAYERS!r}, VLLMStatesOptions(python={VLLM_PYTHON!r}, "
-            f"env={ENV!r}, concurrency=1))")
+    # the stage's command line, as rule hidden_states runs it with cache.source: vllm
+    cmd = [sys.executable, "-m", "dflash_eval", "hidden-states", "--target", str(target), "--completions", str(comp),
+           "--layer-ids", ",".join(map(str, LAYERS)), "--source", "vllm", "--vllm-python", VLLM_PYTHON,
+           "--vllm-env", json.dumps(ENV), "--vllm-concurrency", "1", "--server-log", str(tmp_path / "server.log"),
+           "--out", str(out)]
     with open(log, "w") as fh:
-        p = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=_env(), stdout=fh, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=fh, stderr=subprocess.STDOUT)
         t0 = time.time()
         while f"2/{N} samples in the file" not in log.read_text():
             assert p.poll() is None and time.time() - t0 < 900, log.read_text()[-3000:]
@@ -108,7 +110,7 @@ def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
     assert _wait_no_server(tmp_path, 60) == [], "vLLM outlived its killed job"
     assert not out.exists() and (tmp_path / "vllm.h5.partial").exists()
 
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
     kept = int(p.stderr.split(f"{N} samples; ")[1].split(" verified")[0])
     assert 2 <= kept < N, p.stderr[-2000:]
@@ -125,7 +127,7 @@ def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
 def test_users_server_started_with_the_documented_flags(smol, tmp_path):
     from dflash_eval.cache_reader import CacheReader
     from dflash_eval.serving import VLLMServer
-    from dflash_eval.vllm_states import VLLMStatesOptions, connector_module_dir, extract_args, extract_hidden_states_vllm
+    from dflash_eval.vllm_states import connector_module_dir, extract_args, extract_hidden_states_vllm
 
     root, target, comp, hf = smol
     storage = tmp_path / "server-dumps"
@@ -135,7 +137,8 @@ def test_users_server_started_with_the_documented_flags(smol, tmp_path):
                         log_path=tmp_path / "server.log")
     with server:
         out = extract_hidden_states_vllm(target, comp, tmp_path / "user.h5", LAYERS,
-                                         VLLMStatesOptions(url=server.url, storage_dir=str(storage), concurrency=2))
+                                         source="vllm", vllm={"url": server.url, "storage_dir": str(storage),
+                                                              "concurrency": 2})
         assert _dumps(storage) == []  # every dump read and deleted, the server keeps running
     _assert_same_cache(hf, out)
     with CacheReader(out) as r:

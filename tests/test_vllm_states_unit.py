@@ -151,7 +151,7 @@ def test_a_server_not_in_extract_mode_is_a_clear_error(tmp_path):
     from standin_server import StandIn
     from tiny import make_tiny_target
 
-    from dflash_eval.vllm_states import VLLMStatesOptions, extract_hidden_states_vllm
+    from dflash_eval.vllm_states import extract_hidden_states_vllm
 
     target = make_tiny_target(tmp_path / "t", num_layers=2, hidden=32)
     comp = tmp_path / "c.jsonl"
@@ -160,7 +160,7 @@ def test_a_server_not_in_extract_mode_is_a_clear_error(tmp_path):
     with StandIn(target, mode="openai") as srv:
         with pytest.raises(InputError, match="returned no kv_transfer_params.hidden_states_path: the server is not in "
                                              "extract mode"):
-            extract_hidden_states_vllm(target, comp, tmp_path / "c.h5", [0, 1], VLLMStatesOptions(url=srv.url))
+            extract_hidden_states_vllm(target, comp, tmp_path / "c.h5", [0, 1], source="vllm", vllm={"url": srv.url})
     assert not (tmp_path / "c.h5").exists() and not (tmp_path / "c.h5.partial").exists()
 
 

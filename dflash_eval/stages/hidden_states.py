@@ -3,8 +3,9 @@
 Reads the completions file (:mod:`dflash_eval.completions_file`) and the target; runs the target
 forward of :mod:`dflash_eval.extract` (hooks on the stored layers, packed or padded batches);
 writes the cache with :mod:`dflash_eval.cache_writer` (format: :mod:`dflash_eval.cache_format`),
-resumably: a killed run continues its ``.partial`` sidecar. Options: config section ``cache`` and
-``target.linear_attn_backend`` (:mod:`dflash_eval.options`).
+resumably: a killed run continues its ``.partial`` sidecar. With ``cache.source: vllm`` the states
+come from a vLLM server in extract mode instead (:mod:`dflash_eval.vllm_states`, same format).
+Options: config section ``cache`` and ``target.linear_attn_backend`` (:mod:`dflash_eval.options`).
 """
 
 from __future__ import annotations
@@ -63,11 +64,20 @@ def add_arguments(p) -> None:
     p.add_argument("--keep-partial", action="store_true",
                    help="keep the finished sidecar <out>.partial as a hard link of the output, so that a rerun "
                         "that finds the output deleted (Snakemake after a lost run) verifies and reuses it")
+    p.add_argument("--server-log", default=None,
+                   help="source vllm: the job-owned vLLM server's log (default <out>.vllm.log)")
     p.add_argument("--out", required=True, help="HDF5 cache path; built in the resumable sidecar <out>.partial, "
                                                 "renamed when complete")
 
 
 def main(args, opts) -> None:
+    if opts.source == "vllm":  # a vLLM server in extract mode (dflash_eval.vllm_states)
+        from ..vllm_states import extract_hidden_states_vllm
+
+        extract_hidden_states_vllm(args.target, args.completions, args.out, args.layer_ids, opts,
+                                   target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
+                                   server_log=args.server_log)
+        return
     extract_hidden_states(args.target, args.completions, args.out, args.layer_ids, opts,
                           target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial)
 
