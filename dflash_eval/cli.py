@@ -40,6 +40,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                               "per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
     "validate-online": ("stages.validate_online", "true speculative decoding (target in the loop: chain and one DDTree "
                                                   "budget) of a few prompts vs the offline replay of the same samples"),
+    "validate-engine": ("stages.validate_engine", "acceptance and speed measured by vLLM (plain and DFlash servers) "
+                                                  "vs the offline replay of the same samples"),
     "target-costs": ("stages.target_costs", "time the target's decode step, its verify forwards of n tokens and the "
                                             "drafters' block pass at batch 1 (inputs of the report's speedup estimate)"),
     "summary": ("stages.summary", "collect per-checkpoint results into tau.csv / tau.parquet"),

@@ -42,6 +42,7 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "evaluate": ("evaluate", "target.training_backend"),
     "kernel_parity": ("kernel_parity", "cache.batch_tokens", "cache.device", "cache.dtype"),
     "validate_online": ("validate_online",),
+    "validate_engine": ("validate_engine",),
     "target_costs": ("target_costs", "target.linear_attn_backend"),
     "trackers": ("trackers",),
 }

@@ -355,7 +355,7 @@ class Plan:
 
         return runtime_env(self.config)
 
-    # ---- optional rules: kernel_parity and validate_online (checked in build_plan)
+    # ---- optional rules: kernel_parity, validate_online and validate_engine (checked in build_plan)
     def _selected(self, section: str) -> tuple[str, list[str]]:
         cfg = self.config[section]
         return cfg.get("prompt_set") or self.prompt_sets[0], list(cfg["checkpoints"] or self.checkpoints)
@@ -382,6 +382,23 @@ class Plan:
         b = self.config["validate_online"].get("ddtree_budget")
         return int(b) if b is not None else min(self.config["evaluate"]["ddtree_budgets"], default=0)
 
+    @property
+    def validate_engine_prompt_set(self) -> str:
+        return self._selected("validate_engine")[0]
+
+    @property
+    def validate_engine_checkpoints(self) -> list[str]:
+        return self._selected("validate_engine")[1]
+
+    @property
+    def validate_engine_gpus(self) -> int:
+        """GPUs of the validate_engine job: ``validate_engine.tensor_parallel_size`` (its vLLM servers run one at a time)."""
+        return int(self.config.get("validate_engine", {}).get("tensor_parallel_size", 1))
+
+    def validate_engine_outputs(self) -> list[str]:
+        """``[results/<run>/validate_engine.json]`` when ``validate_engine.enabled``, else ``[]``."""
+        return [self.run_path("validate_engine.json")] if self.config.get("validate_engine", {}).get("enabled") else []
+
     def kernel_parity_outputs(self) -> list[str]:
         """``[results/<run>/kernel_parity.json]`` when ``kernel_parity.enabled`` (rule all, report), else ``[]``."""
         return [self.run_path("kernel_parity.json")] if self.config["kernel_parity"]["enabled"] else []
@@ -392,7 +409,7 @@ class Plan:
 
     def extra_outputs(self) -> list[str]:
         """The optional report sections (passed to ``report --extra``)."""
-        return self.kernel_parity_outputs() + self.validate_online_outputs()
+        return self.kernel_parity_outputs() + self.validate_online_outputs() + self.validate_engine_outputs()
 
     @property
     def target_costs_threads(self) -> int:
@@ -447,14 +464,14 @@ def build_plan(config: dict) -> Plan:
 
 
 def check_optional_rules(plan: Plan) -> None:
-    """Cross-field checks of ``kernel_parity`` and ``validate_online`` when enabled.
+    """Cross-field checks of ``kernel_parity``, ``validate_online`` and ``validate_engine`` when enabled.
 
     Raises:
         InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
             ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
             offline side of the comparison).
     """
-    for section in ("kernel_parity", "validate_online"):
+    for section in ("kernel_parity", "validate_online", "validate_engine"):
         if not plan.config.get(section, {}).get("enabled"):
             continue
         prompt_set, ckpts = plan._selected(section)

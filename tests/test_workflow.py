@@ -192,6 +192,39 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     assert "--extra" not in report
 
 
+def test_dry_run_vllm_engine_config(tmp_path):
+    """config/vllm-engine.yaml over the demo: hidden_states with --source=vllm (server options as flags, the
+    rerun-neutral ones in the environment), one validate_engine job per run reading every checkpoint's drafter
+    and evaluation and the target costs, its JSON in the report; off by default."""
+    wd = copy_workflow(tmp_path / "wf")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "config/vllm-engine.yaml").stdout
+    assert job_counts(out) == {**DEMO_JOBS, "validate_engine": 1}
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    parsed = [parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
+    cmds = {a.cmd: a for a in parsed}
+    hs = [a for a in parsed if a.cmd == "hidden-states"]
+    assert len(hs) == 2 and all(a.source == "vllm" and a.vllm__env == {"VLLM_CPU_KVCACHE_SPACE": "1"} for a in hs)
+    assert all(a.vllm__concurrency is None for a in hs)  # x-rerun: false, from DFLASH_EVAL_RUNTIME_OPTIONS
+    assert sorted(a.server_log for a in hs) == ["logs/hidden_states/demo/humaneval.vllm.log",
+                                                "logs/hidden_states/demo/sharegpt.vllm.log"]
+    ve = cmds["validate-engine"]
+    names = [d.rsplit("/", 1)[1] for d in ve.drafter]
+    assert sorted(names) == sorted(DEMO_NAMES) and ve.drafter == [f"results/demo/drafters/{n}" for n in names]
+    assert ve.evals == [f"results/demo/eval/{n}/humaneval.json" for n in names]  # in the drafters' order
+    assert ve.completions == "results/demo/completions/humaneval.jsonl"
+    assert ve.target_costs == "results/demo/target_costs.json" and ve.work_dir == "results/demo/validate_engine.json.work"
+    assert (ve.n_samples, ve.cpu_fix, ve.method) == (16, "auto", "dflash")
+    assert cmds["report"].extra == ["results/demo/validate_engine.json"]
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
+    assert "validate-engine" not in out and "--source=hf" in out
+    # a user's server with a job-owned server's setting is refused at parse time
+    (wd / "bad.yaml").write_text("cache: {source: vllm, vllm: {url: 'http://gpu-host:8000', tensor_parallel_size: 2}}\n")
+    proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "bad.yaml", check=False)
+    assert proc.returncode != 0 and "names your own server" in proc.stdout + proc.stderr
+
+
 def test_dry_run_validate_online_wiring(tmp_path):
     """validate_online.enabled adds one job that reads the chosen checkpoints' drafters and evaluations;
     the report takes its JSON via --extra; evaluate passes the DDTree budgets."""
