@@ -4,23 +4,25 @@
   ``[L, head_dim]`` weight applies row 0 to every row; with :mod:`dflash_eval.vllm_sitecustomize` on the
   path it applies each row. (When a vLLM release fixes the kernel, the first assertion fails: then the
   work-around can go.)
-* The demo drafter (step 3507) served with ``method: dflash`` and the work-around: vLLM's greedy output
-  equals the completions, and every request's per-step acceptance equals the replay's after the
-  stop-token conversion (kinds ``none`` / ``stop-counting`` only); the Prometheus counters equal the sum of
-  the per-request arrays. A plain server gives the baseline timing.
+* The ``validate_engine`` stage on the demo drafter (step 3507), served with ``method: dflash`` and the
+  work-around: vLLM's greedy output equals the completions, and every request's per-step acceptance
+  equals the replay's after the stop-token conversion (kinds ``none`` / ``stop-counting`` only); the
+  Prometheus counters equal the sum of the per-request arrays; the stage's plain server gives the
+  baseline timing of the measured speedup.
 
 Skipped without a vLLM venv, as ``tests/test_vllm.py``. Starts vLLM twice.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import textwrap
 
 import pytest
 
 from test_vllm import VLLM_PYTHON
-from test_vllm_states import DRAFTER, ENV, MAX_NEW, build_smol
+from test_vllm_states import DRAFTER, ENV, build_smol
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,6 +30,7 @@ pytestmark = [
     pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
                                                    "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env)"),
 ]
+
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
@@ -62,34 +65,32 @@ def test_cpu_rms_norm_with_stacked_weights_and_the_work_around(tmp_path):
     assert per_layer < 1e-5 and row0 > 0.1
 
 
-def test_engine_acceptance_equals_the_replay_after_conversion(smol, tmp_path):
+def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path):
+    """The validate_engine stage (a plain and a DFlash vLLM server, one after the other) on the demo's step-3507
+    drafter: every request equal to the replay after the stop-token conversion, counters consistent with the
+    per-request arrays, measured speedup and both per-position conventions in the report section."""
     from dflash_eval.completions_file import read_completions
     from dflash_eval.stages.evaluate import evaluate
-    from dflash_eval.vllm_engine import EngineOptions, compare, serve_and_measure
+    from dflash_eval.stages.validate_engine import validate_engine
 
     root, target, comp, hf = smol
     rows = read_completions(comp)
-    offline = evaluate(DRAFTER, hf, target, tmp_path / "offline.json", device="cpu", dtype="float32")
-    opts = EngineOptions(python=VLLM_PYTHON, env=ENV, max_model_len=1024)
-    run = serve_and_measure(target, rows, MAX_NEW, tmp_path, tmp_path / "dflash.log", opts, drafter_dir=DRAFTER,
-                            block_size=8)
-    assert run["server"]["cpu_fix"] and "--per-request-spec-decode-metrics" in run["server"]["flags"]
-    got = compare(rows, offline, run["requests"], block_size=8)
-    assert all(r["tokens_equal"] for r in got["requests"])
-    assert {r["kind"] for r in got["requests"]} <= {"none", "stop-counting"}, [
-        (r["id"], r["kind"], r["first_step_diff"]) for r in got["requests"]]
-    assert got["n_compared"] == len(rows)
-    assert got["engine"]["tau_tokens_per_step"] == got["offline"]["tau_tokens_per_step"]
-    assert got["engine"]["per_position"] == got["offline"]["per_position"]
-    c = run["counters"]
-    assert c.drafts == sum(len(r.per_step_accepted) for r in run["requests"])
-    assert c.accepted == sum(sum(r.per_step_accepted) for r in run["requests"])
-    assert c.mean_acceptance_length == pytest.approx(got["engine"]["mean_acceptance_length_raw"])
-    past = sum(r["past_end"] for r in got["requests"])
-    assert c.accepted - past == sum(r["accepted_offline"] for r in got["requests"])
-
-    plain = serve_and_measure(target, rows, MAX_NEW, tmp_path, tmp_path / "plain.log", opts)
-    assert plain["counters"] is None and not plain["server"]["cpu_fix"]
-    assert [r.completion_ids for r in plain["requests"]] == [list(r["completion_ids"]) for r in rows]
-    for t in (plain["timing"], run["timing"]):
-        assert t["output_tokens"] == sum(len(r["completion_ids"]) for r in rows) and t["output_tok_per_s"] > 0
+    evaluate(DRAFTER, hf, target, tmp_path / "offline.json", device="cpu", dtype="float32")
+    r = validate_engine(target, comp, [str(DRAFTER)], [str(tmp_path / "offline.json")], tmp_path / "ve.json",
+                        n_samples=len(rows), python=VLLM_PYTHON, env=ENV, max_model_len=1024)
+    assert json.loads((tmp_path / "ve.json").read_text())["markdown"] == r["markdown"]
+    assert r["plain"]["output_tokens"] == sum(len(x["completion_ids"]) for x in rows) and r["plain"]["output_tok_per_s"] > 0
+    (c,) = r["checkpoints"]
+    assert c["cpu_fix"] and c["block_size"] == 8 and c["n_compared"] == len(rows)
+    assert set(k for k, v in c["kinds"].items() if v) <= {"none", "stop-counting"}, [
+        (q["id"], q["kind"], q["first_step_diff"]) for q in c["requests"]]
+    assert all(q["tokens_equal"] and q["engine"] == q["offline"] for q in c["requests"])
+    assert c["tau_tokens_per_step_engine"] == c["tau_tokens_per_step_offline"] and c["rel_diff"] == 0.0
+    assert c["max_pos_diff"] == 0.0 and c["ok"]
+    k = c["counters"]
+    assert k["drafts"] == sum(len(q["engine_raw"]) for q in c["requests"])
+    assert k["accepted"] == sum(sum(q["engine_raw"]) for q in c["requests"])
+    assert k["accepted"] - sum(q["past_end"] for q in c["requests"]) == sum(q["accepted_offline"] for q in c["requests"])
+    assert c["mean_acceptance_length_raw"] == pytest.approx(1 + k["accepted"] / k["drafts"])
+    assert c["speedup_measured"] == pytest.approx(c["timing"]["output_tok_per_s"] / r["plain"]["output_tok_per_s"])
+    assert "| dflash-smollm2-b8-step3507 |" in r["markdown"] and "unconditional" in r["markdown"]
