@@ -133,3 +133,54 @@ def test_cpu_fix_makes_a_grouped_rms_norm_apply_each_row(tmp_path):
     fixed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=fixed_env)
     err, patched, one = fixed.stdout.split()
     assert float(err) < 1e-6 and patched == "True" and float(one) < 1e-6, fixed.stderr
+
+
+def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatch):
+    """The stage's numbers on hand-built engine runs (no vLLM): conversion, ok, measured and estimated speedup,
+    the report section; mismatched inputs refused."""
+    from dflash_eval.errors import InputError
+    from dflash_eval.stages import validate_engine as stage
+
+    comp = tmp_path / "c.jsonl"
+    rows = [{"id": k, "prompt_ids": [1, 2], "completion_ids": list(range(10)), "stop_reason": "eos",
+             "max_new_tokens": 16} for k in ("a", "b")]
+    comp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ev = tmp_path / "ev.json"
+    ev.write_text(json.dumps({"block_size": 4, "checkpoint": "ck", "prompt_set": "he",
+                              "samples": [{"id": "a", "acceptance_lengths": [4, 2, 3]},
+                                          {"id": "b", "acceptance_lengths": [4, 2, 3]}]}))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": "dflash-eval/target-costs", "format_version": 1, "decode_s": 0.01,
+                                 "verify": [{"n": 4, "mask": "causal", "median_s": 0.02}],
+                                 "drafters": {"ck": {"draft_s": 0.005}}, "device": "cpu", "device_name": "test cpu",
+                                 "dtype": "float32", "threads": 2}))
+    calls = []
+
+    def fake(target_dir, rows_, max_new, work, log_path, opts, drafter_dir=None, block_size=0):
+        calls.append((drafter_dir, block_size, max_new, len(rows_)))
+        wall = 2.0 if drafter_dir is None else 0.8  # 20 tokens: 10 tok/s plain, 25 tok/s DFlash
+        reqs = [_req("a", list(range(10)), [3, 1, 2] if drafter_dir else []),
+                _req("b", list(range(10)), [3, 1, 4] if drafter_dir else [])]
+        return {"requests": reqs, "timing": latency_summary(reqs, wall), "device": "test cpu",
+                "counters": SpecCounters(6, 18, 14, (5, 3, 1)) if drafter_dir else None,
+                "server": {"engine": "vllm", "version": "0.32.0", "dtype": "float32", "concurrency": 1,
+                           "cpu_fix": bool(drafter_dir), "flags": []}}
+
+    monkeypatch.setattr(stage, "serve_and_measure", fake)
+    r = stage.validate_engine("t", comp, ["d/ck"], [str(ev)], tmp_path / "ve.json", target_costs=str(costs))
+    assert calls == [(None, 0, 16, 2), ("d/ck", 4, 16, 2)]  # plain first, then the drafter with its block size
+    (c,) = r["checkpoints"]
+    assert c["kinds"]["none"] == 1 and c["kinds"]["stop-counting"] == 1
+    assert c["mean_acceptance_length_raw"] == pytest.approx(1 + 14 / 6)  # vLLM's own count
+    assert c["tau_tokens_per_step_engine"] == c["tau_tokens_per_step_offline"] == pytest.approx(3.0)
+    assert c["rel_diff"] == 0.0 and c["max_pos_diff"] == 0.0 and c["ok"]
+    assert c["speedup_measured"] == pytest.approx(2.5)
+    assert c["speedup_estimated"] == pytest.approx(c["tau_offline"] * 0.01 / (0.02 + 0.005))
+    assert "| ck | he | 3.3333 | 3.0000 | 3.0000 | +0.00 % | 0.0000 | yes | 2/2 | 2.50x |" in r["markdown"]
+    assert "CPU (test cpu, float32, 2 threads)" in r["markdown"]
+    assert json.loads((tmp_path / "ve.json").read_text())["title"] == r["title"]
+    with pytest.raises(InputError, match="1 drafters but 2 evaluations"):
+        stage.validate_engine("t", comp, ["d/ck"], [str(ev), str(ev)], tmp_path / "x.json")
+    ev.write_text(json.dumps({"block_size": 4, "samples": [{"id": "a", "acceptance_lengths": [4, 2, 3]}]}))
+    with pytest.raises(InputError, match=r"no offline result for \['b'\]"):
+        stage.validate_engine("t", comp, ["d/ck"], [str(ev)], tmp_path / "x.json")
