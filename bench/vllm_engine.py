@@ -2,7 +2,7 @@
 
 1. Completions: a plain vLLM server sends the prompts greedily (also the speed baseline: output tok/s,
    per-request latency).
-2. Hidden states of those completions twice: the HF path (:func:`dflash_eval.extract.extract_hidden_states`)
+2. Hidden states of those completions twice: the HF path (:func:`dflash_eval.stages.hidden_states.extract_hidden_states`)
    and vLLM's extract mode (:mod:`dflash_eval.vllm_states`); per stored layer the largest relative L2
    difference over the samples, and whether ids and target argmax are identical.
 3. Every drafter is replayed offline on both caches (tau per sample on each: fidelity across engines), then
