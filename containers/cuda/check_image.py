@@ -1,6 +1,6 @@
 """Import check of the dflash-eval image, run as the last build step (containers/cuda/Dockerfile).
 
-    python check_image.py cuda|cpu [--require-gpu]
+    python check_image.py cuda|cpu [--require-gpu] [--no-data-wheels]
 
 Imports everything the workflow's stages use and fails (exit 1, one ``check_image: FAILED:``
 line per problem) when something is missing or broken, instead of leaving it to the first job
@@ -24,6 +24,8 @@ on a GPU node. What is checked where:
   fla's own torch recurrence (``naive_recurrent_gated_delta_rule``). Without a GPU these are
   not run, and the output says so (a ``check_image: NOT RUN (needs a GPU):`` line);
   ``--require-gpu`` makes that a failure;
+* ``--no-data-wheels`` (outside the image, e.g. scripts/gpu_pins_check.sh on a GPU host where the
+  data wheels are not carried): the data wheels are not checked, and the output says so;
 * env ``CAUSAL_CONV1D_VERSION`` set: ``causal_conv1d`` and its compiled extension import.
 
 Prints one JSON line with what was found (versions, CUDA, kernel counts, GPU results), then
@@ -79,7 +81,7 @@ def cuda_major_problems(torch_cuda: str | None, base_cuda: str, runtime_wheel: s
             for name, ver in sources.items() if ver and ver.split(".")[0] != major]
 
 
-def check_imports(found: dict, problems: list) -> None:
+def check_imports(found: dict, problems: list, data_wheels: bool = True) -> None:
     import dflash_eval
 
     names = COMMON + sorted(m.name for m in pkgutil.walk_packages(dflash_eval.__path__, "dflash_eval.")
@@ -94,7 +96,7 @@ def check_imports(found: dict, problems: list) -> None:
         if "." not in name:
             found[name] = next((v for d in dists.get(name, []) if (v := _version(d))), "ok")
     found["dflash_eval_modules"] = len(names) - len(COMMON)
-    for dist, suffix in DATA_FILES.items():
+    for dist, suffix in DATA_FILES.items() if data_wheels else ():
         try:
             files = [f for f in importlib.metadata.distribution(dist).files or [] if str(f).endswith(suffix)]
         except importlib.metadata.PackageNotFoundError:
@@ -210,8 +212,8 @@ def check_gpu(found: dict, problems: list, notes: list) -> None:
 
 def main(argv: list[str]) -> int:
     variant = argv[0] if argv else ""
-    if variant not in ("cuda", "cpu") or set(argv[1:]) - {"--require-gpu"}:
-        print(f"usage: check_image.py cuda|cpu [--require-gpu], got {argv}", file=sys.stderr)
+    if variant not in ("cuda", "cpu") or set(argv[1:]) - {"--require-gpu", "--no-data-wheels"}:
+        print(f"usage: check_image.py cuda|cpu [--require-gpu] [--no-data-wheels], got {argv}", file=sys.stderr)
         return 2
     # Triton's compile cache goes to a throw-away folder, not into the image's /root/.triton
     cache = tempfile.TemporaryDirectory()
@@ -219,7 +221,7 @@ def main(argv: list[str]) -> int:
     problems: list[str] = []
     notes: list[str] = []
     found: dict = {"variant": variant}
-    check_imports(found, problems)
+    check_imports(found, problems, data_wheels="--no-data-wheels" not in argv)
 
     import torch
 
@@ -249,6 +251,8 @@ def main(argv: list[str]) -> int:
     print(json.dumps(found, sort_keys=True))
     for n in notes:
         print(f"check_image: NOT RUN (needs a GPU): {n}")
+    if "--no-data-wheels" in argv:
+        print(f"check_image: NOT RUN (--no-data-wheels): the data wheels {', '.join(DATA_FILES)} hold their data")
     for p in problems:
         print(f"check_image: FAILED: {p}", file=sys.stderr)
     cache.cleanup()
