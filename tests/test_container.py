@@ -163,6 +163,8 @@ def test_dockerfile_debian_cuda_variant():
     script = SCRIPT.read_text()
     assert "TORCH_REQUIREMENT:-torch===$TORCH_VERSION" in script  # never a local +cpu build
     assert re.search(r"^TORCH_VERSION=2\.13\.0$", script, re.M)
+    # a RUN reading IMAGE before the ENV: buildah caches ENV on its unexpanded text (a new tag kept the old one)
+    assert re.search(r'^RUN echo "\$IMAGE" > /opt/dflash-eval/IMAGE\nENV DFLASH_EVAL_IMAGE=\$\{IMAGE\}$', DOCKERFILE, re.M)
     ignored = (REPO / ".gitignore").read_text().splitlines()
     assert "/containers/cuda/wheelhouse/*/" in ignored and "/containers/cuda/wheelhouse/*.whl" in ignored
 
@@ -192,6 +194,10 @@ def _build(variant: str, tag: str, tmp_path_factory) -> tuple[str, dict]:
     if proc.returncode != 0:
         pytest.fail(f"scripts/container_image.sh build {variant} failed:\n{text[-5000:]}")
     print("\n".join(line for line in text.splitlines() if line.startswith("container_image: ")))
+    # the image names itself by this tag, also when podman's layer cache had the content under another
+    inspect = subprocess.run(["podman", "image", "inspect", "--format", "{{json .Config.Env}}", tag],
+                             capture_output=True, text=True, check=True)
+    assert f"DFLASH_EVAL_IMAGE={tag}" in json.loads(inspect.stdout), inspect.stdout
     env_lines = subprocess.run(["bash", str(SCRIPT), "env"], capture_output=True, text=True, check=True).stdout
     env = {**os.environ, "PATH": f"{SHIM_DIR}{os.pathsep}{os.environ['PATH']}"}
     for m in re.finditer(r"^export (\w+)=(\S+)$", env_lines, re.M):
