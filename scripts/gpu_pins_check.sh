@@ -7,6 +7,9 @@
 #
 #   scripts/gpu_pins_check.sh prepare [DIR]   # here: wheels, tiny inputs, the CPU image's runs
 #   scripts/gpu_pins_check.sh run [DIR]       # on the GPU host (DIR travels with the checkout)
+#   SMOKE=1 ...                               # both steps on this CPU machine (checks the script):
+#                                             # GPU_PYTHON = this Python, PYTHON=.venv/bin/python,
+#                                             # check_image.py cpu, every job on the CPU
 #
 # DIR: default .gpucheck (git-ignored). prepare needs the dev venv (make venv), network for pip,
 # and the CPU image (scripts/container_image.sh build cpu; tag $CPU_IMAGE, default
@@ -31,7 +34,9 @@ set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 cmd=${1:-}
 DIR=$(cd "$REPO" && mkdir -p "${2:-.gpucheck}" && cd "${2:-.gpucheck}" && pwd)
+SMOKE=${SMOKE:-0}
 GPU_PYTHON=${GPU_PYTHON:-3.12}
+[ "$SMOKE" = 0 ] || GPU_PYTHON=$("${VENV_PY:-$REPO/.venv/bin/python}" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 CPU_IMAGE=${CPU_IMAGE:-localhost/dflash-eval-cpu:0.1.0}
 CARRY_TOPS=${CARRY_TOPS:-snakemake jsonschema gguf tenacity}
 # What a CUDA PyTorch host provides (and what is too large to carry): torch and its CUDA wheels,
@@ -123,7 +128,9 @@ keep_results() {  # keep_results WD DST: the small result files of WD's run
 
 run() {
     [ -d "$DIR/wheels" ] || die "no $DIR/wheels: run '$0 prepare' on a machine with a package index first"
-    local top=/tmp/dflash-gpucheck py=${PYTHON:-python3}
+    local top=${GPUCHECK_TMP:-/tmp/dflash-gpucheck} py=${PYTHON:-python3} variant=cuda flags=(--require-gpu) device=cuda
+    [ "$SMOKE" = 0 ] || { variant=cpu; flags=(); device=cpu; }
+    local status=0
     local site=$top/site out=${OUT:-$top/out}
     rm -rf "$top" && mkdir -p "$site" "$out"
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$DIR"/wheels/*.whl
@@ -145,16 +152,17 @@ import torch
 print(f"torch {torch.__version__} (the host's; the image pins 2.13.0), CUDA {torch.version.cuda}, "
       f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}")
 EOF
-      echo "== check_image.py cuda --require-gpu --no-data-wheels"
-      "$py" "$REPO/containers/cuda/check_image.py" cuda --require-gpu --no-data-wheels 2>&1 && echo "check_image: passed"
-    } | tee "$out/check_image.txt"
-    local set wd status=0
+      echo "== check_image.py $variant ${flags[*]} --no-data-wheels"
+      "$py" "$REPO/containers/cuda/check_image.py" "$variant" "${flags[@]}" --no-data-wheels 2>&1 \
+          && echo "check_image: passed"
+    } | tee "$out/check_image.txt" || status=1
+    local set wd
     for set in llama hybrid; do
         wd=$top/$set
         workdir "$set" "$wd"
-        "$py" "$REPO/scripts/gpu_pins_tiny.py" gpu-config "$set" "$wd/gpu.yaml"
-        say "$set: the tiny workflow on CUDA"
-        if ! (cd "$wd" && "$py" -m snakemake --cores all --resources gpu=1 --show-failed-logs \
+        "$py" "$REPO/scripts/gpu_pins_tiny.py" gpu-config "$set" "$wd/gpu.yaml" "$device"
+        say "$set: the tiny workflow on $device"
+        if ! (cd "$wd" && "$py" -m snakemake --cores "${CORES:-all}" --resources gpu=1 --show-failed-logs \
                 --configfile config/config.yaml gpu.yaml > "$wd/snakemake.log" 2>&1); then
             tail -n 60 "$wd/snakemake.log" | tee -a "$out/compare.txt"
             say "$set: GPU run failed"; status=1; continue

@@ -1,7 +1,7 @@
 """The tiny workflows of scripts/gpu_pins_check.sh: their inputs, and the GPU-vs-CPU comparison.
 
     python scripts/gpu_pins_tiny.py make DIR            # DIR/llama, DIR/hybrid: inputs + config.yaml
-    python scripts/gpu_pins_tiny.py gpu-config SET OUT  # the overlay that moves SET's jobs to CUDA
+    python scripts/gpu_pins_tiny.py gpu-config SET OUT [DEVICE]  # the overlay that moves SET's jobs to CUDA
     python scripts/gpu_pins_tiny.py compare CPU GPU     # two results/<run>/ folders: tau, completions
 
 ``make`` (here, with the dev venv): ``llama`` is the CI's tiny workflow (tests/test_workflow.py
@@ -74,10 +74,11 @@ def make(out_dir: Path) -> None:
     print(f"tiny inputs: {out_dir}/llama, {out_dir}/hybrid")
 
 
-def gpu_config(name: str, out: Path) -> None:
-    """Every torch job on CUDA in float32 (as on the CPU), and for the hybrid set fla required."""
-    cfg = {section: {"device": "cuda"} for section in ("generation", "cache", "evaluate", "target_costs")}
-    if name == "hybrid":
+def gpu_config(name: str, out: Path, device: str = "cuda") -> None:
+    """Every torch job on ``device`` in float32 (as on the CPU), and on CUDA for the hybrid set fla
+    required (``device="cpu"``: the smoke run of scripts/gpu_pins_check.sh)."""
+    cfg = {section: {"device": device} for section in ("generation", "cache", "evaluate", "target_costs")}
+    if name == "hybrid" and device == "cuda":
         cfg["target"] = {"linear_attn_backend": "fla"}
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
@@ -124,8 +125,8 @@ if __name__ == "__main__":
     cmd, *args = sys.argv[1:] or ["help"]
     if cmd == "make" and len(args) == 1:
         make(Path(args[0]))
-    elif cmd == "gpu-config" and len(args) == 2:
-        gpu_config(args[0], Path(args[1]))
+    elif cmd == "gpu-config" and len(args) in (2, 3):
+        gpu_config(args[0], Path(args[1]), *args[2:])
     elif cmd == "compare" and len(args) == 2:
         sys.exit(compare(Path(args[0]), Path(args[1])))
     else:
