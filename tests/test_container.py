@@ -289,4 +289,4 @@ def test_cuda_image_runs_tiny_workflow(cuda_image, tiny_run, tmp_path):
     """The tiny workflow in the CUDA image on the CPU (PyPI's CUDA torch, no GPU): the local run's
     numbers."""
     tag, env = cuda_image
-    _run_tiny_in_image(tag, env, tiny_run, tmp_path, "2.13.0")
+    _run_tiny_in_image(tag, env, tiny_run, tmp_path, "2.13.0+cu130")
