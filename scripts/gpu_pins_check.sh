@@ -85,7 +85,11 @@ $(grep -E '^[A-Za-z0-9_.-]+==' "$REPO/containers/cuda/requirements-cuda.txt")"
         "$VENV_PY" -m pip download -q --no-deps "${plat[@]}" -d "$DIR/wheels" "$p" 2>/dev/null \
             || "$VENV_PY" -m pip wheel -q --no-deps -w "$DIR/wheels" "$p"   # sdist only: pure Python
     done
-    "$VENV_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" "$REPO"
+    local src
+    src=$(mktemp -d)  # a copy: setuptools would leave build/ in the checkout, which travels too
+    cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/dflash_eval" "$src/"
+    "$VENV_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DIR/wheels" "$src"
+    rm -rf "$src"
     local bad
     bad=$(cd "$DIR/wheels" && ls *.whl | grep -v -E -- "-(py3|py2.py3|cp${GPU_PYTHON/./}|cp3[0-9]*-abi3)-" || true)
     [ -z "$bad" ] || die "wheels not for CPython $GPU_PYTHON: $bad"
@@ -111,7 +115,7 @@ workdir() {  # workdir SET WD: the workflow from this checkout + SET's inputs (n
     local set=$1 wd=$2
     mkdir -p "$wd"
     cp "$REPO/Snakefile" "$wd/"
-    cp -r "$REPO/rules" "$REPO/config" "$REPO/envs" "$REPO/report" "$wd/"
+    cp -rL "$REPO/rules" "$REPO/config" "$REPO/envs" "$REPO/report" "$wd/"   # -L: config/schemas is a link
     ln -sfn "$REPO/demo" "$wd/demo"
     cp -r "$DIR/$set/tiny_target" "$DIR/$set/prompts" "$DIR/$set/ckpts" "$wd/"
     cp "$DIR/$set/config/config.yaml" "$wd/config/config.yaml"
@@ -122,7 +126,8 @@ keep_results() {  # keep_results WD DST: the small result files of WD's run
     run=$(ls -d "$1"/results/*/ | head -1)
     mkdir -p "$2"
     cp "$run/tau.csv" "$2/"
-    cp -r "$run/completions" "$run/eval" "$2/"
+    cp -r "$run/completions" "$run/eval" "$run/cache" "$2/"
+    rm -f "$2"/cache/*.partial
     [ ! -f "$run/kernel_parity.json" ] || cp "$run/kernel_parity.json" "$2/"
 }
 
@@ -135,6 +140,11 @@ run() {
     rm -rf "$top" && mkdir -p "$site" "$out"
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$DIR"/wheels/*.whl
     export PYTHONPATH="$site" PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 HF_HUB_OFFLINE=1
+    if [ "$SMOKE" != 0 ]; then  # as on the GPU host, where pulp is not carried
+        mkdir -p "$top/no-pulp"
+        echo 'raise ImportError("pulp is not carried (scripts/gpu_pins_check.sh)")' > "$top/no-pulp/pulp.py"
+        PYTHONPATH="$site:$top/no-pulp"
+    fi
     { "$py" - "$REPO" <<'EOF'
 import importlib.metadata as md, pathlib, platform, sys
 repo = pathlib.Path(sys.argv[1])

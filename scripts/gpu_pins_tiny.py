@@ -106,9 +106,28 @@ def compare(cpu: Path, gpu: Path) -> int:
     same = sum(ca[k] == cb.get(k) for k in ca)
     print(f"greedy completions identical on CPU and GPU: {same} of {len(ca)}")
     print(f"max |tau_gpu - tau_cpu|: {m.tau_diff.abs().max():.4f}")
-    for cache in sorted((gpu / "cache").glob("*.h5")):
-        import h5py
+    import h5py
+    import numpy as np
 
+    for cache in sorted((gpu / "cache").glob("*.h5")):
+        if (cpu / "cache" / cache.name).is_file():
+            worst, n, skipped = (0.0, ""), 0, 0
+            with h5py.File(cpu / "cache" / cache.name, "r") as fa, h5py.File(cache, "r") as fb:
+                def visit(name, obj):
+                    nonlocal worst, n, skipped
+                    if not isinstance(obj, h5py.Dataset) or obj.dtype.kind != "f":
+                        return
+                    other = fb.get(name)
+                    if other is None or other.shape != obj.shape:
+                        skipped += 1
+                        return
+                    x, y = obj[()].astype(np.float64), other[()].astype(np.float64)
+                    err = float(np.linalg.norm(y - x) / max(np.linalg.norm(x), 1e-30))
+                    n += 1
+                    worst = max(worst, (err, name))
+                fa.visititems(visit)
+            print(f"hidden-state cache {cache.name}, CPU vs GPU: {n} float datasets compared, max rel-L2 "
+                  f"{worst[0]:.2e} ({worst[1] or '-'}); {skipped} not comparable (other shape: other completions)")
         with h5py.File(cache, "r") as f:
             kernel = json.loads(f.attrs.get("linear_attn_kernel", "{}")).get("backend", "?")
             device = f.attrs.get("device_name") or f.attrs.get("device", "?")
