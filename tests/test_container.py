@@ -164,7 +164,8 @@ def test_dockerfile_debian_cuda_variant():
     assert "TORCH_REQUIREMENT:-torch===$TORCH_VERSION" in script  # never a local +cpu build
     assert re.search(r"^TORCH_VERSION=2\.13\.0$", script, re.M)
     # a RUN reading IMAGE before the ENV: buildah caches ENV on its unexpanded text (a new tag kept the old one)
-    assert re.search(r'^RUN echo "\$IMAGE" > /opt/dflash-eval/IMAGE\nENV DFLASH_EVAL_IMAGE=\$\{IMAGE\}$', DOCKERFILE, re.M)
+    assert re.search(r'^RUN echo "\$IMAGE" > /opt/dflash-eval/IMAGE\nENV DFLASH_EVAL_IMAGE=\$\{IMAGE\}$',
+                     DOCKERFILE, re.M)
     ignored = (REPO / ".gitignore").read_text().splitlines()
     assert "/containers/cuda/wheelhouse/*/" in ignored and "/containers/cuda/wheelhouse/*.whl" in ignored
 
@@ -270,8 +271,8 @@ def test_cuda_image_check(cuda_image):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = json.loads(proc.stdout.splitlines()[0])
-    pins = dict(line.split("==") for line in (REPO / "containers" / "cuda" / "requirements-cuda.txt").read_text().split()
-                if "==" in line)
+    req = (REPO / "containers" / "cuda" / "requirements-cuda.txt").read_text()
+    pins = dict(line.split("==") for line in req.split() if "==" in line)
     assert found["flash-linear-attention"] == pins["flash-linear-attention"] and found["fla-core"] == pins["fla-core"]
     assert found["torch"] == "2.13.0" and found["torch_cuda"].startswith("13.")
     assert found["runtime_wheel"].startswith("nvidia-cuda-runtime 13.") and found["base_cuda"] == ""
