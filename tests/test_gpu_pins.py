@@ -5,6 +5,7 @@ lead's device run) and, on a CPU, with SMOKE=1 by hand (docs/cluster-and-contain
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,6 @@ def test_compare_a_real_run_with_itself(tiny_run, tmp_path):
     assert f"greedy completions identical on CPU and GPU: {n} of {n}" in out
     assert "max |tau_gpu - tau_cpu|: 0.0000" in out
     assert "GPU cache set_a.h5: torch 2.13.0+cpu, device " in out and "linear-attention kernel none" in out
+    line = next(x for x in out.splitlines() if x.startswith("hidden-state cache set_a.h5, CPU vs GPU: "))
+    assert re.search(r": [1-9]\d* float datasets compared, max rel-L2 0\.00e\+00 \(.+\); 0 not comparable",
+                     line), line
