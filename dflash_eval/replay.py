@@ -219,6 +219,10 @@ def replay_batch(
         want = ids[rows[:, None], block_pos]  # x[start + j]
         acc = torch.zeros(len(rows), dtype=torch.long, device=dev)
         alive = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path over the block's slots
+            draft = drafter.propose(h[:, 1:], block_ids[:, 0], head_weight).path
+            acc = ((draft == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])).long().cumprod(-1).sum(-1)
+            alive[:] = False
         for j0 in range(1, B, SLOT_CHUNK):
             j1 = min(j0 + SLOT_CHUNK, B)
             sel = torch.nonzero(alive & (limit >= j0)).flatten()
@@ -440,6 +444,9 @@ def iter_anchor_drafts(
         one :class:`AnchorDrafts` per sample.
     """
     cfg = drafter.cfg
+    if getattr(drafter, "candidate_selector", None) is not None:
+        raise InputError(None, "evaluate.replay", "the all-anchor replay of DFlash 2 drafters is not built yet",
+                         "evaluate DFlash 2 drafters with replay: sequential")
     B = int(block_size or cfg.block_size)
     dev, dt = embed_weight.device, embed_weight.dtype
     elem = torch.finfo(dt).bits // 8
