@@ -14,8 +14,11 @@ key or field and the fix; nothing is written):
   both values named, settled only by ``--override``; unknown ``--override`` keys refused;
   every required field present; ``partial_rotary_factor`` ignored with a note. The input
   config is never modified: the written ``config.json`` is the input with the overrides
-  applied, the three ``dflash_config`` fields written to both places and ``dtype`` /
-  ``torch_dtype`` set to ``bfloat16`` (the stored weights);
+  applied, the three ``dflash_config`` fields written to both places (DFlash 2: its four
+  fields and any embedding / logit transform also into ``dflash_config``, the only place vLLM's
+  ``qwen3_dflash2`` reads them; ``architectures: ["DFlash2DraftModel"]``), ``num_target_layers``
+  added from the target when absent (the reference's ``DFlashDraftModel`` needs it to load) and
+  ``dtype`` / ``torch_dtype`` set to ``bfloat16`` (the stored weights);
 * ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
   layer count (``num_target_layers`` of the config when no target is given);
   ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
@@ -54,7 +57,7 @@ import torch
 from .checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
 from .compat import check_compat
 from .drafter import DFlashDrafter, check_state_dict
-from .drafter_config import DrafterConfig, check_override_keys
+from .drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, DrafterConfig, check_override_keys
 from .errors import InputError, atomic_dir
 from .io import read_json_object
 from .runtime import dtype_name
@@ -180,6 +183,9 @@ def strip_checkpoint(
         notes.append(f"num_target_layers {spec.num_layers} (the target's) written: the reference needs it to load")
     dcfg = config_out.get("dflash_config") or {}
     dcfg.update(target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
+    if cfg.variant == "dflash2":  # vLLM's qwen3_dflash2 reads these from dflash_config only
+        dcfg.update({k: getattr(cfg, k) for k in DFLASH2_FIELDS})
+        dcfg.update({k: config_out[k] for k in DFLASH_FIELDS if k in config_out and k not in dcfg})
     config_out["dflash_config"] = dcfg
     config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level (both copies agree: DrafterConfig)
     if cfg.variant == "dflash2":  # vLLM and SGLang pick the DFlash 2 model class by this name

