@@ -425,3 +425,23 @@ def test_stripped_keys_are_vllm_qwen3_dflash2_parameters(tmp_path):
         "model.candidate_selector.predecessor_codebook", "model.candidate_selector.successor_codebook",
         "model.candidate_selector.hidden_projection.weight"}
     assert landed == vllm
+
+
+# --------------------------------------------------------------------------- selector diagnostics (pure)
+def test_selector_stats_hand_built():
+    from dflash_eval.metrics import SelectorStep, selector_stats
+
+    steps = [SelectorStep(1, 2, 3, (True, True, False)),  # picked slot 1, missed slot 2 (its target was a candidate)
+             SelectorStep(0, 0, 3, (False, True, True)),  # slot 1's target not among the candidates
+             SelectorStep(2, 2, 2, (True, True)),  # the whole oracle prefix
+             SelectorStep(0, 1, 1, (True,))]  # missed slot 1 although its target was a candidate
+    st = selector_stats(steps, block_size=4)
+    assert (st.steps, st.accepted, st.oracle_accepted, st.pick_rate_all, st.oracle_path_rate) == (4, 0.75, 1.25, 0.6, 0.5)
+    assert st.topk_recall == {1: 0.75, 2: 1.0, 3: 0.5} and st.recall_compared == {1: 4, 2: 3, 3: 2}
+    assert st.pick_rate[1] == 2 / 3 and st.pick_rate[2] == 0.5 and math.isnan(st.pick_rate[3])
+    assert st.pick_compared == {1: 3, 2: 2, 3: 0}
+    assert st.as_dict()["pick_rate"]["3"] is None
+    with pytest.raises(ValueError):
+        selector_stats([SelectorStep(2, 1, 3, (True, False, False))], 4)  # accepted beyond the oracle
+    with pytest.raises(ValueError):
+        selector_stats([SelectorStep(0, 1, 2, (True, True))], 4)  # oracle is not the leading run
