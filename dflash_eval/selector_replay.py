@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .anchors import chain_walk
 from .metrics import SelectorStep
 
 
@@ -44,8 +45,6 @@ def walks(accepted: list[int], oracle: list[int], unary: list[int], limit: list[
     Returns:
         :class:`Dflash2Walks`.
     """
-    from .anchors import chain_walk
-
     chain = chain_walk(accepted, prompt_len, n_tokens)
     steps, start = [], prompt_len
     for produced in chain:

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 import dflash.model as dflash_model
 from transformers import Qwen3Config
 
-from dflash_eval.cache import CacheSample
+from dflash_eval.cache_format import CacheSample
 from dflash_eval.checkpoints import saved_codebook_names
 from dflash_eval.drafter import CandidateSelector, DFlashDrafter, GroupedDynamicCausalConv, load_drafter
 from dflash_eval.drafter_config import DrafterConfig
 from dflash_eval.errors import InputError
 from dflash_eval.replay import replay_batch
-from dflash_eval.strip import strip_checkpoint
+from dflash_eval.stages.strip_drafter import strip_checkpoint
 from fixtures.drafters import (DFLASH2, HIDDEN, LAYER_IDS, TARGET_LAYERS, VOCAB, randomize_dflash2_, tiny_config,
                                tiny_config2, write_target)
 from test_checkpoints import assert_bf16_equal, assert_refused, write_dcp, write_hf, write_specforge
