@@ -26,6 +26,7 @@ from dflash_eval.checkpoints import saved_codebook_names
 from dflash_eval.drafter import CandidateSelector, DFlashDrafter, GroupedDynamicCausalConv, load_drafter
 from dflash_eval.drafter_config import DrafterConfig
 from dflash_eval.errors import InputError
+from dflash_eval.anchors import LAYOUTS as LAYOUTS_ANCHORS, chain_walk, iter_anchor_drafts, replay_batched
 from dflash_eval.replay import replay_batch
 from dflash_eval.stages.strip_drafter import strip_checkpoint
 from fixtures.drafters import (DFLASH2, HIDDEN, LAYER_IDS, TARGET_LAYERS, VOCAB, randomize_dflash2_, tiny_config,
@@ -250,9 +251,17 @@ def test_sequential_replay_matches_reference_dflash_generate(kind, monkeypatch):
         assert len(set(want[-1])) >= 4 and sum(want[-1]) == len(ids) - prompt_len - 1
     assert replay_batch(ours, embed, head, samples) == want
     assert [replay_batch(ours, embed, head, [s])[0] for s in samples] == want
+    for layout in LAYOUTS_ANCHORS:  # the all-anchor pass: every anchor's selector path at once, then the walk
+        assert replay_batched(ours, embed, head, samples, layout=layout) == want
+        assert replay_batched(ours, embed, head, samples, layout=layout, memory_bytes=2**19) == want  # small chunks
+    drafts = list(iter_anchor_drafts(ours, embed, head, samples))
+    assert all(bool((d.accepted <= d.oracle).all()) and bool((d.oracle <= d.limit).all()) for d in drafts)
     ours.candidate_selector, selector = None, ours.candidate_selector
-    assert replay_batch(ours, embed, head, samples) != want
+    unary = replay_batch(ours, embed, head, samples)
+    assert unary != want
     ours.candidate_selector = selector
+    # the unary chain of the DFlash 2 pass is the replay with the selector switched off
+    assert [chain_walk(d.unary_accepted.tolist(), d.prompt_len, d.n_tokens) for d in drafts] == unary
 
 
 # --------------------------------------------------------------------------- layouts -> strip -> the reference loads it
