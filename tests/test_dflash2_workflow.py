@@ -112,7 +112,9 @@ def test_dflash2_beside_dflash1_in_one_tau_table(run):
         # a silent selector picks the top candidate: its accepted drafts per step are the chain's; a perfect
         # selector over the same candidates accepts at least as many
         sel = lifted["selector"]
-        assert sel["steps"] == r2.verify_steps and sel["accepted"] == pytest.approx(r2.tau_tokens_per_step - 1)
+        # accepted drafts are counted before the cut at the response's end (only each response's last step is cut)
+        extra = round(sel["accepted"] * sel["steps"]) - (r2.committed_tokens - r2.verify_steps)
+        assert sel["steps"] == r2.verify_steps and 0 <= extra <= 3 * r2.n_samples
         assert sel["oracle_accepted"] >= sel["accepted"] and 0 < sel["pick_rate_all"] <= 1
         assert r2.sel_accepted == round(sel["accepted"], 4) and r2.sel_pick_rate == round(sel["pick_rate_all"], 4)
         for k in (1, 2, 3):
