@@ -412,7 +412,8 @@ def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchor
     row = torch.arange(C * B, device=dev) // B
     block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
     h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
-                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None], conv_segment=B)
+                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None],
+                **({"conv_segment": B} if is_dflash2(drafter) else {}))  # DFlash 2: the conv restarts per block
     return h.view(C, B, -1), len(key_pos)
 
 
