@@ -148,7 +148,8 @@ def test_picky_batched_equals_sequential_and_online(run):
         assert seq["selector"] == batched["selector"]  # the diagnostics come from the all-anchor pass in both modes
         vo = validate_online(run / "tiny_target", res / "completions" / f"{ps}.jsonl", [res / "drafters" / "picky"],
                              [res / "eval" / "picky" / f"{ps}.json"], run / f"vo-{ps}.json", n_samples=2,
-                             ddtree_budget=0, device="cpu", dtype="float32")
+                             ddtree_budget=2, device="cpu", dtype="float32")
+        assert set(vo["checkpoints"][0]["modes"]) == {"chain"}  # DDTree not applicable to DFlash 2: skipped
         chain = vo["checkpoints"][0]["modes"]["chain"]
         assert chain["n_same_output"] == chain["n_identical_steps"] == 2 and chain["ok"]
         assert all(s["online"] == s["offline"] for s in chain["samples"])
