@@ -11,7 +11,9 @@ length P, committed sequence ``x`` (prompt + greedy completion, length T) and
 * Verify step: block ``[x[start], MASK x (vs-1)]`` at positions
   ``start .. start+vs-1`` with ``vs = min(B, max_length - start)`` (the reference
   shortens the last block). Drafts ``d_j`` (j >= 1) are the greedy argmax of
-  ``lm_head(drafter(block))[j]``; ``d_j`` predicts position ``start + j``.
+  ``lm_head(drafter(block))[j]`` (DFlash 2: the candidate selector's path over those logits,
+  :meth:`~dflash_eval.drafter.DFlashDrafter.propose` at temperature 0, the reference
+  ``DFlash2DraftModel.propose``); ``d_j`` predicts position ``start + j``.
 * The target accepts the longest prefix with ``d_j == x[start + j]`` — with
   greedy verification the target's continuation *is* the greedy completion —
   giving ``a`` accepted drafts, then the bonus token: ``a + 1`` tokens per
