@@ -58,7 +58,9 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|Na
 def dflash_args(drafter_dir: str | Path, block_size: int, method: str = "dflash") -> list[str]:
     """vLLM flags that run a stripped DFlash drafter with block size ``block_size`` (B - 1 drafts per step).
 
-    ``method``: ``dflash`` (vLLM's ``qwen3_dflash``) or ``dflash2`` where the engine offers it.
+    ``method``: ``dflash``. vLLM 0.32.0 also runs DFlash 2 drafters under ``dflash``: it picks
+    ``qwen3_dflash2`` by the folder's ``architectures`` (``DFlash2DraftModel``, which strip writes),
+    in its V2 model runner only, which needs Triton (``vllm/config/vllm.py``, ``_is_dflash_candidate_draft``).
     Prefix caching is off (a cached prompt prefix gives the drafter no context states for it) and the
     per-request step arrays are on.
     """
@@ -353,7 +355,7 @@ class EngineOptions:
         tensor_parallel_size: ``--tensor-parallel-size``.
         concurrency: requests in flight (1 = one request at a time: per-request latency without queueing).
         cpu_fix: ``auto`` (on where this host has no CUDA), ``on``, ``off``: :mod:`dflash_eval.vllm_sitecustomize`.
-        method: vLLM's speculative method for the drafter (``dflash``; ``dflash2`` for DFlash 2 drafters).
+        method: vLLM's speculative method for the drafter (``dflash``, also for DFlash 2 drafters: see :func:`dflash_args`).
         timeout_s, retries: per request.
     """
 
