@@ -165,7 +165,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         log.info("%s: %d samples in %d batches; %d verified in the partial file and kept, %d to compute in %d batches",
                  out, len(seqs), len(batches), len(done), n_todo, len(todo))
         if todo:
-            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
+                                              devices=opts.devices, max_memory=opts.max_memory)
             pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
             info = target_info(model)
             _check_layers(layer_ids, info["num_hidden_layers"], target_dir)
