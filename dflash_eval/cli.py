@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from . import options
+from . import gpu_pool, options
 from .errors import InputError, Interrupted, install_signal_handlers
 from .serving import ServerError, ServerUnavailable
 
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mod = _module(args.cmd)
         opts = options.from_args(mod.STAGE, args) if getattr(mod, "STAGE", None) else None
+        if opts is not None:
+            gpu_pool.claim(mod.STAGE, opts)  # the job's own GPU(s) on a multi-GPU host, before CUDA starts
         code = mod.main(args, opts) or 0
     except InputError as err:
         logging.getLogger("dflash_eval").error("%s", err)

@@ -269,6 +269,11 @@ class Plan:
         gen = self.config["generation"]
         return gen["source"] != "transformers" and gen.get("serve") != "vllm"
 
+    @property
+    def target_gpus(self) -> int:
+        """Resource ``gpu`` of the jobs that load the target: ``max(target.devices, 1)`` (0 = auto takes one)."""
+        return max(int(self.config["target"].get("devices", 0) or 0), 1)
+
     def completions_inputs(self) -> dict:
         """Target files the completions job reads: a remote server needs only config + tokenizer;
         the local sources also read the weights and their sha256 record (``fingerprint``)."""
