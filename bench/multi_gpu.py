@@ -9,12 +9,12 @@ process also reports its peak memory per GPU), in three ways:
 - ``one-gpu``: the whole target on one GPU (``--devices 1``, ``CUDA_VISIBLE_DEVICES`` = the first GPU);
 - ``split``: the target's layers over two GPUs (``--devices 2``; ``--max-memory`` may force a split of
   a target that fits one GPU), the path of targets larger than one GPU (dflash_eval/device_map.py);
-- ``two-shards``: the samples cut in two halves (alternating by length, so both get as many tokens),
-  two jobs at once, each taking its own GPU from the GPU pool (dflash_eval/gpu_pool.py), as two
-  Snakemake jobs on a two-GPU host would.
+- ``two-shards``: ``--shard 0/2`` and ``--shard 1/2`` (every other batch of the one-job plan,
+  dflash_eval/cache_shards.py), two jobs at once, each taking its own GPU from the GPU pool
+  (dflash_eval/gpu_pool.py), then ``merge-cache-shards``; wall time includes the merge.
 
-It prints per run the GPUs, compute tok/s (the stage's own log line), wall seconds of the job
-(loading included), peak allocated GiB per GPU, and whether every sample's states and argmax equal
+It prints per run the GPUs, compute tok/s (the stage's own log line; two shards: all tokens over
+the slower shard's compute time), wall seconds (process start to end, loading included), peak allocated GiB per GPU, and whether every sample's states and argmax equal
 the one-GPU cache's bit for bit; then the two-shard wall time over the one-job wall time.
 
     python3 bench/multi_gpu.py                      # 2 GPUs; llama-3b shape, about 2-3 min on two H200
@@ -142,14 +142,12 @@ def states(cache: Path) -> dict:
         return {s.sample_id: (s.hidden, s.target_argmax) for s in (rd.sample(i) for i in range(len(rd)))}
 
 
-def compare(ref: dict, *caches: Path) -> dict:
+def compare(ref: dict, cache: Path) -> dict:
     """Against the one-GPU states: bit-identical (states and argmax of every sample), largest abs difference
     of any state, and the share of positions whose argmax agrees."""
     import torch
 
-    got = {}
-    for c in caches:
-        got.update(states(c))
+    got = states(cache)
     if set(got) != set(ref):
         return {"identical": False, "max_abs": float("inf"), "argmax_agree": 0.0}
     same = all(torch.equal(ref[k][0], got[k][0]) and torch.equal(ref[k][1], got[k][1]) for k in ref)
@@ -173,6 +171,8 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from dflash_eval.cache_shards import merge_shards
+
     gpus = [] if args.smoke else [str(i) for i in range(torch.cuda.device_count())]
     if not args.smoke and not gpus:
         raise SystemExit("no GPU visible: use --smoke on CPU")
@@ -180,10 +180,7 @@ def main() -> None:
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="multi-gpu-"))
     root.mkdir(parents=True, exist_ok=True)
     target = build_target(root, args.shape, args.smoke)
-    rows = write_completions(root / "all.jsonl", samples, length, 380 if args.smoke else VOCAB)
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]["prompt_ids"]) - len(rows[i]["completion_ids"]))
-    for k in (0, 1):
-        (root / f"shard{k}.jsonl").write_text("".join(json.dumps(rows[i]) + "\n" for i in order[k::2]))
+    write_completions(root / "all.jsonl", samples, length, 380 if args.smoke else VOCAB)
     common = ["--batch-tokens", str(args.batch_tokens if not args.smoke else 64)]
     device = ["--device", "cpu"] if args.smoke else []
     pool = {"DFLASH_EVAL_GPU_POOL": str(root / "pool"),
@@ -204,18 +201,19 @@ def main() -> None:
         results["split"]["wall_s"] = time.perf_counter() - t0
         report["split"] = compare(ref, root / "split.h5")
         t0 = time.perf_counter()
-        shard_flags = [*common, "--devices", "1"]
-        procs = [_start(root, f"shard{k}", target, root / f"shard{k}.jsonl", layers, shard_flags, pool)
-                 for k in (0, 1)]
+        procs = [_start(root, f"shard{k}", target, root / "all.jsonl", layers,
+                        [*common, "--devices", "1", "--shard", f"{k}/2"], pool) for k in (0, 1)]
         shards = [_finish(*p) for p in procs]
+        merge_shards([root / "shard0.h5", root / "shard1.h5"], root / "all.jsonl", root / "two.h5")
         wall = time.perf_counter() - t0
         results["two-shards"] = {"wall_s": wall, "tokens": sum(s["tokens"] for s in shards),
                                  "compute_s": max(s["compute_s"] for s in shards),
-                                 "tok_s": int(sum(s["tokens"] for s in shards) / max(wall, 1e-9)),
+                                 "tok_s": int(sum(s["tokens"] for s in shards) / max(max(s["compute_s"] for s in shards),
+                                                                                      1e-9)),
                                  "peak_bytes": {k: v for s in shards for k, v in s["peak_bytes"].items()},
                                  "cuda_visible_devices": "|".join(str(s["cuda_visible_devices"]) for s in shards),
                                  "placement": []}
-        report["two-shards"] = compare(ref, root / "shard0.h5", root / "shard1.h5")
+        report["two-shards"] = compare(ref, root / "two.h5")
     else:
         print("1 GPU visible: split and two-shard runs skipped (they need 2)")
     dev = "cpu (smoke: not GPU figures)" if args.smoke else torch.cuda.get_device_name(0)
