@@ -94,3 +94,21 @@ def test_what_a_job_claims(tmp_path, monkeypatch):
     assert gpu_pool.pool_devices({"CUDA_VISIBLE_DEVICES": "-1"}) == []
     with pytest.raises(InputError, match="needs 3 GPUs, the pool has 2"):
         gpu_pool.claim("hidden_states", SimpleNamespace(device="auto", devices=3), env=env)
+
+
+def test_workflow_asks_target_devices_gpus(tmp_path):
+    """Dry-run: the target-loading jobs ask gpu=target.devices, the others gpu=1 (the shell prefix that exports
+    the pool folder is not printed by a dry-run)."""
+    import re
+
+    from test_workflow import copy_workflow, smk
+
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "two.yaml").write_text("target: {devices: 2}\ngpu_pool: /tmp/shared-pool\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "two.yaml").stdout
+    gpu = {}
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", out):
+        m, r = re.match(r"(?:local)?rule (\w+):", block), re.search(r"resources: .*?\bgpu=(\d+)", block)
+        if m and r:
+            gpu.setdefault(m.group(1), set()).add(int(r.group(1)))
+    assert gpu["hidden_states"] == gpu["completions"] == gpu["target_costs"] == {2} and gpu["evaluate"] == {1}
