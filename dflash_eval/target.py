@@ -40,10 +40,11 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
         dtype: see :func:`dflash_eval.runtime.resolve_dtype` (``'auto'``: bf16 on CUDA, float32 on CPU).
         backend: linear-attention kernel, ``'auto'`` | ``'fla'`` | ``'torch'`` (config ``target.linear_attn_backend``).
         devices, max_memory: config ``target.devices`` / ``target.max_memory``: with ``device`` ``'auto'`` or
-            ``'cuda'`` (no index) on a host with several visible GPUs the target's layers are placed over
-            them by :func:`dflash_eval.device_map.plan_device_map` when one GPU does not hold it (or when
-            ``devices`` > 1); inputs then go to ``device`` (GPU 0, which holds the embedding) and
-            transformers moves the activations between GPUs. A CPU or ``cuda:N`` device is one device, as before.
+            ``'cuda'`` (no index), several visible GPUs (or ``devices`` > 1, or ``max_memory`` set) the
+            target's layers are placed over them by :func:`dflash_eval.device_map.plan_device_map` when one
+            GPU does not hold it (or when ``devices`` > 1); inputs then go to ``device`` (GPU 0, which holds
+            the embedding) and transformers moves the activations between GPUs. A CPU, a ``cuda:N`` device,
+            ``devices: 1`` or one visible GPU with no option set is one device, loaded as before.
         device_map: an explicit ``from_pretrained`` device map (module name -> device), bypassing the planner.
 
     Returns:
@@ -62,7 +63,8 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     binding = bind_linear_attention(backend, dev, spec)
-    if device_map is None and dev.type == "cuda" and dev.index is None and (devices != 1 or max_memory):
+    if device_map is None and dev.type == "cuda" and dev.index is None and devices != 1 and (
+            devices > 1 or max_memory or _cuda_count() > 1):  # one visible GPU, auto: loaded as it always was
         plan = plan_device_map(spec, dt, devices=devices, max_memory=max_memory)
         device_map = plan.device_map if plan.split else None
     placed = {"device_map": device_map} if device_map else {}
@@ -79,6 +81,12 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
              dev if not device_map else "devices " + ", ".join(sorted({str(v) for v in device_map.values()})),
              dtype_name(dt))
     return model, tok, check_bound_kernel(model, binding)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 #: attention implementation of :func:`gqa_sdpa` (registered with transformers on first use)

@@ -52,6 +52,17 @@ def test_needs_two_gpus(tiny):
     assert re.fullmatch(r"cuda:0: layers 0-\d \+ embed_tokens; cuda:1: layers \d-3 \+ .*lm_head.*", plan.describe())
 
 
+def test_tied_head_stays_with_the_embedding(tmp_path):
+    spec = TargetSpec.read(make_tiny_target(tmp_path / "tied", num_layers=4, hidden=64, tie_word_embeddings=True))
+    from accelerate.utils import compute_module_sizes
+
+    model = meta_model(spec, F32)
+    X = int(compute_module_sizes(model, dtype=F32)[""])
+    plan = plan_device_map(spec, F32, free={0: X, 1: X}, model=model)
+    assert plan.split and plan.device_map["lm_head"] == plan.device_map["model.embed_tokens"] == 0
+    assert plan.device_map["model.norm"] == 1 and plan.target_bytes == X  # the shared matrix counted once
+
+
 def test_fits_no_gpu_names_size_memories_and_options(tiny):
     spec, model, X = tiny
     with pytest.raises(InputError) as err:
