@@ -13,7 +13,8 @@ per sample an HDF5 external link ``/samples/<i:06d>`` -> ``<shard file>:/samples
 :class:`~dflash_eval.cache_reader.CacheReader` (and ``evaluate``) read it as one cache without
 copying the states.
 
-Command line (not yet a Snakemake rule: run the N shard jobs and this by hand)::
+The workflow does this with config ``cache.shards: N`` (rules ``hidden_states_shard`` and
+``merge_cache_shards``); by hand::
 
     python -m dflash_eval hidden-states ... --shard 0/2 --out cache/set.shard0.h5   # one job per GPU
     python -m dflash_eval hidden-states ... --shard 1/2 --out cache/set.shard1.h5
@@ -133,19 +134,3 @@ def merge_shards(shards: list["str | Path"], completions_path: "str | Path", out
         tmp.unlink(missing_ok=True)
     return out
 
-
-def add_arguments(p) -> None:
-    """CLI ``merge-cache-shards``."""
-    p.add_argument("--shards", nargs="+", required=True,
-                   help="the finished shard caches (hidden-states --shard K/N for K = 0..N-1), in the merged "
-                        "cache's folder")
-    p.add_argument("--completions", required=True, help="the prompt set's completions JSONL the shards were made from")
-    p.add_argument("--out", required=True, help="the prompt set's cache (it links to the shards: keep them beside it)")
-
-
-def main(args, opts=None) -> None:
-    """CLI ``merge-cache-shards``: :func:`merge_shards`."""
-    import logging
-
-    out = merge_shards(args.shards, args.completions, args.out)
-    logging.getLogger(__name__).info("wrote %s over %d shard(s)", out, len(args.shards))

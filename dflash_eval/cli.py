@@ -32,7 +32,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prompts": ("stages.prompts", "build one prompt set (chat-templated text + token ids) as JSONL"),
     "completions": ("stages.completions", "greedy target completions (token ids + text) for a prompt set"),
     "hidden-states": ("stages.hidden_states", "run the target over prompt+completion ids and write the HDF5 cache"),
-    "merge-cache-shards": ("cache_shards", "N shard caches of one prompt set (hidden-states --shard K/N) "
+    "hidden-states-shard": ("stages.hidden_states_shard", "hidden-states --shard K/N: one of N jobs writing a prompt "
+                                                          "set's cache (config cache.shards)"),
+    "merge-cache-shards": ("stages.merge_cache_shards", "N shard caches of one prompt set (hidden-states --shard K/N) "
                                                         "-> its one cache (samples linked, not copied)"),
     "strip-drafter": ("stages.strip_drafter", "training checkpoint -> stripped bf16 drafter folder "
                                               "(config.json + model.safetensors)"),

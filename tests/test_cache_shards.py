@@ -7,6 +7,7 @@ import json
 import os
 import random
 import shutil
+from pathlib import Path
 
 import h5py
 import pytest
@@ -104,7 +105,6 @@ def test_a_killed_shard_resumes_and_merge_refuses_incomplete_sets(work, caplog):
 def test_merge_cli(work, tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     shards = [_extract(work, f"cli{k}.h5", shard=(k, 2)) for k in range(2)]
@@ -118,3 +118,27 @@ def test_merge_cli(work, tmp_path):
                           "--completions", str(work / "c.jsonl"), "--out", str(work / "bad.h5")],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=300)
     assert bad.returncode == 2 and "sample(s) in no shard" in bad.stderr
+
+
+def test_workflow_with_cache_shards_runs_n_jobs_and_a_merge(tmp_path):
+    """Dry-run with cache.shards: 2: per prompt set two hidden_states_shard jobs (--shard 0/2, 1/2) and one merge."""
+    import re
+
+    from test_workflow import copy_workflow, dflash_eval_argv, job_counts, shell_commands, smk
+
+    from dflash_eval.cli import build_parser
+
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "shards.yaml").write_text("cache: {shards: 2}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "shards.yaml").stdout
+    counts = job_counts(out)
+    cmds = [dflash_eval_argv(c) for c in shell_commands(out)]
+    shard_cmds = [build_parser().parse_args(a) for a in cmds if a[0] == "hidden-states-shard"]
+    merges = [a for a in cmds if a[0] == "merge-cache-shards"]
+    sets = {Path(a.completions).stem for a in shard_cmds}
+    assert len(sets) >= 1 and len(shard_cmds) == 2 * len(sets) and len(merges) == len(sets)
+    assert sorted((Path(a.completions).stem, a.shard) for a in shard_cmds) == sorted(
+        (s, (k, 2)) for s in sets for k in (0, 1))
+    assert all(a.keep_partial and re.search(r"\.shard[01]\.h5$", a.out) for a in shard_cmds)
+    assert not any(a[0] == "hidden-states" for a in cmds) and "hidden_states" not in counts
+    assert counts["hidden_states_shard"] == 2 * len(sets) and counts["merge_cache_shards"] == len(sets)
