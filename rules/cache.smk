@@ -11,10 +11,42 @@
 # the output of a job it did not see finish (docs/errors.md: troubleshooting).
 
 
+rule hidden_states:
+    input:
+        unpack(target_model_files),
+        fingerprint=TARGET.fingerprint,
+        completions="results/{run}/completions/{prompt_set}.jsonl",
+    output:
+        "results/{run}/cache/{prompt_set}.h5",
+    log:
+        "logs/hidden_states/{run}/{prompt_set}.log",
+    benchmark:
+        "benchmarks/hidden_states/{run}/{prompt_set}.tsv"
+    conda:
+        "../envs/gpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    threads: TORCH_THREADS
+    resources:
+        gpu=PLAN.target_gpus,
+    params:
+        target=target_dir,
+        layer_ids=LAYER_IDS_ARG,
+        options=PLAN.stage_flags("hidden_states"),
+    shell:
+        "python -m dflash_eval hidden-states --target {params.target:q}"
+        " --completions {input.completions:q} --layer-ids {params.layer_ids}"
+        " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
+        " --out {output:q} > {log:q} 2>&1"
+
+
+# config cache.shards > 1: N jobs per prompt set, each on its own GPU (the GPU pool), each computing
+# every N-th batch of the one-job batch plan (states bit-identical to one job), then one merge that
+# links their samples into the prompt set's cache (dflash_eval/cache_shards.py); the merge, not
+# rule hidden_states, then makes the cache.
 if PLAN.cache_shards > 1:
-    # config cache.shards: N jobs per prompt set, each on its own GPU (the GPU pool), each computing
-    # every N-th batch of the one-job batch plan (states bit-identical to one job), then one merge
-    # that links their samples into the prompt set's cache (dflash_eval/cache_shards.py).
+
+    ruleorder: merge_cache_shards > hidden_states
 
     rule hidden_states_shard:
         input:
@@ -63,33 +95,3 @@ if PLAN.cache_shards > 1:
         shell:
             "python -m dflash_eval merge-cache-shards --shards {input.shards:q}"
             " --completions {input.completions:q} --out {output:q} > {log:q} 2>&1"
-
-if PLAN.cache_shards == 1:
-
-    rule hidden_states:
-        input:
-            unpack(target_model_files),
-            fingerprint=TARGET.fingerprint,
-            completions="results/{run}/completions/{prompt_set}.jsonl",
-        output:
-            "results/{run}/cache/{prompt_set}.h5",
-        log:
-            "logs/hidden_states/{run}/{prompt_set}.log",
-        benchmark:
-            "benchmarks/hidden_states/{run}/{prompt_set}.tsv"
-        conda:
-            "../envs/gpu.yaml"
-        container:
-            config["containers"]["cuda"]
-        threads: TORCH_THREADS
-        resources:
-            gpu=PLAN.target_gpus,
-        params:
-            target=target_dir,
-            layer_ids=LAYER_IDS_ARG,
-            options=PLAN.stage_flags("hidden_states"),
-        shell:
-            "python -m dflash_eval hidden-states --target {params.target:q}"
-            " --completions {input.completions:q} --layer-ids {params.layer_ids}"
-            " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
-            " --out {output:q} > {log:q} 2>&1"
