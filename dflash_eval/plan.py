@@ -163,12 +163,15 @@ def check_cache(cache: dict) -> None:
     """Cross-field checks of config section ``cache`` (the ``vllm`` source).
 
     Raises:
-        InputError: ``cache.vllm.url`` with ``source: hf`` (it would be ignored); settings of the job-owned
+        InputError: ``shards`` > 1 with ``source: vllm``; ``cache.vllm.url`` with ``source: hf`` (it would be ignored); settings of the job-owned
             server (``tensor_parallel_size`` > 1, a ``connector`` other than ``auto``) together with ``url``
             (your server has its own flags: docs/serving-engines.md); ``storage_dir`` without ``url``.
     """
     v = cache.get("vllm") or {}
     url = v.get("url")
+    if cache.get("source", "hf") == "vllm" and int(cache.get("shards", 1) or 1) > 1:
+        raise InputError("config", "cache.shards", f"{cache['shards']} shards split the HF forward, but cache.source "
+                         "is 'vllm' (one server per prompt set)", "drop cache.shards, or use cache.source: hf")
     if cache.get("source", "hf") != "vllm":
         if url:
             raise InputError("config", "cache.vllm.url", "set, but cache.source is 'hf' (the HF forward inside the "
@@ -222,6 +225,19 @@ class Plan:
 
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
+
+    @property
+    def cache_shards(self) -> int:
+        """Config ``cache.shards``: hidden-state jobs per prompt set (1: one rule ``hidden_states`` job)."""
+        return int(self.config.get("cache", {}).get("shards", 1) or 1)
+
+    def shard_caches(self, run: str | None = None, prompt_set: str | None = None) -> list[str]:
+        """The shard caches (``cache.shards`` > 1) of one prompt set, or of all; [] with one job per set."""
+        if self.cache_shards < 2:
+            return []
+        sets = [prompt_set] if prompt_set else self.prompt_sets
+        return [os.path.join("results", run or self.run, "cache", f"{p}.shard{k}.h5")
+                for p in sets for k in range(self.cache_shards)]
 
     # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)
     def target_files(self, tokenizer: bool = False) -> dict[str, list[str]]:
@@ -295,6 +311,11 @@ class Plan:
         return gen["source"] != "transformers" and gen.get("serve") != "vllm"
 
     @property
+    def target_gpus(self) -> int:
+        """Resource ``gpu`` of the jobs that load the target: ``max(target.devices, 1)`` (0 = auto takes one)."""
+        return max(int(self.config["target"].get("devices", 0) or 0), 1)
+
+    @property
     def remote_cache_server(self) -> bool:
         """The hidden states come from the user's running vLLM server (``cache.source: vllm`` with ``cache.vllm.url``)."""
         cache = self.config["cache"]
@@ -302,10 +323,11 @@ class Plan:
 
     @property
     def hidden_states_gpus(self) -> int:
-        """GPUs of a hidden_states job: 0 for the user's server, ``tensor_parallel_size`` for a job-owned vLLM, else 1."""
+        """GPUs of a hidden_states job: 0 for the user's vLLM server, ``tensor_parallel_size`` for a job-owned one,
+        else (the HF forward) :attr:`target_gpus`."""
         cache = self.config["cache"]
         if cache.get("source") != "vllm":
-            return 1
+            return self.target_gpus
         return 0 if self.remote_cache_server else int((cache.get("vllm") or {}).get("tensor_parallel_size", 1))
 
     def completions_inputs(self) -> dict:
