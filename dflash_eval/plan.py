@@ -37,7 +37,9 @@ GGUF_TARGET_OUTPUTS = {"config": "config.json", "weights": "model.safetensors", 
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
 #: the subset that holds weights: a checkpoint folder without any is refused at parse time
 CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+#: names that become path components (run, target, checkpoint, prompt set): no separators, never ``.`` / ``..``
+#: or another name starting with a dot (a hidden folder, or one outside ``results/``)
+NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
 
 
 @dataclass
@@ -138,7 +140,9 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     def add(name, row, where):
         if not NAME_RE.match(name):
             raise InputError("config", where, f"checkpoint name {name!r} may only contain letters, digits, '.', '_' "
-                             "and '-'", "rename the file/folder or list it under checkpoints.list with an explicit name")
+                             "and '-', and may not start with '.' (it names the folders results/<run>/drafters/<name> "
+                             "and eval/<name>)",
+                             "rename the file/folder or list it under checkpoints.list with an explicit name")
         if name in table:
             raise InputError("config", where, f"duplicate checkpoint name {name!r} (also from {origin[name]})",
                              "give each checkpoint a unique name (checkpoints.list entries take an explicit name)")
@@ -598,12 +602,26 @@ class Plan:
         return " ".join(shlex.quote(str(a)) for a in args)
 
 
+def check_names(config: dict) -> None:
+    """Refuse run, target and prompt-set names that are not :data:`NAME_RE` (``..`` would leave ``results/``).
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for where, name in [("run", config["run"]), ("target.name", config["target"]["name"])] + [
+            (f"prompt_sets.{n}", n) for n in config["prompt_sets"]]:
+        if not NAME_RE.match(str(name)):
+            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it may only hold "
+                             "letters, digits, '.', '_', '-' and may not start with '.'", "rename it (e.g. 'my-run')")
+
+
 def build_plan(config: dict) -> Plan:
     """The :class:`Plan` of a validated config (schema defaults filled).
 
     Raises:
         InputError: any check of this module (each names the config entry and the fix).
     """
+    check_names(config)
     for name, ps in config["prompt_sets"].items():
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
