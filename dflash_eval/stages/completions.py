@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .. import options as options_mod
 from ..completions_file import STOP_EOS, PartialCompletions
+from ..context_limit import check_context_limit
 from ..errors import InputError
 from ..generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
 from ..io import sha256_file
@@ -74,6 +75,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
 
     Raises:
         InputError: a bad option, bad prompts file or target folder, prompt ids outside the vocabulary,
+            a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` (unless
+            ``allow_beyond_max_positions``: :func:`dflash_eval.context_limit.check_context_limit`),
             a partial file from other settings, a server with another tokenizer or a too short max
             length, a server without token ids (unless allowed).
         ServerUnavailable / ServerError: the server failed (after retries); the partial file keeps
@@ -89,6 +92,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
             raise InputError(prompts_path, f"line {k + 1}: id", f"duplicate prompt id {r['id']!r}", "give every prompt a unique id")
         ids_seen.add(str(r["id"]))
 
+    check_context_limit(rows, max_new_tokens, target_dir, prompts_path, opts.allow_beyond_max_positions)
     if opts.serve == "vllm" and not server_log:
         server_log = f"{out}.vllm.log"  # the served vLLM's log beside the output
     with open_source(opts, target_dir, rows, server_log, target_fingerprint) as (src, tok, vocab):
