@@ -206,3 +206,23 @@ def test_verify_cost_bench_smoke(pipeline):
     assert result["n_samples"] > 0 and result["read_s"] > 0 and result["verify_s"] > 0
     assert result["evaluate_s"] > 0 and result["verify_pct_of_evaluate"] == pytest.approx(
         100 * result["verify_s"] / result["evaluate_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize("free_mb, want", [
+    (71, "the 3 samples left need about 6 MB (+ 67 MB of headroom) and 71 MB are free in {dir}: free at least 2 MB "
+         "more and rerun"),
+    (500, "the 3 samples left need about 6 MB (+ 67 MB of headroom) and the file system reports 500 MB free in {dir}, "
+          "so a quota or a file size limit (ulimit -f) stopped the write"),
+])
+def test_disk_full_message_says_needed_and_free_consistently(tmp_path, monkeypatch, free_mb, want):
+    """The case the trial found: '71 MB free, the next batch needs 6 MB + 64 MB' then 'free 0.01 GB'."""
+    import errno
+    import shutil as _shutil
+
+    from dflash_eval.disk_room import no_room_error
+
+    usage = _shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage._replace(free=free_mb * 10**6))
+    err = no_room_error(tmp_path / "c.h5.partial", OSError(errno.ENOSPC, "No space left on device"), 5, 8, 6 * 10**6)
+    assert err.problem.startswith("no room left to write the cache") and "5 of 8 samples are committed" in err.problem
+    assert want.format(dir=tmp_path) in err.fix and "the job resumes from the partial file" in err.fix

@@ -23,6 +23,7 @@ from .. import options as options_mod
 from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, is_no_space
 from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from ..completions_file import read_completions
+from ..disk_room import no_room_error
 from ..errors import InputError
 from ..extract import check_packing, forward_batch, packing_support, versions
 from ..hybrid import bind_linear_attention
@@ -205,12 +206,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     except (OSError, RuntimeError) as err:
         cache.close()
         if is_no_space(err):
-            left = len(seqs) - len(cache.done)
-            raise InputError(cache.path, None, f"no room left to write the cache (disk, quota or file size limit: "
-                             f"{err}); {len(cache.done)} of {len(seqs)} samples are committed in this partial file "
-                             "and kept",
-                             f"free space (about {_bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)} "
-                             f"more for the {left} samples left) and rerun: the job resumes from the partial file") from err
+            raise no_room_error(cache.path, err, len(cache.done), len(seqs),
+                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)) from err
         raise
     except BaseException:
         cache.close()
@@ -228,9 +225,10 @@ def _check_layers(layer_ids: list[int], n_layers: int, target_dir) -> None:
                          f"use ids in 0..{n_layers - 1}")
 
 
-def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> str:
+def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> int:
+    """Bytes the hidden states of the samples not in ``done`` take as stored (0 when ``H`` is unknown)."""
     tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
-    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB" if H else f"{tokens} tokens' states"
+    return tokens * K * (H or 0) * (2 if dt == torch.bfloat16 else 4)
 
 
 @torch.inference_mode()
