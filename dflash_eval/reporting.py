@@ -264,8 +264,8 @@ def costs_table(costs: dict) -> pd.DataFrame:
     t_dec = costs["decode_s"]
     rows = [{"quantity": "t_decode: decode step (1 token)", "ms": 1e3 * t_dec, "× t_decode": 1.0}]
     for v in sorted(costs["verify"], key=lambda v: (v["n"], v["mask"])):
-        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v["median_s"],
-                     "× t_decode": v["median_s"] / t_dec})
+        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v.get("fit_s", v["median_s"]),
+                     "× t_decode": v.get("fit_s", v["median_s"]) / t_dec})
     seen = set()
     for name, d in costs["drafters"].items():
         if d["config_sha256"] in seen:
@@ -320,13 +320,22 @@ def provenance(data: ReportData) -> pd.DataFrame:
 
 
 def _costs_mismatch(data: ReportData) -> str | None:
+    """The warnings of the speedup section: costs of another target; a noisy estimate (:mod:`dflash_eval.cost_stats`)."""
     if not data.costs:
         return None
+    from .cost_stats import assess
+
+    warnings = []
     shas = {a.get("target_sha256") for a in data.caches.values()} - {None}
     if shas and data.costs["target"]["sha256"] not in shas:
-        return (f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the caches "
-                f"hold {sorted(s[:16] for s in shas)}: re-run target_costs")
-    return None
+        warnings.append(f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the "
+                        f"caches hold {sorted(s[:16] for s in shas)}: re-run target_costs")
+    verdict = assess(data.costs)
+    if not verdict["reliable"]:
+        warnings.append(f"unreliable estimate (estimate_reliable = False): the timings are too noisy for these "
+                        f"numbers to mean much ({'; '.join(verdict['reasons'])}; bound {verdict['bound']:.0%}). "
+                        "Re-run target_costs on a quiet machine, or with more target_costs.repeats")
+    return " — ".join(warnings) or None
 
 
 # --------------------------------------------------------------------------- markdown
