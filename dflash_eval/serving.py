@@ -159,11 +159,14 @@ class ServerClient:
                                   limits=httpx.Limits(max_connections=concurrency + 2,
                                                       max_keepalive_connections=concurrency + 2))
         self._lock = threading.Lock()
+        self._closed = threading.Event()  # set by close(): requests in flight stop instead of retrying
         #: retried failures by kind ("HTTP 500", "ConnectError", ...), for the log and tests
         self.retry_counts: dict[str, int] = {}
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
     def close(self) -> None:
+        """Close the connections; a request in flight in another thread then fails at once (no retry)."""
+        self._closed.set()
         self._http.close()
 
     def __enter__(self):
@@ -198,7 +201,10 @@ class ServerClient:
             stop=tenacity.stop_after_attempt(self.retries + 1),
             wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
                                                   jitter=self.backoff_s),
-            retry=tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
+            retry=(tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus))
+                   & tenacity.retry_if_not_result(lambda _: self._closed.is_set())
+                   & tenacity.retry_if_exception(lambda _: not self._closed.is_set())),
+            sleep=self._closed.wait,  # a backoff ends early when the client is closed
             before_sleep=self._count_retry, reraise=True)
         try:
             for attempt in retrying:
@@ -207,6 +213,9 @@ class ServerClient:
                     if r.status_code in RETRY_STATUS:
                         raise _RetryableStatus(r.status_code, r.text)
         except (httpx.TransportError, _RetryableStatus) as err:
+            if self._closed.is_set():
+                raise ServerUnavailable(f"{method} {self.url}{path}: the client was closed while the request was in "
+                                        f"flight ({type(err).__name__}: {err})") from None
             raise ServerUnavailable(f"{method} {self.url}{path} failed after {self.retries + 1} attempts: "
                                     f"{type(err).__name__}: {err}") from None
         if missing_ok and r.status_code in (404, 405):

@@ -226,3 +226,79 @@ def test_disk_full_message_says_needed_and_free_consistently(tmp_path, monkeypat
     err = no_room_error(tmp_path / "c.h5.partial", OSError(errno.ENOSPC, "No space left on device"), 5, 8, 6 * 10**6)
     assert err.problem.startswith("no room left to write the cache") and "5 of 8 samples are committed" in err.problem
     assert want.format(dir=tmp_path) in err.fix and "the job resumes from the partial file" in err.fix
+
+
+def test_closed_client_stops_its_request_in_flight_without_retrying():
+    """The leak behind '[Errno 9] Bad file descriptor; retry 1/8' printed after the test summary: a request in
+    flight in a worker thread when the source closes its client (on an error elsewhere) was retried (and with
+    backoff up to 30 s outlived its test); now it fails at once, unretried."""
+    import socket
+    import threading
+    import time
+
+    from dflash_eval.serving import ServerClient, ServerUnavailable
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    accepted = []
+
+    def accept():  # accepts and never answers: the request stays in flight
+        try:
+            accepted.append(srv.accept()[0])
+        except OSError:
+            pass
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    client = ServerClient(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=1.5, retries=8, backoff_s=0.2,
+                          max_backoff_s=0.5)
+    errors = []
+
+    def request():
+        try:
+            client.request("GET", "/v1/models")
+        except BaseException as err:  # noqa: BLE001 (recorded for the assertion)
+            errors.append(err)
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert accepted, "the request never connected"
+        client.close()
+        worker.join(6)
+        assert not worker.is_alive()
+        assert client.retry_counts == {}  # never retried after close (old: {'ReadError': 1}, then more)
+        assert len(errors) == 1 and isinstance(errors[0], ServerUnavailable)
+        assert "closed while the request was in flight" in str(errors[0])
+    finally:
+        for c in accepted:
+            c.close()
+        srv.close()
+        acceptor.join(2)
+
+
+def test_session_end_check_finds_leftover_threads_and_children():
+    import subprocess as sp
+    import threading
+
+    import conftest
+
+    baseline = {t.ident for t in threading.enumerate()}
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="leaky-client", daemon=True)
+    t.start()
+    child = sp.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        threads, kids = conftest.leftovers(baseline, grace_s=0.3)
+        assert any(x.startswith("leaky-client (target Event.wait") for x in threads)
+        assert [pid for pid, _ in kids] == [child.pid]
+    finally:
+        stop.set()
+        t.join()
+        child.kill()
+        child.wait()
+    assert conftest.leftovers(baseline, grace_s=2) == ([], [])
