@@ -202,7 +202,6 @@ class ServerClient:
             wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
                                                   jitter=self.backoff_s),
             retry=(tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus))
-                   & tenacity.retry_if_not_result(lambda _: self._closed.is_set())
                    & tenacity.retry_if_exception(lambda _: not self._closed.is_set())),
             sleep=self._closed.wait,  # a backoff ends early when the client is closed
             before_sleep=self._count_retry, reraise=True)

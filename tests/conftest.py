@@ -27,6 +27,8 @@ def tiny_run(tmp_path_factory):
 #: seconds the session end waits for threads and child processes started by tests to end by themselves
 LEFTOVER_GRACE_S = 10.0
 _BASELINE: dict = {}
+#: thread classes a library starts once per process and keeps (not a test's): tqdm's bar monitor
+PROCESS_THREADS = ("TMonitor",)
 
 
 def _children() -> list[tuple[int, str]]:
@@ -49,7 +51,7 @@ def leftovers(baseline_threads: set[int], grace_s: float) -> tuple[list[str], li
     deadline = time.monotonic() + grace_s
     while True:
         threads = [t for t in threading.enumerate() if t.ident not in baseline_threads and t.is_alive()
-                   and t is not threading.current_thread()]
+                   and t is not threading.current_thread() and type(t).__name__ not in PROCESS_THREADS]
         kids = _children()
         if (not threads and not kids) or time.monotonic() >= deadline:
             return [f"{t.name} (target {getattr(getattr(t, '_target', None), '__qualname__', '?')}, "
