@@ -302,3 +302,25 @@ def test_session_end_check_finds_leftover_threads_and_children():
         child.kill()
         child.wait()
     assert conftest.leftovers(baseline, grace_s=2) == ([], [])
+
+
+def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
+    from dflash_eval.completions_file import read_completions
+    from dflash_eval.row_checksum import ids_sha256
+
+    src = pipeline["dir"] / "c.jsonl"
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    assert all(r["ids_sha256"] == ids_sha256(r["prompt_ids"], r["completion_ids"]) for r in rows)
+    assert len(read_completions(src)) == 3
+    edited = [dict(r) for r in rows]
+    edited[1]["completion_ids"] = edited[1]["completion_ids"][:-2] + [7, edited[1]["completion_ids"][-1]]
+    bad = tmp_path / "edited.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    with pytest.raises(InputError) as err:
+        read_completions(bad)
+    assert err.value.field == "line 2: ids_sha256" and repr(rows[1]["id"]) in err.value.problem
+    old = tmp_path / "old.jsonl"  # written before the checksum: read, one warning
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ids_sha256"}) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        assert [r["id"] for r in read_completions(old)] == [r["id"] for r in rows]
+    assert "3 of 3 rows carry no ids_sha256" in caplog.text
