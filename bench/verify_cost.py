@@ -6,11 +6,15 @@ cache (random bf16 states, the real writer), then times on it:
 
 - ``read_s``: every sample read with ``CacheReader(verify=False)`` (HDF5 read + conversion);
 - ``verify_s``: the checks alone, on the same arrays (``hash_s`` + ``finite_s``);
-- ``evaluate_s``: evaluate's replay loop as the stage runs it (longest first, memory-sized groups,
-  verified reads, :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets)
-  with a random drafter of the chosen size on the chosen device;
+- ``evaluate_s`` / ``evaluate_unverified_s``: evaluate's replay loop as the stage runs it (longest
+  first, memory-sized groups, ``CacheReader.samples``: the checks in threads while the next sample
+  is read, :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
+  a random drafter of the chosen size on the chosen device, with and without verification (after
+  one untimed warm-up pass);
 
-and prints one JSON line with ``verify_pct_of_evaluate`` (the goal is <= 5 %).
+and prints one JSON line with ``verify_pct_of_evaluate`` (the checks' own time, as if run one
+after the other, over ``evaluate_s``) and ``overhead_pct`` (the wall time verification adds to
+evaluate's loop; ``within_goal``: at most 5 %).
 
 Default shape: a Qwen3-8B-sized target layout (hidden 4096, vocab 151936, 36 layers, GQA 32/8 heads,
 head_dim 128: Qwen/Qwen3-8B ``config.json``), 5 stored layers, a 5-layer drafter, block size 16,
@@ -138,25 +142,32 @@ def main(argv=None) -> dict:
             finite_s += time.perf_counter() - t2
             hash_s += t2 - t1
 
-    with CacheReader(cache) as rd:  # evaluate's replay loop (stages/evaluate.py _replay_all), verified reads
-        lengths = [rd.length(i) for i in range(len(rd))]
-        order = sorted(range(len(rd)), key=lambda i: -lengths[i])
-        mem = free_memory_bytes(dev)
-        read_tokens = max(1, mem // 4 // context_bytes_per_token(cfg, torch.finfo(dt).bits // 8))
-        sync(dev)
-        t0 = time.perf_counter()
-        for group in length_groups([lengths[i] for i in order], read_tokens, 0):
-            samples = [rd.sample(order[g], cfg.target_layer_ids) for g in group]
-            replay_with_trees(drafter, embed, head, samples, budgets, block, mem, 0)
-        sync(dev)
-        evaluate_s = time.perf_counter() - t0
+    def evaluate_loop(verify: bool) -> tuple[float, list[int]]:
+        """evaluate's replay loop (stages/evaluate.py ``_replay_all``): longest first, memory-sized groups."""
+        with CacheReader(cache, verify=verify) as rd:
+            lengths = [rd.length(i) for i in range(len(rd))]
+            order = sorted(range(len(rd)), key=lambda i: -lengths[i])
+            mem = free_memory_bytes(dev)
+            read_tokens = max(1, mem // 4 // context_bytes_per_token(cfg, torch.finfo(dt).bits // 8))
+            sync(dev)
+            t0 = time.perf_counter()
+            for group in length_groups([lengths[i] for i in order], read_tokens, 0):
+                samples = rd.samples([order[g] for g in group], cfg.target_layer_ids)
+                replay_with_trees(drafter, embed, head, samples, budgets, block, mem, 0)
+            sync(dev)
+            return time.perf_counter() - t0, lengths
+
+    evaluate_loop(False)  # warm-up (kernels, allocator)
+    plain_s, lengths = evaluate_loop(False)
+    evaluate_s, _ = evaluate_loop(True)
     verify_s = hash_s + finite_s
     result = {"shape": shape, "device": str(dev), "torch_threads": torch.get_num_threads(), "n_samples": n,
               "tokens": sum(lengths), "stored_mb": round(nbytes / 1e6, 1), "write_s": round(write_s, 3),
               "read_s": read_s, "hash_s": hash_s, "finite_s": finite_s, "verify_s": verify_s,
-              "hash_gb_per_s": round(nbytes / 1e9 / max(hash_s, 1e-9), 3), "evaluate_s": evaluate_s,
-              "verify_pct_of_evaluate": 100 * verify_s / evaluate_s, "goal_pct": 5.0}
-    result["within_goal"] = result["verify_pct_of_evaluate"] <= result["goal_pct"]
+              "hash_gb_per_s": round(nbytes / 1e9 / max(hash_s, 1e-9), 3), "evaluate_unverified_s": plain_s,
+              "evaluate_s": evaluate_s, "verify_pct_of_evaluate": 100 * verify_s / evaluate_s,
+              "overhead_pct": 100 * (evaluate_s - plain_s) / plain_s, "goal_pct": 5.0}
+    result["within_goal"] = result["overhead_pct"] <= result["goal_pct"]
     if not args.out_dir:
         cache.unlink()
         os.rmdir(out_dir)

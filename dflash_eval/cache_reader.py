@@ -145,17 +145,47 @@ class CacheReader:
             InputError: a layer not stored; a checksum mismatch or non-finite hidden state (naming
                 the file, ``samples/<i>`` and the fix).
         """
+        raw = self._read_raw(i, layer_ids)
+        if self.verify_reads:
+            self._check_raw(raw)
+        return self._build(raw)
+
+    def samples(self, indices: Sequence[int], layer_ids: list[int] | None = None, workers: int = 4) -> list[CacheSample]:
+        """:meth:`sample` of each index, the checks run in ``workers`` threads while the next sample is read.
+
+        hashlib and numpy release the GIL on large buffers, so verifying costs little wall time
+        beyond the HDF5 reads (``bench/verify_cost.py``). Raises the error of the first bad index.
+        """
+        raws = [self._read_raw(i, layer_ids) for i in indices] if not self.verify_reads or workers < 2 else None
+        if raws is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-verify") as pool:
+                raws, checks = [], []
+                for i in indices:
+                    raws.append(self._read_raw(i, layer_ids))
+                    checks.append(pool.submit(self._check_raw, raws[-1]))
+                for c in checks:
+                    c.result()
+        return [self._build(r) for r in raws]
+
+    def _read_raw(self, i: int, layer_ids: list[int] | None) -> tuple:
         g = self._f[f"samples/{i:06d}"]
+        idx = None if layer_ids is None else self.layer_index(layer_ids)
+        sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
+        return (i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+                py_value(g.attrs.get("sha256")))
+
+    def _check_raw(self, raw: tuple) -> None:
+        i, _, _, sample_id, arr, ids, argmax, stored = raw
+        check_read_sample(self.path, i, sample_id, stored, ids, argmax, arr, self.layer_ids, self.format_version)
+
+    def _build(self, raw: tuple) -> CacheSample:
+        i, g, idx, sample_id, arr, ids, argmax, _ = raw
         hidden_ds = g["hidden"]
         per = self._per_sample
         logical = (py_value(hidden_ds.attrs["logical_dtype"]) if per is None
                    else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
-        idx = None if layer_ids is None else self.layer_index(layer_ids)
-        arr, ids, argmax = hidden_ds[()], g["input_ids"][()], g["target_argmax"][()]
-        sample_id = self.sample_ids[i] if per is not None else str(py_value(g.attrs["sample_id"]))
-        if self.verify_reads:
-            check_read_sample(self.path, i, sample_id, py_value(g.attrs.get("sha256")), ids, argmax, arr,
-                              self.layer_ids, self.format_version)
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
         return CacheSample(

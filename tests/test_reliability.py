@@ -206,6 +206,29 @@ def test_verify_cost_bench_smoke(pipeline):
     assert result["n_samples"] > 0 and result["read_s"] > 0 and result["verify_s"] > 0
     assert result["evaluate_s"] > 0 and result["verify_pct_of_evaluate"] == pytest.approx(
         100 * result["verify_s"] / result["evaluate_s"], rel=1e-6)
+    assert result["overhead_pct"] == pytest.approx(
+        100 * (result["evaluate_s"] - result["evaluate_unverified_s"]) / result["evaluate_unverified_s"], rel=1e-6)
+
+
+def test_samples_verifies_in_threads_and_names_the_first_bad_sample(tmp_path):
+    hidden = [torch.full((4, 1, 8), float(k)) for k in range(5)]
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 3, "target_layer_ids": [2],
+             "hidden_size": 8, "num_target_layers": 4}
+    write_cache(tmp_path / "c.h5", attrs, [{"sample_id": f"s{k}", "input_ids": [1, 2, 3, 4], "prompt_len": 1,
+                                            "hidden": h, "target_argmax": [2, 3, 4, 5], "stop_reason": "eos",
+                                            "max_new_tokens": 4} for k, h in enumerate(hidden)])
+    with CacheReader(tmp_path / "c.h5") as rd:
+        got = rd.samples([4, 0, 2], [2])
+    assert [s.sample_id for s in got] == ["s4", "s0", "s2"] and [float(s.hidden[0, 0, 0]) for s in got] == [4, 0, 2]
+    with h5py.File(tmp_path / "c.h5", "r+") as f:
+        for k in (1, 3):
+            d = f[f"samples/{k:06d}/hidden"]
+            a = d[()]
+            a[0, 0, 0] += 1
+            d[...] = a
+    with CacheReader(tmp_path / "c.h5") as rd, pytest.raises(InputError) as err:
+        rd.samples([0, 3, 1])
+    assert err.value.field == "samples/000003"  # the first bad one in the order asked
 
 
 @pytest.mark.parametrize("free_mb, want", [

@@ -200,7 +200,7 @@ def _replay_all(inputs: _Inputs, opts, B: int):
     n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
     bar = Progress(n_comp, "replay", logger=log)
     for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
-        samples = [reader.sample(order[g], cfg.target_layer_ids) for g in group]
+        samples = reader.samples([order[g] for g in group], cfg.target_layer_ids)  # verified while read
         if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
             t1 = time.perf_counter()
             both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
