@@ -21,6 +21,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
+from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.plan import build_plan
 from dflash_eval.workflow_guard import (
@@ -104,6 +105,8 @@ if config["generation"]["endpoint"].get("api_key"):
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
     parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
+    if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/gpu_pool.py)
+        parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
     methods = workflow.deployment_settings.deployment_method
     if not (DeploymentMethod.CONDA in methods or DeploymentMethod.APPTAINER in methods):
         parts.append(f"export PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH;")
