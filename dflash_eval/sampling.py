@@ -1,0 +1,484 @@
+"""Acceptance at temperature > 0: the sampling filter, the speculative sampler and expected acceptance.
+
+What the reference does (``dflash==0.1.0``, ``dflash/model.py``, ``dflash_generate`` at ``temperature > 0``):
+
+* **Filter** (``_sampling_probs``): logits / temperature in float32, then top-k (``torch.topk``), a
+  softmax over what is left, then top-p (keep, in descending order, every token whose preceding mass is
+  ``< top_p``, renormalise). :func:`filtered_probs` gives the same probabilities bit for bit (same
+  order, same tie handling: ``torch.topk`` and ``torch.sort`` decide equal values); temperature 0 is
+  the one-hot argmax (first index on ties), the reference's greedy branch.
+* **Drafts**: DFlash 1 samples every block slot independently from the drafter's filtered
+  distribution q_j (same setting as the target). DFlash 2's candidate selector samples its path slot
+  by slot over the top-``selector_top_k`` candidates of the drafter's logits; its q lives on those
+  candidates, at the temperature only (no top-p / top-k), and depends on the previous slot's pick
+  (the anchor for slot 1) -- :func:`selector_transitions`.
+* **Verify** (``_rejection_sample``; Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
+  arXiv 2302.01318): accept draft j with probability ``min(1, p_j(y) / q_j(y))`` (``u * q < p``), stop
+  at the first rejection and draw the correction from ``max(0, p - q)`` renormalised (p itself when
+  that is all zero); when every draft is accepted the bonus token comes from p at the last verify
+  position. :func:`rejection_sample` is this sampler, batched.
+
+Expected acceptance offline (SpecForge's probabilistic tau, ``specforge/algorithms/common/
+dflash_family_model.py``, ``tau_probabilistic``: per-token acceptance ``1 - TV(p, q)`` along the
+teacher-forced trajectory; the target's logits from its last hidden state and LM head):
+
+* p_j is the target's filtered distribution at position ``t + j`` given the **cached trajectory**
+  ``x[< t + j]``; q_j is the drafter's at anchor t. Under the sampler, P(slot j accepted | slots < j
+  accepted) is ``alpha_j = sum_x min(p_j(x), q_j(x))`` for DFlash 1's independent slots, so
+  ``P(a >= k) = prod_{j <= k} alpha_j`` and ``E[a] = sum_k prod_{j <= k} alpha_j``
+  (:func:`survival_independent`). For DFlash 2 the same sum over the selector's paths is a product
+  of ``[K, K]`` matrices ``M_j[c', c] = min(q_j(c | c'), p_j(c))`` (:func:`survival_selector`: a
+  forward pass over the candidate lattice, exact too); :func:`mc_accepted` checks both against a
+  seeded Monte Carlo of the sampler itself.
+* The step's cuts are those of :mod:`dflash_eval.replay`: ``a <= limit = min(vs - 1, T - 1 - t)``
+  (``vs = min(B, max_length - t)``, the reference's shortened last block) and the step commits
+  ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_probs`).
+* tau per response as the reference estimator sees it (``dflash/benchmark.py``: mean over the
+  response's verify steps of the committed count, then the mean over responses): the steps of a
+  response commit ``T - 1 - P`` tokens in all, so its tau is ``(T - 1 - P) / N`` with N its number of
+  steps, a random variable. :func:`walk_expectations` computes ``E[(T - 1 - P) / N]`` exactly by
+  dynamic programming over (position, steps): the distribution over anchors after s steps, each
+  anchor t moving to ``t + d`` with ``P_t(produced = d)``; the mass reaching ``T - 1`` at step s is
+  ``P(N = s)``. :func:`mc_walks` is the seeded Monte Carlo of the same walk.
+
+**Approximation (teacher forcing).** Online, the tokens committed at T > 0 are the sampled ones: once
+a draft (or a correction) other than the cached token is committed, the target's and the drafter's
+later distributions are conditioned on it, and the response itself (length, content) differs.
+Offline, every distribution is conditioned on the cached trajectory -- one sample of the target at
+the evaluated setting when the completions were drawn with it -- whatever the step accepted. The
+expectation is over the acceptance process along that trajectory, not over trajectories; how close
+it comes to online decoding is measured against the reference ``dflash_generate`` (docs/design.md,
+"Acceptance at temperature > 0"). At temperature 0 every p and q is one-hot and the expectation is
+the greedy walk of :func:`dflash_eval.replay.chain_walk` exactly.
+
+Probabilities are float32 (as the reference's); survival products, the walk DP and the Monte Carlo
+means are float64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InputError
+
+
+# ----------------------------------------------------------------------------- settings and the filter
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    """One sampling setting: ``temperature`` (0 = greedy), ``top_p`` in (0, 1] (1 = off), ``top_k`` >= 0 (0 = off).
+
+    The reference's meaning and order (``dflash/model.py`` ``_sampling_probs``): temperature, top-k, top-p.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def label(self) -> str:
+        """Stable short name, e.g. ``T0`` or ``T1_p0.95_k20`` (filters at their defaults are left out)."""
+        if self.greedy:
+            return "T0"
+        parts = [f"T{self.temperature:g}"]
+        if self.top_p < 1:
+            parts.append(f"p{self.top_p:g}")
+        if self.top_k:
+            parts.append(f"k{self.top_k}")
+        return "_".join(parts)
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, where: str | None = None,
+                   field: str = "sampling") -> None:
+    """Raise :class:`InputError` (naming ``where`` / ``field``) unless the reference accepts the setting.
+
+    The reference's ``_validate_sampling``: ``temperature >= 0``, ``0 < top_p <= 1``, ``top_k >= 0``
+    (an integer); NaN and infinities are refused too.
+    """
+    ok = (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0
+          and isinstance(top_p, (int, float)) and math.isfinite(top_p) and 0 < top_p <= 1
+          and isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0)
+    if not ok:
+        raise InputError(where, field, f"temperature {temperature!r}, top_p {top_p!r}, top_k {top_k!r} is not a "
+                         "sampling setting", "use temperature >= 0, top_p in (0, 1] (1 = off) and an integer "
+                         "top_k >= 0 (0 = off)")
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution the reference samples from: ``[..., V]`` logits -> ``[..., V]`` float32 probabilities.
+
+    ``temperature == 0``: one-hot at ``argmax`` (the first index among equal maxima). Otherwise, in
+    float32: divide by the temperature; with ``0 < top_k < V`` keep the ``top_k`` largest
+    (``torch.topk``: which of equal values at the cut survive is its choice, as in the reference);
+    softmax; with ``top_p < 1`` sort descending (``torch.sort``) and keep each token whose preceding
+    cumulative mass is ``< top_p`` (so at least the first), renormalise over the kept ones. Equal to
+    ``dflash.model._sampling_probs`` bit for bit (``tests/test_sampling.py``).
+
+    Raises:
+        InputError: a setting the reference refuses (:func:`check_sampling`).
+    """
+    check_sampling(temperature, top_p, top_k)
+    if temperature == 0:
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    scaled = logits.float() / temperature
+    kept = None
+    if 0 < top_k < scaled.shape[-1]:
+        scaled, kept = torch.topk(scaled, top_k, dim=-1)
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        before = ranked.cumsum(dim=-1) - ranked  # mass of the better-ranked tokens
+        ranked = ranked.masked_fill(~(before < top_p), 0.0)
+        probs = torch.empty_like(probs).scatter_(-1, order, ranked)  # order is a permutation
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if kept is not None:
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, probs)
+    return probs
+
+
+# ----------------------------------------------------------------------------- the speculative sampler
+
+def _draft_mass(draft_probs: torch.Tensor, tokens: torch.Tensor, draft_indices: torch.Tensor | None) -> torch.Tensor:
+    """q of ``tokens`` ``[...]`` under ``draft_probs`` (``[..., V]``, or ``[..., K]`` over ``draft_indices``)."""
+    if draft_indices is None:
+        return draft_probs.gather(-1, tokens[..., None])[..., 0]
+    return torch.where(draft_indices == tokens[..., None], draft_probs, 0.0).sum(-1)
+
+
+def rejection_sample(draft_tokens: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_indices: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling of one verify step per row (the reference's ``_rejection_sample``, batched).
+
+    Args:
+        draft_tokens: ``[n, J]`` int64, the drafted tokens of slots 1..J.
+        target_probs: ``[n, J + 1, V]`` float32, the target's filtered distribution at the J drafted
+            positions and the one after them (the bonus position).
+        draft_probs: ``[n, J, V]`` float32 (DFlash 1: the drafter's filtered distribution per slot), or
+            ``[n, J, K]`` over ``draft_indices`` (DFlash 2: the selector's distribution on its candidates).
+        draft_indices: ``[n, J, K]`` int64 candidate token ids, or None.
+        generator: torch RNG (None = the global one; then one row draws exactly what the reference draws).
+
+    Returns:
+        ``(accepted [n] int64 in 0..J, next_token [n] int64)``: the accepted drafts, then the correction
+        token (from ``max(0, p - q)`` renormalised at the first rejected slot, p where that is all zero)
+        or, when all J were accepted, the bonus token from ``target_probs[:, J]``.
+    """
+    n, J = draft_tokens.shape
+    p = target_probs[:, :J].gather(-1, draft_tokens[..., None])[..., 0]
+    q = _draft_mass(draft_probs, draft_tokens, draft_indices)
+    u = torch.rand(q.shape, generator=generator, dtype=q.dtype, device=q.device)
+    accepted = (u * q < p).long().cumprod(-1).sum(-1)
+    rows = torch.arange(n, device=draft_tokens.device)
+    final = target_probs[rows, accepted].clone()  # [n, V]: the bonus distribution where all were accepted
+    rejected = torch.nonzero(accepted < J).flatten()
+    if rejected.numel():
+        a = accepted[rejected]
+        residual = final[rejected]
+        if draft_indices is None:
+            residual = residual - draft_probs[rejected, a]
+        else:
+            residual = residual.scatter_add(-1, draft_indices[rejected, a], -draft_probs[rejected, a])
+        residual = residual.clamp_min(0)
+        total = residual.sum(-1, keepdim=True)
+        residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny),
+                               final[rejected])
+        final[rejected] = residual
+    return accepted, torch.multinomial(final, 1, generator=generator)[:, 0]
+
+
+# ----------------------------------------------------------------------------- DFlash 2's selector
+
+def selector_transitions(unary: torch.Tensor, candidates: torch.Tensor, hidden_proj: torch.Tensor,
+                         anchor_ids: torch.Tensor, predecessor_codebook: torch.Tensor,
+                         successor_codebook: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DFlash 2 candidate selector's distributions for every predecessor (``dflash.model.CandidateSelector``).
+
+    The reference scores slot j's candidates ``c`` given the previous slot's pick ``prev`` (the anchor
+    token for slot 1) as ``unary[c] + <predecessor_codebook[prev] * hidden_proj[j], successor_codebook[c]>``
+    and samples ``softmax(score / temperature)`` (argmax at temperature 0) along one path. Here the
+    scores are computed for every possible ``prev`` among slot j-1's candidates, which is what the
+    expectation over paths needs (:func:`survival_selector`).
+
+    Args:
+        unary: ``[n, J, K]`` the drafter's logits at the candidates. candidates: ``[n, J, K]`` int64 token
+            ids (the reference: ``torch.topk(logits, selector_top_k, sorted=False)``).
+        hidden_proj: ``[n, J, R]`` the selector's ``hidden_projection`` of the slots' drafter states.
+        anchor_ids: ``[n]`` int64. predecessor_codebook, successor_codebook: ``[V, R]``.
+        temperature: >= 0 (the selector applies no top-p / top-k).
+
+    Returns:
+        ``(first [n, K], trans [n, J - 1, K, K])`` float32: slot 1's distribution given the anchor, and
+        ``trans[:, j - 1, c', c]`` = P(slot j + 1 picks candidate c | slot j picked candidate c').
+    """
+    succ = successor_codebook[candidates]  # [n, J, K, R]
+    s0 = unary[:, 0] + torch.einsum("nr,nkr->nk", predecessor_codebook[anchor_ids] * hidden_proj[:, 0], succ[:, 0])
+    pred = predecessor_codebook[candidates[:, :-1]] * hidden_proj[:, 1:, None, :]  # [n, J-1, K', R]
+    s = unary[:, 1:, None, :] + torch.einsum("njpr,njkr->njpk", pred, succ[:, 1:])
+    return filtered_probs(s0, temperature), filtered_probs(s, temperature)
+
+
+# ----------------------------------------------------------------------------- expected acceptance of a step
+
+def slot_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``alpha = sum_x min(p(x), q(x))`` over the last axis (= 1 - total variation), float32."""
+    return torch.minimum(p.float(), q.float()).sum(-1)
+
+
+def _limit_mask(limit: torch.Tensor, J: int) -> torch.Tensor:
+    return torch.arange(1, J + 1, device=limit.device)[None] <= limit[:, None]
+
+
+def survival_independent(alpha: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``S[:, k] = P(a >= k)`` for independent slots (DFlash 1), ``k = 0..J``.
+
+    Args:
+        alpha: ``[n, J]`` per-slot acceptance ``sum_x min(p_j, q_j)`` (:func:`slot_alpha`).
+        limit: ``[n]`` int64, the slots that can be accepted (``min(vs - 1, T - 1 - t)``); later slots
+            count as rejected.
+
+    Returns:
+        ``[n, J + 1]`` float64 with ``S[:, 0] = 1`` and ``S[:, k] = prod_{j <= k} alpha_j`` for
+        ``k <= limit``, 0 beyond; ``E[a] = S[:, 1:].sum(-1)``.
+    """
+    a = alpha.double() * _limit_mask(limit, alpha.shape[1])
+    return torch.cat([torch.ones_like(a[:, :1]), a.cumprod(-1)], dim=1)
+
+
+def survival_selector(first: torch.Tensor, trans: torch.Tensor, p_cand: torch.Tensor,
+                      limit: torch.Tensor) -> torch.Tensor:
+    """``S[:, k] = P(a >= k)`` for DFlash 2's sequential selector path, exactly (no Monte Carlo needed).
+
+    Accepting slots 1..k along a path ``c_1..c_k`` has probability ``prod_j q_j(c_j | c_{j-1}) *
+    min(1, p_j(c_j) / q_j(c_j | c_{j-1})) = prod_j min(q_j(c_j | c_{j-1}), p_j(c_j))``; summed over
+    paths it is a forward pass ``v_1 = min(first, p_1)``, ``v_j = v_{j-1} @ min(trans_j, p_j)``,
+    ``P(a >= k) = sum(v_k)`` (teacher forcing: p_j does not depend on the accepted tokens).
+
+    Args:
+        first: ``[n, K]``, trans: ``[n, J - 1, K, K]`` from :func:`selector_transitions`.
+        p_cand: ``[n, J, K]`` the target's filtered probability of each slot's candidates.
+        limit: ``[n]`` int64 as in :func:`survival_independent`.
+
+    Returns:
+        ``[n, J + 1]`` float64, as :func:`survival_independent`.
+    """
+    n, J, _ = p_cand.shape
+    p = p_cand.double()
+    v = torch.minimum(first.double(), p[:, 0])
+    out = [torch.ones(n, dtype=torch.float64, device=p.device), v.sum(-1)]
+    for j in range(1, J):
+        v = torch.einsum("np,npk->nk", v, torch.minimum(trans[:, j - 1].double(), p[:, j, None, :]))
+        out.append(v.sum(-1))
+    return torch.stack(out, dim=1) * torch.cat([torch.ones_like(limit[:, None], dtype=torch.bool),
+                                                 _limit_mask(limit, J)], dim=1)
+
+
+def produced_probs(survival: torch.Tensor, left: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``P(produced = d)``, ``d = 0..B``, of a step that commits ``min(a + 1, left)`` tokens.
+
+    Args:
+        survival: ``[n, J + 1]`` ``P(a >= k)`` with ``J <= B - 1`` (0 beyond the step's limit, ``<= left``).
+        left: ``[n]`` int64 >= 1, tokens still to commit (``T - 1 - t``).
+        block_size: B.
+
+    Returns:
+        ``[n, B + 1]`` float64 (column 0 is 0): ``P(a = d - 1)`` for ``d < left`` and ``P(a >= left - 1)`` at
+        ``d = left``.
+    """
+    n, J1 = survival.shape
+    S = torch.zeros((n, block_size + 1), dtype=torch.float64, device=survival.device)
+    S[:, :J1] = survival.double().clamp(0.0, 1.0).cummin(-1).values  # rounding never makes P(a = k) < 0
+    pa = S[:, :-1] - S[:, 1:]  # P(a = k), k = 0..B-1
+    out = torch.zeros_like(S)
+    d = torch.arange(1, block_size + 1, device=S.device)[None]
+    out[:, 1:] = torch.where(d < left[:, None], pa, 0.0)
+    last = left.clamp(max=block_size)
+    out[torch.arange(n, device=S.device), last] = S.gather(1, (last - 1)[:, None])[:, 0]
+    return out
+
+
+# ----------------------------------------------------------------------------- the walk along a response
+
+@dataclass
+class WalkExpectation:
+    """Expectations of one response's verify-step walk (:func:`walk_expectations`).
+
+    Attributes:
+        tau: ``E[(T - 1 - P) / N]``, the expected per-response tau of the reference estimator.
+        tau_sglang: ``E[(T - P) / N]`` (the prefill token counted, :mod:`dflash_eval.metrics`).
+        steps: ``E[N]``, expected verify steps.
+        steps_probs: ``[s_max + 1]`` float64, ``P(N = s)``.
+        visit: ``[n]`` float64, P(anchor ``P + i`` starts a verify step).
+        histogram: ``[B + 1]`` float64, expected steps committing d tokens (index d; 0 unused).
+        residual_mass: probability still walking when the DP stopped (0 for the exact DP).
+    """
+
+    tau: float
+    tau_sglang: float
+    steps: float
+    steps_probs: torch.Tensor
+    visit: torch.Tensor
+    histogram: torch.Tensor
+    residual_mass: float = 0.0
+
+
+def walk_expectations(produced: list[torch.Tensor], tol: float = 0.0) -> list[WalkExpectation]:
+    """Expected tau of several responses by dynamic programming over (position, steps), side by side.
+
+    The state after s steps is the distribution over anchors ``i = t - P`` (``n = T - 1 - P`` is the
+    end); a step moves the mass at ``i`` to ``i + d`` with ``P_i(produced = d)``; the mass reaching ``n``
+    at step s is ``P(N = s)``, so ``E[tau] = sum_s P(N = s) * n / s`` -- the reference's per-response
+    mean of the committed counts, whose sum is always n.
+
+    Args:
+        produced: per response ``[n, B + 1]`` ``P(produced = d)`` per anchor (:func:`produced_probs`),
+            ``n >= 1``; every row sums to 1 and never steps past the end.
+        tol: stop when at most ``tol`` of each response's mass is still walking (0 = until all of it is
+            absorbed, at most ``max n`` steps: exact). The neglected part of ``tau`` is at most ``tol * n``.
+
+    Returns:
+        one :class:`WalkExpectation` per response. ``O(steps * sum n * B)`` work in one
+        ``scatter_add`` per step; with 0/1 probabilities (temperature 0) ``tau`` equals the greedy walk's
+        ``sum / len`` exactly.
+
+    Raises:
+        ValueError: a response with ``n < 1`` (no verify step: the prefill token ended it).
+    """
+    if not produced:
+        return []
+    ns = [int(p.shape[0]) for p in produced]
+    if min(ns) < 1:
+        raise ValueError("a response without a verify step has no walk")
+    B1 = produced[0].shape[1]
+    dev = produced[0].device
+    S, m = len(ns), max(ns)
+    P = torch.zeros((S, m, B1), dtype=torch.float64, device=dev)
+    for r, p in enumerate(produced):
+        P[r, : ns[r]] = p.double()
+    end = torch.tensor(ns, device=dev)
+    rows = torch.arange(S, device=dev)
+    target = (torch.arange(m, device=dev)[:, None] + torch.arange(1, B1, device=dev)[None]).clamp(max=m)
+    target = target.reshape(1, -1).expand(S, -1)  # flat index i + d (never past a response's end)
+    g = torch.zeros((S, m + 1), dtype=torch.float64, device=dev)
+    g[:, 0] = 1.0
+    live_mask = torch.arange(m + 1, device=dev)[None] < end[:, None]
+    visit = torch.zeros((S, m), dtype=torch.float64, device=dev)
+    absorbed = [torch.zeros(S, dtype=torch.float64, device=dev)]
+    live = g * live_mask
+    while float(live.sum(-1).max()) > tol:
+        visit += live[:, :m]
+        new = torch.zeros_like(g).scatter_add_(1, target, (live[:, :m, None] * P[:, :, 1:]).reshape(S, -1))
+        absorbed.append(new[rows, end])
+        live = new * live_mask
+    pN = torch.stack(absorbed, dim=1).cpu()  # [S, steps + 1]
+    s = torch.arange(pN.shape[1], dtype=torch.float64)
+    hist = (visit[:, :, None] * P).sum(1).cpu()
+    left = live.sum(-1).cpu()
+    out = []
+    for r, n in enumerate(ns):
+        probs = pN[r]
+        nz = torch.nonzero(probs > 0).flatten().tolist()
+        out.append(WalkExpectation(
+            tau=math.fsum(float(probs[k]) * (n / k) for k in nz),
+            tau_sglang=math.fsum(float(probs[k]) * ((n + 1) / k) for k in nz),
+            steps=float((probs * s).sum()), steps_probs=probs, visit=visit[r, :n].cpu(), histogram=hist[r],
+            residual_mass=float(left[r])))
+    return out
+
+
+def walk_expectation(produced: torch.Tensor, tol: float = 0.0) -> WalkExpectation:
+    """:func:`walk_expectations` of one response (``produced`` ``[n, B + 1]``)."""
+    return walk_expectations([produced], tol)[0]
+
+
+@dataclass(frozen=True)
+class MCEstimate:
+    """A seeded Monte Carlo mean with its standard error (``std / sqrt(draws)``, sample std)."""
+
+    mean: float
+    se: float
+    draws: int
+
+
+def _estimate(x: torch.Tensor) -> MCEstimate:
+    x = x.double()
+    se = float(x.std(unbiased=True) / math.sqrt(len(x))) if len(x) > 1 else math.nan
+    return MCEstimate(float(x.mean()), se, len(x))
+
+
+def mc_walks(produced: torch.Tensor, walks: int, seed: int = 0) -> tuple[MCEstimate, torch.Tensor]:
+    """Seeded Monte Carlo of :func:`walk_expectation`: ``walks`` independent walks of one response.
+
+    Args:
+        produced: ``[n, B + 1]`` as in :func:`walk_expectation`. walks: number of walks. seed: RNG seed.
+
+    Returns:
+        ``(estimate of E[(T - 1 - P) / N], N per walk [walks] int64)``.
+    """
+    n = produced.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.zeros(walks, dtype=torch.long)
+    N = torch.zeros(walks, dtype=torch.long)
+    P = produced.double().cpu()
+    while True:
+        live = torch.nonzero(pos < n).flatten()
+        if live.numel() == 0:
+            break
+        d = torch.multinomial(P[pos[live]], 1, generator=g)[:, 0]
+        pos[live] += d
+        N[live] += 1
+    return _estimate(n / N.double()), N
+
+
+def mc_accepted(target_probs: torch.Tensor, draws: int, seed: int = 0, draft_probs: torch.Tensor | None = None,
+                candidates: torch.Tensor | None = None, first: torch.Tensor | None = None,
+                trans: torch.Tensor | None = None) -> tuple[MCEstimate, torch.Tensor]:
+    """Seeded Monte Carlo of one verify step under :func:`rejection_sample` (accepted drafts per draw).
+
+    Drafts are drawn as the reference draws them, then verified by the sampler:
+
+    * DFlash 1 (``draft_probs [J, V]``): every slot independently from ``draft_probs[j]``;
+    * DFlash 2 (``candidates [J, K]``, ``first [K]``, ``trans [J - 1, K, K]``,
+      :func:`selector_transitions`): slot 1 from ``first``, slot j + 1 from ``trans[j - 1, c_j]``; q of each
+      slot is the row it was drawn from, on ``candidates``.
+
+    Args:
+        target_probs: ``[J + 1, V]`` float32 p per drafted position and the bonus position.
+        draws: number of verify steps simulated. seed: RNG seed.
+
+    Returns:
+        ``(estimate of E[a], accepted per draw [draws] int64)``.
+
+    Raises:
+        ValueError: neither or both draft descriptions given.
+    """
+    g = torch.Generator(device=target_probs.device).manual_seed(seed)
+    J = target_probs.shape[0] - 1
+    tp = target_probs[None].expand(draws, -1, -1)
+    if (draft_probs is None) == (candidates is None):
+        raise ValueError("give draft_probs (DFlash 1) or candidates, first and trans (DFlash 2)")
+    if draft_probs is not None:
+        tokens = torch.multinomial(draft_probs, draws, replacement=True, generator=g).T  # [draws, J]
+        acc, _ = rejection_sample(tokens, tp, draft_probs[None].expand(draws, -1, -1), generator=g)
+        return _estimate(acc), acc
+    rows, picks = [first[None].expand(draws, -1)], []
+    for j in range(J):
+        picks.append(torch.multinomial(rows[-1], 1, generator=g)[:, 0])
+        if j + 1 < J:
+            rows.append(trans[j][picks[-1]])
+    idx = torch.stack(picks, dim=1)  # [draws, J] candidate indices
+    cand = candidates[None].expand(draws, -1, -1)
+    tokens = cand.gather(-1, idx[..., None])[..., 0]
+    acc, _ = rejection_sample(tokens, tp, torch.stack(rows, dim=1), cand, generator=g)
+    return _estimate(acc), acc
