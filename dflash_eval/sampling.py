@@ -368,23 +368,31 @@ def walk_expectations(produced: list[torch.Tensor], tol: float = 0.0) -> list[Wa
         P[r, : ns[r]] = p.double()
     end = torch.tensor(ns, device=dev)
     rows = torch.arange(S, device=dev)
-    target = (torch.arange(m, device=dev)[:, None] + torch.arange(1, B1, device=dev)[None]).clamp(max=m)
-    target = target.reshape(1, -1).expand(S, -1)  # flat index i + d (never past a response's end)
-    g = torch.zeros((S, m + 1), dtype=torch.float64, device=dev)
-    g[:, 0] = 1.0
-    live_mask = torch.arange(m + 1, device=dev)[None] < end[:, None]
+    step = torch.arange(1, B1, device=dev)[None]
+    live = torch.zeros((S, m + B1), dtype=torch.float64, device=dev)  # B extra columns: steps past a window
+    live[:, 0] = 1.0
+    live_mask = torch.arange(m + B1, device=dev)[None] < end[:, None]
     visit = torch.zeros((S, m), dtype=torch.float64, device=dev)
     absorbed = [torch.zeros(S, dtype=torch.float64, device=dev)]
-    live = g * live_mask
-    while float(live.sum(-1).max()) > tol:
-        visit += live[:, :m]
-        new = torch.zeros_like(g).scatter_add_(1, target, (live[:, :m, None] * P[:, :, 1:]).reshape(S, -1))
-        absorbed.append(new[rows, end])
-        live = new * live_mask
+    lo, hi = 0, 1  # the mass still walking lies in columns [lo, hi)
+    while float(live[:, lo:hi].sum(-1).max()) > tol:
+        w = live[:, lo:hi]
+        visit[:, lo:hi] += w
+        idx = ((torch.arange(lo, hi, device=dev)[:, None] + step) - lo).reshape(1, -1).expand(S, -1)
+        moved = torch.zeros((S, hi - lo + B1), dtype=torch.float64, device=dev)
+        moved.scatter_add_(1, idx, (w[:, :, None] * P[:, lo:hi, 1:]).reshape(S, -1))
+        live[:, lo:hi] = 0.0
+        live[:, lo : hi + B1] += moved
+        absorbed.append(live[rows, end])
+        live *= live_mask
+        nz = torch.nonzero(live[:, : m + 1].any(0)).flatten()
+        if nz.numel() == 0:
+            break
+        lo, hi = int(nz[0]), int(nz[-1]) + 1
     pN = torch.stack(absorbed, dim=1).cpu()  # [S, steps + 1]
     s = torch.arange(pN.shape[1], dtype=torch.float64)
     hist = (visit[:, :, None] * P).sum(1).cpu()
-    left = live.sum(-1).cpu()
+    left = live[:, lo:hi].sum(-1).cpu()
     out = []
     for r, n in enumerate(ns):
         probs = pN[r]
