@@ -131,6 +131,23 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     if temperature == 0:
         out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    probs, kept = _filtered(logits, temperature, top_p, top_k)
+    if kept is None:
+        return probs
+    return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, probs)
+
+
+def filtered_support(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                     top_k: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`filtered_probs` without the scatter: ``(probs [..., k], ids [..., k])`` when ``0 < top_k < V``
+    (the same values, ``torch.topk`` order), else ``(probs [..., V], None)``. ``temperature > 0``."""
+    check_sampling(temperature, top_p, top_k)
+    if temperature == 0:
+        raise ValueError("filtered_support needs temperature > 0 (temperature 0 is the one-hot argmax)")
+    return _filtered(logits, temperature, top_p, top_k)
+
+
+def _filtered(logits, temperature, top_p, top_k):
     scaled = logits.float() / temperature
     kept = None
     if 0 < top_k < scaled.shape[-1]:
@@ -142,9 +159,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
         ranked = ranked.masked_fill(~(before < top_p), 0.0)
         probs = torch.empty_like(probs).scatter_(-1, order, ranked)  # order is a permutation
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    if kept is not None:
-        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, kept, probs)
-    return probs
+    return probs, kept
 
 
 # ----------------------------------------------------------------------------- the speculative sampler

@@ -20,8 +20,8 @@ import dflash.model as ref  # the reference: a missing one must fail, never skip
 from dflash_eval.errors import InputError
 from dflash_eval.metrics import sample_tau
 from dflash_eval.replay import chain_walk
-from dflash_eval.sampling import (SamplingSetting, check_sampling, filtered_probs, mc_accepted, mc_walks,
-                                  produced_probs, rejection_sample, selector_transitions, slot_alpha,
+from dflash_eval.sampling import (SamplingSetting, check_sampling, filtered_probs, filtered_support, mc_accepted,
+                                  mc_walks, produced_probs, rejection_sample, selector_transitions, slot_alpha,
                                   survival_independent, survival_selector, walk_expectation, walk_expectations)
 
 SETTINGS = [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.95, 20), (1.0, 0.95, 0), (1.3, 1.0, 5), (0.6, 0.5, 3),
@@ -315,7 +315,8 @@ def test_walk_monte_carlo_agrees_with_dp():
     P = _random_produced(g, 60, 6)
     w = walk_expectation(P)
     est, N = mc_walks(P, 4000, seed=11)
-    print(f"walk: DP {w.tau:.4f}, Monte Carlo {est.mean:.4f} +- {est.se:.4f}; E[N] {w.steps:.3f} vs {N.double().mean():.3f}")
+    print(f"walk: DP {w.tau:.4f}, Monte Carlo {est.mean:.4f} +- {est.se:.4f}; "
+          f"E[N] {w.steps:.3f} vs {N.double().mean():.3f}")
     assert abs(est.mean - w.tau) <= 3 * est.se
     assert w.tau != pytest.approx(60 / w.steps, rel=1e-4)  # E[n/N] is not n/E[N] (Jensen): the DP is needed
 
@@ -348,3 +349,18 @@ def test_temperature_zero_limit_is_the_greedy_walk():
     assert expected(0.0) == greedy  # exactly
     assert expected(1e-3) == pytest.approx(greedy, abs=1e-9)
     assert abs(expected(1.0) - greedy) > 1e-3  # and the temperature matters
+
+
+def test_filtered_support_is_filtered_probs_without_the_scatter():
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(4, 3, 50, generator=g) * 2
+    for T, top_p, top_k in [(1.0, 0.95, 20), (0.7, 1.0, 5), (1.0, 0.9, 0)]:
+        vals, ids = filtered_support(logits, T, top_p, top_k)
+        dense = filtered_probs(logits, T, top_p, top_k)
+        if top_k:
+            assert vals.shape == (4, 3, top_k)
+            assert torch.equal(torch.zeros_like(dense).scatter_(-1, ids, vals), dense)
+        else:
+            assert ids is None and torch.equal(vals, dense)
+    with pytest.raises(ValueError):
+        filtered_support(logits, 0.0)
