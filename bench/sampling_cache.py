@@ -1,4 +1,4 @@
-"""What the cache holds for the target's distribution p (acceptance at T > 0): final normed hidden state vs top-K logits.
+"""The cache's information on the target's p at T > 0: the final normed hidden state vs top-K logits.
 
 Offline acceptance at temperature > 0 needs the target's filtered distribution at every position of the
 cached trajectory. Two ways to keep it, measured here on the hidden_states stage's own forward
@@ -156,7 +156,7 @@ def write_files(root: Path, model, seqs, layers, dev, pad_id, packed, topks) -> 
              "final": lambda r: {"final_hidden": to_storage(h[off[r] : off[r + 1], -1])[0]}}
     for k in topks:
         parts[f"top{k}"] = lambda r, k=k: {"topk_logits": to_storage(tops[k].values[off[r] : off[r + 1]])[0],
-                                           "topk_ids": tops[k].indices[off[r] : off[r + 1]].to(torch.int32).cpu().numpy()}
+                                           "topk_ids": tops[k].indices[off[r] : off[r + 1]].int().cpu().numpy()}
     out = {}
     for name, fn in parts.items():
         path = root / f"{name}.h5"
@@ -241,7 +241,8 @@ def main() -> None:
     root = Path(a.out_dir or tempfile.mkdtemp(prefix="dflash-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "CPU"
-    print(f"device {dev} ({name}), {dtype}, torch {torch.__version__}; batch_tokens {batch_tokens}; outputs under {root}"
+    print(f"device {dev} ({name}), {dtype}, torch {torch.__version__}; batch_tokens {batch_tokens}; "
+          f"outputs under {root}"
           + (" (smoke test: tiny model, numbers say nothing about speed)" if a.smoke else ""))
     for model_name, (cfg, n, (lo, hi), layers, loop_batch) in (SMOKE if a.smoke else MODELS).items():
         work = root / model_name
