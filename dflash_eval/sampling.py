@@ -251,6 +251,22 @@ def slot_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p.float(), q.float()).sum(-1)
 
 
+def slot_beta(p_token: torch.Tensor, q_token: torch.Tensor) -> torch.Tensor:
+    """``beta = min(1, q(x) / p(x))`` at the committed token x: P(slot accepted | the step committed x there).
+
+    Args:
+        p_token: ``[...]`` the target's filtered probability of the trajectory's token at the slot's position.
+        q_token: ``[...]`` the drafter's probability of that token at that slot (DFlash 2: given the
+            trajectory's previous token as the selector's predecessor).
+
+    Returns:
+        float64 ``[...]``; 1 where ``q >= p`` (so also where ``p = 0 < q``) and 0 where ``q = 0``. A token with
+        ``p = 0`` cannot be committed by the sampler at this setting (see :func:`trajectory_support`).
+    """
+    p, q = p_token.double(), q_token.double()
+    return torch.where(q >= p, 1.0, q / p.clamp_min(torch.finfo(torch.float64).tiny))
+
+
 def _limit_mask(limit: torch.Tensor, J: int) -> torch.Tensor:
     return torch.arange(1, J + 1, device=limit.device)[None] <= limit[:, None]
 
