@@ -1,29 +1,27 @@
 """Expected acceptance at T > 0 along cached responses, from the drafter's all-anchor pass.
 
 The all-anchor pass (:func:`dflash_eval.anchors.iter_anchor_drafts`) drafts the block of every anchor
-``t`` of a response once; this module turns those drafts, and the target's distribution along the
-cached trajectory, into the expected acceptance of every sampling setting
-(:mod:`dflash_eval.sampling` states the sampler, the closed forms and the teacher-forcing
-approximation):
+``t`` of a response once; this module turns those drafts and the target's probabilities of the cached
+tokens into the expected acceptance of each sampling setting, given the trajectory (the estimator and
+why it is exact: :mod:`dflash_eval.sampling`):
 
-* :func:`target_slot_probs`: the target's filtered p for every (anchor, slot) of a run of consecutive
-  anchors, from one window of target probabilities (slot j of anchor t is position ``t + j``, whose
-  logits are the LM head of the final normed hidden state at ``t + j - 1``): no copy per slot.
-* :func:`chain_survival` (DFlash 1: independent slots, drafts sampled from the drafter's filtered q),
-  :func:`selector_survival` (DFlash 2: the candidate selector's path) and :func:`tree_survival`
-  (DDTree, below): ``S[t, k] = P(a(t) >= k)`` per anchor.
-* :func:`response_expectation`: the walk over a response (:func:`dflash_eval.sampling.walk_expectations`)
-  plus the expected per-slot and per-position counts that :func:`dflash_eval.metrics.aggregate_expected`
-  pools exactly like :func:`dflash_eval.metrics.aggregate` pools the greedy counts.
+* :func:`target_token_probs`: ``p(x_m | x_<m)`` under each setting for every position of a response,
+  from the LM head of the cache's final normed hidden states (position ``m`` is predicted at ``m - 1``).
+* :func:`chain_survival` (DFlash 1: drafts sampled independently from the drafter's filtered q) and
+  :func:`selector_survival` (DFlash 2: the candidate selector's path): ``S[t, k] = P(a(t) >= k | x)``.
+* :func:`response_expectations`: the walk over each response (:func:`dflash_eval.walk.walk_expectations`)
+  and the expected per-slot and per-position counts that :func:`dflash_eval.metrics.aggregate_expected`
+  pools exactly as :func:`dflash_eval.metrics.aggregate` pools the greedy counts.
 
-DDTree under sampling (``liranringel/ddtree`` ``ddtree.py``: ``ddtree_generate`` builds the tree from
-the drafter's log-probabilities, which do not depend on the temperature, then ``posterior =
-sample(target logits, temperature)`` at every verified node and ``follow_verified_tree`` moves to the
-child holding the sampled token while there is one). The walk reaches node u with probability
-``prod_i p_{t+i}(u_i)`` along its path (siblings are distinct tokens, so the nodes of one depth are
-disjoint events), hence ``P(a >= k) = sum over depth-k nodes of prod p``; with teacher forcing p at depth
-i is the trajectory's p at ``t + i``. The reference's sampler has no top-p / top-k; a setting's filters
-are applied to the target's p here as for the chain (at ``top_p = 1, top_k = 0`` it is the reference's).
+Greedy drafts, sampled target. DDTree under sampling (``liranringel/ddtree`` ``ddtree.py``:
+``ddtree_generate`` builds the tree from the drafter's log-probabilities, which do not depend on the
+temperature, then ``posterior = sample(target logits, temperature)`` at every verified node, and
+``follow_verified_tree`` moves to the child holding the sampled token while there is one) commits exactly
+the target's sampled tokens, so given the trajectory the accepted depth is determined: the deepest root
+path equal to a prefix of x. That is the greedy tree walk of :mod:`dflash_eval.ddtree` run on the sampled
+cache, exact for any setting. The same holds for the argmax chain verified against sampled target
+tokens (z-lab/dflash's ``dflash_generate`` on GitHub; SGLang's DFlash worker): the greedy chain walk on
+the sampled cache.
 """
 
 from __future__ import annotations
@@ -34,89 +32,70 @@ from typing import Sequence
 import torch
 
 from .metrics import POSITION_BINS
-from .sampling import (SamplingSetting, WalkExpectation, filtered_probs, produced_probs, selector_transitions,
-                       slot_alpha, survival_independent, survival_selector, walk_expectations)
+from .sampling import SamplingSetting, selector_path_probs, slot_beta, survival_independent, token_probs
+from .walk import WalkExpectation, produced_probs, walk_expectations
+
+#: logits rows per LM-head call in :func:`target_token_probs` (bounds the ``[rows, V]`` temporaries)
+TARGET_ROWS = 1024
 
 
-def target_slot_probs(window_probs: torch.Tensor, rows: int, slots: int) -> torch.Tensor:
-    """``[rows, slots, V]`` view of ``window_probs`` ``[rows + slots - 1, V]``: row r, slot j -> window row ``r + j``.
-
-    With the window = p of positions ``a0 + 1 .. a1 + slots - 1`` (a run of anchors ``a0 .. a1 - 1``),
-    entry ``[r, j - 1]`` is p at position ``a0 + r + j``, the one slot j of anchor ``a0 + r`` drafts.
-    """
-    return window_probs.unfold(0, slots, 1).transpose(1, 2)[:rows]
-
-
-def chain_survival(draft_logits: torch.Tensor, p_slots: torch.Tensor, limit: torch.Tensor,
-                   setting: SamplingSetting) -> torch.Tensor:
-    """DFlash 1's ``P(a >= k)`` ``[r, J + 1]`` float64 from the drafter's logits ``[r, J, V]`` and the target's p.
+def target_token_probs(final_hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor,
+                       settings: Sequence[SamplingSetting], logits_fn=None) -> dict[str, torch.Tensor]:
+    """The target's filtered probability of each cached token: ``{setting label: [T] float32}``.
 
     Args:
-        draft_logits: the drafter's logits per anchor and slot (compute dtype).
-        p_slots: ``[r, J, V]`` float32 target p per slot (:func:`target_slot_probs`).
-        limit: ``[r]`` int64 verifiable slots per anchor (``min(vs - 1, T - 1 - t)``).
-        setting: a non-greedy setting; q = :func:`~dflash_eval.sampling.filtered_probs` of the logits under it.
+        final_hidden: ``[T, H]`` the target's final normed hidden state per position (compute device/dtype).
+        head_weight: ``[V, H]`` the target's LM head.
+        input_ids: ``[T]`` int64, prompt + completion.
+        settings: the settings (temperature 0 included: 1 where the token is the target's argmax).
+        logits_fn: ``hidden [n, H] -> logits [n, V]`` (default ``hidden @ head_weight.T``; a target with
+            logit soft-capping or scaling passes its own).
+
+    Returns:
+        per label, entry ``m >= 1`` = ``p(x_m | x_<m)`` from the logits at ``m - 1``; entry 0 = 1.
     """
-    q = filtered_probs(draft_logits, setting.temperature, setting.top_p, setting.top_k)
-    return survival_independent(slot_alpha(p_slots, q), limit)
+    T = len(input_ids)
+    ids = input_ids.to(final_hidden.device)
+    out = {s.label: torch.ones(T, dtype=torch.float32, device=final_hidden.device) for s in settings}
+    for r0 in range(0, T - 1, TARGET_ROWS):
+        r1 = min(r0 + TARGET_ROWS, T - 1)
+        h = final_hidden[r0:r1]
+        logits = logits_fn(h) if logits_fn is not None else h @ head_weight.T
+        for s in settings:
+            out[s.label][r0 + 1 : r1 + 1] = token_probs(logits, ids[r0 + 1 : r1 + 1], s.temperature, s.top_p, s.top_k)
+    return out
+
+
+def chain_survival(draft_logits: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor, limit: torch.Tensor,
+                   setting: SamplingSetting) -> torch.Tensor:
+    """DFlash 1's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors.
+
+    Args:
+        draft_logits: ``[r, J, V]`` the drafter's logits per anchor and slot (compute dtype).
+        tokens: ``[r, J]`` int64, the cached token each slot drafts (``x[t + j]``; any id past the response).
+        p_tokens: ``[r, J]`` the target's probability of those tokens (:func:`target_token_probs`).
+        limit: ``[r]`` int64 verifiable slots per anchor (``min(vs - 1, T - 1 - t)``).
+        setting: q is the drafter's distribution filtered with it (the reference's DFlash 1 drafts).
+    """
+    q = token_probs(draft_logits, tokens, setting.temperature, setting.top_p, setting.top_k)
+    return survival_independent(slot_beta(p_tokens, q), limit)
 
 
 def selector_survival(unary: torch.Tensor, candidates: torch.Tensor, hidden_proj: torch.Tensor,
-                      anchor_ids: torch.Tensor, predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor,
-                      p_slots: torch.Tensor, limit: torch.Tensor, setting: SamplingSetting) -> torch.Tensor:
-    """DFlash 2's ``P(a >= k)`` ``[r, J + 1]`` float64: the selector's paths summed exactly.
+                      anchor_ids: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor, limit: torch.Tensor,
+                      predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor,
+                      setting: SamplingSetting) -> torch.Tensor:
+    """DFlash 2's ``P(a >= k | x)`` ``[r, J + 1]`` float64: slot j's predecessor is the cached token before it.
 
-    The selector samples at the setting's temperature only (the reference's ``CandidateSelector.select``);
-    the target's p is filtered with the whole setting. Arguments as for
-    :func:`dflash_eval.sampling.selector_transitions` (``[r, J, K]`` / ``[r, J, R]`` / ``[r]``) plus ``p_slots``
-    and ``limit`` as for :func:`chain_survival`.
+    The selector samples at the setting's temperature only (the reference's ``CandidateSelector.select``).
+    ``unary``, ``candidates``, ``hidden_proj``: ``[r, J, K]`` / ``[r, J, K]`` / ``[r, J, R]`` of the selector
+    (:func:`dflash_eval.sampling.selector_path_probs`); ``anchor_ids`` ``[r]``; the rest as for
+    :func:`chain_survival`.
     """
-    first, trans = selector_transitions(unary, candidates, hidden_proj, anchor_ids, predecessor_codebook,
-                                        successor_codebook, setting.temperature)
-    return survival_selector(first, trans, p_slots.gather(-1, candidates), limit)
-
-
-def tree_survival(topk_logp: torch.Tensor, p_topk: torch.Tensor, verify_size: torch.Tensor, limit: torch.Tensor,
-                  budgets: Sequence[int]) -> dict[int, torch.Tensor]:
-    """DDTree's ``P(a >= k)`` per budget under target sampling (module docstring), one heap run per anchor.
-
-    Args:
-        topk_logp: ``[n, J, K]`` the drafter's top-K full-vocabulary log-softmax per slot, descending
-            (:attr:`dflash_eval.anchors.AnchorDrafts.topk_logp`), ``K >= max(budgets)``.
-        p_topk: ``[n, J, K]`` the target's filtered p of those tokens at each slot's position.
-        verify_size: ``[n]`` vs per anchor (the tree's depth limit is ``vs - 1``, as the greedy walk's).
-        limit: ``[n]`` verifiable depth per anchor; deeper nodes count as rejected.
-        budgets: node budgets (>= 1).
-
-    Returns:
-        ``{budget: [n, J + 1] float64}``; the budget-b tree is the first b pops (trees are nested).
-    """
-    from .ddtree import _heap_pops
-
-    n, J, _ = topk_logp.shape
-    bmax = max(budgets)
-    out = {b: torch.zeros((n, J + 1), dtype=torch.float64) for b in budgets}
-    lp_all = topk_logp.float().cpu().tolist()
-    p_all = p_topk.double().cpu().tolist()
-    vs, lim = verify_size.tolist(), limit.tolist()
-    order = sorted(budgets)
-    for t in range(n):
-        depth_limit = vs[t] - 1
-        w = [1.0]  # reach probability per node, root first
-        acc = [0.0] * (J + 1)
-        k = 0
-        for pops, (parent, depth, rank) in enumerate(_heap_pops(lp_all[t][:depth_limit], bmax, depth_limit), 1):
-            w.append(w[parent] * p_all[t][depth - 1][rank])
-            if depth <= lim[t]:
-                acc[depth] += w[-1]
-            while k < len(order) and order[k] == pops:
-                out[order[k]][t] = torch.tensor(acc, dtype=torch.float64)
-                k += 1
-        for b in order[k:]:  # a lattice smaller than the budget
-            out[b][t] = torch.tensor(acc, dtype=torch.float64)
-    for S in out.values():
-        S[:, 0] = 1.0
-    return out
+    prev = torch.cat([anchor_ids[:, None], tokens[:, :-1]], dim=1)
+    q = selector_path_probs(unary, candidates, hidden_proj, prev, tokens, predecessor_codebook, successor_codebook,
+                            setting.temperature)
+    return survival_independent(slot_beta(p_tokens, q), limit)
 
 
 @dataclass

@@ -18,41 +18,44 @@ What the reference does (``dflash==0.1.0``, ``dflash/model.py``, ``dflash_genera
   that is all zero); when every draft is accepted the bonus token comes from p at the last verify
   position. :func:`rejection_sample` is this sampler, batched.
 
-Expected acceptance offline (SpecForge's probabilistic tau, ``specforge/algorithms/common/
-dflash_family_model.py``, ``tau_probabilistic``: per-token acceptance ``1 - TV(p, q)`` along the
-teacher-forced trajectory; the target's logits from its last hidden state and LM head):
+Expected acceptance offline, along a cached trajectory x (prompt + completion, the completion drawn
+from the target at the evaluated setting). The step's cuts are those of :mod:`dflash_eval.replay`:
+``a <= limit = min(vs - 1, T - 1 - t)`` (``vs = min(B, max_length - t)``, the reference's shortened last
+block) and the step commits ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_probs`). Two estimators:
 
-* p_j is the target's filtered distribution at position ``t + j`` given the **cached trajectory**
-  ``x[< t + j]``; q_j is the drafter's at anchor t. Under the sampler, P(slot j accepted | slots < j
-  accepted) is ``alpha_j = sum_x min(p_j(x), q_j(x))`` for DFlash 1's independent slots, so
-  ``P(a >= k) = prod_{j <= k} alpha_j`` and ``E[a] = sum_k prod_{j <= k} alpha_j``
-  (:func:`survival_independent`). For DFlash 2 the same sum over the selector's paths is a product
-  of ``[K, K]`` matrices ``M_j[c', c] = min(q_j(c | c'), p_j(c))`` (:func:`survival_selector`: a
-  forward pass over the candidate lattice, exact too); :func:`mc_accepted` checks both against a
-  seeded Monte Carlo of the sampler itself.
-* The step's cuts are those of :mod:`dflash_eval.replay`: ``a <= limit = min(vs - 1, T - 1 - t)``
-  (``vs = min(B, max_length - t)``, the reference's shortened last block) and the step commits
-  ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_probs`).
-* tau per response as the reference estimator sees it (``dflash/benchmark.py``: mean over the
-  response's verify steps of the committed count, then the mean over responses): the steps of a
-  response commit ``T - 1 - P`` tokens in all, so its tau is ``(T - 1 - P) / N`` with N its number of
-  steps, a random variable. :func:`walk_expectations` computes ``E[(T - 1 - P) / N]`` exactly by
-  dynamic programming over (position, steps): the distribution over anchors after s steps, each
-  anchor t moving to ``t + d`` with ``P_t(produced = d)``; the mass reaching ``T - 1`` at step s is
-  ``P(N = s)``. :func:`mc_walks` is the seeded Monte Carlo of the same walk.
+* **Given the trajectory (exact; what ``evaluate`` reports).** The sampler is lossless: the tokens it
+  commits are distributed as the target's. So the online process is the same as "draw the committed
+  sequence x from the target, then the step boundaries given x", and the second part has a closed form.
+  A step at anchor t that accepts k drafts and commits ``x[t+1 .. t+k+1]`` has probability
+  ``prod_{i <= k} min(q_i(x_{t+i}), p_i(x_{t+i})) * r_{k+1}``, where ``r = max(0, p - q)`` at the
+  correction token ``x_{t+k+1}`` (p at the bonus token when ``k = J``). Every distribution here is
+  conditioned on x itself, because the accepted drafts are x's tokens. Divided by the target's
+  probability of those ``k + 1`` tokens, this is a Markov chain: slot i is accepted with
+  ``beta_i = min(1, q_i(x_{t+i}) / p_i(x_{t+i}))`` (:func:`slot_beta`) until the first rejection, and
+  ``P(a >= k) = prod_{i <= k} beta_i`` (the telescoping sum makes the steps' probabilities sum to 1).
+  So ``E[tau | x]`` by the walk DP below is the online expectation given that the response is x, and
+  its mean over drawn trajectories estimates the online tau with no bias. It also has less variance
+  than the online runs, since the sampler's own randomness is averaged out
+  (``tests/test_sampling_online.py``). DFlash 2: ``q_i(x_{t+i})`` is the selector's probability of
+  the token given the trajectory's previous token as predecessor (:func:`selector_path_probs`).
+  Needed per slot: p and q of one token.
+* **Teacher-forced ``1 - TV`` (SpecForge's probabilistic tau,** ``specforge/algorithms/common/
+  dflash_family_model.py``, ``tau_probabilistic``, **walked).** ``alpha_j = sum_x min(p_j(x), q_j(x))``
+  is the probability that slot j is accepted given slots < j were, averaged over what the draft
+  commits, but with p_j conditioned on x's prefix whatever the step committed. For DFlash 1,
+  ``P(a >= k) = prod_{j <= k} alpha_j`` (:func:`survival_independent`). For DFlash 2 the sum over the
+  selector's paths is a product of ``[K, K]`` matrices ``M_j[c', c] = min(q_j(c | c'), p_j(c))``
+  (:func:`survival_selector`). :func:`mc_accepted` checks both against a seeded Monte Carlo of the
+  sampler. This estimator ignores that a rejection puts a residual token, one the drafter
+  underweights, at the next anchor. It is optimistic wherever rejections are frequent: by up to 4
+  standard errors on the bigram test, by about 7 % for the demo drafter at T = 1.
 
-**Approximation (teacher forcing).** Online, the tokens committed at T > 0 are the sampled ones: once
-a draft (or a correction) other than the cached token is committed, the target's and the drafter's
-later distributions are conditioned on it, and the response itself (length, content) differs.
-Offline, every distribution is conditioned on the cached trajectory -- one sample of the target at
-the evaluated setting when the completions were drawn with it -- whatever the step accepted. The
-expectation is over the acceptance process along that trajectory, not over trajectories; how close
-it comes to online decoding is measured against the reference ``dflash_generate`` (docs/design.md,
-"Acceptance at temperature > 0"). At temperature 0 every p and q is one-hot and the expectation is
-the greedy walk of :func:`dflash_eval.replay.chain_walk` exactly.
+The walk of a response and its expected tau: :mod:`dflash_eval.walk`. At temperature 0 every p and q is
+one-hot, ``beta`` is 1 exactly where the drafter's argmax is the cached token, and the expectation is the
+greedy walk of :func:`dflash_eval.replay.chain_walk`, exactly.
 
 Probabilities are float32 (as the reference's); survival products, the walk DP and the Monte Carlo
-means are float64.
+means are float64 (:mod:`dflash_eval.walk`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
+from .walk import MCEstimate, _estimate
 
 
 # ----------------------------------------------------------------------------- settings and the filter
@@ -145,6 +149,22 @@ def filtered_support(logits: torch.Tensor, temperature: float, top_p: float = 1.
     if temperature == 0:
         raise ValueError("filtered_support needs temperature > 0 (temperature 0 is the one-hot argmax)")
     return _filtered(logits, temperature, top_p, top_k)
+
+
+def token_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, top_p: float = 1.0,
+                top_k: int = 0) -> torch.Tensor:
+    """:func:`filtered_probs` at given tokens: ``logits [..., V]``, ``tokens [...]`` int64 -> ``[...]`` float32.
+
+    The same values as ``filtered_probs(...).gather(-1, tokens[..., None])`` without the dense scatter
+    (0 for a token the filter drops; temperature 0: 1 where the token is the argmax).
+    """
+    if temperature == 0:
+        check_sampling(temperature, top_p, top_k)
+        return (logits.argmax(-1) == tokens).float()
+    probs, kept = filtered_support(logits, temperature, top_p, top_k)
+    if kept is None:
+        return probs.gather(-1, tokens[..., None])[..., 0]
+    return torch.where(kept == tokens[..., None], probs, 0.0).sum(-1)
 
 
 def _filtered(logits, temperature, top_p, top_k):
@@ -244,6 +264,29 @@ def selector_transitions(unary: torch.Tensor, candidates: torch.Tensor, hidden_p
     return filtered_probs(s0, temperature), filtered_probs(s, temperature)
 
 
+def selector_path_probs(unary: torch.Tensor, candidates: torch.Tensor, hidden_proj: torch.Tensor,
+                        prev_ids: torch.Tensor, tokens: torch.Tensor, predecessor_codebook: torch.Tensor,
+                        successor_codebook: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The DFlash 2 selector's probability of ``tokens`` given the predecessors ``prev_ids``, slot by slot.
+
+    For the estimator given the trajectory (module docstring): slot j's predecessor is the trajectory's
+    token before it (the anchor token for slot 1), so one path is scored, not the whole lattice
+    (:func:`selector_transitions`, same scores).
+
+    Args:
+        unary, candidates, hidden_proj: ``[n, J, K]``, ``[n, J, K]``, ``[n, J, R]`` as for :func:`selector_transitions`.
+        prev_ids, tokens: ``[n, J]`` int64, the predecessor and the token of every slot.
+        predecessor_codebook, successor_codebook: ``[V, R]``. temperature: >= 0.
+
+    Returns:
+        ``[n, J]`` float32: ``softmax(score / temperature)`` at the token's candidate (argmax indicator at
+        temperature 0), 0 where the token is not among the slot's candidates.
+    """
+    scores = unary + torch.einsum("njr,njkr->njk", predecessor_codebook[prev_ids] * hidden_proj,
+                                  successor_codebook[candidates])
+    return torch.where(candidates == tokens[..., None], filtered_probs(scores, temperature), 0.0).sum(-1)
+
+
 # ----------------------------------------------------------------------------- expected acceptance of a step
 
 def slot_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -264,7 +307,7 @@ def slot_beta(p_token: torch.Tensor, q_token: torch.Tensor) -> torch.Tensor:
         ``p = 0`` cannot be committed by the sampler at this setting (see :func:`trajectory_support`).
     """
     p, q = p_token.double(), q_token.double()
-    return torch.where(q >= p, 1.0, q / p.clamp_min(torch.finfo(torch.float64).tiny))
+    return torch.where(q >= p, (q > 0).double(), q / p.clamp_min(torch.finfo(torch.float64).tiny))
 
 
 def _limit_mask(limit: torch.Tensor, J: int) -> torch.Tensor:
@@ -313,171 +356,6 @@ def survival_selector(first: torch.Tensor, trans: torch.Tensor, p_cand: torch.Te
         out.append(v.sum(-1))
     return torch.stack(out, dim=1) * torch.cat([torch.ones_like(limit[:, None], dtype=torch.bool),
                                                  _limit_mask(limit, J)], dim=1)
-
-
-def produced_probs(survival: torch.Tensor, left: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``P(produced = d)``, ``d = 0..B``, of a step that commits ``min(a + 1, left)`` tokens.
-
-    Args:
-        survival: ``[n, J + 1]`` ``P(a >= k)`` with ``J <= B - 1`` (0 beyond the step's limit, ``<= left``).
-        left: ``[n]`` int64 >= 1, tokens still to commit (``T - 1 - t``).
-        block_size: B.
-
-    Returns:
-        ``[n, B + 1]`` float64 (column 0 is 0): ``P(a = d - 1)`` for ``d < left`` and ``P(a >= left - 1)`` at
-        ``d = left``.
-    """
-    n, J1 = survival.shape
-    S = torch.zeros((n, block_size + 1), dtype=torch.float64, device=survival.device)
-    S[:, :J1] = survival.double().clamp(0.0, 1.0).cummin(-1).values  # rounding never makes P(a = k) < 0
-    pa = S[:, :-1] - S[:, 1:]  # P(a = k), k = 0..B-1
-    out = torch.zeros_like(S)
-    d = torch.arange(1, block_size + 1, device=S.device)[None]
-    out[:, 1:] = torch.where(d < left[:, None], pa, 0.0)
-    last = left.clamp(max=block_size)
-    out[torch.arange(n, device=S.device), last] = S.gather(1, (last - 1)[:, None])[:, 0]
-    return out
-
-
-# ----------------------------------------------------------------------------- the walk along a response
-
-@dataclass
-class WalkExpectation:
-    """Expectations of one response's verify-step walk (:func:`walk_expectations`).
-
-    Attributes:
-        tau: ``E[(T - 1 - P) / N]``, the expected per-response tau of the reference estimator.
-        tau_sglang: ``E[(T - P) / N]`` (the prefill token counted, :mod:`dflash_eval.metrics`).
-        steps: ``E[N]``, expected verify steps.
-        steps_probs: ``[s_max + 1]`` float64, ``P(N = s)``.
-        visit: ``[n]`` float64, P(anchor ``P + i`` starts a verify step).
-        histogram: ``[B + 1]`` float64, expected steps committing d tokens (index d; 0 unused).
-        residual_mass: probability still walking when the DP stopped (0 for the exact DP).
-    """
-
-    tau: float
-    tau_sglang: float
-    steps: float
-    steps_probs: torch.Tensor
-    visit: torch.Tensor
-    histogram: torch.Tensor
-    residual_mass: float = 0.0
-
-
-def walk_expectations(produced: list[torch.Tensor], tol: float = 0.0) -> list[WalkExpectation]:
-    """Expected tau of several responses by dynamic programming over (position, steps), side by side.
-
-    The state after s steps is the distribution over anchors ``i = t - P`` (``n = T - 1 - P`` is the
-    end); a step moves the mass at ``i`` to ``i + d`` with ``P_i(produced = d)``; the mass reaching ``n``
-    at step s is ``P(N = s)``, so ``E[tau] = sum_s P(N = s) * n / s`` -- the reference's per-response
-    mean of the committed counts, whose sum is always n.
-
-    Args:
-        produced: per response ``[n, B + 1]`` ``P(produced = d)`` per anchor (:func:`produced_probs`),
-            ``n >= 1``; every row sums to 1 and never steps past the end.
-        tol: stop when at most ``tol`` of each response's mass is still walking (0 = until all of it is
-            absorbed, at most ``max n`` steps: exact). The neglected part of ``tau`` is at most ``tol * n``.
-
-    Returns:
-        one :class:`WalkExpectation` per response. ``O(steps * sum n * B)`` work in one
-        ``scatter_add`` per step; with 0/1 probabilities (temperature 0) ``tau`` equals the greedy walk's
-        ``sum / len`` exactly.
-
-    Raises:
-        ValueError: a response with ``n < 1`` (no verify step: the prefill token ended it).
-    """
-    if not produced:
-        return []
-    ns = [int(p.shape[0]) for p in produced]
-    if min(ns) < 1:
-        raise ValueError("a response without a verify step has no walk")
-    B1 = produced[0].shape[1]
-    dev = produced[0].device
-    S, m = len(ns), max(ns)
-    P = torch.zeros((S, m, B1), dtype=torch.float64, device=dev)
-    for r, p in enumerate(produced):
-        P[r, : ns[r]] = p.double()
-    end = torch.tensor(ns, device=dev)
-    rows = torch.arange(S, device=dev)
-    step = torch.arange(1, B1, device=dev)[None]
-    live = torch.zeros((S, m + B1), dtype=torch.float64, device=dev)  # B extra columns: steps past a window
-    live[:, 0] = 1.0
-    live_mask = torch.arange(m + B1, device=dev)[None] < end[:, None]
-    visit = torch.zeros((S, m), dtype=torch.float64, device=dev)
-    absorbed = [torch.zeros(S, dtype=torch.float64, device=dev)]
-    lo, hi = 0, 1  # the mass still walking lies in columns [lo, hi)
-    while float(live[:, lo:hi].sum(-1).max()) > tol:
-        w = live[:, lo:hi]
-        visit[:, lo:hi] += w
-        idx = ((torch.arange(lo, hi, device=dev)[:, None] + step) - lo).reshape(1, -1).expand(S, -1)
-        moved = torch.zeros((S, hi - lo + B1), dtype=torch.float64, device=dev)
-        moved.scatter_add_(1, idx, (w[:, :, None] * P[:, lo:hi, 1:]).reshape(S, -1))
-        live[:, lo:hi] = 0.0
-        live[:, lo : hi + B1] += moved
-        absorbed.append(live[rows, end])
-        live *= live_mask
-        nz = torch.nonzero(live[:, : m + 1].any(0)).flatten()
-        if nz.numel() == 0:
-            break
-        lo, hi = int(nz[0]), int(nz[-1]) + 1
-    pN = torch.stack(absorbed, dim=1).cpu()  # [S, steps + 1]
-    s = torch.arange(pN.shape[1], dtype=torch.float64)
-    hist = (visit[:, :, None] * P).sum(1).cpu()
-    left = live[:, lo:hi].sum(-1).cpu()
-    out = []
-    for r, n in enumerate(ns):
-        probs = pN[r]
-        nz = torch.nonzero(probs > 0).flatten().tolist()
-        out.append(WalkExpectation(
-            tau=math.fsum(float(probs[k]) * (n / k) for k in nz),
-            tau_sglang=math.fsum(float(probs[k]) * ((n + 1) / k) for k in nz),
-            steps=float((probs * s).sum()), steps_probs=probs, visit=visit[r, :n].cpu(), histogram=hist[r],
-            residual_mass=float(left[r])))
-    return out
-
-
-def walk_expectation(produced: torch.Tensor, tol: float = 0.0) -> WalkExpectation:
-    """:func:`walk_expectations` of one response (``produced`` ``[n, B + 1]``)."""
-    return walk_expectations([produced], tol)[0]
-
-
-@dataclass(frozen=True)
-class MCEstimate:
-    """A seeded Monte Carlo mean with its standard error (``std / sqrt(draws)``, sample std)."""
-
-    mean: float
-    se: float
-    draws: int
-
-
-def _estimate(x: torch.Tensor) -> MCEstimate:
-    x = x.double()
-    se = float(x.std(unbiased=True) / math.sqrt(len(x))) if len(x) > 1 else math.nan
-    return MCEstimate(float(x.mean()), se, len(x))
-
-
-def mc_walks(produced: torch.Tensor, walks: int, seed: int = 0) -> tuple[MCEstimate, torch.Tensor]:
-    """Seeded Monte Carlo of :func:`walk_expectation`: ``walks`` independent walks of one response.
-
-    Args:
-        produced: ``[n, B + 1]`` as in :func:`walk_expectation`. walks: number of walks. seed: RNG seed.
-
-    Returns:
-        ``(estimate of E[(T - 1 - P) / N], N per walk [walks] int64)``.
-    """
-    n = produced.shape[0]
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.zeros(walks, dtype=torch.long)
-    N = torch.zeros(walks, dtype=torch.long)
-    P = produced.double().cpu()
-    while True:
-        live = torch.nonzero(pos < n).flatten()
-        if live.numel() == 0:
-            break
-        d = torch.multinomial(P[pos[live]], 1, generator=g)[:, 0]
-        pos[live] += d
-        N[live] += 1
-    return _estimate(n / N.double()), N
 
 
 def mc_accepted(target_probs: torch.Tensor, draws: int, seed: int = 0, draft_probs: torch.Tensor | None = None,

@@ -21,8 +21,9 @@ from dflash_eval.errors import InputError
 from dflash_eval.metrics import sample_tau
 from dflash_eval.replay import chain_walk
 from dflash_eval.sampling import (SamplingSetting, check_sampling, filtered_probs, filtered_support, mc_accepted,
-                                  mc_walks, produced_probs, rejection_sample, selector_transitions, slot_alpha,
-                                  survival_independent, survival_selector, walk_expectation, walk_expectations)
+                                  rejection_sample, selector_path_probs, selector_transitions, slot_alpha, slot_beta,
+                                  survival_independent, survival_selector, token_probs)
+from dflash_eval.walk import mc_walks, produced_probs, walk_expectation, walk_expectations
 
 SETTINGS = [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.95, 20), (1.0, 0.95, 0), (1.3, 1.0, 5), (0.6, 0.5, 3),
             (1.0, 0.3, 0), (2.0, 0.999, 1), (1.0, 1.0, 64), (1.0, 0.9, 1000)]
@@ -341,14 +342,25 @@ def test_temperature_zero_limit_is_the_greedy_walk():
     accepted = ((drafter_logits.argmax(-1) == x[pos]) & valid).long().cumprod(-1).sum(-1)
     greedy = sample_tau(chain_walk(accepted.tolist(), P_len, T_len))
 
-    def expected(T):
-        p = filtered_probs(target_logits[pos], T)
-        q = filtered_probs(drafter_logits, T)
-        return walk_expectation(produced_probs(survival_independent(slot_alpha(p, q), limit), left, B)).tau
+    def expected(T, given_trajectory):
+        if given_trajectory:
+            tok = x[pos]
+            beta = slot_beta(token_probs(target_logits[pos], tok, T), token_probs(drafter_logits, tok, T))
+            S = survival_independent(beta, limit)
+        else:  # teacher-forced 1 - TV
+            S = survival_independent(slot_alpha(filtered_probs(target_logits[pos], T),
+                                                filtered_probs(drafter_logits, T)), limit)
+        return walk_expectation(produced_probs(S, left, B)).tau
 
-    assert expected(0.0) == greedy  # exactly
-    assert expected(1e-3) == pytest.approx(greedy, abs=1e-9)
-    assert abs(expected(1.0) - greedy) > 1e-3  # and the temperature matters
+    for given in (True, False):
+        assert expected(0.0, given) == greedy  # exactly
+        assert expected(1e-3, given) == pytest.approx(greedy, abs=1e-9)
+        assert abs(expected(1.0, given) - greedy) > 1e-3  # and the temperature matters
+    # given the trajectory, T = 0 is the greedy replay on the cached tokens even where they are not the
+    # target's argmax (p = 0 there): accepted exactly where the drafter's argmax is the cached token
+    x[P_len + 5] = (x[P_len + 5] + 1) % V
+    accepted = ((drafter_logits.argmax(-1) == x[pos]) & valid).long().cumprod(-1).sum(-1)
+    assert expected(0.0, True) == sample_tau(chain_walk(accepted.tolist(), P_len, T_len))
 
 
 def test_filtered_support_is_filtered_probs_without_the_scatter():
@@ -364,3 +376,48 @@ def test_filtered_support_is_filtered_probs_without_the_scatter():
             assert ids is None and torch.equal(vals, dense)
     with pytest.raises(ValueError):
         filtered_support(logits, 0.0)
+
+
+def test_token_probs_equal_the_dense_filter_at_the_tokens():
+    g = torch.Generator().manual_seed(14)
+    for logits in (torch.randn(5, 4, 40, generator=g) * 2, torch.randint(0, 3, (5, 4, 40), generator=g).float()):
+        tokens = torch.randint(0, 40, (5, 4), generator=g)
+        tokens[:, 0] = logits[:, 0].argmax(-1)  # some kept for sure
+        for setting in [(0.0, 1.0, 0), (1.0, 0.95, 20), (0.7, 1.0, 3), (1.0, 0.8, 0)]:
+            dense = filtered_probs(logits, *setting).gather(-1, tokens[..., None])[..., 0]
+            assert torch.equal(token_probs(logits, tokens, *setting), dense), setting
+
+
+def test_slot_beta_hand_values():
+    p = torch.tensor([0.5, 0.2, 0.0, 0.0, 0.3])
+    q = torch.tensor([0.25, 0.4, 0.1, 0.0, 0.3])
+    assert slot_beta(p, q).tolist() == [0.5, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_selector_path_probs_are_the_transition_rows_on_the_path():
+    torch.manual_seed(15)
+    V, H, R, K, J, n = 30, 12, 5, 4, 5, 3
+    cfg = types.SimpleNamespace(dflash_config={"selector_rank": R, "selector_top_k": K}, vocab_size=V, hidden_size=H)
+    sel = ref.CandidateSelector(cfg)
+    for prm in sel.parameters():
+        torch.nn.init.normal_(prm, std=1.0)
+    hidden, logits, anchor = torch.randn(n, J, H), torch.randn(n, J, V) * 2, torch.randint(0, V, (n,))
+    with torch.no_grad():
+        unary, cand = torch.topk(logits, K, dim=-1, sorted=False)
+        hp = sel.hidden_projection(hidden)
+        cb = (sel.predecessor_codebook.weight, sel.successor_codebook.weight)
+        first, trans = selector_transitions(unary, cand, hp, anchor, *cb, 0.9)
+        idx = torch.randint(0, K, (n, J))  # a path of candidates
+        tokens = cand.gather(-1, idx[..., None])[..., 0]
+        tokens[0, 2] = V - 1 if V - 1 not in cand[0, 2] else tokens[0, 2]  # one token off the candidates
+        prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+        got = selector_path_probs(unary, cand, hp, prev, tokens, *cb, 0.9)
+        want = torch.stack([first[torch.arange(n), idx[:, 0]]]
+                           + [trans[torch.arange(n), j - 1, idx[:, j - 1], idx[:, j]] for j in range(1, J)], 1)
+        off = ~(cand == tokens[..., None]).any(-1)
+        assert off[0, 2]
+        want[off] = 0.0
+        keep = torch.ones_like(off)
+        keep[0, 3] = False  # its predecessor is the off-candidate token: not a row of the lattice
+        assert torch.allclose(got[keep], want[keep], atol=1e-6, rtol=1e-5)
+        assert got[0, 3] > 0

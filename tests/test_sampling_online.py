@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from dflash_eval.sampling import (filtered_probs, produced_probs, rejection_sample, slot_alpha, slot_beta,
-                                  survival_independent, walk_expectations)
+from dflash_eval.sampling import filtered_probs, rejection_sample, slot_alpha, slot_beta, survival_independent
+from dflash_eval.walk import produced_probs, walk_expectations
 
 V, B, P, M = 6, 4, 1, 12  # vocabulary, block size, prompt length, max_new_tokens
 MAX_LEN = P + M
@@ -106,3 +106,54 @@ def test_expected_tau_given_the_trajectory_equals_the_online_sampler():
                   f"teacher-forced 1 - TV {float(tv.mean()):.4f}")
             assert abs(float(post.mean() - on.mean())) <= 3 * se
             assert _se(post) < _se(on)  # conditioning on the trajectory removes the sampler's own noise
+
+
+def test_ddtree_under_sampling_is_the_tree_walk_on_the_sampled_trajectory():
+    """liranringel/ddtree at T > 0: a tree from the drafter's log-probabilities, the target's token sampled at
+    every node, the walk follows the child holding it. Given the committed tokens the accepted depth is
+    determined, so the greedy tree walk on sampled trajectories (:func:`dflash_eval.ddtree.walk_budgets`)
+    has the online mean tau."""
+    from dflash_eval.ddtree import build_tree, walk_budgets
+
+    setting = (1.0, 1.0, 0)
+    tp, q1, _ = _model(5, setting)
+    budget, runs = 5, 2500
+    lp_all = q1.clamp_min(1e-30).log()  # [J, anchor, V]: the drafter's log-probabilities per slot
+    g = torch.Generator().manual_seed(300)
+    on = []
+    for _ in range(runs):
+        x = [0, int(torch.multinomial(tp[0], 1, generator=g))]
+        start, steps = P, []
+        while start + 1 < MAX_LEN:
+            J = min(B, MAX_LEN - start) - 1
+            lp, ids = torch.topk(lp_all[:J, x[start]], budget, dim=-1)
+            tree = build_tree(lp, ids, budget, J)
+            node, new = 0, []
+            while True:  # sample the target's token at the node (p given the node's path: its last token)
+                last = x[start] if node == 0 else tree.tokens[node - 1]
+                z = int(torch.multinomial(tp[last], 1, generator=g))
+                new.append(z)
+                if z not in tree.children[node]:
+                    break
+                node = tree.children[node][z]
+            produced = min(len(new), MAX_LEN - start - 1)
+            x += new[:produced]
+            start += produced
+            steps.append(produced)
+        on.append(sum(steps) / len(steps))
+    on = torch.tensor(on, dtype=torch.float64)
+    off = []
+    t = torch.arange(P, MAX_LEN - 1)
+    for _ in range(runs):
+        x = [0]
+        while len(x) < MAX_LEN:
+            x.append(int(torch.multinomial(tp[x[-1]], 1, generator=g)))
+        lp, ids = torch.topk(lp_all[:, x[P:-1]].transpose(0, 1), budget, dim=-1)  # [n, J, K] per anchor
+        steps = walk_budgets(lp, ids, x, P, M, B, [budget])[budget]
+        off.append(sum(steps) / len(steps))
+    off = torch.tensor(off, dtype=torch.float64)
+    se = math.hypot(_se(on), _se(off))
+    print(f"DDTree-{budget} at T=1: online {float(on.mean()):.4f} +- {_se(on):.4f}; tree walk on sampled "
+          f"trajectories {float(off.mean()):.4f} +- {_se(off):.4f} ({float(off.mean() - on.mean()) / se:+.1f} SE)")
+    assert abs(float(off.mean() - on.mean())) <= 3 * se
+    assert float(on.mean()) > 1.2  # trees were accepted
