@@ -18,8 +18,9 @@ Printed per model: tok/s of the stage's forward (outputs copied to the host) wit
 option, and the plain HF loop a user would write (``output_hidden_states=True``, padded batches) for
 scale; bytes per token of each option, computed and measured from HDF5 files written like the cache's
 per-sample datasets (``--write-samples`` samples, with the write rate); the evaluate-side cost of p for
-``T = 1, top-p 0.95, top-k 20`` from each; the exactness checks (p from the final hidden state vs the
-HF model's logits; p from the top-K logits vs from the full logits).
+``T = 1, top-p 0.95, top-k 20`` (the target's probability of each cached token, what the estimator given
+the trajectory needs) from each; the exactness checks (from the final hidden state vs the HF model's own
+logits; from the top-K logits vs from the full logits).
 
 Timing: variants alternate batch by batch (one warm-up batch first) so drift hits all alike, and the
 fastest of ``--repeats`` passes counts; top-K is
@@ -174,43 +175,43 @@ def write_files(root: Path, model, seqs, layers, dev, pad_id, packed, topks) -> 
 
 
 def evaluate_side(model, seqs, layers, dev, pad_id, packed, topks) -> dict:
-    """Cost of p for SETTING per token from each option, and the exactness checks."""
+    """Cost per token of p(x_m | x_<m) at SETTING (what evaluate needs) from each option, and exactness checks."""
     import torch
 
     from dflash_eval.extract import forward_batch
-    from dflash_eval.sampling import filtered_probs
+    from dflash_eval.sampling import filtered_probs, token_probs
 
     T, top_p, top_k = SETTING
     n_layers = model.config.num_hidden_layers
     head = model.get_output_embeddings()
-    V = head.weight.shape[0]
     res = {}
     with torch.inference_mode():
         h, _ = forward_batch(model, seqs, layers + [n_layers - 1], dev, pad_id, packed)
+        ids = torch.tensor([t for s in seqs for t in s[1:] + [0]], device=dev)  # token after each position
         last = h[:, -1]
         full = head(last)
         sync(str(dev))
         t = time.perf_counter()
-        p_final = filtered_probs(head(last), T, top_p, top_k)
+        p_final = token_probs(head(last), ids, T, top_p, top_k)
         sync(str(dev))
         res["final_s"] = time.perf_counter() - t
         for k in topks:
-            vals, ids = torch.topk(full, k, dim=-1)
+            vals, top_ids = torch.topk(full, k, dim=-1)
             sync(str(dev))
             t = time.perf_counter()
-            p_top = torch.zeros((len(last), V), dtype=torch.float32, device=last.device).scatter_(
-                -1, ids, filtered_probs(vals, T, top_p, top_k))
+            p_top = torch.where(top_ids == ids[:, None], filtered_probs(vals, T, top_p, top_k), 0.0).sum(-1)
             sync(str(dev))
             res[f"top{k}_s"] = time.perf_counter() - t
             res[f"top{k}_exact"] = bool(torch.equal(p_top, p_final)) if k >= top_k else None
             # without a top-k filter (T = 1, top-p 0.95): the filtered mass the stored top K miss
             p_free = filtered_probs(full, T, top_p, 0)
-            res[f"top{k}_missing"] = float((1 - p_free.gather(-1, ids).sum(-1)).clamp_min(0).mean())
+            res[f"top{k}_missing"] = float((1 - p_free.gather(-1, top_ids).sum(-1)).clamp_min(0).mean())
         # p from the final hidden state vs the HF model's own logits, one sample at a time
         worst, off = 0.0, 0
         for s in seqs[:4]:
             lg = model(input_ids=torch.tensor([s], device=dev)).logits[0]
-            worst = max(worst, float((filtered_probs(lg, T, top_p, top_k) - p_final[off : off + len(s)]).abs().max()))
+            ref = token_probs(lg, ids[off : off + len(s)], T, top_p, top_k)
+            worst = max(worst, float((ref - p_final[off : off + len(s)]).abs().max()))
             off += len(s)
         res["final_vs_hf"] = worst
     res["tokens"] = len(last)
@@ -281,8 +282,8 @@ def main() -> None:
               + ", ".join(f"{k} {v:.1f}" for k, v in meas.items()) + f"; written at {rate:,.0f} MB/s")
         ev = evaluate_side(model, seqs[:n_write], layers, dev, pad_id, packed, TOPKS)
         us = {k: 1e6 * ev[f"{k}_s"] / ev["tokens"] for k in ["final"] + [f"top{k}" for k in TOPKS]}
-        print(f"  evaluate-side p (T={SETTING[0]:g}, top-p {SETTING[1]}, top-k {SETTING[2]}) per token: from final "
-              f"hidden {us['final']:.2f} us (LM head + filter), "
+        print(f"  evaluate-side p(x) (T={SETTING[0]:g}, top-p {SETTING[1]}, top-k {SETTING[2]}) per token: from "
+              f"final hidden {us['final']:.2f} us (LM head + filter), "
               + ", ".join(f"from top-{k} {us[f'top{k}']:.2f} us" for k in TOPKS))
         print(f"  exactness: p from final hidden vs HF logits max abs diff {ev['final_vs_hf']:.2e}; "
               + "; ".join(f"top-{k}: p at top-k {SETTING[2]} {'identical' if ev[f'top{k}_exact'] else 'DIFFERS'}, "
