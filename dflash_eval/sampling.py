@@ -182,6 +182,30 @@ def _filtered(logits, temperature, top_p, top_k):
     return probs, kept
 
 
+def hf_logits_processor(setting: SamplingSetting):
+    """A transformers ``LogitsProcessor`` that makes ``generate(do_sample=True)`` draw from :func:`filtered_probs`.
+
+    It returns ``log(filtered_probs(scores))`` (``-inf`` outside the kept tokens), whose softmax is the
+    reference's filtered distribution; generate's own temperature / top-k / top-p warpers must be off
+    (``temperature=1.0, top_k=0, top_p=1.0``). transformers' warpers differ from the reference at ties
+    (``TopKLogitsWarper`` keeps every logit equal to the k-th) and at the top-p boundary
+    (``TopPLogitsWarper`` drops the tokens whose cumulative mass from the bottom is ``<= 1 - top_p``).
+
+    Raises:
+        ValueError: a greedy setting (temperature 0 is ``do_sample=False``).
+    """
+    from transformers import LogitsProcessor
+
+    if setting.greedy:
+        raise ValueError("temperature 0 is greedy decoding (do_sample=False), not a sampling filter")
+
+    class ReferenceFilter(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return filtered_probs(scores, setting.temperature, setting.top_p, setting.top_k).log().to(scores.dtype)
+
+    return ReferenceFilter()
+
+
 # ----------------------------------------------------------------------------- the speculative sampler
 
 def _draft_mass(draft_probs: torch.Tensor, tokens: torch.Tensor, draft_indices: torch.Tensor | None) -> torch.Tensor:

@@ -421,3 +421,30 @@ def test_selector_path_probs_are_the_transition_rows_on_the_path():
         keep[0, 3] = False  # its predecessor is the off-candidate token: not a row of the lattice
         assert torch.allclose(got[keep], want[keep], atol=1e-6, rtol=1e-5)
         assert got[0, 3] > 0
+
+
+def test_hf_logits_processor_samples_the_reference_filter(tmp_path):
+    """transformers' generate with the processor draws from the reference's filtered distribution, seeded."""
+    from tiny import make_tiny_target
+    from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+
+    from dflash_eval.sampling import hf_logits_processor
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_target(tmp_path / "m"), dtype=torch.float32).eval()
+    setting = SamplingSetting(1.0, 0.9, 5)
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
+                           eos_token_id=None, pad_token_id=3)
+    ids = torch.tensor([[5, 9, 14, 7]])
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg,
+                              logits_processor=LogitsProcessorList([hf_logits_processor(setting)]),
+                              output_scores=True, output_logits=True, return_dict_in_generate=True)
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.equal(a.sequences, b.sequences) and not torch.equal(a.sequences, c.sequences)
+    for raw, used in zip(a.logits, a.scores):  # per step: the raw logits and what the sampler drew from
+        assert torch.allclose(torch.softmax(used, -1), filtered_probs(raw, 1.0, 0.9, 5), atol=1e-6)
+    with pytest.raises(ValueError):
+        hf_logits_processor(SamplingSetting())
