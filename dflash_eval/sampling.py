@@ -48,7 +48,7 @@ block) and the step commits ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_pr
   (:func:`survival_selector`). :func:`mc_accepted` checks both against a seeded Monte Carlo of the
   sampler. This estimator ignores that a rejection puts a residual token, one the drafter
   underweights, at the next anchor. It is optimistic wherever rejections are frequent: by up to 4
-  standard errors on the bigram test, by about 7 % for the demo drafter at T = 1.
+  standard errors on the bigram test, +6 % for a demo drafter at T = 1 (docs/design.md).
 
 The walk of a response and its expected tau: :mod:`dflash_eval.walk`. At temperature 0 every p and q is
 one-hot, ``beta`` is 1 exactly where the drafter's argmax is the cached token, and the expectation is the
