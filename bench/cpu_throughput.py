@@ -26,7 +26,7 @@ def rss_mb() -> float:
 
 
 def bench_extraction(target_dir, completions, layer_ids, n):
-    from dflash_eval.completions import read_completions
+    from dflash_eval.completions_file import read_completions
     from dflash_eval.extract import run_target
     from dflash_eval.target import load_target
 
@@ -55,13 +55,14 @@ def bench_extraction(target_dir, completions, layer_ids, n):
 
 def bench_replay(drafter, cache, target_dir):
     import dflash_eval.replay as rp
+    from dflash_eval.stages.evaluate import evaluate
 
     times = {}
     for chunk in (4, 64):
         rp.SLOT_CHUNK = chunk
         t0 = time.perf_counter()
-        r = rp.evaluate(drafter, cache, target_dir, "/tmp/bench_replay.json", device="cpu", dtype="float32",
-                        replay_mode="sequential")  # SLOT_CHUNK is the sequential replay's
+        r = evaluate(drafter, cache, target_dir, "/tmp/bench_replay.json", device="cpu", dtype="float32",
+                        replay="sequential")  # SLOT_CHUNK is the sequential replay's
         times[chunk] = time.perf_counter() - t0
         print(f"replay      slot chunk {chunk:3d}: {times[chunk]:6.1f} s  tau {r['tau']:.4f}  ({r['verify_steps']} verify steps)")
     print(f"replay      ratio all-slots / lazy: {times[64] / times[4]:.2f}x time")

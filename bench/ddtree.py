@@ -43,12 +43,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from dflash_eval.cache import CacheSample  # noqa: E402
+from dflash_eval.cache_format import CacheSample# noqa: E402
 from dflash_eval.ddtree import accepted_depths, chain_from_greedy, walk_budgets  # noqa: E402
 from dflash_eval.drafter import DFlashDrafter  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.replay import iter_anchor_drafts  # noqa: E402
+from dflash_eval.anchors import iter_anchor_drafts# noqa: E402
 
 BUDGETS = [8, 16, 32, 64, 128, 256]
 

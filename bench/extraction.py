@@ -213,7 +213,7 @@ def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_toke
 def parity(cache: Path, loop_npz: Path, n: int) -> tuple[float, float]:
     import numpy as np
 
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
 
     ref = np.load(loop_npz)
     worst, agree, total = 0.0, 0, 0

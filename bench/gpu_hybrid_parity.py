@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import tiny_hybrid as th  # noqa: E402
 from dflash_eval import hybrid  # noqa: E402
 from dflash_eval.extract import run_target  # noqa: E402
-from dflash_eval.kernel_parity import Parity  # noqa: E402
+from dflash_eval.stages.kernel_parity import Parity  # noqa: E402
 
 T0 = time.perf_counter()
 
@@ -150,7 +150,7 @@ def pipeline_stage(dev, tmp: Path) -> dict:
 
     from dflash_eval.checkpoints import demo_drafter_config
     from dflash_eval.drafter import DFlashDrafter, DrafterConfig
-    from dflash_eval.kernel_parity import kernel_parity
+    from dflash_eval.stages.kernel_parity import kernel_parity
 
     target = th.save_target(tmp / "tiny-qwen35", "qwen3_5", dtype=torch.bfloat16)
     comp = th.write_completions(tmp / "synthetic.jsonl", n=4, completion_len=(100, 300))
@@ -160,8 +160,8 @@ def pipeline_stage(dev, tmp: Path) -> dict:
     (drafter / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in DFlashDrafter(DrafterConfig.from_dict(cfg)).state_dict().items()},
               str(drafter / "model.safetensors"))
-    return kernel_parity(target, comp, [0, 1, 2, 3], 4, tmp / "kernel_parity.json", drafters=[drafter],
-                         device=str(dev))
+    return kernel_parity(target, comp, [0, 1, 2, 3], tmp / "kernel_parity.json", drafters=[drafter],
+                         n_samples=4, device=str(dev))
 
 
 def fmt_table(res: dict) -> str:

@@ -28,7 +28,7 @@ and the online loop (batch 1, on the first ``--online-samples`` samples), the ra
 how many samples' acceptance lists differ between batched and sequential (with the near-tie behind
 each, top-2 logit gap in ulps), and the FLOPs each batched pass executed divided by its time, next
 to a measured dense GEMM rate in the same dtype. Warm-up: each batched layout first runs on two
-samples; the sequential replay and the online loop run cold (their per-step work is small). Goals (issue 9): batched >= 20x sequential at 1k tokens; offline tau of one
+samples; the sequential replay and the online loop run cold (their per-step work is small). Goals: batched >= 20x sequential at 1k tokens; offline tau of one
 checkpoint >= 50x faster than online decoding of the same samples.
 
 The reference package: ``dflash==0.1.0`` is installed ``--no-deps`` by ``make venv`` here; the GPU
@@ -67,12 +67,14 @@ import torch  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up in redirected logs)
 
-from dflash_eval.cache import CacheSample  # noqa: E402
+from dflash_eval.cache_format import CacheSample# noqa: E402
 from dflash_eval.extract import run_target  # noqa: E402
 from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.replay import DEFAULT_LAYOUT, LAYOUTS, explain_differences, free_memory_bytes, replay, replay_batched  # noqa: E402
+from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched# noqa: E402
+from dflash_eval.replay import explain_differences, replay# noqa: E402
+from dflash_eval.runtime import free_memory_bytes# noqa: E402
 
 #: SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

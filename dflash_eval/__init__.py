@@ -1,9 +1,12 @@
-"""dflash-eval: offline evaluation of DFlash drafter checkpoints.
+"""dflash-eval: offline evaluation of DFlash drafter checkpoints (acceptance length tau per checkpoint).
 
-Pipeline (one module per stage)::
-
-    prompts -> completions -> cache (HDF5 hidden states) -> checkpoints (strip)
-            -> replay (acceptance length tau) -> summary / report
+Layout: one module per pipeline stage under :mod:`dflash_eval.stages`, named as its Snakemake rule
+(``prompts -> completions -> hidden_states`` once per prompt set; ``strip_drafter -> evaluate`` per
+checkpoint; ``summary``, ``report``, ``target_costs`` per run); below them the algorithms
+(:mod:`~dflash_eval.anchors`, :mod:`~dflash_eval.replay`, :mod:`~dflash_eval.ddtree`,
+:mod:`~dflash_eval.metrics`), the drafter model (:mod:`~dflash_eval.drafter`), the formats
+(:mod:`~dflash_eval.cache_format`, :mod:`~dflash_eval.completions_file`, :mod:`~dflash_eval.checkpoints`)
+and the options generated from the config schema (:mod:`~dflash_eval.options`).
 
 Terms follow the DFlash paper (Chen, Liang & Liu, arXiv 2602.06036) and the
 z-lab/dflash reference code: target, drafter, block size B, mask token,

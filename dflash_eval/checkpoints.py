@@ -7,9 +7,11 @@ target tensors were dropped (last row).
 =====================  ==================================================  ==============================  ========================
 format                 what to pass: layout                                drafter config                  step
 =====================  ==================================================  ==============================  ========================
-``hf-folder``          folder: ``config.json`` + ``model.safetensors``     its ``config.json``             folder name
-                       (z-lab release, HF ``save_pretrained``)
-``hf-folder-sharded``  folder: ``config.json`` +                           its ``config.json``             folder name
+``hf-folder``          folder: ``config.json`` + ``model.safetensors``     its ``config.json``             ``global_step`` of
+                       (z-lab release, HF ``save_pretrained``,                                             ``training_state.json``
+                       speculators ``<epoch>/``, HF Trainer                                                / ``trainer_state.json``,
+                       ``checkpoint-N/``)                                                                  else the folder name
+``hf-folder-sharded``  folder: ``config.json`` +                           its ``config.json``             as ``hf-folder``
                        ``model.safetensors.index.json`` + every shard its
                        ``weight_map`` lists
 ``specforge-legacy``   ``epoch_E_step_S/`` (or its                         its ``config.json``             ``global_step`` of
@@ -39,7 +41,7 @@ format (noted when it differs from the checkpoint's own). ``--override KEY=JSON`
 entry's ``overrides``) sets ``dflash_config`` fields such as ``target_layer_ids``. Anything
 else is refused with an error listing these formats.
 
-Validation and the stripped output: :mod:`dflash_eval.strip`.
+Validation and the stripped output: :mod:`dflash_eval.stages.strip_drafter`.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ PARAM_LEAF = re.compile(r"(^|\.)(weight|bias)$")
 STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
 RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
 LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
+#: trainer-state JSON files whose ``global_step`` names an HF-style folder's step (speculators, HF Trainer)
+TRAINER_STATE_FILES = ("training_state.json", "trainer_state.json")
 
 
 @dataclass
@@ -170,15 +174,16 @@ def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, what, RESAVE)
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors file, after checking the header against the file size.
+def _check_safetensors_size(path: Path, exact: bool = False) -> None:
+    """Check a safetensors header against the file size (reads the header only).
+
+    ``exact``: also refuse a file longer than its header says (a writer still going, or
+    a file being overwritten in place).
 
     Raises:
         InputError: truncated header (field ``header``), a tensor whose bytes extend past the end
-            of the file (field = that tensor's key), or an otherwise unreadable file.
+            of the file (field = that tensor's key), a Git LFS pointer, or an unreadable header.
     """
-    from safetensors.torch import load_file
-
     size = path.stat().st_size
     with open(path, "rb") as fh:
         if fh.read(len(LFS_POINTER)) == LFS_POINTER.encode():
@@ -196,6 +201,21 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for key, end in sorted(ends.items(), key=lambda kv: kv[1]):
         if end > size:
             raise InputError(path, key, f"truncated: the tensor's data ends at byte {end}, the file has {size}", RESAVE)
+    if exact and size != max(ends.values(), default=8 + n):
+        raise InputError(path, None, f"{size} bytes, its header describes {max(ends.values(), default=8 + n)}", RESAVE)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, after checking the header against the file size
+    (:func:`_check_safetensors_size`).
+
+    Raises:
+        InputError: truncated header (field ``header``), a tensor whose bytes extend past the end
+            of the file (field = that tensor's key), or an otherwise unreadable file.
+    """
+    from safetensors.torch import load_file
+
+    _check_safetensors_size(path)
     try:
         return load_file(str(path))
     except Exception as err:  # safetensors raises its own error type
@@ -350,12 +370,33 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
 
 
 # --------------------------------------------------------------------------- one loader per format
+def trainer_state_step(folder: Path) -> tuple[int | None, str | None]:
+    """``(global_step, file)`` from the trainer-state JSON a checkpoint folder may hold:
+    speculators' ``training_state.json`` (``{epoch, local_step, global_step}``,
+    vllm-project/speculators ``src/speculators/train/trainer.py``) or the HF Trainer's
+    ``trainer_state.json`` (``global_step``); ``(None, None)`` when neither gives an int."""
+    for name in TRAINER_STATE_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                step = json.loads(f.read_text()).get("global_step")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(step, int) and not isinstance(step, bool):
+                return step, name
+    return None, None
+
+
 def _load_hf_folder(path: Path, fmt: str = "hf-folder") -> LoadedCheckpoint:
     state, notes = _read_safetensors_folder(path)
     cfg_file = path / "config.json"
     cfg = _read_json(cfg_file, "drafter config") if cfg_file.is_file() else None
     source = path if (path / INDEX_FILE).is_file() else path / "model.safetensors"  # named in errors
-    return LoadedCheckpoint(source, fmt, _strip_prefixes(state, source), cfg, {"step": parse_step(path.name)},
+    step, state_file = trainer_state_step(path)
+    if step is not None and parse_step(path.name) not in (None, step):
+        notes.append(f"{state_file} global_step {step} differs from the folder name's step {parse_step(path.name)}")
+    return LoadedCheckpoint(source, fmt, _strip_prefixes(state, source),
+                            cfg, {"step": step if step is not None else parse_step(path.name)},
                             str(cfg_file) if cfg is not None else None, [], notes)
 
 

@@ -34,7 +34,7 @@ target call. Per verify step the target commits that depth + 1 (the bonus token)
 
 Trajectory: every budget walks its own anchors (next root = current root + committed
 tokens), never the chain's; drafts exist for every anchor (the batched all-anchor pass
-:func:`dflash_eval.replay.iter_anchor_drafts` with ``topk = max(budgets)``, one drafter pass per
+:func:`dflash_eval.anchors.iter_anchor_drafts` with ``topk = max(budgets)``, one drafter pass per
 anchor shared by the chain and all budgets, :func:`replay_with_trees`), so each walk is a lookup.
 
 Conventions shared with the chain replay (:mod:`dflash_eval.replay`, z-lab ``dflash==0.1.0``):
@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from .anchors import chain_walk, iter_anchor_drafts
 
 
 @dataclass
@@ -270,15 +272,13 @@ def chain_from_greedy(greedy: torch.Tensor, input_ids: Sequence[int], prompt_len
 
     Args:
         greedy: ``[n_anchor, block_size - 1]`` argmax drafts per anchor ``t = prompt_len + i``
-            (:attr:`dflash_eval.replay.AnchorDrafts.greedy`, or rank 0 of hand-built top-K ids).
+            (:attr:`dflash_eval.anchors.AnchorDrafts.greedy`, or rank 0 of hand-built top-K ids).
         input_ids, prompt_len, max_new_tokens, block_size: as for :func:`walk_budgets`.
 
     Returns:
         per verify step committed tokens, as :func:`dflash_eval.replay.replay_batch` records them
-        (the accepted prefix per anchor, then :func:`dflash_eval.replay.chain_walk`).
+        (the accepted prefix per anchor, then :func:`dflash_eval.anchors.chain_walk`).
     """
-    from .replay import chain_walk
-
     x = input_ids.tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
     g = greedy.tolist()
     T, P = len(x), int(prompt_len)
@@ -299,15 +299,15 @@ def replay_with_trees(drafter, embed_weight: torch.Tensor, head_weight: torch.Te
                       stats: dict | None = None) -> list[tuple[list[int], dict[int, list[int]]]]:
     """Chain and every DDTree budget of each sample from ONE all-anchor drafter pass.
 
-    The pass is :func:`dflash_eval.replay.iter_anchor_drafts` with ``topk = max(budgets)``: every
+    The pass is :func:`dflash_eval.anchors.iter_anchor_drafts` with ``topk = max(budgets)``: every
     anchor's block is drafted once (memory bound stated there; the kept top-K costs
     ``(block_size - 1) * K * 12`` bytes per anchor), its argmax drafts give the chain's accepted
-    prefix (:func:`dflash_eval.replay.chain_walk`) and its top-K log-probs every budget's tree
+    prefix (:func:`dflash_eval.anchors.chain_walk`) and its top-K log-probs every budget's tree
     (:func:`walk_budgets`, each budget on its own trajectory).
 
     Args:
         drafter, embed_weight, head_weight, samples, block_size, memory_bytes, max_group_samples, layout,
-            stats: as for :func:`dflash_eval.replay.iter_anchor_drafts`.
+            stats: as for :func:`dflash_eval.anchors.iter_anchor_drafts`.
         budgets: node budgets (>= 1; non-empty).
 
     Returns:
@@ -316,8 +316,6 @@ def replay_with_trees(drafter, embed_weight: torch.Tensor, head_weight: torch.Te
     Raises:
         ValueError: no budget, or a budget < 1.
     """
-    from .replay import chain_walk, iter_anchor_drafts
-
     budgets = sorted({int(b) for b in budgets})
     if not budgets or budgets[0] < 1:
         raise ValueError(f"DDTree budgets {budgets}: need at least one budget, all >= 1")

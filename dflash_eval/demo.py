@@ -19,9 +19,8 @@ from pathlib import Path
 import torch
 
 from .drafter import DFlashDrafter
-from .drafter_config import DrafterConfig
 from .errors import InputError, atomic_path
-from .target import TargetSpec, as_spec
+from .target_spec import TargetSpec, as_spec
 
 log = logging.getLogger(__name__)
 
@@ -108,50 +107,3 @@ def save_training_checkpoint(path, model: DFlashDrafter, draft_config: dict, opt
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
     return Path(path)
-
-
-def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, layer_ids=None, block_size=16,
-                          num_layers=1, step=0, seed=0) -> Path:
-    """Write a training-style ``.pt`` demo checkpoint (layout: module docstring).
-
-    Either wraps a committed stripped drafter (``drafter_dir``: the trained demo drafters) or
-    random-initialises one (``random_init``; labelled so in the checkpoint and every table; its
-    mask token follows :func:`pick_mask_token`, as the trainer's). The optimizer state is AdamW's
-    layout with zero moments (a realistic file without a training step).
-
-    Raises:
-        InputError: neither ``drafter_dir`` nor ``random_init``.
-    """
-    import json
-
-    from safetensors.torch import load_file
-
-    from .target import load_embed_and_head
-
-    spec = TargetSpec.read(target_dir)
-    if drafter_dir:
-        cfg_dict = json.loads((Path(drafter_dir) / "config.json").read_text())
-        model = DFlashDrafter(DrafterConfig.from_dict(cfg_dict, source=str(drafter_dir)))
-        model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=True)
-    elif random_init:
-        from transformers import AutoTokenizer
-
-        try:
-            mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))
-        except InputError:
-            mask = spec.vocab_size - 1
-            log.warning("%s: the tokenizer has no unused special token; the random-init demo drafter uses the last "
-                        "embedding row %d as its mask token (an ordinary token of this vocabulary)", spec.path, mask)
-        cfg_dict = drafter_config_for_target(spec, layer_ids, block_size, num_layers, mask)
-        torch.manual_seed(seed)
-        model = random_init_(DFlashDrafter(DrafterConfig.from_dict(cfg_dict)))
-    else:
-        raise InputError(None, "checkpoints.demo", "entry has neither drafter nor random_init", "set one of them")
-    model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                        "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-    embed, head = load_embed_and_head(spec)
-    return save_training_checkpoint(out, model, cfg_dict, opt.state_dict(), embed, head, step,
-                                    random_init=bool(random_init and not drafter_dir))

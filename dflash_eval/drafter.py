@@ -185,6 +185,30 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     # -- block -----------------------------------------------------------------
+    def make_block(self, anchor_ids: torch.Tensor, embed_weight: torch.Tensor, block_size: int | None = None) -> torch.Tensor:
+        """The embedded draft blocks, the one place a DFlash block is built (replay, online loop, costs, trainer).
+
+        Row ``n`` is ``[anchor_ids[n], MASK x (B-1)]`` embedded with the target's ``embed_tokens`` and
+        multiplied by ``input_embedding_scale`` (reference ``dflash_generate``: the block is the last
+        committed token followed by ``mask_token_id``; the scale is 1 for Qwen-style drafters).
+
+        Args:
+            anchor_ids: ``[N]`` int64, the last committed token of each row.
+            embed_weight: ``[V, H]`` target ``embed_tokens`` on the compute device/dtype.
+            block_size: B, the block length (default: the drafter's; a shortened last block passes its
+                verify size).
+
+        Returns:
+            ``[N, B, H]`` in ``embed_weight.dtype``: the ``noise_embedding`` of :meth:`forward`.
+        """
+        B = int(block_size or self.cfg.block_size)
+        ids = torch.full((anchor_ids.shape[0], B), self.cfg.mask_token_id, dtype=torch.long, device=anchor_ids.device)
+        ids[:, 0] = anchor_ids
+        emb = embed_weight[ids]
+        if self.cfg.input_embedding_scale != 1.0:
+            emb = emb * self.cfg.input_embedding_scale
+        return emb
+
     def forward(
         self,
         noise_embedding: torch.Tensor,
@@ -198,7 +222,7 @@ class DFlashDrafter(nn.Module):
 
         Args:
             noise_embedding: ``[N, B, H]`` target embeddings of ``[anchor, MASK x (B-1)]``
-                (already multiplied by ``input_embedding_scale``).
+                (:meth:`make_block`).
             block_positions: ``[N, B]`` int64 absolute positions ``start .. start+B-1``.
             ctx_kv: per-layer context ``(k, v)`` ``[N, n_kv, Tc, hd]`` (:meth:`context_kv`).
             ctx_positions: ``[N, Tc]`` int64 absolute positions of the context keys.

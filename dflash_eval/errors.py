@@ -10,7 +10,7 @@ Interrupted jobs: :func:`install_signal_handlers` (called once by the CLI) turns
 (what SLURM sends at a time limit, ``scancel``, Snakemake on Ctrl-C) and SIGINT into an
 :class:`Interrupted` exception in the main thread, so every ``with atomic_path(...)``
 removes its temporary file and the hidden_states stage commits its partial cache for
-the next run to resume (:mod:`dflash_eval.cache`). A temporary file survives only a
+the next run to resume (:mod:`dflash_eval.cache_format`). A temporary file survives only a
 SIGKILL or a lost node; it is locked (``flock``) while its writer lives, and the next
 write of the same output removes every unlocked one (:func:`remove_stale_temps`).
 """
@@ -110,7 +110,7 @@ def remove_stale_temps(dest: str | os.PathLike) -> list[Path]:
 
 
 def partial_path(dest: str | os.PathLike) -> Path:
-    """The resumable sidecar of ``dest``: ``<dest>.partial`` (see :mod:`dflash_eval.cache`)."""
+    """The resumable sidecar of ``dest``: ``<dest>.partial`` (see :mod:`dflash_eval.cache_format`)."""
     dest = Path(dest)
     return dest.with_name(dest.name + ".partial")
 
@@ -226,7 +226,7 @@ def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.S
     The first signal raises; later ones are logged and ignored, so the clean-up (removing
     temporaries, committing the partial cache) is not cut short by a second Ctrl-C or SLURM's
     repeated SIGTERM. SIGKILL cannot be caught: what it leaves is removed or resumed by the
-    next run (:func:`remove_stale_temps`, :mod:`dflash_eval.cache`).
+    next run (:func:`remove_stale_temps`, :mod:`dflash_eval.cache_format`).
     """
     if _HANDLING["installed"]:
         return

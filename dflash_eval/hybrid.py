@@ -81,6 +81,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .target_spec import TargetSpec, as_spec
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +187,7 @@ def causal_conv1d_status() -> str:
 
 
 def target_has_linear_attention(target) -> bool:
-    """True if the target (folder or :class:`~dflash_eval.target.TargetSpec`) has ``linear_attention`` layers."""
-    from .target import TargetSpec, as_spec
-
+    """True if the target (folder or :class:`~dflash_eval.target_spec.TargetSpec`) has ``linear_attention`` layers."""
     if not isinstance(target, TargetSpec) and not (Path(target) / "config.json").exists():
         return False
     return as_spec(target).has_linear_attention
@@ -269,7 +268,7 @@ def bind_linear_attention(backend: str, device, target) -> KernelBinding:
         backend: ``"auto"`` (fla on CUDA when ``fla.ops.gated_delta_rule`` imports, else torch),
             ``"fla"`` or ``"torch"`` (config ``target.linear_attn_backend``).
         device: torch device (or string) the target will run on.
-        target: HF target folder or :class:`~dflash_eval.target.TargetSpec` (only ``config.json`` is read).
+        target: HF target folder or :class:`~dflash_eval.target_spec.TargetSpec` (only ``config.json`` is read).
 
     Returns:
         ``KernelBinding("none")`` for targets without linear-attention layers, else the resolved

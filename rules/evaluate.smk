@@ -3,7 +3,6 @@
 # tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
-
 rule evaluate:
     input:
         unpack(target_model_files),
@@ -28,33 +27,12 @@ rule evaluate:
     params:
         drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
-        training_backend=config["target"]["training_backend"],
-        max_samples=config["evaluate"]["max_samples"],
-        batch_size=config["evaluate"]["batch_size"],
-        replay=config["evaluate"]["replay"],
-        device=config["evaluate"]["device"],
-        dtype=config["evaluate"]["dtype"],
-        ddtree_budgets=",".join(str(b) for b in config["evaluate"]["ddtree_budgets"]),
-        agreement_warn=config["evaluate"]["agreement_warn"],
-        agreement_min=config["evaluate"]["agreement_min"],
-        allow=" ".join(
-            flag
-            for key, flag in (
-                ("allow_low_agreement", "--allow-low-agreement"),
-                ("allow_foreign_cache", "--allow-foreign-cache"),
-            )
-            if config["evaluate"][key]
-        ),
+        options=PLAN.stage_flags("evaluate"),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
-        " --target-fingerprint {input.fingerprint:q}"
-        " --training-backend {params.training_backend}"
-        " --max-samples {params.max_samples} --batch-size {params.batch_size} --replay {params.replay}"
-        " --device {params.device:q} --dtype {params.dtype}"
-        " --ddtree-budgets={params.ddtree_budgets:q}"
-        " --agreement-warn {params.agreement_warn} --agreement-min {params.agreement_min}"
-        " {params.allow} --out {output:q} > {log:q} 2>&1"
+        " --target-fingerprint {input.fingerprint:q} {params.options}"
+        " --out {output:q} > {log:q} 2>&1"
 
 
 rule summary:
@@ -85,8 +63,8 @@ rule report:
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
-        extra=KERNEL_PARITY_ALL + VALIDATE_ONLINE_ALL,
-        costs=TARGET_COSTS_ALL,
+        extra=PLAN.extra_outputs(),
+        costs=PLAN.target_costs_outputs(),
     output:
         md="results/{run}/report.md",
         html=report(

@@ -15,19 +15,11 @@ rule prompts:
     container:
         config["containers"]["cuda"]
     params:
-        source=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("source"),
+        source=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set)["source"],
         path=lambda wildcards: PLAN.prompts_path_arg(wildcards.prompt_set),
-        n=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("n"),
-        seed=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("seed"),
-        max_prompt_tokens=lambda wildcards: PLAN.prompt_set_options(wildcards.prompt_set).get("max_prompt_tokens"),
-        thinking=(
-            "--enable-thinking"
-            if config["generation"]["enable_thinking"]
-            else "--no-enable-thinking"
-        ),
+        options=lambda wildcards: PLAN.stage_flags("prompts", wildcards.prompt_set),
         tokenizer=target_dir,
     shell:
         "python -m dflash_eval prompts --source {params.source} {params.path}"
-        " --tokenizer {params.tokenizer:q} --n {params.n} --seed {params.seed}"
-        " --max-prompt-tokens {params.max_prompt_tokens} {params.thinking}"
+        " --tokenizer {params.tokenizer:q} {params.options}"
         " --out {output.prompts:q} > {log:q} 2>&1"

@@ -16,9 +16,9 @@ if TARGET.from_gguf:
             tokenizer=TARGET.tokenizer[0],
             tokenizer_config=TARGET.tokenizer[1],
         log:
-            f"logs/target_from_gguf/{config['target']['name']}.log",
+            f"logs/target_from_gguf/{PLAN.target_name}.log",
         benchmark:
-            f"benchmarks/target_from_gguf/{config['target']['name']}.tsv"
+            f"benchmarks/target_from_gguf/{PLAN.target_name}.tsv"
         conda:
             "../envs/gpu.yaml"
         container:
@@ -37,7 +37,7 @@ rule target_fingerprint:
     output:
         TARGET.fingerprint,
     log:
-        f"logs/target_fingerprint/{config['target']['name']}.log",
+        f"logs/target_fingerprint/{PLAN.target_name}.log",
     conda:
         "../envs/gpu.yaml"
     container:

@@ -36,7 +36,7 @@ elif [ "$stage" = train ]; then
       --num-layers 2 --intermediate-size 704 --block-size 8
   for ck in "$W"/D/step*.pt; do
     name=D-$(basename "$ck" .pt)
-    run $PY -m dflash_eval strip --checkpoint "$ck" --target "$W/target" --out-dir "$W/drafters/$name"
+    run $PY -m dflash_eval strip-drafter --checkpoint "$ck" --target "$W/target" --out-dir "$W/drafters/$name"
     for s in humaneval sharegpt; do
       run $PY -m dflash_eval evaluate --drafter "$W/drafters/$name" --cache "$W/eval/cache/$s.h5" \
           --target "$W/target" --device "$DEV" --batch-size 32 --out "$W/evals/$name/$s.json"

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_eval.cache import FILE_ATTRS, CacheReader, from_storage, to_storage, write_cache
+from dflash_eval.cache_format import FILE_ATTRS, from_storage, to_storage
+from dflash_eval.cache_reader import CacheReader
+from dflash_eval.cache_writer import write_cache
 from dflash_eval.extract import run_target
 from dflash_eval.runtime import length_batches
 from dflash_eval.errors import InputError
@@ -131,7 +133,7 @@ def test_packed_matches_padded_and_hf(arch):
 
 def test_packing_support():
     from dflash_eval.extract import packing_support
-    from dflash_eval.target import TargetSpec
+    from dflash_eval.target_spec import TargetSpec
 
     def spec(**cfg):
         base = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10}
@@ -204,7 +206,7 @@ def _documented():
     """Names the cache docstring documents: file attributes, sample datasets, sample attributes."""
     import re
 
-    import dflash_eval.cache as C
+    import dflash_eval.cache_format as C
 
     doc = C.__doc__
     files_part = doc[doc.index("File attributes (FILE_ATTRS"): doc.index("Layer convention")]
@@ -224,8 +226,8 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
     import sys
     from pathlib import Path
 
-    from dflash_eval.cache import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.cache_format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
+    from dflash_eval.stages.hidden_states import extract_hidden_states
 
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target
@@ -255,7 +257,8 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
 def test_resume_salvages_a_partial_whose_group_index_is_damaged(tmp_path, caplog):
     """A sample group whose object header never reached the disk (a kill between metadata writes): it
     cannot be opened nor unlinked, so the verified samples are copied to a fresh file and the rest recomputed."""
-    from dflash_eval.cache import IDENTITY_ATTRS, PartialCache, SampleMeta, sample_sha256
+    from dflash_eval.cache_format import IDENTITY_ATTRS, sample_sha256
+    from dflash_eval.cache_writer import PartialCache, SampleMeta
 
     meta = [SampleMeta(f"s{i}", np.arange(5, dtype=np.int32) + i, 2, "eos", 8) for i in range(4)]
     identity = {k: 1 for k in IDENTITY_ATTRS} | {"format": "dflash-eval/hidden-state-cache", "target_layer_ids": [0]}

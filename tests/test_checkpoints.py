@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_eval.checkpoints import FORMATS, detect_format
-from dflash_eval.strip import strip_checkpoint
+from dflash_eval.stages.strip_drafter import strip_checkpoint
 from dflash_eval.drafter import DFlashDrafter, load_drafter
 from dflash_eval.errors import InputError
 from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
@@ -198,7 +198,7 @@ def test_custom_layout_with_target_tensors(tmp_path, cfg, state, caplog):
     full = {**state, "embed_tokens.weight": embed.float(), "lm_head.weight": head.clone(),
             "verifier_lm_head.weight": head.clone()}
     torch.save({"model": full, "draft_config": cfg}, tmp_path / "big.pt")
-    with caplog.at_level(logging.INFO, logger="dflash_eval.strip"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.stages.strip_drafter"):
         out = strip_checkpoint(tmp_path / "big.pt", tmp_path / "out", target_dir=tmp_path / "target")
     # equal shared copies dropped: the expected case, logged at INFO (a WARNING only for what needs a look)
     dropped = [r for r in caplog.records if r.getMessage().endswith("equal to the target's; dropped")]
@@ -305,7 +305,7 @@ def test_pt_not_a_dict(tmp_path):
     (b"\x00\x01\x02junk", "neither a zip archive nor a pickle"),
 ])
 def test_pt_that_is_not_a_torch_file(tmp_path, content, problem):
-    """Issue 13 item 12: these ended in the unpickler's bare message (': 101.')."""
+    """These ended in the unpickler's bare message (': 101.')."""
     (tmp_path / "bad.pt").write_bytes(content)
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "bad.pt", tmp_path / "out")
@@ -488,7 +488,7 @@ def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
 
 
 
-# --------------------------------------------------------------------------- fields stored twice (issue 13 item 2)
+# --------------------------------------------------------------------------- fields stored twice
 @pytest.mark.parametrize("edit, field, values", [
     (lambda c: c.update(block_size=4), "block_size", ("dflash_config.block_size=8", "block_size=4")),
     (lambda c: c.update(mask_token_id=5), "mask_token_id", (f"dflash_config.mask_token_id={MASK_ID}", "mask_token_id=5")),

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from dflash_eval.completions import (SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, generate_completions,
-                                    stop_token_ids)
+from dflash_eval.generation import SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, stop_token_ids
+from dflash_eval.stages.completions import generate_completions
 from dflash_eval.errors import InputError
 from dflash_eval.prompts import build_prompt_set, write_prompts
 from dflash_eval.target import load_target
@@ -129,7 +129,7 @@ def test_source_registry_and_pad_fallback(setup):
 def test_errors_leave_no_output(setup, tmp_path):
     root, target, prompts, rows, _, _, _ = setup
     out = tmp_path / "c.jsonl"
-    with pytest.raises(InputError, match="unknown completion source"):
+    with pytest.raises(InputError, match=r"--source: .vllm.: .vllm. is not one of"):
         generate_completions(target, prompts, out, source="vllm")
     with pytest.raises(InputError, match="needs a server"):
         generate_completions(target, prompts, out, source="openai")
@@ -146,7 +146,7 @@ def test_errors_leave_no_output(setup, tmp_path):
     assert not list(tmp_path.glob(".c.jsonl*"))
 
 
-# --------------------------------------------------------------------------- stop ids (issue 13 item 1)
+# --------------------------------------------------------------------------- stop ids
 
 def _target_variant(src, dst, config_eos=None, generation_config=True, tokenizer_eos=None, emit_im_end=None):
     """Copy of a tiny target with other eos declarations. ``emit_im_end=(model, prompt_ids)``: swap the LM-head
@@ -226,7 +226,7 @@ def test_warns_when_completions_run_past_the_end_of_turn(setup, tmp_path, caplog
     t2 = _target_variant(target, tmp_path / "t", config_eos=0, generation_config=False, tokenizer_eos="<|endoftext|>",
                          emit_im_end=(model, rows[1]["prompt_ids"]))
     assert stop_token_ids(t2)[0] == [0]
-    with caplog.at_level("WARNING", logger="dflash_eval.completions"):
+    with caplog.at_level("WARNING", logger="dflash_eval.stages.completions"):
         got = _read(generate_completions(t2, prompts, tmp_path / "c.jsonl", max_new_tokens=MAX_NEW, batch_size=16,
                                          device="cpu", dtype="float32"))
     past = [g["id"] for g in got if 2 in g["completion_ids"][:-1]]
@@ -265,13 +265,12 @@ def test_convert_gguf_writes_every_end_of_generation_id(tmp_path, monkeypatch):
 def test_declared_server_log_says_no_server(setup):
     """The workflow declares <set>.vllm.log for every source: without a server it holds one line
     saying so (not an empty file); without --server-log nothing is written beside the output."""
-    from dflash_eval.completions import ServerOptions
 
     root, target, prompts, *_ = setup
     log = root / "logs" / "set.vllm.log"
     generate_completions(target, prompts, root / "s.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
-                         dtype="float32", server=ServerOptions(server_log=str(log)))
+                         dtype="float32", server_log=str(log))
     assert log.read_text() == "no server started by this job (generation.source: transformers, generation.serve: none)\n"
     generate_completions(target, prompts, root / "t.jsonl", max_new_tokens=MAX_NEW, batch_size=16, device="cpu",
-                         dtype="float32", server=ServerOptions())
+                         dtype="float32", )
     assert not (root / "t.jsonl.vllm.log").exists()

@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dflash_eval.demo import drafter_config_for_target  # noqa: E402
 from dflash_eval.cli import build_parser  # noqa: E402
-from dflash_eval.costs import _tree_mask, measure_target_costs, read_costs  # noqa: E402
+from dflash_eval.costs import read_costs
+from dflash_eval.stages.target_costs import _tree_mask, measure_target_costs  # noqa: E402
 from dflash_eval.errors import InputError  # noqa: E402
-from dflash_eval.target import TargetSpec  # noqa: E402
+from dflash_eval.target_spec import TargetSpec# noqa: E402
 
 
 def _drafter_configs(tmp_path, target, specs):
@@ -66,8 +67,8 @@ def test_hybrid_target_cache_copies(tmp_path):
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"budgets": [0]}, "target_costs.budgets"),
-    ({"repeats": 0}, "target_costs"),
+    ({"budgets": [0]}, "--budgets"),
+    ({"repeats": 0}, "--repeats"),
     ({"context_tokens": 600}, "target_costs.context_tokens"),  # tiny target: max_position_embeddings 512
 ])
 def test_errors(llama, tmp_path, kw, field):

@@ -32,8 +32,8 @@ def smol(tmp_path_factory):
 
 
 def _pipeline(smol, source, n, max_new_tokens, name):
-    from dflash_eval.extract import extract_hidden_states
-    from dflash_eval.completions import generate_completions
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.prompts import build_prompt_set, write_prompts
 
     target = smol / "target"
@@ -53,8 +53,8 @@ def online_cache(smol):
 def test_offline_replay_equals_reference_online_loop(smol, online_cache, monkeypatch):
     import dflash.model as ref
 
-    from dflash_eval.cache import CacheReader
-    from dflash_eval.replay import evaluate
+    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.target import load_target
 
     cache = online_cache
@@ -77,14 +77,14 @@ def test_offline_replay_equals_reference_online_loop(smol, online_cache, monkeyp
 def test_validate_online_chain_and_ddtree_equal_offline(smol, online_cache):
     """Our online loop with the target in the loop (chain, and DDTree-16 verified in one tree-attention forward)
     commits the cached completion and the exact per-step acceptance of the offline replay (float32)."""
-    from dflash_eval.online import validate_online
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.validate_online import validate_online
+    from dflash_eval.stages.evaluate import evaluate
 
     drafter_dir = DRAFTERS / f"dflash-smollm2-b8-step{STEPS[-1]}"
     evaluate(drafter_dir, online_cache, smol / "target", smol / "online_dd.json", device="cpu", dtype="float32",
              ddtree_budgets=[16, 64])
     r = validate_online(smol / "target", smol / "online.jsonl", [drafter_dir], [smol / "online_dd.json"],
-                        smol / "validate_online.json", n_samples=2, budget=16, device="cpu", dtype="float32")
+                        smol / "validate_online.json", n_samples=2, ddtree_budget=16, device="cpu", dtype="float32")
     modes = r["checkpoints"][0]["modes"]
     for name in ("chain", "ddtree_16"):
         m = modes[name]
@@ -96,7 +96,7 @@ def test_validate_online_chain_and_ddtree_equal_offline(smol, online_cache):
 
 
 def test_demo_drafters_improve_with_training(smol):
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
 
     for source in ("humaneval", "sharegpt"):
         cache = _pipeline(smol, source, 6, 96, f"order-{source}")
@@ -112,10 +112,11 @@ def test_batched_replay_equals_sequential_on_demo_drafters(smol):
     exercised), both layouts of the batched pass. (bf16: tests/test_parity.py and bench/replay.py,
     where every difference must be a near-tie named by explain_differences.)
     """
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
     from dflash_eval.drafter import load_drafter
-    from dflash_eval.replay import LAYOUTS, replay, replay_batched
-    from dflash_eval.target import load_embed_and_head
+    from dflash_eval.anchors import LAYOUTS, replay_batched
+    from dflash_eval.replay import replay
+    from dflash_eval.target_spec import load_embed_and_head
 
     embed, head = load_embed_and_head(smol / "target")
     embed, head = embed.float(), head.float()

@@ -74,14 +74,15 @@ def test_signal_stops_a_stage_cleanly(tmp_path, sig, code):
     script = textwrap.dedent(f"""
         import os, sys, time
         from dflash_eval import cli, errors
+        from dflash_eval.stages import summary
 
-        def slow_stage(args):
+        def slow_stage(args, opts):
             with errors.atomic_path({str(dest)!r}) as tmp:
                 tmp.write_text("partial report")
                 print("writing", flush=True)
                 time.sleep(60)
 
-        cli._dispatch = slow_stage
+        summary.main = slow_stage
         sys.exit(cli.main(["summary", "--evals", "x", "--out-csv", "a", "--out-parquet", "b"]))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], env=_env(), stdout=subprocess.PIPE,

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 import pytest
 
-from dflash_eval.cache import FILE_DATASETS
+from dflash_eval.cache_format import FILE_DATASETS
 from dflash_eval.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def _unfinished_copy(src: Path, dst: Path, drop: list[int]) -> None:
 
 @pytest.mark.slow
 def test_partial_of_other_settings_is_refused_never_mixed(work, tmp_path, caplog):
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
 
     wd = work
     out = tmp_path / "c.h5"
@@ -243,7 +243,7 @@ def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, m
     Snakemake does before rerunning an orphaned job) the next run verifies and reuses it, loading nothing."""
     from dflash_eval import target as target_mod
     from dflash_eval.errors import remove_done_links
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
 
     wd = work
     out = tmp_path / "k.h5"
@@ -267,7 +267,7 @@ def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, m
 @pytest.mark.slow
 def test_host_memory_holds_two_batches_whatever_the_sample_count(work, tmp_path, caplog):
     """Streaming: the states held in host memory at once never exceed two batches, for 1x and 4x the samples."""
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.runtime import length_batches
 
     for n in (60, 240):
@@ -301,8 +301,8 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
     """Free space below the next batch's size (statvfs): stop before HDF5 writes, commit kept, resume."""
     import shutil as _shutil
 
-    from dflash_eval import cache as cache_mod
-    from dflash_eval.extract import extract_hidden_states
+    from dflash_eval import cache_writer as cache_mod
+    from dflash_eval.stages.hidden_states import extract_hidden_states
 
     calls = {"n": 0}
     real = _shutil.disk_usage

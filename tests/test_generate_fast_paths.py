@@ -35,7 +35,7 @@ def test_fast_generate_matches_plain_generate(tmp_path, arch, monkeypatch):
     from tiny import make_tiny_target
 
     import dflash_eval.target as T
-    from dflash_eval.completions import TransformersSource
+    from dflash_eval.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch=arch, num_layers=3, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -92,7 +92,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     from tiny import make_tiny_target
 
     import dflash_eval.target as T
-    from dflash_eval.completions import TransformersSource
+    from dflash_eval.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -100,7 +100,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     src = TransformersSource(model, tok, max_new_tokens=6, stop_ids=[10 ** 6])  # no stop: 6 steps
     quiet = src.generate(prompts)
     src.log_every = 0.0
-    with caplog.at_level(logging.INFO, logger="dflash_eval.completions"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.generation"):
         loud = src.generate(prompts)
     assert loud == quiet and all(len(ids) == 6 for ids, _ in loud)
     steps = [r.getMessage() for r in caplog.records if "decode step" in r.getMessage()]

@@ -16,7 +16,8 @@ import torch
 
 import tiny_hybrid as th
 from dflash_eval import hybrid
-from dflash_eval.extract import extract_hidden_states, run_target
+from dflash_eval.extract import run_target
+from dflash_eval.stages.hidden_states import extract_hidden_states
 from dflash_eval.cli import main
 from dflash_eval.errors import InputError
 
@@ -69,7 +70,8 @@ def test_hooks_match_hf_hidden_states(kind):
 
 def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
     """A Qwen3_5ForConditionalGeneration folder (text_config, model.language_model.* weights) loads as a causal LM."""
-    from dflash_eval.target import load_embed_and_head, load_target, target_info
+    from dflash_eval.target import load_target, target_info
+    from dflash_eval.target_spec import load_embed_and_head
 
     vlm = th.build_model("qwen3_5_vlm")
     vlm.save_pretrained(tmp_path)
@@ -200,7 +202,7 @@ def test_fla_bound_at_import_is_detected_and_overridden(tmp_path):
 
 
 def test_cache_records_backend_and_evaluate_refuses_mismatch(target, completions, drafter, tmp_path, monkeypatch):
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
 
     monkeypatch.setenv("DFLASH_EVAL_IMAGE", "dflash-eval/cuda:9.9.9")  # as containers/cuda/Dockerfile sets it
     monkeypatch.setenv("FLA_FLASH_QLA", "0")
@@ -250,10 +252,10 @@ def test_kernel_parity_cli_on_cpu_reports_fla_unavailable(target, completions, d
 
 
 def test_kernel_parity_skips_targets_without_linear_attention(tmp_path):
-    from dflash_eval.kernel_parity import kernel_parity
+    from dflash_eval.stages.kernel_parity import kernel_parity
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
-    r = kernel_parity(tmp_path, tmp_path / "missing.jsonl", [0], 2, tmp_path / "kp.json", device="cpu")
+    r = kernel_parity(tmp_path, tmp_path / "missing.jsonl", [0], tmp_path / "kp.json", n_samples=2, device="cpu")
     assert r["markdown"].startswith("Skipped: target has no linear-attention layers")
     assert json.loads((tmp_path / "kp.json").read_text())["layers"] == []
 

@@ -75,3 +75,19 @@ def test_position_bins_by_hand():
     assert s.position_steps["128-256"] == 0 and math.isnan(s.position_tau["128-256"])
     assert list(s.position_tau) == position_bin_labels() and position_bin_labels()[-1] == "4096-inf"
     assert sum(s.position_steps.values()) == s.verify_steps
+
+
+def test_prompt_length_bins_hand_built():
+    from dflash_eval.metrics import PROMPT_BINS
+
+    # three responses: prompts of 10, 200 and 127 tokens; taus 2.0, 1.5 and 3.0; one with no verify step
+    s = aggregate([[2, 2], [1, 2], [3, 3, 3], []], 4, prompt_lens=[10, 200, 127, 5000])
+    assert position_bin_labels(PROMPT_BINS)[:3] == ["0-128", "128-256", "256-512"]
+    assert s.prompt_tau["0-128"] == (2.0 + 3.0) / 2 and s.prompt_samples["0-128"] == 2
+    assert s.prompt_tau["128-256"] == 1.5 and s.prompt_samples["128-256"] == 1
+    assert math.isnan(s.prompt_tau["4096-8192"]) and s.prompt_samples["4096-8192"] == 0  # no verify step: skipped
+    assert list(s.prompt_tau)[-1] == "32768-inf"
+    unknown = aggregate([[2, 2]], 4)
+    assert all(math.isnan(v) for v in unknown.prompt_tau.values()) and sum(unknown.prompt_samples.values()) == 0
+    with pytest.raises(ValueError, match="1 prompt lengths for 2 responses"):
+        aggregate([[1], [1]], 4, prompt_lens=[3])

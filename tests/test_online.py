@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_tiny_target  # noqa: E402
 
 from dflash_eval.ddtree import build_tree  # noqa: E402
-from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify, validate_online  # noqa: E402
+from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify  # noqa: E402
+from dflash_eval.stages.validate_online import validate_online  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def tiny(tmp_path_factory):
     from dflash_eval.demo import drafter_config_for_target
     from dflash_eval.drafter import DFlashDrafter
     from dflash_eval.drafter_config import DrafterConfig
-    from dflash_eval.target import TargetSpec, load_embed_and_head, load_target
+    from dflash_eval.target import load_target
+    from dflash_eval.target_spec import TargetSpec, load_embed_and_head
 
     d = tmp_path_factory.mktemp("online")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
@@ -103,9 +105,9 @@ def test_online_decoding_is_lossless(tiny, budget):
 
 @pytest.mark.slow
 def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
-    from dflash_eval.extract import extract_hidden_states
-    from dflash_eval.completions import generate_completions
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+    from dflash_eval.stages.completions import generate_completions
+    from dflash_eval.stages.evaluate import evaluate
 
     d = tiny["dir"]
     prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
@@ -118,7 +120,7 @@ def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
     evaluate(d / "drafter", d / "c.h5", tiny["target_dir"], d / "ev.json", device="cpu", dtype="float32",
              ddtree_budgets=[4, 32])
     r = validate_online(tiny["target_dir"], d / "c.jsonl", [d / "drafter"], [d / "ev.json"], d / "vo.json",
-                        n_samples=3, budget=32, device="cpu", dtype="float32")
+                        n_samples=3, ddtree_budget=32, device="cpu", dtype="float32")
     modes = r["checkpoints"][0]["modes"]
     assert set(modes) == {"chain", "ddtree_32"}
     for m in modes.values():

@@ -30,7 +30,7 @@ def _config(**over):
 
 
 def test_plan_module_imports_no_torch():
-    code = "import sys, dflash_eval.plan, dflash_eval.target; sys.exit('torch' in sys.modules)"
+    code = "import sys, dflash_eval.plan, dflash_eval.target_spec, dflash_eval.options; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -82,7 +82,7 @@ def test_checkpoint_files_of_a_folder(tmp_path):
 
 
 def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypatch):
-    """Issue 13 item 12: a folder without weights used to reach Snakemake as an input-function error
+    """A folder without weights used to reach Snakemake as an input-function error
     (hidden: 'Missing files after 5 seconds' and an empty eval/<ckpt>/); now the plan names the entry."""
     monkeypatch.chdir(tmp_path)
     for d, f in (("cfgonly", "config.json"), ("txt", "README.txt"), ("empty", None)):
@@ -98,7 +98,7 @@ def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypat
 
 
 def test_checkpoint_inputs_include_the_config_strip_falls_back_to(tmp_path, monkeypatch):
-    """Issue 13 item 9: strip reads the config.json beside a file checkpoint (or above a folder without
+    """Strip reads the config.json beside a file checkpoint (or above a folder without
     one); editing it must rerun strip, so it is an input."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run" / "run-step5").mkdir(parents=True)
@@ -128,7 +128,7 @@ def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
         plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
     with pytest.raises(InputError, match="duplicate"):
         plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
-    from dflash_eval.target import TargetSpec
+    from dflash_eval.target_spec import TargetSpec
 
     spec = TargetSpec.read(_target(tmp_path / "t", layers=3))
     with pytest.raises(InputError) as ei:
@@ -227,7 +227,7 @@ def _drafter_cfg(layers=(1, 2), **extra):
 
 
 def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
-    """Issue 13 item 11: what a checkpoint's plain config.json says is checked before any job runs (layers
+    """What a checkpoint's plain config.json says is checked before any job runs (layers
     not cached or beyond the target, a field stored twice with different values), with the entry named."""
     monkeypatch.chdir(tmp_path)
     _target(tmp_path / "hf", layers=4)
@@ -269,8 +269,9 @@ def test_target_costs_and_report_args():
     assert p.target_costs_inputs("r") == {"target_config": ["t/config.json"], "target_weights": ["t/model.safetensors"],
                                           "drafter_configs": ["results/r/drafters/ck1/config.json",
                                                               "results/r/drafters/ck 2/config.json"]}
-    assert p.target_costs_args() == ("--budgets 4,16 --context-tokens 512 --repeats 3 --warmup 2 "
-                                     "--linear-attn-backend torch --device auto --dtype auto")
+    assert p.stage_flags("target_costs") == ("--budgets=4,16 --context-tokens=512 --repeats=3 --warmup=2 "
+                                             "--device=auto --dtype=auto --linear-attn-backend=torch")
+    assert p.stage_flags("target_costs", rerun=False) == ""
     sha = p.config_sha256
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"

@@ -80,7 +80,7 @@ def test_sharegpt_packaged_file_is_truncated_and_complete_records_kept(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("ended early" in m and "kept the 17671 complete records" in m for m in warnings), warnings
     # 17671 complete records: 11137 open with a non-empty human turn, 2 with a 'user' turn and 29 with a
-    # system turn before a human turn (read since issue 13); 6358 open with 'gpt', 126 are empty, 12 have a
+    # system turn before a human turn (read since the ShareGPT loader change); 6358 open with 'gpt', 126 are empty, 12 have a
     # system turn followed by no user turn, 7 an empty human turn
     assert len(items) == 11137 + 2 + 29
     assert sum(isinstance(p, list) for _, p in items) == 29
@@ -148,7 +148,7 @@ def test_sharegpt_complete_file_warns_only_about_skips(tmp_path, caplog):
 
 
 def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
-    """Issue 13 item 6: user/assistant records and a leading system turn were dropped with an INFO line;
+    """User/assistant records and a leading system turn were dropped with an INFO line;
     now they are read (the system turn reaches the chat template) and every skip is counted by reason."""
     recs = [
         _conv("h", "human", "plain human"),
@@ -270,7 +270,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, field):
      "line 2001 column 24"),  # past the first read buffer: the line is still exact
 ])
 def test_non_utf8_file_names_line_and_column(tmp_path, name, data, field):
-    """Issue 13 item 12: a non-UTF-8 prompt file ended in a raw UnicodeDecodeError traceback."""
+    """A non-UTF-8 prompt file ended in a raw UnicodeDecodeError traceback."""
     p = tmp_path / name
     p.write_bytes(data)
     with pytest.raises(InputError) as ei:

@@ -13,8 +13,10 @@ import types
 import pytest
 import torch
 
-from dflash_eval.cache import CacheSample
-from dflash_eval.replay import SampleResult, anchor_drafts, chain_walk, replay, replay_batched
+from dflash_eval.cache_format import CacheSample
+from dflash_eval.anchors import anchor_drafts, chain_walk, replay_batched
+from dflash_eval.drafter import DFlashDrafter
+from dflash_eval.replay import SampleResult, replay
 
 MODES = ("sequential", "batched")
 
@@ -37,6 +39,8 @@ class OracleDrafter:
                                          head_dim=1, intermediate_size=1, layer_types=["full_attention"],
                                          is_causal=None)
         self.calls = []
+
+    make_block = DFlashDrafter.make_block  # the block every replay builds: [anchor, MASK x (B-1)] embedded
 
     def context_kv(self, hidden, positions):
         return []

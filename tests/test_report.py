@@ -13,8 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
-from dflash_eval import report as R
-from dflash_eval.cache import FORMAT, FORMAT_VERSION, write_cache
+from dflash_eval import reporting as R
+from dflash_eval.stages.report import write_report
+from dflash_eval.cache_format import FORMAT, FORMAT_VERSION
+from dflash_eval.cache_writer import write_cache
 from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame
 
 
@@ -113,7 +115,7 @@ def test_speedup_estimate_exact(run):
 
 def with_fake_columns(data):
     """tau_ddtree_2/8 (tau + 0.5 / + 1), per-slot columns (a block-3 row leaves slot 3 empty) and
-    position bins (the last one empty everywhere), as issue 9's summary adds them."""
+    position bins (the last one empty everywhere)."""
     f = data.frame
     f["tau_ddtree_2"] = f["tau"] + 0.5
     f["tau_ddtree_8"] = f["tau"] + 1.0
@@ -160,7 +162,7 @@ def test_html_self_contained_and_markdown(run):
     out = tmp_path / "results" / "r1"
     out.mkdir(parents=True)
     pd.DataFrame().to_csv(out / "tau.csv")
-    R.write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
+    write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()
     srcs = re.findall(r'<img src="([^"]+)"', html)

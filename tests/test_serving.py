@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from dflash_eval.completions import ServerOptions, generate_completions
+from dflash_eval.stages.completions import generate_completions
 from dflash_eval.errors import InputError
 from dflash_eval.prompts import build_prompt_set, write_prompts
 from dflash_eval.serving import ServerError, ServerUnavailable
@@ -66,7 +65,7 @@ def test_sglang_source_equals_transformers(env, tmp_path):
     root, target, prompts, ref = env
     with StandIn(target, mode="sglang", trim_matched=True) as s:  # SGLang may leave the matched stop id out
         got = _rows(generate_completions(target, prompts, tmp_path / "c.jsonl", source="sglang", max_new_tokens=MAX_NEW,
-                                         server=ServerOptions(url=s.url + "/", concurrency=3)))
+                                         endpoint={"url": s.url + "/"}, concurrency=3))
     assert _ids(got) == _ids(ref)
     assert [g["text"] for g in got] == [r["text"] for r in ref]
     gen = got[0]["generation"]
@@ -81,12 +80,11 @@ def test_openai_text_only_server_refused_unless_allowed(env, tmp_path, caplog):
     with StandIn(target, mode="openai", openai_ids=False) as s:
         with pytest.raises(InputError, match="returned no token ids.*allow_retokenize"):
             generate_completions(target, prompts, tmp_path / "a.jsonl", source="openai", max_new_tokens=MAX_NEW,
-                                 server=ServerOptions(url=s.url))
+                                 endpoint={"url": s.url})
         assert not (tmp_path / "a.jsonl").exists()
-        with caplog.at_level("WARNING", logger="dflash_eval.completions"):
+        with caplog.at_level("WARNING", logger="dflash_eval.stages.completions"):
             got = _rows(generate_completions(target, prompts, tmp_path / "b.jsonl", source="openai",
-                                             max_new_tokens=MAX_NEW, server=ServerOptions(url=s.url,
-                                                                                          allow_retokenize=True)))
+                                             max_new_tokens=MAX_NEW, endpoint={"url": s.url}, allow_retokenize=True))
     assert all(g["retokenized"] is True for g in got)
     bad = sum(g["retokenize_mismatch"] for g in got)
     msg = next(r.getMessage() for r in caplog.records if "round-trip mismatch rate" in r.getMessage())
@@ -102,8 +100,7 @@ def test_retries_on_errors_and_dropped_connections(env, tmp_path, caplog):
     faults = [500, None, 429, "drop", None, 503, "drop", 502]
     with StandIn(target, mode="sglang", faults=faults) as s, caplog.at_level("INFO"):
         got = _rows(generate_completions(target, prompts, tmp_path / "c.jsonl", source="sglang",
-                                         max_new_tokens=MAX_NEW, server=ServerOptions(url=s.url, concurrency=2,
-                                                                                      retries=4)))
+                                         max_new_tokens=MAX_NEW, endpoint={"url": s.url}, concurrency=2, retries=4))
         assert s.n_generate == len(PROMPTS) + 6  # every fault cost one extra request
     assert _ids(got) == _ids(ref)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("server requests retried"))
@@ -117,16 +114,17 @@ def test_server_down_mid_run_then_resumed(env, tmp_path):
     completions are kept; the rerun against the restarted server generates only the other prompts."""
     root, target, prompts, ref = env
     out = tmp_path / "c.jsonl"
-    opts = ServerOptions(url="", concurrency=1, retries=1)
+    opts = {"concurrency": 1, "retries": 1}
     with StandIn(target, mode="sglang", faults=[None] * 3 + ["drop"] * 50) as s:
-        opts.url = s.url
         with pytest.raises(ServerUnavailable, match="failed after 2 attempts"):
-            generate_completions(target, prompts, out, source="sglang", max_new_tokens=MAX_NEW, server=opts)
+            generate_completions(target, prompts, out, source="sglang", max_new_tokens=MAX_NEW,
+                                 endpoint={"url": s.url}, **opts)
     partial = tmp_path / ".c.jsonl.partial"
     assert not out.exists() and len(partial.read_text().splitlines()) == 1 + 3
     with StandIn(target, mode="sglang") as s:
-        opts.url = s.url  # restarted elsewhere: the URL is not part of what must match
-        got = _rows(generate_completions(target, prompts, out, source="sglang", max_new_tokens=MAX_NEW, server=opts))
+        # restarted elsewhere: the URL is not part of what must match
+        got = _rows(generate_completions(target, prompts, out, source="sglang", max_new_tokens=MAX_NEW,
+                                         endpoint={"url": s.url}, **opts))
         assert s.n_generate == len(PROMPTS) - 3
     assert _ids(got) == _ids(ref) and not partial.exists()
 
@@ -136,7 +134,7 @@ def test_api_key_is_sent_and_never_written(env, tmp_path):
     secret = "sk-dflash-test-7f3a9c"
     envv = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "dflash_eval", "completions", "--target", str(target), "--prompts", str(prompts),
-           "--source", "openai", "--max-new-tokens", str(MAX_NEW), "--api-key-env", "MY_KEY"]
+           "--source", "openai", "--max-new-tokens", str(MAX_NEW), "--endpoint-api-key-env", "MY_KEY"]
     with StandIn(target, mode="openai", api_key=secret) as s:
         p = subprocess.run(cmd + ["--endpoint-url", s.url, "--out", str(tmp_path / "no.jsonl")], env=envv,
                            capture_output=True, text=True, cwd=tmp_path)
@@ -158,17 +156,17 @@ def test_wrong_tokenizer_short_max_length_and_ignored_stops_are_refused(env, tmp
     with StandIn(target, mode="sglang", tokenizer_dir=other) as s:
         with pytest.raises(InputError, match="the server's tokenizer differs from the target's.*first difference") as ei:
             generate_completions(target, prompts, tmp_path / "c.jsonl", source="sglang", max_new_tokens=MAX_NEW,
-                                 server=ServerOptions(url=s.url))
+                                 endpoint={"url": s.url})
         assert ei.value.field == "tokenizer" and "--tokenizer" in ei.value.fix
     longest = max(len(r["prompt_ids"]) for r in _rows(prompts))
     with StandIn(target, mode="openai", max_model_len=longest + MAX_NEW - 1) as s:
         with pytest.raises(InputError, match=f"max length is {longest + MAX_NEW - 1} tokens, below the longest prompt"):
             generate_completions(target, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=MAX_NEW,
-                                 server=ServerOptions(url=s.url))
+                                 endpoint={"url": s.url})
     with StandIn(target, mode="sglang", ignore_stop=True) as s:
         with pytest.raises(ServerError, match="ignores stop_token_ids"):
             generate_completions(target, prompts, tmp_path / "c.jsonl", source="sglang", max_new_tokens=MAX_NEW,
-                                 server=ServerOptions(url=s.url))
+                                 endpoint={"url": s.url})
     assert not (tmp_path / "c.jsonl").exists()
 
 
@@ -206,23 +204,24 @@ def _wait_gone(marker: str, timeout: float = 60) -> list[int]:
 def test_served_vllm_is_stopped_with_its_process_group(env, tmp_path):
     root, target, prompts, ref = env
     fake = _fake_vllm(tmp_path)
-    opts = ServerOptions(serve="vllm", vllm_python=sys.executable, vllm_env=fake, server_log=str(tmp_path / "v.log"))
+    vllm = {"python": sys.executable, "env": fake}
     got = _rows(generate_completions(target, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=MAX_NEW,
-                                     device="cpu", dtype="float32", server=opts))
+                                     device="cpu", dtype="float32", serve="vllm", vllm=vllm,
+                                     server_log=str(tmp_path / "v.log")))
     assert _ids(got) == _ids(ref)
     assert got[0]["generation"]["served_by"] == {"serve": "vllm", "dtype": "float32", "enforce_eager": True,
                                                  "extra_args": [], "max_model_len": 256}
     assert "stand-in vLLM serving" in (tmp_path / "v.log").read_text()
     assert _wait_gone(str(tmp_path / "fakevllm"), 5) == [] and _wait_gone("standin-engine-core", 5) == []
     # a failing job (here: the server answers with another model's max length) stops its server too
-    opts.vllm_max_model_len = 8
     with pytest.raises(InputError, match="max length is 8 tokens"):
         generate_completions(target, prompts, tmp_path / "d.jsonl", source="openai", max_new_tokens=MAX_NEW,
-                             device="cpu", server=opts)
+                             device="cpu", serve="vllm", vllm={**vllm, "max_model_len": 8},
+                             server_log=str(tmp_path / "v.log"))
     assert _wait_gone("standin-engine-core", 5) == []
     with pytest.raises(InputError, match="vLLM is not importable"):
         generate_completions(target, prompts, tmp_path / "d.jsonl", source="openai", max_new_tokens=MAX_NEW,
-                             server=ServerOptions(serve="vllm", vllm_python=sys.executable))
+                             serve="vllm", vllm={"python": sys.executable})
 
 
 def test_sigkill_of_the_job_stops_its_vllm(env, tmp_path):
@@ -232,7 +231,7 @@ def test_sigkill_of_the_job_stops_its_vllm(env, tmp_path):
     envv = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "dflash_eval", "completions", "--target", str(target), "--prompts", str(prompts),
            "--source", "openai", "--serve", "vllm", "--vllm-python", sys.executable,
-           f"--vllm-env=PYTHONPATH={fake['PYTHONPATH']}", "--max-new-tokens", str(MAX_NEW), "--concurrency", "1",
+           f"--vllm-env={json.dumps({'PYTHONPATH': fake['PYTHONPATH']})}", "--max-new-tokens", str(MAX_NEW), "--concurrency", "1",
            "--out", str(tmp_path / "c.jsonl")]
     p = subprocess.Popen(cmd, env=envv, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     t0 = time.time()
@@ -270,16 +269,21 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
     cmds = [c for c in shell_commands(out.stdout) if " completions " in c]
     assert len(cmds) == 2
     args = build_parser().parse_args(dflash_eval_argv(cmds[0]))
-    assert (args.source, args.endpoint_url, args.api_key_env, args.concurrency, args.serve) == (
-        "openai", "http://gpu-host:8000", "DFLASH_EVAL_API_KEY", 32, "none")
+    assert (args.source, args.endpoint__url, args.serve) == ("openai", "http://gpu-host:8000", "none")
+    # requests in flight, timeouts, retries and the key's variable cannot change the completions: they travel in the
+    # jobs' environment (options.RUNTIME_ENV), not as rerun-triggering params
+    assert args.concurrency is None and args.endpoint__api_key_env is None and "--concurrency" not in cmds[0]
+    from dflash_eval.options import runtime_env
+
+    assert json.loads(runtime_env({"generation": {"concurrency": 32}}))["completions"]["concurrency"] == 32
     job = text[text.index("rule completions:"):].split("\n\n")[0]
     assert "model.safetensors" not in job and "tokenizer.json" in job  # no weights needed
     assert "resources: tmpdir=<TBD>, gpu=0" in job or "gpu=0" in job
 
     out = run({"source": "openai", "serve": "vllm", "vllm": {"python": "/opt/vllm/bin/python", "args": ["--seed", "0"]}})
     args = build_parser().parse_args(dflash_eval_argv(next(c for c in shell_commands(out.stdout) if " completions " in c)))
-    assert (args.serve, args.vllm_python, args.vllm_arg, args.vllm_env) == (
-        "vllm", "/opt/vllm/bin/python", ["--seed", "0"], ["VLLM_CPU_KVCACHE_SPACE=2"])
+    assert (args.serve, args.vllm__python, args.vllm__args, args.vllm__env) == (
+        "vllm", "/opt/vllm/bin/python", ["--seed", "0"], {"VLLM_CPU_KVCACHE_SPACE": "2"})
 
     for gen, msg in [({"source": "sglang", "serve": "vllm"}, "serves the 'openai' protocol"),
                      ({"source": "openai"}, "needs a server"),

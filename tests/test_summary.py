@@ -6,8 +6,9 @@ import json
 
 import pandas as pd
 
-from dflash_eval.report import write_report
-from dflash_eval.summary import COLUMNS, slot_columns, write_summary
+from dflash_eval.stages.report import write_report
+from dflash_eval.stages.summary import write_summary
+from dflash_eval.tau_table import COLUMNS, slot_columns
 
 
 def _eval(tmp_path, ckpt, ps, step, samples, block=8):
@@ -47,3 +48,19 @@ def test_summary_and_report(tmp_path):
     assert "nan" not in text.split("## Full table")[0]
     # histogram fractions of step100: 5 of 6 steps committed 1 token, 1 of 6 committed 3
     assert "`step100` / `humaneval`: 1:0.83 3:0.17" in text
+
+
+def test_tau_by_prompt_length_bins(tmp_path):
+    ev = json.loads(open(_eval(tmp_path, "step1", "long", 1, [[3, 1], [1, 1, 1, 1], [2, 2]])).read())
+    for s, n in zip(ev["samples"], [100, 300, 9000]):
+        s["prompt_len"] = n
+    p = tmp_path / "long.json"
+    p.write_text(json.dumps(ev))
+    row = write_summary([str(p)], tmp_path / "t.csv", tmp_path / "t.parquet").iloc[0]
+    assert (row["tau_prompt_0_128"], row["n_prompt_0_128"]) == (2.0, 1)
+    assert (row["tau_prompt_256_512"], row["n_prompt_256_512"]) == (1.0, 1)
+    assert (row["tau_prompt_8192_16384"], row["n_prompt_8192_16384"]) == (2.0, 1)
+    assert pd.isna(row["tau_prompt_128_256"]) and row["n_prompt_128_256"] == 0
+    # evaluate outputs without prompt_len (older): the bins stay empty
+    old = write_summary([_eval(tmp_path, "s2", "x", 2, [[2]])], tmp_path / "u.csv", tmp_path / "u.parquet").iloc[0]
+    assert pd.isna(old["tau_prompt_0_128"]) and old["n_prompt_0_128"] == 0

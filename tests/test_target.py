@@ -15,6 +15,8 @@ import torch
 from dflash_eval import gguf as G
 from dflash_eval import runtime as R
 from dflash_eval import target as T
+from dflash_eval import target_spec as TS
+from dflash_eval.stages.target_fingerprint import write_fingerprint
 from dflash_eval.errors import InputError
 from tiny import make_tiny_target
 
@@ -160,22 +162,22 @@ def test_load_target_errors(tmp_path, tiny_untied):
 # ---------------------------------------------------------------- hashes and embed/head
 
 def test_weights_sha256(tmp_path, tiny_untied):
-    assert T.weights_sha256(tiny_untied) == hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
+    assert TS.weights_sha256(tiny_untied) == hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
     # sharded: bytes of the shards in sorted-name order
     model, _, _ = T.load_target(tiny_untied, device="cpu", dtype="bfloat16")
     sharded = tmp_path / "sharded"
     model.save_pretrained(str(sharded), max_shard_size="40KB")
     shards = sorted(sharded.glob("*.safetensors"))
     assert len(shards) > 2
-    assert T.weights_sha256(sharded) == hashlib.sha256(b"".join(s.read_bytes() for s in shards)).hexdigest()
+    assert TS.weights_sha256(sharded) == hashlib.sha256(b"".join(s.read_bytes() for s in shards)).hexdigest()
     with pytest.raises(InputError, match="safetensors"):
-        T.weights_sha256(tmp_path)
+        TS.weights_sha256(tmp_path)
 
 
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_load_embed_and_head_matches_model(which, tiny_untied, tiny_tied):
     d = tiny_untied if which == "untied" else tiny_tied
-    embed, head = T.load_embed_and_head(d)
+    embed, head = TS.load_embed_and_head(d)
     model, tok, _ = T.load_target(d, device="cpu", dtype="bfloat16")
     assert embed.dtype == head.dtype == torch.bfloat16
     assert embed.shape == head.shape == (len(tok), 64)
@@ -193,7 +195,7 @@ def test_load_embed_and_head_sharded_and_vlm_keys(tmp_path, tiny_untied):
     sharded = tmp_path / "sharded"
     model.save_pretrained(str(sharded), max_shard_size="40KB")
     assert (sharded / "model.safetensors.index.json").is_file()
-    embed, head = T.load_embed_and_head(sharded)
+    embed, head = TS.load_embed_and_head(sharded)
     assert torch.equal(embed, model.get_input_embeddings().weight)
     assert torch.equal(head, model.get_output_embeddings().weight)
 
@@ -203,12 +205,12 @@ def test_load_embed_and_head_sharded_and_vlm_keys(tmp_path, tiny_untied):
     save_file({"model.language_model.embed_tokens.weight": e, "lm_head.weight": h,
                "model.visual.proj.weight": torch.zeros(2, 2)}, str(vlm / "model.safetensors"))
     (vlm / "config.json").write_text(json.dumps({"tie_word_embeddings": False, "text_config": {"hidden_size": 4}}))
-    got_e, got_h = T.load_embed_and_head(vlm)
+    got_e, got_h = TS.load_embed_and_head(vlm)
     assert torch.equal(got_e, e) and torch.equal(got_h, h)
 
     save_file({"model.embed_tokens.weight": e}, str(vlm / "model.safetensors"))
     with pytest.raises(InputError, match="no LM head") as ei:
-        T.load_embed_and_head(vlm)
+        TS.load_embed_and_head(vlm)
     assert ei.value.field == "tie_word_embeddings"
 
 
@@ -239,7 +241,7 @@ def test_convert_smollm2_gguf(tmp_path):
     # weights equal llama.cpp's own dequantization (bf16 rounding aside)
     reader = GGUFReader(str(gguf_path))
     gt = {t.name: t for t in reader.tensors}
-    embed, head = T.load_embed_and_head(out)
+    embed, head = TS.load_embed_and_head(out)
     assert head is embed  # SmolLM2 ties its embeddings
     ref = torch.from_numpy(dequantize(gt["token_embd.weight"].data, gt["token_embd.weight"].tensor_type).copy())
     torch.testing.assert_close(embed.float(), ref.reshape(embed.shape), rtol=1e-2, atol=1e-3)
@@ -265,17 +267,17 @@ def test_fingerprint_record_is_used_while_files_are_unchanged(tmp_path, tiny_unt
     import os
 
     tiny_untied = Path(shutil.copytree(tiny_untied, tmp_path / "t"))  # its mtime is changed below
-    rec = T.write_fingerprint(tiny_untied, tmp_path / "fp.json")
+    rec = write_fingerprint(tiny_untied, tmp_path / "fp.json")
     want = hashlib.sha256((tiny_untied / "model.safetensors").read_bytes()).hexdigest()
     data = json.loads(rec.read_text())
     assert data["sha256"] == want and [f["name"] for f in data["files"]] == ["model.safetensors"]
     calls = []
-    real = T.sha256_file
-    monkeypatch.setattr(T, "sha256_file", lambda *a: calls.append(a) or real(*a))
-    assert T.TargetSpec.read(tiny_untied, fingerprint_file=rec).weights_sha256() == want
+    real = TS.sha256_file
+    monkeypatch.setattr(TS, "sha256_file", lambda *a: calls.append(a) or real(*a))
+    assert TS.TargetSpec.read(tiny_untied, fingerprint_file=rec).weights_sha256() == want
     assert calls == []  # no weight file read
     st = (tiny_untied / "model.safetensors").stat()
     os.utime(tiny_untied / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced/touched
     caplog.set_level("WARNING")
-    assert T.weights_sha256(tiny_untied, record=rec) == want
+    assert TS.weights_sha256(tiny_untied, record=rec) == want
     assert len(calls) == 1 and "does not match the weight files" in caplog.text

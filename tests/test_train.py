@@ -54,11 +54,11 @@ def test_mask_token_is_an_unused_special_token():
 
 
 def test_random_init_demo_drafter_uses_an_unused_special_mask_token(tiny, tmp_path):
-    """Issue 13 item 7: random-init demo drafters used vocab_size - 1, an ordinary BPE token, as the mask
+    """Random-init demo drafters used vocab_size - 1, an ordinary BPE token, as the mask
     token; they now follow the trainer's rule (an existing special token, not bos/eos/pad/unk)."""
     from transformers import AutoTokenizer
 
-    from dflash_eval.demo import write_demo_checkpoint
+    from dflash_eval.stages.demo_checkpoint import write_demo_checkpoint
 
     out = write_demo_checkpoint(tiny / "target", tmp_path / "d.pt", random_init=True, layer_ids=[1, 2], block_size=4)
     mask = torch.load(out, weights_only=True)["draft_config"]["dflash_config"]["mask_token_id"]
@@ -114,3 +114,41 @@ def test_cpu_smoke_run_is_reproducible(tiny):
     ck = torch.load(tiny / "a" / "step6.pt", weights_only=True)
     assert ck["step"] == 6 and "optimizer" in ck and "embed_tokens.weight" in ck["model"]
     assert ck["draft_config"]["dflash_config"]["mask_token_id"] == 383
+
+
+def test_trainer_and_replay_build_the_same_blocks_and_logits():
+    """The trainer optimises what the replay measures: on a drafter with non-default ``input_embedding_scale``,
+    ``output_multiplier`` and logit softcap, the trainer's per-anchor logits equal the replay's one-block logits
+    (:func:`dflash_eval.replay._single_block_logits`, the block built by ``make_block``) and a hand computation of
+    the DFlash block (anchor + mask tokens embedded x scale; head x multiplier; tanh softcap). Dropping any of the
+    three in the trainer or in the drafter's shared methods breaks one of the equalities."""
+    from dflash_eval.cache_format import CacheSample
+    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+    from dflash_eval.replay import _single_block_logits
+    from dflash_eval.train import block_logits
+
+    scale, mult, cap = 2.5, 0.7, 3.0
+    cfg = DrafterConfig.from_dict({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "vocab_size": 20,
+                                   "input_embedding_scale": scale, "output_multiplier": mult,
+                                   "final_logit_softcapping": cap,
+                                   "dflash_config": {"target_layer_ids": [0], "mask_token_id": 19, "block_size": 4}})
+    torch.manual_seed(0)
+    d = DFlashDrafter(cfg).eval()
+    embed, head = torch.randn(20, 16), torch.randn(20, 16) * 4  # large logits: the softcap matters
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    hidden = torch.randn(1, 10, 16)
+    anchors = torch.tensor([[3, 5]])
+    with torch.no_grad():
+        trainer, _, _ = block_logits(d, embed, head, hidden, ids, anchors, 4)
+        sample = CacheSample(index=0, sample_id="s", input_ids=ids[0], prompt_len=2, hidden=hidden[0][:, None],
+                             target_argmax=ids[0], stop_reason="length", max_new_tokens=64)
+        pos = torch.arange(10)[None]
+        for r, a in enumerate(anchors[0].tolist()):
+            replay = _single_block_logits(d, embed, head, sample, a, 4)[1:]
+            block = torch.cat([embed[ids[0, a]][None], embed[19][None].expand(3, -1)]) * scale  # [anchor, MASK x 3]
+            h = d(block[None], torch.arange(a, a + 4)[None], d.context_kv(hidden, pos), pos, pos < a)[0, 1:]
+            hand = torch.tanh(h @ head.T * mult / cap) * cap
+            assert torch.allclose(trainer[r], hand, atol=1e-5), (a, (trainer[r] - hand).abs().max())
+            assert torch.allclose(replay, hand, atol=1e-5), (a, (replay - hand).abs().max())
+            assert hand.abs().max() > 0.9 * cap  # the cap is active: without it the values would differ

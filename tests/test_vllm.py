@@ -98,7 +98,7 @@ def _wait_no_server(cwd: Path | None, timeout: float = 60) -> list[int]:
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     """Converted SmolLM2 target, 6 HumanEval prompts, and the transformers source's float32 greedy completions."""
-    from dflash_eval.completions import generate_completions
+    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.prompts import build_prompt_set, write_prompts
     from dflash_eval.gguf import convert_gguf, resolve_gguf
 
@@ -255,15 +255,14 @@ class FaultProxy:
 
 
 def test_injected_500s_and_dropped_connections_are_retried(smol, served, tmp_path, caplog):
-    from dflash_eval.completions import ServerOptions, generate_completions
+    from dflash_eval.stages.completions import generate_completions
 
     root, target, prompts, ref = smol
     proxy = FaultProxy(served.server.url, [500, None, "drop", 503, None, "drop", 429])
     try:
         with caplog.at_level("INFO"):
             got = _rows(generate_completions(target, prompts, tmp_path / "c.jsonl", source="openai",
-                                             max_new_tokens=MAX_NEW, server=ServerOptions(url=proxy.url, concurrency=2,
-                                                                                          retries=5)))
+                                             max_new_tokens=MAX_NEW, endpoint={"url": proxy.url}, concurrency=2, retries=5))
     finally:
         proxy.close()
     assert _ids(got) == _ids(ref)
@@ -275,7 +274,7 @@ def test_injected_500s_and_dropped_connections_are_retried(smol, served, tmp_pat
 
 
 def test_wrong_tokenizer_and_short_max_length_are_clear_errors(smol, served, tmp_path):
-    from dflash_eval.completions import ServerOptions, generate_completions
+    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.errors import InputError
 
     root, target, prompts, ref = smol
@@ -284,11 +283,11 @@ def test_wrong_tokenizer_and_short_max_length_are_clear_errors(smol, served, tmp
     tj = json.loads((other / "tokenizer.json").read_text())
     tj["model"]["merges"] = tj["model"]["merges"][:2000]  # same vocabulary, another tokenization
     (other / "tokenizer.json").write_text(json.dumps(tj))
-    opts = ServerOptions(url=served.server.url)
+    opts = {"endpoint": {"url": served.server.url}}
     with pytest.raises(InputError, match="the server's tokenizer differs from the target's"):
-        generate_completions(other, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=MAX_NEW, server=opts)
+        generate_completions(other, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=MAX_NEW, **opts)
     with pytest.raises(InputError, match="the served model's max length is 1024 tokens, below the longest prompt"):
-        generate_completions(target, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=1000, server=opts)
+        generate_completions(target, prompts, tmp_path / "c.jsonl", source="openai", max_new_tokens=1000, **opts)
     assert not (tmp_path / "c.jsonl").exists()
 
 

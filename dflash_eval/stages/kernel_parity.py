@@ -1,9 +1,9 @@
-"""Kernel parity: the same samples extracted with two linear-attention backends, compared per layer.
+"""Stage ``kernel_parity`` (rule ``kernel_parity``): the same samples extracted with two linear-attention backends, compared per layer.
 
 The diagnosis users otherwise do by hand when a drafter trained on fla states
 (GPU) is evaluated on states from transformers' torch GDN fallback: on the first
 ``n_samples`` completions, :func:`kernel_parity` writes two temporary caches
-through the real extraction (:func:`dflash_eval.extract.extract_hidden_states`),
+through the real extraction (:func:`dflash_eval.stages.hidden_states.extract_hidden_states`),
 
 * **A** = fla and **B** = torch, both in the cache dtype (bf16 on GPU), when the
   device is CUDA and ``fla.ops.gated_delta_rule`` imports;
@@ -17,7 +17,7 @@ then compares them per stored layer over all tokens of all samples:
 ``||A - B||_2 / ||B||_2`` (Frobenius over tokens x hidden), ``max_abs`` =
 ``max |A - B|`` (units of the hidden state), plus the fraction of positions
 where the target's teacher-forced argmax agrees. With drafters, each is
-replayed (:func:`dflash_eval.replay.evaluate`) on both caches and the tau each
+replayed (:func:`dflash_eval.stages.evaluate.evaluate`) on both caches and the tau each
 gives is reported. Output: JSON with ``title`` and ``markdown`` (picked up by
 ``report --extra``) and the numbers.
 """
@@ -32,9 +32,33 @@ from pathlib import Path
 
 import torch
 
-from .errors import InputError, atomic_path
+from .. import options as options_mod
+from ..cache_reader import CacheReader
+from ..completions_file import read_completions
+from ..errors import InputError, atomic_path
+from .evaluate import evaluate
+from .hidden_states import extract_hidden_states
+
+STAGE = "kernel_parity"
 
 log = logging.getLogger(__name__)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--completions", required=True, help="completions JSONL; its first n_samples rows are used")
+    p.add_argument("--layer-ids", type=lambda t: [int(x) for x in t.split(",") if x], required=True,
+                   help="comma-separated 0-based decoder layers to compare")
+    p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
+    p.add_argument("--target-fingerprint", default=None, metavar="JSON",
+                   help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
+
+
+def main(args, opts) -> None:
+    kernel_parity(args.target, args.completions, args.layer_ids, args.out, opts, drafters=args.drafter,
+                  target_fingerprint=args.target_fingerprint)
+
 
 
 def plan(device: str, dtype: str, target_dir) -> dict:
@@ -117,34 +141,29 @@ def layer_stats(reader_a, reader_b, layer_ids: list[int]) -> tuple[list[dict], f
     return par.rows(layer_ids), agree / max(par.n_tok, 1), par.n_tok
 
 
-def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples: int, out, drafters=(),
-                  device: str = "auto", dtype: str = "auto", batch_tokens: int = 32768, target_fingerprint=None) -> dict:
+def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=None, *, drafters=(),
+                  target_fingerprint=None, **overrides) -> dict:
     """Extract ``n_samples`` completions with two backends, compare per layer, replay drafters on both.
 
     Args:
         target_dir: HF target folder.
         completions_path: completions JSONL; its first ``n_samples`` rows are used.
         layer_ids: 0-based decoder layers to compare (HF ``hidden_states[i+1]``).
-        n_samples: samples to extract (>= 1).
         out: JSON path (keys ``title``, ``markdown``, ``plan``, ``layers``, ``argmax_agreement``,
             ``n_samples``, ``n_tokens``, ``extractions`` (backend, dtype, seconds, tokens/s,
             ``linear_attn_kernel``), ``drafters`` (``checkpoint``, ``tau_a``, ``tau_b``)).
         drafters: stripped drafter folders to replay on both caches (their layers must be in ``layer_ids``).
-        device, dtype: as for the hidden_states stage (dtype applies on the fla path; see :func:`plan`).
-        batch_tokens: padded tokens per target forward.
+        opts: the stage's options (config ``kernel_parity.n_samples``: samples to extract, >= 1; and
+            ``cache.batch_tokens``, ``cache.device``, ``cache.dtype``, as for the hidden_states stage;
+            the dtype applies on the fla path, see :func:`plan`).
         target_fingerprint: a ``target-fingerprint`` record (the weights are then not hashed again).
 
     Raises:
         InputError: ``n_samples < 1``, bad completions, layer ids, or drafter/target mismatches.
     """
-    from .cache import CacheReader
-    from .completions import read_completions
-    from .extract import extract_hidden_states
-    from .replay import evaluate
-
-    if n_samples < 1:
-        raise InputError("config", "kernel_parity.n_samples", f"{n_samples} < 1", "compare at least one sample")
-    p = plan(device, dtype, target_dir)
+    opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
+    n_samples, device = opts.n_samples, opts.device
+    p = plan(device, opts.dtype, target_dir)
     result: dict = {"title": "Linear-attention kernel parity", "plan": p, "target": Path(target_dir).name,
                     "layers": [], "drafters": [], "extractions": {}}
     if p["a"] is None:
@@ -161,8 +180,9 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], n_samples:
         caches = {}
         for k in ("a", "b"):
             t0 = time.perf_counter()
-            caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids, batch_tokens=batch_tokens,
-                                              device=device, dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"],
+            caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids,
+                                              batch_tokens=opts.batch_tokens, device=device, dtype=p[k]["dtype"],
+                                              linear_attn_backend=p[k]["backend"],
                                               target_fingerprint=target_fingerprint)
             secs = time.perf_counter() - t0
             n_tok = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)

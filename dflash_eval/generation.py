@@ -1,43 +1,10 @@
-"""Greedy target completions for a prompt set (token ids, never re-tokenized text): the stage.
+"""Where completions come from: the sources of the ``completions`` stage, and the target's stop ids.
 
-Output JSONL, one row per prompt, in the prompts file's order::
-
-    {"id": str,
-     "prompt_ids": [int, ...],       # copied from the prompts file
-     "completion_ids": [int, ...],   # generated ids up to and including the first stop id; no padding
-     "text": str,                    # tokenizer.decode(completion_ids), special tokens kept
-     "stop_reason": "eos" | "length",
-     "max_new_tokens": int,
-     "generation": {...}}            # provenance, the same in every row (below)
-
-``completion_ids`` are what the target produced (greedy argmax), not a
-re-tokenization of ``text``: the hidden-state cache and the replay condition on
-exactly these ids. ``generation`` records ``source`` (``transformers`` | ``openai``
-| ``sglang``), ``stop_ids`` (the end-of-generation ids used, see
-:func:`stop_token_ids`) and the source's identity: library versions, dtype and
-device for ``transformers``; ``engine``, ``model`` (the served model id) and
-``server_version`` for servers, plus the launch settings when the workflow
-started the server (``generation.serve: vllm``). Timings go to the log only, so a
-rerun with the same inputs writes the same bytes. Rows re-tokenized from a
-server's text (``generation.allow_retokenize``) carry ``"retokenized": true`` and
-``"retokenize_mismatch"`` (the re-tokenized length differs from the number of
-tokens the server generated).
-
-Sources (:data:`SOURCES`): :class:`TransformersSource` (HF ``generate`` of the
-local target) and :class:`ServerSource` (a vLLM / SGLang server through
-:mod:`dflash_eval.serving`, at ``generation.endpoint.url`` or started by the job).
-
-Resume (append-only): completions are appended as they finish to a sidecar file
-``.<out name>.partial`` next to the output (first line: a key of everything that
-shapes the output; then one row per line, flushed and fsynced). The sidecar is not
-a declared Snakemake output, so Snakemake's clean-up of failed jobs leaves it
-alone. A rerun of a killed job (SIGKILL, SIGTERM, node loss, server crash) keeps
-the rows already there, generates only the missing prompts, writes the output in
-the prompts' order (temp file + rename) and deletes the sidecar: every prompt
-exactly once, and the same bytes as an uninterrupted run (the transformers source
-regenerates whole batches, so batch composition and thus numerics are the same).
-A sidecar whose key differs from this run's (other prompts, target, stop ids,
-limits, server, dtype...) is refused with the differences named.
+Sources (:data:`SOURCES`): :class:`TransformersSource` (HF ``generate`` of the local target) and
+:class:`ServerSource` (a vLLM / SGLang server through :mod:`dflash_eval.serving`, at
+``generation.endpoint.url`` or started by the job, :func:`open_source`). Each returns, per prompt,
+the generated ids up to and including the first stop id (:func:`cut_at_eos`), never a
+re-tokenization of text (the file format: :mod:`dflash_eval.completions_file`).
 """
 
 from __future__ import annotations
@@ -46,26 +13,19 @@ import abc
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .errors import InputError, atomic_path
-from .io import iter_jsonl, sha256_file
-from .progress import Progress
+from .completions_file import STOP_EOS, STOP_LENGTH
+from .errors import InputError
 from .runtime import dtype_name, length_batches
 
 log = logging.getLogger(__name__)
-
-STOP_EOS, STOP_LENGTH = "eos", "length"
-PARTIAL_FORMAT = "dflash-eval/completions-partial"
-PARTIAL_VERSION = 1
 
 #: special tokens that end a chat turn in common chat formats (ChatML, Llama 3, Phi-3, Gemma, DeepSeek)
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|end_of_turn|>",
@@ -480,143 +440,6 @@ SOURCES: dict[str, type[CompletionSource]] = {"transformers": TransformersSource
                                               "sglang": ServerSource}
 
 
-# --------------------------------------------------------------------------- resumable writer
-
-class PartialCompletions:
-    """Append-only sidecar ``<out dir>/.<out name>.partial`` (format: module docstring).
-
-    Args:
-        out: the final completions path.
-        key: JSON-able dict; a sidecar written under another key is refused.
-    """
-
-    def __init__(self, out: str | Path, key: dict):
-        self.out = Path(out)
-        self.path = self.out.with_name(f".{self.out.name}.partial")
-        self.key = json.loads(json.dumps(key))  # normalized (tuples -> lists)
-        self._fh = None
-        self._lock = threading.Lock()
-
-    def load(self) -> dict[str, str]:
-        """Open the sidecar for appending; return the rows already there (``{id: JSON line}``).
-
-        A torn last line (the process died mid-write) is cut off; a sidecar without a
-        complete header is started afresh.
-
-        Raises:
-            InputError: the sidecar was written under another key (differences named), or a
-                complete line in it is not a row.
-        """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        done: dict[str, str] = {}
-        if self.path.exists():
-            data = self.path.read_bytes()
-            end = data.rfind(b"\n") + 1
-            if end < len(data):
-                log.warning("%s: dropped a torn last line (%d bytes) left by an interrupted write", self.path,
-                            len(data) - end)
-                with open(self.path, "r+b") as fh:
-                    fh.truncate(end)
-                data = data[:end]
-            lines = data.decode("utf-8").splitlines()
-            header = None
-            if lines:
-                with contextlib.suppress(json.JSONDecodeError):
-                    header = json.loads(lines[0])
-            if not isinstance(header, dict) or header.get("format") != PARTIAL_FORMAT:
-                log.warning("%s has no valid header; starting it afresh", self.path)
-                self.path.unlink()
-            else:
-                if header.get("key") != self.key:
-                    raise InputError(self.path, "key", "partial completions from an interrupted run with other settings: "
-                                     + _key_diff(header.get("key") or {}, self.key),
-                                     f"delete {self.path} to start over, or rerun with the settings it was made with")
-                for n, line in enumerate(lines[1:], 2):
-                    try:
-                        row = json.loads(line)
-                        rid = str(row["id"])
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise InputError(self.path, f"line {n}", "not a completions row",
-                                         f"delete {self.path} to start over") from None
-                    done.setdefault(rid, line)
-        if not self.path.exists():
-            with atomic_path(self.path) as tmp:
-                tmp.write_text(json.dumps({"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "key": self.key})
-                               + "\n", encoding="utf-8")
-        self._fh = open(self.path, "a", encoding="utf-8")
-        return done
-
-    def append(self, lines: Sequence[str]) -> None:
-        """Append rows (JSON lines without newline) in one write, then flush and fsync."""
-        if not lines:
-            return
-        with self._lock:
-            self._fh.write("".join(line + "\n" for line in lines))
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def finish(self, ordered_lines: Sequence[str]) -> None:
-        """Write the output (the given lines, in order) atomically, then delete the sidecar."""
-        self.close()
-        with atomic_path(self.out) as tmp:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                for line in ordered_lines:
-                    fh.write(line + "\n")
-        self.path.unlink(missing_ok=True)
-
-
-def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
-    diffs = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            if a != b:
-                diffs.append(_key_diff(a, b, f"{prefix}{k}."))
-        elif a != b:
-            diffs.append(f"{prefix}{k} was {json.dumps(a)}, this run {json.dumps(b)}")
-    return "; ".join(diffs)
-
-
-# --------------------------------------------------------------------------- the stage
-
-@dataclass
-class ServerOptions:
-    """Settings of the server sources (``generation.endpoint``, ``generation.serve``, ``generation.vllm``, ...).
-
-    Attributes:
-        url: base URL of the user's server (``generation.endpoint.url``); ``""`` with ``serve="vllm"``.
-        model: served model name (``""`` = the server's only model).
-        api_key_env: environment variable holding the API key (never logged or recorded).
-        concurrency: requests in flight. timeout_s: per request, seconds. retries: per request.
-        allow_retokenize: accept servers that return text only (re-tokenized; mismatch rate logged).
-        serve: ``"none"`` or ``"vllm"`` (start vLLM on 127.0.0.1 for this job, stop it after).
-        vllm_python, vllm_args, vllm_env, vllm_max_model_len, vllm_start_timeout_s: see
-            :class:`dflash_eval.serving.VLLMServer` (max_model_len 0 = longest prompt + max_new_tokens,
-            rounded up to 256).
-        server_log: the served vLLM's log file (default ``<out>.vllm.log``); when no server is started,
-            a given file gets one line saying so.
-    """
-
-    url: str = ""
-    model: str = ""
-    api_key_env: str = "DFLASH_EVAL_API_KEY"
-    concurrency: int = 8
-    timeout_s: float = 600.0
-    retries: int = 8
-    allow_retokenize: bool = False
-    serve: str = "none"
-    vllm_python: str = ".venv-vllm/bin/python"
-    vllm_args: list[str] = field(default_factory=list)
-    vllm_env: dict = field(default_factory=dict)
-    vllm_max_model_len: int = 0
-    vllm_start_timeout_s: float = 900.0
-    server_log: str | None = None
-
 
 def check_served_tokenizer(client, tokenizer, target_dir, prompt_rows: Sequence[dict] = ()) -> None:
     """Compare the server's tokenization with the target's on :data:`TOKENIZER_PROBE` (+ the eos
@@ -649,27 +472,44 @@ def check_served_tokenizer(client, tokenizer, target_dir, prompt_rows: Sequence[
 
 
 @contextlib.contextmanager
-def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens: int, batch_size: int, device: str,
-                 dtype: str, linear_attn_backend: str, server: ServerOptions | None,
-                 target_fingerprint: str | Path | None = None) -> Iterator[tuple]:
-    """Yield ``(source, tokenizer, vocab_size)``; stops a served vLLM and closes clients on exit."""
+def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None = None,
+                target_fingerprint: str | Path | None = None) -> Iterator[tuple]:
+    """Open the completions source ``opts.source`` and yield ``(source, tokenizer, vocab_size)``.
+
+    Args:
+        opts: the ``completions`` stage's options (config section ``generation`` and
+            ``target.linear_attn_backend``, :mod:`dflash_eval.options`).
+        target_dir: the target HF folder (server sources read only its config, tokenizer and stop ids).
+        rows: the prompts (their lengths size vLLM's ``--max-model-len`` and are checked against the server's).
+        server_log: the served vLLM's log file; when no server is started here, a given file gets one
+            line saying so (the workflow declares it for every source).
+        target_fingerprint: a ``target-fingerprint`` record (the weights are not hashed again).
+
+    On exit a served vLLM is stopped and clients are closed.
+
+    Raises:
+        InputError: no server for a server source, a served model shorter than the longest prompt +
+            ``max_new_tokens``, a server with another tokenizer.
+    """
     from .runtime import resolve_device, resolve_dtype
 
-    if server is not None and server.server_log and (source == "transformers" or server.serve != "vllm"):
+    source, max_new_tokens = opts.source, opts.max_new_tokens
+    if server_log and (source == "transformers" or opts.serve != "vllm"):
         # the rule declares this log for every source: say why it holds no server output
-        Path(server.server_log).parent.mkdir(parents=True, exist_ok=True)
-        Path(server.server_log).write_text(f"no server started by this job (generation.source: {source}, "
-                                           f"generation.serve: {server.serve or 'none'})\n")
+        Path(server_log).parent.mkdir(parents=True, exist_ok=True)
+        Path(server_log).write_text(f"no server started by this job (generation.source: {source}, "
+                                    f"generation.serve: {opts.serve or 'none'})\n")
     if source == "transformers":
-        from .target import TargetSpec, load_target, target_info
+        from .target import load_target, target_info
+        from .target_spec import TargetSpec
 
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
+        dev = resolve_device(opts.device)
+        dt = resolve_dtype(opts.dtype, dev)
         spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend)
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
-        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch_size)
+        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=opts.batch_size)
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
         if max_pos and longest > max_pos:
@@ -684,7 +524,6 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
 
     from .serving import CLIENTS, VLLMServer, api_key_from_env
 
-    server = server or ServerOptions()
     if not (target_dir / "config.json").is_file():
         raise InputError(target_dir, "config.json", "not an HF model folder (no config.json)",
                          "point target.path at the served model's HF folder (config + tokenizer)")
@@ -696,27 +535,26 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
     need = len(longest_row["prompt_ids"]) + max_new_tokens
     with contextlib.ExitStack() as stack:
         launch = None
-        url = server.url
-        if server.serve == "vllm":
+        url = opts.endpoint.url
+        if opts.serve == "vllm":
             if source != "openai":
                 raise InputError(None, "generation.serve", f"vllm serves the 'openai' protocol, not {source!r}",
                                  "set generation.source: openai")
-            dev = resolve_device(device)
-            dt = dtype_name(resolve_dtype(dtype, dev))
-            mml = server.vllm_max_model_len or -(-need // 256) * 256
-            vllm = VLLMServer(server.vllm_python, target_dir, dtype=dt, max_model_len=mml,
-                              enforce_eager=dev.type == "cpu", extra_args=server.vllm_args, env=server.vllm_env,
-                              log_path=server.server_log, start_timeout_s=server.vllm_start_timeout_s)
+            dev = resolve_device(opts.device)
+            dt = dtype_name(resolve_dtype(opts.dtype, dev))
+            mml = opts.vllm.max_model_len or -(-need // 256) * 256
+            vllm = VLLMServer(opts.vllm.python, target_dir, dtype=dt, max_model_len=mml,
+                              enforce_eager=dev.type == "cpu", extra_args=list(opts.vllm.args),
+                              env={k: str(v) for k, v in opts.vllm.env.items()},
+                              log_path=server_log, start_timeout_s=opts.vllm.start_timeout_s)
             stack.enter_context(vllm)
             url = vllm.url
             launch = {**vllm.describe(), "max_model_len": mml}
-        elif server.serve not in ("none", "", None):
-            raise InputError(None, "generation.serve", f"unknown value {server.serve!r}", "use none or vllm")
         if not url:
             raise InputError(None, "generation.endpoint.url", f"source {source!r} needs a server",
                              "set generation.endpoint.url to your server's base URL, or generation.serve: vllm")
-        client = CLIENTS[source](url, model=server.model, api_key=api_key_from_env(server.api_key_env),
-                                 timeout_s=server.timeout_s, retries=server.retries, concurrency=server.concurrency)
+        client = CLIENTS[source](url, model=opts.endpoint.model, api_key=api_key_from_env(opts.endpoint.api_key_env),
+                                 timeout_s=opts.timeout_s, retries=opts.retries, concurrency=opts.concurrency)
         stack.callback(client.close)
         info = client.info()
         log.info("server: %s %s, model %r, max model length %s", info.engine, info.version or "(version unknown)",
@@ -732,177 +570,8 @@ def _open_source(source: str, target_dir: Path, rows: list[dict], max_new_tokens
             log.warning("the server does not report its max model length; prompts + %d new tokens may be cut",
                         max_new_tokens)
         check_served_tokenizer(client, tok, target_dir, rows)
-        src = ServerSource(client, info, tok, max_new_tokens, stop_ids, concurrency=server.concurrency,
-                           allow_retokenize=server.allow_retokenize, launch=launch, protocol=source)
+        src = ServerSource(client, info, tok, max_new_tokens, stop_ids, concurrency=opts.concurrency,
+                           allow_retokenize=opts.allow_retokenize, launch=launch, protocol=source)
         log.info("completions source: %s (concurrency %d, timeout %.0f s, %d retries)",
-                 json.dumps(src.provenance()), server.concurrency, server.timeout_s, server.retries)
+                 json.dumps(src.provenance()), opts.concurrency, opts.timeout_s, opts.retries)
         yield src, tok, vocab
-
-
-def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, source: str = "transformers",
-                         max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto",
-                         dtype: str = "auto", linear_attn_backend: str = "auto",
-                         server: ServerOptions | None = None, target_fingerprint: str | Path | None = None) -> Path:
-    """Greedy completions of every prompt in a prompts JSONL (format, sources and resume: module docstring).
-
-    Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
-    is written in the prompts file's order (temp file + rename) once every prompt is done.
-    A rerun after an interruption continues the sidecar (log: ``N already done``).
-
-    Args:
-        target_dir: HF target folder (server sources read only its config, tokenizer and stop ids).
-        prompts_path: JSONL from the prompts stage (:func:`dflash_eval.prompts.read_prompts`).
-        out: output JSONL.
-        source: ``transformers`` | ``openai`` | ``sglang`` (:data:`SOURCES`).
-        max_new_tokens: generated tokens per prompt at most (stop id included).
-        batch_size: prompts per ``generate`` call (transformers source).
-        linear_attn_backend: GDN kernel of hybrid targets ('auto'|'fla'|'torch', :mod:`dflash_eval.hybrid`);
-            use the one the cache stage uses.
-        device, dtype: see :func:`dflash_eval.runtime.resolve_device` / :func:`~dflash_eval.runtime.resolve_dtype`
-            (``auto``: bf16 on CUDA, float32 on CPU); for ``serve: vllm`` they choose vLLM's ``--dtype``.
-        server: server settings (:class:`ServerOptions`) for ``openai`` / ``sglang``.
-        target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target.write_fingerprint`), so the
-            weights are not hashed again.
-
-    Returns:
-        ``Path(out)``.
-
-    Raises:
-        InputError: unknown source, bad limits, bad prompts file or target folder, prompt ids outside the
-            vocabulary, a partial file from other settings, a server with another tokenizer or a too short
-            max length, a server without token ids (unless allowed).
-        ServerUnavailable / ServerError: the server failed (after retries); the partial file keeps
-            what was done, a rerun resumes.
-    """
-    from .prompts import read_prompts
-
-    if source not in SOURCES:
-        raise InputError(None, "generation.source", f"unknown completion source {source!r}", f"use one of {sorted(SOURCES)}")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise InputError(None, "generation.max_new_tokens" if max_new_tokens < 1 else "generation.batch_size",
-                         "must be >= 1", "set a positive value")
-    prompts_path, out, target_dir = Path(prompts_path), Path(out), Path(target_dir)
-    rows = read_prompts(prompts_path)
-    ids_seen: set[str] = set()
-    for k, r in enumerate(rows):
-        if str(r["id"]) in ids_seen:
-            raise InputError(prompts_path, f"line {k + 1}: id", f"duplicate prompt id {r['id']!r}", "give every prompt a unique id")
-        ids_seen.add(str(r["id"]))
-
-    if server is not None and server.serve == "vllm" and not server.server_log:
-        server = replace(server, server_log=f"{out}.vllm.log")  # the served vLLM's log beside the output
-    with _open_source(source, target_dir, rows, max_new_tokens, batch_size, device, dtype, linear_attn_backend, server,
-                      target_fingerprint) as (src, tok, vocab):
-        for k, r in enumerate(rows):
-            bad = [t for t in r["prompt_ids"] if not 0 <= t < vocab]
-            if bad:
-                raise InputError(prompts_path, f"line {k + 1}: prompt_ids", f"ids {bad[:5]} outside the target "
-                                 f"vocabulary ({vocab})", "rebuild the prompts with this target's tokenizer")
-        stop_ids, by_source = stop_token_ids(target_dir, tok)
-        log.info("stop ids %s (%s); declared by %s", stop_ids, ", ".join(repr(tok.convert_ids_to_tokens(i))
-                                                                         for i in stop_ids), json.dumps(by_source))
-        eot = end_of_turn_ids(tok)
-        missing = {i: t for i, t in eot.items() if i not in stop_ids}
-        if missing:
-            log.warning("the tokenizer ends chat turns with %s, which the target does not declare as end of "
-                        "generation: completions may run past the end of the turn (add the id to "
-                        "generation_config.json eos_token_id)", ", ".join(f"{t} (id {i})" for i, t in missing.items()))
-
-        provenance = src.provenance()
-        key = {"prompts_sha256": sha256_file(prompts_path).hexdigest(), "n_prompts": len(rows), "max_new_tokens": max_new_tokens,
-               "generation": provenance, **src.resume_key()}
-        partial = PartialCompletions(out, key)
-        done: dict[str, str] = {}
-        try:
-            done.update(partial.load())
-            unknown = set(done) - ids_seen
-            if unknown:
-                raise InputError(partial.path, "id", f"rows for prompts not in {prompts_path}: {sorted(unknown)[:5]}",
-                                 f"delete {partial.path} to start over")
-            todo = {i for i, r in enumerate(rows) if str(r["id"]) not in done}
-            log.info("completions: %d prompts, %d already done (%s), %d to generate", len(rows), len(rows) - len(todo),
-                     f"resumed from {partial.path}" if len(todo) < len(rows) else "fresh start", len(todo))
-            n_new = n_gen = 0
-            t0 = time.perf_counter()
-            # tqdm bar on a terminal (total: at most max_new_tokens per prompt); off a terminal the
-            # throttled INFO lines below are the progress, so the bar logs none of its own.
-            bar = Progress(len(todo) * max_new_tokens, "completions", logger=log, log_every=float("inf"))
-
-            def emit(results) -> None:
-                nonlocal n_new, n_gen
-                lines, toks = [], 0
-                for i, ids, stop, extra in results:
-                    r = rows[i]
-                    row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
-                           "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
-                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra}
-                    line = json.dumps(row, ensure_ascii=False)
-                    done[str(r["id"])] = line
-                    lines.append(line)
-                    toks += len(ids)
-                partial.append(lines)
-                n_gen += len(lines)
-                n_new += toks
-                bar.update(toks)
-                el = max(time.perf_counter() - t0, 1e-9)
-                if n_gen == len(todo) or len(lines) > 1 or n_gen % max(1, len(todo) // 20) == 0:
-                    log.info("generated %d/%d prompts (%d done in all), %d new tokens, %.1f tokens/s", n_gen, len(todo),
-                             len(done), n_new, n_new / el)
-
-            try:
-                src.run([r["prompt_ids"] for r in rows], todo, emit)
-            finally:
-                bar.close()
-            elapsed = time.perf_counter() - t0
-            partial.finish([done[str(r["id"])] for r in rows])
-        except BaseException:
-            partial.close()
-            if partial.path.exists():
-                log.error("interrupted: %d of %d prompts are done and kept in %s; rerun to resume", len(done),
-                          len(rows), partial.path)
-            raise
-        finally:
-            src.close()
-
-    final = [json.loads(done[str(r["id"])]) for r in rows]
-    n_eos = sum(1 for f in final if f["stop_reason"] == STOP_EOS)
-    log.info("completions done: generated %d prompts (%d new tokens) in %.1f s = %.1f tokens/s; "
-             "%d of %d stopped at a stop id, %d at max_new_tokens=%d", n_gen, n_new, elapsed,
-             n_new / max(elapsed, 1e-9), n_eos, len(rows), len(rows) - n_eos, max_new_tokens)
-    if isinstance(src, ServerSource) and src.n_retokenized:
-        log.warning("re-tokenized %d completions from the server's text (generation.allow_retokenize): round-trip "
-                    "mismatch rate %.3f (%d of them differ in length from what the server generated)",
-                    src.n_retokenized, src.n_mismatch / src.n_retokenized, src.n_mismatch)
-    if isinstance(src, ServerSource) and src.client.retry_counts:
-        log.info("server requests retried: %s", json.dumps(src.client.retry_counts))
-    early = {}
-    for f in final:
-        for t in f["completion_ids"][:-1]:
-            if t in eot:
-                early[f["id"]] = eot[t]
-                break
-    if early:
-        log.warning("%d of %d completions contain an end-of-turn token before their end (%s): generation ran past "
-                    "the end of the turn; the target's stop ids %s miss it (first: %s)", len(early), len(rows),
-                    ", ".join(sorted(set(early.values()))), stop_ids, list(early)[:5])
-    log.info("wrote %d completions -> %s", len(rows), out)
-    return out
-
-
-def read_completions(path: str | Path) -> list[dict]:
-    """Parse the completions JSONL (InputError with the line number on malformed lines)."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(path, None, "completions file not found", "run the completions rule first")
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
-            for k in ("id", "prompt_ids", "completion_ids", "max_new_tokens"):
-                if k not in r:
-                    raise InputError(path, f"line {n}: {k}", "missing", "regenerate the completions")
-            if not r["prompt_ids"]:
-                raise InputError(path, f"line {n}: prompt_ids", "empty prompt", "drop the sample")
-            rows.append(r)
-    if not rows:
-        raise InputError(path, None, "no samples", "check the prompt set and completions stage")
-    return rows

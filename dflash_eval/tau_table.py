@@ -1,4 +1,6 @@
-"""The tau table (``tau.csv`` / ``tau.parquet``), rebuilt from the per-sample results of ``evaluate``.
+"""The tau table (``tau.csv`` / ``tau.parquet``: its columns, documented here), rebuilt from the per-sample results of ``evaluate``.
+
+Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
 (checkpoint, prompt set) with columns
@@ -28,6 +30,9 @@ tau_sglang              mean over responses of (completion tokens incl. the pref
 tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at completion
                         position ``lo <= pos < hi`` (bins ``metrics.POSITION_BINS``; ``hi`` =
                         ``inf`` for the last); empty when no step falls there
+tau_prompt_<lo>_<hi>    tau (same convention) of the responses whose prompt is ``lo <= tokens <
+                        hi`` long (bins ``metrics.PROMPT_BINS``); empty when none is
+n_prompt_<lo>_<hi>      responses in that prompt-length bin
 accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
                         largest B in the table; empty for rows with a smaller B or where
                         slot k was never compared
@@ -48,15 +53,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import InputError, atomic_path
+from .errors import InputError
 from .io import read_json_object
-from .metrics import aggregate, agreement, position_bin_labels
+from .metrics import PROMPT_BINS, aggregate, agreement, position_bin_labels
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
-           "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()]
+           "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
+    + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n") for label in position_bin_labels(PROMPT_BINS)]
 
 
 def slot_columns(max_block_size: int) -> list[str]:
@@ -108,7 +114,9 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",
                              "pass each evaluate output once")
         seen[key] = str(path)
-        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"])
+        lens = [s.get("prompt_len") for s in r["samples"]]
+        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"],
+                          lens if all(isinstance(x, int) for x in lens) else None)
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         rows.append({
             "checkpoint": r["checkpoint"],
@@ -129,6 +137,8 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             "agreement_mean": agree.mean,
             "tau_sglang": stats.tau_sglang,
             **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
+            **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
+            **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
             **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
         })
         for b in r.get("ddtree_budgets", []):
@@ -139,14 +149,3 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block))
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
-
-
-def write_summary(evals: list[str], out_csv, out_parquet) -> pd.DataFrame:
-    """Write ``tau.csv`` and ``tau.parquet`` atomically; returns the frame."""
-    df = summary_frame(evals)
-    with atomic_path(out_csv) as tmp:
-        df.to_csv(tmp, index=False, float_format="%.4f")
-    with atomic_path(out_parquet) as tmp:
-        df.to_parquet(tmp, index=False)
-    log.info("tau table:\n%s", df[["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]].to_string(index=False))
-    return df

@@ -1,118 +1,13 @@
-"""The HDF5 hidden-state cache: its format (documented here, in one place), writer and reader.
+"""Writing a hidden-state cache (format: :mod:`dflash_eval.cache_format`): streaming and resumable.
 
-One file per (target, prompt set). The target runs once over each sample's
-prompt + completion token ids; the outputs of the requested decoder layers are
-stored so that any number of drafter checkpoints can be replayed offline.
-
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 3``)::
-
-    /                         file attributes (FILE_ATTRS, listed below)
-    /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
-    /prompt_len               [S] int32    P: input_ids[:P] is the prompt
-    /completion_len           [S] int32    T - P
-    /stop_reason              [S] utf-8    "eos" | "length" (from the completions file)
-    /max_new_tokens           [S] int32    the generation limit of the completion
-    /argmax_agreement         [S] float64  fraction of completion tokens equal to the teacher-forced argmax at
-                                           the previous position (1.0 unless generation and extraction numerics
-                                           differ); NaN until sample i is written
-    /samples/<i:06d>/         one group per sample i (0-based index into sample_ids)
-        input_ids             [T] int32    prompt + completion token ids (never re-tokenized)
-        hidden                [T, K, H]    uint16 = raw bfloat16 bits (file attribute dtype = "bfloat16"),
-                                           or float32 (dtype = "float32", CPU extraction);
-                                           hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1]
-        target_argmax         [T] int32    target's greedy token after position t (teacher forced)
-        attrs (SAMPLE_ATTRS):
-            sha256            hex sha256 of the stored bytes of input_ids, target_argmax and hidden, in
-                              this order (little-endian, C order): :func:`sample_sha256`; written last,
-                              so a group with it has all its parts
-
-The per-sample values known before the target runs are file-level arrays written once when the
-file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
-datasets and one attribute (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
-``stop_reason``, ``max_new_tokens``, ``argmax_agreement`` as attributes of each group and
-``logical_dtype`` on each ``hidden``: about 2x the HDF5 calls per sample; readers accept both).
-
-File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
-strings are stored as JSON strings):
-
-- ``format``, ``format_version``: see above. Readers accept versions 1 to 3 (2: per-sample values as
-  group attributes, see above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no
-  ``batching`` / ``extraction_runs``).
-- ``target_name``, ``target_sha256``, ``target_model_type``, ``num_target_layers``, ``hidden_size``,
-  ``vocab_size``: the target's folder name, weights fingerprint (:func:`dflash_eval.target.weights_sha256`),
-  model type, decoder layers, H, embedding rows.
-- ``target_layer_ids``, ``layer_convention``, ``last_layer_normed``: the K stored layers (int array), the
-  convention below as text, whether the last (final-normed) layer is among them.
-- ``dtype``, ``storage``: ``"bfloat16"`` | ``"float32"``, and how ``hidden`` holds it.
-- ``device``, ``device_name``: torch device, GPU name or CPU architecture.
-- ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
-  ``dflash_eval_version``: the writer's packages.
-- ``causal_conv1d_kernel``: whether the causal-conv1d kernels imported (below).
-- ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
-  (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
-  ``DFLASH_EVAL_*`` variables.
-- ``batching``, ``padding_side``, ``batch_tokens``: ``"packed"`` (the samples of a forward concatenated,
-  attention per sample through ``cu_seqlens``, positions restarting at 0) or ``"right-padded"``;
-  ``"right"``, or ``"none"`` when packed; tokens per forward (real tokens when packed, padded ones
-  otherwise). When each is used and how their numbers differ: :mod:`dflash_eval.extract`.
-- ``completions_sha256``, ``prompt_set``: sha256 of the completions file, and its stem.
-- ``created_at``, ``extraction_runs``: when the first run started; JSON list with one entry per run that
-  worked on the file (``started_at``, ``host``, ``pid``, and ``computed`` / ``reused`` sample counts).
-- ``n_samples``: written last, when every sample is in the file; a file without it is unfinished.
-
-Layer convention (transformers ``utils/generic.py`` collects ``hidden_states``; z-lab/dflash
-``dflash/model.py`` ``extract_context_feature`` reads ``hidden_states[i + 1]``): ``target_layer_ids`` are
-0-based decoder layers; entry ``i`` holds the *output* of layer ``i``, i.e. HF
-``hidden_states[i + 1]`` (un-normed residual stream). For ``i = N - 1`` HF's
-last entry is the final-normed state, and so is ours (attribute
-``last_layer_normed``). bf16 is stored as its raw bits in a uint16 dataset
-(h5py has no bf16 type; ``opaque`` dtypes do not read back): the round trip is
-bit-exact. Datasets are contiguous and uncompressed (bf16 activations compress
-~1.2x and HDF5 runs filters single-threaded, h5py issue #1516).
-
-Kernel provenance (hybrid targets, :mod:`dflash_eval.hybrid`): ``layer_types`` is the
-target's per-layer type list as JSON (``linear_attention`` / ``full_attention``, ``[]``
-when the config has none); ``linear_attn_kernel`` is JSON with ``backend``
-(``none``/``fla``/``torch``; ``evaluate`` compares it with ``target.training_backend``),
-the bound GDN/conv functions, gated-norm class, package versions and ``FLA_*`` env;
-``image`` is env ``DFLASH_EVAL_IMAGE`` of the container that wrote the file (``""`` outside one);
-``causal_conv1d_kernel`` says whether the causal-conv1d kernels imported
-(:func:`dflash_eval.hybrid.causal_conv1d_status`: ``imported <version>``, ``absent``, or
-``import failed: ...``), beside ``causal_conv1d_version`` (the installed distribution).
-
-Writing: streaming and resumable (:class:`PartialCache`, :class:`StreamingWriter`)
-----------------------------------------------------------------------------------
-A cache ``<name>.h5`` is built in the sidecar ``<name>.h5.partial`` next to it (the
-workflow does not declare it, so Snakemake never deletes it) and renamed into place when
-every sample is in it; a file at the final path is always whole. Each batch's samples are
-written as soon as their forward is done and the file is flushed after every batch (one
-*commit*). In host memory at once: at most two batches' ``hidden`` / ``target_argmax``
-(the one being written and the one being computed or copied from the GPU, through two
-reusable buffers), the completions' token ids (4 bytes per token) and the model; never the
-whole cache, however many samples there are.
-
-A run that is killed (SIGKILL, a SLURM time limit's SIGTERM, node loss) or fails (disk
-full) leaves the sidecar: the next run with the same settings opens it, keeps every sample
-whose ``sha256`` verifies, and computes the rest with the same batches, so the finished
-datasets are bit-identical to those of an uninterrupted run. A sidecar written with
-other settings (:data:`IDENTITY_ATTRS`: target weights, layers, completions file, dtype,
-batching, device, library versions) is refused with the differences named, never mixed;
-one that HDF5 cannot open at all (killed inside a flush) is started over. A sidecar open
-in another process (HDF5 file lock) is reported as in use. With ``keep_link`` the finished
-sidecar stays as a second name (hard link, no extra space) of the output until the
-workflow succeeds (``Snakefile`` ``onsuccess``): a rerun after a lost Snakemake, which
-deletes the output of a job it did not see finish, verifies and reuses it instead of
-recomputing.
-
-Reading: caches are read-only once written, so :class:`CacheReader` opens them without the
-HDF5 file lock (``locking=False``): a cache open in another process (h5py, HDFView) can be
-read, and an unreadable file is reported as damaged (with the HDF5 reason), never as locked.
+:class:`PartialCache` is the resumable sidecar ``<name>.h5.partial`` (verified per sample on
+reopen, renamed into place when complete); :class:`StreamingWriter` writes finished batches on a
+thread while the target computes the next; :func:`write_cache` writes a whole cache at once (tests).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -128,298 +23,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
+from .cache_format import FILE_DATASETS, FORMAT, IDENTITY_ATTRS, attr_value, py_value, sample_sha256, to_storage
+from .cache_reader import verify_group
 from .errors import InputError, partial_path
 
 log = logging.getLogger(__name__)
 
-FORMAT = "dflash-eval/hidden-state-cache"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-LAYER_CONVENTION = "hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1] (output of 0-based decoder layer)"
-FILE_ATTRS = (
-    "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
-    "hidden_size", "vocab_size", "target_layer_ids", "layer_convention", "last_layer_normed", "dtype",
-    "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
-    "causal_conv1d_version", "causal_conv1d_kernel", "dflash_eval_version", "linear_attn_kernel", "linear_attn_backend", "layer_types",
-    "image", "env", "batching", "padding_side", "batch_tokens", "completions_sha256", "prompt_set", "created_at",
-    "extraction_runs", "n_samples",
-)
-#: file-level per-sample arrays ``[S]`` (format 3), besides ``sample_ids``
-FILE_DATASETS = ("prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
-SAMPLE_DATASETS = ("input_ids", "hidden", "target_argmax")
-SAMPLE_ATTRS = ("sha256",)
-#: file attributes a partial file must share with the run that continues it (else it is refused)
-IDENTITY_ATTRS = (
-    "format_version", "target_sha256", "target_layer_ids", "completions_sha256", "hidden_size", "dtype", "storage",
-    "batching", "batch_tokens", "device_name", "linear_attn_backend", "torch_version", "transformers_version",
-    "fla_version", "causal_conv1d_version",
-)
-#: errno values that mean "no room to write": disk full, quota, file size limit
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 #: partial files detached after a failed write in this process (:meth:`PartialCache._detach`); HDF5's
 #: own shutdown at interpreter exit can crash on their leftover handles, so the CLI exits without it
 DETACHED: list[Path] = []
 
 
-# --------------------------------------------------------------------------- bf16 <-> uint16
-def to_storage(x: torch.Tensor) -> tuple[np.ndarray, str]:
-    """Tensor -> (numpy array for HDF5, logical dtype name). bf16 becomes its uint16 bits.
-
-    CPU tensors are viewed, not copied.
-    """
-    x = x.detach().cpu().contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-    if x.dtype == torch.float32:
-        return x.numpy(), "float32"
-    raise ValueError(f"unsupported cache dtype {x.dtype}")
-
-
-def from_storage(arr: np.ndarray, logical_dtype: str) -> torch.Tensor:
-    """Inverse of :func:`to_storage` (bit-exact)."""
-    if logical_dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
-    if logical_dtype == "float32":
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    raise ValueError(f"unknown logical dtype {logical_dtype!r}")
-
-
-def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray) -> str:
-    """The per-sample checksum (attribute ``sha256``): sha256 over the stored bytes of the three datasets.
-
-    Args:
-        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 or float32, as stored.
-    """
-    h = hashlib.sha256()
-    for a in (input_ids, target_argmax, hidden):
-        a = np.ascontiguousarray(a)
-        h.update(memoryview(a.astype(a.dtype.newbyteorder("<"), copy=False)).cast("B"))
-    return h.hexdigest()
-
-
-def _attr_value(val):
-    """A Python value as an HDF5 attribute (dicts and lists holding strings as JSON)."""
-    as_json = isinstance(val, dict) or (isinstance(val, (list, tuple)) and any(isinstance(x, str) for x in val))
-    if as_json:
-        return json.dumps(val)
-    return str(val) if isinstance(val, str) else val  # str subclasses (TorchVersion) too
-
-
-def _py(v):
-    if isinstance(v, bytes):
-        return v.decode()
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
-
-
-def is_no_space(err: BaseException) -> bool:
-    """True for an error that means the disk (or quota, or file size limit) is full.
-
-    h5py raises ``OSError`` or ``RuntimeError`` (a failed flush) and names the errno only in its text.
-    """
-    if not isinstance(err, (OSError, RuntimeError)):
-        return False
-    if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS:
-        return True
-    text = str(err)
-    return any(f"errno = {e}," in text for e in NO_SPACE_ERRNOS) or "No space left" in text
-
-
-# --------------------------------------------------------------------------- reader
-@dataclass
-class CacheSample:
-    """One cached sample. ``hidden``: ``[T, K, H]`` in the cache's logical dtype."""
-
-    index: int
-    sample_id: str
-    input_ids: torch.Tensor  # [T] int64
-    prompt_len: int
-    hidden: torch.Tensor  # [T, K, H]
-    target_argmax: torch.Tensor  # [T] int64
-    stop_reason: str
-    max_new_tokens: int
-
-
-def open_h5_readonly(path: Path):
-    """``h5py.File(path, "r", locking=False)`` with errors that say what is wrong.
-
-    Caches are read-only once written, so readers take no HDF5 file lock: another process
-    holding the file open (even for writing) does not stop a reader.
-
-    Raises:
-        InputError: the file is not HDF5 (no signature), is damaged (truncated, bad header: the
-            HDF5 reason is quoted), or cannot be read (permissions).
-    """
-    import h5py
-
-    try:
-        return h5py.File(path, "r", locking=False)
-    except OSError as err:
-        text = str(err)
-        if isinstance(err, PermissionError) or err.errno == errno.EACCES:
-            raise InputError(path, None, f"no permission to read it ({text})", "fix the file's permissions") from None
-        if "file signature not found" in text:
-            problem = "not an HDF5 file (no HDF5 signature): damaged, or not a cache"
-        elif "truncated file" in text:
-            problem = f"damaged HDF5 file: truncated ({text})"
-        else:
-            problem = f"damaged HDF5 file ({text})"
-        raise InputError(path, None, problem,
-                         "it fails the format checks, so re-extract it: snakemake -R hidden_states (or run "
-                         "`python -m dflash_eval hidden-states` again)") from None
-
-
-class CacheReader:
-    """Read-only access to a cache file (open lazily in each process; h5py handles do not survive fork).
-
-    Opened without the HDF5 file lock (:func:`open_h5_readonly`).
-
-    Raises:
-        InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
-            or unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``).
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.exists():
-            raise InputError(self.path, None, "cache file not found", "run the hidden_states rule first")
-        self._f = open_h5_readonly(self.path)
-        try:
-            self._check()
-        except BaseException:
-            self._f.close()
-            raise
-
-    def _check(self) -> None:
-        a = self._f.attrs
-        if _py(a.get("format")) != FORMAT:
-            raise InputError(self.path, "format", f"expected {FORMAT!r}, got {_py(a.get('format'))!r}",
-                             "point at a dflash-eval cache")
-        version = int(a.get("format_version", -1))
-        if version not in READABLE_VERSIONS:
-            raise InputError(self.path, "format_version", f"{version} is not one of {READABLE_VERSIONS}",
-                             "re-extract the cache with this version")
-        self.format_version = version
-        self.attrs = {k: _py(v) for k, v in a.items()}
-        self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
-        self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
-        # format 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
-        self._per_sample = ({k: self._f[k][()] for k in ("prompt_len", "stop_reason", "max_new_tokens")}
-                            if "prompt_len" in self._f else None)
-        n_groups = len(self._f["samples"]) if "samples" in self._f else 0
-        if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
-            raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
-                             "finish it: rerun the hidden_states rule (it resumes from the samples already there)")
-
-    def __len__(self) -> int:
-        return len(self.sample_ids)
-
-    def close(self) -> None:
-        self._f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def length(self, i: int) -> int:
-        """Tokens (prompt + completion) of sample ``i``, without reading its hidden states."""
-        return int(self._f[f"samples/{i:06d}/input_ids"].shape[0])
-
-    def sample_attrs(self, i: int) -> dict:
-        """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
-        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
-        g = self._f[f"samples/{i:06d}"]
-        length = int(g["input_ids"].shape[0])
-        if self._per_sample is None:  # format 1/2: group attributes
-            return {**{k: _py(v) for k, v in g.attrs.items()}, "length": length}
-        per = self._per_sample  # format 3: the file-level arrays (agreement read afresh)
-        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
-                "completion_len": length - int(per["prompt_len"][i]), "stop_reason": str(_py(per["stop_reason"][i])),
-                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": self.argmax_agreement(i),
-                "sha256": _py(g.attrs.get("sha256")), "length": length}
-
-    def argmax_agreement(self, i: int) -> float | None:
-        """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
-
-        Format 3: the file-level array (read at each call: a file edited in place is seen); 1/2: the
-        group attribute.
-        """
-        if "argmax_agreement" in self._f:
-            v = float(self._f["argmax_agreement"][i])
-            return None if np.isnan(v) else v
-        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
-        return None if v is None else float(v)
-
-    def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
-        """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
-        g = self._f[f"samples/{i:06d}"]
-        hidden_ds = g["hidden"]
-        per = self._per_sample
-        logical = (_py(hidden_ds.attrs["logical_dtype"]) if per is None
-                   else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
-        if layer_ids is None:
-            arr = hidden_ds[()]
-        else:
-            idx = self.layer_index(layer_ids)
-            arr = hidden_ds[()][:, idx] if idx != list(range(len(self.layer_ids))) else hidden_ds[()]
-        return CacheSample(
-            index=i,
-            sample_id=self.sample_ids[i] if per is not None else str(_py(g.attrs["sample_id"])),
-            input_ids=torch.from_numpy(g["input_ids"][()].astype(np.int64)),
-            prompt_len=int(per["prompt_len"][i] if per is not None else g.attrs["prompt_len"]),
-            hidden=from_storage(arr, logical),
-            target_argmax=torch.from_numpy(g["target_argmax"][()].astype(np.int64)),
-            stop_reason=str(_py(per["stop_reason"][i] if per is not None else g.attrs["stop_reason"])),
-            max_new_tokens=int(per["max_new_tokens"][i] if per is not None else g.attrs["max_new_tokens"]),
-        )
-
-    def verify(self, indices: Sequence[int] | None = None) -> list[int]:
-        """Recompute the per-sample ``sha256`` (format 2) of ``indices`` (default: all).
-
-        Returns:
-            the indices whose stored bytes do not match their checksum (empty = intact).
-            Format-1 files carry no checksums: nothing to compare, ``[]``.
-        """
-        if self.format_version < 2:
-            return []
-        bad = []
-        for i in (range(len(self)) if indices is None else indices):
-            g = self._f[f"samples/{i:06d}"]
-            if _verify_group(g) is None:
-                bad.append(i)
-        return bad
-
-    def layer_index(self, layer_ids: list[int]) -> list[int]:
-        missing = [i for i in layer_ids if i not in self.layer_ids]
-        if missing:
-            raise InputError(
-                self.path, "target_layer_ids",
-                f"drafter needs target layers {missing} but the cache stores {self.layer_ids}",
-                "add them to cache.target_layer_ids in the workflow config (this re-extracts the cache)",
-            )
-        return [self.layer_ids.index(i) for i in layer_ids]
-
-
-def _verify_group(g) -> str | None:
-    """The group's checksum when every dataset is there and the bytes match it, else None."""
-    try:
-        stored = _py(g.attrs.get("sha256"))
-        if not stored or any(name not in g for name in SAMPLE_DATASETS):
-            return None
-        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()])
-    except (OSError, KeyError, ValueError, RuntimeError):  # unreadable pieces of a killed run
-        return None
-    return stored if got == stored else None
-
-
-# --------------------------------------------------------------------------- writer
 def _h5_writable(path: Path, create: bool):
     """Open (or create) an HDF5 file for writing with HDF5's sieve buffer off.
 
@@ -553,7 +168,7 @@ class PartialCache:
         f = _h5_writable(self.path, create=True)
         try:
             for key, val in {**attrs, **self.identity}.items():
-                f.attrs[key] = _attr_value(val)
+                f.attrs[key] = attr_value(val)
             f.attrs["extraction_runs"] = "[]"
             f.create_dataset("sample_ids", data=np.array([m.sample_id for m in self.meta], dtype=object),
                              dtype=h5py.string_dtype())
@@ -580,19 +195,19 @@ class PartialCache:
 
     def _identity_diff(self, f) -> dict:
         """``{key: (partial's value, this run's)}`` for every identity attribute that differs."""
-        a = {k: _py(v) for k, v in f.attrs.items()}
-        want = {k: _py(_attr_value(self.identity.get(k))) for k in IDENTITY_ATTRS}
+        a = {k: py_value(v) for k, v in f.attrs.items()}
+        want = {k: py_value(attr_value(self.identity.get(k))) for k in IDENTITY_ATTRS}
         diff = {k: (a.get(k), want[k]) for k in IDENTITY_ATTRS if a.get(k) != want[k]}
         if a.get("format") != FORMAT:
             diff["format"] = (a.get("format"), FORMAT)
-        ids = [_py(s) for s in f["sample_ids"][()]] if "sample_ids" in f else None
+        ids = [py_value(s) for s in f["sample_ids"][()]] if "sample_ids" in f else None
         if ids != [m.sample_id for m in self.meta]:
             diff["sample_ids"] = (f"{len(ids or [])} ids", f"{len(self.meta)} ids")
         return diff
 
     def _verify_partial(self, f):
         """Keep the verified samples, unlink the rest; ``(open file, verified indices)``."""
-        a = {k: _py(v) for k, v in f.attrs.items()}
+        a = {k: py_value(v) for k, v in f.attrs.items()}
         self._runs = json.loads(a.get("extraction_runs") or "[]")
         grp = f.require_group("samples")
         reused: set[int] = set()
@@ -600,7 +215,7 @@ class PartialCache:
         for name in list(grp):
             i = int(name) if name.isdigit() else -1
             try:
-                ok = 0 <= i < len(self.meta) and _verify_group(grp[name]) is not None
+                ok = 0 <= i < len(self.meta) and verify_group(grp[name]) is not None
             except (OSError, KeyError, ValueError, RuntimeError):  # a link to an object that never reached the disk
                 ok = False
             if ok:

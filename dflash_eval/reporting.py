@@ -1,7 +1,7 @@
-"""The run's report: ``report.html`` (self-contained, figures embedded) and ``report.md``, from one data set.
+"""The run's report, built: its data, tables, figures, markdown and HTML (written by :mod:`dflash_eval.stages.report`).
 
 Everything is recomputed from the per-sample acceptance lists of the evaluate JSONs
-(:func:`dflash_eval.summary.summary_frame`, :mod:`dflash_eval.metrics`), the caches'
+(:func:`dflash_eval.tau_table.summary_frame`, :mod:`dflash_eval.metrics`), the caches'
 attributes and the measured target costs -- the same data as ``tau.csv`` -- and rendered
 twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the page
 by a Jinja2 template, ``templates/report.html.j2``; no network access needed to view it)
@@ -41,11 +41,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from .errors import atomic_dir, atomic_path
 from .metrics import aggregate
-from .summary import summary_frame
+from .tau_table import summary_frame
 
-SLOT_PREFIX, POS_PREFIX = "accept_slot_", "tau_pos_"
+SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
 
 CITATIONS = [
     ("DFlash: Block Diffusion for Flash Speculative Decoding (Chen, Liang, Liu), arXiv:2602.06036",
@@ -76,6 +75,7 @@ class ReportData:
     extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
     config_sha256: str | None = None
     run: str | None = None
+    prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
 
     @property
     def checkpoints(self) -> list[str]:
@@ -100,6 +100,22 @@ def position_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
             if c.startswith(POS_PREFIX) and frame[c].notna().any()]
 
 
+def prompt_length_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[("0-128", "tau_prompt_0_128"), ...]``: prompt-length bins holding any response, in table order."""
+    return [(c[len(PROMPT_PREFIX):].replace("_", "-"), c) for c in frame.columns
+            if c.startswith(PROMPT_PREFIX) and frame[c].notna().any()]
+
+
+def prompt_length_table(frame: pd.DataFrame, cols: list[tuple[str, str]]) -> pd.DataFrame:
+    """Checkpoint, prompt set and ``"<tau> (<responses>)"`` per prompt-length bin (empty where none)."""
+    out = frame[["checkpoint", "prompt_set"]].copy()
+    for label, c in cols:
+        n = frame["n" + c[len("tau"):]] if "n" + c[len("tau"):] in frame else None
+        out[f"{label} tokens"] = [f"{t:.3f} ({int(k)})" if pd.notna(t) else ""
+                                  for t, k in zip(frame[c], n if n is not None else [0] * len(frame))]
+    return out
+
+
 def slot_curves(frame: pd.DataFrame) -> dict:
     """``{(checkpoint, prompt_set): {"chain": [p_1, ..., p_m]}}`` from the ``accept_slot_<k>`` columns
     (trailing empty slots of smaller block sizes dropped; rows without any value left out)."""
@@ -115,7 +131,7 @@ def slot_curves(frame: pd.DataFrame) -> dict:
 
 
 def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
-    from .cache import CacheReader
+    from .cache_reader import CacheReader
 
     rows, attrs = [], {}
     for c in caches:
@@ -166,6 +182,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
             int(r["block_size"]), aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram)
     agreement, cache_attrs = _agreement(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
+                      prompt_lengths=prompt_length_columns(frame),
                       agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
     if costs:
         from .costs import read_costs, speedup_frame
@@ -382,6 +399,10 @@ def render_markdown(data: ReportData) -> str:
         parts += ["## Acceptance by position in the response", "",
                   "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
                   _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in data.positions]]), ""]
+    if data.prompt_lengths:
+        parts += ["## Acceptance by prompt length", "",
+                  "tau of the responses whose templated prompt has that many tokens (responses in brackets).", "",
+                  _md_table(prompt_length_table(f, data.prompt_lengths)), ""]
     if len(data.agreement):
         parts += ["## Target agreement", "",
                   "Share of completion tokens equal to the target's teacher-forced argmax in the cache.", "",
@@ -508,36 +529,8 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
         ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
         slots=bool(data.slot_curves), positions=bool(data.positions),
+        prompt_lengths=_styled(prompt_length_table(f, data.prompt_lengths), 3, "prompt-lengths").to_html()
+        if data.prompt_lengths else None,
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS)
-
-
-def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None,
-                 costs=None, out_html=None, figures_dir=None, config_sha256: str | None = None,
-                 prompts_meta: list[str] | None = None) -> ReportData:
-    """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
-
-    ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
-    precision, tau.csv being rounded to 4 decimals). The run name (title) is ``<run>`` of ``results/<run>/report.md``.
-    All outputs are written atomically.
-
-    Raises:
-        InputError: unreadable inputs (see :func:`load_report_data`).
-    """
-    folder = Path(out).resolve().parent
-    run = folder.name if folder.parent.name == "results" else None
-    data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta)
-    with atomic_path(out) as tmp:
-        tmp.write_text(render_markdown(data))
-    if out_html or figures_dir:
-        figs = build_figures(data)
-        if figures_dir:
-            with atomic_dir(figures_dir) as tmp:
-                for name, (_, png) in figs.items():
-                    (tmp / name).write_bytes(png)
-        if out_html:
-            with atomic_path(out_html) as tmp:
-                tmp.write_text(render_html(data, figs))
-    return data

@@ -1,0 +1,472 @@
+"""The batched all-anchor pass: the drafter's block for every possible verify-step start at once.
+
+The drafter's output for a verify step depends only on its anchor ``t`` (the index of the last
+committed token): the anchor token ``x[t]``, the context ``< t`` and the verify size ``vs(t)``
+(:mod:`dflash_eval.replay` states the online loop this reproduces). :func:`iter_anchor_drafts`
+therefore drafts the block of **every** anchor ``t in [P, T-2]`` of a cached response in large
+drafter calls, as DFlash training does (one block per anchor, each seeing the context strictly
+before its anchor and its own block, blocks invisible to each other; SpecForge
+``create_dflash_sdpa_mask``), and :func:`chain_walk` then walks the greedy chain over the
+per-anchor accepted drafts. It does more drafter work than the online loop (every anchor, not
+only the ~T/tau visited ones) but in large batches. The chain (:func:`replay_batched`), every
+DDTree budget (:mod:`dflash_eval.ddtree`) and every sampling setting read the same pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .runtime import free_memory_bytes
+
+#: batched replay, how one drafter call holds its anchors' blocks (see :func:`iter_anchor_drafts`):
+#: ``rows`` = one row per anchor (per-row copies of the context K/V), ``packed`` = all blocks as
+#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys).
+LAYOUTS = ("rows", "packed")
+#: ``rows`` on both: on one H200 (bf16, ``python3 bench/replay.py``, 2026-12-01) rows took 51 ms/sample
+#: against packed's 158 ms for a 2B target's 1k-token responses, and 2.7 vs 2.6-3.0 ms at 256 tokens.
+DEFAULT_LAYOUT = {"cuda": "rows", "cpu": "rows"}
+#: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
+#: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
+MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024}
+
+
+def context_bytes_per_token(cfg, elem: int) -> int:
+    """Device bytes one context token costs: stored states, fused state, per-layer context K/V, ids."""
+    k = len(cfg.target_layer_ids)
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    return elem * (k * cfg.hidden_size + 2 * cfg.hidden_size + kv) + 32
+
+
+def length_groups(lengths: list[int], tokens: int, max_samples: int = 0) -> list[list[int]]:
+    """Consecutive index groups whose summed ``lengths`` stay within ``tokens`` (at least one index per group).
+
+    ``max_samples > 0`` also caps the indices per group.
+    """
+    groups, cur, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and (total + n > tokens or (max_samples and len(cur) >= max_samples)):
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+
+@dataclass
+class AnchorDrafts:
+    """The drafter's block for every possible verify-step start of one sample.
+
+    Row ``i`` is anchor ``t = anchors[i] = P + i``, the index of the last committed token,
+    for every ``t in [P, T-2]`` (``n = T - 1 - P`` rows; 0 when the prefill token ended the
+    response). Column ``j - 1`` is block slot ``j = 1..B-1``, which drafts position ``t + j``.
+    Tensors are on the compute device.
+
+    Attributes:
+        sample_id: the cache sample id.
+        prompt_len: P. n_tokens: T (prompt + completion). block_size: B.
+        anchors: ``[n]`` int64, ``P .. T-2``.
+        verify_size: ``[n]`` int64, ``vs = min(B, max_length - t)``: slots ``>= vs`` are masked
+            out of the block (the reference shortens the last block), which changes the drafts.
+        limit: ``[n]`` int64, ``min(vs - 1, T - 1 - t)``: draft slots that can be verified.
+        accepted: ``[n]`` int64, ``a(t)``: the longest prefix of slots ``1..limit`` whose greedy
+            draft equals ``x[t + j]`` (the chain's accepted drafts at that anchor).
+        greedy: ``[n, B-1]`` int64, the argmax draft per slot (``torch.argmax`` of the logits in
+            the compute dtype, as the online loop). With ``full=False`` only the slots the chain
+            needs are computed (slot ``j`` where slots ``< j`` matched and ``j <= limit``); the
+            rest hold -1. With ``full=True`` or ``topk > 0`` every slot of every anchor is set.
+        topk_logp: ``[n, B-1, K]`` float32 or None: the K largest full-vocabulary
+            ``log_softmax`` values per slot (of the logits cast to float32), descending.
+        topk_ids: ``[n, B-1, K]`` int64 or None: their token ids (``torch.topk`` order).
+    """
+
+    sample_id: str
+    prompt_len: int
+    n_tokens: int
+    block_size: int
+    anchors: torch.Tensor
+    verify_size: torch.Tensor
+    limit: torch.Tensor
+    accepted: torch.Tensor
+    greedy: torch.Tensor
+    topk_logp: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+
+def chain_walk(accepted: list[int], prompt_len: int, n_tokens: int) -> list[int]:
+    """Per-step committed tokens of the greedy chain from per-anchor accepted drafts.
+
+    Args:
+        accepted: ``a(t)`` for ``t = P .. T-2`` (:attr:`AnchorDrafts.accepted` as a list).
+        prompt_len: P. n_tokens: T.
+
+    Returns:
+        ``[min(a + 1, T - 1 - start), ...]`` walking ``start = P, P + produced, ...`` to ``T - 1``.
+    """
+    out, start, last = [], prompt_len, n_tokens - 1
+    while start < last:
+        produced = min(accepted[start - prompt_len] + 1, last - start)
+        out.append(produced)
+        start += produced
+    return out
+
+
+class _Plan:
+    """Sizes of one all-anchor pass (bytes per element ``elem``; see :func:`iter_anchor_drafts`)."""
+
+    def __init__(self, cfg, B: int, elem: int, vocab: int, mem: int, device: torch.device, topk: int, full: bool,
+                 layout: str):
+        self.B = B
+        self.mem = mem
+        self.layout = layout
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        positional = any(lt == "sliding_attention" for lt in cfg.layer_types) or bool(cfg.is_causal)
+        # per (query, key) pair: bool masks (input, concatenation, per-layer-kind copy), the additive
+        # float mask SDPA builds, positions' distance (int64) when a layer is causal/windowed, and the
+        # scores + probabilities of a non-fused attention kernel (float32), for every head.
+        self.pair = 3 + elem + (8 if positional else 0) + nh * 8
+        # per (row, key) in ``rows`` / per key in ``packed``: the context + block K/V gathered
+        # (multi-sample chunks), concatenated, and repeated to every query head (GQA), one layer at a time.
+        self.row_key = elem * 2 * hd * (2 * nkv + nh)
+        # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product).
+        self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd) + 64
+        self.max_tokens = MAX_CHUNK_TOKENS[layout, "cuda" if device.type == "cuda" else "cpu"]
+        slots = B - 1 if (full or topk) else 1
+        row = vocab * (elem + (4 * 3 if topk else 0)) * slots
+        self.head_rows = max(1, mem // 2 // max(row, 1))  # rows per LM-head pass
+        # context tokens per group: context states + K/V, and the per-anchor outputs kept for the group
+        out = (B - 1) * (8 + 12 * topk) + 32
+        self.ctx_tokens = max(1, mem // 4 // (context_bytes_per_token(cfg, elem) + out))
+
+    def add_keys(self, keys: int, piece_keys: int) -> int:
+        """Context keys of a call after adding a piece: the largest piece's (``rows``) or their sum (``packed``)."""
+        return max(keys, piece_keys) if self.layout == "rows" else keys + piece_keys
+
+    def cost(self, rows: int, keys: int) -> int:
+        """Peak temporary bytes of one drafter call on ``rows`` anchors and ``keys`` context keys."""
+        q = rows * self.B
+        if self.layout == "rows":  # every row: keys + its own block
+            return q * (keys + self.B) * self.pair + rows * (keys + self.B) * self.row_key + q * self.token
+        return q * (keys + q) * self.pair + (keys + q) * self.row_key + q * self.token  # one sequence
+
+    def fits(self, rows: int, keys: int) -> bool:
+        return rows * self.B <= self.max_tokens and self.cost(rows, keys) <= self.mem // 2
+
+
+def _plan_chunks(plan: _Plan, spans: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Split per-sample anchor ranges ``(sample, a0, a1)`` into drafter calls within ``plan``'s limits.
+
+    A chunk holds consecutive anchors of one or more samples; a piece ``(s, a0, a1)`` needs its
+    sample's context positions ``< a1 - 1`` (keys at or after a row's own anchor are masked).
+    """
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    rows = keys = 0
+    for s, a0, a1 in spans:
+        while a0 < a1:
+            lo, hi = 0, a1 - a0  # largest r with fits(rows + r, max(keys, a0 + r - 1))
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if plan.fits(rows + mid, plan.add_keys(keys, a0 + mid - 1)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            r = lo
+            if r == 0:
+                if cur:
+                    chunks.append(cur)
+                    cur, rows, keys = [], 0, 0
+                    continue
+                r = 1  # a single anchor always runs (even past the planned memory)
+            cur.append((s, a0, a0 + r))
+            rows += r
+            keys = plan.add_keys(keys, a0 + r - 1)
+            a0 += r
+            if a0 < a1:  # the sample continues in the next chunk
+                chunks.append(cur)
+                cur, rows, keys = [], 0, 0
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+@torch.inference_mode()
+def iter_anchor_drafts(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    samples: list,
+    block_size: int | None = None,
+    topk: int = 0,
+    full: bool = False,
+    memory_bytes: int | None = None,
+    max_group_samples: int = 0,
+    layout: str | None = None,
+    stats: dict | None = None,
+) -> Iterator[AnchorDrafts]:
+    """All-anchor drafts of several samples, yielded per sample in input order.
+
+    Samples are taken in groups whose context (stored states, fused states and every draft
+    layer's context K/V, :func:`context_bytes_per_token`) and outputs (``greedy``, top-K) fit a
+    quarter of ``memory_bytes``; a group's context K/V is computed once for all its tokens
+    (positions restart per sample). The group's anchors are then drafted in chunks of ``C``
+    consecutive anchors (of one or more samples), one drafter call each; every anchor ``t``
+    gets its block ``[x[t], MASK x (B-1)]`` seeing its own sample's context ``< t`` and its own
+    slots ``< vs(t)``, never another block: the DFlash training mask (SpecForge
+    ``create_dflash_sdpa_mask``), with the context K/V computed once and shared. Two layouts
+    (``layout``, default :data:`DEFAULT_LAYOUT` per device type):
+
+    * ``rows``: ``C`` rows of ``B`` queries, keys ``[context [0, Kc) | own block]`` per row
+      (``Kc`` = the chunk's largest anchor), the context K/V copied per row. Bytes per call,
+      with ``Q = C*B`` queries: ``Q*(Kc+B)*p + C*(Kc+B)*r + Q*t``;
+    * ``packed``: one sequence of ``Q`` queries over ``[the chunk's samples' contexts (Kc keys
+      in all) | all C blocks]`` with a per-query mask: no copies, but every query also scores
+      the ``Q`` block keys. Bytes per call: ``Q*(Kc+Q)*p + (Kc+Q)*r + Q*t``;
+
+    with heads ``nh``, KV heads ``nkv``, head dim ``hd``, element size ``elem``,
+    ``p = 11 + elem + 8*nh`` (+8 for causal/windowed layers: masks, the additive mask, scores
+    and probabilities of a non-fused kernel), ``r = 2*elem*hd*(2*nkv + nh)`` (K/V gathered,
+    concatenated, repeated for GQA) and ``t = elem*(8H + 3I + (nh + 2nkv)*hd) + 64``
+    (activations); kept below half of ``memory_bytes``, with ``Q <= MAX_CHUNK_TOKENS``.
+    The LM head runs on at most ``memory_bytes / 2 / (V * (elem [+ 12 with topk]) * slots)``
+    rows at once, where ``slots`` is 1 (lazy greedy) or B-1 (``full`` / ``topk``); no
+    ``[anchors, B, V]`` logits are ever held.
+
+    Args:
+        drafter: :class:`~dflash_eval.drafter.DFlashDrafter` on the compute device/dtype.
+        embed_weight: target ``embed_tokens`` ``[V, H]`` (compute device/dtype).
+        head_weight: target ``lm_head`` ``[V, H]`` (compute device/dtype).
+        samples: :class:`~dflash_eval.cache_format.CacheSample` list (``hidden`` ``[T, K, H]`` = the
+            drafter's ``target_layer_ids`` in order).
+        block_size: B (default: the drafter's).
+        topk: K > 0 also returns the top-K full-vocabulary log-probabilities per slot.
+        full: compute the greedy draft of every slot (not only those the chain needs).
+        memory_bytes: plan for this many bytes of temporaries (default :func:`free_memory_bytes`).
+        max_group_samples: > 0 caps the samples per group.
+        layout: ``'rows'`` or ``'packed'`` (default: :data:`DEFAULT_LAYOUT` for the device type);
+            both give the same drafts up to reduction order.
+        stats: if given, accumulates ``query_tokens``, ``attn_pairs`` (query-key pairs
+            computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
+            ``calls`` (drafter calls), for FLOP accounting.
+
+    Yields:
+        one :class:`AnchorDrafts` per sample.
+    """
+    cfg = drafter.cfg
+    B = int(block_size or cfg.block_size)
+    dev, dt = embed_weight.device, embed_weight.dtype
+    elem = torch.finfo(dt).bits // 8
+    V = head_weight.shape[0]
+    K = min(int(topk), V)
+    mem = int(memory_bytes or free_memory_bytes(dev))
+    layout = layout or DEFAULT_LAYOUT.get(dev.type, "rows")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
+    plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout)
+    if stats is not None:
+        for key in ("query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
+            stats.setdefault(key, 0)
+    lengths = [len(s.input_ids) for s in samples]
+    for group in length_groups(lengths, plan.ctx_tokens, max_group_samples):
+        yield from _group_drafts(drafter, embed_weight, head_weight, [samples[i] for i in group], B, K,
+                                 full or K > 0, plan, stats)
+
+
+def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
+    dev, dt = embed.device, embed.dtype
+    T = [len(s.input_ids) for s in samples]
+    P = [s.prompt_len for s in samples]
+    n = [max(t - 1 - p, 0) for t, p in zip(T, P)]
+    off = [0]
+    for t in T:
+        off.append(off[-1] + t)
+    ids = torch.cat([s.input_ids for s in samples]).to(dev)
+    pos = torch.cat([torch.arange(t) for t in T]).to(dev)
+    hidden = torch.cat([s.hidden.reshape(len(s.input_ids), -1) for s in samples]).to(device=dev, dtype=dt)
+    ctx_kv = drafter.context_kv(hidden[None], pos[None])  # per layer [1, n_kv, sum T, hd]
+    del hidden
+    if stats is not None:
+        stats["context_tokens"] += off[-1]
+    T_t = torch.tensor(T, device=dev)
+    off_t = torch.tensor(off[:-1], device=dev)
+    max_len_t = torch.tensor([p + s.max_new_tokens for p, s in zip(P, samples)], device=dev)
+
+    out = []
+    for i, s in enumerate(samples):
+        anchors = torch.arange(P[i], P[i] + n[i], device=dev)
+        vs = torch.clamp(max_len_t[i] - anchors, max=B)
+        out.append(dict(
+            anchors=anchors, verify_size=vs, limit=torch.minimum(vs - 1, T[i] - 1 - anchors),
+            accepted=torch.zeros(n[i], dtype=torch.long, device=dev),
+            greedy=torch.full((n[i], B - 1), -1, dtype=torch.long, device=dev),
+            topk_logp=torch.empty((n[i], B - 1, K), dtype=torch.float32, device=dev) if K else None,
+            topk_ids=torch.empty((n[i], B - 1, K), dtype=torch.long, device=dev) if K else None,
+        ))
+    spans = [(i, P[i], P[i] + n[i]) for i in range(len(samples)) if n[i] > 0]
+    slot = torch.arange(B, device=dev)
+    for pieces in _plan_chunks(plan, spans):
+        owner = torch.cat([torch.full((a1 - a0,), i, dtype=torch.long, device=dev) for i, a0, a1 in pieces])
+        anchors = torch.cat([torch.arange(a0, a1, device=dev) for _, a0, a1 in pieces])
+        base = off_t[owner]  # flat offset of each row's sample
+        vs = torch.clamp(max_len_t[owner] - anchors, max=B)
+        if plan.layout == "packed":
+            h, n_keys = _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B)
+            pairs = len(anchors) * B * (n_keys + len(anchors) * B)
+        else:
+            h, n_keys = _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B)
+            pairs = len(anchors) * B * (n_keys + B)
+        # verification targets x[t + j] (-1 past the sample) and comparable slots
+        Tr = T_t[owner]
+        limit = torch.minimum(vs - 1, Tr - 1 - anchors)
+        tgt = anchors[:, None] + slot[None]
+        want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=off[-1] - 1)], -1)
+        greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
+        match = (greedy == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])
+        acc = match.long().cumprod(-1).sum(-1)
+        r0 = 0
+        for i, a0, a1 in pieces:
+            rows = slice(a0 - P[i], a1 - P[i])
+            out[i]["accepted"][rows] = acc[r0 : r0 + a1 - a0]
+            out[i]["greedy"][rows] = greedy[r0 : r0 + a1 - a0]
+            if K:
+                out[i]["topk_logp"][rows] = logp[r0 : r0 + a1 - a0]
+                out[i]["topk_ids"][rows] = topi[r0 : r0 + a1 - a0]
+            r0 += a1 - a0
+        if stats is not None:
+            stats["query_tokens"] += len(anchors) * B
+            stats["attn_pairs"] += pairs
+            stats["calls"] += 1
+    for i, s in enumerate(samples):
+        yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
+
+
+def _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B: int):
+    """``rows`` layout: drafter states ``[C, B, H]``, one row per anchor over its sample's first ``Kc`` keys
+    (``Kc`` = the chunk's largest anchor); returns ``(h, Kc)``."""
+    dev = embed.device
+    Kc = max(a1 - 1 for _, _, a1 in pieces)
+    if len(pieces) == 1:  # one sample: its context, shared by every row (no copy until the drafter's cat)
+        i = pieces[0][0]
+        kv = [(k[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1),
+               v[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1)) for k, v in ctx_kv]
+    else:  # several samples: each row gathers its own sample's first Kc keys (the tail is masked)
+        idx = (base[:, None] + torch.arange(Kc, device=dev)[None]).clamp(max=off[-1] - 1)
+        kv = [(k[0][:, idx].transpose(0, 1), v[0][:, idx].transpose(0, 1)) for k, v in ctx_kv]
+    return block_forward(drafter, embed, ids[base + anchors], anchors, kv, Kc, vs, B), Kc
+
+
+def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B: int):
+    """``packed`` layout: drafter states ``[C, B, H]`` from one sequence of ``C*B`` queries over the keys
+    ``[each piece's sample context < its largest anchor | all blocks]``; returns ``(h, context keys)``."""
+    dev = embed.device
+    C = len(anchors)
+    if len(pieces) == 1:
+        i, _, a1 = pieces[0]
+        key_idx = slice(off[i], off[i] + a1 - 1)
+        key_owner = torch.full((a1 - 1,), i, dtype=torch.long, device=dev)
+    else:
+        key_idx = torch.cat([torch.arange(off[i], off[i] + a1 - 1, device=dev) for i, _, a1 in pieces])
+        key_owner = torch.cat([torch.full((a1 - 1,), i, dtype=torch.long, device=dev) for i, _, a1 in pieces])
+    key_pos = pos[key_idx]
+    kv = [(k[:, :, key_idx], v[:, :, key_idx]) for k, v in ctx_kv]
+    slot = torch.arange(B, device=dev)
+    emb = drafter.make_block(ids[base + anchors], embed, B).reshape(1, C * B, -1)
+    ctx_valid = (key_owner[None, :] == owner[:, None]) & (key_pos[None, :] < anchors[:, None])  # [C, Kc]
+    row = torch.arange(C * B, device=dev) // B
+    block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
+    h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
+                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None])
+    return h.view(C, B, -1), len(key_pos)
+
+
+def block_forward(drafter, embed, anchor_ids, anchors, kv, Kc: int, vs, B: int):
+    """Drafter states ``[C, B, H]`` of the blocks at ``anchors`` ``[C]`` (anchor tokens ``anchor_ids``,
+    verify sizes ``vs``), over per-row context K/V ``[C, n_kv, Kc, hd]`` of positions ``0..Kc-1``."""
+    dev = embed.device
+    C = len(anchors)
+    slot = torch.arange(B, device=dev)
+    emb = drafter.make_block(anchor_ids, embed, B)
+    ctx_pos = torch.arange(Kc, device=dev)[None].expand(C, -1)
+    return drafter(emb, anchors[:, None] + slot[None], kv, ctx_pos, ctx_pos < anchors[:, None], slot[None] < vs[:, None])
+
+
+def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
+    """Greedy drafts ``[C, B-1]`` (-1 = not computed) and, with K, top-K log-probs/ids ``[C, B-1, K]``."""
+    C = h.shape[0]
+    dev = h.device
+    greedy = torch.full((C, B - 1), -1, dtype=torch.long, device=dev)
+    logp = topi = None
+    step = plan.head_rows
+    if full:
+        if K:
+            logp = torch.empty((C, B - 1, K), dtype=torch.float32, device=dev)
+            topi = torch.empty((C, B - 1, K), dtype=torch.long, device=dev)
+        for r0 in range(0, C, step):
+            lg = drafter.logits(h[r0 : r0 + step, 1:], head)  # [n, B-1, V]
+            greedy[r0 : r0 + step] = lg.argmax(-1)
+            if K:
+                v, i = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
+                logp[r0 : r0 + step], topi[r0 : r0 + step] = v, i
+            del lg
+        if stats is not None:
+            stats["head_rows"] += C * (B - 1)
+        return greedy, logp, topi
+    alive = limit >= 1
+    for j in range(1, B):
+        sel = torch.nonzero(alive & (limit >= j)).flatten()
+        if sel.numel() == 0:
+            break
+        draft = torch.cat([drafter.logits(h[sel[r0 : r0 + step], j], head).argmax(-1)
+                           for r0 in range(0, len(sel), step)])
+        greedy[sel, j - 1] = draft
+        alive = torch.zeros_like(alive)
+        alive[sel] = draft == want[sel, j]
+        if stats is not None:
+            stats["head_rows"] += len(sel)
+    return greedy, logp, topi
+
+
+def anchor_drafts(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    sample,
+    block_size: int | None = None,
+    topk: int = 0,
+    full: bool = False,
+    memory_bytes: int | None = None,
+    layout: str | None = None,
+) -> AnchorDrafts:
+    """:class:`AnchorDrafts` of one sample (see :func:`iter_anchor_drafts` for arguments and memory)."""
+    return next(iter_anchor_drafts(drafter, embed_weight, head_weight, [sample], block_size, topk, full, memory_bytes,
+                                   layout=layout))
+
+
+def replay_batched(
+    drafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    samples: list,
+    block_size: int | None = None,
+    memory_bytes: int | None = None,
+    max_group_samples: int = 0,
+    layout: str | None = None,
+    stats: dict | None = None,
+) -> list[list[int]]:
+    """All-anchor replay: per sample, the tokens committed per verify step (same contract as :func:`replay_batch`).
+
+    Memory is bounded as in :func:`iter_anchor_drafts` (``memory_bytes`` default: the
+    device's free memory, :func:`free_memory_bytes`).
+    """
+    return [chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens)
+            for d in iter_anchor_drafts(drafter, embed_weight, head_weight, samples, block_size,
+                                        memory_bytes=memory_bytes, max_group_samples=max_group_samples,
+                                        layout=layout, stats=stats)]
+
+

@@ -1,0 +1,179 @@
+"""The completions file of a prompt set (token ids, never re-tokenized text): format, resumable writer, reader.
+
+Output JSONL, one row per prompt, in the prompts file's order::
+
+    {"id": str,
+     "prompt_ids": [int, ...],       # copied from the prompts file
+     "completion_ids": [int, ...],   # generated ids up to and including the first stop id; no padding
+     "text": str,                    # tokenizer.decode(completion_ids), special tokens kept
+     "stop_reason": "eos" | "length",
+     "max_new_tokens": int,
+     "generation": {...}}            # provenance, the same in every row (below)
+
+``completion_ids`` are what the target produced (greedy argmax), not a
+re-tokenization of ``text``: the hidden-state cache and the replay condition on
+exactly these ids. ``generation`` records ``source`` (``transformers`` | ``openai``
+| ``sglang``), ``stop_ids`` (the end-of-generation ids used, see
+:func:`dflash_eval.generation.stop_token_ids`) and the source's identity: library versions, dtype and
+device for ``transformers``; ``engine``, ``model`` (the served model id) and
+``server_version`` for servers, plus the launch settings when the workflow
+started the server (``generation.serve: vllm``). Timings go to the log only, so a
+rerun with the same inputs writes the same bytes. Rows re-tokenized from a
+server's text (``generation.allow_retokenize``) carry ``"retokenized": true`` and
+``"retokenize_mismatch"`` (the re-tokenized length differs from the number of
+tokens the server generated).
+
+Written by the ``completions`` stage (:mod:`dflash_eval.stages.completions`) from a source of
+:mod:`dflash_eval.generation`; read by the stages that run the target over the completions.
+
+Resume (append-only): completions are appended as they finish to a sidecar file
+``.<out name>.partial`` next to the output (first line: a key of everything that
+shapes the output; then one row per line, flushed and fsynced). The sidecar is not
+a declared Snakemake output, so Snakemake's clean-up of failed jobs leaves it
+alone. A rerun of a killed job (SIGKILL, SIGTERM, node loss, server crash) keeps
+the rows already there, generates only the missing prompts, writes the output in
+the prompts' order (temp file + rename) and deletes the sidecar: every prompt
+exactly once, and the same bytes as an uninterrupted run (the transformers source
+regenerates whole batches, so batch composition and thus numerics are the same).
+A sidecar whose key differs from this run's (other prompts, target, stop ids,
+limits, server, dtype...) is refused with the differences named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from .errors import InputError, atomic_path
+from .io import iter_jsonl
+
+log = logging.getLogger(__name__)
+
+STOP_EOS, STOP_LENGTH = "eos", "length"
+PARTIAL_FORMAT = "dflash-eval/completions-partial"
+PARTIAL_VERSION = 1
+
+
+class PartialCompletions:
+    """Append-only sidecar ``<out dir>/.<out name>.partial`` (format: module docstring).
+
+    Args:
+        out: the final completions path.
+        key: JSON-able dict; a sidecar written under another key is refused.
+    """
+
+    def __init__(self, out: str | Path, key: dict):
+        self.out = Path(out)
+        self.path = self.out.with_name(f".{self.out.name}.partial")
+        self.key = json.loads(json.dumps(key))  # normalized (tuples -> lists)
+        self._fh = None
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, str]:
+        """Open the sidecar for appending; return the rows already there (``{id: JSON line}``).
+
+        A torn last line (the process died mid-write) is cut off; a sidecar without a
+        complete header is started afresh.
+
+        Raises:
+            InputError: the sidecar was written under another key (differences named), or a
+                complete line in it is not a row.
+        """
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        done: dict[str, str] = {}
+        if self.path.exists():
+            data = self.path.read_bytes()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):
+                log.warning("%s: dropped a torn last line (%d bytes) left by an interrupted write", self.path,
+                            len(data) - end)
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(end)
+                data = data[:end]
+            lines = data.decode("utf-8").splitlines()
+            header = None
+            if lines:
+                with contextlib.suppress(json.JSONDecodeError):
+                    header = json.loads(lines[0])
+            if not isinstance(header, dict) or header.get("format") != PARTIAL_FORMAT:
+                log.warning("%s has no valid header; starting it afresh", self.path)
+                self.path.unlink()
+            else:
+                if header.get("key") != self.key:
+                    raise InputError(self.path, "key", "partial completions from an interrupted run with other settings: "
+                                     + _key_diff(header.get("key") or {}, self.key),
+                                     f"delete {self.path} to start over, or rerun with the settings it was made with")
+                for n, line in enumerate(lines[1:], 2):
+                    try:
+                        row = json.loads(line)
+                        rid = str(row["id"])
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise InputError(self.path, f"line {n}", "not a completions row",
+                                         f"delete {self.path} to start over") from None
+                    done.setdefault(rid, line)
+        if not self.path.exists():
+            with atomic_path(self.path) as tmp:
+                tmp.write_text(json.dumps({"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "key": self.key})
+                               + "\n", encoding="utf-8")
+        self._fh = open(self.path, "a", encoding="utf-8")
+        return done
+
+    def append(self, lines: Sequence[str]) -> None:
+        """Append rows (JSON lines without newline) in one write, then flush and fsync."""
+        if not lines:
+            return
+        with self._lock:
+            self._fh.write("".join(line + "\n" for line in lines))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def finish(self, ordered_lines: Sequence[str]) -> None:
+        """Write the output (the given lines, in order) atomically, then delete the sidecar."""
+        self.close()
+        with atomic_path(self.out) as tmp:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                for line in ordered_lines:
+                    fh.write(line + "\n")
+        self.path.unlink(missing_ok=True)
+
+
+def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
+    diffs = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            if a != b:
+                diffs.append(_key_diff(a, b, f"{prefix}{k}."))
+        elif a != b:
+            diffs.append(f"{prefix}{k} was {json.dumps(a)}, this run {json.dumps(b)}")
+    return "; ".join(diffs)
+
+
+
+def read_completions(path: str | Path) -> list[dict]:
+    """Parse the completions JSONL (InputError with the line number on malformed lines)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(path, None, "completions file not found", "run the completions rule first")
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
+            for k in ("id", "prompt_ids", "completion_ids", "max_new_tokens"):
+                if k not in r:
+                    raise InputError(path, f"line {n}: {k}", "missing", "regenerate the completions")
+            if not r["prompt_ids"]:
+                raise InputError(path, f"line {n}: prompt_ids", "empty prompt", "drop the sample")
+            rows.append(r)
+    if not rows:
+        raise InputError(path, None, "no samples", "check the prompt set and completions stage")
+    return rows

@@ -1,0 +1,92 @@
+"""Stage ``demo_checkpoint`` (rule ``demo_checkpoint``): a training-style ``.pt`` checkpoint for a demo entry.
+
+Each ``checkpoints.demo`` entry wraps a committed stripped drafter (the trained demo drafters in
+``demo/drafters/``) or is randomly initialised; the written file has the layout real trainers use
+(:mod:`dflash_eval.demo`), so the demo's checkpoints go through ``strip_drafter`` like a user's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from ..drafter import DFlashDrafter
+from ..drafter_config import DrafterConfig
+from ..errors import InputError
+from ..options import schema_type
+from ..target_spec import TargetSpec, load_embed_and_head
+
+log = logging.getLogger(__name__)
+
+
+def _layer_ids(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--drafter", default=None, help="stripped drafter folder to wrap (trained demo drafters)")
+    p.add_argument("--random-init", action="store_true", help="random weights (labelled random_init in the checkpoint)")
+    p.add_argument("--layer-ids", type=_layer_ids, default=None, help="target_layer_ids of a random-init drafter")
+    p.add_argument("--block-size", type=schema_type("checkpoints.demo.block_size"), default=16,
+                   help="block size of a random-init drafter (>= 2)")
+    p.add_argument("--num-layers", type=schema_type("checkpoints.demo.num_layers"), default=1,
+                   help="draft decoder layers of a random-init drafter")
+    p.add_argument("--step", type=schema_type("checkpoints.demo.step"), default=0,
+                   help="training step recorded in the checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--out", required=True, help="the .pt checkpoint")
+
+
+def main(args, opts) -> None:
+    write_demo_checkpoint(target_dir=args.target, out=args.out, drafter_dir=args.drafter, random_init=args.random_init,
+                          layer_ids=args.layer_ids, block_size=args.block_size, num_layers=args.num_layers,
+                          step=args.step, seed=args.seed)
+
+
+def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, layer_ids=None, block_size=16,
+                          num_layers=1, step=0, seed=0) -> Path:
+    """Write a training-style ``.pt`` demo checkpoint (layout: :mod:`dflash_eval.demo`).
+
+    Either wraps a committed stripped drafter (``drafter_dir``: the trained demo drafters) or
+    random-initialises one (``random_init``; labelled so in the checkpoint and every table; its
+    mask token follows :func:`pick_mask_token`, as the trainer's). The optimizer state is AdamW's
+    layout with zero moments (a realistic file without a training step).
+
+    Raises:
+        InputError: neither ``drafter_dir`` nor ``random_init``.
+    """
+    import json
+
+    from safetensors.torch import load_file
+
+    spec = TargetSpec.read(target_dir)
+    if drafter_dir:
+        cfg_dict = json.loads((Path(drafter_dir) / "config.json").read_text())
+        model = DFlashDrafter(DrafterConfig.from_dict(cfg_dict, source=str(drafter_dir)))
+        model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=True)
+    elif random_init:
+        from transformers import AutoTokenizer
+
+        try:
+            mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))
+        except InputError:
+            mask = spec.vocab_size - 1
+            log.warning("%s: the tokenizer has no unused special token; the random-init demo drafter uses the last "
+                        "embedding row %d as its mask token (an ordinary token of this vocabulary)", spec.path, mask)
+        cfg_dict = drafter_config_for_target(spec, layer_ids, block_size, num_layers, mask)
+        torch.manual_seed(seed)
+        model = random_init_(DFlashDrafter(DrafterConfig.from_dict(cfg_dict)))
+    else:
+        raise InputError(None, "checkpoints.demo", "entry has neither drafter nor random_init", "set one of them")
+    model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                        "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+    embed, head = load_embed_and_head(spec)
+    return save_training_checkpoint(out, model, cfg_dict, opt.state_dict(), embed, head, step,
+                                    random_init=bool(random_init and not drafter_dir))

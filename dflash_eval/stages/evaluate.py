@@ -1,0 +1,266 @@
+"""Stage ``evaluate`` (rule ``evaluate``): one drafter replayed over one prompt set's cache -> per-sample acceptance JSON.
+
+Reads a stripped drafter folder (``strip_drafter``), the prompt set's hidden-state cache
+(``hidden_states``) and the target's ``embed_tokens`` / ``lm_head``; checks that they belong
+together (:mod:`dflash_eval.compat`: layers, widths, mask token, the cache's target fingerprint,
+the linear-attention kernel, the completions' argmax agreement with the target); replays
+speculative decoding offline (:mod:`dflash_eval.anchors` / :mod:`dflash_eval.replay` for the
+chain, :mod:`dflash_eval.ddtree` for every DDTree budget, all from one all-anchor drafter pass);
+aggregates tau (:mod:`dflash_eval.metrics`) and writes the JSON atomically. Options: config
+section ``evaluate`` and ``target.training_backend`` (:mod:`dflash_eval.options`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import options as options_mod
+from ..anchors import context_bytes_per_token, length_groups
+from ..cache_reader import CacheReader
+from ..compat import check_agreement, check_cache_target, check_compat
+from ..ddtree import replay_with_trees
+from ..drafter import load_drafter
+from ..errors import InputError, atomic_path
+from ..metrics import aggregate
+from ..progress import Progress
+from ..replay import SampleResult, replay
+from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
+from ..target_spec import TargetSpec, load_embed_and_head
+
+log = logging.getLogger(__name__)
+
+STAGE = "evaluate"
+
+
+def add_arguments(p) -> None:
+    """Files of the stage and the switches that are not config options (``--help`` lists both)."""
+    p.add_argument("--drafter", required=True, help="stripped drafter folder (config.json + model.safetensors)")
+    p.add_argument("--cache", required=True, help="HDF5 hidden-state cache of one prompt set")
+    p.add_argument("--target", required=True, help="target HF folder (embed_tokens and lm_head are read from it)")
+    p.add_argument("--block-size", type=int, default=0, help="override the drafter's block size (0 = from its config; >= 2)")
+    p.add_argument("--checkpoint-name", default=None, help="row label in the tau table (default: the drafter folder name)")
+    p.add_argument("--prompt-set", default=None, help="row label in the tau table (default: the cache file stem)")
+    p.add_argument("--allow-backend-mismatch", action="store_true",
+                   help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
+    p.add_argument("--target-fingerprint", default=None, metavar="JSON",
+                   help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--out", required=True, help="per-sample results JSON")
+
+
+def main(args, opts) -> None:
+    evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
+             checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
+             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint)
+
+
+def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
+             checkpoint_name: str | None = None, prompt_set: str | None = None,
+             allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
+             **overrides) -> dict:
+    """Replay one drafter over one cache and write per-sample acceptance as JSON.
+
+    Args:
+        drafter_dir: stripped drafter folder.
+        cache_path: the prompt set's HDF5 cache (:mod:`dflash_eval.cache_format`).
+        target_dir: target HF folder.
+        out: output JSON path (written atomically).
+        opts: the stage's options (:func:`dflash_eval.options.make`): ``max_samples`` (0 = all),
+            ``batch_size`` (samples handled together; 0 = as many as fit the device's free memory,
+            :func:`dflash_eval.runtime.free_memory_bytes`), ``replay`` (``'batched'``: all-anchor,
+            :func:`dflash_eval.anchors.replay_batched`; ``'sequential'``: the reference,
+            :func:`dflash_eval.replay.replay_batch`; same acceptance), ``ddtree_budgets`` (with
+            ``'batched'`` the chain and every budget come from one all-anchor pass keeping the
+            top-``max(budgets)`` log-probs per slot, :func:`dflash_eval.ddtree.replay_with_trees`),
+            ``device``, ``dtype``, the agreement thresholds and ``allow_*`` switches,
+            ``training_backend``.
+        block_size: override of the drafter's block size (>= 2).
+        checkpoint_name, prompt_set: row labels (default: the drafter folder name, the cache file stem).
+        allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
+        target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
+        **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
+
+    Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
+    ``prompt_len``, ``n_tokens``, ``max_new_tokens``, ``steps``, ``tau``, ``acceptance_lengths``,
+    ``argmax_agreement``), the :class:`~dflash_eval.metrics.AcceptanceStats` fields (``tau`` macro,
+    ``tau_tokens_per_step`` micro, ``tau_sglang``, ``histogram``, ``slot_acceptance`` /
+    ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``);
+    provenance (``step``, ``random_init``, ``device``, ``dtype``, ``cache``); ``argmax_agreement``
+    (:func:`~dflash_eval.compat.check_agreement`) and ``target_check``
+    (:func:`~dflash_eval.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
+    ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
+    ``ddtree`` (``{"<B>": aggregate}``).
+
+    Raises:
+        InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
+            token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
+            completions that are not the target's greedy output (mean agreement below
+            ``agreement_min``, unless ``allow_low_agreement``); an option the schema refuses; a block
+            size of 1; nothing to replay (no sample with a verify step).
+    """
+    opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
+    if block_size is not None and block_size < 2:
+        raise InputError(None, "--block-size", f"must be >= 2 (or 0 = the drafter's), got {block_size}",
+                         "a block holds the last committed token and at least one mask")
+    inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
+    try:
+        B = int(block_size or inputs.drafter.cfg.block_size)
+        results, trees, elapsed, tree_s, n_comp = _replay_all(inputs, opts, B)
+        result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
+    finally:
+        inputs.reader.close()
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
+    log.info("evaluate %s on %s: tau %.4f over %d samples (%d verify steps, %.1f s, %.0f tok/s, %s %s, %s replay)",
+             result["checkpoint"], result["prompt_set"], result["tau"], result["n_samples"], result["verify_steps"],
+             elapsed, n_comp / max(elapsed, 1e-9), result["device"], result["dtype"], opts.replay)
+    return result
+
+
+@dataclass
+class _Inputs:
+    """What the stage reads, loaded and checked against each other (:meth:`load`)."""
+
+    drafter_dir: Path
+    cache_path: str
+    drafter: object
+    reader: CacheReader
+    embed: torch.Tensor
+    head: torch.Tensor
+    n: int
+    agreement: dict
+    target_check: dict
+    device: torch.device
+
+    @classmethod
+    def load(cls, drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint) -> "_Inputs":
+        dev = resolve_device(opts.device)
+        dt = resolve_dtype(opts.dtype, dev)
+        drafter_dir = Path(drafter_dir)
+        drafter = load_drafter(drafter_dir, device=dev, dtype=dt)
+        reader = CacheReader(cache_path)
+        try:
+            a = reader.attrs
+            spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
+            embed, head = load_embed_and_head(spec)
+            check_compat(drafter.cfg, drafter_dir / "config.json", target=spec, embed_rows=embed.shape[0],
+                         cache_attrs=a, cache_path=cache_path)
+            target_check = check_cache_target(spec, a, cache_path, opts.allow_foreign_cache)
+            if target_check["allowed_mismatch"]:
+                log.warning("%s: extracted from another target (sha256 %s, given %s); evaluated anyway "
+                            "(--allow-foreign-cache)", cache_path, target_check["cache_target_sha256"],
+                            target_check["target_sha256"])
+            _check_backend(a, cache_path, opts.training_backend, allow_backend_mismatch)
+            n = len(reader) if not opts.max_samples else min(opts.max_samples, len(reader))
+            if n == 0:
+                raise InputError(cache_path, "n_samples", "the cache holds no sample",
+                                 "re-run the prompts/completions stages")
+            agreement, lines = check_agreement([reader.argmax_agreement(i) for i in range(n)], reader.sample_ids[:n],
+                                               cache_path, opts.agreement_warn, opts.agreement_min,
+                                               opts.allow_low_agreement)
+            for line in lines:
+                log.warning("%s", line)
+        except BaseException:
+            reader.close()
+            raise
+        return cls(drafter_dir, str(cache_path), drafter, reader, embed.to(device=dev, dtype=dt),
+                   head.to(device=dev, dtype=dt), n, agreement, target_check, dev)
+
+
+def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatch: bool) -> None:
+    """Refuse a cache whose linear-attention kernel differs from the one the drafter was trained on."""
+    cache_backend = json.loads(attrs.get("linear_attn_kernel", "{}") or "{}").get("backend", "none")
+    if training_backend not in ("unknown", cache_backend) and cache_backend != "none" and not allow_mismatch:
+        raise InputError(cache_path, "linear_attn_kernel",
+                         f"cache made with the '{cache_backend}' kernel but the drafter was trained on "
+                         f"'{training_backend}' states (fla and torch states differ by ~1-3 % per layer)",
+                         "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
+
+
+def _replay_all(inputs: _Inputs, opts, B: int):
+    """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees."""
+    reader, drafter, n = inputs.reader, inputs.drafter, inputs.n
+    cfg = drafter.cfg
+    budgets = sorted({int(b) for b in opts.ddtree_budgets})
+    lengths = [reader.length(i) for i in range(n)]
+    order = sorted(range(n), key=lambda i: -lengths[i])  # similar lengths side by side
+    mem = free_memory_bytes(inputs.device)
+    # samples read from the cache at a time: what one batched group / sequential batch holds
+    per_token = context_bytes_per_token(cfg, torch.finfo(inputs.embed.dtype).bits // 8)
+    read_tokens = max(1, mem // 4 // per_token)
+    results: dict[int, SampleResult] = {}
+    trees: dict[int, dict[int, list[int]]] = {}
+    tree_s = 0.0
+    t0 = time.perf_counter()
+    n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
+    bar = Progress(n_comp, "replay", logger=log)
+    for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
+        samples = [reader.sample(order[g], cfg.target_layer_ids) for g in group]
+        if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
+            t1 = time.perf_counter()
+            both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
+            tree_s += time.perf_counter() - t1
+            for s, (_, tr) in zip(samples, both):
+                trees[s.index] = tr
+        if budgets and opts.replay == "batched":
+            recs = [chain for chain, _ in both]
+        else:
+            recs = replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+        for s, rec in zip(samples, recs):
+            results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
+                                            s.max_new_tokens)
+        bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
+        log.debug("replayed %d/%d samples", len(results), n)
+    bar.close()
+    return results, trees, time.perf_counter() - t0, tree_s, n_comp
+
+
+def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:
+    """The output JSON (see :func:`evaluate`)."""
+    reader, n = inputs.reader, inputs.n
+    a = reader.attrs
+    per = [results[i] for i in range(n)]
+    stats = aggregate([r.acceptance_lengths for r in per], B)
+    if stats.n_samples == 0:
+        raise InputError(inputs.cache_path, "samples", f"none of the {n} samples has a verify step (every response "
+                         "ended at its first token), so tau is undefined", "check the completions (max_new_tokens, "
+                         "stop tokens) of this prompt set")
+    info_file = inputs.drafter_dir / "strip_info.json"
+    strip_info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    result = {
+        "checkpoint": checkpoint_name or inputs.drafter_dir.name,
+        "prompt_set": prompt_set or Path(inputs.cache_path).stem,
+        "block_size": B,
+        **stats.as_dict(),
+        "step": strip_info.get("step"),
+        "random_init": bool(strip_info.get("random_init", False)),
+        "device": str(inputs.device),
+        "dtype": dtype_name(inputs.embed.dtype),
+        "replay": opts.replay,
+        "cache": {"path": inputs.cache_path, "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
+                  "linear_attn_kernel": a.get("linear_attn_kernel")},
+        "argmax_agreement": inputs.agreement,
+        "target_check": inputs.target_check,
+        "elapsed_s": round(elapsed, 3),
+        "samples": [
+            {"id": r.sample_id, "prompt_len": r.prompt_len, "n_tokens": r.n_tokens, "max_new_tokens": r.max_new_tokens,
+             "steps": r.steps, "tau": r.tau if r.steps else None, "acceptance_lengths": r.acceptance_lengths,
+             "argmax_agreement": reader.argmax_agreement(i)}
+            for i, r in enumerate(per)
+        ],
+    }
+    budgets = sorted({int(b) for b in opts.ddtree_budgets})
+    if budgets:
+        result["ddtree_budgets"] = budgets
+        # the shared all-anchor pass + the tree walks (batched: the chain's time too); included in elapsed_s
+        result["ddtree_elapsed_s"] = round(tree_s, 3)
+        result["ddtree"] = {str(b): aggregate([trees[i][b] for i in range(n)], B).as_dict() for b in budgets}
+        for i, row in enumerate(result["samples"]):
+            row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
+        log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
+    return result

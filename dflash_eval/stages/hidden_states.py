@@ -1,0 +1,302 @@
+"""Stage ``hidden_states`` (rule ``hidden_states``): the target over every completion -> the prompt set's HDF5 cache.
+
+Reads the completions file (:mod:`dflash_eval.completions_file`) and the target; runs the target
+forward of :mod:`dflash_eval.extract` (hooks on the stored layers, packed or padded batches);
+writes the cache with :mod:`dflash_eval.cache_writer` (format: :mod:`dflash_eval.cache_format`),
+resumably: a killed run continues its ``.partial`` sidecar. Options: config section ``cache`` and
+``target.linear_attn_backend`` (:mod:`dflash_eval.options`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import options as options_mod
+from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, is_no_space
+from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
+from ..completions_file import read_completions
+from ..errors import InputError
+from ..extract import check_packing, forward_batch, packing_support, versions
+from ..hybrid import bind_linear_attention
+from ..io import sha256_file
+from ..progress import Progress
+from ..runtime import dtype_name, length_batches, resolve_device, resolve_dtype
+from ..target import load_target, target_info
+from ..target_spec import TargetSpec
+
+log = logging.getLogger(__name__)
+
+STAGE = "hidden_states"
+
+
+def _layer_ids(text: str) -> list[int]:
+    """Comma-separated 0-based decoder layers: at least one, none negative."""
+    import argparse
+
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected at least one 0-based layer id (e.g. 1,8,15), got {text!r}")
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"layer ids are 0-based decoder layers (>= 0), got {text!r}")
+    return ids
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--target", required=True, help="target HF folder")
+    p.add_argument("--completions", required=True, help="completions JSONL of the prompt set")
+    p.add_argument("--layer-ids", type=_layer_ids, required=True,
+                   help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
+                        "of every configured drafter's dflash_config.target_layer_ids")
+    p.add_argument("--target-fingerprint", default=None, metavar="JSON",
+                   help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--keep-partial", action="store_true",
+                   help="keep the finished sidecar <out>.partial as a hard link of the output, so that a rerun "
+                        "that finds the output deleted (Snakemake after a lost run) verifies and reuses it")
+    p.add_argument("--out", required=True, help="HDF5 cache path; built in the resumable sidecar <out>.partial, "
+                                                "renamed when complete")
+
+
+def main(args, opts) -> None:
+    extract_hidden_states(args.target, args.completions, args.out, args.layer_ids, opts,
+                          target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial)
+
+
+def _storage_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view as stored (bf16 -> uint16 bits), no copy."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class _HostBuffers:
+    """Two reusable pinned host buffers (states + argmax) for device-to-host copies on a side stream."""
+
+    def __init__(self, tokens: int, K: int, H: int, dtype: torch.dtype, n: int = 2):
+        self.free = [(torch.empty((tokens, K, H), dtype=dtype, pin_memory=True),
+                      torch.empty(tokens, dtype=torch.int32, pin_memory=True)) for _ in range(n)]
+
+    def take(self):
+        return self.free.pop()
+
+    def give(self, buf) -> None:
+        self.free.append(buf)
+
+
+def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int], opts=None, *,
+                          target_fingerprint=None, keep_partial: bool = False, **overrides) -> Path:
+    """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache_format`).
+
+    Args:
+        target_dir: HF target folder.
+        completions_path: JSONL from the completions stage (``id``, ``prompt_ids``, ``completion_ids``,
+            ``stop_reason``, ``max_new_tokens``).
+        out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
+        layer_ids: 0-based decoder layers to store (order kept), HF ``hidden_states[i+1]`` (the plan's
+            union of every configured drafter's ``target_layer_ids``).
+        opts: the stage's options (:func:`dflash_eval.options.make`; config section ``cache`` and
+            ``target.linear_attn_backend``): ``batch_tokens`` (tokens per forward: real tokens when
+            packed, padded tokens otherwise), ``packing`` (``'auto'``: packed where
+            :func:`dflash_eval.extract.packing_support` allows; ``'off'``: right-padded), ``device``,
+            ``dtype`` (float32 on CPU by default; the cache stores bfloat16 or float32),
+            ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers).
+        target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
+        keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache_format`).
+        **overrides: option values, when ``opts`` is not given.
+
+    Returns:
+        ``Path(out)``.
+
+    Raises:
+        InputError: layer id out of range or duplicated; empty or malformed completions file; a dtype
+            other than bfloat16/float32; a partial cache written with other settings, or in use; the disk
+            (or quota) full while writing (what was committed stays in the partial for the rerun).
+        Interrupted: SIGTERM/SIGINT (the batches already on the host are written and committed first).
+    """
+    opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
+    batch_tokens, device, dtype = opts.batch_tokens, opts.device, opts.dtype
+    linear_attn_backend, packing = opts.linear_attn_backend, opts.packing
+    t_start = time.perf_counter()
+    completions_path, out = Path(completions_path), Path(out)
+    if not layer_ids:
+        raise InputError(None, "--layer-ids", "no layer given", "pass comma-separated 0-based decoder layers, e.g. 1,8,15")
+    rows = read_completions(completions_path)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
+    if spec.num_layers is not None:  # checked before anything is loaded or written
+        _check_layers(layer_ids, spec.num_layers, target_dir)
+    if len(set(layer_ids)) != len(layer_ids):
+        raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {layer_ids}", "list each layer once")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if dt not in (torch.bfloat16, torch.float32):
+        raise InputError("config", "cache.dtype", f"{dtype_name(dt)} cannot be stored in the cache", "use bfloat16 or float32")
+    binding = bind_linear_attention(linear_attn_backend, dev, spec)
+    can_pack, why = packing_support(spec)
+    packed = packing == "auto" and can_pack
+    log.info("batching: %s (%s)", "packed" if packed else "right-padded",
+             why if packing == "auto" else "cache.packing: off")
+
+    seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
+    meta = [SampleMeta(str(r["id"]), np.asarray(s, dtype=np.int32), len(r["prompt_ids"]),
+                       str(r.get("stop_reason", "unknown")), int(r["max_new_tokens"])) for r, s in zip(rows, seqs)]
+    batches = length_batches([len(s) for s in seqs], max_tokens=batch_tokens, packed=packed)
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    identity = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "target_sha256": spec.weights_sha256(),
+        "target_layer_ids": list(layer_ids), "completions_sha256": sha256_file(completions_path).hexdigest(),
+        "hidden_size": spec.hidden_size, "dtype": dtype_name(dt),
+        "storage": "uint16 raw bfloat16 bits" if dt == torch.bfloat16 else "float32",
+        "batching": "packed" if packed else "right-padded", "batch_tokens": int(batch_tokens),
+        "device_name": device_name, "linear_attn_backend": binding.backend, **versions(),
+    }
+    cache = PartialCache(out, identity, meta, keep_link=keep_partial)
+    try:
+        done = cache.resume() or set()
+        todo = [b for b in batches if any(i not in done for i in b)]
+        n_todo = sum(1 for b in todo for i in b if i not in done)
+        log.info("%s: %d samples in %d batches; %d verified in the partial file and kept, %d to compute in %d batches",
+                 out, len(seqs), len(batches), len(done), n_todo, len(todo))
+        if todo:
+            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+            pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+            info = target_info(model)
+            _check_layers(layer_ids, info["num_hidden_layers"], target_dir)
+            if not cache.is_open:
+                cache.create({
+                    **identity,
+                    "target_name": Path(target_dir).name,
+                    "target_model_type": info.get("model_type", ""),
+                    "num_target_layers": info["num_hidden_layers"],
+                    "vocab_size": info["vocab_size"],
+                    "layer_convention": LAYER_CONVENTION,
+                    "last_layer_normed": (info["num_hidden_layers"] - 1) in layer_ids,
+                    "device": str(dev),
+                    "linear_attn_kernel": kernel.describe(),
+                    "layer_types": json.dumps(info.get("layer_types", [])),
+                    "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
+                    "env": {k: v for k, v in os.environ.items()
+                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
+                    "padding_side": "none" if packed else "right",
+                    "prompt_set": completions_path.stem,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                })
+            if packed:
+                check_packing(model, [seqs[i] for b in todo[-1:] for i in b] or seqs[:3], layer_ids, dev, pad_id)
+            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed)
+            n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+            log.info("computed %d samples, %d tokens in %.1f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
+                     "params per token; attention scores not counted) on %s, %s, %s; peak host memory: states of %d "
+                     "samples (%d tokens) at once", stats["samples"], stats["tokens"], stats["seconds"],
+                     stats["tokens"] / max(stats["seconds"], 1e-9),
+                     2 * n_params * stats["tokens"] / max(stats["seconds"], 1e-9) / 1e12, n_params / 1e6,
+                     device_name, dtype_name(dt), identity["batching"], stats["max_held_samples"],
+                     stats["max_held_tokens"])
+        elif not cache.is_open:  # no samples at all cannot happen (read_completions refuses); keep it safe
+            raise RuntimeError("nothing to compute and no partial file")
+        cache.finish()
+    except (OSError, RuntimeError) as err:
+        cache.close()
+        if is_no_space(err):
+            left = len(seqs) - len(cache.done)
+            raise InputError(cache.path, None, f"no room left to write the cache (disk, quota or file size limit: "
+                             f"{err}); {len(cache.done)} of {len(seqs)} samples are committed in this partial file "
+                             "and kept",
+                             f"free space (about {_bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)} "
+                             f"more for the {left} samples left) and rerun: the job resumes from the partial file") from err
+        raise
+    except BaseException:
+        cache.close()
+        raise
+    log.info("wrote %s: %d samples (%d reused, %d computed) in %.1f s in total", out, len(seqs), len(done),
+             len(seqs) - len(done), time.perf_counter() - t_start)
+    return out
+
+
+def _check_layers(layer_ids: list[int], n_layers: int, target_dir) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise InputError("config", "cache.target_layer_ids",
+                         f"layer ids {bad} out of range for a target with {n_layers} decoder layers ({target_dir})",
+                         f"use ids in 0..{n_layers - 1}")
+
+
+def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> str:
+    tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
+    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB" if H else f"{tokens} tokens' states"
+
+
+@torch.inference_mode()
+def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed) -> dict:
+    """Forward every batch of ``todo`` and stream its new samples into ``cache`` (see the module docstring)."""
+    K, H = len(layer_ids), model.config.get_text_config().hidden_size
+    cuda = dev.type == "cuda"
+    total = {"n": len(cache.done), "of": len(cache.meta)}
+    # tqdm bar of committed tokens on a terminal; off a terminal the INFO line per commit below is the
+    # progress (tests/test_extract_resume.py reads it), so the bar logs none of its own.
+    bar = Progress(sum(len(seqs[i]) for b in todo for i in b if i not in cache.done), "hidden states",
+                   logger=log, log_every=float("inf"))
+
+    def progress(n, tokens):  # called by the writer thread after each commit
+        total["n"] += n
+        bar.update(tokens)
+        log.info("committed %d samples (%d tokens); %d/%d samples in the file", n, tokens, total["n"], total["of"])
+
+    writer = StreamingWriter(cache, max_batches=2, progress=progress)
+    buffers = _HostBuffers(max(sum(len(seqs[i]) for i in b) for b in todo), K, H, dt) if cuda else None
+    copy_stream = torch.cuda.Stream(dev) if cuda else None
+    logical = "bfloat16" if dt == torch.bfloat16 else "float32"
+    n_samples = n_tokens = 0
+    t0 = time.perf_counter()
+    try:
+        for b in todo:
+            batch_seqs = [seqs[i] for i in b]
+            N = sum(len(s) for s in batch_seqs)
+            writer.reserve()
+            hidden, argmax = forward_batch(model, batch_seqs, layer_ids, dev, pad_id, packed, out_dtype=dt)
+            if cuda:
+                buf = buffers.take()
+                copy_stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(copy_stream):
+                    buf[0][:N].copy_(hidden, non_blocking=True)
+                    buf[1][:N].copy_(argmax, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(copy_stream)
+                hidden.record_stream(copy_stream)
+                argmax.record_stream(copy_stream)
+                host_h, host_a = buf[0][:N], buf[1][:N]
+                ready, release = event.synchronize, (lambda buf=buf: buffers.give(buf))
+            else:
+                host_h, host_a, ready, release = hidden, argmax, None, None
+            h_np, a_np = _storage_view(host_h), host_a.numpy()
+            samples, o = [], 0
+            for i, s in zip(b, batch_seqs):
+                if i not in cache.done:
+                    samples.append((i, h_np[o : o + len(s)], a_np[o : o + len(s)]))
+                o += len(s)
+            writer.hold(len(b), N)
+            writer.submit(Batch(samples, logical, ready, release, held=(len(b), N)))
+            n_samples += len(samples)
+            n_tokens += N
+    except BaseException:
+        try:
+            writer.close()  # what is already on the host is written and committed
+        except BaseException as err:  # noqa: BLE001 - the first error is the one to report
+            log.error("cache writer: %s", err)
+        finally:
+            bar.close()
+        raise
+    try:
+        writer.close()
+    finally:
+        bar.close()
+    log.info("cache writer thread: %s", ", ".join(f"{k} {v:.1f} s" for k, v in writer.timings.items()))
+    return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
+            "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}

@@ -1,0 +1,349 @@
+"""Tau where trainers look: the tau table logged to TensorBoard, W&B and MLflow at each checkpoint's step.
+
+Input: the tau table (``tau.csv`` / ``tau.parquet``, :mod:`dflash_eval.summary`). Every row with a
+known training ``step`` gives one point per metric column, tagged ``<prefix>/<prompt set>/<column>``
+(``prefix`` default ``dflash_eval``), e.g. ``dflash_eval/humaneval/tau``,
+``dflash_eval/humaneval/tau_ddtree_64``, ``dflash_eval/humaneval/accept_slot_3``. The metric
+columns are every column whose name starts with one of :data:`METRIC_PREFIXES`: chain ``tau``,
+``tau_tokens_per_step``, ``tau_sglang``, each ``tau_ddtree_<B>``, the position and prompt-length bins
+``tau_pos_*`` / ``tau_prompt_*``, any ``tau_*`` column a later version adds (sampling settings), and
+the per-slot acceptance ``accept_slot_<k>``. Empty cells are not logged; rows without a step are
+skipped with a warning (name the step in the checkpoint, see :mod:`dflash_eval.checkpoints`).
+
+Each tracker is optional, off by default, and used through its own client library (pinned in
+``envs/requirements-trackers.txt``); the config section is ``trackers`` (schema). Logging the same
+table again, or a table with more checkpoints, never duplicates a point: each tracker receives each
+(step, tag) pair once, and what it already holds is not sent again. A value that changed after a
+re-evaluation (new code, new settings) therefore stays as first logged in that run; log to a new
+run (TensorBoard ``run_name``, W&B ``run_id``, MLflow ``run_id`` / ``run_name``) to see the new one.
+
+- **TensorBoard** (tensorboard's own record writer and event protos): the run folder
+  ``<dir>/<run_name>/`` gets one new event file per logging that adds points, holding only the
+  (step, tag) pairs its dflash-eval event files lack (read back with tensorboard's reader). Each
+  file is written complete under a name TensorBoard ignores and renamed into place with a name
+  that sorts after the earlier ones, so a TensorBoard already running picks it up and shows
+  each point once (a rewritten or deleted file would be missed or doubled by its reloader).
+- **W&B** (``wandb``; ``mode: offline`` by default, files under ``<dir>/wandb/``, upload later
+  with ``wandb sync``): the run ``run_id`` (default ``dflash-eval-<run>``) is resumed
+  (``resume="allow"``), so setting ``run_id`` to the training run's id and ``mode: online``
+  attaches tau to the training run itself. Points are logged against their own x axis
+  ``<prefix>/step`` (``define_metric(step_metric=...)``), not W&B's ``_step``, so checkpoint steps
+  need not exceed the trainer's last logged step. An online run cannot be read back offline,
+  so a ledger (``results/<run>/trackers/wandb-<run_id>.json``, written after the run is
+  finished) lists the (step, tag) pairs already sent.
+- **MLflow** (``mlflow`` client, ``MlflowClient.log_batch``; default store: the file store
+  ``results/<run>/mlruns``, opened with ``MLFLOW_ALLOW_FILE_STORE=true``, which MLflow 3 asks for
+  since that store is in maintenance mode; any ``tracking_uri`` works, e.g. ``sqlite:///mlflow.db``
+  or a server): the run is ``run_id`` when given (e.g. the training run), else the run of the
+  experiment tagged ``dflash_eval.run = <run>`` (created once). The store itself says which steps
+  a metric has (``get_metric_history``): only missing (step, tag) pairs are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .errors import InputError, atomic_path
+
+log = logging.getLogger(__name__)
+
+#: tau table columns logged as metrics (by name prefix)
+METRIC_PREFIXES = ("tau", "accept_slot_")
+TB_SUFFIX = ".dflash-eval"
+_TB_NAME = re.compile(r"^events\.out\.tfevents\.(\d+)\.(\d+)" + re.escape(TB_SUFFIX) + "$")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One scalar at one training step."""
+
+    step: int
+    tag: str  #: ``<prefix>/<prompt set>/<column>``
+    value: float
+    checkpoint: str
+
+
+def read_table(path: str | Path):
+    """The tau table at ``path`` (``.parquet`` or ``.csv``) as a DataFrame.
+
+    Raises:
+        InputError: missing file, or no ``checkpoint`` / ``step`` / ``prompt_set`` column.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(path, None, "tau table not found", "run the summary stage first (results/<run>/tau.parquet)")
+    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    for col in ("checkpoint", "step", "prompt_set"):
+        if col not in df.columns:
+            raise InputError(path, col, "missing column: not a tau table", "pass results/<run>/tau.parquet or tau.csv")
+    return df
+
+
+def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
+    """The points of a tau table (see the module docstring), sorted by (step, tag).
+
+    Two checkpoints at the same step would put two values on one (step, tag); the first by
+    checkpoint name is kept and the other named in a warning.
+    """
+    import pandas as pd
+
+    cols = [c for c in df.columns if str(c).startswith(METRIC_PREFIXES)]
+    points: dict[tuple[int, str], Point] = {}
+    no_step = sorted({str(c) for c, s in zip(df["checkpoint"], df["step"]) if pd.isna(s)})
+    if no_step:
+        log.warning("trackers: no training step known for %s: not logged (name the step in the checkpoint, e.g. "
+                    "a folder step1500/ or a 'step' entry)", ", ".join(no_step))
+    for row in df.sort_values(["checkpoint", "prompt_set"]).itertuples(index=False):
+        rec = row._asdict()
+        if pd.isna(rec["step"]):
+            continue
+        for col in cols:
+            v = rec.get(col)
+            if v is None or pd.isna(v):
+                continue
+            key = (int(rec["step"]), f"{prefix}/{rec['prompt_set']}/{col}")
+            if key in points:
+                if points[key].checkpoint != rec["checkpoint"]:
+                    log.warning("trackers: %s and %s are both at step %d: %s logged from %s only",
+                                points[key].checkpoint, rec["checkpoint"], key[0], key[1], points[key].checkpoint)
+                continue
+            points[key] = Point(key[0], key[1], float(v), str(rec["checkpoint"]))
+    return [points[k] for k in sorted(points)]
+
+
+def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
+    out: dict[int, list[Point]] = {}
+    for p in points:
+        out.setdefault(p.step, []).append(p)
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------- TensorBoard
+def tensorboard_logged(run_dir: str | Path) -> set[tuple[int, str]]:
+    """``(step, tag)`` of every scalar in the dflash-eval event files of ``run_dir`` (tensorboard's reader)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    run_dir = Path(run_dir)
+    have = set()
+    for f in sorted(run_dir.glob(f"events.out.tfevents.*{TB_SUFFIX}")) if run_dir.is_dir() else ():
+        for event in LegacyEventFileLoader(str(f)).Load():
+            for v in event.summary.value:
+                have.add((int(event.step), v.tag))
+    return have
+
+
+def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
+    """Write the points the run folder's dflash-eval event files lack, as one new event file.
+
+    The file is written complete under a name TensorBoard ignores (no ``tfevents`` in it), then
+    renamed (``os.replace``) to ``events.out.tfevents.<time>.<n>.dflash-eval``, which sorts after
+    the earlier ones, so that a TensorBoard already running reads it next. Uses tensorboard's own
+    record writer and event protos (``tensorboard.summary.writer.record_writer``).
+
+    Args:
+        points: every point of the run (the whole table), any order.
+        run_dir: the TensorBoard run folder (``<dir>/<run_name>``); created when missing.
+
+    Returns:
+        ``{"file": the new file or None, "logged": points written now, "already": points on disk}``.
+    """
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    have = tensorboard_logged(run_dir)
+    new = sorted((p for p in points if (p.step, p.tag) not in have), key=lambda p: (p.step, p.tag))
+    out = {"file": None, "logged": len(new), "already": len(points) - len(new)}
+    for stale in run_dir.glob(f".*{TB_SUFFIX}.partial"):  # left by a killed writer
+        stale.unlink(missing_ok=True)
+    if not new:
+        return out
+    old = sorted(int(m.group(2)) for m in map(_TB_NAME.match, (f.name for f in run_dir.iterdir())) if m)
+    gen = old[-1] + 1 if old else 1
+    wall = time.time()
+    final = run_dir / f"events.out.tfevents.{int(wall):010d}.{gen:06d}{TB_SUFFIX}"
+    tmp = run_dir / f".{gen:06d}.{os.getpid()}{TB_SUFFIX}.partial"
+    with open(tmp, "wb") as fh:
+        writer = RecordWriter(fh)
+        writer.write(event_pb2.Event(wall_time=wall, file_version="brain.Event:2").SerializeToString())
+        for p in new:
+            value = summary_pb2.Summary.Value(tag=p.tag, simple_value=p.value)
+            writer.write(event_pb2.Event(wall_time=wall, step=p.step,
+                                         summary=summary_pb2.Summary(value=[value])).SerializeToString())
+        writer.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    out["file"] = str(final)
+    log.info("tensorboard: %d new points -> %s (%d already there)", len(new), final, out["already"])
+    return out
+
+
+# --------------------------------------------------------------------------- W&B
+def _read_ledger(path: Path) -> dict[str, list[str]]:
+    if not path.is_file():
+        return {}
+    from .io import read_json_object
+
+    led = read_json_object(path, "W&B ledger", f"delete {path} only if that W&B run is gone too")
+    return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}
+
+
+def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, prefix: str = "dflash_eval") -> dict:
+    """Log the points the ledger does not list yet to the W&B run (see the module docstring).
+
+    Args:
+        cfg: section ``trackers.wandb`` (``project``, ``entity``, ``run_id``, ``name``, ``mode``, ``dir``).
+        run: the dflash-eval run name (default run id ``dflash-eval-<run>``, default dir ``results/<run>``).
+        record_dir: where the ledger lives (``results/<run>/trackers``).
+
+    Returns:
+        ``{"run_id", "mode", "dir", "logged", "already"}`` (points sent now / skipped as already logged).
+    """
+    import wandb
+
+    run_id = cfg.get("run_id") or f"dflash-eval-{run}"
+    ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
+    done = _read_ledger(ledger_path)
+    new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
+    out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),
+           "logged": len(new), "already": len(points) - len(new)}
+    if not new:
+        return out
+    Path(out["dir"]).mkdir(parents=True, exist_ok=True)
+    settings = wandb.Settings(console="off", x_disable_stats=True, silent=True)
+    handle = wandb.init(project=cfg.get("project") or "dflash-eval", entity=cfg.get("entity") or None, id=run_id,
+                        name=cfg.get("name") or None, resume="allow", mode=out["mode"],
+                        dir=str(Path(out["dir"]).resolve()),  # W&B's service process has its own cwd
+                        settings=settings)
+    try:
+        handle.define_metric(f"{prefix}/step")
+        handle.define_metric(f"{prefix}/*", step_metric=f"{prefix}/step")
+        for step, group in _by_step(new).items():
+            handle.log({f"{prefix}/step": step, **{p.tag: p.value for p in group}})
+    finally:
+        handle.finish()
+    for p in new:
+        done.setdefault(str(p.step), []).append(p.tag)
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(ledger_path) as tmp:
+        tmp.write_text(json.dumps({"run_id": run_id, "project": cfg.get("project") or "dflash-eval",
+                                   "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))}},
+                                  indent=1))
+    log.info("wandb (%s, run %s): %d new points, %d already logged", out["mode"], run_id, out["logged"], out["already"])
+    return out
+
+
+# --------------------------------------------------------------------------- MLflow
+def default_mlflow_uri(run: str) -> str:
+    """``file:`` URI of ``results/<run>/mlruns`` (absolute)."""
+    return Path("results", run, "mlruns").resolve().as_uri()
+
+
+def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
+    """Log the (step, tag) pairs the MLflow run lacks (see the module docstring).
+
+    Args:
+        cfg: section ``trackers.mlflow`` (``tracking_uri``, ``experiment``, ``run_id``, ``run_name``).
+        run: the dflash-eval run name (tag ``dflash_eval.run``; default store ``results/<run>/mlruns``).
+
+    Returns:
+        ``{"tracking_uri", "run_id", "logged", "already"}``.
+
+    Raises:
+        InputError: a configured ``run_id`` the store does not know.
+    """
+    uri = cfg.get("tracking_uri") or default_mlflow_uri(run)
+    if uri.startswith("file:") or "://" not in uri:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = cfg.get("run_id")
+    if run_id:
+        try:
+            client.get_run(run_id)
+        except MlflowException as err:
+            raise InputError(uri, "trackers.mlflow.run_id", f"run {run_id!r} not found ({err.message})",
+                             "give the id of a run in that store, or leave run_id empty") from None
+    else:
+        name = cfg.get("experiment") or "dflash-eval"
+        exp = client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp else client.create_experiment(name)
+        found = client.search_runs([exp_id], filter_string=f"tags.`dflash_eval.run` = '{run}'", max_results=1)
+        run_id = found[0].info.run_id if found else client.create_run(
+            exp_id, run_name=cfg.get("run_name") or run, tags={"dflash_eval.run": run}).info.run_id
+    have: dict[str, set[int]] = {}
+    for tag in sorted({p.tag for p in points}):
+        have[tag] = {m.step for m in client.get_metric_history(run_id, tag)}
+    new = [p for p in points if p.step not in have.get(p.tag, set())]
+    now = int(time.time() * 1000)
+    metrics = [Metric(p.tag, p.value, now, p.step) for p in new]
+    for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
+        client.log_batch(run_id, metrics=metrics[i:i + 1000])
+    log.info("mlflow (%s, run %s): %d new points, %d already logged", uri, run_id, len(new), len(points) - len(new))
+    return {"tracking_uri": uri, "run_id": run_id, "logged": len(new), "already": len(points) - len(new)}
+
+
+# --------------------------------------------------------------------------- all of them
+def enabled(cfg: dict | None) -> list[str]:
+    """Names of the trackers switched on in config section ``trackers``."""
+    cfg = cfg or {}
+    return [n for n in ("tensorboard", "wandb", "mlflow") if (cfg.get(n) or {}).get("enabled")]
+
+
+def tensorboard_run_dir(cfg: dict, run: str) -> Path:
+    """``<trackers.tensorboard.dir or results/<run>/tensorboard>/<run_name or run>``."""
+    tb = cfg.get("tensorboard") or {}
+    return Path(tb.get("dir") or os.path.join("results", run, "tensorboard"), tb.get("run_name") or run)
+
+
+def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) -> dict:
+    """Log a tau table (DataFrame or path) to every enabled tracker.
+
+    Args:
+        table: the tau table, or the path of ``tau.parquet`` / ``tau.csv``.
+        cfg: config section ``trackers``.
+        run: the dflash-eval run name.
+        record_dir: ledger folder (default ``results/<run>/trackers``).
+
+    Returns:
+        ``{tracker: what it logged}`` plus ``points`` (the table's point count); ``{}`` when none is on.
+
+    Raises:
+        InputError: an enabled tracker's client library is not installed (names the requirements
+            file), or a tracker's own configuration error.
+    """
+    names = enabled(cfg)
+    if not names:
+        return {}
+    df = read_table(table) if isinstance(table, (str, Path)) else table
+    prefix = cfg.get("prefix") or "dflash_eval"
+    points = table_points(df, prefix)
+    record_dir = Path(record_dir or os.path.join("results", run, "trackers"))
+    out: dict = {"points": len(points)}
+    for name in names:
+        module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[name]
+        try:
+            __import__(module)
+        except ImportError:
+            raise InputError("config", f"trackers.{name}.enabled", f"the {module} client library is not installed",
+                             "pip install -r envs/requirements-trackers.txt (or switch the tracker off)") from None
+        if name == "tensorboard":
+            out[name] = write_tensorboard(points, tensorboard_run_dir(cfg, run))
+        elif name == "wandb":
+            out[name] = log_wandb(points, cfg.get("wandb") or {}, run, record_dir, prefix)
+        else:
+            out[name] = log_mlflow(points, cfg.get("mlflow") or {}, run)
+    return out

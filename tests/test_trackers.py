@@ -1,0 +1,166 @@
+"""Trackers: one tau point per checkpoint, metric and step in TensorBoard, W&B (offline) and MLflow (file
+store), read back with each tracker's own reader; no duplicate after re-logging or a rerun."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dflash_eval.errors import InputError
+from dflash_eval.trackers import (log_table, table_points, tensorboard_run_dir, write_tensorboard)
+from tracker_files import mlflow_points, tensorboard_scalars, wandb_points
+
+pytest.importorskip("tensorboard")
+
+# values exactly representable in float32 (TensorBoard stores float32)
+ROWS = [  # checkpoint, step, prompt set, tau, tau_ddtree_8, accept_slot_1, accept_slot_2
+    ("ck-a", 100, "humaneval", 1.5, 2.25, 0.5, 0.25),
+    ("ck-a", 100, "gsm8k", 1.75, 2.5, 0.625, math.nan),
+    ("ck-b", 200, "humaneval", 2.0, 3.0, 0.75, 0.375),
+    ("ck-b", 200, "gsm8k", 2.125, 3.125, 0.8125, 0.5),
+    ("ck-c", 300, "humaneval", 2.5, 3.5, 0.875, 0.5625),
+    ("ck-c", 300, "gsm8k", 2.75, 3.75, 0.9375, 0.625),
+    ("nostep", None, "humaneval", 9.0, 9.0, 0.5, 0.5),
+]
+
+
+def table(upto: int = 300) -> pd.DataFrame:
+    rows = [r for r in ROWS if r[1] is None or r[1] <= upto]
+    df = pd.DataFrame(rows, columns=["checkpoint", "step", "prompt_set", "tau", "tau_ddtree_8", "accept_slot_1",
+                                     "accept_slot_2"])
+    df["step"] = df["step"].astype("Int64")
+    df["n_samples"] = 4  # not a metric column
+    return df
+
+
+def expected(upto: int = 300, prefix: str = "dflash_eval") -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list] = {}
+    for ck, step, ps, *vals in ROWS:
+        if step is None or step > upto:
+            continue
+        for col, v in zip(["tau", "tau_ddtree_8", "accept_slot_1", "accept_slot_2"], vals):
+            if not math.isnan(v):
+                out.setdefault(f"{prefix}/{ps}/{col}", []).append((step, v))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def as_points(points) -> dict[str, list[tuple[int, float]]]:
+    out: dict[str, list] = {}
+    for p in points:
+        out.setdefault(p.tag, []).append((p.step, p.value))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def test_table_points_are_one_per_checkpoint_metric_and_step(caplog):
+    pts = table_points(table())
+    assert as_points(pts) == expected()
+    assert len(pts) == 23 and "n_samples" not in {p.tag.rsplit("/", 1)[1] for p in pts}
+    assert "no training step known for nostep" in caplog.text
+    # a later column (e.g. a sampling setting's tau) is logged without code changes
+    df = table().assign(tau_T1_0=1.25)
+    assert {p.tag for p in table_points(df)} >= {"dflash_eval/humaneval/tau_T1_0"}
+    # two checkpoints at one step: the first by name is kept, the other is named
+    dup = pd.concat([table(100), table(100).assign(checkpoint="ck-z", tau=7.0)])
+    assert as_points(table_points(dup))["dflash_eval/humaneval/tau"] == [(100, 1.5)]
+    assert "ck-a and ck-z are both at step 100" in caplog.text
+
+
+def test_tensorboard_each_point_once_after_relogging_and_a_live_reader_agrees(tmp_path):
+    run_dir = tmp_path / "tb" / "demo"
+    first = write_tensorboard(table_points(table(200)), run_dir)
+    assert (first["logged"], first["already"]) == (15, 0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    live = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # a TensorBoard already running
+    live.Reload()
+    assert [e.step for e in live.Scalars("dflash_eval/humaneval/tau")] == [100, 200]
+    again = write_tensorboard(table_points(table(200)), run_dir)  # a rerun re-logs the same table
+    assert again == {"file": None, "logged": 0, "already": 15}
+    third = write_tensorboard(table_points(table(300)), run_dir)  # a third checkpoint
+    assert (third["logged"], third["already"]) == (8, 15)
+    files = sorted(p.name for p in run_dir.iterdir())
+    assert files == [Path(first["file"]).name, Path(third["file"]).name]  # the new file sorts after the first
+    assert all(f.startswith("events.out.tfevents.") and f.endswith(".dflash-eval") for f in files)
+    assert tensorboard_scalars(run_dir) == expected()
+    live.Reload()
+    assert [(e.step, e.value) for e in live.Scalars("dflash_eval/humaneval/tau")] == [(100, 1.5), (200, 2.0), (300, 2.5)]
+
+
+def test_tensorboard_partial_file_of_a_killed_writer_is_ignored_and_removed(tmp_path):
+    run_dir = tmp_path / "demo"
+    run_dir.mkdir()
+    (run_dir / ".000001.999.dflash-eval.partial").write_bytes(b"\x00" * 10)  # TensorBoard skips it: no 'tfevents'
+    out = write_tensorboard(table_points(table(100)), run_dir)
+    assert out["logged"] == 7 and sorted(p.name for p in run_dir.iterdir()) == [Path(out["file"]).name]
+    assert tensorboard_scalars(run_dir) == expected(100)
+
+
+def test_wandb_offline_run_files_hold_each_point_once(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {"wandb": {"enabled": True}}
+    out = log_table(table(100), cfg, "demo")
+    assert out["wandb"] == {"run_id": "dflash-eval-demo", "mode": "offline", "dir": "results/demo", "logged": 7,
+                            "already": 0}
+    assert log_table(table(100), cfg, "demo")["wandb"]["logged"] == 0  # nothing new: no W&B run opened
+    out = log_table(table(300), cfg, "demo")
+    assert (out["wandb"]["logged"], out["wandb"]["already"]) == (16, 7)
+    got = wandb_points(tmp_path / "results/demo/wandb", "dflash-eval-demo", "dflash_eval/step")
+    assert {k: sorted(v) for k, v in got.items()} == expected()
+    ledger = json.loads((tmp_path / "results/demo/trackers/wandb-dflash-eval-demo.json").read_text())
+    assert sorted(ledger["logged"]) == ["100", "200", "300"] and len(ledger["logged"]["100"]) == 7
+
+
+def test_wandb_run_id_and_prefix_are_configurable(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {"prefix": "tau", "wandb": {"enabled": True, "run_id": "train-run-7", "dir": "wb", "project": "p"}}
+    assert log_table(table(100), cfg, "demo")["wandb"]["run_id"] == "train-run-7"
+    got = wandb_points(tmp_path / "wb/wandb", "train-run-7", "tau/step")
+    assert {k: sorted(v) for k, v in got.items()} == expected(100, prefix="tau")
+
+
+def test_mlflow_file_store_holds_each_point_once(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"mlflow": {"enabled": True}}
+    first = log_table(table(200), cfg, "demo")["mlflow"]
+    assert first["tracking_uri"] == (tmp_path / "results/demo/mlruns").as_uri() and first["logged"] == 15
+    again = log_table(table(300), cfg, "demo")["mlflow"]
+    assert again["run_id"] == first["run_id"] and (again["logged"], again["already"]) == (8, 15)
+    assert log_table(table(300), cfg, "demo")["mlflow"]["logged"] == 0
+    assert mlflow_points(first["tracking_uri"], first["run_id"]) == expected()
+    # attach to an existing run (e.g. the training run) by id
+    with pytest.raises(InputError, match="trackers.mlflow.run_id: run 'nope' not found"):
+        log_table(table(), {"mlflow": {"enabled": True, "run_id": "nope"}}, "demo")
+
+
+def test_off_by_default_and_a_missing_library_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert log_table(table(), {}, "demo") == {}
+    assert log_table(table(), {"tensorboard": {"enabled": False}}, "demo") == {}
+    assert not (tmp_path / "results").exists()
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(InputError, match="trackers.mlflow.enabled: the mlflow client library is not installed.*"
+                                         "requirements-trackers.txt"):
+        log_table(table(), {"mlflow": {"enabled": True}}, "demo")
+
+
+def test_log_table_reads_the_tau_table_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    table().to_parquet(tmp_path / "tau.parquet")
+    table().to_csv(tmp_path / "tau.csv", index=False)
+    cfg = {"tensorboard": {"enabled": True}}
+    for name in ("tau.parquet", "tau.csv"):
+        out = log_table(tmp_path / name, cfg, "demo")
+        assert out["points"] == 23
+    assert tensorboard_scalars(tensorboard_run_dir(cfg, "demo")) == expected()
+    with pytest.raises(InputError, match="tau table not found"):
+        log_table(tmp_path / "missing.parquet", cfg, "demo")
