@@ -141,7 +141,7 @@ def write_files(root: Path, model, seqs, layers, dev, pad_id, packed, topks) -> 
     import numpy as np
     import torch
 
-    from dflash_eval.cache import to_storage
+    from dflash_eval.cache_format import to_storage
     from dflash_eval.extract import forward_batch
 
     n_layers = model.config.num_hidden_layers
@@ -233,7 +233,8 @@ def main() -> None:
     from dflash_eval.config import schema_default
     from dflash_eval.extract import packing_support
     from dflash_eval.runtime import length_batches, resolve_device
-    from dflash_eval.target import TargetSpec, load_target
+    from dflash_eval.target import load_target
+    from dflash_eval.target_spec import TargetSpec
 
     dev = resolve_device("cpu" if a.smoke else a.device)
     dtype = "float32" if dev.type == "cpu" else "bfloat16"

@@ -211,7 +211,7 @@ def agreement(values: Sequence[float | None]) -> AgreementStats:
                           n_unknown=len(values) - len(known))
 
 
-def aggregate_expected(responses: Sequence, block_size: int) -> AcceptanceStats:
+def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequence[int] | None = None) -> AcceptanceStats:
     """Aggregate expected acceptance at T > 0 (:func:`dflash_eval.expected.response_expectations`).
 
     The same fields and pooling as :func:`aggregate`, every count an expected value (float):
@@ -224,8 +224,19 @@ def aggregate_expected(responses: Sequence, block_size: int) -> AcceptanceStats:
         responses: one :class:`~dflash_eval.expected.ResponseExpectation` per response, ``None`` for a
             response without a verify step.
         block_size: B.
+        prompt_lens: each response's prompt length in tokens (for ``prompt_tau``); None = unknown.
     """
     B = block_size
+    prompt_labels = position_bin_labels(PROMPT_BINS)
+    prompt_sums, prompt_counts = [0.0] * len(prompt_labels), [0] * len(prompt_labels)
+    if prompt_lens is not None:
+        if len(prompt_lens) != len(responses):
+            raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(responses)} responses")
+        for r, n in zip(responses, prompt_lens):
+            if r is not None:
+                b = _bin_index(int(n), PROMPT_BINS)
+                prompt_sums[b] += r.walk.tau
+                prompt_counts[b] += 1
     live = [r for r in responses if r is not None]
     labels = position_bin_labels()
     hist = {k: 0.0 for k in range(1, B + 1)}
@@ -258,4 +269,7 @@ def aggregate_expected(responses: Sequence, block_size: int) -> AcceptanceStats:
         slot_compared={k: comp[k] for k in range(1, B)},
         position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
         position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
+        prompt_tau={lab: prompt_sums[i] / prompt_counts[i] if prompt_counts[i] else math.nan
+                    for i, lab in enumerate(prompt_labels)},
+        prompt_samples={lab: prompt_counts[i] for i, lab in enumerate(prompt_labels)},
     )

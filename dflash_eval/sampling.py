@@ -52,7 +52,7 @@ block) and the step commits ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_pr
 
 The walk of a response and its expected tau: :mod:`dflash_eval.walk`. At temperature 0 every p and q is
 one-hot, ``beta`` is 1 exactly where the drafter's argmax is the cached token, and the expectation is the
-greedy walk of :func:`dflash_eval.replay.chain_walk`, exactly.
+greedy walk of :func:`dflash_eval.anchors.chain_walk`, exactly.
 
 Probabilities are float32 (as the reference's); survival products, the walk DP and the Monte Carlo
 means are float64 (:mod:`dflash_eval.walk`).

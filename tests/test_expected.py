@@ -11,7 +11,7 @@ import torch
 
 from dflash_eval.expected import response_expectations, target_token_probs
 from dflash_eval.metrics import aggregate, aggregate_expected
-from dflash_eval.replay import chain_walk
+from dflash_eval.anchors import chain_walk
 from dflash_eval.sampling import SamplingSetting, filtered_probs
 
 
@@ -46,8 +46,8 @@ def test_zero_one_expectation_equals_the_greedy_aggregate():
         Ts.append(T)
         greedy.append(chain_walk(a.tolist(), P, T))
     exp = response_expectations(survivals, Ps, Ts, B)
-    got = aggregate_expected(exp + [None], B).as_dict()
-    want = aggregate(greedy + [[]], B).as_dict()
+    got = aggregate_expected(exp + [None], B, Ps + [3]).as_dict()
+    want = aggregate(greedy + [[]], B, Ps + [3]).as_dict()
     assert set(got) == set(want)
     for key in want:
         assert got[key] == pytest.approx(want[key], abs=1e-12, nan_ok=True), key

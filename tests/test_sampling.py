@@ -19,7 +19,7 @@ import torch
 import dflash.model as ref  # the reference: a missing one must fail, never skip
 from dflash_eval.errors import InputError
 from dflash_eval.metrics import sample_tau
-from dflash_eval.replay import chain_walk
+from dflash_eval.anchors import chain_walk
 from dflash_eval.sampling import (SamplingSetting, check_sampling, filtered_probs, filtered_support, mc_accepted,
                                   rejection_sample, selector_path_probs, selector_transitions, slot_alpha, slot_beta,
                                   survival_independent, survival_selector, token_probs)
