@@ -100,20 +100,41 @@ def selector_survival(unary: torch.Tensor, candidates: torch.Tensor, hidden_proj
 
 @dataclass
 class ResponseExpectation:
-    """One response's expectations (:func:`response_expectation`); counts are expected values (floats).
+    """One response's expectations given its trajectory (:func:`response_expectations`); counts are expected
+    values (floats), pooled by :func:`dflash_eval.metrics.aggregate_expected`.
 
-    ``walk``: :class:`~dflash_eval.sampling.WalkExpectation`; ``slot_accepted`` / ``slot_compared``:
-    ``[B]`` (index k = slot k, 0 unused) expected verify steps in which slot k was accepted / compared,
-    with :func:`dflash_eval.metrics.aggregate`'s censoring; ``bin_tokens`` / ``bin_steps``: expected
-    committed tokens and steps per :data:`~dflash_eval.metrics.POSITION_BINS` bin of the anchor's
-    completion position.
+    Attributes:
+        tau, tau_sglang, steps: ``E[(T - 1 - P) / N]``, ``E[(T - P) / N]``, ``E[N]``.
+        committed: ``T - 1 - P``, the tokens the verify steps commit (not random).
+        histogram: ``[B + 1]`` expected steps committing d tokens (index d; 0 unused).
+        slot_accepted, slot_compared: ``[B]`` (index k = slot k, 0 unused) expected verify steps in which
+            slot k was accepted / compared, with :func:`dflash_eval.metrics.aggregate`'s censoring.
+        bin_tokens, bin_steps: expected committed tokens and steps per
+            :data:`~dflash_eval.metrics.POSITION_BINS` bin of the anchor's completion position.
+        walk: the full :class:`~dflash_eval.walk.WalkExpectation` (not serialised).
     """
 
-    walk: WalkExpectation
+    tau: float
+    tau_sglang: float
+    steps: float
+    committed: int
+    histogram: list[float]
     slot_accepted: list[float]
     slot_compared: list[float]
     bin_tokens: list[float]
     bin_steps: list[float]
+    walk: WalkExpectation | None = None
+
+    SERIALISED = ("tau", "tau_sglang", "steps", "committed", "histogram", "slot_accepted", "slot_compared",
+                  "bin_tokens", "bin_steps")
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields (the evaluate output's per-sample entry of a sampling setting)."""
+        return {k: getattr(self, k) for k in self.SERIALISED}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ResponseExpectation":
+        return cls(**{k: d[k] for k in cls.SERIALISED})
 
 
 def response_expectations(survivals: list[torch.Tensor], prompt_lens: Sequence[int], n_tokens: Sequence[int],
@@ -124,7 +145,7 @@ def response_expectations(survivals: list[torch.Tensor], prompt_lens: Sequence[i
         survivals: per response ``[n, J + 1]`` (``n = T - 1 - P >= 1`` anchors ``t = P + i``, J <= B - 1).
         prompt_lens, n_tokens: P and T per response.
         block_size: B.
-        tol: passed to :func:`dflash_eval.sampling.walk_expectations` (0 = exact).
+        tol: passed to :func:`dflash_eval.walk.walk_expectations` (0 = exact).
 
     Returns:
         one :class:`ResponseExpectation` per response. Slot k of anchor t is accepted when ``a >= k`` and
@@ -152,7 +173,8 @@ def response_expectations(survivals: list[torch.Tensor], prompt_lens: Sequence[i
         mean_produced = (pr * torch.arange(B + 1, dtype=torch.float64)[None]).sum(1)
         nb = len(POSITION_BINS)
         out.append(ResponseExpectation(
-            walk=w, slot_accepted=[0.0] + acc[1:B].tolist(), slot_compared=[0.0] + comp[1:B].tolist(),
+            tau=w.tau, tau_sglang=w.tau_sglang, steps=w.steps, committed=len(left), histogram=w.histogram.tolist(),
+            slot_accepted=[0.0] + acc[1:B].tolist(), slot_compared=[0.0] + comp[1:B].tolist(),
             bin_tokens=torch.zeros(nb, dtype=torch.float64).index_add_(0, bins, v * mean_produced).tolist(),
-            bin_steps=torch.zeros(nb, dtype=torch.float64).index_add_(0, bins, v).tolist()))
+            bin_steps=torch.zeros(nb, dtype=torch.float64).index_add_(0, bins, v).tolist(), walk=w))
     return out

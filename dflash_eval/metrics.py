@@ -235,7 +235,7 @@ def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequen
         for r, n in zip(responses, prompt_lens):
             if r is not None:
                 b = _bin_index(int(n), PROMPT_BINS)
-                prompt_sums[b] += r.walk.tau
+                prompt_sums[b] += r.tau
                 prompt_counts[b] += 1
     live = [r for r in responses if r is not None]
     labels = position_bin_labels()
@@ -245,21 +245,20 @@ def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequen
     steps = 0.0
     tokens = 0
     for r in live:
-        w = r.walk
         for k in range(1, B + 1):
-            hist[k] += float(w.histogram[k])
+            hist[k] += float(r.histogram[k])
         for k in range(1, B):
             acc[k] += r.slot_accepted[k]
             comp[k] += r.slot_compared[k]
         for i in range(len(labels)):
             bin_tokens[i] += r.bin_tokens[i]
             bin_steps[i] += r.bin_steps[i]
-        steps += w.steps
-        tokens += len(w.visit)
+        steps += r.steps
+        tokens += r.committed
     return AcceptanceStats(
-        tau=sum(r.walk.tau for r in live) / len(live) if live else math.nan,
+        tau=sum(r.tau for r in live) / len(live) if live else math.nan,
         tau_tokens_per_step=tokens / steps if steps else math.nan,
-        tau_sglang=sum(r.walk.tau_sglang for r in live) / len(live) if live else math.nan,
+        tau_sglang=sum(r.tau_sglang for r in live) / len(live) if live else math.nan,
         n_samples=len(live),
         n_skipped=len(responses) - len(live),
         verify_steps=steps,
