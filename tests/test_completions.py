@@ -39,7 +39,10 @@ def _read(path):
     return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# every test of this fixture generates with a tiny target against a reference greedy loop: about a minute per
+# architecture, so they are left out of `make test-fast` (the pinned-tau fast path still generates completions)
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.slow),
+                                        pytest.param("qwen3", marks=pytest.mark.slow)])
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"compl-{request.param}")
     target = make_tiny_target(root / "target", arch=request.param, seed=3)

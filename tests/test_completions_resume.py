@@ -79,6 +79,7 @@ def tiny(tmp_path_factory):
     return root, target, prompts, ref.read_bytes()
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_resumes(tiny, tmp_path):
     root, target, prompts, ref = tiny
     out = tmp_path / "c.jsonl"
@@ -95,6 +96,7 @@ def test_sigkill_then_rerun_resumes(tiny, tmp_path):
     assert not partial.exists() and sorted(q.name for q in tmp_path.iterdir()) == ["1.log", "2.log", "c.jsonl"]
 
 
+@pytest.mark.slow
 def test_sigterm_keeps_work_refuses_other_settings_and_survives_a_torn_line(tiny, tmp_path):
     root, target, prompts, ref = tiny
     out = tmp_path / "c.jsonl"

@@ -92,6 +92,7 @@ def test_causal_conv1d_status(tmp_path, monkeypatch, case, expected):
     assert causal_conv1d_status() == expected
 
 
+@pytest.mark.container
 def test_check_image_fails_loudly(tmp_path):
     """The image's import check exits 1 and names what is wrong (here: a CPU torch in the CUDA
     variant, and fla missing)."""
@@ -135,6 +136,7 @@ def cpu_image(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.container
 def test_cpu_image_runs_tiny_workflow(cpu_image, tiny_run, tmp_path):
     """`--sdm apptainer` with the podman stand-in: every stage runs in the image without network
     and gives the local run's completions, caches and tau; the cache names the image and records

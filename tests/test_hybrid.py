@@ -91,6 +91,7 @@ def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
     assert torch.equal(embed, vlm.model.language_model.embed_tokens.weight.detach())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_right_padding_is_batch_invariant(kind):
     """Same sample alone vs right-padded next to longer ones.
@@ -156,6 +157,7 @@ fused_recurrent_gated_delta_rule = chunk_gated_delta_rule
 '''
 
 
+@pytest.mark.slow
 def test_fla_bound_at_import_is_detected_and_overridden(tmp_path):
     """With an importable fla, transformers binds it at import and a CPU forward crashes (reference §2.3).
 
@@ -260,6 +262,7 @@ def test_kernel_parity_skips_targets_without_linear_attention(tmp_path):
     assert json.loads((tmp_path / "kp.json").read_text())["layers"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_whole_pipeline_through_the_cli(kind, tmp_path):
     """prompts -> completions -> hidden-states -> demo checkpoint -> strip -> evaluate -> kernel-parity -> report."""

@@ -88,7 +88,8 @@ def test_tree_verify_sees_exactly_the_ancestor_path(tiny):
     torch.testing.assert_close(got, _logits(target, committed + [nxt])[-1], atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("budget", [None, 1, 6, 24])
+@pytest.mark.parametrize("budget", [None, pytest.param(1, marks=pytest.mark.slow), 6,
+                                    pytest.param(24, marks=pytest.mark.slow)])
 def test_online_decoding_is_lossless(tiny, budget):
     """Greedy speculative decoding (chain or DDTree) commits exactly the target's own greedy output."""
     target = tiny["target"]

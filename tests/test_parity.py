@@ -121,7 +121,7 @@ def test_bf16_bit_exact_with_reference_forward(kind):
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 @torch.no_grad()
 def test_kv_cached_incremental_path_matches(kind, dtype):
     """Our precomputed context K/V against the reference's DynamicCache path (new context per step, crop).
@@ -199,7 +199,8 @@ class ScriptedTarget(nn.Module):
 
 @pytest.mark.parametrize("kind,dtype,cache", [
     ("full", torch.float32, "reference"), ("sliding", torch.float32, "reference"),
-    ("full", torch.bfloat16, "reference"), ("sliding", torch.bfloat16, "full-length"),
+    pytest.param("full", torch.bfloat16, "reference", marks=pytest.mark.slow),
+    pytest.param("sliding", torch.bfloat16, "full-length", marks=pytest.mark.slow),
 ])
 @torch.no_grad()
 def test_replay_matches_reference_dflash_generate(kind, dtype, cache, monkeypatch):

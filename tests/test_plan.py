@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dflash_eval import plan
+from dflash_eval import checkpoint_plan, plan
 from dflash_eval.errors import InputError
 
 
@@ -40,7 +40,7 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     (tmp_path / "ck" / "step100.pt").write_bytes(b"x")
     (tmp_path / "ck" / "step200").mkdir()
     (tmp_path / "ck" / "step200" / "model.safetensors").write_bytes(b"x")
-    table = plan.checkpoint_table({"glob": "ck/step*", "list": [{"name": "mine", "path": "ck/step100.pt"}],
+    table = checkpoint_plan.checkpoint_table({"glob": "ck/step*", "list": [{"name": "mine", "path": "ck/step100.pt"}],
                                    "demo": [{"name": "d1", "step": 1, "random_init": True}]})
     assert list(table) == ["d1", "mine", "step100", "step200"]
     assert table["step200"] == {"path": "ck/step200", "kind": "glob", "files": ["ck/step200/model.safetensors"]}
@@ -66,7 +66,7 @@ def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, fiel
     (tmp_path / "ck" / "bad name.pt").write_bytes(b"x")
     os.symlink(tmp_path / "ck" / "gone.pt", tmp_path / "ck" / "broken.pt")
     with pytest.raises(InputError) as ei:
-        plan.checkpoint_table(cfg)
+        checkpoint_plan.checkpoint_table(cfg)
     assert ei.value.field == field and problem in ei.value.problem and ei.value.fix
 
 
@@ -75,10 +75,10 @@ def test_checkpoint_files_of_a_folder(tmp_path):
     d.mkdir()
     for f in ("config.json", "model.safetensors", "notes.txt"):
         (d / f).write_text("x")
-    assert plan.checkpoint_files("step5", {"path": str(d)}) == [str(d / "config.json"), str(d / "model.safetensors")]
+    assert checkpoint_plan.checkpoint_files("step5", {"path": str(d)}) == [str(d / "config.json"), str(d / "model.safetensors")]
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="holds no"):
-        plan.checkpoint_files("e", {"path": str(tmp_path / "empty")})
+        checkpoint_plan.checkpoint_files("e", {"path": str(tmp_path / "empty")})
 
 
 def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypatch):
@@ -90,10 +90,10 @@ def test_checkpoint_without_weights_is_refused_at_parse_time(tmp_path, monkeypat
         if f:
             (tmp_path / d / f).write_text("{}")
         with pytest.raises(InputError) as ei:
-            plan.checkpoint_table({"list": [{"name": "c", "path": d}]})
+            checkpoint_plan.checkpoint_table({"list": [{"name": "c", "path": d}]})
         assert ei.value.field == "checkpoints.list[0] (c).path" and "holds no weight files" in ei.value.problem
     with pytest.raises(InputError, match="holds no weight files") as ei:
-        plan.checkpoint_table({"glob": "cfg*"})
+        checkpoint_plan.checkpoint_table({"glob": "cfg*"})
     assert ei.value.field == "checkpoints.glob (cfgonly).path"
 
 
@@ -104,15 +104,15 @@ def test_checkpoint_inputs_include_the_config_strip_falls_back_to(tmp_path, monk
     (tmp_path / "run" / "run-step5").mkdir(parents=True)
     (tmp_path / "run" / "run-step5" / "training_state.pt").write_bytes(b"x")
     (tmp_path / "run" / "a.pt").write_bytes(b"x")
-    assert plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt"]
-    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt"]
+    assert checkpoint_plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt"]
+    assert checkpoint_plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt"]
     (tmp_path / "run" / "config.json").write_text("{}")
-    assert plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt", "run/config.json"]
-    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt", "run/config.json"]
-    assert plan.checkpoint_files("t", {"path": "run/run-step5/training_state.pt"}) == [
+    assert checkpoint_plan.checkpoint_files("a", {"path": "run/a.pt"}) == ["run/a.pt", "run/config.json"]
+    assert checkpoint_plan.checkpoint_files("s", {"path": "run/run-step5"}) == ["run/run-step5/training_state.pt", "run/config.json"]
+    assert checkpoint_plan.checkpoint_files("t", {"path": "run/run-step5/training_state.pt"}) == [
         "run/run-step5/training_state.pt", "run/config.json"]
     (tmp_path / "run" / "run-step5" / "config.json").write_text("{}")
-    assert plan.checkpoint_files("s", {"path": "run/run-step5"}) == [
+    assert checkpoint_plan.checkpoint_files("s", {"path": "run/run-step5"}) == [
         "run/run-step5/config.json", "run/run-step5/training_state.pt"]
 
 
@@ -121,22 +121,22 @@ def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
     drafter.mkdir()
     (drafter / "config.json").write_text(json.dumps({"dflash_config": {"target_layer_ids": [3, 1]}}))
     rows = {"a": {"kind": "demo", "drafter": str(drafter)}, "b": {"kind": "demo", "layer_ids": [0, 1]}}
-    assert plan.cache_layer_ids({}, rows) == [0, 1, 3]
+    assert checkpoint_plan.cache_layer_ids({}, rows) == [0, 1, 3]
     with pytest.raises(InputError, match=r"\[3\] are not in cache.target_layer_ids \[0, 1\]"):
-        plan.cache_layer_ids({"target_layer_ids": [0, 1]}, rows)
+        checkpoint_plan.cache_layer_ids({"target_layer_ids": [0, 1]}, rows)
     with pytest.raises(InputError, match="not set"):
-        plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
+        checkpoint_plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
     with pytest.raises(InputError, match="duplicate"):
-        plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
+        checkpoint_plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
     from dflash_eval.target_spec import TargetSpec
 
     spec = TargetSpec.read(_target(tmp_path / "t", layers=3))
     with pytest.raises(InputError) as ei:
-        plan.cache_layer_ids({"target_layer_ids": [0, 3]}, {}, spec)
+        checkpoint_plan.cache_layer_ids({"target_layer_ids": [0, 3]}, {}, spec)
     assert ei.value.field == "cache.target_layer_ids" and "[3] out of range for the 3-layer target" in ei.value.problem
     bad = {"a": {"kind": "demo", "drafter": str(drafter), "layer_ids": [1, 2]}}
     with pytest.raises(InputError, match="differ from"):
-        plan.cache_layer_ids({}, bad)
+        checkpoint_plan.cache_layer_ids({}, bad)
 
 
 def test_resolve_target(tmp_path, monkeypatch):
@@ -179,10 +179,10 @@ def test_build_plan_checks_layer_ids_against_an_existing_target(tmp_path, monkey
 
 def test_strip_and_demo_args():
     row = {"drafter_config": "cfg.json", "overrides": {"target_layer_ids": [1, 2], "block_size": 8}}
-    assert plan.strip_args(row) == ["--drafter-config", "cfg.json", "--override", "block_size=8",
+    assert checkpoint_plan.strip_args(row) == ["--drafter-config", "cfg.json", "--override", "block_size=8",
                                     "--override", "target_layer_ids=[1,2]"]
-    assert plan.demo_args({"step": 3, "drafter": "d"}) == ["--step", "3", "--drafter", "d"]
-    assert plan.demo_args({"step": 0, "random_init": True, "seed": 1, "layer_ids": [1, 2], "block_size": 4,
+    assert checkpoint_plan.demo_args({"step": 3, "drafter": "d"}) == ["--step", "3", "--drafter", "d"]
+    assert checkpoint_plan.demo_args({"step": 0, "random_init": True, "seed": 1, "layer_ids": [1, 2], "block_size": 4,
                            "num_layers": 1}) == ["--step", "0", "--random-init", "--seed", "1", "--layer-ids", "1,2",
                                                  "--block-size", "4", "--num-layers", "1"]
 
@@ -271,7 +271,7 @@ def test_target_costs_and_report_args():
                                                               "results/r/drafters/ck 2/config.json"]}
     assert p.stage_flags("target_costs") == ("--budgets=4,16 --context-tokens=512 --repeats=3 --warmup=2 "
                                              "--device=auto --dtype=auto --linear-attn-backend=torch")
-    assert p.stage_flags("target_costs", rerun=False) == ""
+    assert "target_costs" not in json.loads(p.runtime_env())  # no target_costs option is rerun-neutral
     sha = p.config_sha256
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"

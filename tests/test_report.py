@@ -127,6 +127,7 @@ def with_fake_columns(data):
     return data
 
 
+@pytest.mark.slow
 def test_fake_columns_adapt(run):
     """With tau_ddtree_<B> columns the curves, tables and speedups grow a method per budget; per-slot
     and per-position columns add their figures and tables."""
@@ -194,6 +195,7 @@ def _csv_cells(frame: pd.DataFrame) -> list[list[str]]:
     return [row for row in csv.reader(io.StringIO(buf.getvalue()))]
 
 
+@pytest.mark.browser
 def test_renders_in_chromium(run):
     """Every figure loads in headless Chromium, and the tau tables the browser shows equal tau.csv."""
     import browser

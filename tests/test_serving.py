@@ -23,6 +23,8 @@ from dflash_eval.serving import ServerError, ServerUnavailable
 from standin_server import StandIn
 from tiny import make_tiny_target, make_tiny_tokenizer
 
+pytestmark = pytest.mark.slow  # a stand-in server process per test and a reference generation (minutes in all)
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 MAX_NEW = 16

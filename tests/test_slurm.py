@@ -116,6 +116,7 @@ def test_slurm_submit_strings():
     assert "-p cpu" in call and "--mem 64000" in call and "--gpus" not in call and "--cpus-per-task=1" in call
 
 
+@pytest.mark.slow
 def test_torch_threads_from_config(tmp_path):
     """Torch rules take config torch_threads (default 8), capped by --cores; no rule reads
     workflow.cores (it fails at parse time when --cores is unset, as on a cluster)."""
@@ -142,6 +143,7 @@ def test_torch_threads_from_config(tmp_path):
     assert t["completions"] == t["hidden_states"] == t["evaluate"] == {1} and t["target_costs"] == {2}
 
 
+@pytest.mark.slow
 def test_missing_sif_stops_at_parse_time(tmp_path):
     """With --sdm apptainer, a containers.cuda .sif that does not exist is named at parse time."""
     wd = copy_workflow(tmp_path / "wf")
@@ -250,6 +252,7 @@ SLURM_TEST_CONFIG = {
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
     """The shipped slurm-gpu profile, unchanged, on a cluster without accounting: every job
     COMPLETED in SLURM's records, GPU rules on the gpu partition with one GPU, the rest on cpu
@@ -276,6 +279,7 @@ def test_slurm_gpu_profile_real_run(slurm_cluster, tiny_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_slurm_profiles_on_a_cluster_without_gpus(slurm_cluster_without_gpus, tiny_run, tmp_path):
     """Without GPU gres, slurm-gpu's GPU job is rejected by sbatch once (no retry resubmits it) with
     SLURM's reason in the error; slurm-cpu runs the same torch rule on the cpu partition without a

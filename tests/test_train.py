@@ -28,6 +28,7 @@ def tiny(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_sharegpt_split_holds_out_every_demo_prompt(tiny):
     from dflash_eval.prompts import build_prompt_set, read_prompts
 

@@ -49,6 +49,7 @@ def _vllm_python() -> str | None:
 VLLM_PYTHON = _vllm_python()
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.skipif(VLLM_PYTHON is None, reason="vLLM is not installed: run `make venv-vllm` (or set "
                                                    "DFLASH_EVAL_VLLM_PYTHON to the python of a vLLM env) to run the "
                                                    "real-server tests"),

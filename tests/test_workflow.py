@@ -390,15 +390,20 @@ def _demo_checkpoint(wd: Path, out: str, step: int, seed: int) -> None:
                    cwd=wd, env=env, check=True, capture_output=True, text=True)
 
 
+#: trained on the tiny run's own completions (tests/fixtures/make_trained_drafter.py): drafts are accepted
+TRAINED_DRAFTER = REPO / "tests" / "fixtures" / "trained_drafter" / "step300"
+
 PROMPTS_A = ["Write a function that adds two numbers.", "What is the capital of France?",
              "Summarize the text in bullet points.", "The quick brown fox jumps over the lazy dog."]
 PROMPTS_B = ["def add(a, b):", "Tell me about Paris.", "Explain bullet points."]
 
 
-def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
-    """A workflow copy in ``wd`` on a tiny random target, two tiny random checkpoints (glob) and one
+def make_tiny_workdir(wd: Path, random_checkpoints: bool = True, **config_overrides) -> Path:
+    """A workflow copy in ``wd`` on a tiny random target, two tiny random checkpoints (glob), the tiny
+    trained drafter (``trained``: :data:`TRAINED_DRAFTER`, a ``checkpoints.list`` entry) and one
     random-init demo entry, two prompt sets from files; CPU float32. ``config_overrides`` replace
-    top-level config keys. Nothing is run."""
+    top-level config keys; ``random_checkpoints=False`` skips writing the glob's two checkpoints (for a
+    ``checkpoints`` override without them). Nothing is run."""
     pytest.importorskip("h5py")
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target
@@ -412,8 +417,10 @@ def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
         "".join(json.dumps({"id": f"b{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
                 for i, p in enumerate(PROMPTS_B)))
     (wd / "ckpts").mkdir()
-    _demo_checkpoint(wd, "ckpts/step100.pt", step=100, seed=1)
-    _demo_checkpoint(wd, "ckpts/step200.pt", step=200, seed=2)
+    if random_checkpoints:
+        _demo_checkpoint(wd, "ckpts/step100.pt", step=100, seed=1)
+        _demo_checkpoint(wd, "ckpts/step200.pt", step=200, seed=2)
+    shutil.copytree(TRAINED_DRAFTER, wd / "trained" / "step300")  # a z-lab folder checkpoint that accepts drafts
     cfg = {
         "run": "tiny",
         "target": {"name": "tiny", "path": "tiny_target"},
@@ -424,6 +431,7 @@ def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
         "cache": {"target_layer_ids": [1, 2, 3], "batch_tokens": 512, "device": "cpu", "dtype": "float32"},
         "checkpoints": {
             "glob": "ckpts/*.pt",
+            "list": [{"name": "trained", "path": "trained/step300"}],
             "demo": [{"name": "demo-step50", "step": 50, "random_init": True, "layer_ids": [1, 3],
                       "block_size": 4, "num_layers": 1, "seed": 5}],
         },
@@ -437,9 +445,9 @@ def make_tiny_workdir(wd: Path, **config_overrides) -> Path:
 
 def run_tiny_locally(wd: Path) -> Path:
     """``make_tiny_workdir`` + a full local run with the CI profile (2 cores, so torch jobs use 2
-    threads), with ``validate_online`` on for the demo checkpoint. Used by the session fixture
+    threads), with ``validate_online`` on for the trained drafter. Used by the session fixture
     ``tiny_run`` (tests/conftest.py)."""
-    wd = make_tiny_workdir(wd, validate_online={"enabled": True, "checkpoints": ["demo-step50"], "n_samples": 2,
+    wd = make_tiny_workdir(wd, validate_online={"enabled": True, "checkpoints": ["trained"], "n_samples": 2,
                                                 "device": "cpu", "dtype": "float32"})
     smk(wd, "--workflow-profile", str(CI_PROFILE))
     return wd
@@ -455,15 +463,16 @@ def test_end_to_end_tau_table(tiny_run):
     for col in ("checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
                 "block_size"):
         assert col in csv.columns and col in parquet.columns, col
-    assert len(csv) == len(parquet) == 6
+    assert len(csv) == len(parquet) == 8
     assert set(zip(csv.checkpoint, csv.prompt_set)) == {
-        (c, p) for c in ("step100", "step200", "demo-step50") for p in ("set_a", "set_b")}
-    assert dict(zip(csv.checkpoint, csv.step)) == {"step100": 100, "step200": 200, "demo-step50": 50}
+        (c, p) for c in ("step100", "step200", "demo-step50", "trained") for p in ("set_a", "set_b")}
+    assert dict(zip(csv.checkpoint, csv.step)) == {"step100": 100, "step200": 200, "demo-step50": 50, "trained": 300}
     n_prompts = {"set_a": len(PROMPTS_A), "set_b": 2}
-    # Hand-checked exact values. The drafters are random-init: on this target no draft is ever
-    # accepted, so every verify step commits exactly the bonus token (tau = 1 exactly), and a
-    # completion of L tokens takes L - 1 verify steps (the first token comes from the prefill).
-    for row in csv.itertuples():
+    # Hand-checked exact values. The random-init drafters: on this target no draft is ever accepted,
+    # so every verify step commits exactly the bonus token (tau = 1 exactly), and a completion of L
+    # tokens takes L - 1 verify steps (the first token comes from the prefill). The trained drafter's
+    # pinned, hand-recomputed tau: tests/test_pinned_tau.py.
+    for row in csv[csv.checkpoint != "trained"].itertuples():
         completions = [json.loads(line) for line in
                        (wd / "results" / "tiny" / "completions" / f"{row.prompt_set}.jsonl").read_text().splitlines()]
         lengths = [len(c["completion_ids"]) for c in completions]
@@ -480,14 +489,16 @@ def test_end_to_end_tau_table(tiny_run):
             assert all(1 <= a <= row.block_size for w in walks for a in w)
         assert 1.0 <= row.tau_ddtree_2 <= row.tau_ddtree_8 <= row.block_size
     report = (wd / "results" / "tiny" / "report.md").read_text()
-    # validate_online (chain + DDTree-2, the smallest budget) ran on CPU in float32: where the online output equals
-    # the cached completion, the per-step acceptance is identical; its section is in the report
+    # validate_online (chain + DDTree-2, the smallest budget) of the trained drafter ran on CPU in float32: the
+    # online decode (target in the loop) gives the cached completion and, step by step, the offline replay's
+    # acceptance (drafts accepted: not all ones); its section is in the report
     vo = json.loads((wd / "results" / "tiny" / "validate_online.json").read_text())
     modes = vo["checkpoints"][0]["modes"]
     assert vo["budget"] == 2 and set(modes) == {"chain", "ddtree_2"}
     for m in modes.values():
         assert len(m["samples"]) == 2 and m["n_same_output"] == m["n_identical_steps"] == 2 and m["ok"]
-    assert f"## {vo['title']}" in report and "| demo-step50 | set_a | ddtree_2 |" in report
+        assert all(s["online"] == s["offline"] and max(s["online"]) > 1 for s in m["samples"])
+    assert f"## {vo['title']}" in report and "| trained | set_a | ddtree_2 |" in report
     # Complete and stable: nothing left to do.
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
     assert "Nothing to be done" in out.stdout + out.stderr
@@ -525,6 +536,7 @@ def check_report_in_browser(run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_report_html_renders(tiny_run, tmp_path):
     run = tiny_run / "results" / "tiny"
     assert sorted(p.name for p in (run / "figures").glob("*.png")) == [
@@ -537,6 +549,7 @@ def test_report_html_renders(tiny_run, tmp_path):
     check_report_in_browser(run, tmp_path)
 
 
+@pytest.mark.browser
 def test_demo_report_renders(tmp_path):
     """``make demo``'s results/demo/report.html, when this checkout has run the demo."""
     run = REPO / "results" / "demo"
@@ -571,7 +584,7 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     _demo_checkpoint(wd, "ckpts/step100.pt", step=100, seed=11)  # same name, different weights
     assert (wd / "ckpts" / "step100.pt").read_bytes() != before
     cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
-    cfg["checkpoints"]["list"] = [{"name": "new-ckpt", "path": "extra/new-ckpt.pt"}]
+    cfg["checkpoints"]["list"].append({"name": "new-ckpt", "path": "extra/new-ckpt.pt"})
     _write_config(wd, cfg)
 
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
@@ -596,7 +609,7 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     import pandas as pd
 
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
-    assert len(csv) == 8 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "new-ckpt"}
+    assert len(csv) == 10 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "trained", "new-ckpt"}
 
 
 # --------------------------------------------------------------------------- stale results, late checks, reruns
@@ -654,7 +667,8 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     assert job_counts(out.stdout + out.stderr) == {"target_costs": 1, "summary": 1, "report": 1, "all": 1}
     smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
-    assert sorted(zip(csv.checkpoint, csv.prompt_set)) == [("demo-step50", "set_a"), ("step100", "set_a")]
+    assert sorted(zip(csv.checkpoint, csv.prompt_set)) == [("demo-step50", "set_a"), ("step100", "set_a"),
+                                                           ("trained", "set_a")]
     report = (wd / "results" / "tiny" / "report.md").read_text()
     assert "set_b" not in report and "step200" not in report
 
@@ -666,10 +680,10 @@ def test_changing_overrides_reruns_strip_and_evaluate(tiny_run, tmp_path):
     wd = _copy_run(tiny_run, tmp_path / "wf")
     cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
     cfg["checkpoints"]["glob"] = "ckpts/step2*.pt"
-    cfg["checkpoints"]["list"] = [{"name": "step100", "path": "ckpts/step100.pt"}]  # same job, same params
+    cfg["checkpoints"]["list"].append({"name": "step100", "path": "ckpts/step100.pt"})  # same job, same params
     _write_config(wd, cfg)
     assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
-    cfg["checkpoints"]["list"][0]["overrides"] = {"mask_token_id": 1}
+    cfg["checkpoints"]["list"][-1]["overrides"] = {"mask_token_id": 1}
     _write_config(wd, cfg)
     out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))
     text = out.stdout + out.stderr

@@ -53,7 +53,8 @@ def wandb_records(path):
 def wandb_history(wandb_dir, run_id: str) -> list[dict]:
     """Every history row of run ``run_id`` over all its offline run folders under ``wandb_dir``."""
     rows = []
-    for f in sorted(Path(wandb_dir).glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+    # one folder per wandb.init: offline-run-<time>-<id>, with a -1, -2 ... suffix when two start in the same second
+    for f in sorted(Path(wandb_dir).glob(f"offline-run-*/run-{run_id}.wandb")):
         for rec in wandb_records(f):
             if rec.WhichOneof("record_type") == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})

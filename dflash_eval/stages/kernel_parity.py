@@ -66,8 +66,8 @@ def plan(device: str, dtype: str, target_dir) -> dict:
 
     ``a``/``b`` hold ``backend`` (``fla``/``torch``) and ``dtype`` (``bfloat16``/``float32``).
     """
-    from .hybrid import fla_status, target_has_linear_attention
-    from .runtime import dtype_name, resolve_device, resolve_dtype
+    from ..hybrid import fla_status, target_has_linear_attention
+    from ..runtime import dtype_name, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     dt = dtype_name(resolve_dtype(dtype, dev))
