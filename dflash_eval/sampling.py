@@ -206,6 +206,23 @@ def hf_logits_processor(setting: SamplingSetting):
     return ReferenceFilter()
 
 
+def generation_sampling(sampling: dict | None) -> tuple[dict, list]:
+    """``generation.sampling`` -> ``(the setting with defaults filled, transformers logits processors)``; no
+    processor at temperature 0 (greedy). The processor draws from dflash==0.1.0's filter
+    (:func:`hf_logits_processor`).
+
+    Raises:
+        InputError: a setting the reference refuses.
+    """
+    s = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, **(sampling or {})}
+    s = {"temperature": float(s["temperature"]), "top_p": float(s["top_p"]), "top_k": int(s["top_k"]),
+         "seed": int(s["seed"])}
+    if s["temperature"] == 0:
+        return s, []
+    return s, [hf_logits_processor(SamplingSetting(s["temperature"], s["top_p"], s["top_k"]))]
+
+
+
 # ----------------------------------------------------------------------------- the speculative sampler
 
 def _draft_mass(draft_probs: torch.Tensor, tokens: torch.Tensor, draft_indices: torch.Tensor | None) -> torch.Tensor:

@@ -173,3 +173,79 @@ def test_plan_checks_the_settings():
     with pytest.raises(InputError, match="entry 0"):
         check_sampling_settings({"evaluate": {"sampling": [{"temperature": 0}, {"temperature": 0, "top_k": 5}]},
                                  "cache": {}})
+
+
+def test_sampled_completions_are_seeded_recorded_and_evaluated_at_their_temperature(run, tmp_path):
+    """generation.sampling at T = 1: the same seed draws the same tokens, another seed others; the provenance
+    and the cache record the setting; evaluate at T = 1 then needs no override, and T = 0 is refused."""
+    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.completions_file import read_completions
+    from dflash_eval.stages.completions import generate_completions
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+
+    d = run["dir"]
+    setting = {**T1, "seed": 7}
+
+    def draw(name, **s):
+        generate_completions(run["target_dir"], d / "prompts.jsonl", tmp_path / name, max_new_tokens=20, batch_size=3,
+                             device="cpu", dtype="float32", sampling=s)
+        return read_completions(tmp_path / name)
+
+    a, b, c = draw("a.jsonl", **setting), draw("b.jsonl", **setting), draw("c.jsonl", **{**setting, "seed": 8})
+    greedy = read_completions(d / "c.jsonl")
+    ids = lambda rows: [r["completion_ids"] for r in rows]  # noqa: E731
+    assert ids(a) == ids(b) and ids(a) != ids(c) and ids(a) != ids(greedy)
+    assert a[0]["generation"]["sampling"] == {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "seed": 7}
+    assert "sampling" not in greedy[0]["generation"]  # greedy provenance unchanged
+    extract_hidden_states(run["target_dir"], tmp_path / "a.jsonl", tmp_path / "a.h5", layer_ids=[1, 2], device="cpu",
+                          dtype="float32", final_hidden=True)
+    with CacheReader(tmp_path / "a.h5") as r:
+        assert json.loads(r.attrs["completion_sampling"]) == a[0]["generation"]["sampling"]
+    from dflash_eval.stages.evaluate import evaluate
+
+    res = evaluate(d / "drafter", tmp_path / "a.h5", run["target_dir"], tmp_path / "e.json", device="cpu",
+                   dtype="float32", sampling=[T1])  # sampled completions: no agreement refusal, no override
+    assert res["completion_sampling"]["temperature"] == 1.0 and 1.0 <= res["expected"]["T1_p0.95_k20"]["tau"] <= 4
+    with pytest.raises(InputError, match="completions drawn at temperature 1"):
+        evaluate(d / "drafter", tmp_path / "a.h5", run["target_dir"], tmp_path / "x.json", device="cpu",
+                 dtype="float32")
+
+
+def test_server_requests_carry_the_setting_and_a_seed_per_prompt():
+    from dflash_eval.serving import _neutral_sampling
+
+    assert _neutral_sampling()["temperature"] == 0.0 and "seed" not in _neutral_sampling()
+    got = _neutral_sampling({"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 12})
+    assert (got["temperature"], got["top_p"], got["top_k"], got["seed"]) == (1.0, 0.95, -1, 12)
+    assert _neutral_sampling({"temperature": 0.7, "top_p": 1.0, "top_k": 20, "seed": 3}, "sampling_seed")[
+        "sampling_seed"] == 3
+
+
+def test_server_source_sends_seed_plus_prompt_index_and_records_the_setting():
+    from types import SimpleNamespace
+
+    from dflash_eval.generation import ServerSource
+    from dflash_eval.serving import ServedCompletion
+
+    sent = {}
+
+    class Client:
+        url = "http://stand-in"
+
+        def complete(self, prompt, max_new_tokens, stop_ids, sampling=None):
+            sent[tuple(prompt)] = sampling
+            return ServedCompletion(ids=[5, 2], finish="stop", matched=2, text=None, n_tokens=2)
+
+        def close(self):
+            pass
+
+    info = SimpleNamespace(engine="vllm", model="m", version="0")
+    src = ServerSource(Client(), info, SimpleNamespace(eos_token_id=2), 4, [2], concurrency=2,
+                       sampling={**T1, "seed": 100})
+    got = []
+    src.run([[1, 9], [1, 8, 7]], {0, 1}, got.extend)
+    assert sent[(1, 9)] == {**T1, "seed": 100} and sent[(1, 8, 7)] == {**T1, "seed": 101}
+    assert src.provenance()["sampling"] == {**T1, "seed": 100} and sorted(g[0] for g in got) == [0, 1]
+    greedy = ServerSource(Client(), info, SimpleNamespace(eos_token_id=2), 4, [2])
+    greedy.run([[1, 9]], {0}, lambda rows: None)
+    assert sent[(1, 9)] is None and "sampling" not in greedy.provenance()

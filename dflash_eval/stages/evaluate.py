@@ -113,8 +113,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
             token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
-            completions that are not the target's greedy output (mean agreement below
-            ``agreement_min``, unless ``allow_low_agreement``); an option the schema refuses; a block
+            greedy completions that are not the target's greedy output (mean agreement below
+            ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
             size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
             cannot serve (:func:`sampling_settings`).
     """
@@ -179,9 +179,11 @@ class _Inputs:
             if n == 0:
                 raise InputError(cache_path, "n_samples", "the cache holds no sample",
                                  "re-run the prompts/completions stages")
+            # sampled completions (T > 0) are not the target's argmax: the thresholds apply to greedy ones only
+            greedy = float(completion_sampling(a)["temperature"]) == 0
             agreement, lines = check_agreement([reader.argmax_agreement(i) for i in range(n)], reader.sample_ids[:n],
-                                               cache_path, opts.agreement_warn, opts.agreement_min,
-                                               opts.allow_low_agreement)
+                                               cache_path, opts.agreement_warn if greedy else 0.0,
+                                               opts.agreement_min if greedy else 0.0, opts.allow_low_agreement)
             for line in lines:
                 log.warning("%s", line)
         except BaseException:
