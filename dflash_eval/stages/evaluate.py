@@ -22,19 +22,20 @@ from pathlib import Path
 import torch
 
 from .. import options as options_mod
-from ..anchors import chain_walk, context_bytes_per_token, iter_anchor_drafts, length_groups
+from ..anchors import chain_walk, context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
 from ..cache_format import completion_sampling, final_hidden_index
 from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
 from ..ddtree import replay_with_trees, walk_budgets
-from ..expected import ResponseExpectation, response_expectations, target_token_probs
 from ..drafter import load_drafter
 from ..errors import InputError, atomic_path
-from ..metrics import aggregate, aggregate_expected
+from ..expected import response_expectations, target_token_probs
+from ..metrics import aggregate, aggregate_expected, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
 from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
 from ..sampling import SamplingSetting
+from ..selector_replay import walks
 from ..target_spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
@@ -99,16 +100,22 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     (:func:`~dflash_eval.compat.check_agreement`) and ``target_check``
     (:func:`~dflash_eval.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
-    ``ddtree`` (``{"<B>": aggregate}``). Sampling (``opts.sampling``, one
-    :class:`~dflash_eval.sampling.SamplingSetting` each): ``sampling_settings`` (``label``,
-    ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
+    ``ddtree`` (``{"<B>": aggregate}``). Always ``variant`` (``'dflash'`` / ``'dflash2'``) and
+    ``ddtree_applicable`` (False for DFlash 2: no serving engine defines a tree over the selector's
+    path, so its ``ddtree`` entries are None and no per-sample tree lists are written). DFlash 2
+    also: ``selector`` (:class:`~dflash_eval.metrics.SelectorStats` of the selector's chain, from
+    one all-anchor pass in either replay mode), ``tau_oracle`` (a perfect selector over the same
+    top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
+    logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``. Sampling
+    (``opts.sampling``, one :class:`~dflash_eval.sampling.SamplingSetting` each): ``sampling_settings``
+    (``label``, ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
     ``completion_sampling`` (how the cache's completions were drawn), ``cross_temperature``, and
     ``expected`` ``{label: aggregate + samples}`` per setting with temperature > 0: the expected
     acceptance of dflash==0.1.0's speculative sampler given the cached trajectories
     (:mod:`dflash_eval.expected`, :func:`dflash_eval.metrics.aggregate_expected`), per sample the
     :meth:`~dflash_eval.expected.ResponseExpectation.as_dict` entry (None without a verify step).
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
-    sampled cache.
+    sampled cache. DFlash 2 at temperature > 0 is refused for now.
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -116,7 +123,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
             greedy completions that are not the target's greedy output (mean agreement below
             ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
             size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
-            cannot serve (:func:`sampling_settings`).
+            cannot serve (:func:`sampling_settings`); temperature > 0 with a DFlash 2 drafter.
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if block_size is not None and block_size < 2:
@@ -127,9 +134,15 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = [st for st in settings if not st.greedy]
+        if sampled and is_dflash2(inputs.drafter):
+            raise InputError(inputs.drafter_dir / "config.json", "candidate_selector",
+                             f"{sampled[0].label}: expected acceptance of a DFlash 2 drafter at temperature > 0 is "
+                             "not wired into evaluate yet", "evaluate this checkpoint at temperature 0 only")
         expectations: dict[str, list] = {st.label: [] for st in sampled}
-        results, trees, elapsed, tree_s, n_comp = _replay_all(inputs, opts, B, sampled, expectations)
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
+        if walked:
+            _add_selector(result, walked, B, inputs.n)
         _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
@@ -206,7 +219,7 @@ def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatc
 def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees.
 
-    With ``sampled`` settings (temperature > 0) the chain, every DDTree budget and every setting's
+    With ``sampled`` settings (temperature > 0; DFlash 1) the chain, every DDTree budget and every setting's
     expectation come from one all-anchor pass (:func:`_sampled_pass`); ``expectations[label]`` gets
     ``(index, ResponseExpectation | None)`` per sample."""
     reader, drafter, n = inputs.reader, inputs.drafter, inputs.n
@@ -218,38 +231,56 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     # samples read from the cache at a time: what one batched group / sequential batch holds
     per_token = context_bytes_per_token(cfg, torch.finfo(inputs.embed.dtype).bits // 8)
     read_tokens = max(1, mem // 4 // per_token)
+    dflash2 = is_dflash2(drafter)
+    if dflash2 and budgets:
+        log.warning("DDTree budgets %s not applicable to the DFlash 2 drafter %s: its drafts are the selector's "
+                    "path, no serving engine builds a tree over it; chain only", budgets, inputs.drafter_dir)
+        budgets = []
     results: dict[int, SampleResult] = {}
     trees: dict[int, dict[int, list[int]]] = {}
+    walked: dict = {}  # DFlash 2: per sample index, selector_replay.Dflash2Walks
     tree_s = 0.0
     t0 = time.perf_counter()
     n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
     bar = Progress(n_comp, "replay", logger=log)
     for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
-        if sampled:  # chain, every budget and every setting from one all-anchor pass
-            t1 = time.perf_counter()
+        t1 = time.perf_counter()
+        if sampled:  # chain, every budget and every setting from one all-anchor pass (DFlash 1)
             samples, recs, tr = _sampled_pass(inputs, opts, B, [order[g] for g in group], budgets, mem, sampled,
                                               expectations)
-            tree_s += time.perf_counter() - t1 if budgets else 0.0
             trees.update({s.index: t for s, t in zip(samples, tr)})
         else:
-            samples = [reader.sample(order[g], cfg.target_layer_ids) for g in group]
-            if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
-                t1 = time.perf_counter()
-                both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
-                tree_s += time.perf_counter() - t1
-                for s, (_, tr) in zip(samples, both):
-                    trees[s.index] = tr
-            if budgets and opts.replay == "batched":
-                recs = [chain for chain, _ in both]
-            else:
-                recs = replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+            samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
+        tree_s += time.perf_counter() - t1 if budgets else 0.0
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
         bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
         log.debug("replayed %d/%d samples", len(results), n)
     bar.close()
-    return results, trees, time.perf_counter() - t0, tree_s, n_comp
+    return results, trees, time.perf_counter() - t0, tree_s, n_comp, walked
+
+
+def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, trees: dict,
+                  walked: dict):
+    """The greedy replay of the samples ``indices``: ``(samples, chains)``; fills ``trees`` (DDTree budgets) and
+    ``walked`` (DFlash 2's selector walks)."""
+    reader, drafter = inputs.reader, inputs.drafter
+    samples = [reader.sample(i, drafter.cfg.target_layer_ids) for i in indices]
+    if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
+        both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
+        for s, (_, tr) in zip(samples, both):
+            trees[s.index] = tr
+    if is_dflash2(drafter):  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
+        for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
+                                                    memory_bytes=mem, max_group_samples=opts.batch_size)):
+            walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
+                                    d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
+    if budgets and opts.replay == "batched":
+        return samples, [chain for chain, _ in both]
+    if is_dflash2(drafter) and opts.replay == "batched":
+        return samples, [walked[s.index].chain for s in samples]
+    return samples, replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
 
 
 def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetting]:
@@ -367,7 +398,12 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         ],
     }
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
-    if budgets:
+    result["variant"] = inputs.drafter.cfg.variant
+    result["ddtree_applicable"] = not is_dflash2(inputs.drafter)
+    if budgets and not result["ddtree_applicable"]:
+        result["ddtree_budgets"] = budgets
+        result["ddtree"] = {str(b): None for b in budgets}
+    elif budgets:
         result["ddtree_budgets"] = budgets
         # the shared all-anchor pass + the tree walks (batched: the chain's time too); included in elapsed_s
         result["ddtree_elapsed_s"] = round(tree_s, 3)
@@ -376,3 +412,14 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
             row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
         log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
     return result
+
+
+def _add_selector(result: dict, walked: dict, B: int, n: int) -> None:
+    """DFlash 2: the selector diagnostics, ``tau_oracle`` / ``tau_unary`` and their per-sample chains (see :func:`evaluate`)."""
+    per = [walked[i] for i in range(n)]
+    result["selector"] = selector_stats([st for w in per for st in w.steps], B).as_dict()
+    result["tau_oracle"] = aggregate([w.oracle for w in per], B).tau
+    result["tau_unary"] = aggregate([w.unary for w in per], B).tau
+    for row, w in zip(result["samples"], per):
+        row["acceptance_lengths_oracle"] = w.oracle
+        row["acceptance_lengths_unary"] = w.unary
