@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # about a minute on 2 loaded CPU cores
 def test_sampling_cost_bench_smoke():
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "sampling_cost.py"), "--smoke", "--repeats", "1"],
                           capture_output=True, text=True, timeout=900)

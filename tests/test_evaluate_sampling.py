@@ -175,6 +175,7 @@ def test_plan_checks_the_settings():
                                  "cache": {}})
 
 
+@pytest.mark.slow  # three generate runs, an extraction and an evaluate
 def test_sampled_completions_are_seeded_recorded_and_evaluated_at_their_temperature(run, tmp_path):
     """generation.sampling at T = 1: the same seed draws the same tokens, another seed others; the provenance
     and the cache record the setting; evaluate at T = 1 then needs no override, and T = 0 is refused."""
