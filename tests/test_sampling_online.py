@@ -143,7 +143,6 @@ def test_ddtree_under_sampling_is_the_tree_walk_on_the_sampled_trajectory():
         on.append(sum(steps) / len(steps))
     on = torch.tensor(on, dtype=torch.float64)
     off = []
-    t = torch.arange(P, MAX_LEN - 1)
     for _ in range(runs):
         x = [0]
         while len(x) < MAX_LEN:
