@@ -1,4 +1,4 @@
-"""Stage ``completions`` (rule ``completions``): the target's greedy completions of one prompt set.
+"""Stage ``completions`` (rule ``completions``): the target's completions of one prompt set (greedy, or seeded samples).
 
 Reads the prompts JSONL (``prompts`` stage) and the target; generates with a source of
 :mod:`dflash_eval.generation` (HF ``generate`` here, or a vLLM / SGLang server); writes the
@@ -48,7 +48,7 @@ def main(args, opts) -> None:
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, opts=None, *,
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
                          **overrides) -> Path:
-    """Greedy completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
+    """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
 
     Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
     is written in the prompts file's order (temp file + rename) once every prompt is done.
