@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache_format import FORMAT, FORMAT_VERSION, to_storage
+from .cache_format import FORMAT, FORMAT_VERSION, completions_sampling, to_storage
 from .cache_reader import open_h5_readonly
 from .cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from .errors import InputError, partial_path
@@ -429,6 +429,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
                                                                 "engine": f"vllm {engine['engine_version']}"}),
                               "layer_types": json.dumps(list(spec.layer_types)), "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
                               "env": {}, "padding_side": "none", "prompt_set": completions_path.stem,
+                              "completion_sampling": json.dumps(completions_sampling(rows)),
                               "engine_launch": json.dumps(launch), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
             todo = [i for i in range(len(seqs)) if i not in done]
             log.info("%s: %d samples; %d verified in the partial file and kept, %d to fetch from vLLM %s at %s",
