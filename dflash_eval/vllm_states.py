@@ -314,7 +314,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
         out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
         layer_ids: dflash ``target_layer_ids`` (0-based decoder layers, order kept in the cache).
         opts: the ``hidden_states`` stage's options (:func:`dflash_eval.options.make`; config section
-            ``cache``): ``dtype`` (the job-owned server's ``--dtype``; ``auto``: bfloat16 with CUDA, float32
+            ``cache``): ``final_hidden`` (add the last layer, final-normed, as the HF source does), ``dtype`` (the job-owned server's ``--dtype``; ``auto``: bfloat16 with CUDA, float32
             without; with ``vllm.url`` the server's own dtype is used and recorded) and ``vllm``: ``url`` (a
             user's server in extract mode, flags: :func:`extract_args`; ``""`` = start one for this job),
             ``storage_dir`` (the user's server's dumps as seen from this job), ``model``, ``api_key_env``,
@@ -353,6 +353,8 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
     rows = read_completions(completions_path)
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
     check_layers(layer_ids, spec.num_layers, target_dir)
+    if opts.final_hidden and spec.num_layers - 1 not in layer_ids:  # cache.final_hidden: the last layer, final-normed
+        layer_ids = list(layer_ids) + [spec.num_layers - 1]
     norm = final_norm(spec) if spec.num_layers - 1 in layer_ids else None
     seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows]
     meta = [SampleMeta(str(r["id"]), np.asarray(s, dtype=np.int32), len(r["prompt_ids"]),
