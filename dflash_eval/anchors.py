@@ -23,14 +23,19 @@ from .runtime import free_memory_bytes
 
 #: batched replay, how one drafter call holds its anchors' blocks (see :func:`iter_anchor_drafts`):
 #: ``rows`` = one row per anchor (per-row copies of the context K/V), ``packed`` = all blocks as
-#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys).
-LAYOUTS = ("rows", "packed")
+#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys),
+#: ``groups`` = one row per :data:`GROUP_QUERIES` // B consecutive anchors (one context copy per
+#: group instead of per anchor; each query also scores its group's other blocks' keys, masked).
+LAYOUTS = ("rows", "packed", "groups")
+#: ``groups`` layout: query tokens per row (anchors per row = max(1, this // B))
+GROUP_QUERIES = 128
 #: ``rows`` on both: on one H200 (bf16, ``python3 bench/replay.py``, 2026-12-01) rows took 51 ms/sample
 #: against packed's 158 ms for a 2B target's 1k-token responses, and 2.7 vs 2.6-3.0 ms at 256 tokens.
 DEFAULT_LAYOUT = {"cuda": "rows", "cpu": "rows"}
 #: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
 #: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
-MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024}
+MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024,
+                    ("groups", "cuda"): 16384, ("groups", "cpu"): 4096}
 
 
 def context_bytes_per_token(cfg, elem: int) -> int:
@@ -137,6 +142,7 @@ class _Plan:
         # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product).
         self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd) + 64
         self.max_tokens = MAX_CHUNK_TOKENS[layout, "cuda" if device.type == "cuda" else "cpu"]
+        self.g = max(1, GROUP_QUERIES // B) if layout == "groups" else 1  # anchors per row
         slots = B - 1 if (full or topk) else 1
         row = vocab * (elem + (4 * 3 if topk else 0)) * slots
         self.head_rows = max(1, mem // 2 // max(row, 1))  # rows per LM-head pass
@@ -146,13 +152,16 @@ class _Plan:
 
     def add_keys(self, keys: int, piece_keys: int) -> int:
         """Context keys of a call after adding a piece: the largest piece's (``rows``) or their sum (``packed``)."""
-        return max(keys, piece_keys) if self.layout == "rows" else keys + piece_keys
+        return keys + piece_keys if self.layout == "packed" else max(keys, piece_keys)
 
     def cost(self, rows: int, keys: int) -> int:
         """Peak temporary bytes of one drafter call on ``rows`` anchors and ``keys`` context keys."""
         q = rows * self.B
-        if self.layout == "rows":  # every row: keys + its own block
-            return q * (keys + self.B) * self.pair + rows * (keys + self.B) * self.row_key + q * self.token
+        if self.layout in ("rows", "groups"):  # every row: keys + its own g blocks (g = 1 for rows)
+            n_rows = -(-rows // self.g) + (self.g > 1)  # groups: a piece's last row is padded (estimate)
+            own = self.g * self.B
+            q = n_rows * own
+            return q * (keys + own) * self.pair + n_rows * (keys + own) * self.row_key + q * self.token
         return q * (keys + q) * self.pair + (keys + q) * self.row_key + q * self.token  # one sequence
 
     def fits(self, rows: int, keys: int) -> bool:
@@ -270,7 +279,7 @@ def iter_anchor_drafts(
         raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
     plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout)
     if stats is not None:
-        for key in ("query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
+        for key in ("query_tokens", "pad_query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
             stats.setdefault(key, 0)
     lengths = [len(s.input_ids) for s in samples]
     for group in length_groups(lengths, plan.ctx_tokens, max_group_samples):
@@ -315,9 +324,15 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
         anchors = torch.cat([torch.arange(a0, a1, device=dev) for _, a0, a1 in pieces])
         base = off_t[owner]  # flat offset of each row's sample
         vs = torch.clamp(max_len_t[owner] - anchors, max=B)
+        pad = 0
         if plan.layout == "packed":
             h, n_keys = _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B)
             pairs = len(anchors) * B * (n_keys + len(anchors) * B)
+        elif plan.layout == "groups":
+            h, n_keys, n_rows = _groups_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B,
+                                                plan.g)
+            pad = (n_rows * plan.g - len(anchors)) * B
+            pairs = n_rows * plan.g * B * (n_keys + plan.g * B)
         else:
             h, n_keys = _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B)
             pairs = len(anchors) * B * (n_keys + B)
@@ -340,6 +355,7 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
             r0 += a1 - a0
         if stats is not None:
             stats["query_tokens"] += len(anchors) * B
+            stats["pad_query_tokens"] += pad
             stats["attn_pairs"] += pairs
             stats["calls"] += 1
     for i, s in enumerate(samples):
@@ -383,6 +399,49 @@ def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchor
     h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
                 ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None])
     return h.view(C, B, -1), len(key_pos)
+
+
+def _groups_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B: int, g: int):
+    """``groups`` layout: drafter states ``[C, B, H]``, ``g`` consecutive anchors of one sample per row.
+
+    A row holds ``g*B`` queries over the keys ``[its sample's context [0, Kc) | its g blocks]``
+    (``Kc`` = the chunk's largest anchor); query ``(a, j)`` sees the context before anchor ``a``
+    and the slots ``< vs(a)`` of its own block only (per-query masks, as ``packed``), so the drafts
+    are those of ``rows`` up to reduction order while the context K/V is copied once per row of
+    ``g`` anchors (one sample: not at all until the drafter's concatenation). A piece whose anchor
+    count is not a multiple of ``g`` repeats its last anchor in the padding slots (computed, dropped).
+    Returns ``(h, Kc, rows)``.
+    """
+    dev = embed.device
+    Kc = max(a1 - 1 for _, _, a1 in pieces)
+    take, real, r0 = [], [], 0  # per row, indices into the chunk's anchors (padded with the piece's last one)
+    for _, a0, a1 in pieces:
+        n = a1 - a0
+        idx = torch.arange(r0, r0 + -(-n // g) * g, device=dev)
+        take.append(idx.clamp(max=r0 + n - 1))
+        real.append(idx < r0 + n)
+        r0 += n
+    take, real = torch.cat(take), torch.cat(real)  # [R*g]
+    R = len(take) // g
+    a, own_vs = anchors[take], vs[take]
+    row_base = base[take].view(R, g)[:, 0]
+    if len(pieces) == 1:
+        i = pieces[0][0]
+        kv = [(k[:, :, off[i] : off[i] + Kc].expand(R, -1, -1, -1), v[:, :, off[i] : off[i] + Kc].expand(R, -1, -1, -1))
+              for k, v in ctx_kv]
+    else:
+        kidx = (row_base[:, None] + torch.arange(Kc, device=dev)[None]).clamp(max=off[-1] - 1)
+        kv = [(k[0][:, kidx].transpose(0, 1), v[0][:, kidx].transpose(0, 1)) for k, v in ctx_kv]
+    slot = torch.arange(B, device=dev)
+    emb = drafter.make_block(ids[base[take] + a], embed, B).reshape(R, g * B, -1)
+    ctx_pos = torch.arange(Kc, device=dev)
+    ctx_valid = (ctx_pos[None, None] < a.view(R, g)[:, :, None])  # [R, g, Kc]
+    ctx_valid = ctx_valid[:, :, None].expand(R, g, B, Kc).reshape(R, g * B, Kc)
+    blk = torch.arange(g * B, device=dev) // B  # each query's / key's block within the row
+    blk_valid = (blk[None, :, None] == blk[None, None, :]) & (slot.repeat(g)[None, None, :]
+                                                                < own_vs.view(R, g).repeat_interleave(B, 1)[:, :, None])
+    h = drafter(emb, (a[:, None] + slot[None]).view(R, g * B), kv, ctx_pos[None].expand(R, -1), ctx_valid, blk_valid)
+    return h.view(R * g, B, -1)[real], Kc, R
 
 
 def block_forward(drafter, embed, anchor_ids, anchors, kv, Kc: int, vs, B: int):

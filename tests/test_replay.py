@@ -164,7 +164,7 @@ def test_batch_equals_one_by_one(mode):
         assert sum(rec) == len(s) - 1 - p  # every completion token after the prefill one is committed once
 
 
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", ["rows", "packed", "groups"])
 @pytest.mark.parametrize("memory_bytes", [1, 10_000, 10**9])
 def test_chunking_does_not_change_the_result(memory_bytes, layout):
     # 1 byte: one anchor per drafter call; 10 kB: a few; 1 GB: everything in one packed call
@@ -213,3 +213,24 @@ def test_chain_walk_by_hand():
     # 2 ->(3) 5 ->(2) 7 ->(2: min(1+1, 9-7)) 9
     assert chain_walk(acc, 2, 10) == [3, 2, 2]
     assert chain_walk([], 4, 5) == []  # the prefill token ended the response
+
+
+@pytest.mark.parametrize("queries", [4, 12, 20])
+def test_groups_layout_pads_uneven_rows(queries, monkeypatch):
+    # B = 4: 1, 3 and 5 anchors per row; pieces of 24, 13, 14, 6 anchors leave padded rows (their drafts dropped)
+    import dflash_eval.anchors as anchors_mod
+
+    monkeypatch.setattr(anchors_mod, "GROUP_QUERIES", queries)
+    seqs = [seq_of(30, 0), seq_of(17, 1), seq_of(23, 2), seq_of(9, 3)]
+    plens = [5, 3, 8, 2]
+    ks = lambda s: (s * 5) % 4  # noqa: E731
+    want, _ = run(seqs, plens, ks, B=4, mode="sequential")
+    eye = torch.eye(V)
+    for memory_bytes in (10_000, 10**9):
+        stats = {}
+        got = replay_batched(OracleDrafter(seqs, ks, 4), eye, eye, [sample(s, p, 1000) for s, p in zip(seqs, plens)],
+                             memory_bytes=memory_bytes, layout="groups", stats=stats)
+        assert got == want
+        n = sum(len(s) - 1 - p for s, p in zip(seqs, plens))
+        assert stats["query_tokens"] == 4 * n
+        assert stats["pad_query_tokens"] % 4 == 0 and (stats["pad_query_tokens"] > 0) == (queries > 4)
