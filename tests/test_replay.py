@@ -234,3 +234,15 @@ def test_groups_layout_pads_uneven_rows(queries, monkeypatch):
         n = sum(len(s) - 1 - p for s, p in zip(seqs, plens))
         assert stats["query_tokens"] == 4 * n
         assert stats["pad_query_tokens"] % 4 == 0 and (stats["pad_query_tokens"] > 0) == (queries > 4)
+
+
+def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
+    from dflash_eval.drafter import _repeat_heads
+
+    base = torch.randn(1, 2, 5, 3)
+    shared = base.expand(4, -1, -1, -1)  # the batched replay's one-sample context, stride 0 on dim 0
+    got = _repeat_heads(shared, 3)
+    assert got.shape == (4, 6, 5, 3) and got.stride(0) == 0
+    assert torch.equal(got, shared.contiguous().repeat_interleave(3, dim=1))
+    full = torch.randn(4, 2, 5, 3)
+    assert torch.equal(_repeat_heads(full, 3), full.repeat_interleave(3, dim=1))
