@@ -246,3 +246,30 @@ def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
     assert torch.equal(got, shared.contiguous().repeat_interleave(3, dim=1))
     full = torch.randn(4, 2, 5, 3)
     assert torch.equal(_repeat_heads(full, 3), full.repeat_interleave(3, dim=1))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 1000000},  # the common case: no transformers import
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_theta": 1000000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 4096}},
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+])
+def test_rotary_embedding_is_transformers_qwen3_bit_for_bit(rope):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_eval.drafter import rotary_embedding
+    from dflash_eval.drafter_config import DrafterConfig
+
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
+           "num_target_layers": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "vocab_size": 100,
+           "block_size": 4, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 99, "block_size": 4}, **rope}
+    cfg = DrafterConfig.from_dict(raw)
+    mine, ref = rotary_embedding(cfg), Qwen3RotaryEmbedding(cfg.rotary_config())
+    pos = torch.arange(0, 9000, 7)[None].repeat(2, 1)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, dtype=dt)
+        for a, b in zip(mine(x, pos), ref(x, pos)):
+            assert a.dtype == dt and torch.equal(a, b)
