@@ -192,7 +192,9 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
     The default RoPE of an explicit ``rope_theta`` (top level or in the RoPE dict) needs no transformers
     import: ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)``, scaling 1 (transformers
     ``Qwen3RotaryEmbedding.compute_default_rope_parameters``); ``tests/test_replay.py`` checks the
-    cos/sin against transformers' module bit for bit.
+    cos/sin against transformers' module bit for bit. ``inv_freq`` is computed on the CPU even under a
+    ``torch.device("meta")`` context (strip-drafter's key check): a meta ``arange`` imports ``torch._dynamo``
+    (3 s), and the buffer is not part of the state dict.
     """
     raw = cfg.raw
     rope = next((raw[k] for k in ROPE_DICTS if isinstance(raw.get(k), dict)), None) or {}
@@ -201,7 +203,7 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
     partial = "partial_rotary_factor" in raw or "partial_rotary_factor" in rope
     if kind == "default" and theta is not None and not partial and not isinstance(theta, bool):
         dim = cfg.head_dim
-        return RotaryEmbedding(1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0)
+        return RotaryEmbedding(1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0)
     conf = cfg.rotary_config()
     kind = conf.rope_parameters["rope_type"]
     if kind in ("dynamic", "longrope") or partial:
@@ -210,7 +212,7 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
         return Qwen3RotaryEmbedding(conf)
     if kind == "default":
         base, dim = conf.rope_parameters["rope_theta"], conf.head_dim
-        return RotaryEmbedding(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0)
+        return RotaryEmbedding(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](conf, None)
