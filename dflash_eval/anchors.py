@@ -237,6 +237,11 @@ def iter_anchor_drafts(
     * ``packed``: one sequence of ``Q`` queries over ``[the chunk's samples' contexts (Kc keys
       in all) | all C blocks]`` with a per-query mask: no copies, but every query also scores
       the ``Q`` block keys. Bytes per call: ``Q*(Kc+Q)*p + (Kc+Q)*r + Q*t``;
+    * ``groups``: ``ceil(C/g)`` rows of ``g = GROUP_QUERIES // B`` consecutive anchors of one sample
+      (``g*B`` queries, per-query masks as ``packed``) over ``[context [0, Kc) | the row's g blocks]``:
+      one context copy per row of ``g`` anchors; a piece's last row is padded with its last anchor
+      (computed, dropped; counted in ``stats['pad_query_tokens']``). Bytes per call as ``rows`` with
+      ``ceil(C/g) + 1`` rows of ``g*B`` queries and ``g*B`` own keys;
 
     with heads ``nh``, KV heads ``nkv``, head dim ``hd``, element size ``elem``,
     ``p = 11 + elem + 8*nh`` (+8 for causal/windowed layers: masks, the additive mask, scores
@@ -258,9 +263,10 @@ def iter_anchor_drafts(
         full: compute the greedy draft of every slot (not only those the chain needs).
         memory_bytes: plan for this many bytes of temporaries (default :func:`free_memory_bytes`).
         max_group_samples: > 0 caps the samples per group.
-        layout: ``'rows'`` or ``'packed'`` (default: :data:`DEFAULT_LAYOUT` for the device type);
-            both give the same drafts up to reduction order.
-        stats: if given, accumulates ``query_tokens``, ``attn_pairs`` (query-key pairs
+        layout: ``'rows'``, ``'packed'`` or ``'groups'`` (default: :data:`DEFAULT_LAYOUT` for the device
+            type); all give the same drafts up to reduction order.
+        stats: if given, accumulates ``query_tokens`` (anchors x B), ``pad_query_tokens`` (the
+            ``groups`` layout's padding queries, also computed), ``attn_pairs`` (query-key pairs
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
 
