@@ -48,4 +48,4 @@ rule all:
 # cache (rules/cache.smk), for a rerun after a lost Snakemake; a run that succeeded
 # needs none of them.
 onsuccess:
-    remove_done_links(PLAN.caches())
+    remove_done_links(PLAN.caches() + PLAN.shard_caches())

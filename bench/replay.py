@@ -20,7 +20,13 @@ Cases:
     hidden states (the replay's cost does not depend on their values; a random drafter accepts
     ~nothing either way). The online loop decodes the same prompts for ``--big-new`` tokens with no
     stop token, the target in the loop.
-(iii) ``real`` -- a drafter of the size users train: 5 layers of hidden 4096 (heads 32/8 of 128, FFN
+(iii) ``dflash2`` -- the same target, samples and block size as (ii) with a random **DFlash 2**
+    drafter (grouped dynamic causal conv + candidate selector, the fields of
+    ``dflash_eval.demo.DFLASH2_DEMO_FIELDS``: 2 taps, groups of 16, rank 256, top-16; conv taps near
+    the identity, codebooks large enough that the selector leaves the argmax), so its batched /
+    sequential / online times sit beside DFlash 1's at the same B. Its online loop is the reference
+    ``dflash_generate`` with ``DFlash2DraftModel`` (the stripped layout loads into it).
+(iv) ``real`` -- a drafter of the size users train: 5 layers of hidden 4096 (heads 32/8 of 128, FFN
     12288; a Qwen3-8B-shaped target's vocabulary 151936, B=16), random weights, with a random ``[V, H]``
     embedding and LM head in place of the target's (the replay reads only those), on ``--real-n``
     samples of ``--real-prompt`` + ``--real-new`` = 1k tokens. Per layout: ms/sample, the executed
@@ -52,7 +58,8 @@ from the repo root:
 
     python bench/replay.py --case real          # the real-size drafter alone, bf16 (~1-2 min)
     python bench/replay.py --case big           # one case
-    python bench/replay.py                      # all three cases, bf16 (several minutes: the online loops)
+    python bench/replay.py --case dflash2       # DFlash 2 beside (ii): same target, samples, B=16
+    python bench/replay.py                      # every case, bf16 (several minutes: the online loops)
 
 CPU smoke run (tiny sizes, float32; what the CI-free check here runs):
 
@@ -80,6 +87,7 @@ print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up i
 from dflash_eval.cache_format import CacheSample# noqa: E402
 from dflash_eval.extract import run_target  # noqa: E402
 from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
+from dflash_eval.demo import DFLASH2_DEMO_FIELDS  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
 from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched# noqa: E402
@@ -324,21 +332,50 @@ def case_smol(args, ref, dev, dt, rate):
     return results
 
 
-def case_big(args, ref, dev, dt, rate):
+def dflash2_fields(tcfg: dict) -> dict:
+    """The DFlash 2 fields of the bench's DFlash 2 drafter (:data:`dflash_eval.demo.DFLASH2_DEMO_FIELDS`, capped)."""
+    f = dict(DFLASH2_DEMO_FIELDS)
+    f["selector_rank"] = min(f["selector_rank"], tcfg["hidden_size"])
+    f["selector_top_k"] = min(f["selector_top_k"], tcfg["vocab_size"])
+    return f
+
+
+def randomize_dflash2(drafter: DFlashDrafter) -> DFlashDrafter:
+    """Conv taps near the identity (tap 0 = 1 + noise, later taps noise), codebooks ~ N(0, 1/rank) * 3: non-trivial."""
+    gen = torch.Generator().manual_seed(4)
+    for name, p in drafter.named_parameters():
+        if name.endswith("base_kernel"):
+            k = 0.1 * torch.randn(p.shape, generator=gen)
+            k[:, 0] += 1.0
+            p.data.copy_(k)
+        elif "codebook" in name:
+            p.data.copy_(3.0 / p.shape[-1] ** 0.5 * torch.randn(p.shape, generator=gen))
+    return drafter
+
+
+def case_big(args, ref, dev, dt, rate, variant: str = "dflash"):
     tcfg = TINY if args.smoke else BIG
     target = random_target(tcfg, dev, dt)
     nparams = sum(p.numel() for p in target.parameters())
-    print(f"# (ii) random llama-style target, {nparams / 1e9:.2f}B parameters, random {args.big_draft_layers}-layer drafter")
+    label = "(iii) DFlash 2" if variant == "dflash2" else "(ii)"
+    print(f"# {label} random llama-style target, {nparams / 1e9:.2f}B parameters, random {args.big_draft_layers}-layer "
+          f"{'DFlash 2 ' if variant == 'dflash2' else ''}drafter")
     n_layers = tcfg["num_hidden_layers"]
     layer_ids = sorted({round(1 + i * (n_layers - 3) / 4) for i in range(5)})
     raw = drafter_config(tcfg, args.big_draft_layers, 16, layer_ids)
+    if variant == "dflash2":
+        raw["dflash_config"].update(dflash2_fields(tcfg))
+        raw["architectures"] = ["DFlash2DraftModel"]
     torch.manual_seed(2)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw)).to(device=dev, dtype=dt).eval()
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    if variant == "dflash2":
+        randomize_dflash2(drafter)
+    drafter = drafter.to(device=dev, dtype=dt).eval()
     ref_drafter = None
     if ref is not None:
+        ref_cls = ref.DFlash2DraftModel if variant == "dflash2" else ref.DFlashDraftModel
         with tempfile.TemporaryDirectory() as tmp:
-            ref_drafter = ref.DFlashDraftModel.from_pretrained(str(save_drafter(drafter, raw, Path(tmp) / "d")),
-                                                               dtype=dt).to(dev).eval()
+            ref_drafter = ref_cls.from_pretrained(str(save_drafter(drafter, raw, Path(tmp) / "d")), dtype=dt).to(dev).eval()
     gen = torch.Generator().manual_seed(3)
     P, N = args.big_prompt, args.big_new
     samples = []
@@ -348,7 +385,8 @@ def case_big(args, ref, dev, dt, rate):
         samples.append(CacheSample(i, f"r{i}", ids, P, hidden, ids.clone(), "length", N))
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()
-    return [compare("big", drafter, embed, head, samples, ref, ref_drafter, target, N, None, args, dev, dt, rate)]
+    return [compare("big" if variant == "dflash" else "big dflash2", drafter, embed, head, samples, ref, ref_drafter,
+                    target, N, None, args, dev, dt, rate)]
 
 
 #: a drafter of the size users train (z-lab's Qwen3-8B drafters: 5 layers over a hidden-4096 target)
@@ -387,7 +425,7 @@ def case_real(args, dev, dt, rate):
         hidden = torch.randn(P + N, len(layer_ids), H, generator=cpu_gen).to(dt)
         samples.append(CacheSample(i, f"q{i}", ids, P, hidden, ids.clone(), "length", N))
     name = "real"
-    print(f"# (iii) 5-layer hidden-{H} drafter ({n_par / 1e9:.2f}B parameters, B=16, target layers {layer_ids}), "
+    print(f"# (iv) 5-layer hidden-{H} drafter ({n_par / 1e9:.2f}B parameters, B=16, target layers {layer_ids}), "
           f"{args.real_n} samples of {P} + {N} tokens, random weights, {dev.type} {str(dt)[6:]}")
     mem = free_memory_bytes(dev)
     t_case = time.perf_counter()
@@ -416,8 +454,8 @@ def case_real(args, dev, dt, rate):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=["all", "smollm2", "big", "real"], default="all",
-                    help="all = smollm2 + big + real")
+    ap.add_argument("--case", choices=["all", "smollm2", "big", "dflash2", "real"], default="all",
+                    help="all = smollm2 + big + dflash2 + real")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
@@ -458,6 +496,8 @@ def main(argv=None):
         results += case_smol(args, ref, dev, dt, rate)
     if args.case in ("all", "big"):
         results += case_big(args, ref, dev, dt, rate)
+    if args.case in ("all", "dflash2"):
+        results += case_big(args, ref, dev, dt, rate, variant="dflash2")
     if args.case in ("all", "real"):
         results += case_real(args, dev, dt, rate)
     if args.out:

@@ -88,6 +88,17 @@ class AnchorDrafts:
         topk_logp: ``[n, B-1, K]`` float32 or None: the K largest full-vocabulary
             ``log_softmax`` values per slot (of the logits cast to float32), descending.
         topk_ids: ``[n, B-1, K]`` int64 or None: their token ids (``torch.topk`` order).
+        oracle: DFlash 2 only (else None), ``[n]`` int64: the longest prefix of slots ``1..limit``
+            whose target token ``x[t + j]`` is among the slot's ``selector_top_k`` candidates (what a
+            perfect selector could accept from the same candidates; ``accepted <= oracle``).
+        unary_accepted: DFlash 2 only, ``[n]`` int64: the accepted prefix of the per-slot argmax of
+            the same logits (DFlash 1's draft rule, the selector switched off).
+        in_candidates: DFlash 2 only, ``[n, B-1]`` bool: slot ``j``'s target token is a candidate
+            (False past ``limit``).
+
+    For DFlash 2 ``greedy`` is the candidate selector's path (:meth:`DFlashDrafter.propose` at
+    temperature 0, slot by slot, batched over the anchors) and ``accepted`` its accepted prefix:
+    every slot of every anchor is computed.
     """
 
     sample_id: str
@@ -101,6 +112,9 @@ class AnchorDrafts:
     greedy: torch.Tensor
     topk_logp: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
+    oracle: torch.Tensor | None = None
+    unary_accepted: torch.Tensor | None = None
+    in_candidates: torch.Tensor | None = None
 
 
 def chain_walk(accepted: list[int], prompt_len: int, n_tokens: int) -> list[int]:
@@ -283,6 +297,7 @@ def iter_anchor_drafts(
     layout = layout or DEFAULT_LAYOUT.get(dev.type, "rows")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
+    full = full or is_dflash2(drafter)  # the selector walks every slot
     plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout)
     if stats is not None:
         for key in ("query_tokens", "pad_query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
@@ -312,11 +327,16 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
     off_t = torch.tensor(off[:-1], device=dev)
     max_len_t = torch.tensor([p + s.max_new_tokens for p, s in zip(P, samples)], device=dev)
 
+    sel2 = is_dflash2(drafter)
     out = []
     for i, s in enumerate(samples):
         anchors = torch.arange(P[i], P[i] + n[i], device=dev)
         vs = torch.clamp(max_len_t[i] - anchors, max=B)
-        out.append(dict(
+        extra = {} if not sel2 else dict(
+            oracle=torch.zeros(n[i], dtype=torch.long, device=dev),
+            unary_accepted=torch.zeros(n[i], dtype=torch.long, device=dev),
+            in_candidates=torch.zeros((n[i], B - 1), dtype=torch.bool, device=dev))
+        out.append(dict(**extra,
             anchors=anchors, verify_size=vs, limit=torch.minimum(vs - 1, T[i] - 1 - anchors),
             accepted=torch.zeros(n[i], dtype=torch.long, device=dev),
             greedy=torch.full((n[i], B - 1), -1, dtype=torch.long, device=dev),
@@ -347,12 +367,23 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
         limit = torch.minimum(vs - 1, Tr - 1 - anchors)
         tgt = anchors[:, None] + slot[None]
         want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=off[-1] - 1)], -1)
-        greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
-        match = (greedy == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])
+        comparable = slot[None, 1:] <= limit[:, None]
+        if sel2:
+            greedy, logp, topi, unary, hit = _selector_head(drafter, head, h, ids[base + anchors], want, K, plan, stats)
+            hit &= comparable
+            per_slot = {"oracle": hit.long().cumprod(-1).sum(-1),
+                        "unary_accepted": ((unary == want[:, 1:]) & comparable).long().cumprod(-1).sum(-1),
+                        "in_candidates": hit}
+        else:
+            greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
+            per_slot = {}
+        match = (greedy == want[:, 1:]) & comparable
         acc = match.long().cumprod(-1).sum(-1)
         r0 = 0
         for i, a0, a1 in pieces:
             rows = slice(a0 - P[i], a1 - P[i])
+            for key, val in per_slot.items():
+                out[i][key][rows] = val[r0 : r0 + a1 - a0]
             out[i]["accepted"][rows] = acc[r0 : r0 + a1 - a0]
             out[i]["greedy"][rows] = greedy[r0 : r0 + a1 - a0]
             if K:
@@ -403,7 +434,8 @@ def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchor
     row = torch.arange(C * B, device=dev) // B
     block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
     h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
-                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None])
+                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None],
+                **({"conv_segment": B} if is_dflash2(drafter) else {}))  # DFlash 2: the conv restarts per block
     return h.view(C, B, -1), len(key_pos)
 
 
@@ -459,6 +491,37 @@ def block_forward(drafter, embed, anchor_ids, anchors, kv, Kc: int, vs, B: int):
     emb = drafter.make_block(anchor_ids, embed, B)
     ctx_pos = torch.arange(Kc, device=dev)[None].expand(C, -1)
     return drafter(emb, anchors[:, None] + slot[None], kv, ctx_pos, ctx_pos < anchors[:, None], slot[None] < vs[:, None])
+
+
+def is_dflash2(drafter) -> bool:
+    """True for a DFlash 2 drafter (it has a candidate selector, :class:`~dflash_eval.drafter.CandidateSelector`)."""
+    return getattr(drafter, "candidate_selector", None) is not None
+
+
+def _selector_head(drafter, head, h, anchor_ids, want, K, plan, stats):
+    """DFlash 2: the selector's path ``[C, B-1]`` over every slot (its loop runs over the slots, batched
+    over the anchors, :meth:`DFlashDrafter.propose`), top-K log-probs/ids (with K), the per-slot
+    argmax ``[C, B-1]`` and whether each slot's target token is a candidate ``[C, B-1]`` bool."""
+    C, B = h.shape[0], h.shape[1]
+    dev = h.device
+    path = torch.empty((C, B - 1), dtype=torch.long, device=dev)
+    unary = torch.empty_like(path)
+    hit = torch.empty((C, B - 1), dtype=torch.bool, device=dev)
+    logp = torch.empty((C, B - 1, K), dtype=torch.float32, device=dev) if K else None
+    topi = torch.empty((C, B - 1, K), dtype=torch.long, device=dev) if K else None
+    step = plan.head_rows
+    for r0 in range(0, C, step):
+        r = slice(r0, r0 + step)
+        lg = drafter.logits(h[r, 1:], head)  # [n, B-1, V]
+        sel = drafter.candidate_selector(h[r, 1:], lg, anchor_ids[r])
+        path[r], unary[r] = sel.path, lg.argmax(-1)
+        hit[r] = (sel.candidates == want[r, 1:, None]).any(-1)
+        if K:
+            logp[r], topi[r] = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
+        del lg
+    if stats is not None:
+        stats["head_rows"] += C * (B - 1)
+    return path, logp, topi, unary, hit
 
 
 def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):

@@ -104,6 +104,18 @@ workflow succeeds (``Snakefile`` ``onsuccess``): a rerun after a lost Snakemake,
 deletes the output of a job it did not see finish, verifies and reuses it instead of
 recomputing.
 
+Sharded caches (:mod:`dflash_eval.cache_shards`): ``hidden-states --shard K/N`` writes an ordinary cache of
+the samples of batches ``K, K + N, ...`` of the whole prompt set's batch plan (so every sample is
+computed with the neighbours it has in a one-job extraction: bit-identical states), in the
+completions file's order, resumable like any cache. ``merge-cache-shards`` then writes the prompt
+set's cache: the file attributes of the first shard (the shards must agree on every
+:data:`IDENTITY_ATTRS` value), ``extraction_runs`` of all shards, ``n_samples``, the extra file
+attribute ``shards`` (JSON list of the shard file names, which must lie in the merged file's
+folder), the file-level per-sample arrays of every sample, and per sample ``/samples/<i:06d>`` an
+HDF5 external link to ``<shard file>:/samples/<j:06d>`` (resolved relative to the merged file):
+readers see one cache; the states are not copied. Move or delete the shards and the merged file
+no longer reads (its samples are reported missing).
+
 Reading: caches are read-only once written, so :class:`~dflash_eval.cache_reader.CacheReader` opens them without the
 HDF5 file lock (``locking=False``): a cache open in another process (h5py, HDFView) can be
 read, and an unreadable file is reported as damaged (with the HDF5 reason), never as locked.

@@ -189,7 +189,8 @@ def demo_args(row: dict) -> list[str]:
     args += ["--random-init", "--seed", str(row["seed"])]
     if row.get("layer_ids"):
         args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
-    return args + ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
+    args += ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
+    return args + (["--variant", row["variant"]] if row.get("variant", "dflash") != "dflash" else [])
 
 
 def checkpoint_config_file(row: dict) -> str | None:

@@ -27,14 +27,24 @@ format                 what to pass: layout                                draft
                        ``state_dict`` or ``module``; key prefixes          file
                        ``_orig_mod.``, ``module.``, ``draft_model.``,
                        ``model.`` are removed
+``speculators``        folder as ``hf-folder`` (or sharded) whose          its ``config.json``, read as    folder name
+                       ``config.json`` names ``speculators_model_type``    the z-lab layout
+                       (vLLM speculators ``dflash`` / ``dflash2``)         (:mod:`.speculators_format`)
 ``dcp``                folder: ``torch.distributed.checkpoint`` (FSDP /    ``config.json`` in the folder,  folder name
                        DCP), ``.metadata`` + ``__R_S.distcp``; only        then in its parent
-                       parameter tensors (leaf ``weight`` / ``bias``) are
+                       parameter tensors (leaf ``weight`` / ``bias`` /
+                       DFlash 2's ``base_kernel`` / ``*_codebook``) are
                        read, never optimizer state
 (any of the above)     also holding target tensors (``embed_tokens``,      as above                        as above
                        ``lm_head``, ``verifier_lm_head``, ...): compared
                        with the target's own, then dropped
 =====================  ==================================================  ==============================  ========================
+
+DFlash 2 drafters come in each of these layouts (SpecForge's and speculators' DFlash 2 exports use
+the reference's tensor names). Their codebooks are saved without ``.weight``
+(``candidate_selector.{predecessor,successor}_codebook``, as ``DFlash2DraftModel.from_pretrained``
+expects); a state dict of the reference's in-memory module (``nn.Embedding``, ``...codebook.weight``)
+is renamed to the saved names with a note (:func:`saved_codebook_names`).
 
 ``--drafter-config`` (the workflow entry's ``drafter_config``) replaces the config of every
 format (noted when it differs from the checkpoint's own). ``--override KEY=JSON`` (the
@@ -71,6 +81,7 @@ FORMATS = {
     "specforge": "SpecForge <run>-stepN/ with training_state.pt holding draft_state_dict",
     "torch-dict": "torch .pt/.pth/.bin file holding a (nested, prefixed) state dict",
     "dcp": "torch.distributed.checkpoint (FSDP/DCP) folder: .metadata + *.distcp",
+    "speculators": "vLLM speculators folder: config.json with speculators_model_type + model.safetensors",
 }
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 STATE_FILE = "training_state.pt"
@@ -88,7 +99,9 @@ SHARED_KEYS = {
 }
 # non-trained buffers that may appear in state dicts
 IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$")
-PARAM_LEAF = re.compile(r"(^|\.)(weight|bias)$")
+PARAM_LEAF = re.compile(r"(^|\.)(weight|bias|base_kernel|predecessor_codebook|successor_codebook)$")
+#: DFlash 2 codebooks under their saved names (no ``.weight``; reference ``DFlash2DraftModel.from_pretrained``)
+CODEBOOK_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
 RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
 LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
@@ -388,9 +401,13 @@ def trainer_state_step(folder: Path) -> tuple[int | None, str | None]:
 
 
 def _load_hf_folder(path: Path, fmt: str = "hf-folder") -> LoadedCheckpoint:
+    from .speculators_format import is_speculators_config
+
     state, notes = _read_safetensors_folder(path)
     cfg_file = path / "config.json"
     cfg = _read_json(cfg_file, "drafter config") if cfg_file.is_file() else None
+    if fmt.startswith("hf-folder") and is_speculators_config(cfg):
+        fmt = "speculators"
     source = path if (path / INDEX_FILE).is_file() else path / "model.safetensors"  # named in errors
     step, state_file = trainer_state_step(path)
     if step is not None and parse_step(path.name) not in (None, step):
@@ -520,5 +537,25 @@ def load_checkpoint(path) -> LoadedCheckpoint:
     """
     fmt, path = detect_format(path)
     ck = LOADERS[fmt](path)
-    log.info("%s: detected format %s (%s)", path, ck.format, FORMATS[fmt])
+    ck.notes += saved_codebook_names(ck.state, ck.path)
+    log.info("%s: detected format %s (%s)", path, ck.format, FORMATS.get(ck.format, FORMATS[fmt]))
     return ck
+
+
+def saved_codebook_names(state: dict[str, torch.Tensor], source) -> list[str]:
+    """Rename ``candidate_selector.*_codebook.weight`` to the saved ``...codebook`` (in place); returns notes.
+
+    Raises:
+        InputError: one codebook stored under both names.
+    """
+    renamed = []
+    for key in CODEBOOK_KEYS:
+        alias = key + ".weight"
+        if alias not in state:
+            continue
+        if key in state:
+            raise InputError(source, alias, f"stored twice, as '{key}' and '{alias}'",
+                             "save one copy of the drafter weights per checkpoint")
+        state[key] = state.pop(alias)
+        renamed.append(alias)
+    return [f"renamed {renamed} to the saved DFlash 2 names (no .weight)"] if renamed else []

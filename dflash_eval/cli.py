@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from . import options
+from . import gpu_pool, options
 from .errors import InputError, Interrupted, install_signal_handlers
 from .serving import ServerError, ServerUnavailable
 
@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prompts": ("stages.prompts", "build one prompt set (chat-templated text + token ids) as JSONL"),
     "completions": ("stages.completions", "greedy target completions (token ids + text) for a prompt set"),
     "hidden-states": ("stages.hidden_states", "run the target over prompt+completion ids and write the HDF5 cache"),
+    "hidden-states-shard": ("stages.hidden_states_shard", "hidden-states --shard K/N: one of N jobs writing a prompt "
+                                                          "set's cache (config cache.shards)"),
+    "merge-cache-shards": ("stages.merge_cache_shards", "N shard caches of one prompt set (hidden-states --shard K/N) "
+                                                        "-> its one cache (samples linked, not copied)"),
     "strip-drafter": ("stages.strip_drafter", "training checkpoint -> stripped bf16 drafter folder "
                                               "(config.json + model.safetensors)"),
     "demo-checkpoint": ("stages.demo_checkpoint", "write a training-style .pt checkpoint for the demo"),
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mod = _module(args.cmd)
         opts = options.from_args(mod.STAGE, args) if getattr(mod, "STAGE", None) else None
+        if opts is not None:
+            gpu_pool.claim(mod.STAGE, opts)  # the job's own GPU(s) on a multi-GPU host, before CUDA starts
         code = mod.main(args, opts) or 0
     except InputError as err:
         logging.getLogger("dflash_eval").error("%s", err)

@@ -52,7 +52,8 @@ from typing import Sequence
 
 import torch
 
-from .anchors import chain_walk, iter_anchor_drafts
+from .anchors import chain_walk, is_dflash2, iter_anchor_drafts
+from .errors import InputError
 
 
 @dataclass
@@ -315,7 +316,14 @@ def replay_with_trees(drafter, embed_weight: torch.Tensor, head_weight: torch.Te
 
     Raises:
         ValueError: no budget, or a budget < 1.
+        InputError: a DFlash 2 drafter: its drafts are the selector's path, and no serving engine
+            defines a tree over it (a tree over the per-slot marginals would be DFlash 1's tree of
+            the same logits, not DFlash 2's); ``evaluate`` reports DDTree as not applicable.
     """
+    if is_dflash2(drafter):
+        raise InputError(None, "evaluate.ddtree_budgets", "DDTree is not defined for DFlash 2 drafters (the serving "
+                         "engines draft one candidate-selector path per verify step)",
+                         "evaluate DFlash 2 drafters in chain mode (their DDTree columns are NaN)")
     budgets = sorted({int(b) for b in budgets})
     if not budgets or budgets[0] < 1:
         raise ValueError(f"DDTree budgets {budgets}: need at least one budget, all >= 1")

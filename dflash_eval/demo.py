@@ -48,18 +48,31 @@ def pick_mask_token(tokenizer, data: list[list[int]] = ()) -> int:
     return cands[0]
 
 
+#: DFlash 2 fields of a random-init demo drafter: the published z-lab DFlash 2 drafter's taps and
+#: group size (docs/checkpoint-formats.md), rank and top-K capped by the target's width / vocabulary
+DFLASH2_DEMO_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
 def drafter_config_for_target(target: "TargetSpec | str | Path", layer_ids, block_size: int, num_layers: int,
-                              mask_token_id: int) -> dict:
+                              mask_token_id: int, variant: str = "dflash") -> dict:
     """A drafter ``config.json`` dict for ``target`` (hidden size and head layout copied from it).
 
     ``layer_ids`` None = five layers spread over the target (``round(1 + i * (N - 4) / 4)``).
+    ``variant`` ``'dflash2'`` adds :data:`DFLASH2_DEMO_FIELDS` to ``dflash_config`` (group size 1 when
+    16 does not divide the hidden size; rank at most the hidden size, top-K at most the vocabulary)
+    and names ``DFlash2DraftModel``.
+
+    Raises:
+        ValueError: an unknown ``variant``.
     """
+    if variant not in ("dflash", "dflash2"):
+        raise ValueError(f"variant {variant!r} not in ('dflash', 'dflash2')")
     spec = as_spec(target)
     t = spec.config.get("text_config") or spec.config
     if layer_ids is None:
         layer_ids = [round(1 + i * (spec.num_layers - 4) / 4) for i in range(5)]
     heads = int(t["num_attention_heads"])
-    return {
+    cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
@@ -79,6 +92,14 @@ def drafter_config_for_target(target: "TargetSpec | str | Path", layer_ids, bloc
         "block_size": block_size,
         "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "block_size": block_size},
     }
+    if variant == "dflash2":
+        f = dict(DFLASH2_DEMO_FIELDS)
+        f["conv_group_size"] = f["conv_group_size"] if spec.hidden_size % f["conv_group_size"] == 0 else 1
+        f["selector_rank"] = min(f["selector_rank"], spec.hidden_size)
+        f["selector_top_k"] = min(f["selector_top_k"], spec.vocab_size)
+        cfg["dflash_config"].update(f)
+        cfg["architectures"] = ["DFlash2DraftModel"]
+    return cfg
 
 
 def random_init_(model: DFlashDrafter) -> DFlashDrafter:

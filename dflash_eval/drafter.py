@@ -39,18 +39,58 @@ State-dict keys match released z-lab checkpoints (``fc``, ``hidden_norm``,
 ``norm``, ``layers.{i}.{input_layernorm,post_attention_layernorm}``,
 ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
 ``layers.{i}.mlp.{gate,up,down}_proj``).
+
+**DFlash 2** (config ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k}``; reference ``dflash==0.1.0`` ``dflash/model.py`` ``DFlash2DraftModel``,
+``GroupedDynamicCausalConv``, ``CandidateSelector``; blog inco.ai/blog/dflash2) adds two parts:
+
+6. A grouped dynamic causal conv on both sides of each sublayer (:class:`GroupedDynamicCausalConv`):
+   ``x -> prepare -> attention -> finish -> + residual`` and the same around the MLP. With taps
+   ``o = 0 .. k-1`` (``conv_kernel_size``), groups of ``conv_group_size`` channels and ``g(c)`` the
+   group of channel ``c``: ``out[j, c] = sum_o (base[o, c] + dyn[j, o, g(c)]) * x[j - o, c]``, where
+   ``base`` is ``base_kernel[0]`` (input side) or ``[1]`` (output side) and both sides' per-slot
+   ``dyn`` come from one ``kernel_projection`` of the sublayer's (normed) input.
+7. A candidate selector on the drafted logits (:class:`CandidateSelector`): per slot the
+   top-``selector_top_k`` candidates ``c`` of the logits; slot by slot, ``score(c) = logit(c) +
+   <predecessor_codebook[prev] * hidden_projection(h_j), successor_codebook[c]>`` (rank
+   ``selector_rank``) with ``prev`` the token picked at the slot before (the anchor at slot 1);
+   greedy = the argmax, temperature > 0 = a sample of ``softmax(score / T)``.
+
+**What the conv sees, and what it keeps between verify steps (nothing).** In the reference the
+conv runs on the residual stream of one draft call, whose tokens are exactly the verify step's
+block ``[anchor, MASK x (vs-1)]``: the context reaches a layer only as keys/values of the fused
+target states, never through the residual stream, so never through the conv. Slot ``j``'s taps
+read slots ``j-1 .. j-k+1`` of the same block; taps before slot 0 read zeros -- not the last
+committed tokens, not the previous block. The draft KV cache is cropped back to ``start`` after each
+call, so nothing of a block survives into the next verify step. A DFlash 2 block's drafts are
+therefore, as DFlash 1's, a function of the anchor token, the context ``< t`` and the verify size
+alone, so the batched all-anchor replay reproduces online decoding. (A shortened last block loses
+nothing: taps look backwards only, so its masked-out tail never reaches a verified slot.) Several
+blocks in one sequence (training; the replay's ``packed`` layout) restart the taps at every block
+start, as SpecForge ``DFlashGroupedConv._convolve``, speculators ``grouped_dynamic_conv`` and
+vLLM ``_grouped_conv`` (position modulo the block size) do: ``conv_segment`` in :meth:`forward`.
+
+**Selector conventions.** Candidates are in descending logit order (``torch.topk(sorted=True)``,
+as vLLM ``compute_candidates``; the reference leaves the order unspecified), so an exact score tie
+goes to the larger logit. Scores are computed in float32 from the compute-dtype logits and
+projection, as vLLM and SGLang add the bilinear term to float32 logits; in float32 the path equals
+the reference's ``propose``. The codebooks are saved without ``.weight``
+(``candidate_selector.predecessor_codebook``; ``DFlash2DraftModel.from_pretrained`` maps them onto
+its ``nn.Embedding``), so here they are plain parameters under the saved names.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter_config import ROPE_DICTS, DrafterConfig
+from .drafter_config import DrafterConfig
 from .errors import InputError
+from .rope import rotary_embedding
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +183,120 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, b, -1))
 
 
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash 2 conv around one sublayer (module docstring, item 6): ``prepare`` its input, ``finish`` its output.
+
+    Parameters (reference names): ``base_kernel`` ``[2, taps, H]`` (input side, output side) and
+    ``kernel_projection`` ``H -> 2 * taps * groups`` (both sides' per-slot kernels, from the input).
+    """
+
+    def __init__(self, hidden: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.group_size, self.groups = taps, group_size, hidden // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
+
+    def prepare(self, x: torch.Tensor, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input side: ``(conv(x), dyn_out)`` for ``x`` ``[N, L, H]``; ``dyn_out`` ``[N, L, taps, groups]`` is for :meth:`finish`."""
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return self._convolve(x, dyn[..., 0, :, :], self.base_kernel[0], segment), dyn[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor, segment: int | None = None) -> torch.Tensor:
+        """Output side: ``conv(y)`` with ``base_kernel[1]`` and the per-slot kernels from :meth:`prepare`."""
+        return self._convolve(y, dyn, self.base_kernel[1], segment)
+
+    def _convolve(self, x, dyn, base, segment):
+        """``out[j] = sum_o (base[o] + dyn[j, o]) * x[j - o]`` within each run of ``segment`` positions
+        (default: all ``L``), zeros before a run's start. ``x`` ``[N, L, H]`` with ``L`` a multiple of ``segment``."""
+        n, length, h = x.shape
+        seg = segment or length
+        xs = x.view(n, length // seg, seg, self.groups, self.group_size)
+        ds = dyn.reshape(n, length // seg, seg, self.taps, self.groups, 1)
+        out = torch.zeros_like(xs)
+        for o in range(min(self.taps, seg)):  # a tap reaching past the run start adds zeros only
+            shifted = xs if o == 0 else F.pad(xs[:, :, : seg - o], (0, 0, 0, 0, o, 0))
+            out = out + base[o].view(self.groups, self.group_size).to(x.dtype) * shifted
+            out = torch.addcmul(out, ds[:, :, :, o], shifted)
+        return out.view(n, length, h)
+
+
+@dataclass
+class Selection:
+    """The drafts of a block's slots (:meth:`DFlashDrafter.propose`); ``N`` blocks, ``S`` drafted slots.
+
+    Attributes:
+        path: ``[N, S]`` int64, the drafted token per slot (slot ``j`` drafts position ``start + j``).
+        candidates: ``[N, S, K]`` int64, DFlash 2: the top-K logit candidates per slot, descending
+            logit; None for DFlash 1.
+        scores: ``[N, S, K]`` float32, DFlash 2: the selector's score of each candidate given the
+            predecessor used at that slot; None for DFlash 1.
+        probs: ``[N, S, K]`` float32, DFlash 2 at temperature > 0: ``softmax(scores / T)``, the
+            distribution the slot's draft was sampled from; None otherwise.
+    """
+
+    path: torch.Tensor
+    candidates: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2 candidate selector (module docstring, item 7). Parameters under the reference's saved names."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        temperature: float = 0.0,
+        predecessors: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Selection:
+        """Walk the slots of ``N`` blocks at once.
+
+        Args:
+            hidden: ``[N, S, H]`` drafter states of the drafted slots (slots ``1 ..``).
+            logits: ``[N, S, V]`` their logits (:meth:`DFlashDrafter.logits`).
+            anchor_ids: ``[N]`` int64, the anchor token of each block (the first predecessor).
+            temperature: 0 = greedy (argmax of the scores); > 0 samples ``softmax(scores / T)``
+                (reference ``CandidateSelector.select``) and returns those distributions.
+            predecessors: optional ``[N, S]`` int64: score slot ``j`` after ``predecessors[:, j-1]``
+                (the anchor for ``j = 0``) instead of after the selector's own pick: a
+                teacher-forced walk, e.g. the distribution given the committed tokens.
+            generator: random source of the samples at temperature > 0.
+
+        Returns:
+            :class:`Selection` with ``path``, ``candidates``, ``scores`` (and ``probs`` when T > 0).
+        """
+        unary, cand = torch.topk(logits, self.top_k, dim=-1)  # [N, S, K], descending
+        unary = unary.float()
+        proj = self.hidden_projection(hidden).float()  # [N, S, r]
+        pred_cb, succ_cb = self.predecessor_codebook, self.successor_codebook
+        prev = anchor_ids
+        n, slots = cand.shape[:2]
+        path = torch.empty((n, slots), dtype=torch.long, device=cand.device)
+        scores = torch.empty(unary.shape, dtype=torch.float32, device=cand.device)
+        probs = torch.empty_like(scores) if temperature > 0 else None
+        for j in range(slots):
+            gate = pred_cb[prev].float() * proj[:, j]  # [N, r]
+            scores[:, j] = unary[:, j] + torch.einsum("nr,nkr->nk", gate, succ_cb[cand[:, j]].float())
+            if temperature > 0:
+                probs[:, j] = torch.softmax(scores[:, j] / temperature, dim=-1)
+                pick = torch.multinomial(probs[:, j], 1, generator=generator)[:, 0]
+            else:
+                pick = scores[:, j].argmax(-1)
+            path[:, j] = cand[:, j].gather(-1, pick[:, None])[:, 0]
+            prev = path[:, j] if predecessors is None else predecessors[:, j]
+        return Selection(path, cand, scores, probs)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -150,73 +304,23 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.variant == "dflash2":
+            self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def forward(self, h, cos, sin, k_ctx, v_ctx, mask):
-        """Pre-norm residual block: attention over [context ; block] keys, then the MLP. ``h``: ``[N, B, H]``."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, k_ctx, v_ctx, mask, segment=None):
+        """Pre-norm residual block: attention over [context ; block] keys, then the MLP. ``h``: ``[N, B, H]``.
 
-
-class RotaryEmbedding(nn.Module):
-    """Qwen3's rotary embedding (transformers ``Qwen3RotaryEmbedding.forward``, same operations and dtypes)
-    for a fixed ``inv_freq`` ``[head_dim/2]`` float32 and ``attention_scaling``.
-
-    Built by :func:`rotary_embedding` without importing transformers' Qwen3 modeling module (several
-    seconds of every stage's start-up): default RoPE from ``rope_theta`` here, other RoPE types from
-    ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` on :meth:`DrafterConfig.rotary_config`.
-    """
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
-        super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-        self.attention_scaling = attention_scaling
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[N, L, head_dim]`` in ``x.dtype`` for int64 ``position_ids`` ``[N, L]`` (computed in float32)."""
-        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
-        pos = position_ids[:, None, :].float()
-        with torch.autocast(device_type=x.device.type if x.device.type != "mps" else "cpu", enabled=False):
-            freqs = (inv.float() @ pos.float()).transpose(1, 2)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos = emb.cos() * self.attention_scaling
-            sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
-    """The drafter's RoPE module: :class:`RotaryEmbedding`, or transformers' ``Qwen3RotaryEmbedding`` for
-    RoPE types that change ``inv_freq`` with the sequence length (``dynamic``, ``longrope``).
-
-    The default RoPE of an explicit ``rope_theta`` (top level or in the RoPE dict) needs no transformers
-    import: ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)``, scaling 1 (transformers
-    ``Qwen3RotaryEmbedding.compute_default_rope_parameters``); ``tests/test_replay.py`` checks the
-    cos/sin against transformers' module bit for bit. ``inv_freq`` is computed on the CPU even under a
-    ``torch.device("meta")`` context (strip-drafter's key check): a meta ``arange`` imports ``torch._dynamo``
-    (3 s), and the buffer is not part of the state dict.
-    """
-    raw = cfg.raw
-    rope = next((raw[k] for k in ROPE_DICTS if isinstance(raw.get(k), dict)), None) or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", raw.get("rope_theta"))
-    partial = "partial_rotary_factor" in raw or "partial_rotary_factor" in rope
-    if kind == "default" and theta is not None and not partial and not isinstance(theta, bool):
-        dim = cfg.head_dim
-        return RotaryEmbedding(1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0)
-    conf = cfg.rotary_config()
-    kind = conf.rope_parameters["rope_type"]
-    if kind in ("dynamic", "longrope") or partial:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
-        return Qwen3RotaryEmbedding(conf)
-    if kind == "default":
-        base, dim = conf.rope_parameters["rope_theta"], conf.head_dim
-        return RotaryEmbedding(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](conf, None)
-    return RotaryEmbedding(inv_freq, scaling)
+        DFlash 2 wraps both sublayers in the conv (``segment``: block length of packed blocks).
+        """
+        if self.attention_conv is None:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_ctx, v_ctx, mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, dyn = self.attention_conv.prepare(self.input_layernorm(h), segment)
+        h = h + self.attention_conv.finish(self.self_attn(x, cos, sin, k_ctx, v_ctx, mask), dyn, segment)
+        x, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(h), segment)
+        return h + self.mlp_conv.finish(self.mlp(x), dyn, segment)
 
 
 class DFlashDrafter(nn.Module):
@@ -231,6 +335,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = rotary_embedding(cfg)  # non-persistent inv_freq
+        self.candidate_selector = CandidateSelector(cfg) if cfg.variant == "dflash2" else None
 
     # -- context ---------------------------------------------------------------
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -289,6 +394,7 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         ctx_valid: torch.Tensor,
         block_valid: torch.Tensor | None = None,
+        conv_segment: int | None = None,
     ) -> torch.Tensor:
         """Draft one block per row.
 
@@ -304,6 +410,8 @@ class DFlashDrafter(nn.Module):
             block_valid: ``[N, B]`` bool, False for block slots past the verify size
                 (the reference shortens the last block to ``max_length - start``); or
                 ``[N, B, B]`` per query (packed blocks: True only within a query's own block).
+            conv_segment: DFlash 2, several blocks packed in one row: the block length, where the
+                conv's taps restart (default: one block per row).
 
         Returns:
             ``[N, B, H]`` final-normed hidden states; slot ``j >= 1`` predicts the
@@ -317,7 +425,7 @@ class DFlashDrafter(nn.Module):
         h = noise_embedding
         for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
             attn = layer.self_attn
-            h = layer(h, cos, sin, k_ctx, v_ctx, masks[attn.causal, attn.window])
+            h = layer(h, cos, sin, k_ctx, v_ctx, masks[attn.causal, attn.window], conv_segment)
         return self.norm(h)
 
     def _masks(self, block_positions, ctx_positions, ctx_valid, block_valid) -> dict:
@@ -367,6 +475,37 @@ class DFlashDrafter(nn.Module):
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+    def propose(
+        self,
+        hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        temperature: float = 0.0,
+        predecessors: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Selection:
+        """The drafts of ``N`` blocks (reference ``DFlash2DraftModel.propose`` for DFlash 2).
+
+        Args:
+            hidden: ``[N, S, H]`` states of the drafted slots (``forward(...)[:, 1:vs]``).
+            anchor_ids: ``[N]`` int64 anchor tokens (the selector's first predecessor).
+            lm_head_weight: target ``lm_head`` ``[V, H]``.
+            temperature, predecessors, generator: DFlash 2 only, see :meth:`CandidateSelector.forward`.
+
+        Returns:
+            :class:`Selection`; DFlash 1: the argmax of the logits per slot (greedy only).
+
+        Raises:
+            ValueError: DFlash 1 with ``temperature > 0`` (its sampling is the target-side verify's).
+        """
+        logits = self.logits(hidden, lm_head_weight)
+        if self.candidate_selector is None:
+            if temperature > 0:
+                raise ValueError("DFlash 1 drafts greedily here; sample its logits directly")
+            return Selection(logits.argmax(-1))
+        return self.candidate_selector(hidden, logits, anchor_ids, temperature, predecessors, generator)
 
 
 def load_drafter(

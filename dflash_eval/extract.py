@@ -103,6 +103,11 @@ def final_norm(model):
     raise InputError(None, "target", "cannot find the final norm", "use a standard HF causal LM")
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (a no-op on the one-device path; index tensors of a target split over GPUs)."""
+    return t if t.device == device else t.to(device)
+
+
 def _base(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
@@ -136,7 +141,7 @@ def capture_layers(model, ids: torch.Tensor, mask: torch.Tensor, layer_ids: list
             h.remove()
     if n_layers - 1 in captured:  # HF's last hidden_states entry is final-normed
         captured[n_layers - 1] = final_norm(model)(captured[n_layers - 1])
-    return torch.stack([captured[i] for i in layer_ids], dim=2), last
+    return torch.stack([captured[i].to(ids.device) for i in layer_ids], dim=2), last
 
 
 def pad_right(batch_ids: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +202,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
     if q.is_cuda and _PACK.get("flash", True):
         try:
-            out = _flash_varlen(q, k, v, _PACK["cu"], _PACK["max_len"], scaling)
+            out = _flash_varlen(q, k, v, _on(_PACK["cu"], q.device), _PACK["max_len"], scaling)
         except (ImportError, NotImplementedError, RuntimeError, TypeError, ValueError) as err:
             log.warning("varlen flash attention unavailable (%s): causal SDPA per sample instead", err)
             _PACK["flash"] = False
@@ -297,8 +302,8 @@ def forward_batch(model, seqs: list[list[int]], layer_ids: list[int], device, pa
             h = o[0] if isinstance(o, tuple) else o
             if idx == n_layers - 1:  # HF's last hidden_states entry is final-normed
                 h = norm(h)
-            h = h.reshape(-1, H)
-            out[:, slot[idx]] = h if gather is None else h.index_select(0, gather)
+            h = h.reshape(-1, H)  # on the layer's GPU when the target is split (copied to `dev` here)
+            out[:, slot[idx]] = h if gather is None else h.index_select(0, _on(gather, h.device))
         return fn
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in sorted(set(layer_ids))]
@@ -314,7 +319,7 @@ def forward_batch(model, seqs: list[list[int]], layer_ids: list[int], device, pa
             h.remove()
     last = last.reshape(-1, H)
     if gather is not None:
-        last = last.index_select(0, gather)
+        last = last.index_select(0, _on(gather, last.device))
     head = model.get_output_embeddings()
     V = head.weight.shape[0]
     chunk = max(1, (1 << 30) // (V * head.weight.element_size()))  # <= ~1 GiB of logits at once

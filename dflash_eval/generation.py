@@ -506,7 +506,8 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         dev = resolve_device(opts.device)
         dt = resolve_dtype(opts.dtype, dev)
         spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend)
+        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
+                                          devices=opts.devices, max_memory=opts.max_memory)
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
         longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens

@@ -45,6 +45,9 @@ Companions:
   responses; shows whether acceptance falls with the context length. Empty (NaN / 0) when the
   prompt lengths are not given.
 
+DFlash 2 drafters also get :func:`selector_stats` (top-K recall per slot, the oracle accepted
+length of a perfect selector on the same candidates, the selector's pick rate).
+
 Responses with no verify step (the prefill token ended them: an eos right away, or
 ``max_new_tokens == 1``) have no tau; they are counted in ``n_skipped`` and left out of
 every mean.
@@ -209,3 +212,99 @@ def agreement(values: Sequence[float | None]) -> AgreementStats:
     return AgreementStats(min=min(known) if known else math.nan,
                           mean=sum(known) / len(known) if known else math.nan,
                           n_unknown=len(values) - len(known))
+
+
+@dataclass(frozen=True)
+class SelectorStep:
+    """One DFlash 2 verify step as the selector diagnostics need it (:func:`selector_stats`).
+
+    ``accepted``: drafts of the selector's path accepted (``a``); ``oracle``: the longest prefix
+    of slots ``1..limit`` whose target token is among the slot's candidates (what a perfect
+    selector could have accepted from the same candidates, so ``accepted <= oracle``); ``limit``:
+    the slots that could be verified; ``in_candidates[j-1]``: slot ``j``'s target token is among
+    its candidates, ``j = 1..limit``.
+    """
+
+    accepted: int
+    oracle: int
+    limit: int
+    in_candidates: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
+class SelectorStats:
+    """DFlash 2 candidate-selector diagnostics of one (checkpoint, prompt set), over the verify steps of
+    the selector's own chain; they say whether the candidates or the selector hold tau back.
+
+    * ``topk_recall[j]`` -- P(slot j's target token is among its top-K candidates), over the steps
+      whose slot ``j`` could be verified (``recall_compared[j]`` of them), unconditional on the
+      earlier slots (the candidates do not depend on the selector's picks).
+    * ``oracle_accepted`` / ``accepted`` -- mean accepted drafts per step of a perfect selector
+      choosing from the same candidates, and of the checkpoint's selector.
+    * ``pick_rate[j]`` -- P(the selector picks slot j's target token | it picked the target tokens
+      of slots < j, and slot j's target token is among the candidates): the selector's own error,
+      with the candidates' misses taken out; ``pick_compared[j]`` such slots. ``pick_rate_all``
+      pools every slot: ``sum a / sum min(a + 1, oracle)``.
+    * ``oracle_path_rate`` -- the share of steps in which the selector accepted the whole oracle
+      prefix (``a == oracle``).
+
+    Per-slot dicts have keys ``1..B-1``; NaN where nothing was compared. The tau a perfect selector
+    would reach on its own trajectory is ``tau_oracle`` (an :func:`aggregate` of the oracle chain).
+    """
+
+    steps: int
+    accepted: float
+    oracle_accepted: float
+    pick_rate_all: float
+    oracle_path_rate: float
+    topk_recall: dict[int, float]
+    recall_compared: dict[int, int]
+    pick_rate: dict[int, float]
+    pick_compared: dict[int, int]
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict (integer keys as strings; NaN as None)."""
+        d = asdict(self)
+        for key in ("topk_recall", "recall_compared", "pick_rate", "pick_compared"):
+            d[key] = {str(k): v for k, v in d[key].items()}
+        return _nan_to_none(d)
+
+
+def selector_stats(steps: Sequence[SelectorStep], block_size: int) -> SelectorStats:
+    """Aggregate DFlash 2 selector diagnostics over verify steps (:class:`SelectorStats`).
+
+    Raises:
+        ValueError: a step with ``accepted > oracle``, ``oracle > limit``, an ``in_candidates`` of
+            another length than ``limit``, or an ``oracle`` that is not its leading run of True
+            (a replay bug, never user input).
+    """
+    B = block_size
+    recall_hit, recall_n = [0] * B, [0] * B
+    pick_hit, pick_n = [0] * B, [0] * B
+    acc = orc = opportunities = full = 0
+    for s in steps:
+        lead = next((i for i, hit in enumerate(s.in_candidates) if not hit), len(s.in_candidates))
+        if not (0 <= s.accepted <= s.oracle <= s.limit < B and len(s.in_candidates) == s.limit and lead == s.oracle):
+            raise ValueError(f"inconsistent selector step {s}")
+        for j, hit in enumerate(s.in_candidates, start=1):
+            recall_n[j] += 1
+            recall_hit[j] += hit
+        for j in range(1, min(s.accepted + 1, s.oracle) + 1):  # slots where the oracle path was open to the pick
+            pick_n[j] += 1
+            pick_hit[j] += j <= s.accepted
+        acc += s.accepted
+        orc += s.oracle
+        opportunities += min(s.accepted + 1, s.oracle)
+        full += s.accepted == s.oracle
+    n = len(steps)
+    return SelectorStats(
+        steps=n,
+        accepted=acc / n if n else math.nan,
+        oracle_accepted=orc / n if n else math.nan,
+        pick_rate_all=acc / opportunities if opportunities else math.nan,
+        oracle_path_rate=full / n if n else math.nan,
+        topk_recall={j: recall_hit[j] / recall_n[j] if recall_n[j] else math.nan for j in range(1, B)},
+        recall_compared={j: recall_n[j] for j in range(1, B)},
+        pick_rate={j: pick_hit[j] / pick_n[j] if pick_n[j] else math.nan for j in range(1, B)},
+        pick_compared={j: pick_n[j] for j in range(1, B)},
+    )

@@ -139,6 +139,9 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
 
     t0 = time.perf_counter()
     cfg = drafter.cfg
+    if budget is not None and getattr(drafter, "candidate_selector", None) is not None:
+        raise InputError(None, "budget", "DDTree is not defined for DFlash 2 drafters (the serving engines draft "
+                         "one selector path)", "validate DFlash 2 drafters in chain mode")
     B = int(block_size or cfg.block_size)
     dev = embed_weight.device
     P = len(prompt_ids)
@@ -162,7 +165,11 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
                     torch.ones(1, start, dtype=torch.bool, device=dev))
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
         if budget is None:
-            verify = [seq[start]] + logits.argmax(-1).tolist()
+            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path (reference propose)
+                drafts = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight).path[0].tolist()
+            else:
+                drafts = logits.argmax(-1).tolist()
+            verify = [seq[start]] + drafts
             vpos = torch.arange(start, start + vs, device=dev)
             out = target(input_ids=torch.tensor([verify], device=dev), position_ids=vpos[None], past_key_values=cache,
                          use_cache=True, output_hidden_states=True)

@@ -37,12 +37,13 @@ from .errors import InputError
 #: schema entries each stage reads (stage = Snakemake rule = ``dflash_eval/stages/<stage>.py``)
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "prompts": ("prompt_set", "generation.enable_thinking"),
-    "completions": ("generation", "target.linear_attn_backend"),
-    "hidden_states": ("cache", "target.linear_attn_backend"),
+    "completions": ("generation", "target.linear_attn_backend", "target.devices", "target.max_memory"),
+    "hidden_states": ("cache", "target.linear_attn_backend", "target.devices", "target.max_memory"),
     "evaluate": ("evaluate", "target.training_backend"),
-    "kernel_parity": ("kernel_parity", "cache.batch_tokens", "cache.device", "cache.dtype"),
+    "kernel_parity": ("kernel_parity", "cache.batch_tokens", "cache.device", "cache.dtype", "target.devices",
+                      "target.max_memory"),
     "validate_online": ("validate_online",),
-    "target_costs": ("target_costs", "target.linear_attn_backend"),
+    "target_costs": ("target_costs", "target.linear_attn_backend", "target.devices", "target.max_memory"),
     "trackers": ("trackers",),
 }
 

@@ -198,6 +198,19 @@ class Plan:
     def caches(self, run: str | None = None) -> list[str]:
         return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
 
+    @property
+    def cache_shards(self) -> int:
+        """Config ``cache.shards``: hidden-state jobs per prompt set (1: one rule ``hidden_states`` job)."""
+        return int(self.config.get("cache", {}).get("shards", 1) or 1)
+
+    def shard_caches(self, run: str | None = None, prompt_set: str | None = None) -> list[str]:
+        """The shard caches (``cache.shards`` > 1) of one prompt set, or of all; [] with one job per set."""
+        if self.cache_shards < 2:
+            return []
+        sets = [prompt_set] if prompt_set else self.prompt_sets
+        return [os.path.join("results", run or self.run, "cache", f"{p}.shard{k}.h5")
+                for p in sets for k in range(self.cache_shards)]
+
     # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)
     def target_files(self, tokenizer: bool = False) -> dict[str, list[str]]:
         """Target config + weights (+ tokenizer): the declared inputs of every stage that reads the target."""
@@ -268,6 +281,11 @@ class Plan:
         """Completions come from the user's running server (no local target forward in the job)."""
         gen = self.config["generation"]
         return gen["source"] != "transformers" and gen.get("serve") != "vllm"
+
+    @property
+    def target_gpus(self) -> int:
+        """Resource ``gpu`` of the jobs that load the target: ``max(target.devices, 1)`` (0 = auto takes one)."""
+        return max(int(self.config["target"].get("devices", 0) or 0), 1)
 
     def completions_inputs(self) -> dict:
         """Target files the completions job reads: a remote server needs only config + tokenizer;

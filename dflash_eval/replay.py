@@ -11,7 +11,9 @@ length P, committed sequence ``x`` (prompt + greedy completion, length T) and
 * Verify step: block ``[x[start], MASK x (vs-1)]`` at positions
   ``start .. start+vs-1`` with ``vs = min(B, max_length - start)`` (the reference
   shortens the last block). Drafts ``d_j`` (j >= 1) are the greedy argmax of
-  ``lm_head(drafter(block))[j]``; ``d_j`` predicts position ``start + j``.
+  ``lm_head(drafter(block))[j]`` (DFlash 2: the candidate selector's path over those logits,
+  :meth:`~dflash_eval.drafter.DFlashDrafter.propose` at temperature 0, the reference
+  ``DFlash2DraftModel.propose``); ``d_j`` predicts position ``start + j``.
 * The target accepts the longest prefix with ``d_j == x[start + j]`` — with
   greedy verification the target's continuation *is* the greedy completion —
   giving ``a`` accepted drafts, then the bonus token: ``a + 1`` tokens per
@@ -142,6 +144,10 @@ def replay_batch(
         want = ids[rows[:, None], block_pos]  # x[start + j]
         acc = torch.zeros(len(rows), dtype=torch.long, device=dev)
         alive = torch.ones(len(rows), dtype=torch.bool, device=dev)
+        if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path over the block's slots
+            draft = drafter.propose(h[:, 1:], ids[rows, st], head_weight).path
+            acc = ((draft == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])).long().cumprod(-1).sum(-1)
+            alive[:] = False
         for j0 in range(1, B, SLOT_CHUNK):
             j1 = min(j0 + SLOT_CHUNK, B)
             sel = torch.nonzero(alive & (limit >= j0)).flatten()

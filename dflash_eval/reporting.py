@@ -246,6 +246,23 @@ def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     return out
 
 
+SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path. tau_oracle: a perfect "
+                 "selector over the same top-K candidates; tau_unary: the per-slot argmax of the same logits; "
+                 "topk_recall_slot_k: the target token is among slot k's candidates; pick_rate_slot_k: the "
+                 "selector picks it given the earlier picks were right. DDTree columns are NaN for these rows: "
+                 "no serving engine builds a tree over the selector's path (ddtree_applicable false).")
+
+
+def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """The DFlash 2 rows with their selector diagnostics (:mod:`dflash_eval.tau_table`), or None without any."""
+    if "tau_oracle" not in frame.columns or "variant" not in frame.columns or not (frame["variant"] == "dflash2").any():
+        return None
+    cols = ["checkpoint", "prompt_set", "tau", "tau_unary", "tau_oracle", "sel_accepted", "sel_oracle_accepted",
+            "sel_pick_rate", "sel_oracle_path_rate"]
+    cols += [c for c in frame.columns if c.startswith(("topk_recall_slot_", "pick_rate_slot_"))]
+    return frame.loc[frame["variant"] == "dflash2", cols].reset_index(drop=True)
+
+
 def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     """One prompt set: checkpoints x methods estimated speedup, plus the best method."""
     s = data.speedups[data.speedups["prompt_set"] == prompt_set]
@@ -367,6 +384,9 @@ def render_markdown(data: ReportData) -> str:
         parts += ["## DDTree: tau per node budget", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
+    sel = selector_table(f)
+    if sel is not None:
+        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), ""]
     if data.speedups is not None and len(data.speedups):
         from .costs import FORMULA, device_label
 
@@ -522,6 +542,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
             "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
         }
     full = _styled(f, 4, "tau-csv").to_html()
+    sel = selector_table(f)
     env = Environment(loader=PackageLoader("dflash_eval", "templates"), autoescape=select_autoescape(["html", "j2"]))
     return env.get_template("report.html.j2").render(
         run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
@@ -533,4 +554,5 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         if data.prompt_lengths else None,
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
-        extra=data.extra, full_table=full, citations=CITATIONS)
+        extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
+        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None)

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from .device_map import plan_device_map
 from .errors import InputError
 from .hybrid import bind_linear_attention, check_bound_kernel
 from .target_spec import NOT_A_TARGET_FIX, TargetSpec, as_spec
@@ -22,7 +23,8 @@ from .target_spec import NOT_A_TARGET_FIX, TargetSpec, as_spec
 log = logging.getLogger(__name__)
 
 
-def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", backend: str = "auto"):
+def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", backend: str = "auto",
+                devices: int = 0, max_memory: "dict | None" = None, device_map: "dict | None" = None):
     """Load the target causal LM and its tokenizer for inference, with its linear-attention kernel bound.
 
     ``AutoModelForCausalLM.from_pretrained(folder, dtype=..., attn_implementation="sdpa")`` on
@@ -37,6 +39,13 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
         device: see :func:`dflash_eval.runtime.resolve_device`.
         dtype: see :func:`dflash_eval.runtime.resolve_dtype` (``'auto'``: bf16 on CUDA, float32 on CPU).
         backend: linear-attention kernel, ``'auto'`` | ``'fla'`` | ``'torch'`` (config ``target.linear_attn_backend``).
+        devices, max_memory: config ``target.devices`` / ``target.max_memory``: with ``device`` ``'auto'`` or
+            ``'cuda'`` (no index), several visible GPUs (or ``devices`` > 1, or ``max_memory`` set) the
+            target's layers are placed over them by :func:`dflash_eval.device_map.plan_device_map` when one
+            GPU does not hold it (or when ``devices`` > 1); inputs then go to ``device`` (GPU 0, which holds
+            the embedding) and transformers moves the activations between GPUs. A CPU, a ``cuda:N`` device,
+            ``devices: 1`` or one visible GPU with no option set is one device, loaded as before.
+        device_map: an explicit ``from_pretrained`` device map (module name -> device), bypassing the planner.
 
     Returns:
         ``(model, tokenizer, KernelBinding)``.
@@ -54,15 +63,30 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     binding = bind_linear_attention(backend, dev, spec)
+    if device_map is None and dev.type == "cuda" and dev.index is None and devices != 1 and (
+            devices > 1 or max_memory or _cuda_count() > 1):  # one visible GPU, auto: loaded as it always was
+        plan = plan_device_map(spec, dt, devices=devices, max_memory=max_memory)
+        device_map = plan.device_map if plan.split else None
+    placed = {"device_map": device_map} if device_map else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(spec.path), dtype=dt, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(str(spec.path), dtype=dt, attn_implementation="sdpa", **placed)
         tok = AutoTokenizer.from_pretrained(str(spec.path))
     except (OSError, ValueError, KeyError) as err:
         raise InputError(spec.path, "config.json", f"transformers cannot load this folder as a causal LM: {err}",
                          NOT_A_TARGET_FIX) from err
-    model.to(dev).eval()
-    log.info("loaded target %s (%s) on %s in %s", spec.path, model.config.model_type, dev, dtype_name(dt))
+    if not device_map:
+        model.to(dev)
+    model.eval()
+    log.info("loaded target %s (%s) on %s in %s", spec.path, model.config.model_type,
+             dev if not device_map else "devices " + ", ".join(sorted({str(v) for v in device_map.values()})),
+             dtype_name(dt))
     return model, tok, check_bound_kernel(model, binding)
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 #: attention implementation of :func:`gqa_sdpa` (registered with transformers on first use)

@@ -39,8 +39,31 @@ accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1.
 tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a node budget of B
                         drafted nodes per verify step, one column per configured budget
                         (``evaluate.ddtree_budgets``; :mod:`dflash_eval.ddtree`); empty for
-                        rows evaluated without that budget
+                        rows evaluated without that budget; NaN where ``ddtree_applicable`` is
+                        False
+variant                 the drafter's variant: ``dflash`` (DFlash 1) or ``dflash2`` (DFlash 2:
+                        grouped dynamic causal conv + candidate selector)
+ddtree_applicable       False for DFlash 2 rows: no serving engine builds a tree over the
+                        selector's path, so their ``tau_ddtree_<B>`` are NaN (never a tree over
+                        the per-slot marginals presented as DFlash 2's)
+tau_oracle              DFlash 2: tau (same convention) of a perfect selector choosing from the
+                        same top-K candidates, on its own trajectory; empty for DFlash 1
+tau_unary               DFlash 2: tau of the per-slot argmax of the same logits (the selector
+                        switched off); empty for DFlash 1
+sel_accepted            DFlash 2, over the selector chain's verify steps: accepted drafts per step
+sel_oracle_accepted     the same for a perfect selector on the same steps' candidates
+sel_pick_rate           pooled pick rate: accepted / (slots where the oracle path was open)
+sel_oracle_path_rate    share of steps where the selector accepted the whole oracle prefix
+topk_recall_slot_<k>    DFlash 2: P(slot k's target token is among its top-K candidates),
+                        k = 1..B-1 (:class:`dflash_eval.metrics.SelectorStats`)
+pick_rate_slot_<k>      DFlash 2: P(the selector picks slot k's target token | it picked the
+                        earlier ones and the target token is a candidate)
 ======================  =====================================================================
+
+The ``tau_oracle`` / ``tau_unary`` columns are recomputed from the per-sample chains of the
+evaluate JSON; the ``sel_*``, ``topk_recall_slot_*`` and ``pick_rate_slot_*`` columns are its
+``selector`` aggregate (:func:`dflash_eval.metrics.selector_stats`). Rows without DFlash 2
+drafters have none of these columns filled.
 
 Sources and exact definitions of the three tau conventions (``tau``, ``tau_tokens_per_step``,
 ``tau_sglang``) and of the per-slot / per-position columns: :mod:`dflash_eval.metrics`.
@@ -49,6 +72,7 @@ Sources and exact definitions of the three tau conventions (``tau``, ``tau_token
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -69,6 +93,36 @@ def slot_columns(max_block_size: int) -> list[str]:
     """``accept_slot_1 .. accept_slot_<B-1>``: the per-slot columns after :data:`COLUMNS`."""
     return [f"accept_slot_{k}" for k in range(1, max_block_size)]
 
+
+
+#: after the DDTree and slot columns: every table has them
+VARIANT_COLUMNS = ["variant", "ddtree_applicable"]
+#: then, in a table with a DFlash 2 row, :func:`selector_slot_columns` after these
+SELECTOR_COLUMNS = ["tau_oracle", "tau_unary", "sel_accepted", "sel_oracle_accepted", "sel_pick_rate",
+                    "sel_oracle_path_rate"]
+
+
+def selector_slot_columns(max_block_size: int) -> list[str]:
+    """``topk_recall_slot_1 .. _<B-1>`` then ``pick_rate_slot_1 .. _<B-1>`` (DFlash 2 selector diagnostics)."""
+    return [f"{kind}_slot_{k}" for kind in ("topk_recall", "pick_rate") for k in range(1, max_block_size)]
+
+
+def _nan(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _selector_columns(r: dict) -> dict:
+    """The DFlash 2 columns of one evaluate output (its per-sample oracle/unary chains, its ``selector`` aggregate)."""
+    B, sel = r["block_size"], r["selector"]
+    out = {"tau_oracle": aggregate([s["acceptance_lengths_oracle"] for s in r["samples"]], B).tau,
+           "tau_unary": aggregate([s["acceptance_lengths_unary"] for s in r["samples"]], B).tau,
+           "sel_accepted": _nan(sel["accepted"]), "sel_oracle_accepted": _nan(sel["oracle_accepted"]),
+           "sel_pick_rate": _nan(sel["pick_rate_all"]), "sel_oracle_path_rate": _nan(sel["oracle_path_rate"])}
+    for k, v in sel["topk_recall"].items():
+        out[f"topk_recall_slot_{k}"] = _nan(v)
+    for k, v in sel["pick_rate"].items():
+        out[f"pick_rate_slot_{k}"] = _nan(v)
+    return out
 
 
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
@@ -106,6 +160,7 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             are for the same (checkpoint, prompt set).
     """
     rows, budgets = [], set()
+    dflash2 = False
     seen: dict[tuple, str] = {}
     for path in evals:
         r = read_eval(path)
@@ -141,11 +196,19 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
             **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
             **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
         })
+        applicable = bool(r.get("ddtree_applicable", True))
+        rows[-1]["variant"] = r.get("variant", "dflash")
+        rows[-1]["ddtree_applicable"] = applicable
         for b in r.get("ddtree_budgets", []):
             budgets.add(int(b))
-            rows[-1][f"tau_ddtree_{b}"] = aggregate([s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]],
-                                                    r["block_size"]).tau
+            rows[-1][f"tau_ddtree_{b}"] = math.nan if not applicable else aggregate(
+                [s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]], r["block_size"]).tau
+        if "selector" in r:
+            dflash2 = True
+            rows[-1].update(_selector_columns(r))
     max_block = max((r["block_size"] for r in rows), default=1)
-    df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block))
+    extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
+    df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
+                      + extra)
     df["step"] = df["step"].astype("Int64")
     return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)

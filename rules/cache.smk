@@ -28,7 +28,7 @@ rule hidden_states:
         config["containers"]["cuda"]
     threads: TORCH_THREADS
     resources:
-        gpu=1,
+        gpu=PLAN.target_gpus,
     params:
         target=target_dir,
         layer_ids=LAYER_IDS_ARG,
@@ -38,3 +38,60 @@ rule hidden_states:
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
         " --out {output:q} > {log:q} 2>&1"
+
+
+# config cache.shards > 1: N jobs per prompt set, each on its own GPU (the GPU pool), each computing
+# every N-th batch of the one-job batch plan (states bit-identical to one job), then one merge that
+# links their samples into the prompt set's cache (dflash_eval/cache_shards.py); the merge, not
+# rule hidden_states, then makes the cache.
+if PLAN.cache_shards > 1:
+
+    ruleorder: merge_cache_shards > hidden_states
+
+    rule hidden_states_shard:
+        input:
+            unpack(target_model_files),
+            fingerprint=TARGET.fingerprint,
+            completions="results/{run}/completions/{prompt_set}.jsonl",
+        output:
+            "results/{run}/cache/{prompt_set}.shard{shard}.h5",
+        log:
+            "logs/hidden_states_shard/{run}/{prompt_set}.{shard}.log",
+        benchmark:
+            "benchmarks/hidden_states_shard/{run}/{prompt_set}.{shard}.tsv"
+        wildcard_constraints:
+            shard=r"\d+",
+        conda:
+            "../envs/gpu.yaml"
+        container:
+            config["containers"]["cuda"]
+        threads: TORCH_THREADS
+        resources:
+            gpu=PLAN.target_gpus,
+        params:
+            target=target_dir,
+            layer_ids=LAYER_IDS_ARG,
+            shards=PLAN.cache_shards,
+            options=PLAN.stage_flags("hidden_states"),
+        shell:
+            "python -m dflash_eval hidden-states-shard --target {params.target:q}"
+            " --completions {input.completions:q} --layer-ids {params.layer_ids}"
+            " --shard {wildcards.shard}/{params.shards}"
+            " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
+            " --out {output:q} > {log:q} 2>&1"
+
+    rule merge_cache_shards:
+        input:
+            shards=lambda wildcards: PLAN.shard_caches(wildcards.run, wildcards.prompt_set),
+            completions="results/{run}/completions/{prompt_set}.jsonl",
+        output:
+            "results/{run}/cache/{prompt_set}.h5",
+        log:
+            "logs/merge_cache_shards/{run}/{prompt_set}.log",
+        conda:
+            "../envs/cpu.yaml"
+        container:
+            config["containers"]["cuda"]
+        shell:
+            "python -m dflash_eval merge-cache-shards --shards {input.shards:q}"
+            " --completions {input.completions:q} --out {output:q} > {log:q} 2>&1"

@@ -19,6 +19,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
+from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.plan import build_plan
 
@@ -80,6 +81,8 @@ if config["generation"]["endpoint"].get("api_key"):
 # so editing it reruns the jobs that read it.
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
+    if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/gpu_pool.py)
+        parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
     methods = workflow.deployment_settings.deployment_method
     if not (DeploymentMethod.CONDA in methods or DeploymentMethod.APPTAINER in methods):
         parts.append(f"export PATH={shlex.quote(os.path.dirname(sys.executable))}:$PATH;")

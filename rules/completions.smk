@@ -24,11 +24,11 @@ rule completions:
         "../envs/gpu.yaml"
     container:
         config["containers"]["cuda"]
-    # torch intra-op threads; GPU jobs run one at a time (gpu=1). A remote server
+    # torch intra-op threads; GPU jobs take gpu=target.devices (at least 1). A remote server
     # needs neither: several prompt sets are then sent to it side by side.
     threads: 1 if PLAN.remote_server else TORCH_THREADS
     resources:
-        gpu=0 if PLAN.remote_server else 1,
+        gpu=0 if PLAN.remote_server else PLAN.target_gpus,
     params:
         target=target_dir,
         options=PLAN.stage_flags("completions"),

@@ -21,7 +21,7 @@ rule target_costs:
         config["containers"]["cuda"]
     threads: PLAN.target_costs_threads
     resources:
-        gpu=1,
+        gpu=PLAN.target_gpus,
     params:
         target=target_dir,
         options=PLAN.stage_flags("target_costs"),

@@ -28,7 +28,7 @@ rule kernel_parity:
         config["containers"]["cuda"]
     threads: TORCH_THREADS
     resources:
-        gpu=1,
+        gpu=PLAN.target_gpus,
     params:
         target=target_dir,
         layer_ids=LAYER_IDS_ARG,

@@ -479,12 +479,21 @@ def test_cli_strip_reports_bad_override(tmp_path, cfg, state, capsys):
     assert f"override mask_token_id={MASK_ID - 1} replaces the checkpoint's dflash_config.mask_token_id={MASK_ID}" in notes
 
 
-@pytest.mark.parametrize("key,value", [("conv_kernel_size", 4), ("use_swa", True), ("attention_sink_bias", True)])
+@pytest.mark.parametrize("key,value", [("use_swa", True), ("causal", True), ("attention_sink_bias", True)])
 def test_unimplemented_variant_refused(tmp_path, cfg, state, key, value):
     write_hf(tmp_path / "d", dict(cfg, dflash_config=dict(cfg["dflash_config"], **{key: value})), state)
     with pytest.raises(InputError) as exc:
         strip_checkpoint(tmp_path / "d", tmp_path / "out")
     assert_refused(exc, tmp_path / "d" / "config.json", f"dflash_config.{key}", tmp_path / "out")
+
+
+def test_partial_dflash2_config_names_the_missing_fields(tmp_path, cfg, state):
+    """One DFlash 2 field alone is neither DFlash 1 nor a buildable DFlash 2: refused, naming what is missing."""
+    write_hf(tmp_path / "d", dict(cfg, dflash_config=dict(cfg["dflash_config"], conv_kernel_size=4)), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", "dflash_config.conv_group_size", tmp_path / "out")
+    assert "['conv_group_size', 'selector_rank', 'selector_top_k'] missing" in str(exc.value)
 
 
 

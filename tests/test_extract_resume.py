@@ -322,3 +322,27 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod.shutil, "disk_usage", real)
     extract_hidden_states(**base)
     assert datasets(tmp_path / "c.h5") == datasets(work / "ref.h5")
+
+
+@pytest.mark.slow
+def test_a_sigkilled_shard_resumes_and_the_merge_equals_one_job(work):
+    """cache.shards: shard 1/2 SIGKILLed mid-run resumes from its committed samples; merged with shard 0/2 the
+    prompt set's cache holds every dataset byte for byte as the one-job cache (read through the links)."""
+    from dflash_eval.cache_shards import merge_shards
+
+    wd = work
+    fh = open(wd / "shard1.log", "w")
+    p = subprocess.Popen(cli(wd, "sh1.h5", "--shard", "1/2"), cwd=wd, env=_env(), stdout=fh, stderr=subprocess.STDOUT)
+    wait_for_commits(p, wd / "shard1.log", 2)
+    p.kill()
+    assert p.wait(timeout=60) == -signal.SIGKILL
+    c1 = committed(wd / "shard1.log")
+    assert c1 > 0 and not (wd / "sh1.h5").exists() and (wd / "sh1.h5.partial").exists()
+    for k in (1, 0):
+        proc = subprocess.run(cli(wd, f"sh{k}.h5", "--shard", f"{k}/2"), cwd=wd, env=_env(), capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        kept_n, todo = kept_text(proc.stderr)
+        assert (kept_n >= c1) if k == 1 else (kept_n == 0)
+    merged = merge_shards([wd / "sh0.h5", wd / "sh1.h5"], wd / "completions.jsonl", wd / "merged.h5")
+    assert datasets(merged) == datasets(wd / "ref.h5")

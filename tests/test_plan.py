@@ -271,7 +271,9 @@ def test_target_costs_and_report_args():
                                                               "results/r/drafters/ck 2/config.json"]}
     assert p.stage_flags("target_costs") == ("--budgets=4,16 --context-tokens=512 --repeats=3 --warmup=2 "
                                              "--device=auto --dtype=auto --linear-attn-backend=torch")
-    assert "target_costs" not in json.loads(p.runtime_env())  # no target_costs option is rerun-neutral
+    # the placement of the target over GPUs is its only rerun-neutral option (changes no output)
+    assert json.loads(p.runtime_env())["target_costs"] == {"devices": 0, "max_memory": {}}
+    assert p.target_gpus == 1 and plan.Plan({**cfg, "target": {"devices": 3}}, "r", [], p.target, {}, []).target_gpus == 3
     sha = p.config_sha256
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"

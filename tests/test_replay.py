@@ -259,7 +259,7 @@ def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
 def test_rotary_embedding_is_transformers_qwen3_bit_for_bit(rope):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash_eval.drafter import rotary_embedding
+    from dflash_eval.rope import rotary_embedding
     from dflash_eval.drafter_config import DrafterConfig
 
     raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,

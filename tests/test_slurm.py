@@ -33,7 +33,9 @@ PROFILES = {p.parent.name: yaml.safe_load(p.read_text()) for p in (REPO / "profi
 RULE_TEXT = "\n".join(p.read_text() for p in sorted((REPO / "rules").glob("*.smk")))
 RULE_BODIES = dict(re.findall(r"^\s*rule (\w+):(.*?)(?=^\s*rule |\Z)", RULE_TEXT, re.M | re.S))
 ALL_RULES = set(RULE_BODIES)
-GPU_RULES = {name for name, body in RULE_BODIES.items() if re.search(r"resources:\s*\n\s*gpu=(1|.* else 1),", body)}
+# gpu=1, or gpu=PLAN.target_gpus (max(target.devices, 1)) for the rules that load the target
+GPU_RULES = {name for name, body in RULE_BODIES.items()
+             if re.search(r"resources:\s*\n\s*gpu=((1|PLAN\.target_gpus)|.* else (1|PLAN\.target_gpus)),", body)}
 LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" in body} | {"all"}
 
 
@@ -42,7 +44,8 @@ LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" i
 
 def test_profiles_set():
     assert set(PROFILES) == {"local-gpu", "slurm-gpu", "slurm-cpu", "ci"}
-    assert GPU_RULES == {"completions", "hidden_states", "evaluate", "kernel_parity", "target_costs", "validate_online"}
+    assert GPU_RULES == {"completions", "hidden_states", "hidden_states_shard", "evaluate", "kernel_parity", "target_costs",
+                         "validate_online"}
     assert {"summary", "report"} <= LOCAL_RULES
     assert PROFILES["ci"]["cores"] == 2 and PROFILES["ci"]["resources"] == {"gpu": 1}
     for name, prof in PROFILES.items():

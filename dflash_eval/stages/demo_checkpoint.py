@@ -38,22 +38,25 @@ def add_arguments(p) -> None:
     p.add_argument("--step", type=schema_type("checkpoints.demo.step"), default=0,
                    help="training step recorded in the checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--variant", choices=("dflash", "dflash2"), default="dflash",
+                   help="variant of a random-init drafter (dflash2: DFlash 2, dflash_eval.demo.DFLASH2_DEMO_FIELDS)")
     p.add_argument("--out", required=True, help="the .pt checkpoint")
 
 
 def main(args, opts) -> None:
     write_demo_checkpoint(target_dir=args.target, out=args.out, drafter_dir=args.drafter, random_init=args.random_init,
                           layer_ids=args.layer_ids, block_size=args.block_size, num_layers=args.num_layers,
-                          step=args.step, seed=args.seed)
+                          step=args.step, seed=args.seed, variant=args.variant)
 
 
 def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, layer_ids=None, block_size=16,
-                          num_layers=1, step=0, seed=0) -> Path:
+                          num_layers=1, step=0, seed=0, variant="dflash") -> Path:
     """Write a training-style ``.pt`` demo checkpoint (layout: :mod:`dflash_eval.demo`).
 
     Either wraps a committed stripped drafter (``drafter_dir``: the trained demo drafters) or
     random-initialises one (``random_init``; labelled so in the checkpoint and every table; its
-    mask token follows :func:`pick_mask_token`, as the trainer's). The optimizer state is AdamW's
+    mask token follows :func:`pick_mask_token`, as the trainer's; ``variant`` ``'dflash2'``: a DFlash 2
+    drafter, :func:`~dflash_eval.demo.drafter_config_for_target`). The optimizer state is AdamW's
     layout with zero moments (a realistic file without a training step).
 
     Raises:
@@ -77,7 +80,7 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
             mask = spec.vocab_size - 1
             log.warning("%s: the tokenizer has no unused special token; the random-init demo drafter uses the last "
                         "embedding row %d as its mask token (an ordinary token of this vocabulary)", spec.path, mask)
-        cfg_dict = drafter_config_for_target(spec, layer_ids, block_size, num_layers, mask)
+        cfg_dict = drafter_config_for_target(spec, layer_ids, block_size, num_layers, mask, variant)
         torch.manual_seed(seed)
         model = random_init_(DFlashDrafter(DrafterConfig.from_dict(cfg_dict)))
     else:

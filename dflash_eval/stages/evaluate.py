@@ -21,16 +21,17 @@ from pathlib import Path
 import torch
 
 from .. import options as options_mod
-from ..anchors import context_bytes_per_token, length_groups
+from ..anchors import context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
 from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
 from ..ddtree import replay_with_trees
 from ..drafter import load_drafter
 from ..errors import InputError, atomic_path
-from ..metrics import aggregate
+from ..metrics import aggregate, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
 from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
+from ..selector_replay import walks
 from ..target_spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,13 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     (:func:`~dflash_eval.compat.check_agreement`) and ``target_check``
     (:func:`~dflash_eval.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
-    ``ddtree`` (``{"<B>": aggregate}``).
+    ``ddtree`` (``{"<B>": aggregate}``). Always ``variant`` (``'dflash'`` / ``'dflash2'``) and
+    ``ddtree_applicable`` (False for DFlash 2: no serving engine defines a tree over the selector's
+    path, so its ``ddtree`` entries are None and no per-sample tree lists are written). DFlash 2
+    also: ``selector`` (:class:`~dflash_eval.metrics.SelectorStats` of the selector's chain, from
+    one all-anchor pass in either replay mode), ``tau_oracle`` (a perfect selector over the same
+    top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
+    logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``.
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -110,8 +117,10 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
         B = int(block_size or inputs.drafter.cfg.block_size)
-        results, trees, elapsed, tree_s, n_comp = _replay_all(inputs, opts, B)
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
+        if walked:
+            _add_selector(result, walked, B, inputs.n)
     finally:
         inputs.reader.close()
     with atomic_path(out) as tmp:
@@ -193,8 +202,14 @@ def _replay_all(inputs: _Inputs, opts, B: int):
     # samples read from the cache at a time: what one batched group / sequential batch holds
     per_token = context_bytes_per_token(cfg, torch.finfo(inputs.embed.dtype).bits // 8)
     read_tokens = max(1, mem // 4 // per_token)
+    dflash2 = is_dflash2(drafter)
+    if dflash2 and budgets:
+        log.warning("DDTree budgets %s not applicable to the DFlash 2 drafter %s: its drafts are the selector's "
+                    "path, no serving engine builds a tree over it; chain only", budgets, inputs.drafter_dir)
+        budgets = []
     results: dict[int, SampleResult] = {}
     trees: dict[int, dict[int, list[int]]] = {}
+    walked: dict = {}  # DFlash 2: per sample index, selector_replay.Dflash2Walks
     tree_s = 0.0
     t0 = time.perf_counter()
     n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
@@ -207,8 +222,15 @@ def _replay_all(inputs: _Inputs, opts, B: int):
             tree_s += time.perf_counter() - t1
             for s, (_, tr) in zip(samples, both):
                 trees[s.index] = tr
+        if dflash2:  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
+            for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
+                                                        memory_bytes=mem, max_group_samples=opts.batch_size)):
+                walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
+                                        d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
         if budgets and opts.replay == "batched":
             recs = [chain for chain, _ in both]
+        elif dflash2 and opts.replay == "batched":
+            recs = [walked[s.index].chain for s in samples]
         else:
             recs = replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
         for s, rec in zip(samples, recs):
@@ -217,7 +239,7 @@ def _replay_all(inputs: _Inputs, opts, B: int):
         bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
         log.debug("replayed %d/%d samples", len(results), n)
     bar.close()
-    return results, trees, time.perf_counter() - t0, tree_s, n_comp
+    return results, trees, time.perf_counter() - t0, tree_s, n_comp, walked
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:
@@ -255,7 +277,12 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         ],
     }
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
-    if budgets:
+    result["variant"] = inputs.drafter.cfg.variant
+    result["ddtree_applicable"] = not is_dflash2(inputs.drafter)
+    if budgets and not result["ddtree_applicable"]:
+        result["ddtree_budgets"] = budgets
+        result["ddtree"] = {str(b): None for b in budgets}
+    elif budgets:
         result["ddtree_budgets"] = budgets
         # the shared all-anchor pass + the tree walks (batched: the chain's time too); included in elapsed_s
         result["ddtree_elapsed_s"] = round(tree_s, 3)
@@ -264,3 +291,14 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
             row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
         log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
     return result
+
+
+def _add_selector(result: dict, walked: dict, B: int, n: int) -> None:
+    """DFlash 2: the selector diagnostics, ``tau_oracle`` / ``tau_unary`` and their per-sample chains (see :func:`evaluate`)."""
+    per = [walked[i] for i in range(n)]
+    result["selector"] = selector_stats([st for w in per for st in w.steps], B).as_dict()
+    result["tau_oracle"] = aggregate([w.oracle for w in per], B).tau
+    result["tau_unary"] = aggregate([w.unary for w in per], B).tau
+    for row, w in zip(result["samples"], per):
+        row["acceptance_lengths_oracle"] = w.oracle
+        row["acceptance_lengths_unary"] = w.unary

@@ -21,6 +21,7 @@ import torch
 
 from .. import options as options_mod
 from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, is_no_space
+from ..cache_shards import parse_shard, shard_plan
 from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from ..completions_file import read_completions
 from ..errors import InputError
@@ -63,13 +64,18 @@ def add_arguments(p) -> None:
     p.add_argument("--keep-partial", action="store_true",
                    help="keep the finished sidecar <out>.partial as a hard link of the output, so that a rerun "
                         "that finds the output deleted (Snakemake after a lost run) verifies and reuses it")
+    p.add_argument("--shard", type=parse_shard, default=None, metavar="K/N",
+                   help="compute only shard K of N of the prompt set (its batches K, K+N, ... of the one-job batch "
+                        "plan, so each sample's states equal a one-job extraction's); merge the N shard caches "
+                        "with 'merge-cache-shards' (dflash_eval/cache_shards.py)")
     p.add_argument("--out", required=True, help="HDF5 cache path; built in the resumable sidecar <out>.partial, "
                                                 "renamed when complete")
 
 
 def main(args, opts) -> None:
     extract_hidden_states(args.target, args.completions, args.out, args.layer_ids, opts,
-                          target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial)
+                          target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
+                          shard=args.shard)
 
 
 def _storage_view(t: torch.Tensor) -> np.ndarray:
@@ -92,7 +98,7 @@ class _HostBuffers:
 
 
 def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int], opts=None, *,
-                          target_fingerprint=None, keep_partial: bool = False, **overrides) -> Path:
+                          target_fingerprint=None, keep_partial: bool = False, shard=None, **overrides) -> Path:
     """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache_format`).
 
     Args:
@@ -110,6 +116,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
             ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers).
         target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
         keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache_format`).
+        shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache_shards.shard_plan`); ``out`` then holds
+            those samples, in the completions file's order.
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -148,6 +156,10 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     meta = [SampleMeta(str(r["id"]), np.asarray(s, dtype=np.int32), len(r["prompt_ids"]),
                        str(r.get("stop_reason", "unknown")), int(r["max_new_tokens"])) for r, s in zip(rows, seqs)]
     batches = length_batches([len(s) for s in seqs], max_tokens=batch_tokens, packed=packed)
+    if shard is not None:  # the whole set's plan, cut by batches: each sample keeps its one-job batch
+        keep, batches = shard_plan(batches, *shard)
+        seqs, meta = [seqs[i] for i in keep], [meta[i] for i in keep]
+        log.info("shard %d/%d: %d of %d samples in %d batches", shard[0], shard[1], len(keep), len(rows), len(batches))
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
     identity = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "target_sha256": spec.weights_sha256(),
@@ -165,7 +177,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         log.info("%s: %d samples in %d batches; %d verified in the partial file and kept, %d to compute in %d batches",
                  out, len(seqs), len(batches), len(done), n_todo, len(todo))
         if todo:
-            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend)
+            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
+                                              devices=opts.devices, max_memory=opts.max_memory)
             pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
             info = target_info(model)
             _check_layers(layer_ids, info["num_hidden_layers"], target_dir)

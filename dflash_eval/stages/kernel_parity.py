@@ -182,8 +182,8 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
             t0 = time.perf_counter()
             caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids,
                                               batch_tokens=opts.batch_tokens, device=device, dtype=p[k]["dtype"],
-                                              linear_attn_backend=p[k]["backend"],
-                                              target_fingerprint=target_fingerprint)
+                                              linear_attn_backend=p[k]["backend"], devices=opts.devices,
+                                              max_memory=opts.max_memory, target_fingerprint=target_fingerprint)
             secs = time.perf_counter() - t0
             n_tok = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
             with CacheReader(caches[k]) as rd:

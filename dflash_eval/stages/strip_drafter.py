@@ -14,8 +14,11 @@ key or field and the fix; nothing is written):
   both values named, settled only by ``--override``; unknown ``--override`` keys refused;
   every required field present; ``partial_rotary_factor`` ignored with a note. The input
   config is never modified: the written ``config.json`` is the input with the overrides
-  applied, the three ``dflash_config`` fields written to both places and ``dtype`` /
-  ``torch_dtype`` set to ``bfloat16`` (the stored weights);
+  applied, the three ``dflash_config`` fields written to both places (DFlash 2: its four
+  fields and any embedding / logit transform also into ``dflash_config``, the only place vLLM's
+  ``qwen3_dflash2`` reads them; ``architectures: ["DFlash2DraftModel"]``), ``num_target_layers``
+  added from the target when absent (the reference's ``DFlashDraftModel`` needs it to load) and
+  ``dtype`` / ``torch_dtype`` set to ``bfloat16`` (the stored weights);
 * ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
   layer count (``num_target_layers`` of the config when no target is given);
   ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
@@ -30,8 +33,12 @@ key or field and the fix; nothing is written):
 Output of :func:`strip_checkpoint` (what the reference loads, z-lab/dflash ``dflash/model.py`` ``DFlashDraftModel.from_pretrained``)::
 
     <out_dir>/config.json          HF Qwen3-style config with dflash_config
-                                   {target_layer_ids, mask_token_id, block_size}
-    <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.*
+                                   {target_layer_ids, mask_token_id, block_size} (DFlash 2: also
+                                   conv_kernel_size, conv_group_size, selector_rank, selector_top_k;
+                                   architectures ["DFlash2DraftModel"])
+    <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.* (DFlash 2:
+                                   also layers.*.{attention,mlp}_conv.*, candidate_selector.* with
+                                   the codebooks under their saved names, without .weight)
     <out_dir>/strip_info.json      provenance: source path, format, step, dropped keys, notes
 
 No optimizer state and no shared target tensors are kept; the drafter always uses the
@@ -50,10 +57,11 @@ import torch
 from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
 from ..compat import check_compat
 from ..drafter import DFlashDrafter, check_state_dict
-from ..drafter_config import OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from ..drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
 from ..errors import InputError, atomic_dir
 from ..io import read_json_object
 from ..runtime import dtype_name
+from ..speculators_format import drop_extra_tensors, is_speculators_config, to_zlab_config
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,10 @@ def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[Dr
                              f"{[str(p) for p in ck.sidecars]}, no --drafter-config",
                              "give the checkpoint entry a drafter_config: path/to/config.json")
         cfg, src = read_json_object(side, "drafter config", RESAVE), str(side)
+    if is_speculators_config(cfg):  # the flat speculators config, read as the z-lab layout
+        cfg, more = to_zlab_config(cfg, src)
+        notes += more
+        notes += drop_extra_tensors(ck.state, ck.path)
     return DrafterConfig.from_dict(cfg, source=src, overrides=overrides), src, notes
 
 
@@ -201,11 +213,20 @@ def strip_checkpoint(
     fmt = ck.format + ("+shared" if shared else "")
     out_state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
     config_out = copy.deepcopy(cfg.raw)  # the parsed config with overrides applied; never the caller's dict
+    if "num_target_layers" not in config_out and target_dir is not None and spec.num_layers:
+        # the reference's DFlashDraftModel.__init__ reads it (eagerly, z-lab/dflash #157) even with target_layer_ids
+        config_out["num_target_layers"] = spec.num_layers
+        notes.append(f"num_target_layers {spec.num_layers} (the target's) written: the reference needs it to load")
     dcfg = config_out.get("dflash_config") or {}
     dcfg.update(target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
+    if cfg.variant == "dflash2":  # vLLM's qwen3_dflash2 reads these from dflash_config only
+        dcfg.update({k: getattr(cfg, k) for k in DFLASH2_FIELDS})
+        dcfg.update({k: config_out[k] for k in DFLASH_FIELDS if k in config_out and k not in dcfg})
     config_out["dflash_config"] = dcfg
     config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level (both copies agree: DrafterConfig)
-    config_out.setdefault("architectures", ["DFlashDraftModel"])
+    if cfg.variant == "dflash2":  # vLLM and SGLang pick the DFlash 2 model class by this name
+        config_out["architectures"] = [cfg.architecture]
+    config_out.setdefault("architectures", [cfg.architecture])
     config_out.setdefault("model_type", "qwen3")
     config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"  # what model.safetensors now holds
     info = {

@@ -138,7 +138,8 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
                                       "num_layers": cfg.num_hidden_layers}
 
     spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-    model, _tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend)
+    model, _tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
+                                      devices=opts.devices, max_memory=opts.max_memory)
     info = target_info(model)
     max_pos = spec.max_position_embeddings
     n_max = max([cfg.block_size for cfg in by_hash.values()] + [int(b) + 1 for b in budgets])

@@ -115,6 +115,9 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
         entry = {"checkpoint": ev.get("checkpoint", Path(drafter_dir).name), "prompt_set": ev.get("prompt_set"),
                  "modes": {}}
         for name, b in modes:
+            if b is not None and ev.get("ddtree_applicable") is False:  # DFlash 2: chain only (docs/design.md)
+                log.info("%s: DDTree not applicable (DFlash 2 drafter), chain validated only", entry["checkpoint"])
+                continue
             samples, t_mode = [], 0.0
             for r in rows:
                 o = spec_generate(target, drafter, embed, head, r["prompt_ids"], r["max_new_tokens"], stop_ids,
