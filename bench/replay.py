@@ -411,7 +411,9 @@ def case_real(args, dev, dt, rate):
     layer_ids = sorted({round(1 + i * (n_layers - 3) / 4) for i in range(5)})
     raw = drafter_config(tcfg, 5, 16, layer_ids)
     torch.manual_seed(4)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw)).to(device=dev, dtype=dt).eval()
+    with torch.device(dev):  # random init of ~1B parameters: on the device, not the host
+        drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter = drafter.to(device=dev, dtype=dt).eval()
     n_par = sum(p.numel() for p in drafter.parameters())
     V, H = tcfg["vocab_size"], tcfg["hidden_size"]
     gen = torch.Generator(device=dev).manual_seed(5)
