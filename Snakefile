@@ -49,3 +49,15 @@ rule all:
 # needs none of them.
 onsuccess:
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
+    forget_owner()
+
+
+# The running Snakemake is recorded, so that a lock it leaves when killed is recognised as stale
+# (dflash_eval/workflow_guard.py); the record goes when the run ends.
+onstart:
+    if MAIN_PROCESS:
+        record_owner(sys.argv)
+
+
+onerror:
+    forget_owner()

@@ -15,7 +15,7 @@ DDTree budget (:mod:`dflash_eval.ddtree`) and every sampling setting read the sa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -88,6 +88,9 @@ class AnchorDrafts:
         topk_logp: ``[n, B-1, K]`` float32 or None: the K largest full-vocabulary
             ``log_softmax`` values per slot (of the logits cast to float32), descending.
         topk_ids: ``[n, B-1, K]`` int64 or None: their token ids (``torch.topk`` order).
+        survival: ``{setting label: [n, B] float64}`` or None: ``P(a(t) >= k | x)``, ``k = 0..B-1``, of DFlash 1's
+            sampled drafts under each sampling setting given the cached trajectory
+            (:func:`dflash_eval.expected.chain_survival`; 0 beyond ``limit``).
         oracle: DFlash 2 only (else None), ``[n]`` int64: the longest prefix of slots ``1..limit``
             whose target token ``x[t + j]`` is among the slot's ``selector_top_k`` candidates (what a
             perfect selector could accept from the same candidates; ``accepted <= oracle``).
@@ -112,6 +115,7 @@ class AnchorDrafts:
     greedy: torch.Tensor
     topk_logp: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
+    survival: dict | None = None
     oracle: torch.Tensor | None = None
     unary_accepted: torch.Tensor | None = None
     in_candidates: torch.Tensor | None = None
@@ -139,7 +143,7 @@ class _Plan:
     """Sizes of one all-anchor pass (bytes per element ``elem``; see :func:`iter_anchor_drafts`)."""
 
     def __init__(self, cfg, B: int, elem: int, vocab: int, mem: int, device: torch.device, topk: int, full: bool,
-                 layout: str):
+                 layout: str, sampling: int = 0):
         self.B = B
         self.mem = mem
         self.layout = layout
@@ -158,10 +162,12 @@ class _Plan:
         self.max_tokens = MAX_CHUNK_TOKENS[layout, "cuda" if device.type == "cuda" else "cpu"]
         self.g = max(1, GROUP_QUERIES // B) if layout == "groups" else 1  # anchors per row
         slots = B - 1 if (full or topk) else 1
-        row = vocab * (elem + (4 * 3 if topk else 0)) * slots
+        # + top-K (float32 log-softmax, int64 ids); + one sampling setting at a time: the logits in float32,
+        # their softmax, and a top-p sort (float32 values, int64 order)
+        row = vocab * (elem + (4 * 3 if topk else 0) + (4 * 5 if sampling else 0)) * slots
         self.head_rows = max(1, mem // 2 // max(row, 1))  # rows per LM-head pass
         # context tokens per group: context states + K/V, and the per-anchor outputs kept for the group
-        out = (B - 1) * (8 + 12 * topk) + 32
+        out = (B - 1) * (8 + 12 * topk) + 32 + 8 * B * sampling
         self.ctx_tokens = max(1, mem // 4 // (context_bytes_per_token(cfg, elem) + out))
 
     def add_keys(self, keys: int, piece_keys: int) -> int:
@@ -232,6 +238,8 @@ def iter_anchor_drafts(
     max_group_samples: int = 0,
     layout: str | None = None,
     stats: dict | None = None,
+    sampling: Sequence = (),
+    p_tokens: Sequence[dict] | None = None,
 ) -> Iterator[AnchorDrafts]:
     """All-anchor drafts of several samples, yielded per sample in input order.
 
@@ -283,6 +291,10 @@ def iter_anchor_drafts(
             ``groups`` layout's padding queries, also computed), ``attn_pairs`` (query-key pairs
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
+        sampling: :class:`~dflash_eval.sampling.SamplingSetting` list with temperature > 0: every slot's
+            logits (``full``) also give each setting's :attr:`AnchorDrafts.survival`, from the same pass.
+        p_tokens: with ``sampling``, per sample ``{label: [T]}`` the target's probability of each cached
+            token under the setting (:func:`dflash_eval.expected.target_token_probs`).
 
     Yields:
         one :class:`AnchorDrafts` per sample.
@@ -297,18 +309,25 @@ def iter_anchor_drafts(
     layout = layout or DEFAULT_LAYOUT.get(dev.type, "rows")
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} not in {LAYOUTS}")
-    full = full or is_dflash2(drafter)  # the selector walks every slot
-    plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout)
+    sampling = list(sampling)
+    if sampling and (p_tokens is None or len(p_tokens) != len(samples)):
+        raise ValueError("sampling settings need the target's token probabilities of every sample (p_tokens)")
+    if sampling and is_dflash2(drafter):
+        raise ValueError("sampling settings of a DFlash 2 drafter are not wired into the all-anchor pass yet "
+                         "(dflash_eval.expected.selector_survival takes its candidates and selector scores)")
+    full = full or is_dflash2(drafter) or bool(sampling)  # the selector / every setting walks every slot
+    plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout, len(sampling))
     if stats is not None:
         for key in ("query_tokens", "pad_query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
             stats.setdefault(key, 0)
     lengths = [len(s.input_ids) for s in samples]
     for group in length_groups(lengths, plan.ctx_tokens, max_group_samples):
         yield from _group_drafts(drafter, embed_weight, head_weight, [samples[i] for i in group], B, K,
-                                 full or K > 0, plan, stats)
+                                 full or K > 0 or bool(sampling), plan, stats, sampling,
+                                 [p_tokens[i] for i in group] if sampling else None)
 
 
-def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
+def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampling=(), p_tokens=None):
     dev, dt = embed.device, embed.dtype
     T = [len(s.input_ids) for s in samples]
     P = [s.prompt_len for s in samples]
@@ -342,7 +361,9 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
             greedy=torch.full((n[i], B - 1), -1, dtype=torch.long, device=dev),
             topk_logp=torch.empty((n[i], B - 1, K), dtype=torch.float32, device=dev) if K else None,
             topk_ids=torch.empty((n[i], B - 1, K), dtype=torch.long, device=dev) if K else None,
+            survival={st.label: torch.zeros((n[i], B), dtype=torch.float64, device=dev) for st in sampling} or None,
         ))
+    p_flat = {st.label: torch.cat([p[st.label].to(dev) for p in p_tokens]) for st in sampling}
     spans = [(i, P[i], P[i] + n[i]) for i in range(len(samples)) if n[i] > 0]
     slot = torch.arange(B, device=dev)
     for pieces in _plan_chunks(plan, spans):
@@ -367,7 +388,10 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
         limit = torch.minimum(vs - 1, Tr - 1 - anchors)
         tgt = anchors[:, None] + slot[None]
         want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=off[-1] - 1)], -1)
+        flat = (base[:, None] + tgt[:, 1:]).clamp(max=off[-1] - 1)  # p of slot j's cached token (masked past limit)
+        p_rows = [(st, p_flat[st.label][flat]) for st in sampling]
         comparable = slot[None, 1:] <= limit[:, None]
+        surv = {}
         if sel2:
             greedy, logp, topi, unary, hit = _selector_head(drafter, head, h, ids[base + anchors], want, K, plan, stats)
             hit &= comparable
@@ -375,7 +399,7 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
                         "unary_accepted": ((unary == want[:, 1:]) & comparable).long().cumprod(-1).sum(-1),
                         "in_candidates": hit}
         else:
-            greedy, logp, topi = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats)
+            greedy, logp, topi, surv = _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows)
             per_slot = {}
         match = (greedy == want[:, 1:]) & comparable
         acc = match.long().cumprod(-1).sum(-1)
@@ -389,6 +413,8 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats):
             if K:
                 out[i]["topk_logp"][rows] = logp[r0 : r0 + a1 - a0]
                 out[i]["topk_ids"][rows] = topi[r0 : r0 + a1 - a0]
+            for label, S in surv.items():
+                out[i]["survival"][label][rows] = S[r0 : r0 + a1 - a0]
             r0 += a1 - a0
         if stats is not None:
             stats["query_tokens"] += len(anchors) * B
@@ -524,12 +550,17 @@ def _selector_head(drafter, head, h, anchor_ids, want, K, plan, stats):
     return path, logp, topi, unary, hit
 
 
-def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
-    """Greedy drafts ``[C, B-1]`` (-1 = not computed) and, with K, top-K log-probs/ids ``[C, B-1, K]``."""
+def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
+    """Greedy drafts ``[C, B-1]`` (-1 = not computed), with K top-K log-probs/ids ``[C, B-1, K]``, and per
+    sampling setting of ``p_rows`` (``(setting, [C, B-1] p of each slot's cached token)``) ``P(a >= k | x)``
+    ``[C, B]``."""
+    from .expected import chain_survival
+
     C = h.shape[0]
     dev = h.device
     greedy = torch.full((C, B - 1), -1, dtype=torch.long, device=dev)
     logp = topi = None
+    surv = {st.label: torch.empty((C, B), dtype=torch.float64, device=dev) for st, _ in p_rows}
     step = plan.head_rows
     if full:
         if K:
@@ -541,10 +572,13 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
             if K:
                 v, i = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
                 logp[r0 : r0 + step], topi[r0 : r0 + step] = v, i
+            for st, p in p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
+                surv[st.label][r0 : r0 + step] = chain_survival(lg, want[r0 : r0 + step, 1:].clamp_min(0),
+                                                                p[r0 : r0 + step], limit[r0 : r0 + step], st)
             del lg
         if stats is not None:
             stats["head_rows"] += C * (B - 1)
-        return greedy, logp, topi
+        return greedy, logp, topi, surv
     alive = limit >= 1
     for j in range(1, B):
         sel = torch.nonzero(alive & (limit >= j)).flatten()
@@ -557,7 +591,7 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats):
         alive[sel] = draft == want[sel, j]
         if stats is not None:
             stats["head_rows"] += len(sel)
-    return greedy, logp, topi
+    return greedy, logp, topi, surv
 
 
 def anchor_drafts(

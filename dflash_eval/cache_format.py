@@ -4,7 +4,7 @@ One file per (target, prompt set). The target runs once over each sample's
 prompt + completion token ids; the outputs of the requested decoder layers are
 stored so that any number of drafter checkpoints can be replayed offline.
 
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 3``)::
+File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 4``)::
 
     /                         file attributes (FILE_ATTRS, listed below)
     /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
@@ -35,14 +35,22 @@ datasets and one attribute (format 2 kept ``sample_id``, ``prompt_len``, ``compl
 File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
 strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 to 3 (2: per-sample values as
-  group attributes, see above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no
-  ``batching`` / ``extraction_runs``).
+- ``format``, ``format_version``: see above. Readers accept versions 1 to 4 (3: no
+  ``completion_sampling``, read as greedy completions; 2: per-sample values as group attributes, see
+  above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no ``batching`` /
+  ``extraction_runs``).
+- ``completion_sampling``: JSON ``{"temperature", "top_p", "top_k", "seed"}`` of how the completions were
+  drawn (the completions file's ``generation.sampling`` provenance; ``{"temperature": 0.0, "top_p": 1.0,
+  "top_k": 0, "seed": null}`` = greedy, the only kind before format 4). Evaluating a sampling setting at
+  another temperature is refused unless ``evaluate.cross_temperature`` (:func:`completion_sampling`).
 - ``target_name``, ``target_sha256``, ``target_model_type``, ``num_target_layers``, ``hidden_size``,
   ``vocab_size``: the target's folder name, weights fingerprint (:func:`dflash_eval.target_spec.weights_sha256`),
   model type, decoder layers, H, embedding rows.
 - ``target_layer_ids``, ``layer_convention``, ``last_layer_normed``: the K stored layers (int array), the
-  convention below as text, whether the last (final-normed) layer is among them.
+  convention below as text, whether the last (final-normed) layer is among them. That layer is the cache's
+  information on the target's distribution p at temperature > 0: its LM head gives the exact logits at
+  every position for any sampling setting (H values per token; ``cache.final_hidden`` adds it to the
+  stored layers). Without it a cache evaluates greedy settings only (:func:`final_hidden_index`).
 - ``dtype``, ``storage``: ``"bfloat16"`` | ``"float32"``, and how ``hidden`` holds it.
 - ``device``, ``device_name``: torch device, GPU name or CPU architecture.
 - ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
@@ -132,8 +140,8 @@ import numpy as np
 import torch
 
 FORMAT = "dflash-eval/hidden-state-cache"
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 LAYER_CONVENTION = "hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1] (output of 0-based decoder layer)"
 FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
@@ -141,8 +149,10 @@ FILE_ATTRS = (
     "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
     "causal_conv1d_version", "causal_conv1d_kernel", "dflash_eval_version", "linear_attn_kernel", "linear_attn_backend", "layer_types",
     "image", "env", "batching", "padding_side", "batch_tokens", "completions_sha256", "prompt_set", "created_at",
-    "extraction_runs", "n_samples",
+    "extraction_runs", "n_samples", "completion_sampling",
 )
+#: ``completion_sampling`` of greedy completions (and of caches before format 4)
+GREEDY_COMPLETIONS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
 #: file-level per-sample arrays ``[S]`` (format 3), besides ``sample_ids``
 FILE_DATASETS = ("prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
 SAMPLE_DATASETS = ("input_ids", "hidden", "target_argmax")
@@ -238,3 +248,22 @@ class CacheSample:
     stop_reason: str
     max_new_tokens: int
 
+
+
+def completion_sampling(attrs: dict) -> dict:
+    """How a cache's completions were drawn: its ``completion_sampling`` attribute (JSON) as a dict, or
+    :data:`GREEDY_COMPLETIONS` for a cache without it (before format 4 every completion was greedy)."""
+    raw = attrs.get("completion_sampling")
+    if not raw:
+        return dict(GREEDY_COMPLETIONS)
+    return {**GREEDY_COMPLETIONS, **(json.loads(raw) if isinstance(raw, str) else dict(raw))}
+
+
+def final_hidden_index(attrs: dict) -> int | None:
+    """Index k of the final normed hidden state in ``hidden[:, k]`` (the target's last layer, stored with
+    the final norm applied: ``last_layer_normed``), or None when the cache does not hold it."""
+    layers = [int(i) for i in attrs.get("target_layer_ids", [])]
+    n = attrs.get("num_target_layers")
+    if not attrs.get("last_layer_normed") or n is None or int(n) - 1 not in layers:
+        return None
+    return layers.index(int(n) - 1)

@@ -17,6 +17,7 @@ import torch
 
 from .cache_format import FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, py_value, sample_sha256
 from .errors import InputError
+from .sample_check import check_read_sample
 
 def open_h5_readonly(path: Path):
     """``h5py.File(path, "r", locking=False)`` with errors that say what is wrong.
@@ -50,6 +51,8 @@ def open_h5_readonly(path: Path):
 class CacheReader:
     """Read-only access to a cache file (open lazily in each process; h5py handles do not survive fork).
 
+    ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, finite states).
+
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
     Raises:
@@ -57,8 +60,9 @@ class CacheReader:
             or unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, verify: bool = True):
         self.path = Path(path)
+        self.verify_reads = verify  # False only for measurements (bench/verify_cost.py) and raw-bit tests
         if not self.path.exists():
             raise InputError(self.path, None, "cache file not found", "run the hidden_states rule first")
         self._f = open_h5_readonly(self.path)
@@ -131,24 +135,66 @@ class CacheReader:
         return None if v is None else float(v)
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
-        """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError)."""
+        """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError).
+
+        Verified while read (:func:`dflash_eval.sample_check.check_read_sample`, unless the reader was
+        opened with ``verify=False``): the stored ``sha256`` over the bytes just read, and finite
+        hidden states.
+
+        Raises:
+            InputError: a layer not stored; a checksum mismatch or non-finite hidden state (naming
+                the file, ``samples/<i>`` and the fix).
+        """
+        raw = self._read_raw(i, layer_ids)
+        if self.verify_reads:
+            self._check_raw(raw)
+        return self._build(raw)
+
+    def samples(self, indices: Sequence[int], layer_ids: list[int] | None = None, workers: int = 4) -> list[CacheSample]:
+        """:meth:`sample` of each index, the checks run in ``workers`` threads while the next sample is read.
+
+        hashlib and numpy release the GIL on large buffers, so verifying costs little wall time
+        beyond the HDF5 reads (``bench/verify_cost.py``). Raises the error of the first bad index.
+        """
+        raws = [self._read_raw(i, layer_ids) for i in indices] if not self.verify_reads or workers < 2 else None
+        if raws is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-verify") as pool:
+                raws, checks = [], []
+                for i in indices:
+                    raws.append(self._read_raw(i, layer_ids))
+                    checks.append(pool.submit(self._check_raw, raws[-1]))
+                for c in checks:
+                    c.result()
+        return [self._build(r) for r in raws]
+
+    def _read_raw(self, i: int, layer_ids: list[int] | None) -> tuple:
         g = self._f[f"samples/{i:06d}"]
+        idx = None if layer_ids is None else self.layer_index(layer_ids)
+        sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
+        return (i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+                py_value(g.attrs.get("sha256")))
+
+    def _check_raw(self, raw: tuple) -> None:
+        i, _, _, sample_id, arr, ids, argmax, stored = raw
+        check_read_sample(self.path, i, sample_id, stored, ids, argmax, arr, self.layer_ids, self.format_version)
+
+    def _build(self, raw: tuple) -> CacheSample:
+        i, g, idx, sample_id, arr, ids, argmax, _ = raw
         hidden_ds = g["hidden"]
         per = self._per_sample
         logical = (py_value(hidden_ds.attrs["logical_dtype"]) if per is None
                    else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
-        if layer_ids is None:
-            arr = hidden_ds[()]
-        else:
-            idx = self.layer_index(layer_ids)
-            arr = hidden_ds[()][:, idx] if idx != list(range(len(self.layer_ids))) else hidden_ds[()]
+        if idx is not None and idx != list(range(len(self.layer_ids))):
+            arr = arr[:, idx]
         return CacheSample(
             index=i,
-            sample_id=self.sample_ids[i] if per is not None else str(py_value(g.attrs["sample_id"])),
-            input_ids=torch.from_numpy(g["input_ids"][()].astype(np.int64)),
+            sample_id=sample_id,
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
             prompt_len=int(per["prompt_len"][i] if per is not None else g.attrs["prompt_len"]),
             hidden=from_storage(arr, logical),
-            target_argmax=torch.from_numpy(g["target_argmax"][()].astype(np.int64)),
+            target_argmax=torch.from_numpy(argmax.astype(np.int64)),
             stop_reason=str(py_value(per["stop_reason"][i] if per is not None else g.attrs["stop_reason"])),
             max_new_tokens=int(per["max_new_tokens"][i] if per is not None else g.attrs["max_new_tokens"]),
         )

@@ -261,7 +261,7 @@ class PartialCache:
         free = shutil.disk_usage(self.path.parent).free
         if free < nbytes + (64 << 20):
             raise OSError(errno.ENOSPC, f"No space left on device: {free / 1e6:.0f} MB free, the next batch needs "
-                          f"{nbytes / 1e6:.0f} MB + 64 MB of headroom", str(self.path.parent))
+                          f"{nbytes / 1e6:.0f} MB + {(64 << 20) / 1e6:.0f} MB of headroom", str(self.path.parent))
 
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
                      sha256: str | None, argmax_agreement: float | None) -> None:

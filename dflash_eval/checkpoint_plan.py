@@ -23,7 +23,9 @@ from .io import read_json_object
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
 #: the subset that holds weights: a checkpoint folder without any is refused at parse time
 CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
-NAME_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+#: names that become path components (run, target, checkpoint, prompt set): no separators, never ``.`` / ``..``
+#: or another name starting with a dot (a hidden folder, or one outside ``results/``)
+NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
 
 
 def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
@@ -43,7 +45,9 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     def add(name, row, where):
         if not NAME_RE.match(name):
             raise InputError("config", where, f"checkpoint name {name!r} may only contain letters, digits, '.', '_' "
-                             "and '-'", "rename the file/folder or list it under checkpoints.list with an explicit name")
+                             "and '-', and may not start with '.' (it names the folders results/<run>/drafters/<name> "
+                             "and eval/<name>)",
+                             "rename the file/folder or list it under checkpoints.list with an explicit name")
         if name in table:
             raise InputError("config", where, f"duplicate checkpoint name {name!r} (also from {origin[name]})",
                              "give each checkpoint a unique name (checkpoints.list entries take an explicit name)")

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 
-from . import gpu_pool, options
+from . import gpu_pool, options, threads, watchdog
 from .errors import InputError, Interrupted, install_signal_handlers
 from .serving import ServerError, ServerUnavailable
 
@@ -78,6 +78,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         mod = _module(name)
         mod.add_arguments(p)
+        p.add_argument("--threads", type=int, default=None, metavar="N",
+                       help="CPU threads for torch (default: $OMP_NUM_THREADS, else the config's torch_threads "
+                            "default capped by the cores this process may use; dflash_eval/threads.py)")
         if getattr(mod, "STAGE", None):
             options.add_flags(p, mod.STAGE)
     return ap
@@ -107,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
+    watchdog.start()  # a job whose Snakemake is gone stops (SIGTERM -> Interrupted), keeping what resumes
     try:
+        threads.apply(getattr(args, "threads", None))
         mod = _module(args.cmd)
         opts = options.from_args(mod.STAGE, args) if getattr(mod, "STAGE", None) else None
         if opts is not None:

@@ -12,15 +12,15 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 SCHEMA_PATH = Path(__file__).with_name("schemas") / "config.schema.yaml"
 
 
 @functools.lru_cache(maxsize=1)
 def load_schema() -> dict:
-    """The parsed JSON schema (dict)."""
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    """The parsed JSON schema (dict); a key written twice in it is an error (:mod:`dflash_eval.yaml_strict`)."""
+    from .yaml_strict import load_file
+
+    return load_file(SCHEMA_PATH)
 
 
 def schema_property(dotted: str) -> dict:

@@ -17,7 +17,9 @@ estimate used in the report (costs measured by the ``target_costs`` stage,
   positions, the block forward, the target LM head over the ``B - 1`` draft slots, argmax;
   for a tree also the full-vocabulary log-softmax + top-``budget`` per slot).
 
-All three are medians of ``repeats`` timed runs after ``warmup`` untimed ones, with the
+All three are the minimum of ``repeats`` timed runs after ``warmup`` untimed ones (interleaved
+across shapes; verify costs fitted non-decreasing in ``n``; the statistic, the spread and the
+``estimate_reliable`` flag: :mod:`dflash_eval.cost_stats`), with the
 target's KV cache prefilled to ``context_tokens`` random tokens (copied before every timed
 forward, outside the timed region), ``torch.cuda.synchronize()`` around each timed call on
 GPU. Random token ids and random drafter weights: the costs depend on shapes, not values.
@@ -45,11 +47,13 @@ Output JSON (``results/<run>/target_costs.json``, ``format = "dflash-eval/target
 
     device, device_name, dtype, threads, torch_version, transformers_version, dflash_eval_version,
     target {path, sha256, model_type, num_layers, hidden_size, params},
-    context_tokens, repeats, warmup, statistic = "median",
+    context_tokens, repeats, warmup, statistic = "min" (format 1: "median"),
     decode_s, decode_samples_s,
-    verify: [{n, mask: "causal" | "tree", median_s, samples_s}, ...],
+    verify: [{n, mask: "causal" | "tree", min_s, fit_s (non-decreasing in n: the one used), median_s,
+              spread, samples_s}, ...],
     drafters: {<checkpoint>: {config, config_sha256, block_size, num_layers, draft_s,
                               draft_tree_s {<budget>: s}}},
+    estimate_reliable, reliability {reliable, bound, worst_spread, worst, non_monotone, reasons},
     measured_at
 """
 
@@ -60,12 +64,15 @@ import logging
 import math
 from pathlib import Path
 
+from .cost_stats import assess
 from .errors import InputError
 
 log = logging.getLogger(__name__)
 
 FORMAT = "dflash-eval/target-costs"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: versions :func:`read_costs` reads (1: medians, no fit; assessed from its samples all the same)
+READABLE_VERSIONS = (1, 2)
 #: the formula as printed in the reports
 FORMULA = "tau * t_decode / (t_verify(n) + t_draft)"
 
@@ -83,7 +90,7 @@ def read_costs(path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise InputError(path, None, f"cannot read the target costs ({err})", "re-run the target_costs rule") from None
-    if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+    if data.get("format") != FORMAT or data.get("format_version") not in READABLE_VERSIONS:
         raise InputError(path, "format", f"expected {FORMAT} v{FORMAT_VERSION}, got {data.get('format')} "
                          f"v{data.get('format_version')}", "re-run the target_costs rule")
     return data
@@ -114,11 +121,13 @@ def speedup_frame(frame, costs: dict):
         DataFrame with ``checkpoint, step, prompt_set, method`` (``chain`` or ``ddtree_<budget>``),
         ``budget`` (nodes; NA for the chain), ``verify_tokens`` (n), ``tau``, ``t_verify_s``,
         ``t_draft_s``, ``t_decode_s``, ``speedup`` (NaN where a cost was not measured) and
-        ``best`` (True on the fastest method per checkpoint and prompt set).
+        ``estimate_reliable`` (:func:`dflash_eval.cost_stats.assess`: the same for every row) and ``best``
+        (True on the fastest method per checkpoint and prompt set).
     """
     import pandas as pd
 
-    verify = {(int(v["n"]), v["mask"]): float(v["median_s"]) for v in costs["verify"]}
+    verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
+    reliable = assess(costs)["reliable"]
     t_dec = float(costs["decode_s"])
     rows = []
     for r in frame.to_dict("records"):
@@ -132,7 +141,8 @@ def speedup_frame(frame, costs: dict):
             rows.append({"checkpoint": r["checkpoint"], "step": r["step"], "prompt_set": r["prompt_set"],
                          "method": method, "budget": b, "verify_tokens": n, "tau": tau, "t_verify_s": t_ver,
                          "t_draft_s": t_draft, "t_decode_s": t_dec,
-                         "speedup": speedup(float(tau) if pd.notna(tau) else math.nan, t_dec, t_ver, t_draft)})
+                         "speedup": speedup(float(tau) if pd.notna(tau) else math.nan, t_dec, t_ver, t_draft),
+                         "estimate_reliable": reliable})
     df = pd.DataFrame(rows)
     if df.empty:
         return df

@@ -516,12 +516,13 @@ def load_drafter(
     """Load a stripped drafter folder (``config.json`` + ``model.safetensors``) with an exact key check.
 
     Raises:
-        InputError: missing/unexpected keys or shape mismatches (all listed), or a bad config.
+        InputError: missing/unexpected keys or shape mismatches (all listed), a bad config, a file not
+            matching its sha256 in ``strip_info.json``, or a NaN/Inf tensor (named).
     """
     import json
     from pathlib import Path
 
-    from safetensors.torch import load_file
+    from .drafter_files import read_drafter_weights
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -532,7 +533,7 @@ def load_drafter(
     for note in cfg.notes:
         log.warning("%s: %s", cfg_path, note)
     weights = folder / "model.safetensors"
-    state = load_file(str(weights))
+    state = read_drafter_weights(folder)  # checksums (strip_info.json) and finite tensors verified
     model = DFlashDrafter(cfg)
     check_state_dict(state, model, str(weights))
     model.load_state_dict(state, strict=True)

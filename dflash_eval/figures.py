@@ -199,7 +199,7 @@ def verify_costs(costs: dict, label: str) -> Figure:
     ax = fig.subplots()
     t_dec = costs["decode_s"]
     for i, mask in enumerate(("causal", "tree")):
-        pts = sorted((v["n"], v["median_s"] / t_dec) for v in costs["verify"] if v["mask"] == mask)
+        pts = sorted((v["n"], v.get("fit_s", v["median_s"]) / t_dec) for v in costs["verify"] if v["mask"] == mask)
         if pts:
             ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"{mask} mask")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -24,6 +25,7 @@ import torch
 from .completions_file import STOP_EOS, STOP_LENGTH
 from .errors import InputError
 from .runtime import dtype_name, length_batches
+from .sampling import generation_sampling
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +220,7 @@ class DecodeSteps:
 
 
 class TransformersSource(CompletionSource):
-    """Greedy ``model.generate`` of a local HF target, batched with left padding.
+    """Greedy (or, with ``sampling``, seeded sampled) ``model.generate`` of a local HF target, left-padded batches.
 
     Pure argmax decoding: ``do_sample=False``, one beam, and a *fresh*
     :class:`~transformers.GenerationConfig` holding only bos/eos/pad, so that
@@ -243,10 +245,12 @@ class TransformersSource(CompletionSource):
         target_dir: the target folder (stop ids, error messages); default ``model.name_or_path``.
         stop_ids: stop ids; default :func:`stop_token_ids` of ``target_dir``.
         batch_size: prompts per ``generate`` call (:meth:`run`).
+        sampling: ``generation.sampling`` (:func:`dflash_eval.sampling.generation_sampling`); above temperature
+            0 ``do_sample`` with the reference's filter as the only warper, seeded per batch (:meth:`run`).
     """
 
     def __init__(self, model, tokenizer, max_new_tokens: int, target_dir: str | Path | None = None,
-                 stop_ids: Sequence[int] | None = None, batch_size: int = 16):
+                 stop_ids: Sequence[int] | None = None, batch_size: int = 16, sampling: dict | None = None):
         from transformers import GenerationConfig
 
         self.model = model
@@ -259,10 +263,13 @@ class TransformersSource(CompletionSource):
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self.device = next(model.parameters()).device
         old = model.generation_config
+        self.sampling, self.processors = generation_sampling(sampling)
+        sample = bool(self.processors)  # the reference's filter as the only warper (sampling.hf_logits_processor)
         self.gen_config = GenerationConfig(
-            do_sample=False, num_beams=1, max_new_tokens=self.max_new_tokens,
+            do_sample=sample, num_beams=1, max_new_tokens=self.max_new_tokens,
             eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
-            bos_token_id=getattr(old, "bos_token_id", None))
+            bos_token_id=getattr(old, "bos_token_id", None), **({"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+                                                                 if sample else {}))
         # generate() fills unset fields of the passed config from model.generation_config: make that one neutral too.
         model.generation_config = GenerationConfig(eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
                                                    bos_token_id=getattr(old, "bos_token_id", None))
@@ -270,8 +277,9 @@ class TransformersSource(CompletionSource):
         self.log_every = 60.0  # seconds between decode-step log lines of one batch (DecodeSteps)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids_batch: Sequence[Sequence[int]]) -> list[tuple[list[int], str]]:
-        """Complete a batch: B prompts (token-id lists, lengths may differ) -> B ``(completion_ids, stop_reason)``."""
+    def generate(self, prompt_ids_batch: Sequence[Sequence[int]], seed: int = 0) -> list[tuple[list[int], str]]:
+        """Complete a batch: B prompts (token-id lists, lengths may differ) -> B ``(completion_ids, stop_reason)``;
+        when sampling, ``torch.manual_seed(seed)`` first (the draws then depend on the batch's composition)."""
         B = len(prompt_ids_batch)
         if B == 0:
             return []
@@ -287,8 +295,11 @@ class TransformersSource(CompletionSource):
 
         with gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
             cache = prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
+            if self.processors:
+                torch.manual_seed(seed)
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
                                       past_key_values=cache, generation_config=self.gen_config,
+                                      logits_processor=self.processors or None,
                                       streamer=DecodeSteps(B, self.max_new_tokens, self.log_every))
         new = out[:, P:].cpu().tolist()
         return [cut_at_eos(row, self.stop_ids, self.max_new_tokens) for row in new]
@@ -299,7 +310,7 @@ class TransformersSource(CompletionSource):
         for batch in length_batches([len(p) for p in prompts], max_items=self.batch_size):
             if not any(i in todo for i in batch):
                 continue
-            outs = self.generate([prompts[i] for i in batch])
+            outs = self.generate([prompts[i] for i in batch], seed=int(self.sampling.get("seed") or 0) + batch[0])
             emit([(i, ids, stop, {}) for i, (ids, stop) in zip(batch, outs) if i in todo])
 
     def provenance(self) -> dict:
@@ -307,7 +318,8 @@ class TransformersSource(CompletionSource):
 
         p = next(self.model.parameters())
         return {"source": "transformers", "transformers": transformers.__version__, "torch": torch.__version__,
-                "device": str(p.device), "dtype": dtype_name(p.dtype), "stop_ids": self.stop_ids}
+                "device": str(p.device), "dtype": dtype_name(p.dtype), "stop_ids": self.stop_ids,
+                **({"sampling": self.sampling} if self.processors else {})}
 
     def resume_key(self) -> dict:
         return {"batch_size": self.batch_size, "pad_id": self.pad_id, **self._key}
@@ -338,8 +350,11 @@ class ServerSource(CompletionSource):
     """
 
     def __init__(self, client, info, tokenizer, max_new_tokens: int, stop_ids: Sequence[int], concurrency: int = 8,
-                 allow_retokenize: bool = False, launch: dict | None = None, protocol: str = "openai"):
+                 allow_retokenize: bool = False, launch: dict | None = None, protocol: str = "openai",
+                 sampling: dict | None = None):
         self.client, self.info, self.tokenizer = client, info, tokenizer
+        self.sampling, sampled = generation_sampling(sampling)
+        self.sampling = self.sampling if sampled else None
         self.max_new_tokens = int(max_new_tokens)
         self.stop_ids = [int(i) for i in stop_ids]
         self.concurrency = max(1, int(concurrency))
@@ -356,6 +371,8 @@ class ServerSource(CompletionSource):
                 "server_version": self.info.version, "stop_ids": self.stop_ids}
         if self.launch:
             prov["served_by"] = {"serve": "vllm", **self.launch}
+        if self.sampling:
+            prov["sampling"] = self.sampling
         return prov
 
     def resume_key(self) -> dict:
@@ -413,7 +430,8 @@ class ServerSource(CompletionSource):
         return cut, stop, extra
 
     def _one(self, i: int, prompt: Sequence[int]):
-        c = self.client.complete(prompt, self.max_new_tokens, self.stop_ids)
+        c = self.client.complete(prompt, self.max_new_tokens, self.stop_ids, sampling=self.sampling and {
+            **self.sampling, "seed": int(self.sampling["seed"]) + i})
         ids, stop, extra = self.to_completion(c)
         return i, ids, stop, extra
 
@@ -511,11 +529,9 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
         longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
-        batch = opts.batch_size or decode_batch_size(model, longest - max_new_tokens, max_new_tokens)
-        if not opts.batch_size:
-            log.info("batch size %d (memory-sized for %d + %d tokens per row on %s)", batch, longest - max_new_tokens,
-                     max_new_tokens, dev)
-        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch)
+        batch = opts.batch_size or decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
+        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch,
+                                 sampling=dataclasses.asdict(opts.sampling))
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if max_pos and longest > max_pos:
             log.warning("longest prompt + max_new_tokens = %d exceeds the target's max_position_embeddings %d",
@@ -576,7 +592,8 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
                         max_new_tokens)
         check_served_tokenizer(client, tok, target_dir, rows)
         src = ServerSource(client, info, tok, max_new_tokens, stop_ids, concurrency=opts.concurrency,
-                           allow_retokenize=opts.allow_retokenize, launch=launch, protocol=source)
+                           allow_retokenize=opts.allow_retokenize, launch=launch, protocol=source,
+                           sampling=dataclasses.asdict(opts.sampling))
         log.info("completions source: %s (concurrency %d, timeout %.0f s, %d retries)",
                  json.dumps(src.provenance()), opts.concurrency, opts.timeout_s, opts.retries)
         yield src, tok, vocab

@@ -214,6 +214,69 @@ def agreement(values: Sequence[float | None]) -> AgreementStats:
                           n_unknown=len(values) - len(known))
 
 
+def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequence[int] | None = None) -> AcceptanceStats:
+    """Aggregate expected acceptance at T > 0 (:func:`dflash_eval.expected.response_expectations`).
+
+    The same fields and pooling as :func:`aggregate`, every count an expected value (float):
+    ``tau`` is the mean over responses of ``E[tau_r]`` (exact: the expectation of the reference's
+    macro estimator on these trajectories); ``tau_sglang`` likewise; ``tau_tokens_per_step``,
+    ``slot_acceptance`` and ``position_tau`` are ratios of pooled expectations (``sum n_r / sum E[N_r]``
+    etc.), not expectations of the pooled ratios, which differ by a term of order ``1 / sum E[N_r]``.
+
+    Args:
+        responses: one :class:`~dflash_eval.expected.ResponseExpectation` per response, ``None`` for a
+            response without a verify step.
+        block_size: B.
+        prompt_lens: each response's prompt length in tokens (for ``prompt_tau``); None = unknown.
+    """
+    B = block_size
+    prompt_labels = position_bin_labels(PROMPT_BINS)
+    prompt_sums, prompt_counts = [0.0] * len(prompt_labels), [0] * len(prompt_labels)
+    if prompt_lens is not None:
+        if len(prompt_lens) != len(responses):
+            raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(responses)} responses")
+        for r, n in zip(responses, prompt_lens):
+            if r is not None:
+                b = _bin_index(int(n), PROMPT_BINS)
+                prompt_sums[b] += r.tau
+                prompt_counts[b] += 1
+    live = [r for r in responses if r is not None]
+    labels = position_bin_labels()
+    hist = {k: 0.0 for k in range(1, B + 1)}
+    acc, comp = [0.0] * B, [0.0] * B
+    bin_tokens, bin_steps = [0.0] * len(labels), [0.0] * len(labels)
+    steps = 0.0
+    tokens = 0
+    for r in live:
+        for k in range(1, B + 1):
+            hist[k] += float(r.histogram[k])
+        for k in range(1, B):
+            acc[k] += r.slot_accepted[k]
+            comp[k] += r.slot_compared[k]
+        for i in range(len(labels)):
+            bin_tokens[i] += r.bin_tokens[i]
+            bin_steps[i] += r.bin_steps[i]
+        steps += r.steps
+        tokens += r.committed
+    return AcceptanceStats(
+        tau=sum(r.tau for r in live) / len(live) if live else math.nan,
+        tau_tokens_per_step=tokens / steps if steps else math.nan,
+        tau_sglang=sum(r.tau_sglang for r in live) / len(live) if live else math.nan,
+        n_samples=len(live),
+        n_skipped=len(responses) - len(live),
+        verify_steps=steps,
+        committed_tokens=tokens,
+        histogram=hist,
+        slot_acceptance={k: acc[k] / comp[k] if comp[k] else math.nan for k in range(1, B)},
+        slot_compared={k: comp[k] for k in range(1, B)},
+        position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
+        position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
+        prompt_tau={lab: prompt_sums[i] / prompt_counts[i] if prompt_counts[i] else math.nan
+                    for i, lab in enumerate(prompt_labels)},
+        prompt_samples={lab: prompt_counts[i] for i, lab in enumerate(prompt_labels)},
+    )
+
+
 @dataclass(frozen=True)
 class SelectorStep:
     """One DFlash 2 verify step as the selector diagnostics need it (:func:`selector_stats`).

@@ -22,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from .checkpoint_plan import (
+    NAME_RE,
     cache_layer_ids,
     check_checkpoint_configs,
     checkpoint_table,
@@ -399,12 +400,26 @@ class Plan:
         return " ".join(shlex.quote(str(a)) for a in args)
 
 
+def check_names(config: dict) -> None:
+    """Refuse run, target and prompt-set names that are not :data:`NAME_RE` (``..`` would leave ``results/``).
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for where, name in [("run", config["run"]), ("target.name", config["target"]["name"])] + [
+            (f"prompt_sets.{n}", n) for n in config["prompt_sets"]]:
+        if not NAME_RE.match(str(name)):
+            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it may only hold "
+                             "letters, digits, '.', '_', '-' and may not start with '.'", "rename it (e.g. 'my-run')")
+
+
 def build_plan(config: dict) -> Plan:
     """The :class:`Plan` of a validated config (schema defaults filled).
 
     Raises:
         InputError: any check of this module (each names the config entry and the fix).
     """
+    check_names(config)
     for name, ps in config["prompt_sets"].items():
         if ps.get("path") and not os.path.isfile(ps["path"]):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
@@ -418,7 +433,30 @@ def build_plan(config: dict) -> Plan:
     check_checkpoint_configs(checkpoints, layers, spec)
     plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
     check_optional_rules(plan)
+    check_sampling_settings(config)
     return plan
+
+
+def check_sampling_settings(config: dict) -> None:
+    """``evaluate.sampling``: distinct settings, and the p information their temperatures need.
+
+    Raises:
+        InputError: two entries with the same setting (one tau.csv row each); a temperature > 0 while
+            ``cache.final_hidden`` is false (the cache would not hold the target's distribution).
+    """
+    seen = {}
+    for i, entry in enumerate(config.get("evaluate", {}).get("sampling") or [{"temperature": 0}]):
+        t = float(entry.get("temperature", 0))  # temperature 0 ignores the filters (one-hot argmax)
+        key = (t, float(entry.get("top_p", 1.0)), int(entry.get("top_k", 0))) if t > 0 else (0.0,)
+        if key in seen:
+            raise InputError("config", f"evaluate.sampling[{i}]", f"the same setting as entry {seen[key]}",
+                             "list each sampling setting once")
+        seen[key] = i
+        if entry.get("temperature", 0) > 0 and not config.get("cache", {}).get("final_hidden"):
+            raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {entry['temperature']} needs the "
+                             "target's probabilities, which the cache holds only with cache.final_hidden",
+                             "set cache.final_hidden: true (re-extracts the caches with the final normed hidden "
+                             "state), or evaluate temperature 0 only")
 
 
 def check_optional_rules(plan: Plan) -> None:

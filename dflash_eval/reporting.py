@@ -42,7 +42,7 @@ from pathlib import Path
 import pandas as pd
 
 from .metrics import aggregate
-from .tau_table import summary_frame
+from .tau_table import primary_rows, summary_frame
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
 
@@ -174,7 +174,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     Raises:
         InputError: unreadable inputs.
     """
-    frame = summary_frame(evals)
+    every = summary_frame(evals)
+    frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists = {}
     for p in evals:
         r = json.loads(Path(p).read_text())
@@ -196,6 +197,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
                            "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
                            + skip_table_markdown(metas)))
+    if every["sampling"].nunique() > 1:
+        data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
     for path in extra or []:
         d = json.loads(Path(path).read_text())
         data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
@@ -203,6 +206,20 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
 
 
 # --------------------------------------------------------------------------- tables
+
+def sampling_section(every: pd.DataFrame) -> str:
+    """Markdown: tau per checkpoint x (prompt set, sampling setting), every row of tau.csv (the report's
+    other tables show each pair's first configured setting)."""
+    f = every.copy()
+    f["column"] = [c if t == s else f"{c} on {t} completions" for c, t, s in
+                   zip(f["prompt_set"] + " " + f["sampling"] + f["expected"].map({True: " (expected)", False: ""}),
+                       f["trajectory"], f["sampling"])]
+    piv = f.pivot_table(index="checkpoint", columns="column", values="tau", sort=False).reset_index()
+    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting. "
+            "*(expected)*: the expectation of the reference's speculative sampler given the cached "
+            "completions (docs/design.md, Acceptance at temperature > 0); *on T0 completions*: evaluated "
+            "with evaluate.cross_temperature on completions drawn at another temperature.\n\n" + _md_table(piv))
+
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
     """Checkpoints (training order) x prompt sets of ``col``, with the change against the previous row.
@@ -281,8 +298,8 @@ def costs_table(costs: dict) -> pd.DataFrame:
     t_dec = costs["decode_s"]
     rows = [{"quantity": "t_decode: decode step (1 token)", "ms": 1e3 * t_dec, "× t_decode": 1.0}]
     for v in sorted(costs["verify"], key=lambda v: (v["n"], v["mask"])):
-        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v["median_s"],
-                     "× t_decode": v["median_s"] / t_dec})
+        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v.get("fit_s", v["median_s"]),
+                     "× t_decode": v.get("fit_s", v["median_s"]) / t_dec})
     seen = set()
     for name, d in costs["drafters"].items():
         if d["config_sha256"] in seen:
@@ -337,13 +354,22 @@ def provenance(data: ReportData) -> pd.DataFrame:
 
 
 def _costs_mismatch(data: ReportData) -> str | None:
+    """The warnings of the speedup section: costs of another target; a noisy estimate (:mod:`dflash_eval.cost_stats`)."""
     if not data.costs:
         return None
+    from .cost_stats import assess
+
+    warnings = []
     shas = {a.get("target_sha256") for a in data.caches.values()} - {None}
     if shas and data.costs["target"]["sha256"] not in shas:
-        return (f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the caches "
-                f"hold {sorted(s[:16] for s in shas)}: re-run target_costs")
-    return None
+        warnings.append(f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the "
+                        f"caches hold {sorted(s[:16] for s in shas)}: re-run target_costs")
+    verdict = assess(data.costs)
+    if not verdict["reliable"]:
+        warnings.append(f"unreliable estimate (estimate_reliable = False): the timings are too noisy for these "
+                        f"numbers to mean much ({'; '.join(verdict['reasons'])}; bound {verdict['bound']:.0%}). "
+                        "Re-run target_costs on a quiet machine, or with more target_costs.repeats")
+    return " — ".join(warnings) or None
 
 
 # --------------------------------------------------------------------------- markdown

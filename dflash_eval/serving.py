@@ -19,7 +19,9 @@ unless the user allows it):
   ``GET /get_model_info``, version and ``context_length`` from
   ``GET /get_server_info``, tokenizer probe ``POST /tokenize``.
 
-Requests are greedy with every sampling knob pinned to its neutral value
+Requests are greedy (with ``generation.sampling`` at temperature > 0: that temperature, top-p and
+top-k, and a per-request seed, vLLM ``seed``, SGLang ``sampling_seed``; the server's filter, not
+necessarily the reference's at ties) with every other sampling knob pinned to its neutral value
 (``temperature 0``, ``top_p 1``, ``top_k -1``, ``min_p 0``, no repetition /
 frequency / presence penalty, ``min_tokens 0``): vLLM fills unset fields from
 the model's ``generation_config.json`` (its ``--generation-config auto``
@@ -159,11 +161,14 @@ class ServerClient:
                                   limits=httpx.Limits(max_connections=concurrency + 2,
                                                       max_keepalive_connections=concurrency + 2))
         self._lock = threading.Lock()
+        self._closed = threading.Event()  # set by close(): requests in flight stop instead of retrying
         #: retried failures by kind ("HTTP 500", "ConnectError", ...), for the log and tests
         self.retry_counts: dict[str, int] = {}
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
     def close(self) -> None:
+        """Close the connections; a request in flight in another thread then fails at once (no retry)."""
+        self._closed.set()
         self._http.close()
 
     def __enter__(self):
@@ -198,7 +203,9 @@ class ServerClient:
             stop=tenacity.stop_after_attempt(self.retries + 1),
             wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
                                                   jitter=self.backoff_s),
-            retry=tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus)),
+            retry=(tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus))
+                   & tenacity.retry_if_exception(lambda _: not self._closed.is_set())),
+            sleep=self._closed.wait,  # a backoff ends early when the client is closed
             before_sleep=self._count_retry, reraise=True)
         try:
             for attempt in retrying:
@@ -207,6 +214,9 @@ class ServerClient:
                     if r.status_code in RETRY_STATUS:
                         raise _RetryableStatus(r.status_code, r.text)
         except (httpx.TransportError, _RetryableStatus) as err:
+            if self._closed.is_set():
+                raise ServerUnavailable(f"{method} {self.url}{path}: the client was closed while the request was in "
+                                        f"flight ({type(err).__name__}: {err})") from None
             raise ServerUnavailable(f"{method} {self.url}{path} failed after {self.retries + 1} attempts: "
                                     f"{type(err).__name__}: {err}") from None
         if missing_ok and r.status_code in (404, 405):
@@ -227,14 +237,22 @@ class ServerClient:
         """The server's token ids of ``text`` (no special tokens added), or ``None`` if it cannot say."""
         raise NotImplementedError
 
-    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> ServedCompletion:
-        """Greedy completion of one prompt given as token ids."""
+    def complete(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
+                 sampling: dict | None = None) -> ServedCompletion:
+        """Completion of one prompt given as token ids: greedy, or with ``sampling`` (``temperature``, ``top_p``,
+        ``top_k`` (0 = off), ``seed`` of this request) the server's own sampler at that setting."""
         raise NotImplementedError
 
 
-def _neutral_sampling() -> dict:
-    return {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-            "frequency_penalty": 0.0, "presence_penalty": 0.0}
+def _neutral_sampling(sampling: dict | None = None, seed_key: str = "seed") -> dict:
+    """The request's sampling fields: every knob neutral, or ``sampling``'s temperature / top-p / top-k (-1 = off
+    for both engines) and its seed under ``seed_key``."""
+    out = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+           "frequency_penalty": 0.0, "presence_penalty": 0.0}
+    if sampling and float(sampling["temperature"]) > 0:
+        out.update(temperature=float(sampling["temperature"]), top_p=float(sampling["top_p"]),
+                   top_k=int(sampling["top_k"]) or -1, **{seed_key: int(sampling["seed"])})
+    return out
 
 
 class OpenAIClient(ServerClient):
@@ -279,10 +297,10 @@ class OpenAIClient(ServerClient):
         ids = choice.get("prompt_token_ids") or out.get("prompt_token_ids")
         return [int(t) for t in ids] if isinstance(ids, list) else None
 
-    def complete(self, prompt_ids, max_new_tokens, stop_ids) -> ServedCompletion:
+    def complete(self, prompt_ids, max_new_tokens, stop_ids, sampling=None) -> ServedCompletion:
         body = {"model": self.model or None, "prompt": [int(t) for t in prompt_ids], "max_tokens": int(max_new_tokens),
                 "n": 1, "stream": False, "return_token_ids": True, "stop_token_ids": [int(t) for t in stop_ids],
-                "skip_special_tokens": False, "ignore_eos": False, "min_tokens": 0, **_neutral_sampling()}
+                "skip_special_tokens": False, "ignore_eos": False, "min_tokens": 0, **_neutral_sampling(sampling)}
         out = self.request("POST", "/v1/completions", body)
         try:
             choice = out["choices"][0]
@@ -326,9 +344,10 @@ class SGLangClient(ServerClient):
             return [int(t) for t in out["tokens"]]
         return None
 
-    def complete(self, prompt_ids, max_new_tokens, stop_ids) -> ServedCompletion:
+    def complete(self, prompt_ids, max_new_tokens, stop_ids, sampling=None) -> ServedCompletion:
         params = {"max_new_tokens": int(max_new_tokens), "stop_token_ids": [int(t) for t in stop_ids],
-                  "skip_special_tokens": False, "ignore_eos": False, "min_new_tokens": 0, **_neutral_sampling()}
+                  "skip_special_tokens": False, "ignore_eos": False, "min_new_tokens": 0,
+                  **_neutral_sampling(sampling, "sampling_seed")}
         out = self.request("POST", "/generate", {"input_ids": [int(t) for t in prompt_ids], "sampling_params": params})
         if isinstance(out, list):
             out = out[0] if out else {}

@@ -309,4 +309,8 @@ def decode_batch_size(model, prompt_len: int, max_new_tokens: int, total_memory:
     per_row = (prompt_len + max_new_tokens) * kv + prompt_len * act + prompt_len * prompt_len * elem + 16 * cfg.vocab_size
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     rows = max(1, (int(MEMORY_FRACTION["cuda"] * total_memory) - weights) // per_row)
-    return min(MAX_DECODE_BATCH, 1 << (int(rows).bit_length() - 1))
+    batch = min(MAX_DECODE_BATCH, 1 << (int(rows).bit_length() - 1))
+    log.info("batch size %d: memory-sized for %d + %d tokens per row (%.1f MB each) in %.1f GiB beside %.2f GiB of "
+             "weights", batch, prompt_len, max_new_tokens, per_row / 1e6, MEMORY_FRACTION["cuda"] * total_memory / 2**30,
+             weights / 2**30)
+    return batch

@@ -3,12 +3,21 @@
 Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
-(checkpoint, prompt set) with columns
+(checkpoint, prompt set, sampling setting of ``evaluate.sampling``), in the configured order of the
+settings, with columns
 
 ======================  =====================================================================
 checkpoint              drafter name (the ``{ckpt}`` wildcard)
 step                    training step (checkpoint metadata or name), empty when unknown
 prompt_set              prompt set name
+sampling                the setting's label: ``T0`` (greedy) or e.g. ``T1_p0.95_k20``
+temperature, top_p,     the setting (dflash==0.1.0 ``_sampling_probs``: temperature, then top-k,
+top_k                   then top-p; top_p 1 and top_k 0 = off)
+expected                False: tau of the greedy replay (exact counts); True: the expectation of
+                        dflash==0.1.0's speculative sampler given the cached trajectories
+                        (``dflash_eval.expected``): every count below is then an expected value
+trajectory              the label of the setting the cache's completions were drawn at; differs
+                        from ``sampling`` only with ``evaluate.cross_temperature``
 n_samples               responses with at least one verify step
 tau                     mean over responses of (mean over verify steps of a+1), bonus included,
                         prefill token excluded (z-lab ``dflash/benchmark.py``)
@@ -40,7 +49,9 @@ tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a n
                         drafted nodes per verify step, one column per configured budget
                         (``evaluate.ddtree_budgets``; :mod:`dflash_eval.ddtree`); empty for
                         rows evaluated without that budget; NaN where ``ddtree_applicable`` is
-                        False
+                        False. At temperature > 0 the tree is verified against the sampled target
+                        as liranringel/ddtree does, which commits the cache's tokens: the greedy
+                        tree walk on the cache, the same value on every row of one cache
 variant                 the drafter's variant: ``dflash`` (DFlash 1) or ``dflash2`` (DFlash 2:
                         grouped dynamic causal conv + candidate selector)
 ddtree_applicable       False for DFlash 2 rows: no serving engine builds a tree over the
@@ -74,16 +85,21 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 
 from .errors import InputError
 from .io import read_json_object
-from .metrics import PROMPT_BINS, aggregate, agreement, position_bin_labels
+from .metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
+
+#: the settings of an evaluate output written before sampling settings existed: greedy only
+GREEDY_SETTING = {"label": "T0", "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
+COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "temperature", "top_p", "top_k", "expected", "trajectory",
+           "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
            "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
     + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n") for label in position_bin_labels(PROMPT_BINS)]
@@ -170,45 +186,85 @@ def summary_frame(evals: list[str]) -> pd.DataFrame:
                              "pass each evaluate output once")
         seen[key] = str(path)
         lens = [s.get("prompt_len") for s in r["samples"]]
-        stats = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"],
-                          lens if all(isinstance(x, int) for x in lens) else None)
+        lens = lens if all(isinstance(x, int) for x in lens) else None
+        greedy = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"], lens)
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
-        rows.append({
-            "checkpoint": r["checkpoint"],
-            "step": r.get("step"),
-            "prompt_set": r["prompt_set"],
-            "n_samples": stats.n_samples,
-            "tau": stats.tau,
-            "tau_tokens_per_step": stats.tau_tokens_per_step,
-            "mean_accepted": stats.tau - 1.0,
-            "block_size": r["block_size"],
-            "n_skipped": stats.n_skipped,
-            "verify_steps": stats.verify_steps,
-            "committed_tokens": stats.committed_tokens,
-            "random_init": r.get("random_init", False),
-            "device": r.get("device"),
-            "dtype": r.get("dtype"),
-            "agreement_min": agree.min,
-            "agreement_mean": agree.mean,
-            "tau_sglang": stats.tau_sglang,
-            **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
-            **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
-            **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
-            **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
-        })
+        drawn = r.get("completion_sampling") or {"temperature": 0.0}
+        trajectory = _label(drawn)
         applicable = bool(r.get("ddtree_applicable", True))
-        rows[-1]["variant"] = r.get("variant", "dflash")
-        rows[-1]["ddtree_applicable"] = applicable
+        ddtree = {"variant": r.get("variant", "dflash"), "ddtree_applicable": applicable}
         for b in r.get("ddtree_budgets", []):
             budgets.add(int(b))
-            rows[-1][f"tau_ddtree_{b}"] = math.nan if not applicable else aggregate(
+            ddtree[f"tau_ddtree_{b}"] = math.nan if not applicable else aggregate(
                 [s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]], r["block_size"]).tau
         if "selector" in r:
             dflash2 = True
-            rows[-1].update(_selector_columns(r))
+            ddtree.update(_selector_columns(r))
+        for st in r.get("sampling_settings") or [GREEDY_SETTING]:
+            if float(st["temperature"]) == 0:
+                stats = greedy
+            else:
+                exp = (r.get("expected") or {}).get(st["label"])
+                if exp is None or len(exp.get("samples", [])) != len(r["samples"]):
+                    raise InputError(path, f"expected.{st['label']}", "missing or not one entry per sample",
+                                     "re-run its evaluate job (snakemake -R evaluate)")
+                # the fields of dflash_eval.expected.ResponseExpectation.as_dict (read without torch)
+                resp = [SimpleNamespace(**x) if x is not None else None for x in exp["samples"]]
+                stats = aggregate_expected(resp, r["block_size"], lens)
+            rows.append({
+                "checkpoint": r["checkpoint"],
+                "step": r.get("step"),
+                "prompt_set": r["prompt_set"],
+                "sampling": st["label"],
+                "temperature": float(st["temperature"]),
+                "top_p": float(st.get("top_p", 1.0)),
+                "top_k": int(st.get("top_k", 0)),
+                "expected": float(st["temperature"]) > 0,
+                "trajectory": trajectory,
+                "n_samples": stats.n_samples,
+                "tau": stats.tau,
+                "tau_tokens_per_step": stats.tau_tokens_per_step,
+                "mean_accepted": stats.tau - 1.0,
+                "block_size": r["block_size"],
+                "n_skipped": stats.n_skipped,
+                "verify_steps": stats.verify_steps,
+                "committed_tokens": stats.committed_tokens,
+                "random_init": r.get("random_init", False),
+                "device": r.get("device"),
+                "dtype": r.get("dtype"),
+                "agreement_min": agree.min,
+                "agreement_mean": agree.mean,
+                "tau_sglang": stats.tau_sglang,
+                **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
+                **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
+                **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
+                **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
+                **ddtree,
+            })
     max_block = max((r["block_size"] for r in rows), default=1)
     extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
                       + extra)
     df["step"] = df["step"].astype("Int64")
-    return df.sort_values(["prompt_set", "step", "checkpoint"], na_position="last").reset_index(drop=True)
+    df["setting_order"] = df.groupby(["checkpoint", "prompt_set"]).cumcount()
+    df = df.sort_values(["prompt_set", "step", "checkpoint", "setting_order"], na_position="last", kind="stable")
+    return df.drop(columns="setting_order").reset_index(drop=True)
+
+
+def primary_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (checkpoint, prompt set): each pair's first configured sampling setting (the report's
+    per-pair tables; every setting is in the full table)."""
+    return frame.drop_duplicates(["checkpoint", "prompt_set"]).reset_index(drop=True)
+
+
+def _label(setting: dict) -> str:
+    """:attr:`dflash_eval.sampling.SamplingSetting.label` of a setting dict (no torch import here)."""
+    t = float(setting.get("temperature", 0))
+    if t == 0:
+        return "T0"
+    parts = [f"T{t:g}"]
+    if float(setting.get("top_p", 1.0)) < 1:
+        parts.append(f"p{float(setting['top_p']):g}")
+    if int(setting.get("top_k", 0) or 0):
+        parts.append(f"k{int(setting['top_k'])}")
+    return "_".join(parts)

@@ -48,6 +48,7 @@ import yaml
 
 from .errors import InputError, atomic_path
 from .trainer_output import Candidate, candidates, identify, inspect, matches, same_files
+from .yaml_strict import load_file as load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,7 @@ def load_config(configfiles: list[str | Path], workdir: str | Path = ".") -> dic
     for f in files + [Path(f) for f in configfiles]:
         if not f.is_file():
             raise InputError(f, "--configfile", "config file not found", "pass the config file you give Snakemake")
-        try:
-            data = yaml.safe_load(f.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise InputError(f, None, f"not YAML: {err}", "fix the file") from None
+        data = load_yaml(f) or {}  # InputError: not YAML, or a key written twice
         if not isinstance(data, dict):
             raise InputError(f, "(top level)", "not a mapping", "write the config as key: value pairs")
         cfg = _merge(cfg, data)

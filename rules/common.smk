@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
+from snakemake_interface_executor_plugins.settings import ExecMode
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
@@ -22,6 +24,13 @@ from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.plan import build_plan
+from dflash_eval.workflow_guard import (
+    check_config_files,
+    forget_owner,
+    owner_export,
+    record_owner,
+    release_stale_lock,
+)
 
 def _shown(path):
     """A config file as the user would type it: relative to the working directory when inside it."""
@@ -42,6 +51,19 @@ CONFIG_FILES = (
     )
     or "the config"
 )
+
+# The main Snakemake process (not a cluster job's): a lock left by a killed run is released when its
+# owner is provably gone, else explained (dflash_eval/workflow_guard.py).
+MAIN_PROCESS = workflow.exec_mode == ExecMode.DEFAULT
+if MAIN_PROCESS:
+    _lock_note = release_stale_lock(sys.argv)
+    if _lock_note:
+        logger.warning(f"dflash-eval: {_lock_note}")
+
+try:  # Snakemake's YAML loader keeps the last of two equal keys: refuse them, naming both lines
+    check_config_files(map(str, workflow.configfiles), sys.argv, workflow.basedir)
+except InputError as err:
+    raise WorkflowError(f"config ({err.file}): {err.field}: {err.problem}. Fix: {err.fix}") from None
 
 try:
     validate(config, "../config/schemas/config.schema.yaml")
@@ -78,9 +100,11 @@ if config["generation"]["endpoint"].get("api_key"):
 # commit. The prefix is not part of a rule's code hash: it never triggers reruns. That is
 # why it carries the stage options that cannot change outputs (schema `x-rerun: false`:
 # timeouts, retries); every other option is a rule's params (PLAN.stage_flags(stage)),
-# so editing it reruns the jobs that read it.
+# so editing it reruns the jobs that read it. It also names this Snakemake process (pid and
+# start time) for the jobs' watchdog (dflash_eval/watchdog.py), in the main process only.
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
+    parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
     if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/gpu_pool.py)
         parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
     methods = workflow.deployment_settings.deployment_method

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,3 +21,66 @@ def tiny_run(tmp_path_factory):
     from test_workflow import run_tiny_locally
 
     return run_tiny_locally(tmp_path_factory.mktemp("tiny") / "wf")
+
+
+# --------------------------------------------------------------------------- nothing outlives the session
+#: seconds the session end waits for threads and child processes started by tests to end by themselves
+LEFTOVER_GRACE_S = 10.0
+_BASELINE: dict = {}
+#: thread classes a library starts once per process and keeps (not a test's): tqdm's bar monitor
+PROCESS_THREADS = ("TMonitor",)
+
+
+def _children() -> list[tuple[int, str]]:
+    """``(pid, command line)`` of this process's live child processes (Linux ``/proc``; elsewhere ``[]``)."""
+    me, out = os.getpid(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[1]) == me and fields[0] != "Z":
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                out.append((int(entry.name), cmd[:200]))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def leftovers(baseline_threads: set[int], grace_s: float) -> tuple[list[str], list[tuple[int, str]]]:
+    """Threads (beyond ``baseline_threads`` idents) and child processes still alive after ``grace_s`` seconds."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        threads = [t for t in threading.enumerate() if t.ident not in baseline_threads and t.is_alive()
+                   and t is not threading.current_thread() and type(t).__name__ not in PROCESS_THREADS]
+        kids = _children()
+        if (not threads and not kids) or time.monotonic() >= deadline:
+            return [f"{t.name} (target {getattr(getattr(t, '_target', None), '__qualname__', '?')}, "
+                    f"daemon={t.daemon})" for t in threads], kids
+        time.sleep(0.2)
+
+
+def pytest_sessionstart(session):
+    _BASELINE["threads"] = {t.ident for t in threading.enumerate()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when a thread or child process started by a test is still alive at its end.
+
+    Every server, client loop and subprocess a test starts must end with it (a leaked client retry
+    loop once printed ``[Errno 9] Bad file descriptor; retry 1/8`` after the summary line). The
+    children found are killed (SIGKILL) so that nothing outlives the run.
+    """
+    if "threads" not in _BASELINE or hasattr(session.config, "workerinput"):
+        return
+    threads, kids = leftovers(_BASELINE["threads"], LEFTOVER_GRACE_S)
+    if not threads and not kids:
+        return
+    for pid, _ in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    lines = ([f"thread still running: {t}" for t in threads]
+             + [f"child process still running (killed now): pid {pid}: {cmd}" for pid, cmd in kids])
+    sys.stderr.write("\nERROR: the tests left work running after the session:\n  " + "\n  ".join(lines) + "\n")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

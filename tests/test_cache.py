@@ -26,7 +26,9 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     sample = {"sample_id": "HumanEval/0", "input_ids": list(range(37)), "prompt_len": 10, "hidden": x,
               "target_argmax": np.arange(37), "stop_reason": "eos", "max_new_tokens": 64, "argmax_agreement": 1.0}
     write_cache(tmp_path / "c.h5", attrs, [sample])
-    with CacheReader(tmp_path / "c.h5") as rd:
+    with CacheReader(tmp_path / "c.h5") as rd, pytest.raises(InputError, match="non-finite hidden state"):
+        rd.sample(0)  # a verified read refuses the inf/NaN (tests/test_reliability.py); the storage keeps them:
+    with CacheReader(tmp_path / "c.h5", verify=False) as rd:
         s = rd.sample(0)
         assert s.hidden.dtype == torch.bfloat16
         assert torch.equal(s.hidden.view(torch.int16), x.view(torch.int16))  # bit-exact, NaN payload included

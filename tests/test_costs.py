@@ -89,6 +89,56 @@ def test_tree_mask():
 
 def test_cli_defaults_from_schema():
     a = build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "a/config.json", "--out", "o"])
-    assert a.budgets == [8, 16, 32, 64, 128, 256] and a.context_tokens == 512 and a.repeats == 7 and a.device == "auto"
+    assert a.budgets == [8, 16, 32, 64, 128, 256] and a.context_tokens == 512 and a.repeats == 9 and a.device == "auto"
     assert build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "x", "--budgets", "",
                                       "--out", "o"]).budgets == []
+
+
+# --------------------------------------------------------------------------- noise: min, interleaving, monotone fit
+def test_cost_statistics_by_hand():
+    from dflash_eval.cost_stats import assess, isotonic, robust_s, spread
+
+    assert robust_s([0.79, 0.16, 0.2]) == 0.16
+    assert spread([1.0, 1.0, 1.0]) == 0.0 and spread([0.16, 0.2, 0.79]) == pytest.approx(0.25)
+    # the trial's verify costs: 33 tokens 3.46 s, 257 tokens 1.07 s -> pooled to their mean
+    assert isotonic([1.0, 3.46, 1.07]) == [1.0, pytest.approx(2.265), pytest.approx(2.265)]
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and isotonic([3.0, 2.0, 1.0]) == [2.0, 2.0, 2.0]
+    quiet = {"decode_samples_s": [0.010, 0.0101, 0.0102],
+             "verify": [{"n": 4, "mask": "causal", "samples_s": [0.014, 0.0141, 0.0142]},
+                        {"n": 9, "mask": "tree", "samples_s": [0.019, 0.0195, 0.02]}],
+             "drafters": {"ck": {"draft_samples_s": [0.002, 0.002, 0.0021]}}}
+    assert assess(quiet)["reliable"] and assess(quiet)["reasons"] == []
+    noisy = json.loads(json.dumps(quiet))
+    noisy["decode_samples_s"] = [0.16, 0.5, 0.79]  # the demo's 5x spread
+    v = assess(noisy)
+    assert not v["reliable"] and v["worst"] == "decode step" and v["worst_spread"] == pytest.approx(0.5 / 0.16 - 1)
+    falling = json.loads(json.dumps(quiet))
+    falling["verify"][1]["samples_s"] = [0.007, 0.007, 0.007]  # 9 tokens cheaper than 4
+    v = assess(falling)
+    assert not v["reliable"] and v["non_monotone"] == [4, 9] and "falls as n grows" in v["reasons"][0]
+
+
+def test_costs_are_minima_interleaved_and_monotone(llama, tmp_path, monkeypatch):
+    import dflash_eval.stages.target_costs as tc
+
+    order = []
+    real = tc._timed_interleaved
+
+    def spy(items, repeats, warmup, dev):
+        wrapped = [(lambda arg, k=k, run=run: (order.append(k), run(arg)), setup) for k, (run, setup) in enumerate(items)]
+        return real(wrapped, repeats, warmup, dev)
+
+    monkeypatch.setattr(tc, "_timed_interleaved", spy)
+    cfgs = _drafter_configs(tmp_path, llama, [("ck", 4)])
+    r = measure_target_costs(llama, cfgs, tmp_path / "c.json", budgets=[3, 8], context_tokens=16, repeats=3,
+                             warmup=1, device="cpu")
+    # decode + 3 verify shapes, in rounds (warmup round included): 0 1 2 3 0 1 2 3 ...
+    assert order == [0, 1, 2, 3] * 4
+    assert r["statistic"] == "min" and r["decode_s"] == min(r["decode_samples_s"])
+    fits = [v["fit_s"] for v in r["verify"]]
+    assert fits == sorted(fits)  # non-decreasing in n
+    for v in r["verify"]:
+        assert v["min_s"] == min(v["samples_s"]) and v["spread"] >= 0
+    assert r["drafters"]["ck"]["draft_s"] == min(r["drafters"]["ck"]["draft_samples_s"])
+    assert isinstance(r["estimate_reliable"], bool) and r["reliability"]["bound"] == 0.25
+    assert read_costs(tmp_path / "c.json")["format_version"] == 2

@@ -317,7 +317,9 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
                 layer_ids=[1, 3], batch_tokens=BATCH_TOKENS, device="cpu", dtype="float32")
     with pytest.raises(InputError, match=r"no room left .* No space left on device") as err:
         extract_hidden_states(**base)
-    assert "samples are committed in this partial file and kept" in err.value.problem and "free space" in err.value.fix
+    assert "samples are committed in this partial file and kept" in err.value.problem
+    assert "10 MB free" in err.value.problem and "and 10 MB are free in" in err.value.fix  # one figure, both places
+    assert "free at least" in err.value.fix and "rerun: the job resumes" in err.value.fix
     assert not (tmp_path / "c.h5").exists()
     monkeypatch.setattr(cache_mod.shutil, "disk_usage", real)
     extract_hidden_states(**base)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -217,3 +218,17 @@ def test_renders_in_chromium(run):
     # late on humaneval: chain 4 * 10 / (14 + 2) = 2.50 beats DDTree-8 5 * 10 / (19 + 2.5) = 2.33
     assert seen["tables"]["speedup-humaneval"][0] == ["checkpoint", "chain", "ddtree_8", "best"]
     assert seen["tables"]["speedup-humaneval"][2] == ["late", "2.50", "2.33", "chain"]
+
+
+def test_noisy_costs_mark_the_estimate_unreliable(run):
+    """A spread beyond the bound, or a verify cost that falls as n grows: a column and a note, not silence."""
+    tmp_path, evals, caches = run
+    quiet = R.load_report_data(evals, caches, costs=fake_costs(tmp_path))
+    assert quiet.speedups["estimate_reliable"].all() and "unreliable estimate" not in R.render_markdown(quiet)
+    costs = json.loads(Path(fake_costs(tmp_path)).read_text())
+    costs["decode_samples_s"] = [0.010, 0.030, 0.050]  # median 3x the minimum
+    Path(tmp_path / "noisy.json").write_text(json.dumps(costs))
+    noisy = R.load_report_data(evals, caches, costs=str(tmp_path / "noisy.json"))
+    assert not noisy.speedups["estimate_reliable"].any()
+    md = R.render_markdown(noisy)
+    assert "unreliable estimate (estimate_reliable = False)" in md and "decode step: runs spread 200%" in md

@@ -786,81 +786,101 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
 # --------------------------------------------------------------------------- a killed Snakemake
 
 
-def _orphans(wd: Path) -> list[int]:
-    """Pids of hidden-states jobs running in ``wd`` (Linux /proc)."""
+def _jobs(wd: Path, command: str) -> list[int]:
+    """Pids of ``python -m dflash_eval <command>`` jobs running in ``wd`` (Linux /proc)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            if b"hidden-states" in (d / "cmdline").read_bytes() and os.readlink(d / "cwd") == str(wd):
-                pids.append(int(d.name))
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if b"dflash_eval" in argv and command.encode() in argv and os.readlink(d / "cwd") == str(wd):
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(d.name))
         except OSError:
             continue
     return pids
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc to find the orphaned job")
-def test_killed_snakemake_orphan_output_is_reused(tmp_path):
-    """SIGKILL of Snakemake during hidden_states: the orphaned job finishes its cache; the rerun needs
-    --unlock (Snakemake's lock of the dead run stays), then reruns the job it did not see finish, which
-    verifies and reuses the orphan's cache (kept as <cache>.partial) instead of recomputing it."""
-    import signal
-    import time
-
+def _sigkill_workdir(wd: Path, n: int) -> Path:
+    """The tiny target, ``n`` prompts generated one at a time (a job long enough to be killed in), the trained drafter."""
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny import make_tiny_target
 
-    wd = copy_workflow(tmp_path / "wf")
+    wd = copy_workflow(wd)
     make_tiny_target(wd / "tiny_target", arch="llama", num_layers=4, hidden=64, seed=0)
     (wd / "prompts").mkdir()
-    n = 24
     (wd / "prompts" / "a.jsonl").write_text("".join(
         json.dumps({"id": f"a{i}", "prompt": f"{PROMPTS_A[i % 4]} ({i})"}) + "\n" for i in range(n)))
+    shutil.copytree(TRAINED_DRAFTER, wd / "trained" / "step300")
     _write_config(wd, {
-        "run": "orphan",
+        "run": "killed",
         "target": {"name": "tiny", "path": "tiny_target"},
         "prompt_set": {"n": 0, "max_prompt_tokens": 0},
         "prompt_sets": {"set_a": {"source": "file", "path": "prompts/a.jsonl"}},
-        "generation": {"max_new_tokens": 8, "batch_size": n, "device": "cpu", "dtype": "float32"},
-        "cache": {"target_layer_ids": [1, 3], "batch_tokens": 64, "device": "cpu", "dtype": "float32"},
-        "checkpoints": {"demo": [{"name": "r", "step": 1, "random_init": True, "layer_ids": [1, 3],
-                                  "block_size": 4, "num_layers": 1, "seed": 5}]},
-        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4},
+        "generation": {"max_new_tokens": 24, "batch_size": 1, "device": "cpu", "dtype": "float32"},
+        "cache": {"target_layer_ids": [1, 2, 3], "batch_tokens": 256, "device": "cpu", "dtype": "float32"},
+        "checkpoints": {"list": [{"name": "trained", "path": "trained/step300"}]},
+        "evaluate": {"device": "cpu", "dtype": "float32", "batch_size": 4, "ddtree_budgets": [2]},
+        "target_costs": {"enabled": False},
     })
-    cache = wd / "results" / "orphan" / "cache" / "set_a.h5"
-    job_log = wd / "logs" / "hidden_states" / "orphan" / "set_a.log"
+    return wd
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc to find the orphaned job")
+def test_sigkill_of_snakemake_stops_its_job_and_the_same_command_resumes(tmp_path):
+    """kill -9 of a real Snakemake while its completions job runs: the orphaned job stops within seconds
+    (its watchdog sees Snakemake gone), keeping its partial file; the identical command then just runs
+    (the stale lock is released, rerun-incomplete in the profile), resumes the partial completions and
+    ends with the tau of a run that was never killed."""
+    import signal
+    import time
+
+    n = 40
+    goal = "results/killed/eval/trained/set_a.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    target = str(cache.relative_to(wd))
-    proc = subprocess.Popen([sys.executable, "-m", "snakemake", "--workflow-profile", str(CI_PROFILE), target],
-                            cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    command = [sys.executable, "-m", "snakemake", "--workflow-profile", str(CI_PROFILE), goal]
+    ref = _sigkill_workdir(tmp_path / "ref", n)
+    subprocess.run(command, cwd=ref, env=env, check=True, capture_output=True, timeout=1800)
+    want = json.loads((ref / goal).read_text())
+
+    wd = _sigkill_workdir(tmp_path / "wf", n)
+    partial = wd / "results" / "killed" / "completions" / ".set_a.jsonl.partial"
+    job_log = wd / "logs" / "completions" / "killed" / "set_a.log"
+    proc = subprocess.Popen(command, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     t0 = time.monotonic()
-    while not _orphans(wd):  # the hidden_states job has started
-        assert proc.poll() is None, "snakemake ended before the hidden_states job started"
-        assert time.monotonic() - t0 < 900, "no hidden_states job"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)  # Snakemake only: its job runs on as an orphan
-    proc.wait()
-    while _orphans(wd):
-        assert time.monotonic() - t0 < 1800, "the orphaned job did not finish"
-        time.sleep(0.1)
-    assert cache.exists(), job_log.read_text()[-3000:]
-    assert f"computed {n} samples" in job_log.read_text()  # the orphan did the work once
-    assert os.path.samefile(cache, str(cache) + ".partial")  # kept as a hard link for the rerun
-
-    locked = smk(wd, "--workflow-profile", str(CI_PROFILE), target, check=False)
-    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
-    smk(wd, "--workflow-profile", str(CI_PROFILE), "--unlock", target)
-    rerun = smk(wd, "--workflow-profile", str(CI_PROFILE), target)
-    assert "hidden_states" in rerun.stdout + rerun.stderr  # rerun as incomplete (rerun-incomplete: true)
+    try:
+        while not (partial.exists() and len(partial.read_text().splitlines()) >= 3):  # mid-job: rows committed
+            assert proc.poll() is None, "snakemake ended before the completions job had committed rows"
+            assert time.monotonic() - t0 < 900, "no completions job"
+            time.sleep(0.02)
+        jobs = _jobs(wd, "completions")
+        assert jobs, "the completions job is not running"
+        proc.send_signal(signal.SIGKILL)  # Snakemake only (kill -9 <pid>): its job is orphaned
+        proc.wait()
+        killed_at = time.monotonic()
+        while _jobs(wd, "completions"):
+            assert time.monotonic() - killed_at < 15, "the orphaned completions job is still running"
+            time.sleep(0.1)
+        stopped_s = time.monotonic() - killed_at
+    finally:
+        for pid in _jobs(wd, "completions"):
+            os.kill(pid, signal.SIGKILL)
     text = job_log.read_text()
-    assert f"{n} verified in the partial file and kept, 0 to compute" in text
-    assert not re.search(r"computed \d+ samples,", text) and "loaded target" not in text
-    assert not Path(str(cache) + ".partial").exists()  # removed when the run succeeded (onsuccess)
-    from dflash_eval.cache_reader import CacheReader
+    assert "is gone: stopping" in text, text[-3000:]
+    assert stopped_s < 15
+    done = len(partial.read_text().splitlines()) - 1  # the header line + one row per finished prompt
+    assert 0 < done < n and not (wd / "results" / "killed" / "completions" / "set_a.jsonl").exists()
 
-    with CacheReader(cache) as rd:
-        assert len(rd) == n and rd.verify() == []
+    rerun = subprocess.run(command, cwd=wd, env=env, capture_output=True, text=True, timeout=1800)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
+    assert "removed the lock left by a killed Snakemake" in rerun.stdout + rerun.stderr  # no --unlock needed
+    resumed = job_log.read_text()
+    assert re.search(rf"{n} prompts, (\d+) already done", resumed), resumed[-3000:]
+    assert int(re.search(rf"{n} prompts, (\d+) already done", resumed).group(1)) >= done
+    got = json.loads((wd / goal).read_text())
+    assert got["tau"] == want["tau"] and got["tau"] > 1.0  # the trained drafter accepts drafts
+    assert [s["acceptance_lengths"] for s in got["samples"]] == [s["acceptance_lengths"] for s in want["samples"]]

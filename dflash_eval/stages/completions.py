@@ -1,4 +1,4 @@
-"""Stage ``completions`` (rule ``completions``): the target's greedy completions of one prompt set.
+"""Stage ``completions`` (rule ``completions``): the target's completions of one prompt set (greedy, or seeded samples).
 
 Reads the prompts JSONL (``prompts`` stage) and the target; generates with a source of
 :mod:`dflash_eval.generation` (HF ``generate`` here, or a vLLM / SGLang server); writes the
@@ -15,10 +15,12 @@ from pathlib import Path
 
 from .. import options as options_mod
 from ..completions_file import STOP_EOS, PartialCompletions
+from ..context_limit import check_context_limit
 from ..errors import InputError
 from ..generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
 from ..io import sha256_file
 from ..progress import Progress
+from ..row_checksum import ids_sha256
 from ..prompts import read_prompts
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ def main(args, opts) -> None:
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, opts=None, *,
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
                          **overrides) -> Path:
-    """Greedy completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
+    """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
 
     Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
     is written in the prompts file's order (temp file + rename) once every prompt is done.
@@ -74,6 +76,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
 
     Raises:
         InputError: a bad option, bad prompts file or target folder, prompt ids outside the vocabulary,
+            a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` (unless
+            ``allow_beyond_max_positions``: :func:`dflash_eval.context_limit.check_context_limit`),
             a partial file from other settings, a server with another tokenizer or a too short max
             length, a server without token ids (unless allowed).
         ServerUnavailable / ServerError: the server failed (after retries); the partial file keeps
@@ -89,6 +93,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
             raise InputError(prompts_path, f"line {k + 1}: id", f"duplicate prompt id {r['id']!r}", "give every prompt a unique id")
         ids_seen.add(str(r["id"]))
 
+    check_context_limit(rows, max_new_tokens, target_dir, prompts_path, opts.allow_beyond_max_positions)
     if opts.serve == "vllm" and not server_log:
         server_log = f"{out}.vllm.log"  # the served vLLM's log beside the output
     with open_source(opts, target_dir, rows, server_log, target_fingerprint) as (src, tok, vocab):
@@ -134,7 +139,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                     r = rows[i]
                     row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
                            "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
-                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra}
+                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra,
+                           "ids_sha256": ids_sha256(r["prompt_ids"], ids)}  # read_completions verifies it
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)

@@ -12,6 +12,7 @@ section ``evaluate`` and ``target.training_backend`` (:mod:`dflash_eval.options`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,16 +22,19 @@ from pathlib import Path
 import torch
 
 from .. import options as options_mod
-from ..anchors import context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
+from ..anchors import chain_walk, context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
+from ..cache_format import completion_sampling, final_hidden_index
 from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
-from ..ddtree import replay_with_trees
+from ..ddtree import replay_with_trees, walk_budgets
 from ..drafter import load_drafter
 from ..errors import InputError, atomic_path
-from ..metrics import aggregate, selector_stats
+from ..expected import response_expectations, target_token_probs
+from ..metrics import aggregate, aggregate_expected, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
 from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
+from ..sampling import SamplingSetting
 from ..selector_replay import walks
 from ..target_spec import TargetSpec, load_embed_and_head
 
@@ -79,7 +83,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
             ``'batched'`` the chain and every budget come from one all-anchor pass keeping the
             top-``max(budgets)`` log-probs per slot, :func:`dflash_eval.ddtree.replay_with_trees`),
             ``device``, ``dtype``, the agreement thresholds and ``allow_*`` switches,
-            ``training_backend``.
+            ``training_backend``, ``sampling`` (the settings; temperature > 0 needs the cache's final
+            normed hidden state and runs the batched pass), ``cross_temperature``.
         block_size: override of the drafter's block size (>= 2).
         checkpoint_name, prompt_set: row labels (default: the drafter folder name, the cache file stem).
         allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
@@ -101,14 +106,24 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     also: ``selector`` (:class:`~dflash_eval.metrics.SelectorStats` of the selector's chain, from
     one all-anchor pass in either replay mode), ``tau_oracle`` (a perfect selector over the same
     top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
-    logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``.
+    logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``. Sampling
+    (``opts.sampling``, one :class:`~dflash_eval.sampling.SamplingSetting` each): ``sampling_settings``
+    (``label``, ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
+    ``completion_sampling`` (how the cache's completions were drawn), ``cross_temperature``, and
+    ``expected`` ``{label: aggregate + samples}`` per setting with temperature > 0: the expected
+    acceptance of dflash==0.1.0's speculative sampler given the cached trajectories
+    (:mod:`dflash_eval.expected`, :func:`dflash_eval.metrics.aggregate_expected`), per sample the
+    :meth:`~dflash_eval.expected.ResponseExpectation.as_dict` entry (None without a verify step).
+    The chain and DDTree need no setting: under target sampling they are the greedy walks on the
+    sampled cache. DFlash 2 at temperature > 0 is refused for now.
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
             token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
-            completions that are not the target's greedy output (mean agreement below
-            ``agreement_min``, unless ``allow_low_agreement``); an option the schema refuses; a block
-            size of 1; nothing to replay (no sample with a verify step).
+            greedy completions that are not the target's greedy output (mean agreement below
+            ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
+            size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
+            cannot serve (:func:`sampling_settings`); temperature > 0 with a DFlash 2 drafter.
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if block_size is not None and block_size < 2:
@@ -117,10 +132,18 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
         B = int(block_size or inputs.drafter.cfg.block_size)
-        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B)
+        settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
+        sampled = [st for st in settings if not st.greedy]
+        if sampled and is_dflash2(inputs.drafter):
+            raise InputError(inputs.drafter_dir / "config.json", "candidate_selector",
+                             f"{sampled[0].label}: expected acceptance of a DFlash 2 drafter at temperature > 0 is "
+                             "not wired into evaluate yet", "evaluate this checkpoint at temperature 0 only")
+        expectations: dict[str, list] = {st.label: [] for st in sampled}
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
         if walked:
             _add_selector(result, walked, B, inputs.n)
+        _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
     with atomic_path(out) as tmp:
@@ -169,9 +192,11 @@ class _Inputs:
             if n == 0:
                 raise InputError(cache_path, "n_samples", "the cache holds no sample",
                                  "re-run the prompts/completions stages")
+            # sampled completions (T > 0) are not the target's argmax: the thresholds apply to greedy ones only
+            greedy = float(completion_sampling(a)["temperature"]) == 0
             agreement, lines = check_agreement([reader.argmax_agreement(i) for i in range(n)], reader.sample_ids[:n],
-                                               cache_path, opts.agreement_warn, opts.agreement_min,
-                                               opts.allow_low_agreement)
+                                               cache_path, opts.agreement_warn if greedy else 0.0,
+                                               opts.agreement_min if greedy else 0.0, opts.allow_low_agreement)
             for line in lines:
                 log.warning("%s", line)
         except BaseException:
@@ -191,8 +216,12 @@ def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatc
                          "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
 
 
-def _replay_all(inputs: _Inputs, opts, B: int):
-    """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees."""
+def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
+    """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees.
+
+    With ``sampled`` settings (temperature > 0; DFlash 1) the chain, every DDTree budget and every setting's
+    expectation come from one all-anchor pass (:func:`_sampled_pass`); ``expectations[label]`` gets
+    ``(index, ResponseExpectation | None)`` per sample."""
     reader, drafter, n = inputs.reader, inputs.drafter, inputs.n
     cfg = drafter.cfg
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
@@ -215,24 +244,14 @@ def _replay_all(inputs: _Inputs, opts, B: int):
     n_comp = sum(lengths[i] - int(reader.sample_attrs(i)["prompt_len"]) for i in range(n))  # completion tokens
     bar = Progress(n_comp, "replay", logger=log)
     for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
-        samples = [reader.sample(order[g], cfg.target_layer_ids) for g in group]
-        if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
-            t1 = time.perf_counter()
-            both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
-            tree_s += time.perf_counter() - t1
-            for s, (_, tr) in zip(samples, both):
-                trees[s.index] = tr
-        if dflash2:  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
-            for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
-                                                        memory_bytes=mem, max_group_samples=opts.batch_size)):
-                walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
-                                        d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
-        if budgets and opts.replay == "batched":
-            recs = [chain for chain, _ in both]
-        elif dflash2 and opts.replay == "batched":
-            recs = [walked[s.index].chain for s in samples]
+        t1 = time.perf_counter()
+        if sampled:  # chain, every budget and every setting from one all-anchor pass (DFlash 1)
+            samples, recs, tr = _sampled_pass(inputs, opts, B, [order[g] for g in group], budgets, mem, sampled,
+                                              expectations)
+            trees.update({s.index: t for s, t in zip(samples, tr)})
         else:
-            recs = replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+            samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
+        tree_s += time.perf_counter() - t1 if budgets else 0.0
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
@@ -240,6 +259,108 @@ def _replay_all(inputs: _Inputs, opts, B: int):
         log.debug("replayed %d/%d samples", len(results), n)
     bar.close()
     return results, trees, time.perf_counter() - t0, tree_s, n_comp, walked
+
+
+def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, trees: dict,
+                  walked: dict):
+    """The greedy replay of the samples ``indices``: ``(samples, chains)``; fills ``trees`` (DDTree budgets) and
+    ``walked`` (DFlash 2's selector walks)."""
+    reader, drafter = inputs.reader, inputs.drafter
+    samples = reader.samples(indices, drafter.cfg.target_layer_ids)  # verified while read
+    if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
+        both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
+        for s, (_, tr) in zip(samples, both):
+            trees[s.index] = tr
+    if is_dflash2(drafter):  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
+        for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
+                                                    memory_bytes=mem, max_group_samples=opts.batch_size)):
+            walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
+                                    d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
+    if budgets and opts.replay == "batched":
+        return samples, [chain for chain, _ in both]
+    if is_dflash2(drafter) and opts.replay == "batched":
+        return samples, [walked[s.index].chain for s in samples]
+    return samples, replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+
+
+def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetting]:
+    """``evaluate.sampling`` as settings, checked against the cache.
+
+    Raises:
+        InputError: a setting at a temperature other than the one the cache's completions were drawn at
+            (``completion_sampling``, :mod:`dflash_eval.cache_format`) unless ``cross_temperature``; a
+            temperature > 0 on a cache without the final normed hidden state (the target's p).
+    """
+    settings = [SamplingSetting(float(e.get("temperature", 0)), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
+                for e in opts.sampling]
+    drawn = completion_sampling(cache_attrs)
+    for st in settings:
+        if float(drawn["temperature"]) != st.temperature and not opts.cross_temperature:
+            raise InputError(cache_path, "completion_sampling",
+                             f"completions drawn at temperature {drawn['temperature']:g}, but evaluate.sampling "
+                             f"asks for {st.label} (the expectation holds on trajectories drawn at its temperature)",
+                             "evaluate this cache at its completions' temperature, or set "
+                             "evaluate.cross_temperature: true (rows then name the trajectory)")
+        if not st.greedy and final_hidden_index(cache_attrs) is None:
+            raise InputError(cache_path, "target_layer_ids",
+                             f"{st.label} needs the target's probabilities, but the cache (format "
+                             f"{cache_attrs.get('format_version')}) holds no final normed hidden state",
+                             "set cache.final_hidden: true and rerun (re-extracts the cache with the last layer), "
+                             "or evaluate temperature 0 only")
+    return settings
+
+
+def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, sampled,
+                  expectations: dict):
+    """One all-anchor pass over the samples ``indices``: the chain, every DDTree budget (greedy walks on the
+    cache: DDTree under target sampling, :mod:`dflash_eval.expected`) and every sampled setting's
+    expectation. Returns ``(samples, chains, trees)``."""
+    reader, drafter = inputs.reader, inputs.drafter
+    layers = list(drafter.cfg.target_layer_ids)
+    final = reader.layer_ids[final_hidden_index(reader.attrs)]
+    samples, p_tokens = [], []
+    for i in indices:
+        s = reader.sample(i, layers + [final])
+        fh = s.hidden[:, -1].to(device=inputs.device, dtype=inputs.embed.dtype)
+        p_tokens.append(target_token_probs(fh, inputs.head, s.input_ids, sampled))
+        samples.append(dataclasses.replace(s, hidden=s.hidden[:, :-1]))
+    if opts.replay != "batched":
+        log.warning("evaluate.replay %s: temperature > 0 uses the batched all-anchor pass (same chain)", opts.replay)
+    chains, trees = [], []
+    for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
+                                                topk=budgets[-1] if budgets else 0, memory_bytes=mem,
+                                                max_group_samples=opts.batch_size, sampling=sampled,
+                                                p_tokens=p_tokens)):
+        chains.append(chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens))
+        trees.append(walk_budgets(d.topk_logp.cpu(), d.topk_ids.cpu(), s.input_ids, s.prompt_len, s.max_new_tokens,
+                                  B, budgets) if budgets and len(d.anchors) else {b: [] for b in budgets})
+        for st in sampled:
+            if len(d.anchors) == 0:
+                expectations[st.label].append((s.index, None))
+                continue
+            surv = d.survival[st.label].cpu()
+            expectations[st.label].append(
+                (s.index, response_expectations([surv], [d.prompt_len], [d.n_tokens], B)[0]))
+    return samples, chains, trees
+
+
+def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict, B: int, opts) -> None:
+    """The output's sampling part (see :func:`evaluate`): ``sampling_settings``, ``completion_sampling``,
+    ``cross_temperature`` and per sampled setting ``expected`` (aggregate + per-sample expectations)."""
+    n = len(result["samples"])
+    result["sampling_settings"] = [{"label": st.label, "temperature": st.temperature, "top_p": st.top_p,
+                                    "top_k": st.top_k} for st in settings]
+    result["completion_sampling"] = completion_sampling(cache_attrs)
+    result["cross_temperature"] = bool(opts.cross_temperature)
+    lens = [row["prompt_len"] for row in result["samples"]]
+    result["expected"] = {}
+    for label, pairs in expectations.items():
+        per = dict(pairs)
+        resp = [per.get(i) for i in range(n)]
+        stats = aggregate_expected(resp, B, lens)
+        result["expected"][label] = {**stats.as_dict(),
+                                     "samples": [r.as_dict() if r is not None else None for r in resp]}
+        log.info("expected tau at %s (given the cached trajectories): %.4f", label, stats.tau)
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from .. import options as options_mod
-from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, is_no_space
+from ..cache_format import FORMAT, FORMAT_VERSION, GREEDY_COMPLETIONS, LAYER_CONVENTION, is_no_space
 from ..cache_shards import parse_shard, shard_plan
 from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from ..completions_file import read_completions
+from ..disk_room import no_room_error
 from ..errors import InputError
 from ..extract import check_packing, forward_batch, packing_support, versions
 from ..hybrid import bind_linear_attention
@@ -83,6 +84,14 @@ def _storage_view(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def completions_sampling(rows: list[dict]) -> dict:
+    """The cache's ``completion_sampling`` (:mod:`dflash_eval.cache_format`) from the completions rows'
+    ``generation`` provenance: its ``sampling`` entry, else greedy (every source without it decodes greedily)."""
+    gen = rows[0].get("generation") if rows else None
+    sampling = gen.get("sampling") if isinstance(gen, dict) else None
+    return {**GREEDY_COMPLETIONS, **(sampling or {})}
+
+
 class _HostBuffers:
     """Two reusable pinned host buffers (states + argmax) for device-to-host copies on a side stream."""
 
@@ -107,13 +116,15 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
             ``stop_reason``, ``max_new_tokens``).
         out: cache path; built in ``<out>.partial``, which a rerun with the same settings resumes.
         layer_ids: 0-based decoder layers to store (order kept), HF ``hidden_states[i+1]`` (the plan's
-            union of every configured drafter's ``target_layer_ids``).
+            union of every configured drafter's ``target_layer_ids``); with ``final_hidden`` the last
+            layer (final-normed) is appended when absent.
         opts: the stage's options (:func:`dflash_eval.options.make`; config section ``cache`` and
             ``target.linear_attn_backend``): ``batch_tokens`` (tokens per forward: real tokens when
             packed, padded tokens otherwise), ``packing`` (``'auto'``: packed where
             :func:`dflash_eval.extract.packing_support` allows; ``'off'``: right-padded), ``device``,
             ``dtype`` (float32 on CPU by default; the cache stores bfloat16 or float32),
-            ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers).
+            ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers), ``final_hidden``
+            (also store the final normed hidden state, the target's p at temperature > 0).
         target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
         keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache_format`).
         shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache_shards.shard_plan`); ``out`` then holds
@@ -142,6 +153,12 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         _check_layers(layer_ids, spec.num_layers, target_dir)
     if len(set(layer_ids)) != len(layer_ids):
         raise InputError("config", "cache.target_layer_ids", f"duplicate ids in {layer_ids}", "list each layer once")
+    if opts.final_hidden:  # the p information of temperature > 0 (cache_format: last_layer_normed)
+        if spec.num_layers is None:
+            raise InputError(target_dir, "num_hidden_layers", "unknown, so the final normed hidden state (the last "
+                             "layer) cannot be added to the cached layers", "give the target a config.json with "
+                             "num_hidden_layers, or set cache.final_hidden: false (greedy evaluation only)")
+        layer_ids = list(layer_ids) + ([spec.num_layers - 1] if spec.num_layers - 1 not in layer_ids else [])
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if dt not in (torch.bfloat16, torch.float32):
@@ -199,6 +216,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                             if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
                     "padding_side": "none" if packed else "right",
                     "prompt_set": completions_path.stem,
+                    "completion_sampling": json.dumps(completions_sampling(rows)),
                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 })
             if packed:
@@ -218,12 +236,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     except (OSError, RuntimeError) as err:
         cache.close()
         if is_no_space(err):
-            left = len(seqs) - len(cache.done)
-            raise InputError(cache.path, None, f"no room left to write the cache (disk, quota or file size limit: "
-                             f"{err}); {len(cache.done)} of {len(seqs)} samples are committed in this partial file "
-                             "and kept",
-                             f"free space (about {_bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)} "
-                             f"more for the {left} samples left) and rerun: the job resumes from the partial file") from err
+            raise no_room_error(cache.path, err, len(cache.done), len(seqs),
+                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)) from err
         raise
     except BaseException:
         cache.close()
@@ -241,9 +255,10 @@ def _check_layers(layer_ids: list[int], n_layers: int, target_dir) -> None:
                          f"use ids in 0..{n_layers - 1}")
 
 
-def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> str:
+def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> int:
+    """Bytes the hidden states of the samples not in ``done`` take as stored (0 when ``H`` is unknown)."""
     tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
-    return f"{tokens * K * H * (2 if dt == torch.bfloat16 else 4) / 1e9:.2f} GB" if H else f"{tokens} tokens' states"
+    return tokens * K * (H or 0) * (2 if dt == torch.bfloat16 else 4)
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ import torch
 
 from .. import __version__
 from .. import options as options_mod
+from ..cost_stats import assess, isotonic, robust_s, spread
 from ..costs import FORMAT, FORMAT_VERSION, FORMULA
 from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterConfig
@@ -80,6 +81,26 @@ def _timed(run: Callable[[object], object], setup: Callable[[], object], repeats
     return out
 
 
+def _timed_interleaved(items: Sequence[tuple[Callable, Callable]], repeats: int, warmup: int, dev) -> list[list[float]]:
+    """Seconds of each ``run(setup())`` of ``items``, in rounds: every round times every item once.
+
+    ``warmup`` untimed rounds first. Interleaving spreads a slow phase of a shared machine over all
+    shapes instead of one (:mod:`dflash_eval.cost_stats`). Returns one list of ``repeats`` times per item.
+    """
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    out: list[list[float]] = [[] for _ in items]
+    for i in range(warmup + repeats):
+        for k, (run, setup) in enumerate(items):
+            arg = setup()
+            sync()
+            t0 = time.perf_counter()
+            run(arg)
+            sync()
+            if i >= warmup:
+                out[k].append(time.perf_counter() - t0)
+    return out
+
+
 def _tree_mask(n: int, past: int, dtype, dev):
     """A ``[1, 1, n, past + n]`` additive mask: the committed past visible, a chain-shaped tree
     (each node sees itself and its ancestors) inside the block. Any ancestor-only tree has the
@@ -102,7 +123,8 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
         opts: the stage's options (config section ``target_costs`` and ``target.linear_attn_backend``):
             ``budgets`` (DDTree node budgets; each adds a verify forward of ``budget + 1`` tokens with a tree
             mask), ``context_tokens`` (KV-cache length before every timed forward), ``repeats`` (timed runs
-            per measurement; the median is reported, seconds), ``warmup`` (untimed runs before them),
+            per measurement, interleaved across shapes; the minimum is reported, seconds, with
+            the spread and a non-decreasing fit of the verify costs: :mod:`dflash_eval.cost_stats`), ``warmup`` (untimed runs before them),
             ``device``, ``dtype``, ``linear_attn_backend`` (GDN kernel of hybrid targets).
         **overrides: option values, when ``opts`` is not given.
         seed: seed of the random token ids and drafter weights.
@@ -167,19 +189,23 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
                 model(new, position_ids=pos, attention_mask=attn, past_key_values=kv, use_cache=True,
                       output_hidden_states=True)
 
-            return _timed(run, lambda: copy.deepcopy(cache), repeats, warmup, dev)
+            return run, lambda: copy.deepcopy(cache)
 
         one, one_pos = ids(1), torch.tensor([[context_tokens]], device=dev)
-        decode = _timed(lambda kv: model(one, position_ids=one_pos, past_key_values=kv, use_cache=True),
-                        lambda: copy.deepcopy(cache), repeats, warmup, dev)
-        log.info("decode step at context %d: %.3f ms (median of %d)", context_tokens, 1e3 * statistics.median(decode), repeats)
         shapes = sorted({(cfg.block_size, "causal") for cfg in by_hash.values()} | {(int(b) + 1, "tree") for b in budgets})
+        # the decode step and every verify shape timed in interleaved rounds; statistic: the minimum
+        decode, *per_shape = _timed_interleaved(
+            [(lambda kv: model(one, position_ids=one_pos, past_key_values=kv, use_cache=True),
+              lambda: copy.deepcopy(cache))] + [forward(n, mask) for n, mask in shapes], repeats, warmup, dev)
+        log.info("decode step at context %d: %.3f ms (min of %d, spread %.0f%%)", context_tokens,
+                 1e3 * robust_s(decode), repeats, 100 * spread(decode))
+        fit = isotonic([robust_s(x) for x in per_shape])  # shapes are sorted by n: non-decreasing in n
         verify = []
-        for n, mask in shapes:
-            samples = forward(n, mask)
-            verify.append({"n": n, "mask": mask, "median_s": statistics.median(samples), "samples_s": samples})
-            log.info("verify forward of %d tokens (%s mask): %.3f ms, %.2fx a decode step", n, mask,
-                     1e3 * verify[-1]["median_s"], verify[-1]["median_s"] / statistics.median(decode))
+        for (n, mask), samples, fit_s in zip(shapes, per_shape, fit):
+            verify.append({"n": n, "mask": mask, "min_s": robust_s(samples), "fit_s": fit_s,
+                           "median_s": statistics.median(samples), "spread": spread(samples), "samples_s": samples})
+            log.info("verify forward of %d tokens (%s mask): %.3f ms (fit %.3f ms), %.2fx a decode step", n, mask,
+                     1e3 * verify[-1]["min_s"], 1e3 * fit_s, fit_s / robust_s(decode))
 
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         draft_costs = {}
@@ -210,14 +236,19 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
         "batch_size": 1,
         "repeats": repeats,
         "warmup": warmup,
-        "statistic": "median",
+        "statistic": "min",
         "formula": FORMULA,
-        "decode_s": statistics.median(decode),
+        "decode_s": robust_s(decode),
         "decode_samples_s": decode,
         "verify": verify,
         "drafters": drafters,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    verdict = assess(result)
+    result["estimate_reliable"], result["reliability"] = verdict["reliable"], verdict
+    if not verdict["reliable"]:
+        log.warning("the speedup estimate is unreliable (spread bound %.0f%%): %s", 100 * verdict["bound"],
+                    "; ".join(verdict["reasons"]))
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
     log.info("target costs on %s (%s, %s) -> %s", result["device_name"], result["device"], result["dtype"], out)
@@ -225,7 +256,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
 
 
 def _drafter_costs(drafter, embed, head, context_tokens, budgets, repeats, warmup, dev, dt) -> dict:
-    """Median seconds of one block pass of ``drafter`` (chain), and with log-softmax + top-``budget`` (trees)."""
+    """Seconds (minimum of the runs, :mod:`dflash_eval.cost_stats`) of one block pass of ``drafter`` (chain), and with log-softmax + top-``budget`` (trees)."""
     cfg = drafter.cfg
     B = cfg.block_size
     K = len(cfg.target_layer_ids)
@@ -250,9 +281,9 @@ def _drafter_costs(drafter, embed, head, context_tokens, budgets, repeats, warmu
         return logits.argmax(-1)
 
     chain = _timed(lambda _: block(0), lambda: None, repeats, warmup, dev)
-    tree = {str(b): statistics.median(_timed(lambda _, b=b: block(int(b)), lambda: None, repeats, warmup, dev))
+    tree = {str(b): robust_s(_timed(lambda _, b=b: block(int(b)), lambda: None, repeats, warmup, dev))
             for b in budgets}
-    return {"draft_s": statistics.median(chain), "draft_samples_s": chain, "draft_tree_s": tree}
+    return {"draft_s": robust_s(chain), "draft_samples_s": chain, "draft_tree_s": tree}
 
 
 def _transformers_version() -> str:

@@ -1,0 +1,179 @@
+"""What verified cache reads cost, against the evaluate stage's own time on the same samples.
+
+``CacheReader.sample`` checks every sample it returns (:func:`dflash_eval.sample_check.check_read_sample`:
+sha256 over the stored bytes, and a scan for non-finite hidden states). This bench writes a synthetic
+cache (random bf16 states, the real writer), then times on it:
+
+- ``read_s``: every sample read with ``CacheReader(verify=False)`` (HDF5 read + conversion);
+- ``verify_s``: the checks alone, on the same arrays (``hash_s`` + ``finite_s``);
+- ``evaluate_s`` / ``evaluate_unverified_s``: evaluate's replay loop as the stage runs it (longest
+  first, memory-sized groups, ``CacheReader.samples``: the checks in threads while the next sample
+  is read, :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
+  a random drafter of the chosen size on the chosen device, with and without verification (after
+  one untimed warm-up pass);
+
+and prints one JSON line with ``verify_pct_of_evaluate`` (the checks' own time, as if run one
+after the other, over ``evaluate_s``) and ``overhead_pct`` (the wall time verification adds to
+evaluate's loop; ``within_goal``: at most 5 %).
+
+Default shape: a Qwen3-8B-sized target layout (hidden 4096, vocab 151936, 36 layers, GQA 32/8 heads,
+head_dim 128: Qwen/Qwen3-8B ``config.json``), 5 stored layers, a 5-layer drafter, block size 16,
+64 samples of 512-2048 tokens. ``--smoke``: a tiny shape on the CPU in a few seconds (run by
+``tests/test_reliability.py``).
+
+H200 host: ``python3 bench/verify_cost.py --out-dir /tmp/dflash-verify`` (writes a ~3.5 GB cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from dflash_eval.anchors import context_bytes_per_token, length_groups  # noqa: E402
+from dflash_eval.cache_format import sample_sha256  # noqa: E402
+from dflash_eval.cache_reader import CacheReader  # noqa: E402
+from dflash_eval.cache_writer import write_cache  # noqa: E402
+from dflash_eval.ddtree import replay_with_trees  # noqa: E402
+from dflash_eval.drafter import DFlashDrafter  # noqa: E402
+from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
+from dflash_eval.runtime import free_memory_bytes, resolve_device  # noqa: E402
+from dflash_eval.sample_check import first_non_finite  # noqa: E402
+
+#: name -> target layout (hidden, intermediate, heads, kv heads, head_dim, layers, vocab), stored layers,
+#: drafter layers, block size, samples, (min, max) tokens, DDTree budgets
+SHAPES = {
+    "qwen3-8b": ((4096, 12288, 32, 8, 128, 36, 151936), [1, 9, 17, 25, 33], 5, 16, 64, (512, 2048),
+                 [8, 16, 32, 64, 128, 256]),
+    "smoke": ((64, 128, 4, 2, 16, 6, 512), [1, 4], 1, 4, 6, (24, 48), [4, 8]),
+}
+
+
+def drafter_config(layout, layer_ids, n_layers: int, block: int) -> dict:
+    h, inter, heads, kv, hd, n_target, vocab = layout
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": h, "intermediate_size": inter,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "num_hidden_layers": n_layers,
+            "num_target_layers": n_target, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 40960,
+            "vocab_size": vocab, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "block_size": block, "dflash_config": {"target_layer_ids": layer_ids, "mask_token_id": vocab - 1,
+                                                   "block_size": block}}
+
+
+def make_cache(path: Path, layout, layer_ids, n: int, lo: int, hi: int) -> None:
+    h, vocab = layout[0], layout[6]
+    rng = np.random.default_rng(0)
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 3, "target_layer_ids": layer_ids,
+             "hidden_size": h, "num_target_layers": layout[5]}
+
+    def samples():
+        for i in range(n):
+            T = int(rng.integers(lo, hi + 1))
+            P = T // 4
+            ids = rng.integers(0, vocab - 1, size=T)
+            hidden = torch.from_numpy(rng.standard_normal((T, len(layer_ids), h), dtype=np.float32)).to(torch.bfloat16)
+            yield {"sample_id": f"s{i}", "input_ids": ids.tolist(), "prompt_len": P, "hidden": hidden,
+                   "target_argmax": np.roll(ids, -1), "stop_reason": "length", "max_new_tokens": T - P}
+
+    write_cache(path, attrs, samples())
+
+
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (seconds)")
+    ap.add_argument("--device", default="auto", help="auto: cuda when available")
+    ap.add_argument("--samples", type=int, default=0, help="samples in the synthetic cache (0: the shape's)")
+    ap.add_argument("--out-dir", default=None, help="where the cache is written (default: a temp folder)")
+    args = ap.parse_args(argv)
+    shape = "smoke" if args.smoke else "qwen3-8b"
+    layout, layer_ids, n_layers, block, n, (lo, hi), budgets = SHAPES[shape]
+    n = args.samples or n
+    dev = torch.device("cpu") if args.smoke else resolve_device(args.device)
+    dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_dict(drafter_config(layout, layer_ids, n_layers, block))
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.ndim == 2:
+                p.normal_(std=0.02)
+    drafter = drafter.to(device=dev, dtype=dt).eval()
+    embed = (torch.randn(layout[6], layout[0]) * 0.02).to(device=dev, dtype=dt)
+    head = (torch.randn(layout[6], layout[0]) * 0.02).to(device=dev, dtype=dt)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="dflash-verify-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = out_dir / f"verify_cost_{shape}_{n}.h5"
+    t0 = time.perf_counter()
+    if not cache.exists():
+        make_cache(cache, layout, layer_ids, n, lo, hi)
+    write_s = time.perf_counter() - t0
+
+    with CacheReader(cache, verify=False) as rd:  # warm the page cache, then time plain reads
+        for i in range(len(rd)):
+            rd.sample(i)
+        t0 = time.perf_counter()
+        for i in range(len(rd)):
+            rd.sample(i, layer_ids)
+        read_s = time.perf_counter() - t0
+        hash_s = finite_s = 0.0
+        nbytes = 0
+        for i in range(len(rd)):
+            g = rd._f[f"samples/{i:06d}"]
+            ids, argmax, hidden = g["input_ids"][()], g["target_argmax"][()], g["hidden"][()]
+            nbytes += ids.nbytes + argmax.nbytes + hidden.nbytes
+            t1 = time.perf_counter()
+            sample_sha256(ids, argmax, hidden)
+            t2 = time.perf_counter()
+            first_non_finite(hidden)
+            finite_s += time.perf_counter() - t2
+            hash_s += t2 - t1
+
+    def evaluate_loop(verify: bool) -> tuple[float, list[int]]:
+        """evaluate's replay loop (stages/evaluate.py ``_replay_all``): longest first, memory-sized groups."""
+        with CacheReader(cache, verify=verify) as rd:
+            lengths = [rd.length(i) for i in range(len(rd))]
+            order = sorted(range(len(rd)), key=lambda i: -lengths[i])
+            mem = free_memory_bytes(dev)
+            read_tokens = max(1, mem // 4 // context_bytes_per_token(cfg, torch.finfo(dt).bits // 8))
+            sync(dev)
+            t0 = time.perf_counter()
+            for group in length_groups([lengths[i] for i in order], read_tokens, 0):
+                samples = rd.samples([order[g] for g in group], cfg.target_layer_ids)
+                replay_with_trees(drafter, embed, head, samples, budgets, block, mem, 0)
+            sync(dev)
+            return time.perf_counter() - t0, lengths
+
+    evaluate_loop(False)  # warm-up (kernels, allocator)
+    plain_s, lengths = evaluate_loop(False)
+    evaluate_s, _ = evaluate_loop(True)
+    verify_s = hash_s + finite_s
+    result = {"shape": shape, "device": str(dev), "torch_threads": torch.get_num_threads(), "n_samples": n,
+              "tokens": sum(lengths), "stored_mb": round(nbytes / 1e6, 1), "write_s": round(write_s, 3),
+              "read_s": read_s, "hash_s": hash_s, "finite_s": finite_s, "verify_s": verify_s,
+              "hash_gb_per_s": round(nbytes / 1e9 / max(hash_s, 1e-9), 3), "evaluate_unverified_s": plain_s,
+              "evaluate_s": evaluate_s, "verify_pct_of_evaluate": 100 * verify_s / evaluate_s,
+              "overhead_pct": 100 * (evaluate_s - plain_s) / plain_s, "goal_pct": 5.0}
+    result["within_goal"] = result["overhead_pct"] <= result["goal_pct"]
+    if not args.out_dir:
+        cache.unlink()
+        os.rmdir(out_dir)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

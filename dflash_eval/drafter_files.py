@@ -1,0 +1,103 @@
+"""A stripped drafter folder's files, verified while read: checksums and finite weights.
+
+``strip`` records the sha256 of ``model.safetensors`` and ``config.json`` in ``strip_info.json``
+(``sha256: {file: hex}``, :func:`file_checksums`); :func:`read_drafter_weights` hashes the weight
+bytes it reads (one read: the same bytes are hashed and parsed) and compares when the record is
+there (folders stripped before it was recorded, or written by hand, are read unverified), then
+refuses any non-finite tensor, naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+#: files of a stripped folder whose sha256 ``strip_info.json`` records
+CHECKED_FILES = ("model.safetensors", "config.json")
+RESTRIP_FIX = ("the folder changed after strip wrote it (an edit, a bad copy, bit rot): strip it again "
+               "(snakemake -R strip_drafter, or `python -m dflash_eval strip-drafter`), or copy an intact folder")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_checksums(folder: Path) -> dict[str, str]:
+    """``{name: sha256 hex}`` of :data:`CHECKED_FILES` in ``folder`` (for ``strip_info.json`` ``sha256``)."""
+    return {name: sha256_bytes((Path(folder) / name).read_bytes()) for name in CHECKED_FILES}
+
+
+def recorded_checksums(folder: Path) -> dict[str, str]:
+    """``strip_info.json``'s ``sha256`` record (empty when the file or the record is absent).
+
+    Raises:
+        InputError: ``strip_info.json`` is not a JSON object.
+    """
+    info_file = Path(folder) / "strip_info.json"
+    if not info_file.is_file():
+        return {}
+    try:
+        info = json.loads(info_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(info_file, None, f"not valid JSON ({err})", RESTRIP_FIX) from None
+    if not isinstance(info, dict):
+        raise InputError(info_file, None, "not a JSON object", RESTRIP_FIX)
+    return dict(info.get("sha256") or {})
+
+
+def check_file(folder: Path, name: str, data: bytes, recorded: dict[str, str]) -> None:
+    """Compare ``data`` (the bytes of ``folder/name`` just read) with its recorded sha256, if any.
+
+    Raises:
+        InputError: a mismatch, naming the file and both checksums.
+    """
+    want = recorded.get(name)
+    if want is None:
+        return
+    got = sha256_bytes(data)
+    if got != want:
+        raise InputError(Path(folder) / name, None, f"its bytes do not match the sha256 in strip_info.json "
+                         f"({got[:12]}... read, {want[:12]}... recorded)", RESTRIP_FIX)
+
+
+def read_drafter_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """``folder/model.safetensors`` as a state dict, verified (checksum when recorded, finite tensors).
+
+    Also checks ``config.json`` against its record (the caller has parsed it already; it is small).
+
+    Returns:
+        ``{key: tensor}`` on the CPU, dtypes as stored (bf16 after strip).
+
+    Raises:
+        InputError: the weights file missing or not safetensors; a checksum mismatch
+            (:func:`check_file`); a tensor holding NaN or Inf (naming it).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    folder = Path(folder)
+    weights = folder / "model.safetensors"
+    recorded = recorded_checksums(folder)
+    if (folder / "config.json").is_file():
+        check_file(folder, "config.json", (folder / "config.json").read_bytes(), recorded)
+    try:
+        data = weights.read_bytes()
+    except FileNotFoundError:
+        raise InputError(weights, None, "not found", "run the strip_drafter rule (dflash-eval strip-drafter) first") from None
+    check_file(folder, "model.safetensors", data, recorded)
+    try:
+        state = load(data)
+    except (SafetensorError, ValueError) as err:
+        raise InputError(weights, None, f"not a readable safetensors file ({err})", RESTRIP_FIX) from None
+    for key, v in sorted(state.items()):
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            n_bad = int((~torch.isfinite(v)).sum())
+            raise InputError(weights, key, f"{n_bad} of {v.numel()} values are NaN or Inf (a diverged or damaged "
+                             "checkpoint: every draft would be garbage)",
+                             "evaluate an earlier checkpoint of the run, or strip it again from the trainer's output")
+    return state

@@ -1,0 +1,103 @@
+"""Guards against input that used to pass silently: duplicate YAML keys, names that leave ``results/``,
+the CLI's thread count, and the jobs' watchdog (a job whose Snakemake is gone stops)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dflash_eval.errors import InputError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_duplicate_yaml_key_names_both_lines(tmp_path):
+    from dflash_eval.yaml_strict import load_file
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prompt_sets:\n  chat:\n    source: file\n  code: {source: file}\n  chat:\n    source: sharegpt\n")
+    with pytest.raises(InputError) as err:
+        load_file(cfg)
+    assert err.value.field == "prompt_sets.chat" and "defined twice, on line 2 and on line 5" in err.value.problem
+    (tmp_path / "merge.yaml").write_text("base: &b {x: 1}\nuse:\n  <<: *b\n  x: 2\n")  # merge keys override on purpose
+    assert load_file(tmp_path / "merge.yaml")["use"] == {"x": 2}
+
+
+@pytest.mark.slow
+def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
+    from test_workflow import make_tiny_workdir, smk
+
+    wd = make_tiny_workdir(tmp_path / "wf")
+    (wd / "dup.yaml").write_text("run: tiny\nevaluate:\n  batch_size: 2\nevaluate:\n  batch_size: 4\n")
+    proc = smk(wd, "-n", "--configfile", "dup.yaml", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "dup.yaml" in out and "evaluate: defined twice, on line 2 and on line 4" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b"])
+def test_names_that_leave_results_are_refused(name, tmp_path):
+    from dflash_eval.checkpoint_plan import checkpoint_table
+    from dflash_eval.plan import check_names
+
+    base = {"run": "r", "target": {"name": "t"}, "prompt_sets": {"p": {}}}
+    check_names(base)  # fine
+    check_names({**base, "run": "v1.2"})  # a dot inside is fine
+    for cfg, where in [({**base, "run": name}, "run"), ({**base, "target": {"name": name}}, "target.name"),
+                       ({**base, "prompt_sets": {name: {}}}, f"prompt_sets.{name}")]:
+        with pytest.raises(InputError) as err:
+            check_names(cfg)
+        assert err.value.field == where and "may not start with '.'" in err.value.problem
+    ck = tmp_path / "c.pt"
+    ck.write_bytes(b"x")
+    with pytest.raises(InputError, match="may not start with '.'"):
+        checkpoint_table({"list": [{"name": name, "path": str(ck)}]})
+
+
+def test_cli_threads_chosen_as_the_workflow_does(monkeypatch):
+    from dflash_eval import threads
+    from dflash_eval.cli import build_parser
+    from dflash_eval.config import schema_default
+
+    assert threads.choose(3, {"OMP_NUM_THREADS": "5"}) == (3, "--threads")
+    assert threads.choose(None, {"OMP_NUM_THREADS": "5"}) == (5, "OMP_NUM_THREADS")
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    n, why = threads.choose(None, {})
+    assert n == min(int(schema_default("torch_threads")), 2) and "2 cores available" in why
+    with pytest.raises(InputError, match="--threads"):
+        threads.choose(0, {})
+    env = {"MKL_NUM_THREADS": "7"}
+    assert threads.apply(None, env) == n and env["OMP_NUM_THREADS"] == str(n) and env["MKL_NUM_THREADS"] == "7"
+    args = build_parser("evaluate").parse_args(["evaluate", "--drafter", "d", "--cache", "c", "--target", "t",
+                                                "--out", "o", "--threads", "3"])
+    assert args.threads == 3
+
+
+def test_watchdog_stops_a_job_whose_owner_is_gone():
+    script = textwrap.dedent("""
+        import os, subprocess, sys, time
+        from dflash_eval import watchdog
+        from dflash_eval.errors import Interrupted, install_signal_handlers
+        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.3)
+        os.environ[watchdog.OWNER_ENV] = watchdog.owner_token(owner.pid)
+        install_signal_handlers()
+        assert watchdog.start(interval_s=0.2) is not None
+        assert watchdog.start({watchdog.OWNER_ENV: watchdog.owner_token()}) is None  # never watches itself
+        owner.kill(); owner.wait()
+        t0 = time.monotonic()
+        try:
+            time.sleep(20)
+            print("not stopped")
+        except Interrupted:
+            print(f"stopped after {time.monotonic() - t0:.1f} s")
+            sys.exit(143)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("stopped after") and float(proc.stdout.split()[2]) < 3
+    assert "is gone: stopping" in proc.stderr

@@ -1,0 +1,349 @@
+"""Nothing wrong passes silently: damaged or non-finite inputs are refused where they are read.
+
+* a cache sample whose bytes changed after it was written (bytes flipped on disk inside a sample that
+  ``evaluate`` replays) fails ``evaluate`` naming the file and the sample (it used to give another tau);
+* non-finite hidden states fail the reader naming the sample, token and target layer;
+* a stripped drafter with a NaN tensor, or whose weights no longer match the sha256 that strip recorded
+  in ``strip_info.json``, fails ``load_drafter`` naming the tensor / file (it used to give tau 1.0);
+* a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` is refused by the
+  completions stage unless ``generation.allow_beyond_max_positions``;
+* ``bench/verify_cost.py --smoke`` runs and reports the verification cost.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import make_tiny_target  # noqa: E402
+
+from dflash_eval.cache_reader import CacheReader  # noqa: E402
+from dflash_eval.cache_writer import write_cache  # noqa: E402
+from dflash_eval.errors import InputError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """A tiny target, a random drafter folder (stripped layout), 3 prompts, their completions and cache."""
+    from safetensors.torch import save_file
+
+    from dflash_eval.demo import drafter_config_for_target
+    from dflash_eval.drafter import DFlashDrafter
+    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.stages.completions import generate_completions
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+    from dflash_eval.target_spec import TargetSpec
+
+    d = tmp_path_factory.mktemp("reliability")
+    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
+    cfg = drafter_config_for_target(target_dir, layer_ids=[1, 3], block_size=4, num_layers=1,
+                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
+    (d / "drafter").mkdir()
+    (d / "drafter" / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(d / "drafter" / "model.safetensors"))
+    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
+               enumerate([[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]])]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    generate_completions(target_dir, d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=16, batch_size=3,
+                         device="cpu", dtype="float32")
+    extract_hidden_states(target_dir, d / "c.jsonl", d / "c.h5", layer_ids=[1, 3], device="cpu", dtype="float32")
+    return {"dir": d, "target_dir": target_dir}
+
+
+def _evaluate(p, cache, drafter=None, out="ev.json"):
+    from dflash_eval.stages.evaluate import evaluate
+
+    d = p["dir"]
+    return evaluate(drafter or d / "drafter", cache, p["target_dir"], d / out, device="cpu", dtype="float32",
+                    ddtree_budgets=[])
+
+
+def test_flipped_bytes_in_an_evaluated_sample_fail_evaluate(pipeline):
+    d = pipeline["dir"]
+    _evaluate(pipeline, d / "c.h5", out="intact.json")  # the intact cache evaluates
+    bad = d / "flipped.h5"
+    shutil.copy(d / "c.h5", bad)
+    with h5py.File(bad, "r") as f:  # where sample 1's hidden bytes lie in the file (contiguous layout)
+        ds = f["samples/000001/hidden"]
+        offset, nbytes = ds.id.get_offset(), ds.id.get_storage_size()
+        sample_id = f["sample_ids"][1].decode()
+    assert offset is not None and nbytes > 64
+    data = bytearray(bad.read_bytes())
+    data[offset + nbytes // 2] ^= 0x10  # one bit of one hidden value, on disk: HDF5 itself sees nothing
+    bad.write_bytes(bytes(data))
+    with CacheReader(bad, verify=False) as rd:  # the damage is invisible without the checksum ...
+        rd.sample(1)
+        assert rd.verify() == [1]
+    with pytest.raises(InputError) as err:  # ... and evaluate, which reads sample 1, refuses it
+        _evaluate(pipeline, bad, out="flipped.json")
+    e = err.value
+    assert Path(e.file) == bad and e.field == "samples/000001" and sample_id in e.problem
+    assert "do not match their checksum" in e.problem and "re-extract" in e.fix
+    assert not (d / "flipped.json").exists()
+    with CacheReader(bad) as rd:  # the other samples still read
+        assert rd.sample(0).sample_id != sample_id and rd.sample(2).sample_id != sample_id
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_hidden_states_name_sample_token_and_layer(tmp_path, dtype):
+    hidden = torch.ones(5, 2, 8, dtype=dtype)
+    hidden[3, 1, 2] = float("nan") if dtype == torch.float32 else float("inf")
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 3, "target_layer_ids": [2, 7],
+             "hidden_size": 8, "num_target_layers": 8}
+    samples = [{"sample_id": sid, "input_ids": [1, 2, 3, 4, 5], "prompt_len": 2, "hidden": h,
+                "target_argmax": [2, 3, 4, 5, 6], "stop_reason": "eos", "max_new_tokens": 8}
+               for sid, h in (("ok", torch.ones(5, 2, 8, dtype=dtype)), ("bad", hidden))]
+    write_cache(tmp_path / "c.h5", attrs, samples)
+    with CacheReader(tmp_path / "c.h5") as rd:
+        assert rd.verify() == []  # the checksum is intact: the values were written so
+        assert float(rd.sample(0).hidden.sum()) == 80.0
+        with pytest.raises(InputError) as err:
+            rd.sample(1, [7])
+    e = err.value
+    assert e.field == "samples/000001/hidden"
+    assert "'bad'" in e.problem and "token 3, target layer 7" in e.problem and "non-finite" in e.problem
+
+
+def test_nan_weights_fail_load_drafter_naming_the_tensor(pipeline, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash_eval.drafter import load_drafter
+
+    d = pipeline["dir"]
+    bad = tmp_path / "nan_drafter"
+    shutil.copytree(d / "drafter", bad)
+    state = load_file(str(bad / "model.safetensors"))
+    key = sorted(k for k in state if k.endswith("q_proj.weight"))[0]
+    state[key][0, 0] = float("nan")
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(InputError) as err:
+        load_drafter(bad)
+    assert err.value.field == key and "1 of" in err.value.problem and "NaN or Inf" in err.value.problem
+    with pytest.raises(InputError, match="NaN or Inf"):  # and so evaluate on that folder (it used to give tau 1.0)
+        _evaluate(pipeline, d / "c.h5", drafter=bad, out="nan.json")
+
+
+def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dflash_eval.drafter import load_drafter
+    from dflash_eval.drafter_files import file_checksums
+    from dflash_eval.stages.strip_drafter import strip_checkpoint
+
+    out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
+    info = json.loads((out / "strip_info.json").read_text())
+    assert info["sha256"] == file_checksums(out) and set(info["sha256"]) == {"model.safetensors", "config.json"}
+    load_drafter(out)  # intact: verified and loaded
+    # a changed weight (still finite, a valid file): only the checksum sees it
+    state = load_file(str(out / "model.safetensors"))
+    key = sorted(state)[0]
+    state[key] = state[key] * 1.5
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InputError) as err:
+        load_drafter(out)
+    assert Path(err.value.file) == out / "model.safetensors" and "strip_info.json" in err.value.problem
+    assert "strip it again" in err.value.fix
+    # config.json edited after strip
+    out2 = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped2", target_dir=pipeline["target_dir"])
+    cfg = json.loads((out2 / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-3
+    (out2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError) as err:
+        load_drafter(out2)
+    assert Path(err.value.file) == out2 / "config.json"
+    # a folder without the record (stripped before it existed, or by hand) still loads
+    info2 = json.loads((out2 / "strip_info.json").read_text())
+    del info2["sha256"]
+    (out2 / "strip_info.json").write_text(json.dumps(info2))
+    load_drafter(out2)
+
+
+def test_prompt_beyond_max_positions_is_refused(pipeline, tmp_path):
+    from dflash_eval.stages.completions import generate_completions
+
+    d = pipeline["dir"]  # the tiny target has max_position_embeddings 512
+    rows = [{"id": "short", "source": "file", "prompt": "", "text": "", "prompt_ids": [1, 40, 41]},
+            {"id": "long", "source": "file", "prompt": "", "text": "", "prompt_ids": [1] + [40] * 499}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(InputError) as err:
+        generate_completions(pipeline["target_dir"], prompts, tmp_path / "c.jsonl", max_new_tokens=16,
+                             device="cpu", dtype="float32")
+    e = err.value
+    assert e.field == "line 2: prompt_ids"
+    assert "'long' has 500 tokens + generation.max_new_tokens 16 = 516" in e.problem
+    assert "max_position_embeddings 512" in e.problem and "1 of 2 prompts" in e.problem
+    assert "max_prompt_tokens" in e.fix and "at most 496" in e.fix and "to 12 for" in e.fix
+    assert "allow_beyond_max_positions" in e.fix
+    assert not (tmp_path / "c.jsonl").exists()
+    # within the limit: generated; the documented override generates the long one too
+    generate_completions(pipeline["target_dir"], prompts, tmp_path / "ok.jsonl", max_new_tokens=12, batch_size=2,
+                         device="cpu", dtype="float32")
+    generate_completions(pipeline["target_dir"], prompts, tmp_path / "over.jsonl", max_new_tokens=16, batch_size=2,
+                         device="cpu", dtype="float32", allow_beyond_max_positions=True)
+    assert len((tmp_path / "over.jsonl").read_text().splitlines()) == 2
+    assert d.exists()
+
+
+def test_verify_cost_bench_smoke(pipeline):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "verify_cost.py"), "--smoke"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["n_samples"] > 0 and result["read_s"] > 0 and result["verify_s"] > 0
+    assert result["evaluate_s"] > 0 and result["verify_pct_of_evaluate"] == pytest.approx(
+        100 * result["verify_s"] / result["evaluate_s"], rel=1e-6)
+    assert result["overhead_pct"] == pytest.approx(
+        100 * (result["evaluate_s"] - result["evaluate_unverified_s"]) / result["evaluate_unverified_s"], rel=1e-6)
+
+
+def test_samples_verifies_in_threads_and_names_the_first_bad_sample(tmp_path):
+    hidden = [torch.full((4, 1, 8), float(k)) for k in range(5)]
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 3, "target_layer_ids": [2],
+             "hidden_size": 8, "num_target_layers": 4}
+    write_cache(tmp_path / "c.h5", attrs, [{"sample_id": f"s{k}", "input_ids": [1, 2, 3, 4], "prompt_len": 1,
+                                            "hidden": h, "target_argmax": [2, 3, 4, 5], "stop_reason": "eos",
+                                            "max_new_tokens": 4} for k, h in enumerate(hidden)])
+    with CacheReader(tmp_path / "c.h5") as rd:
+        got = rd.samples([4, 0, 2], [2])
+    assert [s.sample_id for s in got] == ["s4", "s0", "s2"] and [float(s.hidden[0, 0, 0]) for s in got] == [4, 0, 2]
+    with h5py.File(tmp_path / "c.h5", "r+") as f:
+        for k in (1, 3):
+            d = f[f"samples/{k:06d}/hidden"]
+            a = d[()]
+            a[0, 0, 0] += 1
+            d[...] = a
+    with CacheReader(tmp_path / "c.h5") as rd, pytest.raises(InputError) as err:
+        rd.samples([0, 3, 1])
+    assert err.value.field == "samples/000003"  # the first bad one in the order asked
+
+
+@pytest.mark.parametrize("free_mb, want", [
+    (71, "the 3 samples left need about 6 MB (+ 67 MB of headroom) and 71 MB are free in {dir}: free at least 2 MB "
+         "more and rerun"),
+    (500, "the 3 samples left need about 6 MB (+ 67 MB of headroom) and the file system reports 500 MB free in {dir}, "
+          "so a quota or a file size limit (ulimit -f) stopped the write"),
+])
+def test_disk_full_message_says_needed_and_free_consistently(tmp_path, monkeypatch, free_mb, want):
+    """The case the trial found: '71 MB free, the next batch needs 6 MB + 64 MB' then 'free 0.01 GB'."""
+    import errno
+    import shutil as _shutil
+
+    from dflash_eval.disk_room import no_room_error
+
+    usage = _shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage._replace(free=free_mb * 10**6))
+    err = no_room_error(tmp_path / "c.h5.partial", OSError(errno.ENOSPC, "No space left on device"), 5, 8, 6 * 10**6)
+    assert err.problem.startswith("no room left to write the cache") and "5 of 8 samples are committed" in err.problem
+    assert want.format(dir=tmp_path) in err.fix and "the job resumes from the partial file" in err.fix
+
+
+def test_closed_client_stops_its_request_in_flight_without_retrying():
+    """The leak behind '[Errno 9] Bad file descriptor; retry 1/8' printed after the test summary: a request in
+    flight in a worker thread when the source closes its client (on an error elsewhere) was retried (and with
+    backoff up to 30 s outlived its test); now it fails at once, unretried."""
+    import socket
+    import threading
+    import time
+
+    from dflash_eval.serving import ServerClient, ServerUnavailable
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    accepted = []
+
+    def accept():  # accepts and never answers: the request stays in flight
+        try:
+            accepted.append(srv.accept()[0])
+        except OSError:
+            pass
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    client = ServerClient(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout_s=1.5, retries=8, backoff_s=0.2,
+                          max_backoff_s=0.5)
+    errors = []
+
+    def request():
+        try:
+            client.request("GET", "/v1/models")
+        except BaseException as err:  # noqa: BLE001 (recorded for the assertion)
+            errors.append(err)
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert accepted, "the request never connected"
+        client.close()
+        worker.join(6)
+        assert not worker.is_alive()
+        assert client.retry_counts == {}  # never retried after close (old: {'ReadError': 1}, then more)
+        assert len(errors) == 1 and isinstance(errors[0], ServerUnavailable)
+        assert "closed while the request was in flight" in str(errors[0])
+    finally:
+        for c in accepted:
+            c.close()
+        srv.close()
+        acceptor.join(2)
+
+
+def test_session_end_check_finds_leftover_threads_and_children():
+    import subprocess as sp
+    import threading
+
+    import conftest
+
+    baseline = {t.ident for t in threading.enumerate()}
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="leaky-client", daemon=True)
+    t.start()
+    child = sp.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        threads, kids = conftest.leftovers(baseline, grace_s=0.3)
+        assert any(x.startswith("leaky-client (target Event.wait") for x in threads)
+        assert [pid for pid, _ in kids] == [child.pid]
+    finally:
+        stop.set()
+        t.join()
+        child.kill()
+        child.wait()
+    assert conftest.leftovers(baseline, grace_s=2) == ([], [])
+
+
+def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
+    from dflash_eval.completions_file import read_completions
+    from dflash_eval.row_checksum import ids_sha256
+
+    src = pipeline["dir"] / "c.jsonl"
+    rows = [json.loads(line) for line in src.read_text().splitlines()]
+    assert all(r["ids_sha256"] == ids_sha256(r["prompt_ids"], r["completion_ids"]) for r in rows)
+    assert len(read_completions(src)) == 3
+    edited = [dict(r) for r in rows]
+    edited[1]["completion_ids"] = edited[1]["completion_ids"][:-2] + [7, edited[1]["completion_ids"][-1]]
+    bad = tmp_path / "edited.jsonl"
+    bad.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    with pytest.raises(InputError) as err:
+        read_completions(bad)
+    assert err.value.field == "line 2: ids_sha256" and repr(rows[1]["id"]) in err.value.problem
+    old = tmp_path / "old.jsonl"  # written before the checksum: read, one warning
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ids_sha256"}) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        assert [r["id"] for r in read_completions(old)] == [r["id"] for r in rows]
+    assert "3 of 3 rows carry no ids_sha256" in caplog.text
