@@ -26,8 +26,17 @@ Cases:
     the identity, codebooks large enough that the selector leaves the argmax), so its batched /
     sequential / online times sit beside DFlash 1's at the same B. Its online loop is the reference
     ``dflash_generate`` with ``DFlash2DraftModel`` (the stripped layout loads into it).
+(iv) ``real`` -- a drafter of the size users train: 5 layers of hidden 4096 (heads 32/8 of 128, FFN
+    12288; a Qwen3-8B-shaped target's vocabulary 151936, B=16), random weights, with a random ``[V, H]``
+    embedding and LM head in place of the target's (the replay reads only those), on ``--real-n``
+    samples of ``--real-prompt`` + ``--real-new`` = 1k tokens. Per layout: ms/sample, the executed
+    TFLOP/s of the all-anchor pass next to the GEMM rate measured in the same run (goal >= 40 %),
+    and the projected time of one checkpoint's replay on ``--real-project`` (1,000) samples. No
+    sequential replay and no online loop here (no target of that size is loaded).
 
-Printed per case: wall seconds (and per sample) of the batched replay in both layouts (``rows``
+Progress: a line ``.. [case] <phase>: <s>`` after every timed phase, so a slow phase shows at once.
+
+Printed per case (i) and (ii): wall seconds (and per sample) of the batched replay in both layouts (``rows``
 and ``packed``, memory-sized chunks; the device's default layout, ``replay.DEFAULT_LAYOUT``, is
 the one in the ratios), the sequential replay (memory-sized batches; ``--seq-batch`` caps them),
 and the online loop (batch 1, on the first ``--online-samples`` samples), the ratios, tau of each,
@@ -47,9 +56,10 @@ pure-Python wheel imports from the zip); without either, the online loop is this
 :func:`dflash_eval.online.spec_generate` (chain, batch 1) and the output says so. On one H200,
 from the repo root:
 
-    python bench/replay.py                      # both cases, bf16, ~4 min
+    python bench/replay.py --case real          # the real-size drafter alone, bf16 (~1-2 min)
     python bench/replay.py --case big           # one case
     python bench/replay.py --case dflash2       # DFlash 2 beside (ii): same target, samples, B=16
+    python bench/replay.py                      # every case, bf16 (several minutes: the online loops)
 
 CPU smoke run (tiny sizes, float32; what the CI-free check here runs):
 
@@ -142,13 +152,19 @@ def gemm_rate(dev, dt) -> float:
     return 2 * n ** 3 / best / 1e12
 
 
+def progress(name: str, what: str, t0: float) -> None:
+    print(f"  .. [{name}] {what} ({time.perf_counter() - t0:.0f} s into the case)")
+
+
 def batched_flops(cfg, stats: dict, vocab: int) -> float:
-    """FLOPs the batched pass executed (matmuls only), from :func:`iter_anchor_drafts` ``stats``."""
+    """FLOPs the batched pass executed (matmuls only, padding rows of the ``groups`` layout included), from
+    :func:`iter_anchor_drafts` ``stats``."""
     H, I, nh, nkv, hd, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                             cfg.head_dim, cfg.num_hidden_layers)
     layer = H * nh * hd * 2 + H * nkv * hd * 2 + 3 * H * I  # q, o, k, v, MLP
     ctx = len(cfg.target_layer_ids) * H * H + L * 2 * H * nkv * hd  # fc, per-layer context k/v
-    return (2 * stats["query_tokens"] * layer * L + 2 * stats["context_tokens"] * ctx
+    q = stats["query_tokens"] + stats.get("pad_query_tokens", 0)
+    return (2 * q * layer * L + 2 * stats["context_tokens"] * ctx
             + 4 * stats["attn_pairs"] * nh * hd * L + 2 * stats["head_rows"] * H * vocab)
 
 
@@ -213,16 +229,20 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
     B = drafter.cfg.block_size
     mem = free_memory_bytes(dev)
     bat, t_bat, stats = {}, {}, {}
-    for layout in LAYOUTS:  # both layouts of the batched replay; the device's default is the headline
+    t_case = time.perf_counter()
+    for layout in LAYOUTS:  # every layout of the batched replay; the device's default is the headline
         stats[layout] = {}
         replay_batched(drafter, embed, head, samples[: min(2, n)], memory_bytes=mem, layout=layout)  # warm-up
         bat[layout], t_bat[layout] = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem,
                                                                        layout=layout, stats=stats[layout]))
+        progress(name, f"batched {layout}: {t_bat[layout]:.2f} s", t_case)
     default = DEFAULT_LAYOUT.get(dev.type, "rows")
     seq, t_seq = timed(dev, lambda: replay(drafter, embed, head, samples, mode="sequential", memory_bytes=mem,
                                            batch_size=args.seq_batch))
+    progress(name, f"sequential: {t_seq:.2f} s", t_case)
     k = min(args.online_samples, n)
     t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev, drafter, embed, head)
+    progress(name, f"online loop, {k} samples: {t_onl:.2f} s", t_case)
     tau = lambda recs: aggregate(recs, B).tau  # noqa: E731
     tokens = sum(len(s.input_ids) - s.prompt_len for s in samples)
     tb = t_bat[default]
@@ -255,7 +275,8 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
     for layout in LAYOUTS:
         st = stats[layout]
         fl = batched_flops(drafter.cfg, st, head.shape[0])
-        print(f"  batched {layout} pass: {st['calls']} drafter calls, {st['query_tokens']} query tokens, "
+        print(f"  batched {layout} pass: {st['calls']} drafter calls, {st['query_tokens']} query tokens "
+              f"(+{st.get('pad_query_tokens', 0)} padding), "
               f"{st['head_rows']} LM-head rows; {fl / 1e9:.1f} GFLOP executed -> {fl / t_bat[layout] / 1e12:.3f} TFLOP/s "
               f"({100 * fl / t_bat[layout] / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.3f} TFLOP/s GEMM rate)")
     return {"case": name, "n": n, "batched_s": t_bat, "default_layout": default, "sequential_s": t_seq,
@@ -368,9 +389,75 @@ def case_big(args, ref, dev, dt, rate, variant: str = "dflash"):
                     target, N, None, args, dev, dt, rate)]
 
 
+#: a drafter of the size users train (z-lab's Qwen3-8B drafters: 5 layers over a hidden-4096 target)
+REAL = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+            tie_word_embeddings=False)
+REAL_SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+
+
+def case_real(args, dev, dt, rate):
+    """A 5-layer drafter of hidden 4096 (B=16) on ``--real-n`` samples of ``--real-prompt`` + ``--real-new`` tokens.
+
+    Random drafter weights, a random ``[V, H]`` embedding and LM head standing in for the target's
+    (no target is loaded: the replay reads only those two), random ids and hidden states. Per layout:
+    ms/sample, the executed TFLOP/s of the all-anchor pass against the GEMM rate measured in the run,
+    and the projected time of one checkpoint's replay on ``--real-project`` samples.
+    """
+    tcfg = REAL_SMOKE if args.smoke else REAL
+    n_layers = tcfg["num_hidden_layers"]
+    layer_ids = sorted({round(1 + i * (n_layers - 3) / 4) for i in range(5)})
+    raw = drafter_config(tcfg, 5, 16, layer_ids)
+    torch.manual_seed(4)
+    with torch.device(dev):  # random init of ~1B parameters: on the device, not the host
+        drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    drafter = drafter.to(device=dev, dtype=dt).eval()
+    n_par = sum(p.numel() for p in drafter.parameters())
+    V, H = tcfg["vocab_size"], tcfg["hidden_size"]
+    gen = torch.Generator(device=dev).manual_seed(5)
+    embed = (torch.randn(V, H, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
+    head = (torch.randn(V, H, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(dt)
+    P, N = args.real_prompt, args.real_new
+    cpu_gen = torch.Generator().manual_seed(6)
+    samples = []
+    for i in range(args.real_n):
+        ids = torch.randint(0, V - 1, (P + N,), generator=cpu_gen)
+        hidden = torch.randn(P + N, len(layer_ids), H, generator=cpu_gen).to(dt)
+        samples.append(CacheSample(i, f"q{i}", ids, P, hidden, ids.clone(), "length", N))
+    name = "real"
+    print(f"# (iv) 5-layer hidden-{H} drafter ({n_par / 1e9:.2f}B parameters, B=16, target layers {layer_ids}), "
+          f"{args.real_n} samples of {P} + {N} tokens, random weights, {dev.type} {str(dt)[6:]}")
+    mem = free_memory_bytes(dev)
+    t_case = time.perf_counter()
+    out = {"case": name, "n": args.real_n, "tokens_per_sample": P + N, "gemm_tflops": rate, "layouts": {}}
+    taus = {}
+    for layout in LAYOUTS:
+        st = {}
+        replay_batched(drafter, embed, head, samples[:1], memory_bytes=mem, layout=layout)  # warm-up
+        recs, t = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem, layout=layout,
+                                                    stats=st))
+        taus[layout] = aggregate(recs, 16).tau
+        fl = batched_flops(drafter.cfg, st, V)
+        ms = t / args.real_n * 1e3
+        tf = fl / t / 1e12
+        mark = " (default)" if layout == DEFAULT_LAYOUT.get(dev.type, "rows") else ""
+        print(f"  batched {layout:7s}{mark:10s}: {ms:9.1f} ms/sample; {fl / args.real_n / 1e12:.2f} TFLOP/sample "
+              f"executed ({st['calls']} drafter calls, {st.get('pad_query_tokens', 0)} padding query tokens) -> "
+              f"{tf:8.2f} TFLOP/s = {100 * tf / rate:5.1f} % of the measured GEMM rate (goal >= 40 %); projected "
+              f"{ms * args.real_project / 1e3:7.1f} s per checkpoint for {args.real_project} samples; tau {taus[layout]:.4f}")
+        out["layouts"][layout] = {"seconds": t, "ms_per_sample": ms, "tflops": tf, "gemm_fraction": tf / rate,
+                                  "projected_s": ms * args.real_project / 1e3, "tau": taus[layout]}
+        progress(name, f"batched {layout}: {t:.2f} s", t_case)
+    print(f"  tau identical across layouts: {len(set(taus.values())) == 1}")
+    return [out]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=["all", "smollm2", "big", "dflash2"], default="all")
+    ap.add_argument("--case", choices=["all", "smollm2", "big", "dflash2", "real"], default="all",
+                    help="all = smollm2 + big + dflash2 + real")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the script)")
@@ -384,11 +471,16 @@ def main(argv=None):
     ap.add_argument("--big-draft-layers", type=int, default=1)
     ap.add_argument("--online-samples", type=int, default=4, help="samples decoded by the online loop (per drafter)")
     ap.add_argument("--seq-batch", type=int, default=0, help="cap on the sequential replay's batch (0 = memory-sized)")
+    ap.add_argument("--real-n", type=int, default=32, help="samples of the real-size drafter case")
+    ap.add_argument("--real-prompt", type=int, default=128)
+    ap.add_argument("--real-new", type=int, default=896, help="completion tokens (prompt + completion = 1k tokens)")
+    ap.add_argument("--real-project", type=int, default=1000, help="samples per checkpoint in the projected time")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
         args.smol_n, args.smol_new, args.prompt_len = 2, 12, 8
         args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, 1
+        args.real_n, args.real_prompt, args.real_new = 2, 16, 48
     from dflash_eval.runtime import resolve_device, resolve_dtype
 
     dev = resolve_device(args.device)
@@ -408,6 +500,8 @@ def main(argv=None):
         results += case_big(args, ref, dev, dt, rate)
     if args.case in ("all", "dflash2"):
         results += case_big(args, ref, dev, dt, rate, variant="dflash2")
+    if args.case in ("all", "real"):
+        results += case_real(args, dev, dt, rate)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -19,18 +19,26 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .anchor_layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
 from .runtime import free_memory_bytes
+
+__all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree read them here
 
 #: batched replay, how one drafter call holds its anchors' blocks (see :func:`iter_anchor_drafts`):
 #: ``rows`` = one row per anchor (per-row copies of the context K/V), ``packed`` = all blocks as
-#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys).
-LAYOUTS = ("rows", "packed")
+#: one sequence over shared context keys (no copies; attention also spans the other blocks' keys),
+#: ``groups`` = one row per :data:`GROUP_QUERIES` // B consecutive anchors (one context copy per
+#: group instead of per anchor; each query also scores its group's other blocks' keys, masked).
+LAYOUTS = ("rows", "packed", "groups")
+#: ``groups`` layout: query tokens per row (anchors per row = max(1, this // B))
+GROUP_QUERIES = 128
 #: ``rows`` on both: on one H200 (bf16, ``python3 bench/replay.py``, 2026-12-01) rows took 51 ms/sample
 #: against packed's 158 ms for a 2B target's 1k-token responses, and 2.7 vs 2.6-3.0 ms at 256 tokens.
 DEFAULT_LAYOUT = {"cuda": "rows", "cpu": "rows"}
 #: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
 #: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
-MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024}
+MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024,
+                    ("groups", "cuda"): 16384, ("groups", "cpu"): 4096}
 
 
 def context_bytes_per_token(cfg, elem: int) -> int:
@@ -155,6 +163,7 @@ class _Plan:
         # per query token: hidden states, q/k/v, attention output, MLP (gate, up, product).
         self.token = elem * (8 * H + 3 * I + (nh + 2 * nkv) * hd) + 64
         self.max_tokens = MAX_CHUNK_TOKENS[layout, "cuda" if device.type == "cuda" else "cpu"]
+        self.g = max(1, GROUP_QUERIES // B) if layout == "groups" else 1  # anchors per row
         slots = B - 1 if (full or topk) else 1
         # + top-K (float32 log-softmax, int64 ids); + one sampling setting at a time: the logits in float32,
         # their softmax, and a top-p sort (float32 values, int64 order)
@@ -166,13 +175,16 @@ class _Plan:
 
     def add_keys(self, keys: int, piece_keys: int) -> int:
         """Context keys of a call after adding a piece: the largest piece's (``rows``) or their sum (``packed``)."""
-        return max(keys, piece_keys) if self.layout == "rows" else keys + piece_keys
+        return keys + piece_keys if self.layout == "packed" else max(keys, piece_keys)
 
     def cost(self, rows: int, keys: int) -> int:
         """Peak temporary bytes of one drafter call on ``rows`` anchors and ``keys`` context keys."""
         q = rows * self.B
-        if self.layout == "rows":  # every row: keys + its own block
-            return q * (keys + self.B) * self.pair + rows * (keys + self.B) * self.row_key + q * self.token
+        if self.layout in ("rows", "groups"):  # every row: keys + its own g blocks (g = 1 for rows)
+            n_rows = -(-rows // self.g) + (self.g > 1)  # groups: a piece's last row is padded (estimate)
+            own = self.g * self.B
+            q = n_rows * own
+            return q * (keys + own) * self.pair + n_rows * (keys + own) * self.row_key + q * self.token
         return q * (keys + q) * self.pair + (keys + q) * self.row_key + q * self.token  # one sequence
 
     def fits(self, rows: int, keys: int) -> bool:
@@ -250,6 +262,11 @@ def iter_anchor_drafts(
     * ``packed``: one sequence of ``Q`` queries over ``[the chunk's samples' contexts (Kc keys
       in all) | all C blocks]`` with a per-query mask: no copies, but every query also scores
       the ``Q`` block keys. Bytes per call: ``Q*(Kc+Q)*p + (Kc+Q)*r + Q*t``;
+    * ``groups``: ``ceil(C/g)`` rows of ``g = GROUP_QUERIES // B`` consecutive anchors of one sample
+      (``g*B`` queries, per-query masks as ``packed``) over ``[context [0, Kc) | the row's g blocks]``:
+      one context copy per row of ``g`` anchors; a piece's last row is padded with its last anchor
+      (computed, dropped; counted in ``stats['pad_query_tokens']``). Bytes per call as ``rows`` with
+      ``ceil(C/g) + 1`` rows of ``g*B`` queries and ``g*B`` own keys;
 
     with heads ``nh``, KV heads ``nkv``, head dim ``hd``, element size ``elem``,
     ``p = 11 + elem + 8*nh`` (+8 for causal/windowed layers: masks, the additive mask, scores
@@ -271,9 +288,10 @@ def iter_anchor_drafts(
         full: compute the greedy draft of every slot (not only those the chain needs).
         memory_bytes: plan for this many bytes of temporaries (default :func:`free_memory_bytes`).
         max_group_samples: > 0 caps the samples per group.
-        layout: ``'rows'`` or ``'packed'`` (default: :data:`DEFAULT_LAYOUT` for the device type);
-            both give the same drafts up to reduction order.
-        stats: if given, accumulates ``query_tokens``, ``attn_pairs`` (query-key pairs
+        layout: ``'rows'``, ``'packed'`` or ``'groups'`` (default: :data:`DEFAULT_LAYOUT` for the device
+            type); all give the same drafts up to reduction order.
+        stats: if given, accumulates ``query_tokens`` (anchors x B), ``pad_query_tokens`` (the
+            ``groups`` layout's padding queries, also computed), ``attn_pairs`` (query-key pairs
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
         sampling: :class:`~dflash_eval.sampling.SamplingSetting` list with temperature > 0: every slot's
@@ -303,7 +321,7 @@ def iter_anchor_drafts(
     full = full or is_dflash2(drafter) or bool(sampling)  # the selector / every setting walks every slot
     plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout, len(sampling))
     if stats is not None:
-        for key in ("query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
+        for key in ("query_tokens", "pad_query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
             stats.setdefault(key, 0)
     lengths = [len(s.input_ids) for s in samples]
     for group in length_groups(lengths, plan.ctx_tokens, max_group_samples):
@@ -356,11 +374,17 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         anchors = torch.cat([torch.arange(a0, a1, device=dev) for _, a0, a1 in pieces])
         base = off_t[owner]  # flat offset of each row's sample
         vs = torch.clamp(max_len_t[owner] - anchors, max=B)
+        pad = 0
         if plan.layout == "packed":
-            h, n_keys = _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B)
+            h, n_keys = packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B)
             pairs = len(anchors) * B * (n_keys + len(anchors) * B)
+        elif plan.layout == "groups":
+            h, n_keys, n_rows = groups_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B,
+                                                plan.g)
+            pad = (n_rows * plan.g - len(anchors)) * B
+            pairs = n_rows * plan.g * B * (n_keys + plan.g * B)
         else:
-            h, n_keys = _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B)
+            h, n_keys = rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B)
             pairs = len(anchors) * B * (n_keys + B)
         # verification targets x[t + j] (-1 past the sample) and comparable slots
         Tr = T_t[owner]
@@ -397,66 +421,11 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
             r0 += a1 - a0
         if stats is not None:
             stats["query_tokens"] += len(anchors) * B
+            stats["pad_query_tokens"] += pad
             stats["attn_pairs"] += pairs
             stats["calls"] += 1
     for i, s in enumerate(samples):
         yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
-
-
-def _rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B: int):
-    """``rows`` layout: drafter states ``[C, B, H]``, one row per anchor over its sample's first ``Kc`` keys
-    (``Kc`` = the chunk's largest anchor); returns ``(h, Kc)``."""
-    dev = embed.device
-    Kc = max(a1 - 1 for _, _, a1 in pieces)
-    if len(pieces) == 1:  # one sample: its context, shared by every row (no copy until the drafter's cat)
-        i = pieces[0][0]
-        kv = [(k[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1),
-               v[:, :, off[i] : off[i] + Kc].expand(len(anchors), -1, -1, -1)) for k, v in ctx_kv]
-    else:  # several samples: each row gathers its own sample's first Kc keys (the tail is masked)
-        idx = (base[:, None] + torch.arange(Kc, device=dev)[None]).clamp(max=off[-1] - 1)
-        kv = [(k[0][:, idx].transpose(0, 1), v[0][:, idx].transpose(0, 1)) for k, v in ctx_kv]
-    return block_forward(drafter, embed, ids[base + anchors], anchors, kv, Kc, vs, B), Kc
-
-
-def _packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors, base, vs, B: int):
-    """``packed`` layout: drafter states ``[C, B, H]`` from one sequence of ``C*B`` queries over the keys
-    ``[each piece's sample context < its largest anchor | all blocks]``; returns ``(h, context keys)``."""
-    dev = embed.device
-    C = len(anchors)
-    if len(pieces) == 1:
-        i, _, a1 = pieces[0]
-        key_idx = slice(off[i], off[i] + a1 - 1)
-        key_owner = torch.full((a1 - 1,), i, dtype=torch.long, device=dev)
-    else:
-        key_idx = torch.cat([torch.arange(off[i], off[i] + a1 - 1, device=dev) for i, _, a1 in pieces])
-        key_owner = torch.cat([torch.full((a1 - 1,), i, dtype=torch.long, device=dev) for i, _, a1 in pieces])
-    key_pos = pos[key_idx]
-    kv = [(k[:, :, key_idx], v[:, :, key_idx]) for k, v in ctx_kv]
-    slot = torch.arange(B, device=dev)
-    emb = drafter.make_block(ids[base + anchors], embed, B).reshape(1, C * B, -1)
-    ctx_valid = (key_owner[None, :] == owner[:, None]) & (key_pos[None, :] < anchors[:, None])  # [C, Kc]
-    row = torch.arange(C * B, device=dev) // B
-    block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
-    h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
-                ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None],
-                **({"conv_segment": B} if is_dflash2(drafter) else {}))  # DFlash 2: the conv restarts per block
-    return h.view(C, B, -1), len(key_pos)
-
-
-def block_forward(drafter, embed, anchor_ids, anchors, kv, Kc: int, vs, B: int):
-    """Drafter states ``[C, B, H]`` of the blocks at ``anchors`` ``[C]`` (anchor tokens ``anchor_ids``,
-    verify sizes ``vs``), over per-row context K/V ``[C, n_kv, Kc, hd]`` of positions ``0..Kc-1``."""
-    dev = embed.device
-    C = len(anchors)
-    slot = torch.arange(B, device=dev)
-    emb = drafter.make_block(anchor_ids, embed, B)
-    ctx_pos = torch.arange(Kc, device=dev)[None].expand(C, -1)
-    return drafter(emb, anchors[:, None] + slot[None], kv, ctx_pos, ctx_pos < anchors[:, None], slot[None] < vs[:, None])
-
-
-def is_dflash2(drafter) -> bool:
-    """True for a DFlash 2 drafter (it has a candidate selector, :class:`~dflash_eval.drafter.CandidateSelector`)."""
-    return getattr(drafter, "candidate_selector", None) is not None
 
 
 def _selector_head(drafter, head, h, anchor_ids, want, K, plan, stats):

@@ -90,6 +90,7 @@ from torch import nn
 
 from .drafter_config import DrafterConfig
 from .errors import InputError
+from .rope import rotary_embedding
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
+def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
+    """``x`` ``[N, n_kv, L, hd]`` with each KV head repeated ``rep`` times (``repeat_interleave`` on dim 1);
+    a batch-broadcast view (stride 0 on dim 0) is repeated on one row and broadcast again."""
+    if x.shape[0] > 1 and x.stride(0) == 0:
+        return x[:1].repeat_interleave(rep, dim=1).expand(x.shape[0], -1, -1, -1)
+    return x.repeat_interleave(rep, dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):
         super().__init__()
@@ -156,15 +165,19 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(n, b, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
         gqa = self.n_kv != self.n_heads
         if gqa and q.device.type != "cpu":
             # CUDA: SDPA's memory-efficient kernel takes the mask but not grouped heads
             # (bench/sdpa_gqa.py); with enable_gqa the online loop, the sequential and the packed
             # replay ran slower on the H200 (README, Measurements), so the heads are copied there.
+            # A context shared by every row (an expanded view, batch stride 0: the batched replay's
+            # one-sample chunks) is repeated once and expanded again, so the concatenation below is
+            # the only per-row copy; same values as repeating after the concatenation.
             rep = self.n_heads // self.n_kv
-            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+            k_ctx, v_ctx = _repeat_heads(k_ctx, rep), _repeat_heads(v_ctx, rep)
+            k_blk, v_blk, gqa = k_blk.repeat_interleave(rep, dim=1), v_blk.repeat_interleave(rep, dim=1), False
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
         # CPU: grouped KV heads read in place (enable_gqa), not copied: 3.1 of 23 s per demo evaluate job
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(n, b, -1))
@@ -315,15 +328,13 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
         self.cfg = cfg
         k = len(cfg.target_layer_ids)
         self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(cfg.rotary_config())  # non-persistent inv_freq
+        self.rotary_emb = rotary_embedding(cfg)  # non-persistent inv_freq
         self.candidate_selector = CandidateSelector(cfg) if cfg.variant == "dflash2" else None
 
     # -- context ---------------------------------------------------------------

@@ -518,7 +518,7 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         Path(server_log).write_text(f"no server started by this job (generation.source: {source}, "
                                     f"generation.serve: {opts.serve or 'none'})\n")
     if source == "transformers":
-        from .target import load_target, target_info
+        from .target import decode_batch_size, load_target, target_info
         from .target_spec import TargetSpec
 
         dev = resolve_device(opts.device)
@@ -528,10 +528,11 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
                                           devices=opts.devices, max_memory=opts.max_memory)
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
-        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=opts.batch_size,
+        longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
+        batch = opts.batch_size or decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
+        src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch,
                                  sampling=dataclasses.asdict(opts.sampling))
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
         if max_pos and longest > max_pos:
             log.warning("longest prompt + max_new_tokens = %d exceeds the target's max_position_embeddings %d",
                         longest, max_pos)

@@ -74,6 +74,19 @@ def keep_kv_rows(cache, start: int, rows: torch.Tensor) -> None:
         layer.values = layer.values.index_select(-2, keep)
 
 
+def crop_kv(cache, length: int) -> None:
+    """Keep the first ``length`` cache positions: :func:`keep_kv_rows` when the kept verify rows are a prefix
+    ``0 .. n-1``, as views instead of a gathered copy of every layer's keys/values each step (same values)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise InputError("target", "cache", f"unsupported KV cache layer {type(layer).__name__}",
+                             "use a full-attention target for online validation")
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+
+
 def tree_verify(target, cache, start: int, root: int, tree: DraftTree):
     """One target forward over ``[root, node_1 .. node_n]`` with tree attention (reference ``compile_ddtree_tree``).
 
@@ -178,9 +191,13 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
                 produced, stopped = k + 1, True
                 break
         seq += new[:produced]
-        rows = torch.tensor(accepted[:produced], device=dev)
-        keep_kv_rows(cache, start, rows)
-        hid = _tap(out.hidden_states, cfg.target_layer_ids)[:, rows].to(embed_weight.dtype)
+        if accepted[:produced] == list(range(produced)):  # a prefix of the verify rows (always for the chain)
+            crop_kv(cache, start + produced)
+            hid = _tap(out.hidden_states, cfg.target_layer_ids)[:, :produced].to(embed_weight.dtype)
+        else:
+            rows = torch.tensor(accepted[:produced], device=dev)
+            keep_kv_rows(cache, start, rows)
+            hid = _tap(out.hidden_states, cfg.target_layer_ids)[:, rows].to(embed_weight.dtype)
         new_kv = drafter.context_kv(hid, torch.arange(start, start + produced, device=dev)[None])
         ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv)]
         res.acceptance_lengths.append(produced)

@@ -260,3 +260,57 @@ def target_info(model) -> dict[str, Any]:
     if layer_types:
         info["layer_types"] = list(layer_types)
     return info
+
+
+#: most prompts per ``generate`` call when the batch is memory-sized (``generation.batch_size: 0``)
+MAX_DECODE_BATCH = 512
+#: prompts per ``generate`` call on the CPU when memory-sized: decoding there is compute-bound, and the
+#: prefill runs each prompt alone (:func:`prefill_unpadded`), so larger batches gain little
+CPU_DECODE_BATCH = 16
+
+
+def decode_batch_size(model, prompt_len: int, max_new_tokens: int, total_memory: int | None = None) -> int:
+    """Prompts per ``generate`` call that fit the device: the completions stage's ``batch_size: 0``.
+
+    Bytes per row: the KV cache of ``prompt_len + max_new_tokens`` positions (``2 x layers x KV heads x
+    head_dim x element size`` per position; every layer counted as full attention), the prefill's
+    activations (``element size x (6 hidden + 3 intermediate)`` per prompt token, one layer at a time)
+    and its ``[prompt_len, prompt_len]`` mask, and the last position's float32 logits and their
+    processing (``16 x vocab``). The budget is ``runtime.MEMORY_FRACTION['cuda']`` of the device's
+    **total** memory minus the weights: unlike its free memory, that is the same on every run on the
+    same GPU model, and the batch size is part of the completions' resume key (a batch's composition
+    changes its floating-point results). The count is rounded down to a power of two, within
+    ``[1, MAX_DECODE_BATCH]``. CPU devices: :data:`CPU_DECODE_BATCH`.
+
+    Args:
+        model: the loaded target (its parameters' device and dtype, its text config).
+        prompt_len: the longest prompt, tokens. max_new_tokens: the generation limit.
+        total_memory: device bytes to plan for (default: ``torch.cuda.get_device_properties``; CPU: not sized).
+
+    Returns:
+        the batch size (>= 1).
+    """
+    import torch
+
+    p = next(model.parameters())
+    if total_memory is None:
+        if p.device.type != "cuda":
+            return CPU_DECODE_BATCH
+        total_memory = torch.cuda.get_device_properties(p.device).total_memory
+    from .runtime import MEMORY_FRACTION
+
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    elem = p.element_size()
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
+    act = elem * (6 * cfg.hidden_size + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    per_row = (prompt_len + max_new_tokens) * kv + prompt_len * act + prompt_len * prompt_len * elem + 16 * cfg.vocab_size
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    rows = max(1, (int(MEMORY_FRACTION["cuda"] * total_memory) - weights) // per_row)
+    batch = min(MAX_DECODE_BATCH, 1 << (int(rows).bit_length() - 1))
+    log.info("batch size %d: memory-sized for %d + %d tokens per row (%.1f MB each) in %.1f GiB beside %.2f GiB of "
+             "weights", batch, prompt_len, max_new_tokens, per_row / 1e6, MEMORY_FRACTION["cuda"] * total_memory / 2**30,
+             weights / 2**30)
+    return batch

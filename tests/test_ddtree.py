@@ -207,7 +207,7 @@ def test_length_capped_response_shortens_the_last_blocks():
 # --------------------------------------------------------------------------- the drafts producer
 
 
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", ["rows", "packed", "groups"])
 @pytest.mark.parametrize("memory_bytes", [1, 10**9])
 def test_batched_drafts_give_the_sequential_chain_and_the_trees(layout, memory_bytes):
     """One all-anchor pass with top-K (replay_with_trees): its chain == replay_batch on the replay's hand-built

@@ -106,3 +106,24 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     steps = [r.getMessage() for r in caplog.records if "decode step" in r.getMessage()]
     assert [m.split("decode step ")[1].split(",")[0] for m in steps] == [f"{i}/6" for i in range(1, 7)]
     assert steps[0].startswith("batch of 2 prompts")
+
+
+def test_memory_sized_decode_batch_by_hand():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_eval.target import CPU_DECODE_BATCH, MAX_DECODE_BATCH, decode_batch_size
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()  # float32: 4 bytes per element
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    P, N = 100, 60
+    # per row: KV 2*3*2*16*4 = 768 B x 160 positions; prefill 4*(6*64 + 3*128) = 3072 B x 100; mask 100*100*4; logits 16k
+    per_row = 768 * 160 + 3072 * 100 + 100 * 100 * 4 + 16 * 1000
+    assert per_row == 486_080
+    total = int((weights + 37 * per_row) / 0.6) + 10  # room for 37 rows -> 32 (power of two)
+    assert decode_batch_size(model, P, N, total_memory=total) == 32
+    assert decode_batch_size(model, P, N, total_memory=int((weights + 31 * per_row) / 0.6) + 10) == 16
+    assert decode_batch_size(model, P, N, total_memory=10**15) == MAX_DECODE_BATCH
+    assert decode_batch_size(model, P, N, total_memory=1) == 1  # never 0
+    assert decode_batch_size(model, P, N) == CPU_DECODE_BATCH  # CPU: not sized

@@ -234,8 +234,9 @@ def test_replay_matches_reference_dflash_generate(kind, dtype, cache, monkeypatc
     else:  # one at a time: the attention then sees exactly the reference's keys, bit for bit
         got = [replay_batch(ours, embed, head, [s])[0] for s in samples]
     assert got == want
-    # all-anchor replay, both layouts: one drafter call over both samples, and ~10 anchors per call
-    for layout, memory_bytes in (("rows", 10**9), ("rows", 2_000_000), ("packed", 10**9), ("packed", 2_000_000)):
+    # all-anchor replay, every layout: one drafter call over both samples, and ~10 anchors per call
+    for layout, memory_bytes in (("rows", 10**9), ("rows", 2_000_000), ("packed", 10**9), ("packed", 2_000_000),
+                                 ("groups", 10**9), ("groups", 2_000_000)):
         stats = {}
         batched = replay_batched(ours, embed, head, samples, memory_bytes=memory_bytes, layout=layout, stats=stats)
         assert (stats["calls"] <= 2) == (memory_bytes == 10**9)

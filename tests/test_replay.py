@@ -164,7 +164,7 @@ def test_batch_equals_one_by_one(mode):
         assert sum(rec) == len(s) - 1 - p  # every completion token after the prefill one is committed once
 
 
-@pytest.mark.parametrize("layout", ["rows", "packed"])
+@pytest.mark.parametrize("layout", ["rows", "packed", "groups"])
 @pytest.mark.parametrize("memory_bytes", [1, 10_000, 10**9])
 def test_chunking_does_not_change_the_result(memory_bytes, layout):
     # 1 byte: one anchor per drafter call; 10 kB: a few; 1 GB: everything in one packed call
@@ -213,3 +213,63 @@ def test_chain_walk_by_hand():
     # 2 ->(3) 5 ->(2) 7 ->(2: min(1+1, 9-7)) 9
     assert chain_walk(acc, 2, 10) == [3, 2, 2]
     assert chain_walk([], 4, 5) == []  # the prefill token ended the response
+
+
+@pytest.mark.parametrize("queries", [4, 12, 20])
+def test_groups_layout_pads_uneven_rows(queries, monkeypatch):
+    # B = 4: 1, 3 and 5 anchors per row; pieces of 24, 13, 14, 6 anchors leave padded rows (their drafts dropped)
+    import dflash_eval.anchors as anchors_mod
+
+    monkeypatch.setattr(anchors_mod, "GROUP_QUERIES", queries)
+    seqs = [seq_of(30, 0), seq_of(17, 1), seq_of(23, 2), seq_of(9, 3)]
+    plens = [5, 3, 8, 2]
+    ks = lambda s: (s * 5) % 4  # noqa: E731
+    want, _ = run(seqs, plens, ks, B=4, mode="sequential")
+    eye = torch.eye(V)
+    for memory_bytes in (10_000, 10**9):
+        stats = {}
+        got = replay_batched(OracleDrafter(seqs, ks, 4), eye, eye, [sample(s, p, 1000) for s, p in zip(seqs, plens)],
+                             memory_bytes=memory_bytes, layout="groups", stats=stats)
+        assert got == want
+        n = sum(len(s) - 1 - p for s, p in zip(seqs, plens))
+        assert stats["query_tokens"] == 4 * n
+        assert stats["pad_query_tokens"] % 4 == 0 and (stats["pad_query_tokens"] > 0) == (queries > 4)
+
+
+def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
+    from dflash_eval.drafter import _repeat_heads
+
+    base = torch.randn(1, 2, 5, 3)
+    shared = base.expand(4, -1, -1, -1)  # the batched replay's one-sample context, stride 0 on dim 0
+    got = _repeat_heads(shared, 3)
+    assert got.shape == (4, 6, 5, 3) and got.stride(0) == 0
+    assert torch.equal(got, shared.contiguous().repeat_interleave(3, dim=1))
+    full = torch.randn(4, 2, 5, 3)
+    assert torch.equal(_repeat_heads(full, 3), full.repeat_interleave(3, dim=1))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 1000000},  # the common case: no transformers import
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    {"rope_theta": 1000000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 4096}},
+    {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+])
+def test_rotary_embedding_is_transformers_qwen3_bit_for_bit(rope):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from dflash_eval.rope import rotary_embedding
+    from dflash_eval.drafter_config import DrafterConfig
+
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,
+           "num_target_layers": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "vocab_size": 100,
+           "block_size": 4, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 99, "block_size": 4}, **rope}
+    cfg = DrafterConfig.from_dict(raw)
+    mine, ref = rotary_embedding(cfg), Qwen3RotaryEmbedding(cfg.rotary_config())
+    pos = torch.arange(0, 9000, 7)[None].repeat(2, 1)
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, dtype=dt)
+        for a, b in zip(mine(x, pos), ref(x, pos)):
+            assert a.dtype == dt and torch.equal(a, b)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-import transformers
 
 from .. import __version__
 from .. import options as options_mod
@@ -227,7 +226,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
         "dtype": dtype_name(dt),
         "threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "transformers_version": _transformers_version(),
         "dflash_eval_version": __version__,
         "linear_attn_kernel": kernel.backend,
         "target": {"path": str(target_dir), "sha256": spec.weights_sha256(), "model_type": info["model_type"],
@@ -287,3 +286,8 @@ def _drafter_costs(drafter, embed, head, context_tokens, budgets, repeats, warmu
     return {"draft_s": robust_s(chain), "draft_samples_s": chain, "draft_tree_s": tree}
 
 
+def _transformers_version() -> str:
+    """transformers' version (imported here, not at module import: ``target-costs --help`` stays light)."""
+    import transformers
+
+    return transformers.__version__

@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Completions on the GPU: the stage's HF source beside a plain ``model.generate`` loop, same prompts, same batches.
+
+A SmolLM2-135M-shaped target with random weights (``transformers.LlamaConfig`` from its config.json:
+no hub access), random prompt ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new``
+new tokens, greedy. For every batch size in ``--batches`` (``auto`` = what the stage picks with
+``generation.batch_size: 0``, :func:`dflash_eval.target.decode_batch_size`) the same
+``--n-batches`` length-sorted batches (:func:`dflash_eval.runtime.length_batches`) run through:
+
+- ``stage``: :class:`dflash_eval.generation.TransformersSource` (what ``python -m dflash_eval
+  completions`` runs: fresh greedy GenerationConfig, explicit attention mask, grouped-KV SDPA,
+  decode-step streamer);
+- ``stage, plain sdpa``: the same without :func:`dflash_eval.target.gqa_sdpa` (transformers' own
+  ``sdpa`` attention, KV heads repeated), to show what that helper costs or saves on CUDA;
+- ``generate``: the loop a user writes, ``model.generate(ids, attention_mask, max_new_tokens,
+  do_sample=False)`` with the default dynamic cache;
+- ``generate static``: the same with ``cache_implementation="static"`` (transformers compiles the
+  decode step for a static cache on CUDA; the first batch, which compiles, is timed apart), for the
+  batch sizes in ``--static-batches``.
+
+Printed per batch size and variant: generated tokens per second (tokens up to and including the
+stop id, as the stage counts them; the time covers the whole ``generate`` calls), the ratio of the
+stage to the plain loop (goal >= 1.0x at every batch size), the share of rows whose token ids equal
+the stage's, and at the end the memory-sized stage against the stage at batch 16 (goal >= 10x).
+
+On one H200 (torch 2.11, transformers 5.17), from the repository root::
+
+    python3 bench/completions_gpu.py        # ~3 min
+
+CPU smoke run (tiny model, float32; what ``tests/test_bench_smoke.py`` runs)::
+
+    .venv/bin/python bench/completions_gpu.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+print = functools.partial(print, flush=True)  # noqa: A001
+
+from dflash_eval import target as target_mod  # noqa: E402
+from dflash_eval.generation import TransformersSource, cut_at_eos  # noqa: E402
+from dflash_eval.runtime import length_batches, resolve_device, resolve_dtype  # noqa: E402
+
+#: HuggingFaceTB/SmolLM2-135M-Instruct config.json (architecture only)
+SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+            tie_word_embeddings=True)
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+            tie_word_embeddings=True)
+EOS, PAD = 2, 0
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def plain_generate(model, prompts, max_new, dev, static=False):
+    """The plain loop on one batch: left-padded ids + mask, ``model.generate`` greedy; -> completion id lists."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), P), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p):] = torch.tensor(p)
+        mask[r, P - len(p):] = 1
+    kw = {"cache_implementation": "static"} if static else {}
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=PAD, **kw)
+    return [cut_at_eos(row, [EOS], max_new)[0] for row in out[:, P:].tolist()]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", default="16,64,256,auto", help="batch sizes; auto = the stage's memory-sized one")
+    ap.add_argument("--n-batches", type=int, default=2, help="batches timed per batch size")
+    ap.add_argument("--static-batches", default="16,64", help="batch sizes also run with a static cache ('' = none)")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--prompt-min", type=int, default=32)
+    ap.add_argument("--prompt-max", type=int, default=160)
+    ap.add_argument("--out", default=None, help="also write the figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.device, args.batches, args.static_batches, args.max_new = "cpu", "2,4,auto", "", 6
+        args.prompt_min, args.prompt_max = 4, 12
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = resolve_device(args.device)
+    dt = resolve_dtype("auto", dev)
+    torch.manual_seed(0)
+    conf = LlamaConfig(**(TINY if args.smoke else SMOL), bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+                       initializer_range=0.2, attn_implementation="sdpa")
+    with torch.device(dev):
+        model = LlamaForCausalLM(conf).to(dt).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
+    tok = types.SimpleNamespace(pad_token_id=PAD)
+    gen = torch.Generator().manual_seed(1)
+    sizes = []
+    auto = target_mod.decode_batch_size(model, args.prompt_max, args.max_new)
+    for b in args.batches.split(","):
+        sizes.append(auto if b == "auto" else int(b))
+    static = {int(b) for b in args.static_batches.split(",") if b}
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"device {name}, {str(dt)[6:]}, torch {torch.__version__}; target: random "
+          f"{'tiny' if args.smoke else 'SmolLM2-135M-shaped'} llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+          f"parameters); prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_new} new tokens; "
+          f"memory-sized batch (auto) = {auto}")
+    plain_sdpa = contextlib.nullcontext
+    results = []
+    first = True
+    for b in sizes:
+        n = b * args.n_batches
+        lens = torch.randint(args.prompt_min, args.prompt_max + 1, (n,), generator=gen).tolist()
+        prompts = [torch.randint(3, conf.vocab_size, (L,), generator=gen).tolist() for L in lens]
+        batches = length_batches(lens, max_items=b)
+        if first:  # warm-up (CUDA context, kernels) on a small batch, not timed
+            plain_generate(model, prompts[:2], 4, dev)
+            first = False
+        row = {"batch": b, "auto": b == auto, "variants": {}}
+        outs = {}
+
+        def timed(label, fn):
+            sync(dev)
+            t0 = time.perf_counter()
+            got = fn()
+            sync(dev)
+            secs = time.perf_counter() - t0
+            toks = sum(len(x) for x in got)
+            outs[label] = got
+            row["variants"][label] = {"seconds": secs, "tokens": toks, "tok_s": toks / secs}
+            print(f"  .. batch {b}: {label}: {toks} tokens in {secs:.2f} s")
+
+        def stage(helper=None):
+            src = TransformersSource(model, tok, args.max_new, stop_ids=[EOS], batch_size=b)
+            got = {}
+            with helper() if helper else contextlib.nullcontext():
+                src.run(prompts, set(range(n)), lambda items: got.update({i: ids for i, ids, _, _ in items}))
+            return [got[i] for i in range(n)]
+
+        def loop(st=False):
+            got = {}
+            for bt in batches:
+                for i, ids in zip(bt, plain_generate(model, [prompts[i] for i in bt], args.max_new, dev, static=st)):
+                    got[i] = ids
+            return [got[i] for i in range(n)]
+
+        timed("stage", stage)
+        orig = target_mod.gqa_sdpa
+        target_mod.gqa_sdpa = lambda model: plain_sdpa()  # the stage without its grouped-KV helper
+        try:
+            timed("stage, plain sdpa", stage)
+        finally:
+            target_mod.gqa_sdpa = orig
+        timed("generate", loop)
+        if b in static and dev.type == "cuda":
+            bt0 = batches[0]
+            sync(dev)
+            t0 = time.perf_counter()
+            plain_generate(model, [prompts[i] for i in bt0], args.max_new, dev, static=True)  # compiles
+            sync(dev)
+            row["static_first_batch_s"] = time.perf_counter() - t0
+            timed("generate static", lambda: loop(True))
+        ref = outs["stage"]
+        print(f"batch {b}{' (auto)' if b == auto else ''}: {n} prompts in {len(batches)} batches")
+        base = row["variants"]["generate"]["tok_s"]
+        for label, v in row["variants"].items():
+            same = sum(a == c for a, c in zip(outs[label], ref)) / n
+            v["same_ids_as_stage"] = same
+            print(f"  {label:18s}: {v['tok_s']:10,.0f} tok/s  ({v['tokens']} tokens, {v['seconds']:.2f} s)  "
+                  f"{v['tok_s'] / base:5.2f}x generate  rows with the stage's ids {100 * same:5.1f} %")
+        if "static_first_batch_s" in row:
+            print(f"  (generate static: its first batch, compiling, took {row['static_first_batch_s']:.1f} s; not in the figure)")
+        print(f"  ratio stage / generate: {row['variants']['stage']['tok_s'] / base:.2f}x (goal >= 1.0x)")
+        results.append(row)
+    s16 = next((r for r in results if r["batch"] == 16), None)
+    sa = next((r for r in results if r["auto"]), None)
+    if s16 and sa:
+        print(f"memory-sized stage (batch {sa['batch']}) / stage at batch 16: "
+              f"{sa['variants']['stage']['tok_s'] / s16['variants']['stage']['tok_s']:.1f}x (goal >= 10x)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
