@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import InputError
 from .watchdog import OWNER_ENV, alive, owner_token
 
 OWNERS_DIR = Path(".snakemake", "dflash_eval", "owners")
