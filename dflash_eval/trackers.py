@@ -7,7 +7,10 @@ known training ``step`` gives one point per metric column, tagged ``<prefix>/<pr
 columns are every column whose name starts with one of :data:`METRIC_PREFIXES`: chain ``tau``,
 ``tau_tokens_per_step``, ``tau_sglang``, each ``tau_ddtree_<B>``, the position and prompt-length bins
 ``tau_pos_*`` / ``tau_prompt_*``, any ``tau_*`` column a later version adds (sampling settings), and
-the per-slot acceptance ``accept_slot_<k>``. Empty cells are not logged; rows without a step are
+the per-slot acceptance ``accept_slot_<k>``. With several sampling settings (``evaluate.sampling``;
+one table row per setting), the first configured setting keeps these tags and every other setting's
+row is tagged ``<prefix>/<prompt set>/<sampling label>/<column>``, e.g.
+``dflash_eval/humaneval/T1_p0.95_k20/tau``. Empty cells are not logged; rows without a step are
 skipped with a warning (name the step in the checkpoint, see :mod:`dflash_eval.checkpoints`).
 
 Each tracker is optional, off by default, and used through its own client library (pinned in
@@ -102,7 +105,13 @@ def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
     if no_step:
         log.warning("trackers: no training step known for %s: not logged (name the step in the checkpoint, e.g. "
                     "a folder step1500/ or a 'step' entry)", ", ".join(no_step))
-    for row in df.sort_values(["checkpoint", "prompt_set"]).itertuples(index=False):
+    if "sampling" in df.columns:  # the first row of a (checkpoint, prompt set) is its first configured setting
+        first = ~df.duplicated(["checkpoint", "prompt_set"])
+        df = df.assign(tag_scope=[f"{ps}" if f else f"{ps}/{lab}"
+                               for ps, lab, f in zip(df["prompt_set"], df["sampling"], first)])
+    else:
+        df = df.assign(tag_scope=df["prompt_set"].astype(str))
+    for row in df.sort_values(["checkpoint", "prompt_set"], kind="stable").itertuples(index=False):
         rec = row._asdict()
         if pd.isna(rec["step"]):
             continue
@@ -110,7 +119,7 @@ def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
             v = rec.get(col)
             if v is None or pd.isna(v):
                 continue
-            key = (int(rec["step"]), f"{prefix}/{rec['prompt_set']}/{col}")
+            key = (int(rec["step"]), f"{prefix}/{rec['tag_scope']}/{col}")
             if key in points:
                 if points[key].checkpoint != rec["checkpoint"]:
                     log.warning("trackers: %s and %s are both at step %d: %s logged from %s only",

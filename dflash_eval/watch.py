@@ -255,13 +255,19 @@ class Watcher:
             time.sleep(10)
 
     def line(self, cand: Candidate, df) -> str:
-        """``watch: step S NAME: tau <set> <tau> ... | best <set> <tau> (step S), ...``."""
+        """``watch: step S NAME: tau <set> <tau> [<set>@<sampling label> <tau>] ... | best <set> <tau> (step S), ...``
+        (best over the first configured sampling setting)."""
         import pandas as pd
 
         rows = df[df["checkpoint"] == cand.name]
         step = rows["step"].dropna()
         step = int(step.iloc[0]) if len(step) else cand.step
-        taus = " ".join(f"{r.prompt_set} {r.tau:.3f}" for r in rows.itertuples())
+        # one row per sampling setting: the first configured one is plain, the others are labelled
+        first = ~rows.duplicated(["prompt_set"]) if "sampling" in rows.columns else [True] * len(rows)
+        taus = " ".join(f"{r.prompt_set}{'' if f else '@' + str(r.sampling)} {r.tau:.3f}"
+                        for r, f in zip(rows.itertuples(), first))
+        if "sampling" in df.columns:  # best so far by the first configured setting
+            df = df[~df.duplicated(["checkpoint", "prompt_set"])]
         best = []
         for ps, g in df.dropna(subset=["tau"]).groupby("prompt_set"):
             b = g.loc[g["tau"].idxmax()]

@@ -70,6 +70,18 @@ def test_table_points_are_one_per_checkpoint_metric_and_step(caplog):
     assert "ck-a and ck-z are both at step 100" in caplog.text
 
 
+def test_table_points_tag_each_sampling_setting():
+    """One tau-table row per sampling setting: the first configured setting keeps the plain tags, the
+    others carry their label, so a T = 1 tau is never dropped or mistaken for the greedy one."""
+    df = pd.DataFrame([("ck-a", 100, "humaneval", "T0", 1.5), ("ck-a", 100, "humaneval", "T1_p0.95_k20", 1.25),
+                       ("ck-b", 200, "humaneval", "T0", 2.0), ("ck-b", 200, "humaneval", "T1_p0.95_k20", 1.75)],
+                      columns=["checkpoint", "step", "prompt_set", "sampling", "tau"])
+    df["step"] = df["step"].astype("Int64")
+    got = {(p.step, p.tag): p.value for p in table_points(df)}
+    assert got == {(100, "dflash_eval/humaneval/tau"): 1.5, (100, "dflash_eval/humaneval/T1_p0.95_k20/tau"): 1.25,
+                   (200, "dflash_eval/humaneval/tau"): 2.0, (200, "dflash_eval/humaneval/T1_p0.95_k20/tau"): 1.75}
+
+
 def test_tensorboard_each_point_once_after_relogging_and_a_live_reader_agrees(tmp_path):
     run_dir = tmp_path / "tb" / "demo"
     first = write_tensorboard(table_points(table(200)), run_dir)

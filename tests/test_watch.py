@@ -127,3 +127,17 @@ def test_watch_evaluates_each_complete_checkpoint_once_across_a_kill(tmp_path):
     ml = mlflow_points(rec["trackers"]["mlflow"]["tracking_uri"], rec["trackers"]["mlflow"]["run_id"])
     assert same(ml["dflash_eval/set_a/tau"])
     assert [s for s, _ in ml["dflash_eval/set_a/tau_ddtree_2"]] == [100, 200, 300]
+
+
+def test_watch_line_names_each_sampling_setting_and_ranks_by_the_first():
+    """The per-checkpoint line with two sampling settings per prompt set: the second is labelled, and the
+    best-so-far is ranked by the first configured setting (T0 here), not by whichever row is larger."""
+    from types import SimpleNamespace
+
+    from dflash_eval.watch import Watcher
+
+    df = pd.DataFrame([("step100", 100, "humaneval", "T0", 1.5), ("step100", 100, "humaneval", "T1_p0.95_k20", 2.5),
+                       ("step200", 200, "humaneval", "T0", 2.0), ("step200", 200, "humaneval", "T1_p0.95_k20", 1.25)],
+                      columns=["checkpoint", "step", "prompt_set", "sampling", "tau"])
+    line = Watcher.line(None, SimpleNamespace(name="step100", step=100), df)
+    assert line == "watch: step 100 step100: tau humaneval 1.500 humaneval@T1_p0.95_k20 2.500 | best humaneval 2.000 (step 200)"
