@@ -138,7 +138,7 @@ def _check_container_image():
         raise WorkflowError(
             f"config ({CONFIG_FILES}): containers.cuda: image file {image!r} does not exist (relative paths are "
             "resolved against the working directory). Fix: build it (containers/README.md: "
-            "podman/docker build, then apptainer build ... docker-archive:...), set "
+            "podman save --format docker-archive -o <image>.tar <tag>, then apptainer build <image>.sif containers/dflash-eval.def), set "
             "containers.cuda to the .sif you have or to docker://<your-registry>/<image>:<tag>, "
             "or run without --sdm apptainer."
         )
