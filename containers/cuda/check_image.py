@@ -57,6 +57,11 @@ RUNTIME_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12")
 GPU_CHECKS = "a float32 matmul on the device; fla's Triton chunk_gated_delta_rule against its torch recurrence"
 
 
+#: modules that run inside another program's environment, not the image's: the hidden-states connector
+#: is loaded by a vLLM server (its own venv, ``envs/vllm-*.txt``) through ``kv_connector_module_path``
+OTHER_ENV_MODULES = {"dflash_eval.vllm_connector"}
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -86,7 +91,7 @@ def check_imports(found: dict, problems: list, data_wheels: bool = True) -> None
     import dflash_eval
 
     names = COMMON + sorted(m.name for m in pkgutil.walk_packages(dflash_eval.__path__, "dflash_eval.")
-                            if not m.name.endswith("__main__"))
+                            if not m.name.endswith("__main__") and m.name not in OTHER_ENV_MODULES)
     dists = importlib.metadata.packages_distributions()
     for name in names:
         try:
