@@ -241,6 +241,7 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
             handle.log({f"{prefix}/step": step, **{p.tag: p.value for p in group}})
     finally:
         handle.finish()
+        wandb.teardown()  # stop W&B's service process too: a long-lived watch must not keep one per log
     for p in new:
         done.setdefault(str(p.step), []).append(p.tag)
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
