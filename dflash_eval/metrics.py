@@ -186,6 +186,15 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int,
         verify_steps=steps,
         committed_tokens=tokens,
         histogram=hist,
+        **_rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums, prompt_counts),
+    )
+
+
+def _rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums,
+                 prompt_counts) -> dict:
+    """The per-slot, per-position and per-prompt-length fields of :class:`TauStats` from their sums
+    (shared by :func:`aggregate` and :func:`aggregate_expected`; NaN where nothing was counted)."""
+    return dict(
         slot_acceptance={k: accepted[k] / compared[k] if compared[k] else math.nan for k in range(1, B)},
         slot_compared={k: compared[k] for k in range(1, B)},
         position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
@@ -267,13 +276,7 @@ def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequen
         verify_steps=steps,
         committed_tokens=tokens,
         histogram=hist,
-        slot_acceptance={k: acc[k] / comp[k] if comp[k] else math.nan for k in range(1, B)},
-        slot_compared={k: comp[k] for k in range(1, B)},
-        position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
-        position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
-        prompt_tau={lab: prompt_sums[i] / prompt_counts[i] if prompt_counts[i] else math.nan
-                    for i, lab in enumerate(prompt_labels)},
-        prompt_samples={lab: prompt_counts[i] for i, lab in enumerate(prompt_labels)},
+        **_rate_fields(B, acc, comp, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums, prompt_counts),
     )
 
 
