@@ -193,30 +193,31 @@ class CompletionSource(abc.ABC):
 
 
 class DecodeSteps:
-    """``generate(streamer=...)`` hook that logs a long batch's decode step every ``log_every`` seconds.
+    """A ``generate`` logits processor that logs a long batch's decode step every ``log_every`` seconds.
 
     A batch of ``rows`` prompts is one ``generate`` call: without this, a job's log shows nothing
-    between two batches (minutes for 16 x 256 tokens on a loaded CPU). transformers calls
-    :meth:`put` with the prompt ids ``[rows, P]`` first, then with each step's new tokens ``[rows]``
-    (``StopCheck`` in ``transformers/generation/utils.py``); the tokens are not used, so the
-    output is unchanged.
+    between two batches (minutes for 16 x 256 tokens on a loaded CPU). transformers calls every
+    logits processor once per decode step with ``(input_ids [rows, t], scores [rows, V])``; this one
+    counts the call and returns ``scores`` itself, so the tokens are unchanged. It is a processor,
+    not a ``streamer``: transformers hands a streamer each step's tokens as ``tokens.cpu()``
+    (``StopCheck`` in ``transformers/generation/utils.py``), one more host-device synchronisation
+    per step, which on CUDA cost the stage 0.4-0.6x of a plain ``model.generate`` (H200,
+    docs/measurements.md "Completions on the GPU"); counting here touches no tensor.
     """
 
     def __init__(self, rows: int, max_new_tokens: int, log_every: float = 60.0):
         self.rows, self.max_new_tokens, self.log_every = rows, max_new_tokens, log_every
-        self.steps = -1  # the first put() is the prompt
+        self.steps = 0
         self.t0 = self.t_last = time.perf_counter()
 
-    def put(self, value) -> None:
+    def __call__(self, input_ids, scores):
         self.steps += 1
         now = time.perf_counter()
-        if self.steps > 0 and now - self.t_last >= self.log_every:
+        if now - self.t_last >= self.log_every:
             self.t_last = now
             log.info("batch of %d prompts: decode step %d/%d, %.2f s per step", self.rows, self.steps,
                      self.max_new_tokens, (now - self.t0) / self.steps)
-
-    def end(self) -> None:
-        pass
+        return scores
 
 
 class TransformersSource(CompletionSource):
@@ -297,10 +298,12 @@ class TransformersSource(CompletionSource):
             cache = prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
             if self.processors:
                 torch.manual_seed(seed)
+            from transformers import LogitsProcessorList
+
+            steps = DecodeSteps(B, self.max_new_tokens, self.log_every)  # last: it sees the final scores
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
                                       past_key_values=cache, generation_config=self.gen_config,
-                                      logits_processor=self.processors or None,
-                                      streamer=DecodeSteps(B, self.max_new_tokens, self.log_every))
+                                      logits_processor=LogitsProcessorList([*self.processors, steps]))
         new = out[:, P:].cpu().tolist()
         return [cut_at_eos(row, self.stop_ids, self.max_new_tokens) for row in new]
 
