@@ -32,9 +32,11 @@ __all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree r
 LAYOUTS = ("rows", "packed", "groups")
 #: ``groups`` layout: query tokens per row (anchors per row = max(1, this // B))
 GROUP_QUERIES = 128
-#: ``rows`` on both: on one H200 (bf16, ``python3 bench/replay.py``, 2026-12-01) rows took 51 ms/sample
-#: against packed's 158 ms for a 2B target's 1k-token responses, and 2.7 vs 2.6-3.0 ms at 256 tokens.
-DEFAULT_LAYOUT = {"cuda": "rows", "cpu": "rows"}
+#: ``groups`` on CUDA: on one H200 (bf16, ``python3 bench/replay.py --case real``, 2026-12-02) a 5-layer
+#: hidden-4096 drafter's replay took 101.6 ms/sample in ``groups`` against 321.2 in ``rows`` and 348.3 in
+#: ``packed`` (38 % vs 12 % of the measured GEMM rate), same tau (docs/measurements.md). ``rows`` on the CPU,
+#: where the demo's small drafters run (its pinned float32 figures were measured with it).
+DEFAULT_LAYOUT = {"cuda": "groups", "cpu": "rows"}
 #: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
 #: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
 MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024,
