@@ -461,6 +461,7 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
     sampling setting of ``p_rows`` (``(setting, [C, B-1] p of each slot's cached token)``) ``P(a >= k | x)``
     ``[C, B]``."""
     from .expected import chain_survival
+    from .sampling import token_probs_topk
 
     C = h.shape[0]
     dev = h.device
@@ -479,8 +480,12 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
                 v, i = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
                 logp[r0 : r0 + step], topi[r0 : r0 + step] = v, i
             for st, p in p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
-                surv[st.label][r0 : r0 + step] = chain_survival(lg, want[r0 : r0 + step, 1:].clamp_min(0),
-                                                                p[r0 : r0 + step], limit[r0 : r0 + step], st)
+                tok = want[r0 : r0 + step, 1:].clamp_min(0)
+                q = None
+                if K and 0 < st.top_k <= K:  # q from the top-K just computed: no second full-vocabulary topk
+                    q = token_probs_topk(v, i, tok, st.temperature, st.top_p, st.top_k)
+                surv[st.label][r0 : r0 + step] = chain_survival(lg, tok, p[r0 : r0 + step], limit[r0 : r0 + step],
+                                                                st, q_tokens=q)
             del lg
         if stats is not None:
             stats["head_rows"] += C * (B - 1)

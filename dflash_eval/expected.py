@@ -67,7 +67,7 @@ def target_token_probs(final_hidden: torch.Tensor, head_weight: torch.Tensor, in
 
 
 def chain_survival(draft_logits: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor, limit: torch.Tensor,
-                   setting: SamplingSetting) -> torch.Tensor:
+                   setting: SamplingSetting, q_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """DFlash 1's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors.
 
     Args:
@@ -76,8 +76,11 @@ def chain_survival(draft_logits: torch.Tensor, tokens: torch.Tensor, p_tokens: t
         p_tokens: ``[r, J]`` the target's probability of those tokens (:func:`target_token_probs`).
         limit: ``[r]`` int64 verifiable slots per anchor (``min(vs - 1, T - 1 - t)``).
         setting: q is the drafter's distribution filtered with it (the reference's DFlash 1 drafts).
+        q_tokens: ``[r, J]`` q of those tokens when the caller has it already
+            (:func:`dflash_eval.sampling.token_probs_topk`); ``draft_logits`` is then not read.
     """
-    q = token_probs(draft_logits, tokens, setting.temperature, setting.top_p, setting.top_k)
+    q = q_tokens if q_tokens is not None else token_probs(draft_logits, tokens, setting.temperature, setting.top_p,
+                                                          setting.top_k)
     return survival_independent(slot_beta(p_tokens, q), limit)
 
 

@@ -167,6 +167,36 @@ def token_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, 
     return torch.where(kept == tokens[..., None], probs, 0.0).sum(-1)
 
 
+def token_probs_topk(top_logp: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                     top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """:func:`token_probs` from the ``K`` largest log-probabilities the DDTree pass already holds, ``0 < top_k <= K``.
+
+    Args:
+        top_logp: ``[..., K]`` float32 ``log_softmax(logits)`` of the K most probable tokens, descending
+            (``torch.topk`` order, as :func:`dflash_eval.anchors.iter_anchor_drafts` returns them).
+        top_ids: ``[..., K]`` int64 their token ids; tokens: ``[...]`` int64.
+
+    Returns ``[...]`` float32: the setting's filtered probability of each token (0 outside its support). The
+    reference's filter (temperature, then top-k, then top-p) only reads the ``top_k`` largest logits, and
+    ``log_softmax`` shifts every logit of a row by one constant, which neither the ranking nor a softmax sees;
+    so this equals :func:`token_probs` up to float32 rounding (and, as the reference itself, ``torch.topk``'s
+    choice among values tied at the cut). It saves a second full-vocabulary ``topk`` per setting and slot.
+
+    Raises:
+        ValueError: temperature 0, or ``top_k`` outside ``1..K``.
+    """
+    check_sampling(temperature, top_p, top_k)
+    if temperature == 0 or not 0 < top_k <= top_logp.shape[-1]:
+        raise ValueError(f"token_probs_topk needs temperature > 0 and 0 < top_k <= K (got temperature "
+                         f"{temperature}, top_k {top_k}, K {top_logp.shape[-1]})")
+    probs = torch.softmax(top_logp[..., :top_k].float() / temperature, dim=-1)  # descending already
+    if top_p < 1.0:
+        before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
+        probs = probs.masked_fill(~(before < top_p), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.where(top_ids[..., :top_k] == tokens[..., None], probs, 0.0).sum(-1)
+
+
 def _filtered(logits, temperature, top_p, top_k):
     scaled = logits.float() / temperature
     kept = None

@@ -53,8 +53,10 @@ def test_zero_one_expectation_equals_the_greedy_aggregate():
         assert got[key] == pytest.approx(want[key], abs=1e-12, nan_ok=True), key
 
 
-def test_anchor_pass_survival_equals_one_block_at_a_time():
-    """iter_anchor_drafts(sampling=...) from one batched pass == the drafter run on each anchor's block alone."""
+@pytest.mark.parametrize("topk", [0, 32])
+def test_anchor_pass_survival_equals_one_block_at_a_time(topk):
+    """iter_anchor_drafts(sampling=...) from one batched pass == the drafter run on each anchor's block alone;
+    with DDTree's top-32 in the same pass the top-20 setting's q comes from it (sampling.token_probs_topk)."""
     import copy
 
     from fixtures.drafters import HIDDEN, LAYER_IDS, VOCAB, randomize_, tiny_config
@@ -71,7 +73,7 @@ def test_anchor_pass_survival_equals_one_block_at_a_time():
     g = torch.Generator().manual_seed(4)
     embed, head = torch.randn(VOCAB, HIDDEN, generator=g), 0.05 * torch.randn(VOCAB, HIDDEN, generator=g)
     samples, p_tokens = [], []
-    settings = [SamplingSetting(1.0, 0.95, 20), SamplingSetting(0.7)]
+    settings = [SamplingSetting(1.0, 0.95, 20), SamplingSetting(0.7), SamplingSetting(0.6, 0.9, 8)]
     for i, (P, T, M) in enumerate([(6, 30, 40), (4, 19, 15), (9, 11, 2)]):
         ids = torch.randint(0, VOCAB - 1, (T,), generator=g)
         samples.append(CacheSample(i, f"s{i}", ids, P, torch.randn(T, len(LAYER_IDS), HIDDEN, generator=g),
@@ -79,7 +81,7 @@ def test_anchor_pass_survival_equals_one_block_at_a_time():
         p_tokens.append({s.label: torch.rand(T, generator=g) for s in settings})
     for layout in ("rows", "packed"):
         drafts = list(iter_anchor_drafts(drafter, embed, head, samples, B, layout=layout, sampling=settings,
-                                         p_tokens=p_tokens, memory_bytes=1 << 22))
+                                         p_tokens=p_tokens, memory_bytes=1 << 22, topk=topk))
         for s, d, p in zip(samples, drafts, p_tokens):
             T = len(s.input_ids)
             for i, t in enumerate(range(s.prompt_len, T - 1)):

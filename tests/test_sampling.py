@@ -448,3 +448,22 @@ def test_hf_logits_processor_samples_the_reference_filter(tmp_path):
         assert torch.allclose(torch.softmax(used, -1), filtered_probs(raw, 1.0, 0.9, 5), atol=1e-6)
     with pytest.raises(ValueError):
         hf_logits_processor(SamplingSetting())
+
+
+def test_token_probs_from_the_top_k_equal_the_full_filter():
+    """q of a top-k setting from the DDTree pass's top-K log-probs == the filter over the whole vocabulary."""
+    from dflash_eval.sampling import token_probs_topk
+
+    g = torch.Generator().manual_seed(11)
+    logits = 3 * torch.randn(6, 5, 257, generator=g)
+    top_logp, top_ids = torch.topk(logits.log_softmax(-1), 40, dim=-1)
+    rank = torch.randint(0, 4, (6, 5, 1), generator=g)
+    tokens = torch.where(torch.rand(6, 5, generator=g) < 0.7, top_ids.gather(-1, rank)[..., 0],
+                         torch.randint(0, 257, (6, 5), generator=g))
+    for setting in [(1.0, 0.95, 20), (0.6, 1.0, 40), (1.3, 0.5, 7), (0.8, 0.9, 1)]:
+        want = token_probs(logits, tokens, *setting)
+        got = token_probs_topk(top_logp, top_ids, tokens, *setting)
+        assert torch.allclose(got, want, atol=1e-6), setting
+        assert (want > 0).any(), setting
+    with pytest.raises(ValueError, match="0 < top_k <= K"):
+        token_probs_topk(top_logp, top_ids, tokens, 1.0, 1.0, 41)
