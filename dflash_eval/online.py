@@ -1,8 +1,9 @@
 """Online speculative decoding with the target in the loop (chain and DDTree), to validate the offline replay.
 
-:func:`spec_generate` decodes one prompt greedily the way a serving engine would: the target
-verifies each step's drafts in one forward over its KV cache, and the drafter's context grows
-from the hidden states of that verify forward (never from the HDF5 cache).
+:func:`spec_generate` decodes one prompt the way a serving engine would, greedily or with the
+speculative sampler: the target verifies each step's drafts in one forward over its KV cache, and
+the drafter's context grows from the hidden states of that verify forward (never from the HDF5
+cache), so the context is the target's own online trajectory.
 
 * **Chain** (z-lab ``dflash==0.1.0`` ``dflash_generate``): verify ``[root, d_1 .. d_{vs-1}]``
   causally at positions ``start .. start+vs-1``; accept the longest prefix of drafts equal to
@@ -13,6 +14,16 @@ from the hidden states of that verify forward (never from the HDF5 cache).
   additive mask in which every row sees the committed past and, inside the tree, only its
   ancestors and itself; walk the verified tree (:meth:`DraftTree.follow`); keep the KV rows of
   the accepted path only (the reference's ``compact_dynamic_cache``).
+* **Chain at temperature > 0** (``sampling``: the same ``dflash_generate`` with ``temperature``,
+  ``top_p``, ``top_k``): the prefill token is sampled from the target's filtered p; each step samples
+  every draft slot independently from the drafter's filtered q (:func:`dflash_eval.sampling.filtered_probs`,
+  the reference's ``_sampling_probs``), verifies with the target's filtered p by rejection sampling
+  (:func:`dflash_eval.sampling.rejection_sample`, the reference's ``_rejection_sample``: accept draft j
+  while ``u_j * q_j < p_j``, then the correction from ``max(p - q, 0)`` renormalised, or the bonus token
+  from p after all drafts). The random numbers are drawn in the reference's order and shapes (prefill
+  ``multinomial([1, V])``; per step ``multinomial([vs-1, V])`` for the drafts, ``rand([1, vs-1])``,
+  ``multinomial([1, V])``), so one ``torch.Generator`` seeded with s draws what the reference draws
+  after ``torch.manual_seed(s)`` on the same device.
 
 Both use the conventions of the offline replay (shortened last block ``vs = min(B,
 max_length - start)``, a step commits ``min(accepted + 1, max_length - start - 1)`` tokens, cut
@@ -33,6 +44,7 @@ import torch
 
 from .ddtree import DraftTree, build_tree
 from .errors import InputError
+from .sampling import SamplingSetting, filtered_probs, rejection_sample
 
 
 @dataclass
@@ -109,6 +121,11 @@ def tree_verify(target, cache, start: int, root: int, tree: DraftTree):
                   past_key_values=cache, use_cache=True, output_hidden_states=True)
 
 
+def _probs(logits: torch.Tensor, st: SamplingSetting) -> torch.Tensor:
+    """The reference's ``_sampling_probs`` of ``logits [n, V]`` at ``st`` -> ``[n, V]`` float32."""
+    return filtered_probs(logits, st.temperature, st.top_p, st.top_k)
+
+
 def _tap(hidden_states, layer_ids) -> torch.Tensor:
     """``cat(hidden_states[i + 1] for i in layer_ids)`` -> ``[1, L, K*H]`` (HF convention, as the cache)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -117,8 +134,9 @@ def _tap(hidden_states, layer_ids) -> torch.Tensor:
 @torch.inference_mode()
 def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torch.Tensor, prompt_ids: list[int],
                   max_new_tokens: int, stop_ids: list[int], block_size: int | None = None,
-                  budget: int | None = None) -> OnlineResult:
-    """Greedy speculative decoding of one prompt with the target in the loop.
+                  budget: int | None = None, sampling: SamplingSetting | None = None,
+                  generator: torch.Generator | None = None) -> OnlineResult:
+    """Speculative decoding of one prompt with the target in the loop (greedy, or the speculative sampler).
 
     Args:
         target: HF causal LM (full attention; :func:`check_target_supported`), on the compute device.
@@ -129,9 +147,17 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         stop_ids: stop token ids (the target's eos ids).
         block_size: B (default: the drafter's).
         budget: ``None`` = DFlash chain; an int = DDTree with that node budget.
+        sampling: ``None`` or temperature 0 = greedy. Temperature > 0 = dflash==0.1.0's speculative
+            sampler (module docstring), DFlash 1 chain only.
+        generator: the RNG of the sampler, on the compute device (``None`` = torch's global one, as the
+            reference); unused when greedy.
 
     Returns:
         :class:`OnlineResult`.
+
+    Raises:
+        InputError: DDTree with a DFlash 2 drafter; temperature > 0 with DDTree or with a DFlash 2 drafter
+            (the offline side, ``evaluate``, has no expected tau there either).
     """
     import time
 
@@ -142,6 +168,11 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
     if budget is not None and getattr(drafter, "candidate_selector", None) is not None:
         raise InputError(None, "budget", "DDTree is not defined for DFlash 2 drafters (the serving engines draft "
                          "one selector path)", "validate DFlash 2 drafters in chain mode")
+    sampled = sampling is not None and not sampling.greedy
+    if sampled and (budget is not None or getattr(drafter, "candidate_selector", None) is not None):
+        raise InputError(None, "sampling", f"{sampling.label}: online speculative sampling is built for the DFlash 1 "
+                         "chain only (evaluate has no expected tau at temperature > 0 for DDTree or DFlash 2 drafters)",
+                         "validate this drafter / mode at temperature 0")
     B = int(block_size or cfg.block_size)
     dev = embed_weight.device
     P = len(prompt_ids)
@@ -151,7 +182,11 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
     ids = torch.tensor([prompt_ids], device=dev)
     out = target(input_ids=ids, position_ids=torch.arange(P, device=dev)[None], past_key_values=cache,
                  use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    seq = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    if sampled:  # the reference's sample(): multinomial over the [1, V] filtered p of the prefill's last row
+        first = torch.multinomial(_probs(out.logits[0, -1:], sampling), 1, generator=generator)[0, 0]
+    else:
+        first = out.logits[0, -1].argmax()
+    seq = list(prompt_ids) + [int(first)]
     ctx_kv = drafter.context_kv(_tap(out.hidden_states, cfg.target_layer_ids).to(embed_weight.dtype),
                                 torch.arange(P, device=dev)[None])
     res = OnlineResult()
@@ -164,7 +199,16 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         h = drafter(emb, torch.arange(start, start + vs, device=dev)[None], ctx_kv, ctx_pos,
                     torch.ones(1, start, dtype=torch.bool, device=dev))
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
-        if budget is None:
+        if sampled:
+            q = _probs(logits, sampling)  # [vs-1, V]
+            drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
+            verify = [seq[start]] + drafts.tolist()
+            out = target(input_ids=torch.tensor([verify], device=dev),
+                         position_ids=torch.arange(start, start + vs, device=dev)[None], past_key_values=cache,
+                         use_cache=True, output_hidden_states=True)
+            a, z = rejection_sample(drafts[None], _probs(out.logits[0], sampling)[None], q[None], generator=generator)
+            accepted, bonus = list(range(int(a) + 1)), int(z)
+        elif budget is None:
             if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path (reference propose)
                 drafts = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight).path[0].tolist()
             else:

@@ -529,7 +529,8 @@ def check_optional_rules(plan: Plan) -> None:
     Raises:
         InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
             ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
-            offline side of the comparison).
+            offline side of the comparison), a ``validate_online.sampling`` entry that is not one of
+            ``evaluate.sampling`` (its expected tau is the offline side).
     """
     for section in ("kernel_parity", "validate_online", "validate_engine"):
         if not plan.config.get(section, {}).get("enabled"):
@@ -550,3 +551,18 @@ def check_optional_rules(plan: Plan) -> None:
         raise InputError("config", "validate_online.ddtree_budget", f"{budget} is not one of evaluate.ddtree_budgets "
                          f"{budgets} (the offline side of the comparison)",
                          "add it there, pick one of them, or set 0 (chain only)")
+    evaluated = {_setting_label(e) for e in plan.config["evaluate"]["sampling"]}
+    for i, e in enumerate(plan.config["validate_online"].get("sampling") or []):
+        if _setting_label(e) not in evaluated:
+            raise InputError("config", f"validate_online.sampling[{i}]", f"{_setting_label(e)} is not one of "
+                             f"evaluate.sampling {sorted(evaluated)} (its expected tau is the offline side)",
+                             "add it to evaluate.sampling, or drop it (null = every evaluated setting with "
+                             "temperature > 0)")
+
+
+def _setting_label(entry: dict) -> str:
+    """A sampling setting's label (:attr:`dflash_eval.sampling.SamplingSetting.label`) from a config entry."""
+    from .sampling import SamplingSetting
+
+    return SamplingSetting(float(entry.get("temperature", 0)), float(entry.get("top_p", 1.0)),
+                           int(entry.get("top_k", 0))).label

@@ -1,16 +1,21 @@
 """Stage ``validate_online`` (rule ``validate_online``): true speculative decoding of a few prompts vs the offline replay.
 
-The online loop (target in the loop: chain and DDTree) is :func:`dflash_eval.online.spec_generate`;
-this stage runs it on the first ``n_samples`` prompts of one prompt set for every selected drafter
-and compares per sample with that drafter's evaluate JSON. Options: config section
-``validate_online`` (:mod:`dflash_eval.options`).
+The online loop (target in the loop: chain and DDTree, greedy; the chain with dflash==0.1.0's
+speculative sampler at temperature > 0) is :func:`dflash_eval.online.spec_generate`; this stage runs
+it on the first ``n_samples`` prompts of one prompt set for every selected drafter and compares per
+sample with that drafter's evaluate JSON: greedy runs step by step with the offline replay, sampled
+runs (``seeds`` of them per prompt and setting) with the offline expected tau of the setting.
+Options: config section ``validate_online`` (:mod:`dflash_eval.options`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
+
+import torch
 
 from .. import options as options_mod
 from ..completions_file import read_completions
@@ -20,12 +25,15 @@ from ..generation import stop_token_ids
 from ..metrics import aggregate
 from ..online import check_target_supported, spec_generate
 from ..runtime import dtype_name, resolve_device, resolve_dtype
+from ..sampling import SamplingSetting
 from ..target import load_target
 from ..target_spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
 
 STAGE = "validate_online"
+#: goal of the macro offline-vs-online tau difference at temperature > 0, relative to the online tau
+SAMPLED_GOAL = 0.03
 
 
 def add_arguments(p) -> None:
@@ -62,6 +70,16 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     in bf16 the online trajectory can leave the cached completion at a near-tie, so the summary is the
     macro tau difference over all compared samples, ``(online - offline) / offline`` (goal |.| <= 2 %).
 
+    At temperature > 0 (``opts.sampling``; default every T > 0 setting the evaluation holds): per setting,
+    prompt and seed one run of the chain with the speculative sampler (:func:`spec_generate` with
+    ``sampling``); its context is the target's own trajectory as sampled online. Per sample the mean tau over
+    the runs and its standard error (sd / sqrt(runs)) against the evaluation's expected tau of that sample,
+    which is the expectation given the *cached* completion (teacher-forced on it, :mod:`dflash_eval.expected`).
+    The two share their mean over trajectories, not per sample, so the SE of the difference adds the spread
+    of that expectation over trajectories, estimated from the expectation given each online run's own
+    trajectory; that per-run expectation also gives a paired check (online tau minus it, 0 in expectation).
+    The macro over samples is the measure (goal ``|diff| <= 3 %`` of the online tau).
+
     Args:
         target_dir: HF target folder (full attention only, :func:`check_target_supported`).
         completions_path: completions JSONL of the prompt set the evaluations used.
@@ -72,23 +90,38 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             ``dtype``, ``checkpoints``: per drafter and mode ``tau_online``, ``tau_offline``, ``rel_diff``,
             ``n_same_output``, ``n_identical_steps``, ``ok`` (every same-output sample has identical steps),
             ``seconds`` and ``samples`` (``id``, ``same_output``, ``identical_steps``, ``first_step_diff``,
-            ``first_token_diff``, ``online``, ``offline``).
+            ``first_token_diff``, ``online``, ``offline``); per drafter ``sampling`` ``{setting label: ...}``
+            (:func:`_sampled_entry`: macro ``tau_online`` (mean over samples of the per-sample mean over
+            seeds), ``tau_online_se``, ``tau_offline`` (mean expected tau of the same samples), ``diff``,
+            ``diff_se``, ``diff_over_se``, ``rel_diff``, ``within_goal``, ``tau_expected_online``,
+            ``paired_diff``, ``paired_se``, ``paired_over_se``, and per sample the same fields plus ``taus``
+            and ``expected_taus``, one per run); per drafter ``completion_sampling`` (the trajectory's
+            setting, from the evaluation); top level ``seeds``, ``seed`` and ``sampling_settings``.
         opts: the stage's options (config section ``validate_online``): ``n_samples`` (prompts to decode,
             the first of the completions file, >= 1), ``ddtree_budget`` (DDTree node budget to validate,
             one of the evaluation's ``ddtree_budgets``; 0 or null = chain only; the workflow passes the
-            smallest of ``evaluate.ddtree_budgets`` by default), ``device``, ``dtype`` (``auto``:
-            cuda/bf16 if available, else cpu/float32).
+            smallest of ``evaluate.ddtree_budgets`` by default), ``sampling`` (settings with temperature
+            > 0, each one the evaluation holds; null = all of them; [] = greedy only), ``seeds`` (runs per
+            prompt and setting), ``seed`` (run k of the i-th prompt draws from a ``torch.Generator``
+            seeded with ``seed + i * seeds + k``), ``device``, ``dtype`` (``auto``: cuda/bf16 if
+            available, else cpu/float32).
         **overrides: option values, when ``opts`` is not given.
 
     Raises:
         InputError: ``n_samples < 1``, drafters/evals of different lengths, an evaluation without the budget
-            or without one of the samples, or an unsupported (hybrid / sliding-window) target.
+            or without one of the samples, or an unsupported (hybrid / sliding-window) target; a
+            ``sampling`` entry at temperature 0 (schema) or one the evaluation has no expected tau for; a DFlash 2
+            drafter with a setting at temperature > 0 (evaluate refuses those too).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     n_samples, budget = opts.n_samples, opts.ddtree_budget or 0
     if len(drafters) != len(evals):
         raise InputError(None, "--drafter/--evals", f"{len(drafters)} drafters but {len(evals)} evaluations",
                          "pass one evaluate JSON per drafter, in the same order")
+    asked = _asked_settings(opts.sampling)
+    loaded = [json.loads(Path(e).read_text()) for e in evals]
+    # checked before the target is loaded: a refused setting costs no target load
+    settings_of = [_settings_for(ev, e, asked, d) for ev, e, d in zip(loaded, evals, drafters)]
     dev = resolve_device(opts.device)
     dt = resolve_dtype(opts.dtype, dev)
     spec = TargetSpec.read(target_dir)
@@ -100,9 +133,9 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     modes = [("chain", None)] + ([(f"ddtree_{budget}", budget)] if budget else [])
     result: dict = {"title": "Online speculative decoding vs offline replay", "budget": budget or None,
                     "device": str(dev), "dtype": dtype_name(dt), "n_samples": len(rows),
-                    "completions": str(completions_path), "checkpoints": []}
-    for drafter_dir, eval_path in zip(drafters, evals):
-        ev = json.loads(Path(eval_path).read_text())
+                    "completions": str(completions_path), "seeds": opts.seeds, "seed": opts.seed,
+                    "sampling_settings": [], "checkpoints": []}
+    for drafter_dir, eval_path, ev, settings in zip(drafters, evals, loaded, settings_of):
         offline = {s["id"]: s for s in ev["samples"]}
         if budget and budget not in ev.get("ddtree_budgets", []):
             raise InputError(eval_path, "ddtree_budgets", f"{ev.get('ddtree_budgets', [])} lacks budget {budget}",
@@ -140,6 +173,17 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                                     "seconds": round(t_mode, 3), "samples": samples}
             log.info("%s %s: online tau %.4f vs offline %.4f (%+.2f %%); %d/%d same output, %d of them identical steps",
                      entry["checkpoint"], name, on, offt, 100 * (on - offt) / offt, same_n, len(samples), ident_n)
+        for st in settings:
+            if st.label not in [x["label"] for x in result["sampling_settings"]]:
+                result["sampling_settings"].append({"label": st.label, "temperature": st.temperature,
+                                                    "top_p": st.top_p, "top_k": st.top_k})
+        entry["completion_sampling"] = ev.get("completion_sampling")
+        entry["sampling"] = {st.label: _sampled_entry(target, drafter, embed, head, rows, stop_ids, ev, st, opts, dev)
+                             for st in settings}
+        for label, m in entry["sampling"].items():
+            log.info("%s %s: online tau %s +- %s over %d seeds vs offline expected %s (diff %s, %s SE)",
+                     entry["checkpoint"], label, _f(m["tau_online"]), _f(m["tau_online_se"]), opts.seeds,
+                     _f(m["tau_offline"]), _f(m["diff"], "+.4f"), _f(m["diff_over_se"], "+.2f"))
         result["checkpoints"].append(entry)
     result["markdown"] = _markdown(result)
     with atomic_path(out) as tmp:
@@ -147,16 +191,233 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     return result
 
 
+def _asked_settings(entries) -> list[SamplingSetting] | None:
+    """``opts.sampling`` as settings (``None`` = every T > 0 setting of each evaluation; the schema refuses
+    temperature 0 there: greedy is always validated, by the chain and DDTree modes)."""
+    if entries is None:
+        return None
+    return [SamplingSetting(float(e["temperature"]), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
+            for e in entries]
+
+
+def _settings_for(ev: dict, eval_path, asked, drafter_dir) -> list[SamplingSetting]:
+    """The T > 0 settings to run for one evaluation: ``asked``, or (``None``) each T > 0 setting it holds.
+
+    Raises:
+        InputError: a DFlash 2 drafter with any T > 0 setting (as ``evaluate``); an asked setting without an
+            expected tau in the evaluation.
+    """
+    held = [SamplingSetting(float(e["temperature"]), float(e["top_p"]), int(e["top_k"]))
+            for e in ev.get("sampling_settings", [])]
+    settings = [st for st in held if not st.greedy] if asked is None else asked
+    if settings and ev.get("variant") == "dflash2":
+        raise InputError(Path(drafter_dir) / "config.json", "candidate_selector",
+                         f"{settings[0].label}: expected acceptance of a DFlash 2 drafter at temperature > 0 is not "
+                         "wired into evaluate yet, so there is no offline side to compare the online sampler with",
+                         "set validate_online.sampling: [] (greedy only) or leave this checkpoint out of "
+                         "validate_online.checkpoints")
+    for st in settings:
+        if st.label not in (ev.get("expected") or {}):
+            raise InputError(eval_path, "expected", f"no expected tau at {st.label} (evaluated: "
+                             f"{sorted(ev.get('expected') or {})})",
+                             "add the setting to evaluate.sampling, or drop it from validate_online.sampling")
+    return settings
+
+
+def _mean_se(xs: list[float]) -> tuple[float | None, float | None]:
+    """Mean and standard error (sample sd / sqrt(n)) of ``xs``; ``None`` where undefined (no / one value)."""
+    n = len(xs)
+    if n == 0:
+        return None, None
+    m = sum(xs) / n
+    if n < 2:
+        return m, None
+    return m, math.sqrt(_var(xs) / n)
+
+
+def _var(xs: list[float]) -> float:
+    """Sample variance (n - 1 in the denominator) of at least two values."""
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+@torch.inference_mode()
+def _expected_on_runs(target, drafter, embed, head, sequences: list[list[int]], prompt_len: int, max_new: int,
+                      st: SamplingSetting, B: int) -> list[float | None]:
+    """evaluate's expected tau (:mod:`dflash_eval.expected`) given each online run's own trajectory.
+
+    Each ``sequences[k]`` (prompt + the run's completion) goes through one target forward (the drafter's
+    ``target_layer_ids`` states, the filtered p of every token) and the drafter's all-anchor pass, as
+    evaluate does on a cached completion; ``None`` for a run without a verify step.
+    """
+    from ..anchors import iter_anchor_drafts
+    from ..cache_format import CacheSample
+    from ..expected import response_expectations
+    from ..sampling import token_probs
+
+    layers = list(drafter.cfg.target_layer_ids)
+    samples, p_tokens, keep = [], [], []
+    for k, seq in enumerate(sequences):
+        if len(seq) - 1 - prompt_len < 1:
+            continue
+        ids = torch.tensor(seq, device=embed.device)
+        out = target(input_ids=ids[None], output_hidden_states=True)
+        hidden = torch.stack([out.hidden_states[i + 1][0] for i in layers], dim=1).to(embed.dtype)  # [T, K, H]
+        p = torch.ones(len(seq), dtype=torch.float32, device=embed.device)
+        p[1:] = token_probs(out.logits[0, :-1], ids[1:], st.temperature, st.top_p, st.top_k)
+        samples.append(CacheSample(len(samples), str(k), ids, prompt_len, hidden, out.logits[0].argmax(-1), "",
+                                   max_new))
+        p_tokens.append({st.label: p})
+        keep.append(k)
+    res: list[float | None] = [None] * len(sequences)
+    if samples:
+        drafts = list(iter_anchor_drafts(drafter, embed, head, samples, B, sampling=[st], p_tokens=p_tokens))
+        exp = response_expectations([d.survival[st.label].cpu() for d in drafts], [d.prompt_len for d in drafts],
+                                    [d.n_tokens for d in drafts], B)
+        for k, e in zip(keep, exp):
+            res[k] = e.tau
+    return res
+
+
+def _sampled_entry(target, drafter, embed, head, rows, stop_ids, ev: dict, st: SamplingSetting, opts, dev) -> dict:
+    """One drafter and setting at temperature > 0: ``opts.seeds`` sampled chain runs per prompt vs the expected tau.
+
+    Per sample (runs without a verify step, whose prefill token was a stop token, have ``None`` and are left
+    out of the means):
+
+    * ``taus``: each run's tau; ``runs``: how many have a verify step; ``tau_online`` / ``tau_online_se``:
+      their mean and standard error (sd / sqrt(runs)).
+    * ``tau_offline``: the evaluation's expected tau given the *cached* completion (``None`` when that had
+      no verify step); ``diff = tau_online - tau_offline``, ``rel_diff = diff / tau_online``.
+    * ``expected_taus``: the same expectation given each run's own trajectory (:func:`_expected_on_runs`);
+      their variance estimates the variance of ``tau_offline`` over the trajectories the cached completion
+      was one draw of, so ``diff_se = sqrt(tau_online_se^2 + var(expected_taus))`` is the SE of ``diff`` and
+      ``diff_over_se = diff / diff_se``.
+    * ``paired_diff``: mean over runs of ``tau - expected tau given that run's trajectory`` (0 in
+      expectation: the estimator given the trajectory is unbiased, :mod:`dflash_eval.sampling`), its
+      ``paired_se`` and ``paired_over_se``.
+
+    Macro over the samples with both sides (``n_compared``): the means of those fields, every SE as
+    ``sqrt(sum se_i^2) / n`` (independent samples), ``within_goal`` (``|rel_diff| <= SAMPLED_GOAL``), and
+    ``seconds`` (online runs and the expectations on their trajectories).
+    """
+    import time
+
+    expected = {s["id"]: e for s, e in zip(ev["samples"], ev["expected"][st.label]["samples"])}
+    B = int(ev.get("block_size") or drafter.cfg.block_size)
+    samples, t0 = [], time.perf_counter()
+    for i, r in enumerate(rows):
+        taus, seqs = [], []
+        for k in range(opts.seeds):
+            g = torch.Generator(device=dev).manual_seed(opts.seed + i * opts.seeds + k)
+            o = spec_generate(target, drafter, embed, head, r["prompt_ids"], r["max_new_tokens"], stop_ids,
+                              B, None, sampling=st, generator=g)
+            steps = o.acceptance_lengths
+            taus.append(sum(steps) / len(steps) if steps else None)
+            seqs.append(list(r["prompt_ids"]) + o.completion_ids)
+        exp_runs = _expected_on_runs(target, drafter, embed, head, seqs, len(r["prompt_ids"]), r["max_new_tokens"],
+                                     st, B)
+        ok = [k for k, t in enumerate(taus) if t is not None]
+        on, se = _mean_se([taus[k] for k in ok])
+        exp_on, _ = _mean_se([exp_runs[k] for k in ok])
+        _, paired_se = _mean_se([taus[k] - exp_runs[k] for k in ok])
+        exp = expected[r["id"]]
+        off = exp["tau"] if exp is not None else None
+        diff = on - off if on is not None and off is not None else None
+        diff_se = math.sqrt(se ** 2 + _var([exp_runs[k] for k in ok])) if se is not None else None
+        paired = on - exp_on if on is not None else None
+        samples.append({"id": r["id"], "runs": len(ok), "tau_online": on, "tau_online_se": se, "tau_offline": off,
+                        "diff": diff, "diff_se": diff_se, "diff_over_se": _ratio(diff, diff_se),
+                        "rel_diff": _ratio(diff, on), "tau_expected_online": exp_on, "paired_diff": paired,
+                        "paired_se": paired_se, "paired_over_se": _ratio(paired, paired_se), "taus": taus,
+                        "expected_taus": exp_runs})
+    both = [s for s in samples if s["tau_online"] is not None and s["tau_offline"] is not None]
+    n = len(both)
+
+    def mean(key):
+        return sum(s[key] for s in both) / n if n else None
+
+    def pooled(key):
+        vals = [s[key] for s in both]
+        return math.sqrt(sum(x * x for x in vals)) / n if n and all(x is not None for x in vals) else None
+
+    on, off, exp_on = mean("tau_online"), mean("tau_offline"), mean("tau_expected_online")
+    diff = on - off if n else None
+    paired = on - exp_on if n else None
+    rel = _ratio(diff, on)
+    return {"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k, "seeds": opts.seeds,
+            "n_compared": n, "tau_online": on, "tau_online_se": pooled("tau_online_se"), "tau_offline": off,
+            "diff": diff, "diff_se": pooled("diff_se"), "diff_over_se": _ratio(diff, pooled("diff_se")),
+            "rel_diff": rel, "within_goal": rel is not None and abs(rel) <= SAMPLED_GOAL,
+            "tau_expected_online": exp_on, "paired_diff": paired, "paired_se": pooled("paired_se"),
+            "paired_over_se": _ratio(paired, pooled("paired_se")),
+            "seconds": round(time.perf_counter() - t0, 3), "samples": samples}
+
+
+def _f(x, fmt: str = ".4f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.2f} %"
+
+
+def _markdown_sampled(r: dict) -> list[str]:
+    """The temperature > 0 part of the markdown (empty without sampled settings)."""
+    rows = [(c, label, m) for c in r["checkpoints"] for label, m in c.get("sampling", {}).items()]
+    if not rows:
+        return []
+    lines = ["", (f"**Speculative sampling (temperature > 0).** Per setting, each prompt is decoded {r['seeds']} "
+                  "times (one seed each) by dflash==0.1.0's speculative sampler with the target in the loop (DFlash "
+                  "chain): drafts sampled from the drafter's filtered q, verified against the target's filtered p "
+                  "by rejection sampling (correction from max(p - q, 0), bonus token from p). Online, the context "
+                  "is the target's own trajectory as sampled in that run. *tau offline* is evaluate's expected tau "
+                  "given the *cached* completion: teacher-forced on that one trajectory, drawn at the completions' "
+                  "setting (*trajectory*). Online and offline have the same mean over trajectories, not per "
+                  "sample, so *SE* is the standard error of the difference: the online runs' SE and the spread "
+                  "of the expected tau over trajectories, estimated from the expectation given each online run's "
+                  "own trajectory (*E[tau] online traj.*). *paired*: online tau minus that expectation, run by "
+                  "run (0 in expectation; the check of the estimator). Goal: the macro difference within 3 % of "
+                  "the online tau."), "",
+             ("| checkpoint | prompt set | setting | trajectory | samples | tau online (mean +- SE) | tau offline | "
+              "diff | diff / SE | within 3 % | E[tau] online traj. | paired diff / SE |"),
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for c, label, m in rows:
+        cs = c.get("completion_sampling") or {}
+        traj = SamplingSetting(float(cs.get("temperature", 0)), float(cs.get("top_p", 1.0)),
+                               int(cs.get("top_k", 0))).label if cs else "?"
+        lines.append(f"| {c['checkpoint']} | {c['prompt_set']} | {label} | {traj} | {m['n_compared']} | "
+                     f"{_f(m['tau_online'])} +- {_f(m['tau_online_se'])} | {_f(m['tau_offline'])} | "
+                     f"{_pct(m['rel_diff'])} | {_f(m['diff_over_se'], '+.2f')} | "
+                     f"{'yes' if m['within_goal'] else '**no**'} | {_f(m['tau_expected_online'])} | "
+                     f"{_f(m['paired_over_se'], '+.2f')} |")
+    lines += ["", "Per sample:", "",
+              ("| checkpoint | setting | sample | runs | tau online | SE online | tau offline | diff | diff / SE | "
+               "E[tau] online traj. | paired diff / SE |"),
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, label, m in rows:
+        for s in m["samples"]:
+            lines.append(f"| {c['checkpoint']} | {label} | `{s['id']}` | {s['runs']} | {_f(s['tau_online'])} | "
+                         f"{_f(s['tau_online_se'])} | {_f(s['tau_offline'])} | {_f(s['diff'], '+.4f')} | "
+                         f"{_f(s['diff_over_se'], '+.2f')} | {_f(s['tau_expected_online'])} | "
+                         f"{_f(s['paired_over_se'], '+.2f')} |")
+    return lines
+
+
 def _markdown(r: dict) -> str:
-    lines = [f"Greedy speculative decoding with the target in the loop on the first {r['n_samples']} prompts of "
+    lines = [(f"Greedy speculative decoding with the target in the loop on the first {r['n_samples']} prompts of "
              f"`{r['completions']}` ({r['device']}, {r['dtype']}), against the offline replay of the same samples. "
              "DDTree verifies its tree in one target forward with an ancestor-only mask. *same output*: the online "
              "completion equals the cached greedy completion; for those, the per-step acceptance lengths must be "
              "identical (*identical*). In bf16 the online trajectory may leave the cached completion at a near-tie; "
              "the macro tau difference is then the measure (goal within 2 %). *ok*: every same-output sample has "
-             "identical steps.", "",
-             "| checkpoint | prompt set | mode | tau online | tau offline | diff | within 2 % | same output | "
-             "identical steps | ok |",
+             "identical steps."), "",
+             ("| checkpoint | prompt set | mode | tau online | tau offline | diff | within 2 % | same output | "
+              "identical steps | ok |"),
              "|---|---|---|---:|---:|---:|---|---:|---:|---|"]
     for c in r["checkpoints"]:
         for name, m in c["modes"].items():
@@ -170,4 +431,4 @@ def _markdown(r: dict) -> str:
     if bad:
         lines += ["", "Same output but different acceptance (first differing verify step):", ""]
         lines += [f"- `{c}` {name} `{s['id']}`: step {s['first_step_diff']}" for c, name, s in bad]
-    return "\n".join(lines)
+    return "\n".join(lines + _markdown_sampled(r))
