@@ -510,8 +510,7 @@ def check_sampling_settings(config: dict) -> None:
     """
     seen = {}
     for i, entry in enumerate(config.get("evaluate", {}).get("sampling") or [{"temperature": 0}]):
-        t = float(entry.get("temperature", 0))  # temperature 0 ignores the filters (one-hot argmax)
-        key = (t, float(entry.get("top_p", 1.0)), int(entry.get("top_k", 0))) if t > 0 else (0.0,)
+        key = _setting_key(entry)  # temperature 0 ignores the filters (one-hot argmax)
         if key in seen:
             raise InputError("config", f"evaluate.sampling[{i}]", f"the same setting as entry {seen[key]}",
                              "list each sampling setting once")
@@ -551,18 +550,18 @@ def check_optional_rules(plan: Plan) -> None:
         raise InputError("config", "validate_online.ddtree_budget", f"{budget} is not one of evaluate.ddtree_budgets "
                          f"{budgets} (the offline side of the comparison)",
                          "add it there, pick one of them, or set 0 (chain only)")
-    evaluated = {_setting_label(e) for e in plan.config["evaluate"]["sampling"]}
+    evaluated = {_setting_key(e) for e in plan.config["evaluate"]["sampling"]}
     for i, e in enumerate(plan.config["validate_online"].get("sampling") or []):
-        if _setting_label(e) not in evaluated:
-            raise InputError("config", f"validate_online.sampling[{i}]", f"{_setting_label(e)} is not one of "
-                             f"evaluate.sampling {sorted(evaluated)} (its expected tau is the offline side)",
+        if _setting_key(e) not in evaluated:
+            t, top_p, top_k = _setting_key(e)
+            raise InputError("config", f"validate_online.sampling[{i}]", f"temperature {t:g}, top_p {top_p:g}, "
+                             f"top_k {top_k} is not one of evaluate.sampling (its expected tau is the offline side)",
                              "add it to evaluate.sampling, or drop it (null = every evaluated setting with "
                              "temperature > 0)")
 
 
-def _setting_label(entry: dict) -> str:
-    """A sampling setting's label (:attr:`dflash_eval.sampling.SamplingSetting.label`) from a config entry."""
-    from .sampling import SamplingSetting
-
-    return SamplingSetting(float(entry.get("temperature", 0)), float(entry.get("top_p", 1.0)),
-                           int(entry.get("top_k", 0))).label
+def _setting_key(entry: dict) -> tuple:
+    """A sampling setting's identity as :func:`check_sampling_settings` compares them (no torch import at parse
+    time): ``(temperature, top_p, top_k)``, ``(0.0,)`` for temperature 0 (which ignores the filters)."""
+    t = float(entry.get("temperature", 0))
+    return (t, float(entry.get("top_p", 1.0)), int(entry.get("top_k", 0))) if t > 0 else (0.0,)

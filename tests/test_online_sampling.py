@@ -29,12 +29,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_workflow import PROMPTS_A, PROMPTS_B, TRAINED_DRAFTER  # noqa: E402
-from tiny import make_tiny_target  # noqa: E402
+from test_workflow import PROMPTS_A, PROMPTS_B, TRAINED_DRAFTER
+from tiny import make_tiny_target
 
-from dflash_eval.errors import InputError  # noqa: E402
-from dflash_eval.online import spec_generate  # noqa: E402
-from dflash_eval.sampling import SamplingSetting  # noqa: E402
+from dflash_eval.errors import InputError
+from dflash_eval.online import spec_generate
+from dflash_eval.sampling import SamplingSetting
 
 T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 #: low temperature: the tiny target is nearly flat over its top 20 at T = 1 (tau about 1.04), here about 1.4

@@ -31,7 +31,7 @@ def _config(**over):
 
 def test_plan_module_imports_no_torch():
     code = "import sys, dflash_eval.plan, dflash_eval.target_spec, dflash_eval.options; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
@@ -322,3 +322,24 @@ def test_cache_source_vllm_flags_gpus_and_rerun_neutral_options():
     user = p({"source": "vllm", "vllm": {"url": "http://gpu-host:8000"}})
     assert user.hidden_states_gpus == 0 and user.remote_cache_server
     assert "--vllm-url=http://gpu-host:8000" in user.stage_flags("hidden_states").split()
+
+
+def test_validate_online_sampling_must_be_an_evaluated_setting():
+    """validate_online.sampling compares with evaluate's expected tau of the same setting: one evaluate does not
+    evaluate is refused at parse time, naming the entry (values compared as numbers, so 1 == 1.0)."""
+    from types import SimpleNamespace
+
+    def fake(vo_sampling):
+        config = {"evaluate": {"ddtree_budgets": [], "sampling": [{"temperature": 0},
+                                                                  {"temperature": 1.0, "top_p": 0.95, "top_k": 20}]},
+                  "validate_online": {"enabled": True, "sampling": vo_sampling}}
+        return SimpleNamespace(config=config, prompt_sets=["p"], checkpoints={"c": None}, validate_online_budget=0,
+                               _selected=lambda section: ("p", ["c"]))
+
+    plan.check_optional_rules(fake(None))
+    plan.check_optional_rules(fake([]))
+    plan.check_optional_rules(fake([{"temperature": 1, "top_p": 0.95, "top_k": 20}]))
+    with pytest.raises(InputError, match=r"validate_online\.sampling\[1\]: temperature 1, top_p 0\.9, top_k 20 is "
+                                         r"not one of evaluate\.sampling"):
+        plan.check_optional_rules(fake([{"temperature": 1, "top_p": 0.95, "top_k": 20},
+                                        {"temperature": 1, "top_p": 0.9, "top_k": 20}]))
