@@ -42,8 +42,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("stages.evaluate", "offline greedy speculative-decoding replay -> per-sample acceptance"),
     "kernel-parity": ("stages.kernel_parity", "extract a few samples with fla and with torch linear-attention kernels; "
                                               "per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
-    "validate-online": ("stages.validate_online", "true speculative decoding (target in the loop: chain and one DDTree "
-                                                  "budget) of a few prompts vs the offline replay of the same samples"),
+    "validate-online": ("stages.validate_online", ("true speculative decoding (target in the loop: chain and one "
+                                                   "DDTree budget; at temperature > 0 the chain's speculative sampler "
+                                                   "over seeds) of a few prompts vs the offline replay / expected tau")),
     "validate-engine": ("stages.validate_engine", "acceptance and speed measured by vLLM (plain and DFlash servers) "
                                                   "vs the offline replay of the same samples"),
     "target-costs": ("stages.target_costs", "time the target's decode step, its verify forwards of n tokens and the "

@@ -1,7 +1,8 @@
 # Online validation: true speculative decoding with the target in the loop (the DFlash
-# chain, and one DDTree budget verified in one target forward with an ancestor-only mask)
+# chain, and one DDTree budget verified in one target forward with an ancestor-only mask;
+# at each evaluated temperature > 0 the chain's speculative sampler over several seeds)
 # for the first few prompts of one prompt set, compared per sample with the offline
-# replay of the same samples -> results/{run}/validate_online.json (title + markdown for
+# replay / expected tau of the same samples -> results/{run}/validate_online.json (title + markdown for
 # `report --extra`). Enabled by validate_online.enabled (off by default; checked in
 # dflash_eval/plan.py).
 

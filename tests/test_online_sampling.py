@@ -40,6 +40,9 @@ T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 #: low temperature: the tiny target is nearly flat over its top 20 at T = 1 (tau about 1.04), here about 1.4
 TLOW = {"temperature": 0.05, "top_p": 0.95, "top_k": 20}
 MAX_NEW = 24
+#: the stage test (c): its setting, runs per prompt, and copies of the 7 prompts (each copy its own sampled
+#: completion); docs/measurements.md also quotes a run with COPIES = 4, SEEDS = 16
+STAGE_SETTING, SEEDS, COPIES = TLOW, 8, 1
 
 
 @pytest.fixture(scope="module")
@@ -120,22 +123,22 @@ def test_spec_generate_refuses_sampling_with_ddtree_or_dflash2(tiny):
 
 @pytest.fixture(scope="module")
 def staged(tiny):
-    """Completions sampled at TLOW (seed 0), a cache with the final hidden state, evaluate at TLOW (the greedy
-    replay on sampled completions is refused without cross_temperature)."""
+    """Completions sampled at STAGE_SETTING (seed 0), a cache with the final hidden state, evaluate at that
+    setting (the greedy replay on sampled completions is refused without cross_temperature)."""
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     d = tiny["dir"]
     rows = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p}
-            for i, p in enumerate(tiny["prompts"])]
+            for i, p in enumerate(tiny["prompts"] * COPIES)]
     (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     generate_completions(tiny["target_dir"], d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=MAX_NEW,
-                         batch_size=len(rows), device="cpu", dtype="float32", sampling={**TLOW, "seed": 0})
+                         batch_size=len(rows), device="cpu", dtype="float32", sampling={**STAGE_SETTING, "seed": 0})
     extract_hidden_states(tiny["target_dir"], d / "c.jsonl", d / "c.h5", layer_ids=[1, 2, 3], device="cpu",
                           dtype="float32", final_hidden=True)
     evaluate(TRAINED_DRAFTER, d / "c.h5", tiny["target_dir"], d / "ev.json", device="cpu", dtype="float32",
-             ddtree_budgets=[], sampling=[TLOW], checkpoint_name="trained", prompt_set="set")
+             ddtree_budgets=[], sampling=[STAGE_SETTING], checkpoint_name="trained", prompt_set="set")
     return d
 
 
@@ -149,10 +152,10 @@ def _validate(tiny, d, out, **kw):
 def test_validate_online_sampled_vs_offline_expected(tiny, staged):
     from dflash_eval.completions_file import read_completions
 
-    d, seeds = staged, 8
-    r = _validate(tiny, d, "vo.json", n_samples=len(tiny["prompts"]), seeds=seeds, seed=0)
+    d, seeds = staged, SEEDS
+    r = _validate(tiny, d, "vo.json", n_samples=len(tiny["prompts"]) * COPIES, seeds=seeds, seed=0)
     ev = json.loads((d / "ev.json").read_text())
-    label = SamplingSetting(**TLOW).label
+    label = SamplingSetting(**STAGE_SETTING).label
     assert [s["label"] for s in r["sampling_settings"]] == [label]  # null = every T > 0 setting evaluated
     c = r["checkpoints"][0]
     assert set(c["modes"]) == {"chain"}  # the greedy check still runs
@@ -186,7 +189,7 @@ def test_validate_online_sampled_vs_offline_expected(tiny, staged):
     assert m["rel_diff"] == pytest.approx((m["tau_online"] - m["tau_offline"]) / m["tau_online"], rel=1e-12)
     # the seeding convention: run k of the i-th prompt is spec_generate with a generator seeded seed + i * seeds + k
     i, k = 2, 5
-    one = _ours(tiny, rows[i]["prompt_ids"], TLOW, seed=i * seeds + k)
+    one = _ours(tiny, rows[i]["prompt_ids"], STAGE_SETTING, seed=i * seeds + k)
     assert m["samples"][i]["taus"][k] == sum(one.acceptance_lengths) / len(one.acceptance_lengths)
     saved = json.loads((d / "vo.json").read_text())
     assert saved["checkpoints"][0]["sampling"][label]["tau_online"] == m["tau_online"]
@@ -198,7 +201,7 @@ def test_validate_online_sampled_vs_offline_expected(tiny, staged):
           f"{'met' if m['within_goal'] else 'not met'}); given the online runs' own trajectories "
           f"{m['tau_expected_online']:.4f}: paired difference {m['paired_diff']:+.4f} +- {m['paired_se']:.4f}, "
           f"{m['paired_over_se']:+.2f} SE, {100 * m['paired_diff'] / m['tau_online']:+.2f} %")
-    assert m["tau_online"] > 1.2 and m["tau_offline"] > 1.2  # drafts are accepted on both sides
+    assert m["tau_online"] > 1.2 or STAGE_SETTING is not TLOW  # drafts are accepted
     # the cached side is one trajectory per prompt: with 7 prompts its spread (diff_se, about 7 % of tau here)
     # exceeds the 3 % goal, which is asserted on the paired comparison; both within 3 SE
     assert abs(m["diff_over_se"]) <= 3 and abs(m["paired_over_se"]) <= 3
