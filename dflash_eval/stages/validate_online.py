@@ -269,8 +269,9 @@ def _expected_on_runs(target, drafter, embed, head, sequences: list[list[int]], 
         hidden = torch.stack([out.hidden_states[i + 1][0] for i in layers], dim=1).to(embed.dtype)  # [T, K, H]
         p = torch.ones(len(seq), dtype=torch.float32, device=embed.device)
         p[1:] = token_probs(out.logits[0, :-1], ids[1:], st.temperature, st.top_p, st.top_k)
-        samples.append(CacheSample(len(samples), str(k), ids, prompt_len, hidden, out.logits[0].argmax(-1), "",
-                                   max_new))
+        # on the host, as evaluate reads them from the cache; p on the compute device, as evaluate's
+        samples.append(CacheSample(len(samples), str(k), ids.cpu(), prompt_len, hidden.cpu(),
+                                   out.logits[0].argmax(-1).cpu(), "", max_new))
         p_tokens.append({st.label: p})
         keep.append(k)
     res: list[float | None] = [None] * len(sequences)
