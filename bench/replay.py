@@ -72,6 +72,7 @@ import argparse
 import functools
 import glob
 import json
+import math
 import sys
 import tempfile
 import time
@@ -241,8 +242,11 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
                                            batch_size=args.seq_batch))
     progress(name, f"sequential: {t_seq:.2f} s", t_case)
     k = min(args.online_samples, n)
-    t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev, drafter, embed, head)
-    progress(name, f"online loop, {k} samples: {t_onl:.2f} s", t_case)
+    if k:
+        t_onl, onl, outs = online(ref, ref_drafter, target, samples[:k], max_new, stop, dev, drafter, embed, head)
+        progress(name, f"online loop, {k} samples: {t_onl:.2f} s", t_case)
+    else:  # --online-samples 0: batched vs sequential only
+        t_onl, onl, outs, k = math.nan, [], [], 1
     tau = lambda recs: aggregate(recs, B).tau  # noqa: E731
     tokens = sum(len(s.input_ids) - s.prompt_len for s in samples)
     tb = t_bat[default]
@@ -252,12 +256,13 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
         print(f"  batched {layout:7s}{mark:10s}: {t_bat[layout]:8.2f} s  ({t_bat[layout] / n * 1e3:8.1f} ms/sample)  "
               f"tau {tau(bat[layout]):.4f}")
     print(f"  sequential                : {t_seq:8.2f} s  ({t_seq / n * 1e3:8.1f} ms/sample)  tau {tau(seq):.4f}")
-    print(f"  online loop ({'dflash' if ref is not None else 'ours'})        : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  "
-          f"tau {tau(onl):.4f}")
+    if onl:
+        print(f"  online loop ({'dflash' if ref is not None else 'ours'})        : {t_onl:8.2f} s  ({t_onl / k * 1e3:8.1f} ms/sample, {k} samples)  "
+              f"tau {tau(onl):.4f}")
     print(f"  ratio sequential / batched ({default})        : {t_seq / tb:8.1f}x   (goal >= 20x at 1k tokens)")
     print(f"  ratio online / batched ({default}), per sample : {(t_onl / k) / (tb / n):8.1f}x   (goal >= 50x)")
     print(f"  ratio online / sequential, per sample      : {(t_onl / k) / (t_seq / n):8.1f}x")
-    same_out = [i for i in range(k) if outs[i] == samples[i].input_ids[samples[i].prompt_len:].tolist()]
+    same_out = [i for i in range(len(outs)) if outs[i] == samples[i].input_ids[samples[i].prompt_len:].tolist()]
     print(f"  online output == cached completion: {len(same_out)}/{k} samples; of those, batched acceptance == online: "
           f"{sum(bat[default][i] == onl[i] for i in same_out)}/{len(same_out)}")
     for layout in LAYOUTS:
@@ -282,7 +287,7 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
     return {"case": name, "n": n, "batched_s": t_bat, "default_layout": default, "sequential_s": t_seq,
             "online_s": t_onl, "online_n": k, "online_loop": "dflash" if ref is not None else "dflash_eval.online",
             "tau_batched": {x: tau(bat[x]) for x in LAYOUTS},
-            "tau_sequential": tau(seq), "tau_online": tau(onl),
+            "tau_sequential": tau(seq), "tau_online": tau(onl) if onl else None,
             "differ": {x: sum(bat[x][i] != seq[i] for i in range(n)) for x in LAYOUTS}, "gemm_tflops": flops_rate}
 
 
@@ -469,7 +474,7 @@ def main(argv=None):
     ap.add_argument("--big-prompt", type=int, default=128)
     ap.add_argument("--big-new", type=int, default=1024)
     ap.add_argument("--big-draft-layers", type=int, default=1)
-    ap.add_argument("--online-samples", type=int, default=4, help="samples decoded by the online loop (per drafter)")
+    ap.add_argument("--online-samples", type=int, default=4, help="samples decoded by the online loop (per drafter; 0 = no online loop)")
     ap.add_argument("--seq-batch", type=int, default=0, help="cap on the sequential replay's batch (0 = memory-sized)")
     ap.add_argument("--real-n", type=int, default=32, help="samples of the real-size drafter case")
     ap.add_argument("--real-prompt", type=int, default=128)
@@ -479,7 +484,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.smoke:
         args.smol_n, args.smol_new, args.prompt_len = 2, 12, 8
-        args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, 1
+        args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, min(args.online_samples, 1)
         args.real_n, args.real_prompt, args.real_new = 2, 16, 48
     from dflash_eval.runtime import resolve_device, resolve_dtype
 
