@@ -42,6 +42,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("stages.evaluate", "offline greedy speculative-decoding replay -> per-sample acceptance"),
     "kernel-parity": ("stages.kernel_parity", "extract a few samples with fla and with torch linear-attention kernels; "
                                               "per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
+    "engine-parity": ("stages.engine_parity", ("extract a few samples with the other hidden-state source (vLLM / HF) "
+                                               "than the run's; per-layer and per-sample parity and tau per drafter "
+                                               "on each")),
     "validate-online": ("stages.validate_online", ("true speculative decoding (target in the loop: chain and one "
                                                    "DDTree budget; at temperature > 0 the chain's speculative sampler "
                                                    "over seeds) of a few prompts vs the offline replay / expected tau")),

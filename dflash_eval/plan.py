@@ -160,11 +160,15 @@ def check_generation(gen: dict) -> None:
                          "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
 
 
-def check_cache(cache: dict) -> None:
+def check_cache(cache: dict, engine_parity: bool = False) -> None:
     """Cross-field checks of config section ``cache`` (the ``vllm`` source).
 
+    ``engine_parity``: ``engine_parity.enabled``; with ``source: hf`` its job extracts with vLLM, configured by
+    ``cache.vllm``, so those settings are then checked as for ``source: vllm``.
+
     Raises:
-        InputError: ``shards`` > 1 with ``source: vllm``; ``cache.vllm.url`` with ``source: hf`` (it would be ignored); settings of the job-owned
+        InputError: ``shards`` > 1 with ``source: vllm``; ``cache.vllm.url`` with ``source: hf`` and no
+            ``engine_parity`` (it would be ignored); settings of the job-owned
             server (``tensor_parallel_size`` > 1, a ``connector`` other than ``auto``) together with ``url``
             (your server has its own flags: docs/serving-engines.md); ``storage_dir`` without ``url``.
     """
@@ -173,10 +177,11 @@ def check_cache(cache: dict) -> None:
     if cache.get("source", "hf") == "vllm" and int(cache.get("shards", 1) or 1) > 1:
         raise InputError("config", "cache.shards", f"{cache['shards']} shards split the HF forward, but cache.source "
                          "is 'vllm' (one server per prompt set)", "drop cache.shards, or use cache.source: hf")
-    if cache.get("source", "hf") != "vllm":
+    if cache.get("source", "hf") != "vllm" and not engine_parity:
         if url:
             raise InputError("config", "cache.vllm.url", "set, but cache.source is 'hf' (the HF forward inside the "
-                             "job): the server would not be used", "set cache.source: vllm, or drop cache.vllm.url")
+                             "job) and engine_parity is off: the server would not be used",
+                             "set cache.source: vllm (or engine_parity.enabled: true), or drop cache.vllm.url")
         return
     if url:
         if int(v.get("tensor_parallel_size", 1)) > 1 or v.get("connector", "auto") != "auto":
@@ -378,7 +383,7 @@ class Plan:
 
         return runtime_env(self.config)
 
-    # ---- optional rules: kernel_parity, validate_online and validate_engine (checked in build_plan)
+    # ---- optional rules: kernel_parity, engine_parity, validate_online and validate_engine (checked in build_plan)
     def _selected(self, section: str) -> tuple[str, list[str]]:
         cfg = self.config[section]
         return cfg.get("prompt_set") or self.prompt_sets[0], list(cfg["checkpoints"] or self.checkpoints)
@@ -390,6 +395,28 @@ class Plan:
     @property
     def kernel_parity_checkpoints(self) -> list[str]:
         return self._selected("kernel_parity")[1]
+
+    @property
+    def engine_parity_prompt_set(self) -> str:
+        return self._selected("engine_parity")[0]
+
+    @property
+    def engine_parity_checkpoints(self) -> list[str]:
+        return self._selected("engine_parity")[1]
+
+    @property
+    def engine_parity_gpus(self) -> int:
+        """GPUs of the engine_parity job: the HF side's :attr:`target_gpus`, or, when the run's source is hf (so
+        the job extracts with vLLM), a job-owned server's ``cache.vllm.tensor_parallel_size`` when more (the two
+        run one after the other inside the job)."""
+        cache = self.config["cache"]
+        v = cache.get("vllm") or {}
+        server = 0 if cache.get("source") == "vllm" or v.get("url") else int(v.get("tensor_parallel_size", 1))
+        return max(self.target_gpus, server)
+
+    def engine_parity_outputs(self) -> list[str]:
+        """``[results/<run>/engine_parity.json]`` when ``engine_parity.enabled``, else ``[]``."""
+        return [self.run_path("engine_parity.json")] if self.config.get("engine_parity", {}).get("enabled") else []
 
     @property
     def validate_online_prompt_set(self) -> str:
@@ -432,7 +459,8 @@ class Plan:
 
     def extra_outputs(self) -> list[str]:
         """The optional report sections (passed to ``report --extra``)."""
-        return self.kernel_parity_outputs() + self.validate_online_outputs() + self.validate_engine_outputs()
+        return (self.kernel_parity_outputs() + self.engine_parity_outputs() + self.validate_online_outputs()
+                + self.validate_engine_outputs())
 
     @property
     def target_costs_threads(self) -> int:
@@ -489,7 +517,7 @@ def build_plan(config: dict) -> Plan:
                              "resolved against the working directory)", "correct the path or remove the prompt set")
     check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
-    check_cache(config["cache"])
+    check_cache(config["cache"], engine_parity=bool(config.get("engine_parity", {}).get("enabled")))
     target = resolve_target(config["target"])
     checkpoints = checkpoint_table(config["checkpoints"])
     spec = target_spec_if_known(target)
@@ -523,7 +551,7 @@ def check_sampling_settings(config: dict) -> None:
 
 
 def check_optional_rules(plan: Plan) -> None:
-    """Cross-field checks of ``kernel_parity``, ``validate_online`` and ``validate_engine`` when enabled.
+    """Cross-field checks of ``kernel_parity``, ``engine_parity``, ``validate_online`` and ``validate_engine`` when enabled.
 
     Raises:
         InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
@@ -531,7 +559,7 @@ def check_optional_rules(plan: Plan) -> None:
             offline side of the comparison), a ``validate_online.sampling`` entry that is not one of
             ``evaluate.sampling`` (its expected tau is the offline side).
     """
-    for section in ("kernel_parity", "validate_online", "validate_engine"):
+    for section in ("kernel_parity", "engine_parity", "validate_online", "validate_engine"):
         if not plan.config.get(section, {}).get("enabled"):
             continue
         prompt_set, ckpts = plan._selected(section)

@@ -119,7 +119,7 @@ def _shell_prefix():
 shell.prefix(_shell_prefix())
 
 
-# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity, target_costs): config
+# Threads of the torch rules (completions, hidden_states, evaluate, kernel_parity, engine_parity, target_costs): config
 # torch_threads. Snakemake exports it as OMP_NUM_THREADS (torch's intra-op threads), SLURM
 # jobs ask for that many CPUs (--cpus-per-task), and --cores caps it (local runs: at most the
 # cores you allow). Not workflow.cores: that fails at parse time when --cores is unset

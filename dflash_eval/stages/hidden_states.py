@@ -77,16 +77,34 @@ def add_arguments(p) -> None:
 
 
 def main(args, opts) -> None:
+    extract_cache(args.target, args.completions, args.out, args.layer_ids, opts,
+                  target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
+                  server_log=args.server_log, shard=args.shard)
+
+
+def extract_cache(target_dir, completions_path, out, layer_ids: list[int], opts, *, target_fingerprint=None,
+                  keep_partial: bool = False, server_log: str | None = None, shard=None) -> Path:
+    """The cache of ``completions_path`` from the source ``opts.source`` names (config ``cache.source``).
+
+    ``hf``: :func:`extract_hidden_states` (the target's HF forward in this process); ``vllm``:
+    :func:`dflash_eval.vllm_states.extract_hidden_states_vllm` (a vLLM server in extract mode; ``server_log``
+    is the job-owned server's log, ``shard`` is refused there). The one dispatch of the two sources, used by
+    this stage and by ``engine_parity``. Arguments, return value and errors: those two functions.
+
+    Raises:
+        InputError: ``shard`` with source ``vllm`` (one server per prompt set), and what the source raises.
+    """
     if opts.source == "vllm":  # a vLLM server in extract mode (dflash_eval.vllm_states)
         from ..vllm_states import extract_hidden_states_vllm
 
-        extract_hidden_states_vllm(args.target, args.completions, args.out, args.layer_ids, opts,
-                                   target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
-                                   server_log=args.server_log)
-        return
-    extract_hidden_states(args.target, args.completions, args.out, args.layer_ids, opts,
-                          target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
-                          shard=args.shard)
+        if shard is not None:
+            raise InputError("config", "cache.shards", "shards split the HF forward, but cache.source is 'vllm'",
+                             "drop cache.shards, or use cache.source: hf")
+        return extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids, opts,
+                                          target_fingerprint=target_fingerprint, keep_partial=keep_partial,
+                                          server_log=server_log)
+    return extract_hidden_states(target_dir, completions_path, out, layer_ids, opts,
+                                 target_fingerprint=target_fingerprint, keep_partial=keep_partial, shard=shard)
 
 
 def _storage_view(t: torch.Tensor) -> np.ndarray:
