@@ -16,6 +16,7 @@ REQUIRED = {
     "prompts": ["--source", "file", "--tokenizer", "t", "--out", "o"],
     "demo-checkpoint": ["--target", "t", "--out", "o"],
     "kernel-parity": ["--target", "t", "--completions", "c", "--out", "o"],
+    "engine-parity": ["--target", "t", "--completions", "c", "--cache", "h", "--out", "o"],
 }
 
 
@@ -25,6 +26,8 @@ REQUIRED = {
     ("hidden-states", ["--layer-ids=-1,2"], "0-based decoder layers (>= 0)"),
     ("hidden-states", ["--layer-ids", "1", "--batch-tokens", "0"], "0 is less than the minimum of 1 (cache.batch_tokens in the config schema)"),
     ("kernel-parity", ["--layer-ids", "1", "--n-samples", "0"], "kernel_parity.n_samples"),
+    ("engine-parity", ["--layer-ids", "1", "--n-samples", "0"], "engine_parity.n_samples"),
+    ("engine-parity", ["--layer-ids", "1", "--source", "sglang"], "'sglang' is not one of ['hf', 'vllm'] (cache.source"),
     ("evaluate", ["--max-samples", "-1"], "-1 is less than the minimum of 0 (evaluate.max_samples in the config schema)"),
     ("evaluate", ["--batch-size", "-1"], "evaluate.batch_size"),
     ("evaluate", ["--agreement-min", "1.5"], "1.5 is greater than the maximum of 1 (evaluate.agreement_min in the config schema)"),

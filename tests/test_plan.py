@@ -296,6 +296,33 @@ def test_cache_source_vllm_checks(cache, field, problem):
     assert err.value.field == field
 
 
+def test_cache_vllm_configures_engine_parity_s_vllm_side_when_the_source_is_hf():
+    """With engine_parity on, a run whose cache.source is hf uses cache.vllm for the vLLM side: a url is accepted,
+    and the checks of a vLLM source apply; the job's GPUs follow the side that needs more."""
+    user = {"source": "hf", "vllm": {"url": "http://h:8000", "storage_dir": "/shared/dumps"}}
+    plan.check_cache(user, engine_parity=True)
+    with pytest.raises(InputError, match="names your own server"):
+        plan.check_cache({"source": "hf", "vllm": {"url": "http://h:8000", "tensor_parallel_size": 2}}, engine_parity=True)
+    with pytest.raises(InputError, match="engine_parity is off"):
+        plan.check_cache(user)
+    files = plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"])
+
+    def p(cache, devices=0):
+        cfg = {"run": "r", "cache": cache, "target": {"devices": devices},
+               "engine_parity": {"enabled": True, "checkpoints": [], "n_samples": 3},
+               "kernel_parity": {"enabled": False}, "validate_online": {"enabled": False}}
+        return plan.Plan(cfg, "r", ["a", "b"], files, {"c1": {}}, [1])
+
+    job = p({"source": "hf", "vllm": {"tensor_parallel_size": 4}})
+    assert job.engine_parity_gpus == 4 and job.hidden_states_gpus == 1
+    assert p({"source": "hf", "vllm": {"url": "http://h:8000"}}, devices=2).engine_parity_gpus == 2
+    assert p({"source": "vllm", "vllm": {"tensor_parallel_size": 4}}).engine_parity_gpus == 1  # its HF side only
+    assert job.engine_parity_outputs() == ["results/r/engine_parity.json"] == job.extra_outputs()
+    assert (job.engine_parity_prompt_set, job.engine_parity_checkpoints) == ("a", ["c1"])
+    flags = job.stage_flags("engine_parity").split()
+    assert {"--n-samples=3", "--source=hf", "--vllm-tensor-parallel-size=4"} <= set(flags)
+
+
 def test_cache_source_vllm_flags_gpus_and_rerun_neutral_options():
     """The hidden_states rule's flags, GPUs and threads follow cache.source / cache.vllm (schema defaults filled)."""
     from dflash_eval.config import load_schema

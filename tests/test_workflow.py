@@ -192,13 +192,40 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     assert "--extra" not in report
 
 
+def test_dry_run_engine_parity_wiring(tmp_path):
+    """engine_parity.enabled adds one job reading the prompt set's completions and the run's cache of that set,
+    with the cache section's flags (the source the job does not use is the other one); its JSON goes to the
+    report; off by default."""
+    wd = copy_workflow(tmp_path / "wf")
+    (wd / "ep.yaml").write_text(f"engine_parity: {{enabled: true, prompt_set: sharegpt, n_samples: 2, "
+                                f"checkpoints: [{DEMO_NAMES[1]}]}}\ncache: {{vllm: {{python: /opt/vllm/bin/python}}}}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "ep.yaml").stdout
+    assert job_counts(out) == {**DEMO_JOBS, "engine_parity": 1}
+    from dflash_eval.cli import build_parser
+
+    parser = build_parser()
+    cmds = {parser.parse_args(dflash_eval_argv(c)).cmd: parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)}
+    ep = cmds["engine-parity"]
+    assert (ep.completions, ep.cache) == ("results/demo/completions/sharegpt.jsonl", "results/demo/cache/sharegpt.h5")
+    assert ep.drafter == [f"results/demo/drafters/{DEMO_NAMES[1]}"] and ep.layer_ids == [1, 8, 15, 22, 27]
+    assert (ep.source, ep.n_samples, ep.vllm__python) == ("hf", 2, "/opt/vllm/bin/python")
+    assert ep.server_log == "logs/engine_parity/demo.vllm.log" and ep.out == "results/demo/engine_parity.json"
+    assert ep.target_fingerprint == cmds["hidden-states"].target_fingerprint
+    assert cmds["report"].extra == ["results/demo/engine_parity.json"]
+    # a user's server for the vLLM side is accepted next to cache.source hf only with engine_parity on
+    (wd / "url.yaml").write_text("cache: {vllm: {url: 'http://gpu-host:8000'}}\n")
+    assert smk(wd, "-n", "--configfile", "config/demo.yaml", "ep.yaml", "url.yaml").returncode == 0
+    proc = smk(wd, "-n", "--configfile", "config/demo.yaml", "url.yaml", check=False)
+    assert proc.returncode != 0 and "engine_parity is off" in proc.stdout + proc.stderr
+
+
 def test_dry_run_vllm_engine_config(tmp_path):
     """config/vllm-engine.yaml over the demo: hidden_states with --source=vllm (server options as flags, the
     rerun-neutral ones in the environment), one validate_engine job per run reading every checkpoint's drafter
     and evaluation and the target costs, its JSON in the report; off by default."""
     wd = copy_workflow(tmp_path / "wf")
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "config/vllm-engine.yaml").stdout
-    assert job_counts(out) == {**DEMO_JOBS, "validate_engine": 1}
+    assert job_counts(out) == {**DEMO_JOBS, "validate_engine": 1, "engine_parity": 1}
     from dflash_eval.cli import build_parser
 
     parser = build_parser()
@@ -216,7 +243,9 @@ def test_dry_run_vllm_engine_config(tmp_path):
     assert ve.completions == "results/demo/completions/humaneval.jsonl"
     assert ve.target_costs == "results/demo/target_costs.json" and ve.work_dir == "results/demo/validate_engine.json.work"
     assert (ve.n_samples, ve.cpu_fix, ve.method) == (16, "auto", "dflash")
-    assert cmds["report"].extra == ["results/demo/validate_engine.json"]
+    assert cmds["report"].extra == ["results/demo/engine_parity.json", "results/demo/validate_engine.json"]
+    ep = cmds["engine-parity"]  # the vLLM cache of the first 4 HumanEval completions against HF's
+    assert (ep.source, ep.n_samples, ep.cache) == ("vllm", 4, "results/demo/cache/humaneval.h5")
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
     assert "validate-engine" not in out and "--source=hf" in out
     # a user's server with a job-owned server's setting is refused at parse time

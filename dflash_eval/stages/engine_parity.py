@@ -132,7 +132,7 @@ def compare_caches(hf: CacheReader, vllm: CacheReader, n: int) -> dict:
         rel = (d.pow(2).sum((0, 2)) / x.pow(2).sum((0, 2))).sqrt()
         same = int((a.target_argmax == b.target_argmax).sum())
         agree += same
-        samples.append({"id": a.sample_id, "n_tokens": int(len(a.input_ids)), "rel_l2": [float(v) for v in rel],
+        samples.append({"id": a.sample_id, "n_tokens": len(a.input_ids), "rel_l2": [float(v) for v in rel],
                         "max_abs": [float(v) for v in d.abs().amax((0, 2))],
                         "argmax_agreement": same / max(len(a.input_ids), 1)})
     layers = par.rows(list(hf.layer_ids))
