@@ -7,6 +7,10 @@
   ids and target argmax, ``evaluate`` gives the same acceptance lists on both, and no dump file is left.
 * A user's server started with :func:`dflash_eval.vllm_states.extract_args` (``url`` + ``storage_dir``):
   the same cache, and its dump directory is empty afterwards.
+* The ``engine_parity`` stage in both directions, on the servers above (no server start of its own): the
+  finished vLLM cache as a ``cache.source: vllm`` run's (the stage extracts the HF side), and the HF cache as
+  a ``cache.source: hf`` run's with the user's server as the vLLM side. Its JSON must say rel-L2 < 1e-5 per
+  layer (and per sample), identical ids and target argmax, and identical tau per sample for the demo drafter.
 
 Skipped without a vLLM venv (``make venv-vllm`` or ``DFLASH_EVAL_VLLM_PYTHON``), as ``tests/test_vllm.py``.
 Starts vLLM three times (1-3 min each on 2 cores).
@@ -123,6 +127,36 @@ def test_job_owned_extraction_killed_resumes_and_equals_hf(smol, tmp_path):
     assert [s["acceptance_lengths"] for s in runs[0]["samples"]] == [s["acceptance_lengths"] for s in runs[1]["samples"]]
     assert runs[0]["tau"] == runs[1]["tau"] > 1.0
 
+    # engine_parity of a cache.source: vllm run (the command line rule engine_parity runs): the HF side is
+    # extracted by the stage, no server is started
+    from dflash_eval.cli import main
+
+    ep_out = tmp_path / "engine_parity.json"
+    assert main(["engine-parity", "--target", str(target), "--completions", str(comp), "--cache", str(out),
+                 "--layer-ids", ",".join(map(str, LAYERS)), "--drafter", str(DRAFTER), "--source", "vllm",
+                 "--n-samples", str(N), "--device", "cpu", "--dtype", "float32", "--out", str(ep_out)]) == 0
+    assert _served_processes(tmp_path) == []
+    r = json.loads(ep_out.read_text())
+    assert (r["run_source"], r["other_source"]) == ("vllm", "hf")
+    _assert_engine_parity(r, N, runs[0])
+
+
+def _assert_engine_parity(r: dict, n: int, ev_hf: dict) -> None:
+    """engine_parity's JSON of n SmolLM2 samples: rounding-level states, the same tau as ``ev_hf`` (evaluate on
+    the HF cache) in every sample."""
+    assert r["n_samples"] == n and r["ids_identical"] and r["argmax_agreement"] == 1.0
+    assert [row["layer"] for row in r["layers"]] == LAYERS
+    for row in r["layers"]:
+        assert 0 < row["rel_l2"] <= row["rel_l2_max_sample"] < 1e-5, row
+    assert all(0 < v < 1e-5 for s in r["samples"] for v in s["rel_l2"])
+    assert r["caches"]["vllm"]["engine_version"] == "0.32.0" and r["caches"]["hf"]["dtype"] == "float32"
+    (d,) = r["drafters"]
+    assert d["checkpoint"] == DRAFTER.name and d["n_same_acceptance"] == n and d["diff"] == 0.0
+    assert d["tau_hf"] == d["tau_vllm"] > 1.0
+    want = {s["id"]: s["tau"] for s in ev_hf["samples"]}
+    assert all(s["tau_hf"] == s["tau_vllm"] == want[s["id"]] and s["diff"] == 0.0 for s in d["samples"])
+    assert f"| {DRAFTER.name} | " in r["markdown"] and f"| {n}/{n} |" in r["markdown"]
+
 
 def test_users_server_started_with_the_documented_flags(smol, tmp_path):
     from dflash_eval.cache_reader import CacheReader
@@ -135,11 +169,21 @@ def test_users_server_started_with_the_documented_flags(smol, tmp_path):
     server = VLLMServer(VLLM_PYTHON, target, dtype="float32", max_model_len=1024, enforce_eager=True,
                         extra_args=extract_args(LAYERS, storage, connector="cpu"), env=env,
                         log_path=tmp_path / "server.log")
+    from dflash_eval.stages.engine_parity import engine_parity
+    from dflash_eval.stages.evaluate import evaluate
+
+    user = {"url": server.url, "storage_dir": str(storage), "concurrency": 2}
     with server:
-        out = extract_hidden_states_vllm(target, comp, tmp_path / "user.h5", LAYERS,
-                                         source="vllm", vllm={"url": server.url, "storage_dir": str(storage),
-                                                              "concurrency": 2})
+        out = extract_hidden_states_vllm(target, comp, tmp_path / "user.h5", LAYERS, source="vllm", vllm=user)
         assert _dumps(storage) == []  # every dump read and deleted, the server keeps running
+        # engine_parity of a cache.source: hf run, its vLLM side from this server (cache.vllm.url)
+        ep = engine_parity(target, comp, hf, LAYERS, tmp_path / "engine_parity.json", n_samples=N - 1, source="hf",
+                           device="cpu", dtype="float32", vllm=user, drafters=[str(DRAFTER)])
+        assert _dumps(storage) == []
     _assert_same_cache(hf, out)
     with CacheReader(out) as r:
         assert json.loads(r.attrs["engine_launch"]) == {"server": "user", "url": server.url}
+    assert (ep["run_source"], ep["other_source"]) == ("hf", "vllm")
+    assert json.loads(ep["caches"]["vllm"]["engine_launch"]) == {"server": "user", "url": server.url}
+    ev_hf = evaluate(DRAFTER, hf, target, tmp_path / "hf.json", device="cpu", dtype="float32", max_samples=N - 1)
+    _assert_engine_parity(ep, N - 1, ev_hf)
