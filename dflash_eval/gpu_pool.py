@@ -153,7 +153,9 @@ def acquire(n: int, pool_dir: "str | Path", devices: list[str], timeout_s: float
 
 def gpus_needed(stage: str, opts) -> int:
     """GPUs a stage's job takes: 0 off the GPU (device ``cpu``, a remote completions server), else
-    ``max(target.devices, 1)`` for the stages that load the target, 1 for the others."""
+    ``max(target.devices, 1)`` for the stages that load the target, 1 for the others; ``engine_parity`` of a
+    ``cache.source: hf`` run that starts its own vLLM server: at least ``cache.vllm.tensor_parallel_size``
+    (:attr:`dflash_eval.plan.Plan.engine_parity_gpus`)."""
     if stage not in GPU_STAGES or opts is None:
         return 0
     if str(getattr(opts, "device", "auto")).startswith("cpu"):
@@ -161,7 +163,11 @@ def gpus_needed(stage: str, opts) -> int:
     if stage == "completions" and getattr(opts, "source", "transformers") != "transformers" \
             and getattr(opts, "serve", None) != "vllm":
         return 0
-    return max(int(getattr(opts, "devices", 0) or 0), 1)
+    n = max(int(getattr(opts, "devices", 0) or 0), 1)
+    vllm = getattr(opts, "vllm", None)
+    if stage == "engine_parity" and getattr(opts, "source", "hf") == "hf" and vllm is not None and not vllm.url:
+        n = max(n, int(vllm.tensor_parallel_size))
+    return n
 
 
 def claim(stage: str, opts, env=None) -> "Lease | None":

@@ -82,6 +82,11 @@ def test_what_a_job_claims(tmp_path, monkeypatch):
     assert gpu_pool.gpus_needed("summary", SimpleNamespace()) == 0
     assert gpu_pool.gpus_needed("completions", SimpleNamespace(device="auto", source="openai", serve=None)) == 0
     assert gpu_pool.gpus_needed("completions", SimpleNamespace(device="auto", source="openai", serve="vllm")) == 1
+    server = SimpleNamespace(url="", tensor_parallel_size=4)  # engine_parity's own vLLM server for an hf run
+    assert gpu_pool.gpus_needed("engine_parity", SimpleNamespace(device="auto", devices=2, source="hf", vllm=server)) == 4
+    assert gpu_pool.gpus_needed("engine_parity", SimpleNamespace(device="auto", devices=2, source="vllm", vllm=server)) == 2
+    user = SimpleNamespace(url="http://h:8000", tensor_parallel_size=1)
+    assert gpu_pool.gpus_needed("engine_parity", SimpleNamespace(device="auto", devices=0, source="hf", vllm=user)) == 1
     lease = gpu_pool.claim("evaluate", SimpleNamespace(device="auto"), env=env)
     assert lease.devices == ["GPU-aa"] and env["CUDA_VISIBLE_DEVICES"] == "GPU-aa"
     assert (tmp_path / "p" / "gpu-GPU-aa.lock").is_file()

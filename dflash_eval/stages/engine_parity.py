@@ -261,7 +261,7 @@ def _markdown(r: dict) -> str:
              f"{r['n_samples']} completions of `{r['prompt_set']}` ({r['n_tokens']} tokens) were extracted again "
              f"with **{other}** and compared with the run's cache of that set. Target `{r['target']}`; HF "
              f"{c['hf'].get('dtype', '?')} on {c['hf'].get('device_name', '?')} ({c['hf'].get('batching', '?')}), "
-             f"{vinfo} {c['vllm'].get('dtype', '?')}. rel-L2 = ||vLLM − HF|| / ||HF|| over tokens × hidden; "
+             f"{vinfo} {c['vllm'].get('dtype', '?')}. rel-L2 = ‖vLLM − HF‖ / ‖HF‖ over tokens × hidden; "
              f"{other} extraction {r['extraction']['seconds']:.1f} s (start-up included).", "",
              "| layer | type | cos mean | cos min | rel-L2 | worst sample rel-L2 | max abs |",
              "|---:|---|---:|---:|---:|---:|---:|"]
