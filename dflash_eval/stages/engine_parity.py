@@ -258,11 +258,13 @@ def _markdown(r: dict) -> str:
     c = r["caches"]
     vinfo = f"vLLM {c['vllm'].get('engine_version', '?')}"
     lines = [f"The run's caches come from **{LABEL[r['run_source']]}** (`cache.source: {r['run_source']}`); the first "
-             f"{r['n_samples']} completions of `{r['prompt_set']}` ({r['n_tokens']} tokens) were extracted again "
-             f"with **{other}** and compared with the run's cache of that set. Target `{r['target']}`; HF "
-             f"{c['hf'].get('dtype', '?')} on {c['hf'].get('device_name', '?')} ({c['hf'].get('batching', '?')}), "
-             f"{vinfo} {c['vllm'].get('dtype', '?')}. rel-L2 = ‖vLLM − HF‖ / ‖HF‖ over tokens × hidden; "
-             f"{other} extraction {r['extraction']['seconds']:.1f} s (start-up included).", "",
+             f"{r['n_samples']} completions of `{r['prompt_set']}`",
+             f"({r['n_tokens']} tokens) were extracted again with **{other}** and compared with the run's cache of "
+             f"that set. Target `{r['target']}`;",
+             f"HF {c['hf'].get('dtype', '?')} on {c['hf'].get('device_name', '?')} ({c['hf'].get('batching', '?')}), "
+             f"{vinfo} {c['vllm'].get('dtype', '?')}; {other} extraction {r['extraction']['seconds']:.1f} s "
+             "(start-up included).",
+             "rel-L2 = ‖vLLM − HF‖ / ‖HF‖ over tokens × hidden (HF is the reference of every difference).", "",
              "| layer | type | cos mean | cos min | rel-L2 | worst sample rel-L2 | max abs |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {s['layer']} | {s['type'] or 'attention'} | {s['cos_mean']:.6f} | {s['cos_min']:.6f} | "
