@@ -172,8 +172,8 @@ def test_users_server_started_with_the_documented_flags(smol, tmp_path):
     from dflash_eval.stages.engine_parity import engine_parity
     from dflash_eval.stages.evaluate import evaluate
 
-    user = {"url": server.url, "storage_dir": str(storage), "concurrency": 2}
     with server:
+        user = {"url": server.url, "storage_dir": str(storage), "concurrency": 2}  # its port is known once started
         out = extract_hidden_states_vllm(target, comp, tmp_path / "user.h5", LAYERS, source="vllm", vllm=user)
         assert _dumps(storage) == []  # every dump read and deleted, the server keeps running
         # engine_parity of a cache.source: hf run, its vLLM side from this server (cache.vllm.url)

@@ -263,7 +263,7 @@ def _markdown(r: dict) -> str:
              f"that set. Target `{r['target']}`;",
              f"HF {c['hf'].get('dtype', '?')} on {c['hf'].get('device_name', '?')} ({c['hf'].get('batching', '?')}), "
              f"{vinfo} {c['vllm'].get('dtype', '?')}; {other} extraction {r['extraction']['seconds']:.1f} s "
-             "(start-up included).",
+             "(model load or server start, if any, included).",
              "rel-L2 = ‖vLLM − HF‖ / ‖HF‖ over tokens × hidden (HF is the reference of every difference).", "",
              "| layer | type | cos mean | cos min | rel-L2 | worst sample rel-L2 | max abs |",
              "|---:|---|---:|---:|---:|---:|---:|"]
