@@ -198,11 +198,9 @@ class DecodeSteps:
     A batch of ``rows`` prompts is one ``generate`` call: without this, a job's log shows nothing
     between two batches (minutes for 16 x 256 tokens on a loaded CPU). transformers calls every
     logits processor once per decode step with ``(input_ids [rows, t], scores [rows, V])``; this one
-    counts the call and returns ``scores`` itself, so the tokens are unchanged. It is a processor,
-    not a ``streamer``: transformers hands a streamer each step's tokens as ``tokens.cpu()``
-    (``StopCheck`` in ``transformers/generation/utils.py``), one more host-device synchronisation
-    per step, which on CUDA cost the stage 0.4-0.6x of a plain ``model.generate`` (H200,
-    docs/measurements.md "Completions on the GPU"); counting here touches no tensor.
+    counts the call and returns ``scores`` itself, so the tokens are unchanged. Not a ``streamer``:
+    transformers hands a streamer each step's tokens as ``tokens.cpu()`` (``StopCheck`` in
+    ``transformers/generation/utils.py``), one more host-device synchronisation per step.
     """
 
     def __init__(self, rows: int, max_new_tokens: int, log_every: float = 60.0):
