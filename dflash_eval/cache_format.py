@@ -4,7 +4,7 @@ One file per (target, prompt set). The target runs once over each sample's
 prompt + completion token ids; the outputs of the requested decoder layers are
 stored so that any number of drafter checkpoints can be replayed offline.
 
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 4``)::
+File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 5``)::
 
     /                         file attributes (FILE_ATTRS, listed below)
     /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
@@ -22,21 +22,33 @@ File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 4
                                            hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1]
         target_argmax         [T] int32    target's greedy token after position t (teacher forced)
         attrs (SAMPLE_ATTRS):
+            meta              (format 5) the sample's per-sample values as compact JSON, keys in this order:
+                              ``{"sample_id", "prompt_len", "completion_len", "stop_reason", "max_new_tokens",
+                              "argmax_agreement"}`` (:func:`sample_meta_json`): the checksummed copy of its
+                              entries in the file-level arrays above, which must equal it
             sha256            hex sha256 of the stored bytes of input_ids, target_argmax and hidden, in
-                              this order (little-endian, C order): :func:`sample_sha256`; written last,
-                              so a group with it has all its parts
+                              this order (little-endian, C order), then (format 5) the UTF-8 bytes of
+                              ``meta``: :func:`sample_sha256`; written last, so a group with it has all its parts
+
+Every per-sample value a stage uses is covered (format 5): the reader checks the checksum over the
+arrays and ``meta`` when it reads a sample, and that the file-level arrays hold ``meta``'s values
+(:meth:`~dflash_eval.cache_reader.CacheReader.sample`); the accessors that read no arrays
+(``sample_attrs``, ``argmax_agreement``) compare the arrays with ``meta`` (no hash). An edited
+``prompt_len`` (or any other array entry) is refused naming the file, the field and the sample.
+Formats 3 and 4 have no ``meta`` and their checksum covers the three datasets only: their per-sample
+values are read unverified (the reader says so once per file in the log); 1 and 2 likewise.
 
 The per-sample values known before the target runs are file-level arrays written once when the
 file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
-datasets and one attribute (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
+datasets and two attributes (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
 ``stop_reason``, ``max_new_tokens``, ``argmax_agreement`` as attributes of each group and
 ``logical_dtype`` on each ``hidden``: about 2x the HDF5 calls per sample; readers accept both).
 
 File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
 strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 to 4 (3: no
-  ``completion_sampling``, read as greedy completions; 2: per-sample values as group attributes, see
+- ``format``, ``format_version``: see above. Readers accept versions 1 to 5 (4: no per-sample ``meta``,
+  so the per-sample values are not under the checksum; 3: also no ``completion_sampling``, read as greedy completions; 2: per-sample values as group attributes, see
   above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no ``batching`` /
   ``extraction_runs``).
 - ``completion_sampling``: JSON ``{"temperature", "top_p", "top_k", "seed"}`` of how the completions were
@@ -140,8 +152,10 @@ import numpy as np
 import torch
 
 FORMAT = "dflash-eval/hidden-state-cache"
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+#: the first format whose per-sample checksum covers the sample's per-sample values (its ``meta`` attribute)
+META_VERSION = 5
 LAYER_CONVENTION = "hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1] (output of 0-based decoder layer)"
 FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
@@ -166,7 +180,9 @@ def completions_sampling(rows: list[dict]) -> dict:
 #: file-level per-sample arrays ``[S]`` (format 3), besides ``sample_ids``
 FILE_DATASETS = ("prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
 SAMPLE_DATASETS = ("input_ids", "hidden", "target_argmax")
-SAMPLE_ATTRS = ("sha256",)
+SAMPLE_ATTRS = ("meta", "sha256")
+#: the keys of a sample's ``meta`` (format 5), in their stored order; all but ``sample_id`` are in FILE_DATASETS
+META_FIELDS = ("sample_id", "prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
 #: file attributes a partial file must share with the run that continues it (else it is refused)
 IDENTITY_ATTRS = (
     "format_version", "target_sha256", "target_layer_ids", "completions_sha256", "hidden_size", "dtype", "storage",
@@ -201,16 +217,29 @@ def from_storage(arr: np.ndarray, logical_dtype: str) -> torch.Tensor:
     raise ValueError(f"unknown logical dtype {logical_dtype!r}")
 
 
-def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray) -> str:
-    """The per-sample checksum (attribute ``sha256``): sha256 over the stored bytes of the three datasets.
+def sample_meta_json(sample_id: str, prompt_len: int, completion_len: int, stop_reason: str, max_new_tokens: int,
+                     argmax_agreement: float) -> str:
+    """A sample's ``meta`` attribute (format 5): compact JSON of :data:`META_FIELDS` in that order (ASCII:
+    non-ASCII ids are escaped; floats as Python's shortest round-trip repr, so the value reads back exactly)."""
+    return json.dumps({"sample_id": str(sample_id), "prompt_len": int(prompt_len), "completion_len": int(completion_len),
+                       "stop_reason": str(stop_reason), "max_new_tokens": int(max_new_tokens),
+                       "argmax_agreement": float(argmax_agreement)}, separators=(",", ":"))
+
+
+def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray, meta: str | None = None) -> str:
+    """The per-sample checksum (attribute ``sha256``): sha256 over the stored bytes of the three datasets,
+    then (format 5) the UTF-8 bytes of the sample's ``meta`` attribute.
 
     Args:
         input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 or float32, as stored.
+        meta: the ``meta`` string (:func:`sample_meta_json`) as stored; None for formats before 5.
     """
     h = hashlib.sha256()
     for a in (input_ids, target_argmax, hidden):
         a = np.ascontiguousarray(a)
         h.update(memoryview(a.astype(a.dtype.newbyteorder("<"), copy=False)).cast("B"))
+    if meta is not None:
+        h.update(meta.encode("utf-8"))
     return h.hexdigest()
 
 
@@ -257,7 +286,7 @@ class CacheSample:
     target_argmax: torch.Tensor  # [T] int64
     stop_reason: str
     max_new_tokens: int
-
+    argmax_agreement: float | None = None  #: None when not recorded (older caches)
 
 
 def completion_sampling(attrs: dict) -> dict:

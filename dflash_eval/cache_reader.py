@@ -8,16 +8,21 @@ unreadable file is reported as damaged (with the HDF5 reason), never as locked.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from .cache_format import FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, py_value, sample_sha256
+from .cache_format import (FILE_DATASETS, FORMAT, META_FIELDS, META_VERSION, READABLE_VERSIONS, SAMPLE_DATASETS,
+                           CacheSample, from_storage, py_value, sample_sha256)
 from .errors import InputError
-from .sample_check import check_read_sample
+from .sample_check import check_read_sample, check_sample_values, parse_meta
+
+log = logging.getLogger(__name__)
+
 
 def open_h5_readonly(path: Path):
     """``h5py.File(path, "r", locking=False)`` with errors that say what is wrong.
@@ -51,7 +56,9 @@ def open_h5_readonly(path: Path):
 class CacheReader:
     """Read-only access to a cache file (open lazily in each process; h5py handles do not survive fork).
 
-    ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, finite states).
+    ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, per-sample values,
+    finite states). A cache of a format before 5 has its per-sample values outside the checksum: it is
+    read, and the log says so once per reader.
 
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
@@ -85,14 +92,46 @@ class CacheReader:
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
-        # format 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
-        self._per_sample = ({k: self._f[k][()] for k in ("prompt_len", "stop_reason", "max_new_tokens")}
+        # format >= 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
+        self._per_sample = ({k: self._f[k][()] for k in FILE_DATASETS if k in self._f}
                             if "prompt_len" in self._f else None)
+        self._checked: set[int] = set()  # format 5: samples whose arrays were compared with their meta
         n_groups = len(self._f["samples"]) if "samples" in self._f else 0
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
             raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
                              "finish it: rerun the hidden_states rule (it resumes from the samples already there)")
+        if version < META_VERSION and self.verify_reads:
+            log.warning("%s: cache format %d: its per-sample values (%s) are outside the per-sample checksums "
+                        "(format %d covers them), so they are read unverified; re-extract the cache "
+                        "(snakemake -R hidden_states) to have them verified", self.path, version,
+                        ", ".join(META_FIELDS), META_VERSION)
 
+    @property
+    def meta_verified(self) -> bool:
+        """Whether the per-sample values are under the checksum (format >= 5; see :mod:`dflash_eval.cache_format`)."""
+        return self.format_version >= META_VERSION
+
+    def _array_values(self, i: int, length: int | None = None) -> dict:
+        """Sample ``i``'s entries of the file-level arrays (format >= 3), keyed as ``meta``."""
+        per = self._per_sample
+        P = int(per["prompt_len"][i])
+        comp = (int(per["completion_len"][i]) if "completion_len" in per
+                else (length if length is not None else self.length(i)) - P)
+        agree = float(per["argmax_agreement"][i]) if "argmax_agreement" in per else float("nan")
+        return {"sample_id": self.sample_ids[i], "prompt_len": P, "completion_len": comp,
+                "stop_reason": str(py_value(per["stop_reason"][i])), "max_new_tokens": int(per["max_new_tokens"][i]),
+                "argmax_agreement": agree}
+
+    def _compare_meta(self, i: int, meta: str | None) -> None:
+        """Format 5: the file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array)."""
+        check_sample_values(self.path, i, parse_meta(self.path, i, meta), self._array_values(i))
+        self._checked.add(i)
+
+    def _values_checked(self, i: int) -> None:
+        """Format 5, before a value of sample ``i`` is handed out without reading its arrays: compare the
+        file-level arrays with the group's ``meta`` (no hash: the checksum is verified when the sample is read)."""
+        if self.meta_verified and self.verify_reads and i not in self._checked:
+            self._compare_meta(i, py_value(self._f[f"samples/{i:06d}"].attrs.get("meta")))
     def __len__(self) -> int:
         return len(self.sample_ids)
 
@@ -111,25 +150,30 @@ class CacheReader:
 
     def sample_attrs(self, i: int) -> dict:
         """Attributes of sample ``i`` (``sample_id``, ``prompt_len``, ``stop_reason``, ``max_new_tokens``,
-        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays."""
+        ``argmax_agreement``) plus ``length`` (tokens), without reading its arrays.
+
+        Format 5: the values are compared with the sample's ``meta`` first (InputError naming the array
+        that differs); the checksum itself is verified when the sample is read (:meth:`sample`).
+        """
         g = self._f[f"samples/{i:06d}"]
         length = int(g["input_ids"].shape[0])
         if self._per_sample is None:  # format 1/2: group attributes
             return {**{k: py_value(v) for k, v in g.attrs.items()}, "length": length}
-        per = self._per_sample  # format 3: the file-level arrays (agreement read afresh)
-        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
-                "completion_len": length - int(per["prompt_len"][i]), "stop_reason": str(py_value(per["stop_reason"][i])),
-                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": self.argmax_agreement(i),
+        self._values_checked(i)
+        v = self._array_values(i, length)  # format >= 3: the file-level arrays
+        agree = v["argmax_agreement"]
+        return {**v, "completion_len": length - v["prompt_len"], "argmax_agreement": None if np.isnan(agree) else agree,
                 "sha256": py_value(g.attrs.get("sha256")), "length": length}
 
     def argmax_agreement(self, i: int) -> float | None:
         """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
 
-        Format 3: the file-level array (read at each call: a file edited in place is seen); 1/2: the
-        group attribute.
+        Format >= 3: the file-level array (format 5: compared with the sample's ``meta`` first, as in
+        :meth:`sample_attrs`); 1/2: the group attribute.
         """
-        if "argmax_agreement" in self._f:
-            v = float(self._f["argmax_agreement"][i])
+        if self._per_sample is not None and "argmax_agreement" in self._per_sample:
+            self._values_checked(i)
+            v = float(self._per_sample["argmax_agreement"][i])
             return None if np.isnan(v) else v
         v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
         return None if v is None else float(v)
@@ -138,12 +182,15 @@ class CacheReader:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError).
 
         Verified while read (:func:`dflash_eval.sample_check.check_read_sample`, unless the reader was
-        opened with ``verify=False``): the stored ``sha256`` over the bytes just read, and finite
-        hidden states.
+        opened with ``verify=False``): the stored ``sha256`` over the bytes just read (format 5: and the
+        sample's ``meta``), finite hidden states, and (format 5) that the file-level arrays hold the
+        values of ``meta`` (:func:`~dflash_eval.sample_check.check_sample_values`): the returned
+        ``prompt_len``, ``stop_reason``, ``max_new_tokens``, ``argmax_agreement`` and ``sample_id`` are verified.
 
         Raises:
             InputError: a layer not stored; a checksum mismatch or non-finite hidden state (naming
-                the file, ``samples/<i>`` and the fix).
+                the file, ``samples/<i>`` and the fix); an array entry that differs from ``meta`` (naming
+                the file, the array, the sample and the fix).
         """
         raw = self._read_raw(i, layer_ids)
         if self.verify_reads:
@@ -169,41 +216,53 @@ class CacheReader:
                     c.result()
         return [self._build(r) for r in raws]
 
-    def _read_raw(self, i: int, layer_ids: list[int] | None) -> tuple:
+    def _read_raw(self, i: int, layer_ids: list[int] | None) -> "_Raw":
         g = self._f[f"samples/{i:06d}"]
         idx = None if layer_ids is None else self.layer_index(layer_ids)
         sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
-        return (i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                py_value(g.attrs.get("sha256")))
+        attrs = g.attrs
+        return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+                    py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
 
-    def _check_raw(self, raw: tuple) -> None:
-        i, _, _, sample_id, arr, ids, argmax, stored = raw
-        check_read_sample(self.path, i, sample_id, stored, ids, argmax, arr, self.layer_ids, self.format_version)
+    def _check_raw(self, raw: "_Raw") -> None:
+        check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
+                          self.layer_ids, self.format_version, raw.meta)
+        if self.meta_verified:  # meta is authentic now: the arrays' values must be its values
+            self._compare_meta(raw.i, raw.meta)
 
-    def _build(self, raw: tuple) -> CacheSample:
-        i, g, idx, sample_id, arr, ids, argmax, _ = raw
+    def _build(self, raw: "_Raw") -> CacheSample:
+        i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
         hidden_ds = g["hidden"]
         per = self._per_sample
         logical = (py_value(hidden_ds.attrs["logical_dtype"]) if per is None
                    else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
+        if per is not None:
+            v = self._array_values(i, len(raw.input_ids))
+            agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
+        else:  # format 1/2: group attributes
+            v = {k: py_value(g.attrs.get(k)) for k in ("prompt_len", "stop_reason", "max_new_tokens")}
+            agree = None if g.attrs.get("argmax_agreement") is None else float(g.attrs["argmax_agreement"])
         return CacheSample(
             index=i,
-            sample_id=sample_id,
-            input_ids=torch.from_numpy(ids.astype(np.int64)),
-            prompt_len=int(per["prompt_len"][i] if per is not None else g.attrs["prompt_len"]),
+            sample_id=raw.sample_id,
+            input_ids=torch.from_numpy(raw.input_ids.astype(np.int64)),
+            prompt_len=int(v["prompt_len"]),
             hidden=from_storage(arr, logical),
-            target_argmax=torch.from_numpy(argmax.astype(np.int64)),
-            stop_reason=str(py_value(per["stop_reason"][i] if per is not None else g.attrs["stop_reason"])),
-            max_new_tokens=int(per["max_new_tokens"][i] if per is not None else g.attrs["max_new_tokens"]),
+            target_argmax=torch.from_numpy(raw.target_argmax.astype(np.int64)),
+            stop_reason=str(v["stop_reason"]),
+            max_new_tokens=int(v["max_new_tokens"]),
+            argmax_agreement=agree,
         )
 
     def verify(self, indices: Sequence[int] | None = None) -> list[int]:
-        """Recompute the per-sample ``sha256`` (format 2) of ``indices`` (default: all).
+        """Recompute the per-sample ``sha256`` (format >= 2) of ``indices`` (default: all); format 5 also
+        compares the file-level arrays with each sample's ``meta``.
 
         Returns:
-            the indices whose stored bytes do not match their checksum (empty = intact).
+            the indices whose stored bytes do not match their checksum, or (format 5) whose array
+            entries differ from their ``meta`` (empty = intact).
             Format-1 files carry no checksums: nothing to compare, ``[]``.
         """
         if self.format_version < 2:
@@ -211,7 +270,14 @@ class CacheReader:
         bad = []
         for i in (range(len(self)) if indices is None else indices):
             g = self._f[f"samples/{i:06d}"]
-            if verify_group(g) is None:
+            ok = verify_group(g) is not None
+            if ok and self.meta_verified:
+                try:
+                    check_sample_values(self.path, i, parse_meta(self.path, i, py_value(g.attrs.get("meta"))),
+                                        self._array_values(i))
+                except InputError:
+                    ok = False
+            if not ok:
                 bad.append(i)
         return bad
 
@@ -226,15 +292,29 @@ class CacheReader:
         return [self.layer_ids.index(i) for i in layer_ids]
 
 
+class _Raw(NamedTuple):
+    """One sample as read, before it is checked and built: arrays as stored, its attributes."""
+
+    i: int
+    g: object  # its h5py group
+    idx: list[int] | None  # layer selection
+    sample_id: str
+    hidden: np.ndarray
+    input_ids: np.ndarray
+    target_argmax: np.ndarray
+    sha256: str | None
+    meta: str | None  # format 5
+
+
 def verify_group(g) -> str | None:
-    """The group's checksum when every dataset is there and the bytes match it, else None."""
+    """The group's checksum when every dataset is there and the bytes (and its ``meta``, when it has one:
+    format 5) match it, else None."""
     try:
         stored = py_value(g.attrs.get("sha256"))
         if not stored or any(name not in g for name in SAMPLE_DATASETS):
             return None
-        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()])
+        meta = py_value(g.attrs["meta"]) if "meta" in g.attrs else None
+        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta)
     except (OSError, KeyError, ValueError, RuntimeError):  # unreadable pieces of a killed run
         return None
     return stored if got == stored else None
-
-

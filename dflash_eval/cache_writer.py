@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .cache_format import FILE_DATASETS, FORMAT, IDENTITY_ATTRS, attr_value, py_value, sample_sha256, to_storage
+from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, IDENTITY_ATTRS, META_VERSION, attr_value, py_value,
+                           sample_meta_json, sample_sha256, to_storage)
 from .cache_reader import verify_group
 from .errors import InputError, partial_path
 
@@ -86,6 +87,8 @@ class PartialCache:
         self.identity = dict(identity)
         self.meta = meta
         self.keep_link = keep_link
+        #: the file's format version (its identity value): from 5 on each sample's ``meta`` is written and hashed
+        self.format_version = int(py_value(self.identity.get("format_version", FORMAT_VERSION)))
         self._f = None
         self.broken = False  # a write failed: the HDF5 state in memory must not reach the file
         self.done: set[int] = set()
@@ -215,7 +218,7 @@ class PartialCache:
         for name in list(grp):
             i = int(name) if name.isdigit() else -1
             try:
-                ok = 0 <= i < len(self.meta) and verify_group(grp[name]) is not None
+                ok = 0 <= i < len(self.meta) and verify_group(grp[name]) is not None and self._meta_ok(f, i, grp[name])
             except (OSError, KeyError, ValueError, RuntimeError):  # a link to an object that never reached the disk
                 ok = False
             if ok:
@@ -233,6 +236,14 @@ class PartialCache:
                             self.path, err, len(reused))
                 return self._salvage(f, reused), reused
         return f, reused
+
+    def _meta_ok(self, f, i: int, g) -> bool:
+        """Whether a verified group's ``meta`` (format 5) holds this run's values of sample ``i`` and the
+        ``argmax_agreement`` the file-level array holds (True before format 5: nothing to compare)."""
+        if self.format_version < META_VERSION:
+            return True
+        stored = py_value(g.attrs.get("meta"))
+        return stored == self.sample_meta(i, float(f["argmax_agreement"][i]))
 
     def _salvage(self, f, reused: set[int]):
         """Rebuild the sidecar from its verified samples when its group index is damaged; the reopened file."""
@@ -263,19 +274,37 @@ class PartialCache:
             raise OSError(errno.ENOSPC, f"No space left on device: {free / 1e6:.0f} MB free, the next batch needs "
                           f"{nbytes / 1e6:.0f} MB + {(64 << 20) / 1e6:.0f} MB of headroom", str(self.path.parent))
 
+    def sample_meta(self, i: int, argmax_agreement: float) -> str | None:
+        """Sample ``i``'s ``meta`` attribute (:func:`~dflash_eval.cache_format.sample_meta_json`) with the
+        given agreement, or None for a file of a format before 5 (which has none)."""
+        if self.format_version < META_VERSION:
+            return None
+        m = self.meta[i]
+        return sample_meta_json(m.sample_id, m.prompt_len, len(m.input_ids) - m.prompt_len, m.stop_reason,
+                                m.max_new_tokens, argmax_agreement)
+
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
-                     sha256: str | None, argmax_agreement: float | None) -> None:
+                     sha256: str | None, argmax_agreement: float | None, meta: str | None = None) -> None:
         """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32).
 
         ``logical_dtype`` must be the file's ``dtype`` (kept for callers; format 3 stores it once).
-        ``argmax_agreement=None``: already written by :meth:`write_agreement`.
+        ``argmax_agreement=None``: already written by :meth:`write_agreement`. ``meta`` (format 5): the
+        sample's ``meta`` string (:meth:`sample_meta`, the one ``sha256`` was computed over); None = made here
+        from ``argmax_agreement``.
 
         With ``sha256=None`` the group is written without its checksum, so it does not count as
         written (a resumed run discards it) until :meth:`seal` adds it: the writer hashes in other
         threads while HDF5 writes.
+
+        Raises:
+            ValueError: a format-5 file and neither ``meta`` nor ``argmax_agreement`` given (a caller's bug).
         """
+        if meta is None and self.format_version >= META_VERSION:
+            if argmax_agreement is None:
+                raise ValueError(f"sample {i}: format {self.format_version} needs its meta (or its argmax_agreement)")
+            meta = self.sample_meta(i, argmax_agreement)
         try:
-            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement)
+            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement, meta)
             if sha256 is not None:
                 self._seal(i, sha256)
         except BaseException:
@@ -290,7 +319,7 @@ class PartialCache:
             self._detach()
             raise
 
-    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement) -> None:
+    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement, meta) -> None:
         m = self.meta[i]
         grp = self._f["samples"]
         name = f"{i:06d}"
@@ -302,6 +331,8 @@ class PartialCache:
         g.create_dataset("input_ids", data=m.input_ids)
         g.create_dataset("hidden", data=hidden)
         g.create_dataset("target_argmax", data=target_argmax)
+        if meta is not None:
+            g.attrs["meta"] = meta
         self._unsealed[i] = g
 
     def write_agreement(self, indices: Sequence[int], values: Sequence[float]) -> None:
@@ -507,19 +538,22 @@ class StreamingWriter:
         self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
+        agree = []
+        for k, (i, _, _) in enumerate(batch.samples):
+            m = meta[i]
+            P, T = m.prompt_len, len(m.input_ids)
+            agree.append(float((argmax32[k][P - 1 : T - 1] == m.input_ids[P:]).mean()) if T > P else 1.0)
+        # format 5: each sample's per-sample values (its ``meta``) are hashed with its arrays
+        metas = [self.cache.sample_meta(i, a) for (i, _, _), a in zip(batch.samples, agree)]
         # hashes run in the pool (hashlib and HDF5's dataset writes release the GIL) while this thread
         # writes the groups; each checksum is added once its group is written
-        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h) for k, (_, h, _) in enumerate(batch.samples)]
+        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k])
+                for k, (_, h, _) in enumerate(batch.samples)]
         t2 = time.perf_counter()
         try:
-            agree = []
-            for k, (i, _, _) in enumerate(batch.samples):
-                m = meta[i]
-                P, T = m.prompt_len, len(m.input_ids)
-                agree.append(float((argmax32[k][P - 1 : T - 1] == m.input_ids[P:]).mean()) if T > P else 1.0)
             self.cache.write_agreement([i for i, _, _ in batch.samples], agree)
             for k, (i, hidden, _) in enumerate(batch.samples):
-                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None)
+                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None, metas[k])
             t3 = time.perf_counter()
             tm["write"] += t3 - t2
             for k, (i, _, _) in enumerate(batch.samples):

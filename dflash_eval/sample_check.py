@@ -1,17 +1,21 @@
-"""Checks on a cache sample while it is read: its checksum, and finite hidden states.
+"""Checks on a cache sample while it is read: its checksum, its per-sample values, and finite hidden states.
 
 :meth:`dflash_eval.cache_reader.CacheReader.sample` passes the arrays it has just read (as stored:
 ``input_ids`` / ``target_argmax`` ``[T]`` int32, ``hidden`` ``[T, K, H]`` uint16 bf16 bits or
-float32) to :func:`check_read_sample` before building the sample. The bytes pass through memory
-anyway, so verifying costs one sha256 pass and one exponent scan over them (measured by
-``bench/verify_cost.py``); no sample reaches a metric unverified.
+float32) and, from format 5 on, the sample's ``meta`` attribute to :func:`check_read_sample` before
+building the sample, then the values of the file-level per-sample arrays it will use to
+:func:`check_sample_values`. The bytes pass through memory anyway, so verifying costs one sha256
+pass and one exponent scan over them (measured by ``bench/verify_cost.py``); no sample reaches a
+metric unverified (format 5; before it, the per-sample values are outside the checksum).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cache_format import sample_sha256
+import json
+
+from .cache_format import META_FIELDS, META_VERSION, sample_sha256
 from .errors import InputError
 
 #: the fix of every damaged-sample error
@@ -38,7 +42,7 @@ def first_non_finite(hidden: np.ndarray) -> tuple[int, int] | None:
 
 def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, input_ids: np.ndarray,
                       target_argmax: np.ndarray, hidden: np.ndarray, layer_ids: list[int],
-                      format_version: int) -> None:
+                      format_version: int, meta: str | None = None) -> None:
     """Refuse a sample whose bytes do not match its stored ``sha256`` or whose hidden states are not finite.
 
     Args:
@@ -48,19 +52,24 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
         input_ids, target_argmax: ``[T]`` int32 as stored; hidden: ``[T, K, H]`` uint16 or float32 as stored.
         layer_ids: the file's ``target_layer_ids`` (the ``K`` axis), to name the layer.
         format_version: the file's ``format_version``.
+        meta: the group's ``meta`` attribute (format >= 5: hashed after the arrays; required).
 
     Raises:
         InputError: ``(path, "samples/<i:06d>", ...)`` for a checksum mismatch, a missing checksum
-            (format >= 2) or a non-finite hidden state (naming token and target layer).
+            (format >= 2) or ``meta`` (format >= 5), or a non-finite hidden state (naming token and target layer).
     """
     field = f"samples/{i:06d}"
+    if format_version >= META_VERSION and meta is None:
+        raise InputError(path, field, f"sample {sample_id!r} has no meta attribute (every sample of format "
+                         f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
     if format_version >= 2:
         if not stored_sha:
             raise InputError(path, field, f"sample {sample_id!r} has no sha256 attribute (every sample of format "
                              f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
-        got = sample_sha256(input_ids, target_argmax, hidden)
+        got = sample_sha256(input_ids, target_argmax, hidden, meta if format_version >= META_VERSION else None)
         if got != stored_sha:
-            raise InputError(path, field, f"sample {sample_id!r}: its bytes do not match their checksum (sha256 "
+            what = "its bytes and per-sample values (meta)" if format_version >= META_VERSION else "its bytes"
+            raise InputError(path, field, f"sample {sample_id!r}: {what} do not match their checksum (sha256 "
                              f"{got[:12]}... read, {stored_sha[:12]}... stored)", REEXTRACT_FIX)
     where = first_non_finite(hidden)
     if where is not None:
@@ -70,3 +79,49 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
                          "(or the file was damaged)",
                          "check the target's weights for inf/NaN (or extract in float32: cache.dtype), then "
                          "re-extract (snakemake -R hidden_states)")
+
+
+#: the file-level dataset holding each ``meta`` key (named in the error)
+ARRAY_OF = {"sample_id": "sample_ids", **{k: k for k in META_FIELDS if k != "sample_id"}}
+
+
+def parse_meta(path, i: int, meta: str | None) -> dict:
+    """A sample's ``meta`` attribute (format 5) as a dict of :data:`~dflash_eval.cache_format.META_FIELDS`.
+
+    Raises:
+        InputError: ``(path, "samples/<i:06d>", ...)`` when it is missing, not JSON, or lacks a key.
+    """
+    field = f"samples/{i:06d}"
+    try:
+        got = json.loads(meta) if meta is not None else None
+    except ValueError:
+        got = None
+    if not isinstance(got, dict) or any(k not in got for k in META_FIELDS):
+        raise InputError(path, field, f"sample {i}: its meta attribute is missing or not the JSON object of "
+                         f"{', '.join(META_FIELDS)} (got {str(meta)[:80]!r}): the file was edited or damaged",
+                         REEXTRACT_FIX)
+    return got
+
+
+def check_sample_values(path, i: int, meta: dict, values: dict) -> None:
+    """Refuse a sample whose entries in the file-level per-sample arrays differ from its ``meta`` (format 5).
+
+    Args:
+        path: the cache file (named in the error).
+        i: the sample's index.
+        meta: :func:`parse_meta` of its ``meta`` attribute (under the sample's checksum once
+            :func:`check_read_sample` passed; the accessors that read no arrays compare it unhashed).
+        values: the values the reader took from the file-level arrays, keyed as ``meta``
+            (``argmax_agreement`` NaN when the array holds NaN).
+
+    Raises:
+        InputError: ``(path, "<array>", ...)`` naming the first differing array (``prompt_len``,
+            ``stop_reason``, ...; ``sample_ids`` for the id), the sample and both values.
+    """
+    for key in META_FIELDS:
+        a, m = values[key], meta[key]
+        same = (float(a) == float(m)) if key == "argmax_agreement" else (a == m)
+        if not same:
+            raise InputError(path, ARRAY_OF[key], f"sample {meta['sample_id']!r} (samples/{i:06d}): "
+                             f"{ARRAY_OF[key]}[{i}] is {a!r} in the file-level array but {m!r} in the sample's "
+                             "checksummed meta: the file was edited or damaged after it was written", REEXTRACT_FIX)

@@ -1,6 +1,6 @@
 """Sampling settings through the evaluate stage, the cache's p information and the tau table, CPU float32.
 
-* A cache extracted with ``final_hidden`` holds the target's last layer (format 4, greedy
+* A cache extracted with ``final_hidden`` holds the target's last layer (format 5, greedy
   ``completion_sampling``); evaluate at ``[T0, T1 p0.95 k20]`` gives the greedy replay unchanged (chain
   and DDTree equal to an evaluate without settings) and the T = 1 expectation equal to the expectation
   built directly from the HF target's own logits and the drafter's all-anchor pass.
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cache_edit import downgrade  # noqa: E402
 from tiny import make_tiny_target  # noqa: E402
 
 from dflash_eval.errors import InputError  # noqa: E402
@@ -68,11 +69,11 @@ def _evaluate(run, cache, out, **kw):
                     checkpoint_name="ck", prompt_set="set", **kw)
 
 
-def test_final_hidden_cache_is_format_4_with_the_last_layer(run):
+def test_final_hidden_cache_is_format_5_with_the_last_layer(run):
     from dflash_eval.cache_format import FORMAT_VERSION, completion_sampling, final_hidden_index
     from dflash_eval.cache_reader import CacheReader
 
-    assert FORMAT_VERSION == 4
+    assert FORMAT_VERSION == 5
     with CacheReader(run["dir"] / "final.h5") as r:
         assert r.layer_ids == [1, 2, 3] and r.attrs["last_layer_normed"]
         assert final_hidden_index(r.attrs) == 2
@@ -155,8 +156,8 @@ def test_refusals_name_the_fix(run):
     # an old (format 3) cache still evaluates greedy
     old = run["dir"] / "old.h5"
     old.write_bytes((run["dir"] / "plain.h5").read_bytes())
+    downgrade(old, 3)
     with h5py.File(old, "a") as f:
-        f.attrs["format_version"] = 3
         del f.attrs["completion_sampling"]
     r = _evaluate(run, "old.h5", "old.json")
     assert r["completion_sampling"]["temperature"] == 0.0 and r["tau"] >= 1.0

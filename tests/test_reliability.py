@@ -2,6 +2,9 @@
 
 * a cache sample whose bytes changed after it was written (bytes flipped on disk inside a sample that
   ``evaluate`` replays) fails ``evaluate`` naming the file and the sample (it used to give another tau);
+* so does an edited per-sample value (``prompt_len``, ``max_new_tokens``, ... of format 5: under the
+  sample's checksum through its ``meta``), naming the file, the array, the sample and the fix; a format-4
+  cache is still read, its per-sample values unverified, and the log says so;
 * non-finite hidden states fail the reader naming the sample, token and target layer;
 * a stripped drafter with a NaN tensor, or whose weights no longer match the sha256 that strip recorded
   in ``strip_info.json``, fails ``load_drafter`` naming the tensor / file (it used to give tau 1.0);
@@ -23,6 +26,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cache_edit import downgrade  # noqa: E402
 from tiny import make_tiny_target  # noqa: E402
 
 from dflash_eval.cache_reader import CacheReader  # noqa: E402
@@ -94,6 +98,82 @@ def test_flipped_bytes_in_an_evaluated_sample_fail_evaluate(pipeline):
     assert not (d / "flipped.json").exists()
     with CacheReader(bad) as rd:  # the other samples still read
         assert rd.sample(0).sample_id != sample_id and rd.sample(2).sample_id != sample_id
+
+
+def _edit_array(path: Path, name: str, i: int, value) -> None:
+    with h5py.File(path, "r+") as f:
+        f[name][i] = value
+
+
+@pytest.mark.parametrize("name, value", [("prompt_len", None), ("max_new_tokens", 3), ("stop_reason", "other")])
+def test_an_edited_per_sample_value_fails_evaluate(pipeline, tmp_path, name, value):
+    """Format 5: ``prompt_len`` (which moves the first anchor: another tau) and the other per-sample arrays of
+    an evaluated sample are under its checksum; an edit is refused naming file, array, sample and fix."""
+    d = pipeline["dir"]
+    intact = _evaluate(pipeline, d / "c.h5", out="meta_intact.json")
+    bad = tmp_path / "edited.h5"
+    shutil.copy(d / "c.h5", bad)
+    with h5py.File(bad, "r") as f:
+        assert f.attrs["format_version"] == 5
+        old, sample_id = f[name][1], f["sample_ids"][1].decode()
+        meta = json.loads(f["samples/000001"].attrs["meta"])
+    assert meta["sample_id"] == sample_id and meta["prompt_len"] == intact["samples"][1]["prompt_len"] == 8
+    if name == "stop_reason":  # the one it is not
+        value = "eos" if old.decode() == "length" else "length"
+    value = int(old) - 2 if value is None else value  # prompt_len 8 -> 6: two prompt tokens become completion
+    _edit_array(bad, name, 1, value)
+    with CacheReader(bad, verify=False) as rd:  # unverified, the edit reads back silently
+        assert rd.sample(1).__dict__[name] == value
+        assert rd.verify() == [1]
+    with pytest.raises(InputError) as err:
+        _evaluate(pipeline, bad, out="meta_edited.json")
+    e = err.value
+    assert Path(e.file) == bad and e.field == name and f"{sample_id!r} (samples/000001)" in e.problem
+    assert f"{name}[1] is {value!r}" in e.problem and "checksummed meta" in e.problem and "re-extract" in e.fix
+    assert not (tmp_path / "meta_edited.json").exists()
+    with CacheReader(bad) as rd:  # read with its arrays, sample 1 is refused the same way; the others read
+        assert rd.sample(0).sample_id != sample_id
+        with pytest.raises(InputError) as err:
+            rd.samples([2, 1])
+        assert err.value.field == name
+
+
+def test_an_edited_meta_fails_the_checksum(pipeline, tmp_path):
+    """Editing the sample's ``meta`` too (both copies of prompt_len) does not make the edit pass: meta is hashed."""
+    d = pipeline["dir"]
+    bad = tmp_path / "both.h5"
+    shutil.copy(d / "c.h5", bad)
+    with h5py.File(bad, "r+") as f:
+        g = f["samples/000001"]
+        meta = json.loads(g.attrs["meta"])
+        meta["prompt_len"] -= 2
+        g.attrs["meta"] = json.dumps(meta, separators=(",", ":"))
+        f["prompt_len"][1] = meta["prompt_len"]
+        sample_id = meta["sample_id"]
+    with CacheReader(bad) as rd:
+        assert rd.sample_attrs(1)["prompt_len"] == meta["prompt_len"]  # the two copies agree (no hash here) ...
+        with pytest.raises(InputError) as err:  # ... but the read sample's checksum does not
+            rd.sample(1)
+    e = err.value
+    assert e.field == "samples/000001" and sample_id in e.problem
+    assert "its bytes and per-sample values (meta) do not match their checksum" in e.problem
+    with pytest.raises(InputError, match="do not match their checksum"):
+        _evaluate(pipeline, bad, out="both.json")
+
+
+def test_a_format_4_cache_is_read_with_its_per_sample_values_unverified(pipeline, tmp_path, caplog):
+    d = pipeline["dir"]
+    old = tmp_path / "old.h5"
+    shutil.copy(d / "c.h5", old)
+    downgrade(old, 4)
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        r = _evaluate(pipeline, old, out="old.json")
+    assert r["tau"] == _evaluate(pipeline, d / "c.h5", out="new.json")["tau"]
+    warned = [m for m in caplog.messages if "per-sample values" in m]
+    assert len(warned) == 1 and "cache format 4" in warned[0] and "read unverified" in warned[0]
+    assert "re-extract" in warned[0]
+    with CacheReader(old) as rd:  # the arrays' checksum still holds; its per-sample values are not under it
+        assert rd.verify() == [] and not rd.meta_verified
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

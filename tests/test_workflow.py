@@ -815,7 +815,8 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     agreement_warn warns, below agreement_min refuses unless allowed (recorded)."""
     import logging
 
-    import h5py
+    sys.path.insert(0, str(Path(__file__).parent))
+    import cache_edit
 
     from dflash_eval.errors import InputError
     from dflash_eval.tau_table import summary_frame
@@ -823,9 +824,8 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     cache = tmp_path / "set_a.h5"
     shutil.copy(tiny_run / "results/tiny/cache/set_a.h5", cache)
 
-    def set_agreement(values):
-        with h5py.File(cache, "r+") as f:
-            f["argmax_agreement"][: len(values)] = values  # format 3: one file-level array
+    def set_agreement(values):  # the file-level array, and each sample's checksummed meta (format 5)
+        cache_edit.set_agreement(cache, values)
 
     set_agreement([1.0, 0.96, 1.0, 0.98])  # mean 0.985: warn only
     with caplog.at_level(logging.WARNING, logger="dflash_eval"):

@@ -1,0 +1,49 @@
+"""Test helpers that change a finished cache *consistently* (as a writer of that content would have written it).
+
+Format 5 puts every per-sample value under the sample's checksum, so a test that wants another value
+(a low ``argmax_agreement``) or an older format must rewrite the checksum too; an edit without it is
+what the reader refuses (tests/test_reliability.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+
+from dflash_eval.cache_format import META_VERSION, sample_meta_json, sample_sha256
+
+
+def _reseal(f, i: int, meta: str | None) -> None:
+    g = f[f"samples/{i:06d}"]
+    if meta is None:
+        if "meta" in g.attrs:
+            del g.attrs["meta"]
+    else:
+        g.attrs["meta"] = meta
+    g.attrs["sha256"] = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta)
+
+
+def _meta_of(f, i: int) -> str:
+    sid = f["sample_ids"][i]
+    return sample_meta_json(sid.decode() if isinstance(sid, bytes) else str(sid), int(f["prompt_len"][i]),
+                            int(f["completion_len"][i]), f["stop_reason"][i].decode(), int(f["max_new_tokens"][i]),
+                            float(f["argmax_agreement"][i]))
+
+
+def set_agreement(path: Path, values) -> None:
+    """Set ``argmax_agreement[: len(values)]`` and re-seal those samples (their ``meta`` and ``sha256``)."""
+    with h5py.File(path, "r+") as f:
+        f["argmax_agreement"][: len(values)] = values
+        if int(f.attrs["format_version"]) >= META_VERSION:
+            for i in range(len(values)):
+                _reseal(f, i, _meta_of(f, i))
+
+
+def downgrade(path: Path, version: int) -> None:
+    """Make a format-5 cache the cache format ``version`` (3 or 4) would have written: no ``meta``, checksums
+    over the three datasets only (the caller removes attributes the older format lacked)."""
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = version
+        for i in range(len(f["sample_ids"])):
+            _reseal(f, i, None)
