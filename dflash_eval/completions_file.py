@@ -9,7 +9,8 @@ Output JSONL, one row per prompt, in the prompts file's order::
      "stop_reason": "eos" | "length",
      "max_new_tokens": int,
      "generation": {...},            # provenance, the same in every row (below)
-     "ids_sha256": str}              # sha256 of the row's ids (dflash_eval/row_checksum.py), verified when read
+     "ids_sha256": str,              # sha256 of the row's ids (dflash_eval/row_checksum.py), verified when read
+     "row_sha256": str}              # sha256 of the whole row but itself (the same module), verified when read
 
 ``completion_ids`` are what the target produced (greedy argmax), not a
 re-tokenization of ``text``: the hidden-state cache and the replay condition on
@@ -165,18 +166,18 @@ def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
 def read_completions(path: str | Path) -> list[dict]:
     """Parse the completions JSONL (InputError with the line number on malformed lines).
 
-    Each row's ``ids_sha256`` is verified (:mod:`dflash_eval.row_checksum`); rows without one (files
-    written before it existed) are read, with one warning.
+    Each row's ``ids_sha256`` and ``row_sha256`` are verified (:mod:`dflash_eval.row_checksum`); rows
+    without them (files written before they existed) are read, with one warning per file and checksum.
 
     Raises:
-        InputError: missing file, malformed line, missing field, empty prompt, ids not matching the
-            row's checksum, no rows.
+        InputError: missing file, malformed line, missing field, empty prompt, ids or another field not
+            matching the row's checksums, no rows.
     """
     path = Path(path)
     if not path.exists():
         raise InputError(path, None, "completions file not found", "run the completions rule first")
     rows = []
-    unverified = 0
+    unverified = ids_only = 0
     with open(path, encoding="utf-8") as fh:
         for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
             for k in ("id", "prompt_ids", "completion_ids", "max_new_tokens"):
@@ -184,11 +185,16 @@ def read_completions(path: str | Path) -> list[dict]:
                     raise InputError(path, f"line {n}: {k}", "missing", "regenerate the completions")
             if not r["prompt_ids"]:
                 raise InputError(path, f"line {n}: prompt_ids", "empty prompt", "drop the sample")
-            unverified += not check_row(path, n, r)
+            covered = check_row(path, n, r)
+            unverified += covered is None
+            ids_only += covered == "ids"
             rows.append(r)
     if unverified:
         log.warning("%s: %d of %d rows carry no ids_sha256 (written before row checksums): read unverified",
                     path, unverified, len(rows))
+    if ids_only:
+        log.warning("%s: %d of %d rows carry no row_sha256 (written before it): their ids are verified, their other "
+                    "fields (stop_reason, max_new_tokens, generation, text) read unverified", path, ids_only, len(rows))
     if not rows:
         raise InputError(path, None, "no samples", "check the prompt set and completions stage")
     return rows

@@ -5,17 +5,25 @@
 bytes it reads (one read: the same bytes are hashed and parsed) and compares when the record is
 there (folders stripped before it was recorded, or written by hand, are read unverified), then
 refuses any non-finite tensor, naming it.
+
+``strip_info.json`` itself ends with ``info_sha256``: sha256 of its other fields as canonical JSON
+(:func:`info_sha256`), so the values a stage takes from it (``step``, the tau table's and the
+report's x axis; ``random_init``; the ``sha256`` record) are verified too (:func:`read_strip_info`).
+A ``strip_info.json`` without it (stripped before it existed) is read unverified, with a warning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from .errors import InputError
+
+log = logging.getLogger(__name__)
 
 #: files of a stripped folder whose sha256 ``strip_info.json`` records
 CHECKED_FILES = ("model.safetensors", "config.json")
@@ -32,11 +40,23 @@ def file_checksums(folder: Path) -> dict[str, str]:
     return {name: sha256_bytes((Path(folder) / name).read_bytes()) for name in CHECKED_FILES}
 
 
-def recorded_checksums(folder: Path) -> dict[str, str]:
-    """``strip_info.json``'s ``sha256`` record (empty when the file or the record is absent).
+#: the self-checksum of ``strip_info.json``
+INFO_FIELD = "info_sha256"
+
+
+def info_sha256(info: dict) -> str:
+    """sha256 (hex) of ``json.dumps(info without info_sha256, sort_keys=True, separators=(",", ":"))`` (ASCII),
+    computed on the JSON round trip of ``info`` so that writer and reader hash the same text."""
+    body = {k: v for k, v in json.loads(json.dumps(info)).items() if k != INFO_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_strip_info(folder: Path, warn: bool = True) -> dict:
+    """``folder/strip_info.json``, verified against its ``info_sha256`` (``{}`` when the file is absent);
+    ``warn``: log that a file without ``info_sha256`` is read unverified.
 
     Raises:
-        InputError: ``strip_info.json`` is not a JSON object.
+        InputError: not a JSON object, or its fields do not match ``info_sha256`` (an edit after strip).
     """
     info_file = Path(folder) / "strip_info.json"
     if not info_file.is_file():
@@ -47,7 +67,26 @@ def recorded_checksums(folder: Path) -> dict[str, str]:
         raise InputError(info_file, None, f"not valid JSON ({err})", RESTRIP_FIX) from None
     if not isinstance(info, dict):
         raise InputError(info_file, None, "not a JSON object", RESTRIP_FIX)
-    return dict(info.get("sha256") or {})
+    want = info.get(INFO_FIELD)
+    if want is None:
+        if warn:
+            log.warning("%s has no %s (stripped before it existed): its step, random_init and checksum record are "
+                        "read unverified", info_file, INFO_FIELD)
+    elif info_sha256(info) != want:
+        fields = ", ".join(sorted(k for k in info if k != INFO_FIELD))
+        raise InputError(info_file, INFO_FIELD, f"its fields do not match their checksum: one of {fields} (or a "
+                         "field added or removed) changed after strip wrote it", RESTRIP_FIX)
+    return info
+
+
+def recorded_checksums(folder: Path) -> dict[str, str]:
+    """``strip_info.json``'s ``sha256`` record (empty when the file or the record is absent), verified
+    (:func:`read_strip_info`).
+
+    Raises:
+        InputError: ``strip_info.json`` is not a JSON object, or does not match its ``info_sha256``.
+    """
+    return dict(read_strip_info(folder, warn=False).get("sha256") or {})
 
 
 def check_file(folder: Path, name: str, data: bytes, recorded: dict[str, str]) -> None:

@@ -1,21 +1,27 @@
-"""Per-row checksums of the completions JSONL: ``ids_sha256`` over a row's token ids.
+"""Per-row checksums of the completions JSONL: ``ids_sha256`` over a row's token ids, ``row_sha256`` over all of it.
 
 A completions row carries ``ids_sha256`` = sha256 of ``"<prompt ids>|<completion ids>"`` (each
-list as comma-separated decimal ids, no spaces; UTF-8), written by the completions stage and
-checked by :func:`dflash_eval.completions_file.read_completions`: an id changed in the file (an
-edit, a bad copy) is refused naming the line and the row, instead of conditioning the cache and
-the replay on tokens the target never produced. Rows of files written before the checksum
-existed have none: they are read, with one warning per file.
+list as comma-separated decimal ids, no spaces; UTF-8), and, last, ``row_sha256`` = sha256 of the
+row's canonical JSON without ``row_sha256`` itself (:func:`row_sha256`: keys sorted, no spaces,
+non-ASCII escaped), so every field a stage reads (``id``, ``stop_reason``, ``max_new_tokens``,
+``generation`` with the sampling settings, ``text``, ...) is covered, not only the ids. Both are
+written by the completions stage and checked by :func:`dflash_eval.completions_file.read_completions`:
+a value changed in the file (an edit, a bad copy) is refused naming the line and the row, instead
+of conditioning the cache and the replay on tokens the target never produced or on another
+generation limit. Rows of files written before a checksum existed lack it: they are read, with one
+warning per file naming what is unverified.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Sequence
 
 from .errors import InputError
 
 FIELD = "ids_sha256"
+ROW_FIELD = "row_sha256"
 
 
 def ids_sha256(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:
@@ -24,19 +30,46 @@ def ids_sha256(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_row(path, line: int, row: dict) -> bool:
-    """Compare a completions row's ``ids_sha256`` with its ids; returns whether the row had one.
+def row_sha256(row: dict) -> str:
+    """The whole-row checksum (hex): sha256 of ``json.dumps(row without row_sha256, sort_keys=True,
+    separators=(",", ":"))`` (ASCII: non-ASCII characters escaped), UTF-8. Computed on the row as JSON
+    reads it back, so writer and reader hash the same text (tuples are lists, floats round-trip)."""
+    body = {k: v for k, v in json.loads(json.dumps(row)).items() if k != ROW_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal_row(row: dict) -> dict:
+    """``row`` with ``ids_sha256`` and, last, ``row_sha256`` added (what the completions stage writes)."""
+    out = {**row, FIELD: ids_sha256(row["prompt_ids"], row["completion_ids"])}
+    out[ROW_FIELD] = row_sha256(out)
+    return out
+
+
+def check_row(path, line: int, row: dict) -> str | None:
+    """Compare a completions row's checksums with its values; returns what they covered.
+
+    Returns:
+        ``"row"`` (``row_sha256``: every field), ``"ids"`` (only ``ids_sha256``: a file written before
+        ``row_sha256``; the other fields unverified) or None (no checksum: a file from before both).
 
     Raises:
-        InputError: ``(path, "line <n>: ids_sha256", ...)`` when the ids do not match it.
+        InputError: ``(path, "line <n>: ids_sha256", ...)`` when the ids do not match it;
+            ``(path, "line <n>: row_sha256", ...)`` when another field does not match the row checksum.
     """
     want = row.get(FIELD)
-    if want is None:
-        return False
-    got = ids_sha256(row["prompt_ids"], row["completion_ids"])
-    if got != want:
+    if want is not None and ids_sha256(row["prompt_ids"], row["completion_ids"]) != want:
         raise InputError(path, f"line {line}: {FIELD}", f"row {row.get('id')!r}: its prompt_ids/completion_ids do "
                          "not match their checksum (the file changed after the completions stage wrote it)",
                          "regenerate the completions (snakemake -R completions, or delete the file and rerun), "
                          "or restore an intact copy")
-    return True
+    whole = row.get(ROW_FIELD)
+    if whole is None:
+        return "ids" if want is not None else None
+    if row_sha256(row) != whole:
+        fields = ", ".join(sorted(k for k in row if k not in (FIELD, ROW_FIELD, "prompt_ids", "completion_ids")))
+        raise InputError(path, f"line {line}: {ROW_FIELD}", f"row {row.get('id')!r}: its fields do not match the row "
+                         f"checksum: one of {fields} (or a field added or removed) changed after the completions "
+                         "stage wrote it (its ids still match ids_sha256)",
+                         "regenerate the completions (snakemake -R completions, or delete the file and rerun), "
+                         "or restore an intact copy")
+    return "row"

@@ -66,7 +66,7 @@ def test_matches_reference_loop_batched_and_single(setup):
         assert [g["id"] for g in got] == [r["id"] for r in rows]  # prompts' order, not length order
         for g, r in zip(got, rows):
             assert set(g) == {"id", "prompt_ids", "completion_ids", "text", "stop_reason", "max_new_tokens",
-                              "generation", "ids_sha256"}
+                              "generation", "ids_sha256", "row_sha256"}
             assert g["generation"]["source"] == "transformers" and g["generation"]["stop_ids"] == [2]
             assert g["generation"]["dtype"] == "float32" and g["generation"]["device"] == "cpu"
             assert g["prompt_ids"] == r["prompt_ids"]

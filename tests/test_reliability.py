@@ -243,11 +243,34 @@ def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_pa
     with pytest.raises(InputError) as err:
         load_drafter(out2)
     assert Path(err.value.file) == out2 / "config.json"
-    # a folder without the record (stripped before it existed, or by hand) still loads
+    # a folder without the records (stripped before they existed, or by hand) still loads
     info2 = json.loads((out2 / "strip_info.json").read_text())
-    del info2["sha256"]
+    del info2["sha256"], info2["info_sha256"]
     (out2 / "strip_info.json").write_text(json.dumps(info2))
     load_drafter(out2)
+
+
+def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path, caplog):
+    """strip_info.json's own fields (the step that labels the tau table's row) are under its info_sha256."""
+    from dflash_eval.drafter_files import info_sha256, read_strip_info
+    from dflash_eval.stages.strip_drafter import strip_checkpoint
+
+    out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
+    info = json.loads((out / "strip_info.json").read_text())
+    assert list(info)[-1] == "info_sha256" and info["info_sha256"] == info_sha256(info)
+    assert read_strip_info(out) == info
+    info["step"] = 5000  # was None: the row would be plotted at step 5000
+    (out / "strip_info.json").write_text(json.dumps(info, indent=2))
+    with pytest.raises(InputError) as err:
+        _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")
+    e = err.value
+    assert Path(e.file) == out / "strip_info.json" and e.field == "info_sha256" and "step" in e.problem
+    assert "strip it again" in e.fix and not (pipeline["dir"] / "step.json").exists()
+    del info["info_sha256"]  # stripped before the field existed: read, with a warning
+    (out / "strip_info.json").write_text(json.dumps(info, indent=2))
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        assert _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")["step"] == 5000
+    assert sum("has no info_sha256" in m for m in caplog.messages) == 1
 
 
 def test_prompt_beyond_max_positions_is_refused(pipeline, tmp_path):
@@ -408,11 +431,12 @@ def test_session_end_check_finds_leftover_threads_and_children():
 
 def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
     from dflash_eval.completions_file import read_completions
-    from dflash_eval.row_checksum import ids_sha256
+    from dflash_eval.row_checksum import ids_sha256, row_sha256
 
     src = pipeline["dir"] / "c.jsonl"
     rows = [json.loads(line) for line in src.read_text().splitlines()]
     assert all(r["ids_sha256"] == ids_sha256(r["prompt_ids"], r["completion_ids"]) for r in rows)
+    assert all(r["row_sha256"] == row_sha256(r) and list(r)[-1] == "row_sha256" for r in rows)
     assert len(read_completions(src)) == 3
     edited = [dict(r) for r in rows]
     edited[1]["completion_ids"] = edited[1]["completion_ids"][:-2] + [7, edited[1]["completion_ids"][-1]]
@@ -421,8 +445,28 @@ def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
     with pytest.raises(InputError) as err:
         read_completions(bad)
     assert err.value.field == "line 2: ids_sha256" and repr(rows[1]["id"]) in err.value.problem
-    old = tmp_path / "old.jsonl"  # written before the checksum: read, one warning
-    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ids_sha256"}) + "\n" for r in rows))
+    # a field other than the ids (max_new_tokens bounds every verify step of the replay; generation holds
+    # the sampling settings): the row checksum
+    for key, value in (("max_new_tokens", rows[2]["max_new_tokens"] + 8), ("generation", {"source": "openai"})):
+        edited = [dict(r) for r in rows]
+        edited[2][key] = value
+        bad.write_text("".join(json.dumps(r) + "\n" for r in edited))
+        with pytest.raises(InputError) as err:
+            read_completions(bad)
+        e = err.value
+        assert Path(e.file) == bad and e.field == "line 3: row_sha256" and repr(rows[2]["id"]) in e.problem
+        assert key in e.problem and "regenerate the completions" in e.fix
+    old = tmp_path / "old.jsonl"  # written before the checksums: read, one warning
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("ids_sha256", "row_sha256")}) + "\n"
+                           for r in rows))
     with caplog.at_level("WARNING"):
         assert [r["id"] for r in read_completions(old)] == [r["id"] for r in rows]
     assert "3 of 3 rows carry no ids_sha256" in caplog.text
+    caplog.clear()
+    ids_only = tmp_path / "ids_only.jsonl"  # written before row_sha256: ids verified, the rest not (one warning)
+    ids_only.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "row_sha256"}) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        assert [r["id"] for r in read_completions(ids_only)] == [r["id"] for r in rows]
+    assert [m for m in caplog.messages if "row_sha256" in m] == [
+        f"{ids_only}: 3 of 3 rows carry no row_sha256 (written before it): their ids are verified, their other "
+        "fields (stop_reason, max_new_tokens, generation, text) read unverified"]

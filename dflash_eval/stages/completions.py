@@ -20,7 +20,7 @@ from ..errors import InputError
 from ..generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
 from ..io import sha256_file
 from ..progress import Progress
-from ..row_checksum import ids_sha256
+from ..row_checksum import seal_row
 from ..prompts import read_prompts
 
 log = logging.getLogger(__name__)
@@ -137,10 +137,10 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                 lines, toks = [], 0
                 for i, ids, stop, extra in results:
                     r = rows[i]
-                    row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
-                           "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
-                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra,
-                           "ids_sha256": ids_sha256(r["prompt_ids"], ids)}  # read_completions verifies it
+                    row = seal_row({"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
+                                    "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
+                                    "max_new_tokens": max_new_tokens, "generation": provenance,
+                                    **extra})  # ids_sha256 + row_sha256: read_completions verifies them
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)

@@ -28,6 +28,7 @@ from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
 from ..ddtree import replay_with_trees, walk_budgets
 from ..drafter import load_drafter
+from ..drafter_files import read_strip_info
 from ..errors import InputError, atomic_path
 from ..expected import response_expectations, target_token_probs
 from ..metrics import aggregate, aggregate_expected, selector_stats
@@ -373,8 +374,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         raise InputError(inputs.cache_path, "samples", f"none of the {n} samples has a verify step (every response "
                          "ended at its first token), so tau is undefined", "check the completions (max_new_tokens, "
                          "stop tokens) of this prompt set")
-    info_file = inputs.drafter_dir / "strip_info.json"
-    strip_info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    strip_info = read_strip_info(inputs.drafter_dir)  # verified (info_sha256): its step labels the row
     result = {
         "checkpoint": checkpoint_name or inputs.drafter_dir.name,
         "prompt_set": prompt_set or Path(inputs.cache_path).stem,

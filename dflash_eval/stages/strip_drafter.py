@@ -40,7 +40,9 @@ Output of :func:`strip_checkpoint` (what the reference loads, z-lab/dflash ``dfl
                                    also layers.*.{attention,mlp}_conv.*, candidate_selector.* with
                                    the codebooks under their saved names, without .weight)
     <out_dir>/strip_info.json      provenance: source path, format, step, dropped keys, notes, and
-                                   sha256 of model.safetensors and config.json (verified by load_drafter)
+                                   sha256 of model.safetensors and config.json (verified by load_drafter),
+                                   then info_sha256 over the file's other fields (verified by
+                                   drafter_files.read_strip_info: the step in tau.csv comes from here)
 
 No optimizer state and no shared target tensors are kept; the drafter always uses the
 target's own ``embed_tokens`` and ``lm_head``.
@@ -59,7 +61,7 @@ from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoi
 from ..compat import check_compat
 from ..drafter import DFlashDrafter, check_state_dict
 from ..drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
-from ..drafter_files import file_checksums
+from ..drafter_files import INFO_FIELD, file_checksums, info_sha256
 from ..errors import InputError, atomic_dir
 from ..io import read_json_object
 from ..runtime import dtype_name
@@ -247,6 +249,7 @@ def strip_checkpoint(
         save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2, sort_keys=True))
         info["sha256"] = file_checksums(tmp)  # load_drafter verifies them
+        info[INFO_FIELD] = info_sha256(info)  # and read_strip_info the file's own fields (step, ...)
         (tmp / "strip_info.json").write_text(json.dumps(info, indent=2))
     log.info("stripped %s (format %s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, fmt, info["step"], out_dir,
              len(out_state), sum(v.numel() for v in out_state.values()) * 2 / 1e6)
