@@ -109,6 +109,37 @@ def ddtree_budgets(frame) -> list[int]:
                   if c.startswith("tau_ddtree_") and c[len("tau_ddtree_"):].isdigit())
 
 
+def method_speedups(r: dict, costs: dict, budgets: list[int]) -> list[dict]:
+    """The estimate of every method of one tau-table row (the one place the report and ``tau.csv`` get it).
+
+    Args:
+        r: a tau-table row (``checkpoint``, ``block_size``, ``tau``, ``tau_ddtree_<budget>`` per budget).
+        costs: :func:`read_costs` output.
+        budgets: the DDTree budgets of the table (:func:`ddtree_budgets`).
+
+    Returns:
+        one dict per method, chain first: ``method`` (``chain`` or ``ddtree_<budget>``), ``budget`` (nodes;
+        None for the chain), ``verify_tokens`` (n: the block size, or budget + 1), ``tau``, ``t_verify_s``,
+        ``t_draft_s``, ``t_decode_s`` (seconds; NaN where not measured) and ``speedup`` (:func:`speedup`).
+    """
+    import pandas as pd
+
+    verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
+    t_dec = float(costs["decode_s"])
+    d = costs["drafters"].get(r["checkpoint"], {})
+    methods = [("chain", None, int(r["block_size"]), "causal", r["tau"], d.get("draft_s"))]
+    for b in budgets:
+        methods.append((f"ddtree_{b}", b, b + 1, "tree", r.get(f"tau_ddtree_{b}"), d.get("draft_tree_s", {}).get(str(b))))
+    out = []
+    for method, b, n, mask, tau, t_draft in methods:
+        t_ver = verify.get((n, mask), math.nan)
+        t_draft = math.nan if t_draft is None else float(t_draft)
+        tau = float(tau) if tau is not None and pd.notna(tau) else math.nan
+        out.append({"method": method, "budget": b, "verify_tokens": n, "tau": tau, "t_verify_s": t_ver,
+                    "t_draft_s": t_draft, "t_decode_s": t_dec, "speedup": speedup(tau, t_dec, t_ver, t_draft)})
+    return out
+
+
 def speedup_frame(frame, costs: dict):
     """Estimated speedup per (checkpoint, prompt set, method).
 
@@ -126,23 +157,11 @@ def speedup_frame(frame, costs: dict):
     """
     import pandas as pd
 
-    verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
     reliable = assess(costs)["reliable"]
-    t_dec = float(costs["decode_s"])
-    rows = []
-    for r in frame.to_dict("records"):
-        d = costs["drafters"].get(r["checkpoint"], {})
-        methods = [("chain", None, int(r["block_size"]), "causal", r["tau"], d.get("draft_s"))]
-        for b in ddtree_budgets(frame):
-            methods.append((f"ddtree_{b}", b, b + 1, "tree", r[f"tau_ddtree_{b}"], d.get("draft_tree_s", {}).get(str(b))))
-        for method, b, n, mask, tau, t_draft in methods:
-            t_ver = verify.get((n, mask), math.nan)
-            t_draft = math.nan if t_draft is None else float(t_draft)
-            rows.append({"checkpoint": r["checkpoint"], "step": r["step"], "prompt_set": r["prompt_set"],
-                         "method": method, "budget": b, "verify_tokens": n, "tau": tau, "t_verify_s": t_ver,
-                         "t_draft_s": t_draft, "t_decode_s": t_dec,
-                         "speedup": speedup(float(tau) if pd.notna(tau) else math.nan, t_dec, t_ver, t_draft),
-                         "estimate_reliable": reliable})
+    budgets = ddtree_budgets(frame)
+    rows = [{"checkpoint": r["checkpoint"], "step": r["step"], "prompt_set": r["prompt_set"], **m,
+             "estimate_reliable": reliable}
+            for r in frame.to_dict("records") for m in method_speedups(r, costs, budgets)]
     df = pd.DataFrame(rows)
     if df.empty:
         return df
@@ -151,6 +170,35 @@ def speedup_frame(frame, costs: dict):
     best = df.dropna(subset=["speedup"]).groupby(key)["speedup"].idxmax()
     df["best"] = df.index.isin(best.values)
     return df
+
+
+def speedup_columns(frame, costs: dict | None):
+    """The tau table's speedup columns (:mod:`dflash_eval.tau_table`), aligned with ``frame``'s rows.
+
+    Args:
+        frame: the tau table (every row, every sampling setting).
+        costs: :func:`read_costs` output, or None (``target_costs`` disabled: the columns are empty).
+
+    Returns:
+        DataFrame with ``speedup_chain``, ``speedup_ddtree_<budget>`` per budget of the table (the
+        report's estimate, :func:`method_speedups`, on the row's own tau; NaN where a cost was not
+        measured or the tau is NaN) and ``estimate_reliable`` (nullable bool: :func:`dflash_eval.cost_stats.assess`
+        of the costs, the same on every row; NA without costs).
+    """
+    import pandas as pd
+
+    budgets = ddtree_budgets(frame)
+    names = ["speedup_chain"] + [f"speedup_ddtree_{b}" for b in budgets]
+    if costs is None:
+        out = pd.DataFrame({n: math.nan for n in names}, index=frame.index)
+        out["estimate_reliable"] = pd.array([pd.NA] * len(frame), dtype="boolean")
+        return out
+    reliable = bool(assess(costs)["reliable"])
+    rows = [{f"speedup_{m['method']}": m["speedup"] for m in method_speedups(r, costs, budgets)}
+            for r in frame.to_dict("records")]
+    out = pd.DataFrame(rows, index=frame.index, columns=names, dtype=float)
+    out["estimate_reliable"] = pd.array([reliable] * len(frame), dtype="boolean")
+    return out
 
 
 def device_label(costs: dict) -> str:

@@ -469,7 +469,8 @@ class Plan:
 
     # ---- target_costs (decode costs for the report's speedup estimate) and the report
     def target_costs_outputs(self) -> list[str]:
-        """``[results/<run>/target_costs.json]`` when ``target_costs.enabled``, else ``[]`` (input of rule report)."""
+        """``[results/<run>/target_costs.json]`` when ``target_costs.enabled``, else ``[]`` (input of rules
+        summary and report)."""
         return [self.run_path("target_costs.json")] if self.config["target_costs"]["enabled"] else []
 
     def target_costs_inputs(self, run: str | None = None) -> dict[str, list[str]]:
@@ -482,6 +483,10 @@ class Plan:
     def config_sha256(self) -> str:
         """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
         return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
+
+    def summary_args(self, costs=()) -> str:
+        """Optional flags of ``summary``: ``--costs`` (the speedup columns of the tau table) when target costs exist."""
+        return " ".join(shlex.quote(str(a)) for a in (["--costs", costs[0]] if costs else []))
 
     def report_args(self, extra=(), costs=()) -> str:
         """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--config-sha256``."""

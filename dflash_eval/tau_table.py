@@ -69,7 +69,21 @@ topk_recall_slot_<k>    DFlash 2: P(slot k's target token is among its top-K can
                         k = 1..B-1 (:class:`dflash_eval.metrics.SelectorStats`)
 pick_rate_slot_<k>      DFlash 2: P(the selector picks slot k's target token | it picked the
                         earlier ones and the target token is a candidate)
+speedup_chain           the report's estimated decode speedup of the chain on this row's tau,
+                        ``tau * t_decode / (t_verify(B) + t_draft)`` from the run's
+                        ``target_costs.json`` (:func:`dflash_eval.costs.method_speedups`); empty
+                        when ``target_costs`` is disabled or a cost was not measured
+speedup_ddtree_<B>      the same for DDTree at node budget B (``tau_ddtree_<B>``, verify of B + 1
+                        tokens with a tree mask), one column per ``tau_ddtree_<B>`` column
+estimate_reliable       :func:`dflash_eval.cost_stats.assess` of the target costs: False when the
+                        timings were too noisy for the speedup columns to be trusted (the same on
+                        every row); empty when ``target_costs`` is disabled
 ======================  =====================================================================
+
+The speedup and ``estimate_reliable`` columns are added by the ``summary`` stage
+(:func:`dflash_eval.costs.speedup_columns`, :func:`dflash_eval.stages.summary.write_summary`), after
+every other column, from the same function as the report's speedup table, so the two agree; the
+report rebuilds its frame from the evaluate outputs (:func:`summary_frame`) without them.
 
 The ``tau_oracle`` / ``tau_unary`` columns are recomputed from the per-sample chains of the
 evaluate JSON; the ``sel_*``, ``topk_recall_slot_*`` and ``pick_rate_slot_*`` columns are its

@@ -1,5 +1,6 @@
 # Per (checkpoint, prompt set): offline speculative-decoding replay -> per-sample
-# acceptance JSON; then the tau table and the report (HTML + markdown + figures) for the run.
+# acceptance JSON; then the tau table (with the speedup estimate when target_costs is enabled)
+# and the report (HTML + markdown + figures) for the run.
 # tau.csv, report.html and the figures are marked for `snakemake --report` (captions in report/).
 
 
@@ -37,7 +38,8 @@ rule evaluate:
 
 rule summary:
     input:
-        lambda wildcards: PLAN.evaluations(wildcards.run),
+        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        costs=PLAN.target_costs_outputs(),
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -52,8 +54,10 @@ rule summary:
         "../envs/cpu.yaml"
     container:
         config["containers"]["cuda"]
+    params:
+        args=lambda wildcards, input: PLAN.summary_args(input.get("costs", [])),
     shell:
-        "python -m dflash_eval summary --evals {input:q}"
+        "python -m dflash_eval summary --evals {input.evals:q} {params.args}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} > {log:q} 2>&1"
 
 

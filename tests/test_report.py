@@ -232,3 +232,41 @@ def test_noisy_costs_mark_the_estimate_unreliable(run):
     assert not noisy.speedups["estimate_reliable"].any()
     md = R.render_markdown(noisy)
     assert "unreliable estimate (estimate_reliable = False)" in md and "decode step: runs spread 200%" in md
+
+
+def test_tau_table_carries_the_speedup_estimate_and_its_reliability(run):
+    """tau.csv / tau.parquet: ``speedup_chain`` / ``speedup_ddtree_<B>`` per row (the report's numbers) and
+    ``estimate_reliable`` when target costs exist; the same columns, empty, when target_costs is disabled."""
+    from dflash_eval.stages.summary import write_summary
+
+    tmp_path, evals, caches = run
+    evals = evals + [write_eval(tmp_path, "nostep", "humaneval", None, [[2, 2]], ddtree_budgets=[2])]
+    ev = json.loads(Path(evals[-1]).read_text())  # the per-sample tree chain evaluate writes: budget 2, [3, 3]
+    ev["samples"][0]["acceptance_lengths_ddtree"] = {"2": [3, 3]}
+    Path(evals[-1]).write_text(json.dumps(ev))
+    costs = fake_costs(tmp_path)
+    df = write_summary(evals, tmp_path / "tau.csv", tmp_path / "tau.parquet", costs=costs)
+    assert list(df.columns[-3:]) == ["speedup_chain", "speedup_ddtree_2", "estimate_reliable"]
+    rows = df.set_index(["checkpoint", "prompt_set"])
+    # chain: tau * t_decode / (t_verify(4) + t_draft) = 4.0 * 10 / (14 + 2); ddtree_2: 3.0 * 10 / (10 + 3 + 2.5)
+    assert rows.loc[("late", "humaneval"), "speedup_chain"] == pytest.approx(4.0 * 10 / 16)
+    assert rows.loc[("nostep", "humaneval"), "speedup_chain"] == pytest.approx(2.0 * 10 / 16)
+    assert rows.loc[("nostep", "humaneval"), "speedup_ddtree_2"] == pytest.approx(3.0 * 10 / 15.5)
+    assert rows["speedup_ddtree_2"].isna().sum() == 4  # rows evaluated without that budget
+    assert rows["estimate_reliable"].tolist() == [True] * 5
+    report = R.load_report_data(evals, caches, costs=costs).speedups.set_index(["checkpoint", "prompt_set", "method"])
+    for (ck, ps), r in rows.iterrows():  # the report's estimate, number for number
+        assert r["speedup_chain"] == report.loc[(ck, ps, "chain"), "speedup"]
+    assert pd.read_parquet(tmp_path / "tau.parquet").equals(df)
+    header, first = (tmp_path / "tau.csv").read_text().splitlines()[:2]
+    assert header.endswith(",speedup_chain,speedup_ddtree_2,estimate_reliable") and first.endswith(",True")
+    costs_noisy = json.loads(Path(costs).read_text())
+    costs_noisy["decode_samples_s"] = [0.010, 0.030, 0.050]  # median 3x the minimum: unreliable
+    Path(tmp_path / "noisy.json").write_text(json.dumps(costs_noisy))
+    noisy = write_summary(evals, tmp_path / "n.csv", tmp_path / "n.parquet", costs=str(tmp_path / "noisy.json"))
+    assert noisy["estimate_reliable"].tolist() == [False] * 5 and noisy["speedup_chain"].equals(df["speedup_chain"])
+    off = write_summary(evals, tmp_path / "o.csv", tmp_path / "o.parquet")  # target_costs disabled
+    assert list(off.columns) == list(df.columns)
+    assert off["speedup_chain"].isna().all() and off["estimate_reliable"].isna().all()
+    assert (tmp_path / "o.csv").read_text().splitlines()[1].endswith(",,,")
+    assert pd.read_parquet(tmp_path / "o.parquet")["estimate_reliable"].isna().all()

@@ -27,7 +27,8 @@ def test_summary_and_report(tmp_path):
     evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1], []]),
              _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
     df = write_summary(evals, tmp_path / "tau.csv", tmp_path / "tau.parquet")
-    assert list(df.columns) == COLUMNS + slot_columns(8) + VARIANT_COLUMNS
+    # the speedup columns last, empty: no target costs (tests/test_report.py fills them)
+    assert list(df.columns) == COLUMNS + slot_columns(8) + VARIANT_COLUMNS + ["speedup_chain", "estimate_reliable"]
     row = df.set_index("checkpoint").loc["step100"]
     assert row["tau"] == 1.5 and abs(row["tau_tokens_per_step"] - 8 / 6) < 1e-12 and row["mean_accepted"] == 0.5
     assert row["tau_sglang"] == (5 / 2 + 5 / 4) / 2  # (1 + 4) / 2 steps and (1 + 4) / 4 steps

@@ -166,6 +166,8 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert args.max_new_tokens == 256
         if args.cmd == "prompts":
             assert args.n == 16
+        if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
+            assert args.costs == "results/demo/target_costs.json"
         if args.cmd == "demo-checkpoint":
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
@@ -190,6 +192,12 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
     report = next(c for c in shell_commands(out) if " report " in c)
     assert "--extra" not in report
+    # target_costs disabled: no costs job, and summary and report run without --costs (empty speedup columns)
+    (wd / "nc.yaml").write_text("target_costs: {enabled: false}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "nc.yaml").stdout
+    assert "target_costs" not in job_counts(out)
+    cmds = {parser.parse_args(dflash_eval_argv(c)).cmd: parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)}
+    assert cmds["summary"].costs is None and cmds["report"].costs is None
 
 
 def test_dry_run_engine_parity_wiring(tmp_path):
