@@ -7,8 +7,9 @@ cache (random bf16 states, the real writer), then times on it:
 - ``read_s``: every sample read with ``CacheReader(verify=False)`` (HDF5 read + conversion);
 - ``verify_s``: the checks alone, on the same arrays (``hash_s`` + ``finite_s``);
 - ``evaluate_s`` / ``evaluate_unverified_s``: evaluate's replay loop as the stage runs it (longest
-  first, memory-sized groups, ``CacheReader.samples``: the checks in threads while the next sample
-  is read, :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
+  first, memory-sized groups, ``CacheReader.verified_samples``: the checks in threads while the next
+  samples are read and while the group is replayed, its errors raised when the group is done,
+  :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
   a random drafter of the chosen size on the chosen device, with and without verification (after
   one untimed warm-up pass);
 
@@ -41,7 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dflash_eval.anchors import context_bytes_per_token, length_groups  # noqa: E402
-from dflash_eval.cache_format import sample_sha256  # noqa: E402
+from dflash_eval.cache_format import FORMAT_VERSION, sample_sha256  # noqa: E402
 from dflash_eval.cache_reader import CacheReader  # noqa: E402
 from dflash_eval.cache_writer import write_cache  # noqa: E402
 from dflash_eval.ddtree import replay_with_trees  # noqa: E402
@@ -72,7 +73,7 @@ def drafter_config(layout, layer_ids, n_layers: int, block: int) -> dict:
 def make_cache(path: Path, layout, layer_ids, n: int, lo: int, hi: int) -> None:
     h, vocab = layout[0], layout[6]
     rng = np.random.default_rng(0)
-    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 3, "target_layer_ids": layer_ids,
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": FORMAT_VERSION, "target_layer_ids": layer_ids,
              "hidden_size": h, "num_target_layers": layout[5]}
 
     def samples():
@@ -134,9 +135,10 @@ def main(argv=None) -> dict:
         for i in range(len(rd)):
             g = rd._f[f"samples/{i:06d}"]
             ids, argmax, hidden = g["input_ids"][()], g["target_argmax"][()], g["hidden"][()]
+            meta = g.attrs.get("meta")
             nbytes += ids.nbytes + argmax.nbytes + hidden.nbytes
             t1 = time.perf_counter()
-            sample_sha256(ids, argmax, hidden)
+            sample_sha256(ids, argmax, hidden, meta)
             t2 = time.perf_counter()
             first_non_finite(hidden)
             finite_s += time.perf_counter() - t2
@@ -152,8 +154,8 @@ def main(argv=None) -> dict:
             sync(dev)
             t0 = time.perf_counter()
             for group in length_groups([lengths[i] for i in order], read_tokens, 0):
-                samples = rd.samples([order[g] for g in group], cfg.target_layer_ids)
-                replay_with_trees(drafter, embed, head, samples, budgets, block, mem, 0)
+                with rd.verified_samples([order[g] for g in group], cfg.target_layer_ids) as samples:
+                    replay_with_trees(drafter, embed, head, samples, budgets, block, mem, 0)
             sync(dev)
             return time.perf_counter() - t0, lengths
 

@@ -7,11 +7,12 @@ unreadable file is reported as damaged (with the HDF5 reason), never as locked.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -122,9 +123,18 @@ class CacheReader:
                 "stop_reason": str(py_value(per["stop_reason"][i])), "max_new_tokens": int(per["max_new_tokens"][i]),
                 "argmax_agreement": agree}
 
-    def _compare_meta(self, i: int, meta: str | None) -> None:
-        """Format 5: the file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array)."""
-        check_sample_values(self.path, i, parse_meta(self.path, i, meta), self._array_values(i))
+    def _compare_meta(self, i: int, meta: str | None, raw: "_Raw | None" = None, hashed: bool = False) -> None:
+        """Format 5: the file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array).
+
+        On a mismatch the sample's checksum decides which copy changed (unless ``hashed``: it passed already):
+        a ``meta`` that fails it is reported as a checksum error, else the array is named.
+        """
+        try:
+            check_sample_values(self.path, i, parse_meta(self.path, i, meta), self._array_values(i))
+        except InputError:
+            if not hashed:
+                self._check_raw(raw if raw is not None else self._read_raw(i, None), compare=False)
+            raise
         self._checked.add(i)
 
     def _values_checked(self, i: int) -> None:
@@ -203,18 +213,58 @@ class CacheReader:
         hashlib and numpy release the GIL on large buffers, so verifying costs little wall time
         beyond the HDF5 reads (``bench/verify_cost.py``). Raises the error of the first bad index.
         """
-        raws = [self._read_raw(i, layer_ids) for i in indices] if not self.verify_reads or workers < 2 else None
-        if raws is None:
-            from concurrent.futures import ThreadPoolExecutor
+        with self.verified_samples(indices, layer_ids, workers) as out:
+            pass
+        return out
 
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-verify") as pool:
-                raws, checks = [], []
-                for i in indices:
-                    raws.append(self._read_raw(i, layer_ids))
-                    checks.append(pool.submit(self._check_raw, raws[-1]))
-                for c in checks:
-                    c.result()
-        return [self._build(r) for r in raws]
+    @contextlib.contextmanager
+    def verified_samples(self, indices: Sequence[int], layer_ids: list[int] | None = None,
+                         workers: int = 4) -> Iterator[list[CacheSample]]:
+        """The samples of ``indices`` at once, verified while the caller uses them (``with ... as samples``).
+
+        Each sample is read (in ``indices``' order) and handed to ``workers`` threads for its checksum and
+        finite-state scan (:func:`~dflash_eval.sample_check.check_read_sample`: hashlib and numpy release
+        the GIL on large buffers), so the checks overlap with the reads that follow and with the body
+        (evaluate's replay on the device). The cheap comparison of the file-level arrays with ``meta``
+        (format 5) is done before the samples are handed out. Leaving the block waits for every check
+        and raises the first bad sample's InputError in ``indices``' order, also when the body raised
+        (replaying damaged values can fail in other ways: the check names the cause; the body's
+        error is chained): whatever the body computed from a sample must not be kept unless the block
+        exits normally.
+
+        Raises:
+            InputError: as :meth:`sample`, on leaving the block (the array comparison: before the body).
+        """
+        if not self.verify_reads:
+            yield [self._build(self._read_raw(i, layer_ids)) for i in indices]
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cache-verify")
+        checks = []
+        try:
+            raws = []
+            for i in indices:
+                raw = self._read_raw(i, layer_ids)
+                raws.append(raw)
+                checks.append(pool.submit(self._check_raw, raw, False))  # hash + finite scan, in a thread
+                if self.meta_verified:
+                    try:
+                        self._compare_meta(raw.i, raw.meta, raw)
+                    except InputError as err:  # an earlier sample's failure comes first
+                        raise _first_failure(checks[:-1]) or err from None
+            try:
+                yield [self._build(r) for r in raws]
+            except BaseException as err:
+                bad = _first_failure(checks)
+                if bad is not None:
+                    raise bad from err
+                raise
+            bad = _first_failure(checks)
+            if bad is not None:
+                raise bad
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_raw(self, i: int, layer_ids: list[int] | None) -> "_Raw":
         g = self._f[f"samples/{i:06d}"]
@@ -224,11 +274,13 @@ class CacheReader:
         return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
                     py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
 
-    def _check_raw(self, raw: "_Raw") -> None:
+    def _check_raw(self, raw: "_Raw", compare: bool = True) -> None:
+        """The checks of one sample as read: checksum (and ``meta``), finite states, then (``compare``,
+        format 5) the arrays against ``meta``, which is authentic once the checksum passed."""
         check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
                           self.layer_ids, self.format_version, raw.meta)
-        if self.meta_verified:  # meta is authentic now: the arrays' values must be its values
-            self._compare_meta(raw.i, raw.meta)
+        if compare and self.meta_verified:
+            self._compare_meta(raw.i, raw.meta, raw, hashed=True)
 
     def _build(self, raw: "_Raw") -> CacheSample:
         i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
@@ -304,6 +356,16 @@ class _Raw(NamedTuple):
     target_argmax: np.ndarray
     sha256: str | None
     meta: str | None  # format 5
+
+
+def _first_failure(futures) -> BaseException | None:
+    """Wait for every future; the exception of the first (in order) that failed, else None."""
+    first = None
+    for f in futures:
+        err = f.exception()
+        if first is None and err is not None:
+            first = err
+    return first
 
 
 def verify_group(g) -> str | None:

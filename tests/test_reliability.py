@@ -333,6 +333,36 @@ def test_samples_verifies_in_threads_and_names_the_first_bad_sample(tmp_path):
     assert err.value.field == "samples/000003"  # the first bad one in the order asked
 
 
+def test_verified_samples_hands_samples_out_and_raises_a_bad_one_on_leaving(tmp_path):
+    """evaluate's read: the samples are used (replayed) while their checksums are computed; leaving the block
+    raises the first bad sample's error, replacing (and chaining) what the body raised on the damaged values;
+    an array that disagrees with its sample's meta (format 5) is refused before the body runs."""
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 5, "target_layer_ids": [2],
+             "hidden_size": 8, "num_target_layers": 4}
+    write_cache(tmp_path / "c.h5", attrs, [{"sample_id": f"s{k}", "input_ids": [1, 2, 3, 4], "prompt_len": 1,
+                                            "hidden": torch.full((4, 1, 8), float(k)), "target_argmax": [2, 3, 4, 5],
+                                            "stop_reason": "eos", "max_new_tokens": 4} for k in range(4)])
+    with CacheReader(tmp_path / "c.h5") as rd, rd.verified_samples([3, 1]) as got:  # intact: nothing raised
+        assert [(s.sample_id, s.prompt_len, s.argmax_agreement) for s in got] == [("s3", 1, 1.0), ("s1", 1, 1.0)]
+    with h5py.File(tmp_path / "c.h5", "r+") as f:
+        d = f["samples/000002/hidden"]
+        d[0, 0, 0] = 9.0  # finite, a valid file: only the checksum sees it
+    seen = []
+    with CacheReader(tmp_path / "c.h5") as rd, pytest.raises(InputError) as err:
+        with rd.verified_samples([0, 2, 1]) as got:
+            seen = [s.sample_id for s in got]
+            raise IndexError("what replaying a damaged value can do")
+    assert seen == ["s0", "s2", "s1"] and err.value.field == "samples/000002"
+    assert isinstance(err.value.__cause__, IndexError)
+    with h5py.File(tmp_path / "c.h5", "r+") as f:
+        f["max_new_tokens"][1] = 40
+    body = []
+    with CacheReader(tmp_path / "c.h5") as rd, pytest.raises(InputError) as err:
+        with rd.verified_samples([1, 3]):
+            body.append(1)
+    assert body == [] and err.value.field == "max_new_tokens" and "max_new_tokens[1] is 40" in err.value.problem
+
+
 @pytest.mark.parametrize("free_mb, want", [
     (71, "the 3 samples left need about 6 MB (+ 67 MB of headroom) and 71 MB are free in {dir}: free at least 2 MB "
          "more and rerun"),

@@ -267,7 +267,15 @@ def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: li
     """The greedy replay of the samples ``indices``: ``(samples, chains)``; fills ``trees`` (DDTree budgets) and
     ``walked`` (DFlash 2's selector walks)."""
     reader, drafter = inputs.reader, inputs.drafter
-    samples = reader.samples(indices, drafter.cfg.target_layer_ids)  # verified while read
+    # verified while read and replayed: the checks run in threads beside the device's work, and leaving the
+    # block raises the first bad sample's error before any result of this group is kept
+    with reader.verified_samples(indices, drafter.cfg.target_layer_ids) as samples:
+        return samples, _greedy_replay(inputs, opts, B, samples, budgets, mem, trees, walked)
+
+
+def _greedy_replay(inputs: _Inputs, opts, B: int, samples, budgets: list[int], mem: int, trees: dict, walked: dict):
+    """The chains of ``samples`` (see :func:`_greedy_group`); fills ``trees`` and ``walked``."""
+    drafter = inputs.drafter
     if budgets:  # one all-anchor pass with the top-max(budgets) log-probs: chain + every budget's tree
         both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
         for s, (_, tr) in zip(samples, both):
@@ -278,10 +286,10 @@ def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: li
             walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
                                     d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
     if budgets and opts.replay == "batched":
-        return samples, [chain for chain, _ in both]
+        return [chain for chain, _ in both]
     if is_dflash2(drafter) and opts.replay == "batched":
-        return samples, [walked[s.index].chain for s in samples]
-    return samples, replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+        return [walked[s.index].chain for s in samples]
+    return replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
 
 
 def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetting]:
