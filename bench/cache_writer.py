@@ -133,7 +133,7 @@ def run_writer(out: Path, lengths, K: int, H: int, batch_tokens: int, hash_threa
 def breakdown(tmp: Path, lengths, K: int, H: int, n: int) -> dict:
     """Per-sample costs of the pieces, each alone in one thread, on ``n`` samples of the shape."""
 
-    from dflash_eval.cache_writer import _h5_writable
+    from dflash_eval.cache_format import h5_writable
 
     rng = np.random.default_rng(3)
     ls = lengths[:n]
@@ -156,7 +156,7 @@ def breakdown(tmp: Path, lengths, K: int, H: int, n: int) -> dict:
         h.hexdigest()
     res["blake2b (1 thread, for comparison)"] = time.perf_counter() - t
     p = tmp / "pieces.h5"
-    f = _h5_writable(p, create=True)
+    f = h5_writable(p, create=True)
     grp = f.create_group("samples")
     t = time.perf_counter()
     gs = [grp.create_group(f"{i:06d}") for i in range(n)]
@@ -191,7 +191,7 @@ def breakdown(tmp: Path, lengths, K: int, H: int, n: int) -> dict:
     res["os.write of the hidden bytes to a fresh file (floor)"] = time.perf_counter() - t
     p.unlink()
     # the same bytes as one contiguous write (what a flat layout would cost)
-    f = _h5_writable(p, create=True)
+    f = h5_writable(p, create=True)
     total = sum(ls)
     d = f.create_dataset("hidden", shape=(total, K, H), dtype=np.uint16)
     cat = np.concatenate(hid)

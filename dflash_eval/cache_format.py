@@ -146,6 +146,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -217,6 +218,13 @@ def from_storage(arr: np.ndarray, logical_dtype: str) -> torch.Tensor:
     raise ValueError(f"unknown logical dtype {logical_dtype!r}")
 
 
+def argmax_agreement(input_ids: np.ndarray, prompt_len: int, target_argmax: np.ndarray) -> float:
+    """The sample's ``argmax_agreement``: the fraction of completion tokens ``input_ids[t]`` (``t >= P``)
+    equal to the teacher-forced argmax at the previous position ``target_argmax[t - 1]``; 1.0 without any."""
+    P, T = int(prompt_len), len(input_ids)
+    return float((np.asarray(target_argmax)[P - 1 : T - 1] == np.asarray(input_ids)[P:]).mean()) if T > P else 1.0
+
+
 def sample_meta_json(sample_id: str, prompt_len: int, completion_len: int, stop_reason: str, max_new_tokens: int,
                      argmax_agreement: float) -> str:
     """A sample's ``meta`` attribute (format 5): compact JSON of :data:`META_FIELDS` in that order (ASCII:
@@ -259,6 +267,26 @@ def py_value(v):
     if isinstance(v, np.generic):
         return v.item()
     return v
+
+
+def h5_writable(path: "str | os.PathLike", create: bool):
+    """Open (or create) an HDF5 file for writing with HDF5's sieve buffer off.
+
+    Raw data then reaches the file inside the call that writes it, so a failed write (disk full)
+    raises there, in :meth:`dflash_eval.cache_writer.PartialCache.write_sample`, and not later when h5py
+    releases a dataset handle (where it can only print the error and HDF5's state is left broken).
+    File locking is best-effort (on where the file system has locks).
+    """
+    import h5py
+    from h5py import h5f, h5p
+
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)  # h5py's default
+    fapl.set_file_locking(True, True)
+    fapl.set_sieve_buf_size(0)
+    name = os.fsencode(path)
+    fid = h5f.create(name, h5f.ACC_TRUNC, fapl=fapl) if create else h5f.open(name, h5f.ACC_RDWR, fapl=fapl)
+    return h5py.File(fid)
 
 
 def is_no_space(err: BaseException) -> bool:

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, IDENTITY_ATTRS, META_VERSION, attr_value, py_value,
-                           sample_meta_json, sample_sha256, to_storage)
+from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, IDENTITY_ATTRS, META_VERSION, argmax_agreement,
+                           attr_value, h5_writable, py_value, sample_meta_json, sample_sha256, to_storage)
 from .cache_reader import verify_group
 from .errors import InputError, partial_path
 
@@ -34,26 +34,6 @@ log = logging.getLogger(__name__)
 #: partial files detached after a failed write in this process (:meth:`PartialCache._detach`); HDF5's
 #: own shutdown at interpreter exit can crash on their leftover handles, so the CLI exits without it
 DETACHED: list[Path] = []
-
-
-def _h5_writable(path: Path, create: bool):
-    """Open (or create) an HDF5 file for writing with HDF5's sieve buffer off.
-
-    Raw data then reaches the file inside the call that writes it, so a failed write (disk full)
-    raises there, in :meth:`PartialCache.write_sample`, and not later when h5py releases a
-    dataset handle (where it can only print the error and HDF5's state is left broken). File
-    locking is best-effort (on where the file system has locks).
-    """
-    import h5py
-    from h5py import h5f, h5p
-
-    fapl = h5p.create(h5p.FILE_ACCESS)
-    fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)  # h5py's default
-    fapl.set_file_locking(True, True)
-    fapl.set_sieve_buf_size(0)
-    name = os.fsencode(path)
-    fid = h5f.create(name, h5f.ACC_TRUNC, fapl=fapl) if create else h5f.open(name, h5f.ACC_RDWR, fapl=fapl)
-    return h5py.File(fid)
 
 
 @dataclass
@@ -116,7 +96,7 @@ class PartialCache:
             return None
         try:
             try:
-                f = _h5_writable(self.path, create=False)
+                f = h5_writable(self.path, create=False)
             except OSError as err:
                 m = re.search(r"truncated file: eof = (\d+), .*stored_eof = (\d+)", str(err))
                 if not m or int(m.group(2)) <= int(m.group(1)):
@@ -125,7 +105,7 @@ class PartialCache:
                 log.warning("%s: partial file shorter than its header says (%s): extended to %s bytes, every "
                             "sample is verified", self.path, m.group(1), m.group(2))
                 os.truncate(self.path, int(m.group(2)))
-                f = _h5_writable(self.path, create=False)
+                f = h5_writable(self.path, create=False)
         except OSError as err:
             text = str(err)
             if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK) or "unable to lock file, errno = 11" in text:
@@ -168,7 +148,7 @@ class PartialCache:
         import h5py
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        f = _h5_writable(self.path, create=True)
+        f = h5_writable(self.path, create=True)
         try:
             for key, val in {**attrs, **self.identity}.items():
                 f.attrs[key] = attr_value(val)
@@ -238,12 +218,9 @@ class PartialCache:
         return f, reused
 
     def _meta_ok(self, f, i: int, g) -> bool:
-        """Whether a verified group's ``meta`` (format 5) holds this run's values of sample ``i`` and the
-        ``argmax_agreement`` the file-level array holds (True before format 5: nothing to compare)."""
-        if self.format_version < META_VERSION:
-            return True
-        stored = py_value(g.attrs.get("meta"))
-        return stored == self.sample_meta(i, float(f["argmax_agreement"][i]))
+        """Whether a verified group's ``meta`` (format 5) holds this run's values and the file's agreement."""
+        return (self.format_version < META_VERSION
+                or py_value(g.attrs.get("meta")) == self.sample_meta(i, float(f["argmax_agreement"][i])))
 
     def _salvage(self, f, reused: set[int]):
         """Rebuild the sidecar from its verified samples when its group index is damaged; the reopened file."""
@@ -263,7 +240,7 @@ class PartialCache:
                 f.copy(f[f"samples/{i:06d}"], dst, name=f"{i:06d}")
         f.close()
         os.replace(tmp, self.path)
-        return _h5_writable(self.path, create=False)
+        return h5_writable(self.path, create=False)
 
     # ---------------------------------------------------------------- writing
     def check_room(self, nbytes: int) -> None:
@@ -275,29 +252,22 @@ class PartialCache:
                           f"{nbytes / 1e6:.0f} MB + {(64 << 20) / 1e6:.0f} MB of headroom", str(self.path.parent))
 
     def sample_meta(self, i: int, argmax_agreement: float) -> str | None:
-        """Sample ``i``'s ``meta`` attribute (:func:`~dflash_eval.cache_format.sample_meta_json`) with the
-        given agreement, or None for a file of a format before 5 (which has none)."""
-        if self.format_version < META_VERSION:
-            return None
+        """Sample ``i``'s ``meta`` (:func:`~dflash_eval.cache_format.sample_meta_json`); None before format 5."""
         m = self.meta[i]
-        return sample_meta_json(m.sample_id, m.prompt_len, len(m.input_ids) - m.prompt_len, m.stop_reason,
-                                m.max_new_tokens, argmax_agreement)
+        return None if self.format_version < META_VERSION else sample_meta_json(
+            m.sample_id, m.prompt_len, len(m.input_ids) - m.prompt_len, m.stop_reason, m.max_new_tokens, argmax_agreement)
 
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
                      sha256: str | None, argmax_agreement: float | None, meta: str | None = None) -> None:
         """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32).
 
         ``logical_dtype`` must be the file's ``dtype`` (kept for callers; format 3 stores it once).
-        ``argmax_agreement=None``: already written by :meth:`write_agreement`. ``meta`` (format 5): the
-        sample's ``meta`` string (:meth:`sample_meta`, the one ``sha256`` was computed over); None = made here
-        from ``argmax_agreement``.
+        ``argmax_agreement=None``: already written by :meth:`write_agreement`. ``meta`` (format 5: the string
+        ``sha256`` covers, :meth:`sample_meta`; None = made from ``argmax_agreement``, ValueError if that is None too).
 
         With ``sha256=None`` the group is written without its checksum, so it does not count as
         written (a resumed run discards it) until :meth:`seal` adds it: the writer hashes in other
         threads while HDF5 writes.
-
-        Raises:
-            ValueError: a format-5 file and neither ``meta`` nor ``argmax_agreement`` given (a caller's bug).
         """
         if meta is None and self.format_version >= META_VERSION:
             if argmax_agreement is None:
@@ -538,13 +508,8 @@ class StreamingWriter:
         self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
-        agree = []
-        for k, (i, _, _) in enumerate(batch.samples):
-            m = meta[i]
-            P, T = m.prompt_len, len(m.input_ids)
-            agree.append(float((argmax32[k][P - 1 : T - 1] == m.input_ids[P:]).mean()) if T > P else 1.0)
-        # format 5: each sample's per-sample values (its ``meta``) are hashed with its arrays
-        metas = [self.cache.sample_meta(i, a) for (i, _, _), a in zip(batch.samples, agree)]
+        agree = [argmax_agreement(meta[i].input_ids, meta[i].prompt_len, a) for (i, _, _), a in zip(batch.samples, argmax32)]
+        metas = [self.cache.sample_meta(i, a) for (i, _, _), a in zip(batch.samples, agree)]  # hashed with the arrays
         # hashes run in the pool (hashlib and HDF5's dataset writes release the GIL) while this thread
         # writes the groups; each checksum is added once its group is written
         shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k])
