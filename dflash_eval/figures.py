@@ -59,6 +59,15 @@ def _x(frame: pd.DataFrame) -> tuple[pd.Series, str, list[str] | None]:
     return frame["checkpoint"].map({c: i for i, c in enumerate(order)}).astype(float), "checkpoint", order
 
 
+def set_label(frame: pd.DataFrame, prompt_set: str) -> str:
+    """A prompt set's legend entry: its name, with its sampling label when its rows are not the greedy replay
+    (``sharegpt-t1 (T1_p0.95_k20)``); ``frame`` without a ``sampling`` column: the name."""
+    if "sampling" not in frame:
+        return prompt_set
+    labels = list(dict.fromkeys(frame.loc[frame["prompt_set"] == prompt_set, "sampling"]))
+    return prompt_set if labels in ([], ["T0"]) else f"{prompt_set} ({', '.join(labels)})"
+
+
 def tau_vs_step(frame: pd.DataFrame) -> Figure:
     """tau against training step: one panel per method (chain, each DDTree budget), one line per prompt set."""
     methods = method_columns(frame)
@@ -69,7 +78,7 @@ def tau_vs_step(frame: pd.DataFrame) -> Figure:
         for i, ps in enumerate(sets):
             sel = (frame["prompt_set"] == ps).to_numpy()
             pts = pd.DataFrame({"x": x[sel].to_numpy(), "y": frame.loc[sel, col].to_numpy(dtype=float)}).sort_values("x")
-            ax.plot(pts["x"], pts["y"], marker="o", color=f"C{i}", label=ps)
+            ax.plot(pts["x"], pts["y"], marker="o", color=f"C{i}", label=set_label(frame, ps))
         ax.set_title(label)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)

@@ -354,7 +354,10 @@ class Plan:
     def stage_options(self, stage: str, prompt_set: str | None = None) -> dict:
         """The options of ``stage`` (:mod:`dflash_eval.options`) from the validated config, with what the plan derives.
 
-        ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys;
+        ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys; with ``prompt_set``
+        also ``completions``: ``sampling`` = :func:`set_sampling` (``generation.sampling`` overlaid with the set's
+        own); ``hidden_states``: ``final_hidden`` = :func:`needs_final_hidden`; ``evaluate``: ``sampling`` = the
+        set's :func:`evaluate_settings`;
         ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
         ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
@@ -367,6 +370,12 @@ class Plan:
             values["ddtree_budget"] = self.validate_online_budget
         if stage == "hidden_states" and values.get("source") != "vllm":
             values["vllm"] = section_values(stage, {})["vllm"]  # unused by source hf: editing them reruns nothing
+        if prompt_set is not None and stage == "completions":
+            values["sampling"] = set_sampling(self.config, prompt_set)
+        if prompt_set is not None and stage == "hidden_states":
+            values["final_hidden"] = needs_final_hidden(self.config, prompt_set)
+        if prompt_set is not None and stage == "evaluate":
+            values["sampling"] = evaluate_settings(self.config, prompt_set)
         return values
 
     def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:
@@ -534,25 +543,90 @@ def build_plan(config: dict) -> Plan:
     return plan
 
 
+def set_sampling(config: dict, prompt_set: str) -> dict:
+    """How a prompt set's completions are drawn: ``generation.sampling`` overlaid, field by field, with
+    ``prompt_sets.<prompt_set>.sampling``; what neither sets takes the schema default.
+
+    Returns:
+        ``{"temperature": float, "top_p": float, "top_k": int, "seed": int}`` (temperature 0 = greedy).
+    """
+    from .config import schema_default
+
+    out = {k: schema_default(f"generation.sampling.{k}") for k in ("temperature", "top_p", "top_k", "seed")}
+    out.update((config.get("generation") or {}).get("sampling") or {})
+    out.update(((config.get("prompt_sets") or {}).get(prompt_set) or {}).get("sampling") or {})
+    return {"temperature": float(out["temperature"]), "top_p": float(out["top_p"]), "top_k": int(out["top_k"]),
+            "seed": int(out["seed"])}
+
+
+def _settings(config: dict) -> list[dict]:
+    return list((config.get("evaluate") or {}).get("sampling") or [{"temperature": 0}])
+
+
+def evaluate_settings(config: dict, prompt_set: str) -> list[dict]:
+    """The ``evaluate.sampling`` entries evaluated on a prompt set, in their configured order: those at the
+    temperature its completions are drawn at (:func:`set_sampling`), or every entry with
+    ``evaluate.cross_temperature`` (each tau.csv row then names its trajectory).
+
+    Matching is on the temperature only, as the evaluate stage's own check: a setting whose top-p / top-k differ
+    from the completions' is evaluated there, and its rows' ``trajectory`` label shows the difference.
+    """
+    if (config.get("evaluate") or {}).get("cross_temperature"):
+        return _settings(config)
+    drawn = set_sampling(config, prompt_set)["temperature"]
+    return [e for e in _settings(config) if float(e.get("temperature", 0)) == drawn]
+
+
+def needs_final_hidden(config: dict, prompt_set: str) -> bool:
+    """Whether a prompt set's cache stores the target's final normed hidden state: ``cache.final_hidden`` (every
+    cache), or a setting above temperature 0 among its :func:`evaluate_settings` (it needs the target's p)."""
+    return bool((config.get("cache") or {}).get("final_hidden")) or any(
+        float(e.get("temperature", 0)) > 0 for e in evaluate_settings(config, prompt_set))
+
+
+def _where_drawn(config: dict, prompt_set: str) -> str:
+    """The config entry that sets a prompt set's completion temperature (for error messages)."""
+    own = ((config.get("prompt_sets") or {}).get(prompt_set) or {}).get("sampling") or {}
+    return f"prompt_sets.{prompt_set}.sampling" if "temperature" in own else "generation.sampling"
+
+
 def check_sampling_settings(config: dict) -> None:
-    """``evaluate.sampling``: distinct settings, and the p information their temperatures need.
+    """``evaluate.sampling`` against the prompt sets' completions (:func:`set_sampling`, :func:`evaluate_settings`).
 
     Raises:
-        InputError: two entries with the same setting (one tau.csv row each); a temperature > 0 while
-            ``cache.final_hidden`` is false (the cache would not hold the target's distribution).
+        InputError: two entries with the same setting (one tau.csv row each); a setting evaluated on no prompt set
+            (no set is drawn at its temperature, without ``cross_temperature``); a prompt set with no setting
+            at its completions' temperature (its evaluate jobs would have nothing to evaluate).
     """
     seen = {}
-    for i, entry in enumerate(config.get("evaluate", {}).get("sampling") or [{"temperature": 0}]):
+    entries = _settings(config)
+    for i, entry in enumerate(entries):
         key = _setting_key(entry)  # temperature 0 ignores the filters (one-hot argmax)
         if key in seen:
             raise InputError("config", f"evaluate.sampling[{i}]", f"the same setting as entry {seen[key]}",
                              "list each sampling setting once")
         seen[key] = i
-        if entry.get("temperature", 0) > 0 and not config.get("cache", {}).get("final_hidden"):
-            raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {entry['temperature']} needs the "
-                             "target's probabilities, which the cache holds only with cache.final_hidden",
-                             "set cache.final_hidden: true (re-extracts the caches with the final normed hidden "
-                             "state), or evaluate temperature 0 only")
+    sets = sorted(config.get("prompt_sets") or {})
+    drawn = {ps: set_sampling(config, ps)["temperature"] for ps in sets}
+    shown = ", ".join(f"{ps}: {t:g}" for ps, t in drawn.items()) or "none configured"
+    for i, entry in enumerate(entries):
+        t = float(entry.get("temperature", 0))
+        if not any(entry in evaluate_settings(config, ps) for ps in sets):
+            raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {t:g} matches no prompt set: a setting "
+                             "is evaluated on the sets whose completions are drawn at its temperature (completion "
+                             f"temperatures: {shown})",
+                             f"add a prompt set drawn at it (prompt_sets.<name>.sampling: {{temperature: {t:g}}}, "
+                             "with the setting's top_p / top_k), drop the setting, or set "
+                             "evaluate.cross_temperature: true (every setting on every set, rows labelled with "
+                             "their trajectory)")
+    for ps in sets:
+        if not evaluate_settings(config, ps):
+            t = drawn[ps]
+            raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at temperature {t:g}, "
+                             "but no evaluate.sampling setting is at that temperature, so its evaluate jobs would "
+                             f"have nothing to evaluate (settings: {[e.get('temperature', 0) for e in entries]})",
+                             f"add a setting at temperature {t:g} to evaluate.sampling, draw the set at a temperature "
+                             "that is evaluated, or set evaluate.cross_temperature: true")
 
 
 def check_optional_rules(plan: Plan) -> None:
@@ -561,8 +635,9 @@ def check_optional_rules(plan: Plan) -> None:
     Raises:
         InputError: a ``prompt_set`` that is not configured, ``checkpoints`` that are not, or a
             ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
-            offline side of the comparison), a ``validate_online.sampling`` entry that is not one of
-            ``evaluate.sampling`` (its expected tau is the offline side).
+            offline side of the comparison), a ``validate_online.sampling`` entry that is not one of the
+            ``evaluate.sampling`` settings evaluated on ``validate_online.prompt_set`` (its expected tau is the
+            offline side; :func:`evaluate_settings`).
     """
     for section in ("kernel_parity", "engine_parity", "validate_online", "validate_engine"):
         if not plan.config.get(section, {}).get("enabled"):
@@ -583,14 +658,17 @@ def check_optional_rules(plan: Plan) -> None:
         raise InputError("config", "validate_online.ddtree_budget", f"{budget} is not one of evaluate.ddtree_budgets "
                          f"{budgets} (the offline side of the comparison)",
                          "add it there, pick one of them, or set 0 (chain only)")
-    evaluated = {_setting_key(e) for e in plan.config["evaluate"]["sampling"]}
+    ps = plan.validate_online_prompt_set  # its evaluations hold the settings evaluated on that set only
+    evaluated = {_setting_key(e) for e in evaluate_settings(plan.config, ps)}
     for i, e in enumerate(plan.config["validate_online"].get("sampling") or []):
         if _setting_key(e) not in evaluated:
             t, top_p, top_k = _setting_key(e)
             raise InputError("config", f"validate_online.sampling[{i}]", f"temperature {t:g}, top_p {top_p:g}, "
-                             f"top_k {top_k} is not one of evaluate.sampling (its expected tau is the offline side)",
-                             "add it to evaluate.sampling, or drop it (null = every evaluated setting with "
-                             "temperature > 0)")
+                             f"top_k {top_k} is not one of the evaluate.sampling settings evaluated on prompt set "
+                             f"{ps!r} (its expected tau is the offline side; a setting is evaluated on the sets "
+                             "drawn at its temperature)",
+                             "add it to evaluate.sampling, pick a validate_online.prompt_set drawn at its temperature, "
+                             "or drop it (null = every setting with temperature > 0 evaluated on the set)")
 
 
 def _setting_key(entry: dict) -> tuple:

@@ -37,7 +37,7 @@ rule hidden_states:
     params:
         target=target_dir,
         layer_ids=LAYER_IDS_ARG,
-        options=PLAN.stage_flags("hidden_states"),
+        options=lambda wildcards: PLAN.stage_flags("hidden_states", wildcards.prompt_set),
     shell:
         "python -m dflash_eval hidden-states --target {params.target:q}"
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
@@ -77,7 +77,7 @@ if PLAN.cache_shards > 1:
             target=target_dir,
             layer_ids=LAYER_IDS_ARG,
             shards=PLAN.cache_shards,
-            options=PLAN.stage_flags("hidden_states"),
+            options=lambda wildcards: PLAN.stage_flags("hidden_states", wildcards.prompt_set),
         shell:
             "python -m dflash_eval hidden-states-shard --target {params.target:q}"
             " --completions {input.completions:q} --layer-ids {params.layer_ids}"

@@ -31,7 +31,7 @@ rule completions:
         gpu=0 if PLAN.remote_server else PLAN.target_gpus,
     params:
         target=target_dir,
-        options=PLAN.stage_flags("completions"),
+        options=lambda wildcards: PLAN.stage_flags("completions", wildcards.prompt_set),
         fingerprint=PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"

@@ -28,7 +28,7 @@ rule evaluate:
     params:
         drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
-        options=PLAN.stage_flags("evaluate"),
+        options=lambda wildcards: PLAN.stage_flags("evaluate", wildcards.prompt_set),
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"

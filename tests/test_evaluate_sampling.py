@@ -6,8 +6,10 @@
   built directly from the HF target's own logits and the drafter's all-anchor pass.
 * The tau table has one row per checkpoint x prompt set x setting, recomputed from the per-sample data.
 * Refusals: a T > 0 setting on completions drawn at T = 0 without ``cross_temperature``; a T > 0 setting
-  on a cache without the final hidden state (both name the fix); the plan refuses T > 0 without
-  ``cache.final_hidden`` and duplicate settings.
+  on a cache without the final hidden state (both name the fix).
+* The plan: per prompt set sampling (``prompt_sets.<name>.sampling``), each setting on the sets drawn at its
+  temperature, the final hidden state only where a T > 0 setting is evaluated; a setting or a set without a
+  partner, and duplicate settings, are refused.
 """
 
 from __future__ import annotations
@@ -165,15 +167,76 @@ def test_refusals_name_the_fix(run):
         _evaluate(run, "old.h5", "x.json", sampling=[T1], cross_temperature=True)
 
 
-def test_plan_checks_the_settings():
-    from dflash_eval.plan import check_sampling_settings
+def test_plan_matches_each_setting_to_the_sets_drawn_at_its_temperature():
+    """prompt_sets.<name>.sampling overrides generation.sampling field by field; each evaluate.sampling setting
+    goes to the sets drawn at its temperature (every set with cross_temperature); only the caches that a T > 0
+    setting is evaluated on store the final hidden state (all with cache.final_hidden); the flags the rules pass
+    parse back into those stage options; a setting or a set without a partner stops the plan, naming the entry."""
+    import shlex
 
-    check_sampling_settings({"evaluate": {"sampling": [{"temperature": 0}, T1]}, "cache": {"final_hidden": True}})
-    with pytest.raises(InputError, match="cache.final_hidden: true"):
-        check_sampling_settings({"evaluate": {"sampling": [T1]}, "cache": {"final_hidden": False}})
-    with pytest.raises(InputError, match="entry 0"):
-        check_sampling_settings({"evaluate": {"sampling": [{"temperature": 0}, {"temperature": 0, "top_k": 5}]},
-                                 "cache": {}})
+    from dflash_eval import options, plan
+    from dflash_eval.cli import build_parser
+
+    T0 = {"temperature": 0, "top_p": 1.0, "top_k": 0}  # the schema's defaults filled, as Snakemake's validate does
+
+    def cfg(sets, settings, **over):
+        return {"run": "r", "generation": {"sampling": {"temperature": 0, "seed": 3}}, "prompt_sets": sets,
+                "evaluate": {"sampling": settings, **over.pop("evaluate", {})}, "cache": over.pop("cache", {}), **over}
+
+    sets = {"g": {"source": "humaneval"}, "s": {"source": "sharegpt", "sampling": T1}}
+    c = cfg(sets, [T0, T1])
+    plan.check_sampling_settings(c)
+    assert plan.set_sampling(c, "g") == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 3}
+    assert plan.set_sampling(c, "s") == {**T1, "seed": 3}  # the seed is generation.sampling's
+    assert plan.evaluate_settings(c, "g") == [T0] and plan.evaluate_settings(c, "s") == [T1]
+    assert (plan.needs_final_hidden(c, "g"), plan.needs_final_hidden(c, "s")) == (False, True)
+
+    p = plan.Plan(c, "r", ["g", "s"], plan.TargetFiles("t", False, None, ["t/config.json"], ["t/m.safetensors"]), {}, [1])
+    parser = build_parser()
+
+    def opts(stage, command, ps, *files):
+        args = parser.parse_args([command, *files, *shlex.split(p.stage_flags(stage, ps))])
+        return options.from_args(stage, args)
+
+    files = {"completions": ["--target", "t", "--prompts", "x", "--out", "o"],
+             "hidden_states": ["--target", "t", "--completions", "x", "--layer-ids", "1", "--out", "o"],
+             "evaluate": ["--drafter", "d", "--cache", "x", "--target", "t", "--out", "o"]}
+    got = {ps: (opts("completions", "completions", ps, *files["completions"]).sampling,
+                opts("hidden_states", "hidden-states", ps, *files["hidden_states"]).final_hidden,
+                opts("evaluate", "evaluate", ps, *files["evaluate"]).sampling) for ps in ("g", "s")}
+    assert got["g"][1:] == (False, [T0]) and got["s"][1:] == (True, [T1])
+    assert (got["s"][0].temperature, got["s"][0].top_p, got["s"][0].top_k, got["s"][0].seed) == (1.0, 0.95, 20, 3)
+    assert (got["g"][0].temperature, got["g"][0].seed) == (0.0, 3)
+
+    # cross_temperature: every setting on every set, so every cache needs the final hidden state
+    x = cfg(sets, [T0, T1], evaluate={"cross_temperature": True})
+    plan.check_sampling_settings(x)
+    assert plan.evaluate_settings(x, "g") == plan.evaluate_settings(x, "s") == [T0, T1]
+    assert plan.needs_final_hidden(x, "g") and plan.needs_final_hidden(x, "s")
+    # cache.final_hidden: true stores it in every cache, also where only T = 0 is evaluated
+    assert plan.needs_final_hidden(cfg(sets, [T0, T1], cache={"final_hidden": True}), "g")
+    # generation.sampling at T = 1 for every set, no override: the T = 1 setting everywhere (the old recipe)
+    every = cfg({"g": {"source": "humaneval"}}, [T1], generation={"sampling": {**T1, "seed": 0}})
+    plan.check_sampling_settings(every)
+    assert plan.evaluate_settings(every, "g") == [T1] and plan.needs_final_hidden(every, "g")
+
+    def refused(c):
+        with pytest.raises(InputError) as e:
+            plan.check_sampling_settings(c)
+        return e.value
+
+    e = refused(cfg({"g": {"source": "humaneval"}}, [T0, T1]))  # T = 1 but no set drawn at it
+    assert e.field == "evaluate.sampling[1]" and "temperature 1 matches no prompt set" in e.problem
+    assert "g: 0" in e.problem and "prompt_sets.<name>.sampling: {temperature: 1}" in e.fix
+    assert "evaluate.cross_temperature: true" in e.fix
+    e = refused(cfg(sets, [T0]))  # a set drawn at T = 1 that no setting is evaluated on
+    assert e.field == "prompt_sets.s.sampling" and "'s' is drawn at temperature 1" in e.problem
+    assert "add a setting at temperature 1 to evaluate.sampling" in e.fix
+    e = refused(cfg({"g": {"source": "humaneval"}, "z": {"source": "sharegpt", "sampling": {"temperature": 0}}},
+                    [T0], generation={"sampling": T1}))
+    assert e.field == "generation.sampling" and "'g' is drawn at temperature 1" in e.problem  # where g's comes from
+    e = refused(cfg(sets, [T0, {"temperature": 0, "top_k": 5}, T1]))
+    assert e.field == "evaluate.sampling[1]" and "entry 0" in e.problem
 
 
 @pytest.mark.slow  # three generate runs, an extraction and an evaluate

@@ -205,6 +205,10 @@ def test_schema_override_keys_are_the_packages():
      "(exactly one)"),
     ({"evaluate": {"batch_size": -1}}, "evaluate.batch_size", "-1 is less than the minimum of 0"),  # 0 = memory-sized
     ({"evaluat": {}}, "(top level)", "'evaluat' was unexpected"),
+    ({"prompt_sets": {"s": {"source": "sharegpt", "sampling": {"temprature": 1.0}}}}, "prompt_sets.s.sampling",
+     "the closest known option to 'temprature' is 'temperature'"),
+    ({"prompt_sets": {"s": {"source": "sharegpt", "sampling": {"top_p": 0}}}}, "prompt_sets.s.sampling.top_p",
+     "0 is less than or equal to the minimum of 0"),
 ])
 def test_schema_errors_name_the_entry(cfg, entry, problem):
     """What rules/common.smk prints for a config the schema refuses: the entry as a config path and a
@@ -353,20 +357,26 @@ def test_cache_source_vllm_flags_gpus_and_rerun_neutral_options():
 
 def test_validate_online_sampling_must_be_an_evaluated_setting():
     """validate_online.sampling compares with evaluate's expected tau of the same setting: one evaluate does not
-    evaluate is refused at parse time, naming the entry (values compared as numbers, so 1 == 1.0)."""
+    evaluate on validate_online's prompt set (a setting is evaluated on the sets drawn at its temperature) is
+    refused at parse time, naming the entry (values compared as numbers, so 1 == 1.0)."""
     from types import SimpleNamespace
 
-    def fake(vo_sampling):
-        config = {"evaluate": {"ddtree_budgets": [], "sampling": [{"temperature": 0},
-                                                                  {"temperature": 1.0, "top_p": 0.95, "top_k": 20}]},
+    t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+
+    def fake(vo_sampling, drawn=t1):
+        config = {"evaluate": {"ddtree_budgets": [], "sampling": [{"temperature": 0}, t1]},
+                  "prompt_sets": {"p": {"source": "sharegpt", "sampling": drawn}, "g": {"source": "humaneval"}},
                   "validate_online": {"enabled": True, "sampling": vo_sampling}}
-        return SimpleNamespace(config=config, prompt_sets=["p"], checkpoints={"c": None}, validate_online_budget=0,
-                               _selected=lambda section: ("p", ["c"]))
+        return SimpleNamespace(config=config, prompt_sets=["g", "p"], checkpoints={"c": None}, validate_online_budget=0,
+                               _selected=lambda section: ("p", ["c"]), validate_online_prompt_set="p")
 
     plan.check_optional_rules(fake(None))
     plan.check_optional_rules(fake([]))
     plan.check_optional_rules(fake([{"temperature": 1, "top_p": 0.95, "top_k": 20}]))
     with pytest.raises(InputError, match=r"validate_online\.sampling\[1\]: temperature 1, top_p 0\.9, top_k 20 is "
-                                         r"not one of evaluate\.sampling"):
+                                         r"not one of the evaluate\.sampling settings evaluated on prompt set 'p'"):
         plan.check_optional_rules(fake([{"temperature": 1, "top_p": 0.95, "top_k": 20},
                                         {"temperature": 1, "top_p": 0.9, "top_k": 20}]))
+    with pytest.raises(InputError, match=r"validate_online\.sampling\[0\].*evaluated on prompt set 'p'") as err:
+        plan.check_optional_rules(fake([t1], drawn={"temperature": 0}))  # a greedy set: T = 1 is not evaluated there
+    assert "pick a validate_online.prompt_set drawn at its temperature" in err.value.fix

@@ -30,11 +30,11 @@ DEMO_JOBS = {
     "target_from_gguf": 1,
     "target_fingerprint": 1,
     "demo_checkpoint": len(DEMO_NAMES),
-    "prompts": 2,
-    "completions": 2,
-    "hidden_states": 2,
+    "prompts": 3,  # humaneval, sharegpt (greedy) and sharegpt-t1 (drawn at T = 1)
+    "completions": 3,
+    "hidden_states": 3,
     "strip_drafter": len(DEMO_NAMES),
-    "evaluate": 2 * len(DEMO_NAMES),
+    "evaluate": 3 * len(DEMO_NAMES),
     "target_costs": 1,
     "summary": 1,
     "report": 1,
@@ -164,6 +164,16 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert args.target_fingerprint is not None
         if args.cmd == "completions":
             assert args.max_new_tokens == 256
+            # sharegpt-t1's own sampling (prompt_sets.<name>.sampling) over generation.sampling's greedy default
+            drawn = (args.sampling__temperature, args.sampling__top_p, args.sampling__top_k, args.sampling__seed)
+            assert drawn == ((1.0, 0.95, 20, 0) if Path(args.out).stem == "sharegpt-t1" else (0.0, 1.0, 0, 0))
+        if args.cmd == "hidden-states":  # the target's final normed hidden state only where T = 1 is evaluated
+            assert args.final_hidden == (Path(args.out).stem == "sharegpt-t1")
+        if args.cmd == "evaluate":  # each setting on the sets drawn at its temperature, and only there
+            t1 = Path(args.cache).stem == "sharegpt-t1"
+            assert args.sampling == [{"temperature": 1.0, "top_p": 0.95, "top_k": 20} if t1 else
+                                     {"temperature": 0, "top_p": 1.0, "top_k": 0}], args.cache
+            assert not args.cross_temperature
         if args.cmd == "prompts":
             assert args.n == 16
         if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
@@ -240,9 +250,10 @@ def test_dry_run_vllm_engine_config(tmp_path):
     parsed = [parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
     cmds = {a.cmd: a for a in parsed}
     hs = [a for a in parsed if a.cmd == "hidden-states"]
-    assert len(hs) == 2 and all(a.source == "vllm" and a.vllm__env == {"VLLM_CPU_KVCACHE_SPACE": "1"} for a in hs)
+    assert len(hs) == 3 and all(a.source == "vllm" and a.vllm__env == {"VLLM_CPU_KVCACHE_SPACE": "1"} for a in hs)
     assert all(a.vllm__concurrency is None for a in hs)  # x-rerun: false, from DFLASH_EVAL_RUNTIME_OPTIONS
     assert sorted(a.server_log for a in hs) == ["logs/hidden_states/demo/humaneval.vllm.log",
+                                                "logs/hidden_states/demo/sharegpt-t1.vllm.log",
                                                 "logs/hidden_states/demo/sharegpt.vllm.log"]
     ve = cmds["validate-engine"]
     names = [d.rsplit("/", 1)[1] for d in ve.drafter]
