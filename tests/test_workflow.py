@@ -735,7 +735,8 @@ def test_config_naming_what_does_not_exist_stops_a_completed_run(tiny_run, tmp_p
 @pytest.mark.slow
 def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     """Item 8: removing a prompt set and a checkpoint reruns only summary and report, and the table then
-    holds exactly the configured (checkpoint, prompt set) pairs: no stale rows."""
+    holds exactly the configured (checkpoint, prompt set) pairs: no stale rows. Then a prompt set drawn at
+    T = 1 and a T = 1 setting: the table holds each setting on the set drawn at its temperature only."""
     import pandas as pd
 
     wd = _copy_run(tiny_run, tmp_path / "wf")
@@ -752,6 +753,56 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
                                                            ("trained", "set_a")]
     report = (wd / "results" / "tiny" / "report.md").read_text()
     assert "set_b" not in report and "step200" not in report
+
+    # Issue 21: a set drawn at T = 1 (set_b's prompts, prompt_sets.<name>.sampling) beside the greedy set_a, with
+    # evaluate.sampling [T = 0, T = 1]: only the new set's chain runs (set_a's cache and evaluations keep their
+    # params), each setting is evaluated on the set drawn at its temperature and nowhere else, and only the T = 1
+    # set's cache stores the target's final normed hidden state.
+    from dflash_eval.cache_format import completion_sampling, final_hidden_index
+    from dflash_eval.cache_reader import CacheReader
+
+    t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    cfg["prompt_sets"]["set_c"] = {"source": "file", "path": "prompts/b.jsonl", "n": 2, "sampling": {**t1, "seed": 1}}
+    cfg["evaluate"]["sampling"] = [{"temperature": 0}, t1]
+    _write_config(wd, cfg)
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *args)
+    ckpts = ("demo-step50", "step100", "trained")
+    assert sorted(planned_jobs(out.stdout + out.stderr)) == sorted(
+        [(rule, "run=tiny, prompt_set=set_c") for rule in ("prompts", "completions", "hidden_states")]
+        + [("evaluate", f"run=tiny, ckpt={c}, prompt_set=set_c") for c in ckpts]
+        + [("summary", "run=tiny"), ("report", "run=tiny"), ("all", "")])
+    smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
+    csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
+    assert sorted(zip(csv.checkpoint, csv.prompt_set, csv.sampling, csv.expected, csv.trajectory)) == sorted(
+        [(c, "set_a", "T0", False, "T0") for c in ckpts] + [(c, "set_c", "T1_p0.95_k20", True, "T1_p0.95_k20")
+                                                             for c in ckpts])
+    t1_rows = csv[csv.prompt_set == "set_c"].set_index("checkpoint")
+    assert t1_rows["tau"].between(1.0, 4.0).all() and t1_rows["n_samples"].eq(2).all()
+    # a random-init drafter's greedy drafts are never the target's (tau exactly 1 at T = 0, see the end-to-end
+    # test), but its sampled drafts are accepted with probability min(1, q / p) > 0: the expectation exceeds 1
+    t0_rows = csv[csv.prompt_set == "set_a"].set_index("checkpoint")
+    assert (t0_rows.loc[["demo-step50", "step100"], "tau"] == 1.0).all()
+    assert (t1_rows.loc[["demo-step50", "step100"], "tau"] > 1.0).all()
+    ev = json.loads((wd / "results/tiny/eval/trained/set_c.json").read_text())
+    assert [s["label"] for s in ev["sampling_settings"]] == ["T1_p0.95_k20"] and list(ev["expected"]) == ["T1_p0.95_k20"]
+    assert ev["completion_sampling"] == {**t1, "seed": 1} and not ev["cross_temperature"]
+    full = pd.read_parquet(wd / "results" / "tiny" / "tau.parquet").set_index(["checkpoint", "prompt_set"])
+    assert full.loc[("trained", "set_c"), "tau"] == pytest.approx(ev["expected"]["T1_p0.95_k20"]["tau"], rel=1e-12)
+    # (the tiny run caches the target's last layer, 3, for the drafters: it is the final hidden state there, so
+    # set_c's cache adds no layer; the demo's dry-run shows --final-hidden on the T = 1 set's job only)
+    with CacheReader(wd / "results/tiny/cache/set_c.h5") as r:
+        assert r.layer_ids == [1, 2, 3] and final_hidden_index(r.attrs) == 2
+        assert completion_sampling(r.attrs) == {**t1, "seed": 1}
+    with CacheReader(wd / "results/tiny/cache/set_a.h5") as r:
+        assert completion_sampling(r.attrs)["temperature"] == 0.0
+    # drawn, not greedy: the same two prompts as set_b's greedy completions, other tokens
+    comp = lambda name: [json.loads(x)["completion_ids"]  # noqa: E731
+                         for x in (wd / "results/tiny/completions" / f"{name}.jsonl").read_text().splitlines()]
+    assert comp("set_c") != comp("set_b")[:2]
+    report = (wd / "results" / "tiny" / "report.md").read_text()
+    assert "Shown at temperature > 0: set_c at T1_p0.95_k20." in report
+    section = report[report.index("## Acceptance by sampling setting"):]
+    assert "set_a T0" in section and "set_c T1_p0.95_k20 (expected)" in section and "set_c T0" not in section
 
 
 @pytest.mark.slow
