@@ -148,6 +148,23 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
     md = render_markdown(data)
     section = md[md.index("Acceptance by sampling setting"):]
     assert "set T1_p0.95_k20 (expected) on T0 completions" in section and f"{got['tau']:.3f}" in section
+    assert "Shown at temperature > 0" not in md
+
+    # a pair whose first setting is T = 1 (a set drawn at T = 1): the per-pair tables, the histogram and the
+    # legend show that setting's expected values, and a note says so
+    from dflash_eval.figures import set_label
+
+    r = json.loads((run["dir"] / "both.json").read_text())
+    r["sampling_settings"] = r["sampling_settings"][::-1]
+    (run["dir"] / "t1_first.json").write_text(json.dumps(r))
+    data = load_report_data([str(run["dir"] / "t1_first.json")])
+    assert data.frame["sampling"].tolist() == ["T1_p0.95_k20"] and data.frame["tau"].iloc[0] == pytest.approx(got["tau"])
+    hist = data.hists[("ck", "set")][1]
+    assert hist == {int(k): v for k, v in got["histogram"].items()}
+    assert hist != {int(k): v for k, v in both["histogram"].items()}  # not the greedy chain's counts
+    assert sum(hist.values()) == pytest.approx(got["verify_steps"])
+    assert "Shown at temperature > 0: set at T1_p0.95_k20 (on T0 completions)." in render_markdown(data)
+    assert set_label(data.frame, "set") == "set (T1_p0.95_k20)" and set_label(df.iloc[:1], "set") == "set"
 
 
 def test_refusals_name_the_fix(run):
