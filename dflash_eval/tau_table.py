@@ -3,8 +3,9 @@
 Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
-(checkpoint, prompt set, sampling setting of ``evaluate.sampling``), in the configured order of the
-settings, with columns
+(checkpoint, prompt set, sampling setting of ``evaluate.sampling`` evaluated on that set: those at the
+temperature its completions were drawn at, every one with ``cross_temperature``;
+:func:`dflash_eval.plan.evaluate_settings`), in the configured order of the settings, with columns
 
 ======================  =====================================================================
 checkpoint              drafter name (the ``{ckpt}`` wildcard)
@@ -16,8 +17,9 @@ top_k                   then top-p; top_p 1 and top_k 0 = off)
 expected                False: tau of the greedy replay (exact counts); True: the expectation of
                         dflash==0.1.0's speculative sampler given the cached trajectories
                         (``dflash_eval.expected``): every count below is then an expected value
-trajectory              the label of the setting the cache's completions were drawn at; differs
-                        from ``sampling`` only with ``evaluate.cross_temperature``
+trajectory              the label of the setting the cache's completions were drawn at; its
+                        temperature differs from ``sampling``'s only with
+                        ``evaluate.cross_temperature`` (top-p / top-k may differ)
 n_samples               responses with at least one verify step
 tau                     mean over responses of (mean over verify steps of a+1), bonus included,
                         prefill token excluded (z-lab ``dflash/benchmark.py``)

@@ -754,7 +754,7 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     report = (wd / "results" / "tiny" / "report.md").read_text()
     assert "set_b" not in report and "step200" not in report
 
-    # Issue 21: a set drawn at T = 1 (set_b's prompts, prompt_sets.<name>.sampling) beside the greedy set_a, with
+    # Acceptance at T > 0: a set drawn at T = 1 (set_b's prompts, prompt_sets.<name>.sampling) beside the greedy set_a, with
     # evaluate.sampling [T = 0, T = 1]: only the new set's chain runs (set_a's cache and evaluations keep their
     # params), each setting is evaluated on the set drawn at its temperature and nowhere else, and only the T = 1
     # set's cache stores the target's final normed hidden state.
