@@ -227,8 +227,8 @@ def sampled_sets_note(frame: pd.DataFrame) -> str | None:
     return (f"Shown at temperature > 0: {sets}. Their tau, histograms and per-slot rates are the expected values of "
             "the reference's speculative sampler given the cached completions (docs/design.md, Acceptance at "
             "temperature > 0); their DDTree columns are DDTree verified against the sampled target as "
-            "liranringel/ddtree does, the greedy tree walk on those completions. The other prompt sets: the greedy "
-            "replay.")
+            "liranringel/ddtree does, the greedy tree walk on those completions."
+            + (" The other prompt sets: the greedy replay." if frame["prompt_set"].nunique() > len(rows) else ""))
 
 
 # --------------------------------------------------------------------------- tables
