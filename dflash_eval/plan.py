@@ -30,6 +30,13 @@ from .checkpoint_plan import (
     strip_args,
 )
 from .errors import InputError
+from .sampling_plan import (
+    setting_key,
+    check_sampling_settings,
+    evaluate_settings,
+    needs_final_hidden,
+    set_sampling,
+)
 
 #: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -355,9 +362,9 @@ class Plan:
         """The options of ``stage`` (:mod:`dflash_eval.options`) from the validated config, with what the plan derives.
 
         ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys; with ``prompt_set``
-        also ``completions``: ``sampling`` = :func:`set_sampling` (``generation.sampling`` overlaid with the set's
-        own); ``hidden_states``: ``final_hidden`` = :func:`needs_final_hidden`; ``evaluate``: ``sampling`` = the
-        set's :func:`evaluate_settings`;
+        also (:mod:`dflash_eval.sampling_plan`) ``completions``: ``sampling`` = ``set_sampling`` (``generation.sampling``
+        overlaid with the set's own); ``hidden_states``: ``final_hidden`` = ``needs_final_hidden``; ``evaluate``:
+        ``sampling`` = the set's ``evaluate_settings``;
         ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
         ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
@@ -543,92 +550,6 @@ def build_plan(config: dict) -> Plan:
     return plan
 
 
-def set_sampling(config: dict, prompt_set: str) -> dict:
-    """How a prompt set's completions are drawn: ``generation.sampling`` overlaid, field by field, with
-    ``prompt_sets.<prompt_set>.sampling``; what neither sets takes the schema default.
-
-    Returns:
-        ``{"temperature": float, "top_p": float, "top_k": int, "seed": int}`` (temperature 0 = greedy).
-    """
-    from .config import schema_default
-
-    out = {k: schema_default(f"generation.sampling.{k}") for k in ("temperature", "top_p", "top_k", "seed")}
-    out.update((config.get("generation") or {}).get("sampling") or {})
-    out.update(((config.get("prompt_sets") or {}).get(prompt_set) or {}).get("sampling") or {})
-    return {"temperature": float(out["temperature"]), "top_p": float(out["top_p"]), "top_k": int(out["top_k"]),
-            "seed": int(out["seed"])}
-
-
-def _settings(config: dict) -> list[dict]:
-    return list((config.get("evaluate") or {}).get("sampling") or [{"temperature": 0}])
-
-
-def evaluate_settings(config: dict, prompt_set: str) -> list[dict]:
-    """The ``evaluate.sampling`` entries evaluated on a prompt set, in their configured order: those at the
-    temperature its completions are drawn at (:func:`set_sampling`), or every entry with
-    ``evaluate.cross_temperature`` (each tau.csv row then names its trajectory).
-
-    Matching is on the temperature only, as the evaluate stage's own check: a setting whose top-p / top-k differ
-    from the completions' is evaluated there, and its rows' ``trajectory`` label shows the difference.
-    """
-    if (config.get("evaluate") or {}).get("cross_temperature"):
-        return _settings(config)
-    drawn = set_sampling(config, prompt_set)["temperature"]
-    return [e for e in _settings(config) if float(e.get("temperature", 0)) == drawn]
-
-
-def needs_final_hidden(config: dict, prompt_set: str) -> bool:
-    """Whether a prompt set's cache stores the target's final normed hidden state: ``cache.final_hidden`` (every
-    cache), or a setting above temperature 0 among its :func:`evaluate_settings` (it needs the target's p)."""
-    return bool((config.get("cache") or {}).get("final_hidden")) or any(
-        float(e.get("temperature", 0)) > 0 for e in evaluate_settings(config, prompt_set))
-
-
-def _where_drawn(config: dict, prompt_set: str) -> str:
-    """The config entry that sets a prompt set's completion temperature (for error messages)."""
-    own = ((config.get("prompt_sets") or {}).get(prompt_set) or {}).get("sampling") or {}
-    return f"prompt_sets.{prompt_set}.sampling" if "temperature" in own else "generation.sampling"
-
-
-def check_sampling_settings(config: dict) -> None:
-    """``evaluate.sampling`` against the prompt sets' completions (:func:`set_sampling`, :func:`evaluate_settings`).
-
-    Raises:
-        InputError: two entries with the same setting (one tau.csv row each); a setting evaluated on no prompt set
-            (no set is drawn at its temperature, without ``cross_temperature``); a prompt set with no setting
-            at its completions' temperature (its evaluate jobs would have nothing to evaluate).
-    """
-    seen = {}
-    entries = _settings(config)
-    for i, entry in enumerate(entries):
-        key = _setting_key(entry)  # temperature 0 ignores the filters (one-hot argmax)
-        if key in seen:
-            raise InputError("config", f"evaluate.sampling[{i}]", f"the same setting as entry {seen[key]}",
-                             "list each sampling setting once")
-        seen[key] = i
-    sets = sorted(config.get("prompt_sets") or {})
-    drawn = {ps: set_sampling(config, ps)["temperature"] for ps in sets}
-    shown = ", ".join(f"{ps}: {t:g}" for ps, t in drawn.items()) or "none configured"
-    for i, entry in enumerate(entries):
-        t = float(entry.get("temperature", 0))
-        if not any(entry in evaluate_settings(config, ps) for ps in sets):
-            raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {t:g} matches no prompt set: a setting "
-                             "is evaluated on the sets whose completions are drawn at its temperature (completion "
-                             f"temperatures: {shown})",
-                             f"add a prompt set drawn at it (prompt_sets.<name>.sampling: {{temperature: {t:g}}}, "
-                             "with the setting's top_p / top_k), drop the setting, or set "
-                             "evaluate.cross_temperature: true (every setting on every set, rows labelled with "
-                             "their trajectory)")
-    for ps in sets:
-        if not evaluate_settings(config, ps):
-            t = drawn[ps]
-            raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at temperature {t:g}, "
-                             "but no evaluate.sampling setting is at that temperature, so its evaluate jobs would "
-                             f"have nothing to evaluate (settings: {[e.get('temperature', 0) for e in entries]})",
-                             f"add a setting at temperature {t:g} to evaluate.sampling, draw the set at a temperature "
-                             "that is evaluated, or set evaluate.cross_temperature: true")
-
-
 def check_optional_rules(plan: Plan) -> None:
     """Cross-field checks of ``kernel_parity``, ``engine_parity``, ``validate_online`` and ``validate_engine`` when enabled.
 
@@ -659,20 +580,13 @@ def check_optional_rules(plan: Plan) -> None:
                          f"{budgets} (the offline side of the comparison)",
                          "add it there, pick one of them, or set 0 (chain only)")
     ps = plan.validate_online_prompt_set  # its evaluations hold the settings evaluated on that set only
-    evaluated = {_setting_key(e) for e in evaluate_settings(plan.config, ps)}
+    evaluated = {setting_key(e) for e in evaluate_settings(plan.config, ps)}
     for i, e in enumerate(plan.config["validate_online"].get("sampling") or []):
-        if _setting_key(e) not in evaluated:
-            t, top_p, top_k = _setting_key(e)
+        if setting_key(e) not in evaluated:
+            t, top_p, top_k = setting_key(e)
             raise InputError("config", f"validate_online.sampling[{i}]", f"temperature {t:g}, top_p {top_p:g}, "
                              f"top_k {top_k} is not one of the evaluate.sampling settings evaluated on prompt set "
                              f"{ps!r} (its expected tau is the offline side; a setting is evaluated on the sets "
                              "drawn at its temperature)",
                              "add it to evaluate.sampling, pick a validate_online.prompt_set drawn at its temperature, "
                              "or drop it (null = every setting with temperature > 0 evaluated on the set)")
-
-
-def _setting_key(entry: dict) -> tuple:
-    """A sampling setting's identity as :func:`check_sampling_settings` compares them (no torch import at parse
-    time): ``(temperature, top_p, top_k)``, ``(0.0,)`` for temperature 0 (which ignores the filters)."""
-    t = float(entry.get("temperature", 0))
-    return (t, float(entry.get("top_p", 1.0)), int(entry.get("top_k", 0))) if t > 0 else (0.0,)

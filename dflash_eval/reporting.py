@@ -41,8 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .metrics import aggregate
-from .tau_table import GREEDY_SETTING, primary_rows, summary_frame
+from .tau_table import primary_histogram, primary_rows, sampled_sets_note, summary_frame
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
 
@@ -202,33 +201,6 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         d = json.loads(Path(path).read_text())
         data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
     return data
-
-
-def primary_histogram(r: dict) -> dict:
-    """``{k: verify steps that committed k tokens}`` of an evaluate output at its first sampling setting (the
-    one :func:`~dflash_eval.tau_table.primary_rows` keeps): the greedy chain's counts, or at temperature > 0
-    the expected counts of the speculative sampler (``expected[<label>].histogram``, floats)."""
-    first = (r.get("sampling_settings") or [GREEDY_SETTING])[0]
-    exp = (r.get("expected") or {}).get(first["label"]) if float(first["temperature"]) > 0 else None
-    if exp and exp.get("histogram"):
-        return {int(k): float(v) for k, v in exp["histogram"].items()}
-    return aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram
-
-
-def sampled_sets_note(frame: pd.DataFrame) -> str | None:
-    """The sentence under the per-pair tables naming the prompt sets shown at a setting above temperature 0 (their
-    first evaluated setting, :func:`~dflash_eval.tau_table.primary_rows`), or None when every set is greedy."""
-    rows = frame[frame["expected"].astype(bool)].drop_duplicates("prompt_set")
-    if not len(rows):
-        return None
-    sets = ", ".join(f"{r.prompt_set} at {r.sampling}" + (f" (on {r.trajectory} completions)"
-                                                          if r.trajectory != r.sampling else "")
-                     for r in rows.itertuples())
-    return (f"Shown at temperature > 0: {sets}. Their tau, histograms and per-slot rates are the expected values of "
-            "the reference's speculative sampler given the cached completions (docs/design.md, Acceptance at "
-            "temperature > 0); their DDTree columns are DDTree verified against the sampled target as "
-            "liranringel/ddtree does, the greedy tree walk on those completions."
-            + (" The other prompt sets: the greedy replay." if frame["prompt_set"].nunique() > len(rows) else ""))
 
 
 # --------------------------------------------------------------------------- tables

@@ -5,7 +5,7 @@ Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back 
 ``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
 (checkpoint, prompt set, sampling setting of ``evaluate.sampling`` evaluated on that set: those at the
 temperature its completions were drawn at, every one with ``cross_temperature``;
-:func:`dflash_eval.plan.evaluate_settings`), in the configured order of the settings, with columns
+:func:`dflash_eval.sampling_plan.evaluate_settings`), in the configured order of the settings, with columns
 
 ======================  =====================================================================
 checkpoint              drafter name (the ``{ckpt}`` wildcard)
@@ -271,6 +271,33 @@ def primary_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (checkpoint, prompt set): each pair's first configured sampling setting (the report's
     per-pair tables; every setting is in the full table)."""
     return frame.drop_duplicates(["checkpoint", "prompt_set"]).reset_index(drop=True)
+
+
+def primary_histogram(r: dict) -> dict:
+    """``{k: verify steps that committed k tokens}`` of an evaluate output at its first sampling setting (the
+    one :func:`~dflash_eval.tau_table.primary_rows` keeps): the greedy chain's counts, or at temperature > 0
+    the expected counts of the speculative sampler (``expected[<label>].histogram``, floats)."""
+    first = (r.get("sampling_settings") or [GREEDY_SETTING])[0]
+    exp = (r.get("expected") or {}).get(first["label"]) if float(first["temperature"]) > 0 else None
+    if exp and exp.get("histogram"):
+        return {int(k): float(v) for k, v in exp["histogram"].items()}
+    return aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram
+
+
+def sampled_sets_note(frame: pd.DataFrame) -> str | None:
+    """The sentence under the per-pair tables naming the prompt sets shown at a setting above temperature 0 (their
+    first evaluated setting, :func:`~dflash_eval.tau_table.primary_rows`), or None when every set is greedy."""
+    rows = frame[frame["expected"].astype(bool)].drop_duplicates("prompt_set")
+    if not len(rows):
+        return None
+    sets = ", ".join(f"{r.prompt_set} at {r.sampling}" + (f" (on {r.trajectory} completions)"
+                                                          if r.trajectory != r.sampling else "")
+                     for r in rows.itertuples())
+    return (f"Shown at temperature > 0: {sets}. Their tau, histograms and per-slot rates are the expected values of "
+            "the reference's speculative sampler given the cached completions (docs/design.md, Acceptance at "
+            "temperature > 0); their DDTree columns are DDTree verified against the sampled target as "
+            "liranringel/ddtree does, the greedy tree walk on those completions."
+            + (" The other prompt sets: the greedy replay." if frame["prompt_set"].nunique() > len(rows) else ""))
 
 
 def _label(setting: dict) -> str:
