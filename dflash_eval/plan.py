@@ -364,7 +364,7 @@ class Plan:
         ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys; with ``prompt_set``
         also (:mod:`dflash_eval.sampling_plan`) ``completions``: ``sampling`` = ``set_sampling`` (``generation.sampling``
         overlaid with the set's own); ``hidden_states``: ``final_hidden`` = ``needs_final_hidden``; ``evaluate``:
-        ``sampling`` = the set's ``evaluate_settings``;
+        ``sampling`` = the set's ``evaluate_settings``; ``engine_parity``: ``final_hidden`` as its prompt set's cache;
         ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
         ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
@@ -383,6 +383,8 @@ class Plan:
             values["final_hidden"] = needs_final_hidden(self.config, prompt_set)
         if prompt_set is not None and stage == "evaluate":
             values["sampling"] = evaluate_settings(self.config, prompt_set)
+        if stage == "engine_parity":  # its extraction stores the layers the run's cache of that set stores
+            values["final_hidden"] = needs_final_hidden(self.config, self.engine_parity_prompt_set)
         return values
 
     def stage_flags(self, stage: str, prompt_set: str | None = None) -> str:

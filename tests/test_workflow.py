@@ -230,6 +230,12 @@ def test_dry_run_engine_parity_wiring(tmp_path):
     assert ep.server_log == "logs/engine_parity/demo.vllm.log" and ep.out == "results/demo/engine_parity.json"
     assert ep.target_fingerprint == cmds["hidden-states"].target_fingerprint
     assert cmds["report"].extra == ["results/demo/engine_parity.json"]
+    # its extraction stores the layers the run's cache of its set stores: the final hidden state on the T = 1 set
+    assert not ep.final_hidden
+    (wd / "ep1.yaml").write_text("engine_parity: {prompt_set: sharegpt-t1}\n")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "ep.yaml", "ep1.yaml").stdout
+    ep = next(a for a in (parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)) if a.cmd == "engine-parity")
+    assert ep.cache == "results/demo/cache/sharegpt-t1.h5" and ep.final_hidden
     # a user's server for the vLLM side is accepted next to cache.source hf only with engine_parity on
     (wd / "url.yaml").write_text("cache: {vllm: {url: 'http://gpu-host:8000'}}\n")
     assert smk(wd, "-n", "--configfile", "config/demo.yaml", "ep.yaml", "url.yaml").returncode == 0
