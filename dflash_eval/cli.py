@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "target-from-gguf": ("stages.target_from_gguf", "convert a GGUF target to an HF folder (bf16 safetensors + tokenizer)"),
     "target-fingerprint": ("stages.target_fingerprint", "sha256 of a target's weights, recorded once for every later job"),
     "prompts": ("stages.prompts", "build one prompt set (chat-templated text + token ids) as JSONL"),
-    "completions": ("stages.completions", "greedy target completions (token ids + text) for a prompt set"),
+    "completions": ("stages.completions", "target completions (token ids + text; greedy or seeded sampled) for a prompt set"),
     "hidden-states": ("stages.hidden_states", "run the target over prompt+completion ids and write the HDF5 cache"),
     "hidden-states-shard": ("stages.hidden_states_shard", "hidden-states --shard K/N: one of N jobs writing a prompt "
                                                           "set's cache (config cache.shards)"),
@@ -39,7 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "strip-drafter": ("stages.strip_drafter", "training checkpoint -> stripped bf16 drafter folder "
                                               "(config.json + model.safetensors)"),
     "demo-checkpoint": ("stages.demo_checkpoint", "write a training-style .pt checkpoint for the demo"),
-    "evaluate": ("stages.evaluate", "offline greedy speculative-decoding replay -> per-sample acceptance"),
+    "evaluate": ("stages.evaluate", "offline speculative-decoding replay -> per-sample acceptance (greedy; expected tau at T > 0)"),
     "kernel-parity": ("stages.kernel_parity", "extract a few samples with fla and with torch linear-attention kernels; "
                                               "per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
     "engine-parity": ("stages.engine_parity", ("extract a few samples with the other hidden-state source (vLLM / HF) "

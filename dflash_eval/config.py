@@ -76,8 +76,10 @@ def describe_validation_error(err) -> tuple[str, str]:
     elif err.validator == "additionalProperties" and isinstance(err.instance, dict) and isinstance(err.schema, dict):
         known = list(err.schema.get("properties", {}))
         for key in sorted(set(err.instance) - set(known)):  # a misspelt option: name the closest known one
-            close = difflib.get_close_matches(key, known, n=1)
+            close = difflib.get_close_matches(key, known, n=3)
             if close:
                 problem += f"; the closest known option to {key!r} is {close[0]!r}"
+                if len(close) > 1:
+                    problem += f" (or {' / '.join(repr(c) for c in close[1:])})"
     return path or "(top level)", problem
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from .sampling_plan import (
     setting_key,
     check_sampling_settings,
     evaluate_settings,
+    greedy_only_note,
     needs_final_hidden,
     set_sampling,
 )
@@ -592,3 +594,6 @@ def check_optional_rules(plan: Plan) -> None:
                              "drawn at its temperature)",
                              "add it to evaluate.sampling, pick a validate_online.prompt_set drawn at its temperature, "
                              "or drop it (null = every setting with temperature > 0 evaluated on the set)")
+    note = greedy_only_note(plan.config, ps, plan.prompt_sets)
+    if note:
+        logging.getLogger(__name__).warning(note)

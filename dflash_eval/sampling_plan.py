@@ -87,8 +87,10 @@ def check_sampling_settings(config: dict) -> None:
             raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {t:g} matches no prompt set: a setting "
                              "is evaluated on the sets whose completions are drawn at its temperature (completion "
                              f"temperatures: {shown})",
-                             f"add a prompt set drawn at it (prompt_sets.<name>.sampling: {{temperature: {t:g}}}, "
-                             "with the setting's top_p / top_k), drop the setting, or set "
+                             ("add a greedy prompt set (one without sampling; listing prompt_sets replaces the "
+                              "default humaneval + sharegpt)" if t == 0 else
+                              f"add a prompt set drawn at it (prompt_sets.<name>.sampling: {{temperature: {t:g}}}, "
+                              "with the setting's top_p / top_k)") + ", drop the setting, or set "
                              "evaluate.cross_temperature: true (every setting on every set, rows labelled with "
                              "their trajectory)")
     for ps in sets:
@@ -106,3 +108,15 @@ def setting_key(entry: dict) -> tuple:
     time): ``(temperature, top_p, top_k)``, ``(0.0,)`` for temperature 0 (which ignores the filters)."""
     t = float(entry.get("temperature", 0))
     return (t, float(entry.get("top_p", 1.0)), int(entry.get("top_k", 0))) if t > 0 else (0.0,)
+
+
+def greedy_only_note(config: dict, prompt_set: str, prompt_sets) -> str | None:
+    """A warning when ``validate_online`` (``sampling`` null) will run greedy only although T > 0 settings are
+    evaluated on other sets: its ``prompt_set`` is evaluated at temperature 0 alone. None otherwise."""
+    if config["validate_online"].get("sampling") is not None:
+        return None
+    sampled = sorted(x for x in prompt_sets if any(float(e.get("temperature", 0)) > 0 for e in evaluate_settings(config, x)))
+    if not sampled or any(float(e.get("temperature", 0)) > 0 for e in evaluate_settings(config, prompt_set)):
+        return None
+    return (f"validate_online runs greedy only: its prompt set {prompt_set!r} is evaluated at temperature 0 alone; for "
+            f"the speculative sampler's check set validate_online.prompt_set to a set drawn at T > 0 ({', '.join(sampled)})")

@@ -380,3 +380,18 @@ def test_validate_online_sampling_must_be_an_evaluated_setting():
     with pytest.raises(InputError, match=r"validate_online\.sampling\[0\].*evaluated on prompt set 'p'") as err:
         plan.check_optional_rules(fake([t1], drawn={"temperature": 0}))  # a greedy set: T = 1 is not evaluated there
     assert "pick a validate_online.prompt_set drawn at its temperature" in err.value.fix
+
+
+def test_validate_online_on_a_greedy_set_warns_that_it_runs_greedy_only():
+    """validate_online.sampling null on a set evaluated at T = 0 alone, with a T > 0 set elsewhere: a note names it."""
+    from dflash_eval.sampling_plan import greedy_only_note
+
+    t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    config = {"generation": {"sampling": {}}, "evaluate": {"sampling": [{"temperature": 0}, t1], "cross_temperature": False},
+              "prompt_sets": {"he": {"source": "humaneval"}, "he-t1": {"source": "humaneval", "sampling": t1}},
+              "validate_online": {"sampling": None}}
+    note = greedy_only_note(config, "he", ["he", "he-t1"])
+    assert note is not None and "'he'" in note and "(he-t1)" in note
+    assert greedy_only_note(config, "he-t1", ["he", "he-t1"]) is None  # its own T > 0 setting runs
+    config["validate_online"]["sampling"] = []  # greedy asked for: no note
+    assert greedy_only_note(config, "he", ["he", "he-t1"]) is None
