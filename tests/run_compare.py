@@ -55,5 +55,8 @@ def assert_runs_match(ref_wd: Path, wd: Path, run: str, checkpoints: list[str], 
     assert sorted(zip(tau.checkpoint, tau.prompt_set)) == sorted((c, p) for c in checkpoints for p in prompt_sets)
     keep = tau_ref.checkpoint.isin(checkpoints) & tau_ref.prompt_set.isin(prompt_sets)
     key = ["checkpoint", "prompt_set"]
-    pd.testing.assert_frame_equal(tau_ref[keep].sort_values(key).reset_index(drop=True),
-                                  tau.sort_values(key).reset_index(drop=True))
+    # the speedup estimate's columns come from each run's own target_costs timings (wall clock): left out
+    timed = [c for c in tau.columns if c.startswith("speedup_") or c == "estimate_reliable"]
+    assert timed, "tau.csv lost its speedup columns"
+    pd.testing.assert_frame_equal(tau_ref[keep].drop(columns=timed).sort_values(key).reset_index(drop=True),
+                                  tau.drop(columns=timed).sort_values(key).reset_index(drop=True))
