@@ -201,6 +201,14 @@ def speedup_columns(frame, costs: dict | None):
     return out
 
 
+def with_speedups(frame, costs: dict | None):
+    """``frame`` (the tau table, :func:`dflash_eval.tau_table.summary_frame`) with :func:`speedup_columns`
+    appended: the content of ``tau.csv``, for the summary stage and the report's full table."""
+    import pandas as pd
+
+    return pd.concat([frame, speedup_columns(frame, costs)], axis=1)
+
+
 def device_label(costs: dict) -> str:
     """e.g. ``"CPU (CPU: Intel Xeon ..., float32, 2 threads)"`` or ``"GPU (NVIDIA H200, bfloat16)"``."""
     if costs["device"] == "cuda":

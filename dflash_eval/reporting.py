@@ -75,6 +75,7 @@ class ReportData:
     config_sha256: str | None = None
     run: str | None = None
     prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
+    table: pd.DataFrame | None = None  #: tau.csv's rows and columns (every sampling setting, speedup columns)
 
     @property
     def checkpoints(self) -> list[str]:
@@ -183,11 +184,12 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
                       prompt_lengths=prompt_length_columns(frame),
                       agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
-    if costs:
-        from .costs import read_costs, speedup_frame
+    from .costs import read_costs, speedup_frame, with_speedups
 
+    if costs:
         data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
+    data.table = with_speedups(every, data.costs)
     if prompts_meta:
         from .prompts import read_prompt_meta, skip_table_markdown
 
@@ -568,7 +570,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
                                           2, f"speedup-{_slug(ps)}") for ps in data.prompt_sets},
             "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
         }
-    full = _styled(f, 4, "tau-csv").to_html()
+    full = _styled(data.table if data.table is not None else f, 4, "tau-csv").to_html()
     sel = selector_table(f)
     env = Environment(loader=PackageLoader("dflash_eval", "templates"), autoescape=select_autoescape(["html", "j2"]))
     return env.get_template("report.html.j2").render(

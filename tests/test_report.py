@@ -18,7 +18,7 @@ from dflash_eval import reporting as R
 from dflash_eval.stages.report import write_report
 from dflash_eval.cache_format import FORMAT, FORMAT_VERSION
 from dflash_eval.cache_writer import write_cache
-from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame
+from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame, with_speedups
 
 
 def write_eval(tmp_path, ckpt, ps, step, samples, block=4, **extra):
@@ -206,12 +206,14 @@ def test_renders_in_chromium(run):
     data = with_fake_columns(R.load_report_data(evals, caches, costs=fake_costs(tmp_path)))
     data.frame = data.frame.drop(columns="tau_ddtree_2")
     data.speedups = speedup_frame(data.frame, data.costs)
+    data.table = with_speedups(data.frame, data.costs)  # as the summary stage writes tau.csv
     page = tmp_path / "report.html"
     page.write_text(R.render_html(data, R.build_figures(data)))
     seen = browser.render(page, tmp_path)
     assert len(seen["images"]) == 8
     assert all(i["complete"] and i["width"] > 100 and i["height"] > 100 for i in seen["images"]), seen["images"]
-    assert seen["tables"]["tau-csv"] == _csv_cells(data.frame)
+    assert seen["tables"]["tau-csv"] == _csv_cells(data.table)
+    assert seen["tables"]["tau-csv"][0][-2:] == ["speedup_ddtree_8", "estimate_reliable"]
     pivot = seen["tables"]["tau-table"]
     assert pivot[0] == ["checkpoint", "step", "chat", "humaneval"] and pivot[1] == ["", "", "tau", "Δ prev", "tau", "Δ prev"]
     assert pivot[2:] == [["early", "100", "1.0000", "", "2.2500", ""], ["late", "200", "1.5000", "+0.5000", "4.0000", "+1.7500"]]

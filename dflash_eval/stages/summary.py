@@ -12,7 +12,7 @@ import logging
 
 import pandas as pd
 
-from ..costs import read_costs, speedup_columns
+from ..costs import read_costs, with_speedups
 from ..errors import atomic_path
 from ..tau_table import summary_frame
 
@@ -45,7 +45,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None) -> pd.Data
             file (:func:`dflash_eval.costs.read_costs`).
     """
     df = summary_frame(evals)
-    df = pd.concat([df, speedup_columns(df, read_costs(costs) if costs else None)], axis=1)
+    df = with_speedups(df, read_costs(costs) if costs else None)
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.4f")
     with atomic_path(out_parquet) as tmp:
