@@ -317,9 +317,6 @@ def iter_anchor_drafts(
     sampling = list(sampling)
     if sampling and (p_tokens is None or len(p_tokens) != len(samples)):
         raise ValueError("sampling settings need the target's token probabilities of every sample (p_tokens)")
-    if sampling and is_dflash2(drafter):
-        raise ValueError("sampling settings of a DFlash 2 drafter are not wired into the all-anchor pass yet "
-                         "(dflash_eval.expected.selector_survival takes its candidates and selector scores)")
     full = full or is_dflash2(drafter) or bool(sampling)  # the selector / every setting walks every slot
     plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout, len(sampling))
     if stats is not None:
@@ -398,7 +395,8 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         comparable = slot[None, 1:] <= limit[:, None]
         surv = {}
         if sel2:
-            greedy, logp, topi, unary, hit = _selector_head(drafter, head, h, ids[base + anchors], want, K, plan, stats)
+            greedy, logp, topi, unary, hit, surv = _selector_head(drafter, head, h, ids[base + anchors], want, limit, K,
+                                                                  plan, stats, p_rows)
             hit &= comparable
             per_slot = {"oracle": hit.long().cumprod(-1).sum(-1),
                         "unary_accepted": ((unary == want[:, 1:]) & comparable).long().cumprod(-1).sum(-1),
@@ -430,12 +428,17 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
 
 
-def _selector_head(drafter, head, h, anchor_ids, want, K, plan, stats):
+def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_rows=()):
     """DFlash 2: the selector's path ``[C, B-1]`` over every slot (its loop runs over the slots, batched
     over the anchors, :meth:`DFlashDrafter.propose`), top-K log-probs/ids (with K), the per-slot
-    argmax ``[C, B-1]`` and whether each slot's target token is a candidate ``[C, B-1]`` bool."""
+    argmax ``[C, B-1]``, whether each slot's target token is a candidate ``[C, B-1]`` bool, and per
+    sampling setting of ``p_rows`` ``P(a >= k | x)`` ``[C, B]``: the selector teacher-forced on the cached
+    tokens (each slot scored after the cached token before it, :func:`dflash_eval.expected.selector_survival`)."""
+    from .expected import selector_survival
+
     C, B = h.shape[0], h.shape[1]
     dev = h.device
+    surv = {st.label: torch.empty((C, B), dtype=torch.float64, device=dev) for st, _ in p_rows}
     path = torch.empty((C, B - 1), dtype=torch.long, device=dev)
     unary = torch.empty_like(path)
     hit = torch.empty((C, B - 1), dtype=torch.bool, device=dev)
@@ -450,10 +453,15 @@ def _selector_head(drafter, head, h, anchor_ids, want, K, plan, stats):
         hit[r] = (sel.candidates == want[r, 1:, None]).any(-1)
         if K:
             logp[r], topi[r] = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
+        if p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
+            tok = want[r, 1:].clamp_min(0)
+            forced = drafter.candidate_selector(h[r, 1:], lg, anchor_ids[r], predecessors=tok)
+            for st, p in p_rows:
+                surv[st.label][r] = selector_survival(forced.scores, forced.candidates, tok, p[r], limit[r], st)
         del lg
     if stats is not None:
         stats["head_rows"] += C * (B - 1)
-    return path, logp, topi, unary, hit
+    return path, logp, topi, unary, hit, surv
 
 
 def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):

@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from .metrics import POSITION_BINS
-from .sampling import SamplingSetting, selector_path_probs, slot_beta, survival_independent, token_probs
+from .sampling import SamplingSetting, candidate_token_probs, slot_beta, survival_independent, token_probs
 from .walk import WalkExpectation, produced_probs, walk_expectations
 
 #: logits rows per LM-head call in :func:`target_token_probs` (bounds the ``[rows, V]`` temporaries)
@@ -84,20 +84,24 @@ def chain_survival(draft_logits: torch.Tensor, tokens: torch.Tensor, p_tokens: t
     return survival_independent(slot_beta(p_tokens, q), limit)
 
 
-def selector_survival(unary: torch.Tensor, candidates: torch.Tensor, hidden_proj: torch.Tensor,
-                      anchor_ids: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor, limit: torch.Tensor,
-                      predecessor_codebook: torch.Tensor, successor_codebook: torch.Tensor,
-                      setting: SamplingSetting) -> torch.Tensor:
-    """DFlash 2's ``P(a >= k | x)`` ``[r, J + 1]`` float64: slot j's predecessor is the cached token before it.
+def selector_survival(scores: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor,
+                      limit: torch.Tensor, setting: SamplingSetting) -> torch.Tensor:
+    """DFlash 2's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors.
 
-    The selector samples at the setting's temperature only (the reference's ``CandidateSelector.select``).
-    ``unary``, ``candidates``, ``hidden_proj``: ``[r, J, K]`` / ``[r, J, K]`` / ``[r, J, R]`` of the selector
-    (:func:`dflash_eval.sampling.selector_path_probs`); ``anchor_ids`` ``[r]``; the rest as for
-    :func:`chain_survival`.
+    Given the trajectory, slot j's predecessor is the cached token before it (the anchor token for
+    slot 1): every accepted draft is x's token, so the selector's distribution at slot j is the one it
+    has after x's prefix (:mod:`dflash_eval.sampling`, "Given the trajectory"). The selector samples at
+    the setting's temperature only, no top-p / top-k (the reference's ``CandidateSelector.select``), and
+    its q lives on the slot's candidates (``_rejection_sample`` with ``draft_indices``).
+
+    Args:
+        scores: ``[r, J, K]`` float32, the selector's scores teacher-forced on the cached tokens
+            (:meth:`dflash_eval.drafter.CandidateSelector.forward` with ``predecessors=tokens``).
+        candidates: ``[r, J, K]`` int64, the slots' candidates.
+        tokens, p_tokens, limit: as for :func:`chain_survival`.
+        setting: the sampling setting (temperature > 0).
     """
-    prev = torch.cat([anchor_ids[:, None], tokens[:, :-1]], dim=1)
-    q = selector_path_probs(unary, candidates, hidden_proj, prev, tokens, predecessor_codebook, successor_codebook,
-                            setting.temperature)
+    q = candidate_token_probs(scores, candidates, tokens, setting.temperature)
     return survival_independent(slot_beta(p_tokens, q), limit)
 
 

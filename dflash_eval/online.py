@@ -23,7 +23,10 @@ cache), so the context is the target's own online trajectory.
   from p after all drafts). The random numbers are drawn in the reference's order and shapes (prefill
   ``multinomial([1, V])``; per step ``multinomial([vs-1, V])`` for the drafts, ``rand([1, vs-1])``,
   ``multinomial([1, V])``), so one ``torch.Generator`` seeded with s draws what the reference draws
-  after ``torch.manual_seed(s)`` on the same device.
+  after ``torch.manual_seed(s)`` on the same device. DFlash 2: the candidate selector samples the
+  path slot by slot (``multinomial([1, K])`` per slot, the reference's ``CandidateSelector.select``)
+  and q is its distribution on the slot's candidates (zero elsewhere), as ``_rejection_sample`` with
+  ``draft_indices``.
 
 Both use the conventions of the offline replay (shortened last block ``vs = min(B,
 max_length - start)``, a step commits ``min(accepted + 1, max_length - start - 1)`` tokens, cut
@@ -148,7 +151,8 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         block_size: B (default: the drafter's).
         budget: ``None`` = DFlash chain; an int = DDTree with that node budget.
         sampling: ``None`` or temperature 0 = greedy. Temperature > 0 = dflash==0.1.0's speculative
-            sampler (module docstring), DFlash 1 chain only.
+            sampler (module docstring), the chain only (DFlash 1: drafts sampled from the filtered q;
+            DFlash 2: the candidate selector's sampled path, q on its candidates).
         generator: the RNG of the sampler, on the compute device (``None`` = torch's global one, as the
             reference); unused when greedy.
 
@@ -156,8 +160,8 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         :class:`OnlineResult`.
 
     Raises:
-        InputError: DDTree with a DFlash 2 drafter; temperature > 0 with DDTree or with a DFlash 2 drafter
-            (the offline side, ``evaluate``, has no expected tau there either).
+        InputError: DDTree with a DFlash 2 drafter; temperature > 0 with DDTree (the offline side,
+            ``evaluate``, has no expected tau there either).
     """
     import time
 
@@ -169,10 +173,11 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         raise InputError(None, "budget", "DDTree is not defined for DFlash 2 drafters (the serving engines draft "
                          "one selector path)", "validate DFlash 2 drafters in chain mode")
     sampled = sampling is not None and not sampling.greedy
-    if sampled and (budget is not None or getattr(drafter, "candidate_selector", None) is not None):
-        raise InputError(None, "sampling", f"{sampling.label}: online speculative sampling is built for the DFlash 1 "
-                         "chain only (evaluate has no expected tau at temperature > 0 for DDTree or DFlash 2 drafters)",
-                         "validate this drafter / mode at temperature 0")
+    if sampled and budget is not None:
+        raise InputError(None, "sampling", f"{sampling.label}: online speculative sampling is built for the chain "
+                         "only (evaluate's DDTree columns at temperature > 0 are the greedy tree walk on the sampled "
+                         "cache, dflash_eval.expected)", "validate DDTree at temperature 0")
+    selector = getattr(drafter, "candidate_selector", None) is not None
     B = int(block_size or cfg.block_size)
     dev = embed_weight.device
     P = len(prompt_ids)
@@ -200,8 +205,14 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
                     torch.ones(1, start, dtype=torch.bool, device=dev))
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
         if sampled:
-            q = _probs(logits, sampling)  # [vs-1, V]
-            drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
+            if selector:  # DFlash 2: the selector samples its path; q lives on its candidates (reference select)
+                sel = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight,
+                                      temperature=sampling.temperature, generator=generator)
+                drafts = sel.path[0]
+                q = torch.zeros_like(logits).scatter_(-1, sel.candidates[0], sel.probs[0])  # [vs-1, V]
+            else:
+                q = _probs(logits, sampling)  # [vs-1, V]
+                drafts = torch.multinomial(q, 1, generator=generator)[:, 0]
             verify = [seq[start]] + drafts.tolist()
             out = target(input_ids=torch.tensor([verify], device=dev),
                          position_ids=torch.arange(start, start + vs, device=dev)[None], past_key_values=cache,
@@ -209,7 +220,7 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
             a, z = rejection_sample(drafts[None], _probs(out.logits[0], sampling)[None], q[None], generator=generator)
             accepted, bonus = list(range(int(a) + 1)), int(z)
         elif budget is None:
-            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path (reference propose)
+            if selector:  # DFlash 2: the selector's path (reference propose)
                 drafts = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight).path[0].tolist()
             else:
                 drafts = logits.argmax(-1).tolist()

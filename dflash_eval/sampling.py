@@ -355,6 +355,18 @@ def selector_path_probs(unary: torch.Tensor, candidates: torch.Tensor, hidden_pr
     """
     scores = unary + torch.einsum("njr,njkr->njk", predecessor_codebook[prev_ids] * hidden_proj,
                                   successor_codebook[candidates])
+    return candidate_token_probs(scores, candidates, tokens, temperature)
+
+
+def candidate_token_probs(scores: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor,
+                          temperature: float) -> torch.Tensor:
+    """The selector's probability of ``tokens`` ``[..., J]`` from its ``scores`` of the ``candidates`` ``[..., J, K]``.
+
+    Returns:
+        ``[..., J]`` float32: ``softmax(score / temperature)`` at the token's candidate (argmax indicator at
+        temperature 0), 0 where the token is not among the slot's candidates (the reference's
+        ``_rejection_sample``: ``(draft_probs * (draft_indices == token)).sum(-1)``).
+    """
     return torch.where(candidates == tokens[..., None], filtered_probs(scores, temperature), 0.0).sum(-1)
 
 

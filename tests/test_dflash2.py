@@ -454,3 +454,37 @@ def test_selector_stats_hand_built():
         selector_stats([SelectorStep(2, 1, 3, (True, False, False))], 4)  # accepted beyond the oracle
     with pytest.raises(ValueError):
         selector_stats([SelectorStep(0, 1, 2, (True, True))], 4)  # oracle is not the leading run
+
+
+@torch.no_grad()
+def test_selector_survival_at_temperature_to_zero_is_the_selector_chain():
+    """The all-anchor pass's DFlash 2 ``P(a >= k | x)`` at T -> 0 with p = 1: the selector teacher-forced on the
+    cached tokens is one-hot at its argmax, so the expected accepted count of every anchor is the greedy
+    selector chain's (a predecessor off by one slot would break it: the path differs from the unary argmax)."""
+    from dflash_eval.sampling import SamplingSetting
+
+    _, ours, _ = make_pair("full", seed=4)
+    gen = torch.Generator().manual_seed(7)
+    embed, head = torch.randn(VOCAB, HIDDEN, generator=gen), torch.randn(VOCAB, HIDDEN, generator=gen)
+    samples = []
+    for i, (prompt_len, n_tok) in enumerate(((9, 40), (5, 23))):
+        ids = torch.randint(0, VOCAB - 1, (n_tok,), generator=gen)
+        hidden = torch.randn(n_tok, K, HIDDEN, generator=gen)
+        samples.append(CacheSample(i, f"s{i}", ids, prompt_len, hidden, ids.clone(), "length", n_tok - prompt_len))
+    greedy = list(iter_anchor_drafts(ours, embed, head, samples))
+    # the cached tokens: each anchor's selector path where it exists (so long accepted prefixes occur)
+    for s, d in zip(samples, greedy):
+        for a in range(0, len(d.anchors), B):
+            t = int(d.anchors[a])
+            n = min(B - 1, len(s.input_ids) - 1 - t)
+            s.input_ids[t + 1 : t + 1 + n] = d.greedy[a, :n]
+    greedy = list(iter_anchor_drafts(ours, embed, head, samples))
+    st = SamplingSetting(1e-4)
+    p_tokens = [{st.label: torch.ones(len(s.input_ids))} for s in samples]
+    drafts = list(iter_anchor_drafts(ours, embed, head, samples, sampling=[st], p_tokens=p_tokens))
+    for g, d in zip(greedy, drafts):
+        S = d.survival[st.label]
+        assert torch.equal(S[:, 1:].sum(-1), g.accepted.double())
+        assert torch.equal(d.accepted, g.accepted)
+    assert max(int(g.accepted.max()) for g in greedy) >= 3
+    assert any(bool((g.unary_accepted != g.accepted).any()) for g in greedy)

@@ -13,8 +13,9 @@ float32:
 * (c) The stage: sampled completions -> cache with the final hidden state -> evaluate's expected tau ->
   ``validate_online`` with seeds; the JSON holds per sample and macro the online mean, its SE, the offline
   expected tau and the difference, consistent with the runs it lists; the macro difference is printed.
-* Refusals: a DFlash 2 drafter at temperature > 0, a setting at temperature 0, a setting evaluate did not
-  evaluate, DDTree with sampling.
+* (d) DFlash 2 (the trained drafter's weights with identity convs and a random selector): (a) with the reference's
+  ``DFlash2DraftModel``, and (c) with evaluate's expectation through the candidate selector.
+* Refusals: a setting at temperature 0, a setting evaluate did not evaluate, DDTree with sampling.
 """
 
 from __future__ import annotations
@@ -109,16 +110,10 @@ def test_temperature_to_zero_is_the_greedy_chain(tiny):
     assert min(greedy_tau) > 1.2  # the greedy chain accepts drafts on these prompts
 
 
-def test_spec_generate_refuses_sampling_with_ddtree_or_dflash2(tiny):
-    from types import SimpleNamespace
-
-    with pytest.raises(InputError, match="DFlash 1 chain only"):
+def test_spec_generate_refuses_sampling_with_ddtree(tiny):
+    with pytest.raises(InputError, match="built for the chain only"):
         spec_generate(tiny["target"], tiny["drafter"], tiny["embed"], tiny["head"], tiny["prompts"][0], 8,
                       tiny["stops"], budget=4, sampling=SamplingSetting(**T1))
-    dflash2 = SimpleNamespace(cfg=tiny["drafter"].cfg, candidate_selector=object())  # refused before any forward
-    with pytest.raises(InputError, match="DFlash 1 chain only"):
-        spec_generate(tiny["target"], dflash2, tiny["embed"], tiny["head"], tiny["prompts"][0], 8, tiny["stops"],
-                      sampling=SamplingSetting(**T1))
 
 
 @pytest.fixture(scope="module")
@@ -208,25 +203,73 @@ def test_validate_online_sampled_vs_offline_expected(tiny, staged):
     assert abs(m["paired_diff"]) <= 0.03 * m["tau_online"]
 
 
-def test_validate_online_refusals(tiny, staged, tmp_path):
-    import shutil
-
+def test_validate_online_refusals(tiny, staged):
     d = staged
     with pytest.raises(InputError, match=r"--sampling: .*schema entry validate_online\.sampling"):
         _validate(tiny, d, "x.json", n_samples=1, sampling=[{"temperature": 0}])
     with pytest.raises(InputError, match=r"no expected tau at T1_p0\.95_k20"):
         _validate(tiny, d, "x.json", n_samples=1, sampling=[T1])
-    # a DFlash 2 evaluation (evaluate refuses DFlash 2 at T > 0, so there is no offline side)
-    ev = json.loads((d / "ev.json").read_text())
-    (tmp_path / "ev2.json").write_text(json.dumps({**ev, "variant": "dflash2"}))
-    drafter2 = tmp_path / "drafter2"
-    shutil.copytree(TRAINED_DRAFTER, drafter2)
+    # sampling: [] = greedy only, even where the evaluation holds T > 0 settings
+    r = _validate(tiny, d, "x.json", n_samples=1, sampling=[])
+    assert r["checkpoints"][0]["sampling"] == {} and "Speculative sampling" not in r["markdown"]
+
+
+# --------------------------------------------------------------------------- DFlash 2 at temperature > 0
+
+@pytest.fixture(scope="module")
+def drafter2(tiny):
+    """A DFlash 2 drafter that accepts drafts on the tiny target: the trained DFlash 1 drafter's weights, identity
+    convs and a random selector whose bilinear term changes the path at some slots (asserted in the test)."""
+    from test_dflash2_workflow import write_dflash2
+
+    return write_dflash2(tiny["dir"] / "dflash2", codebook_scale=0.5, seed=3)
+
+
+@pytest.mark.parametrize("setting", [T1, TLOW], ids=["T1_p0.95_k20", "T0.05_p0.95_k20"])
+def test_dflash2_online_sampler_draws_what_the_reference_draws(tiny, drafter2, setting, monkeypatch):
+    """DFlash 2: the selector's sampled path and the rejection sampler on its candidates, run for run the
+    reference ``dflash_generate`` with ``DFlash2DraftModel``."""
+    import dflash.model as ref
+
+    from dflash_eval.drafter import load_drafter
+
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    draft = ref.DFlash2DraftModel.from_pretrained(str(drafter2), dtype=torch.float32).eval()
+    ours = load_drafter(drafter2, device=torch.device("cpu"), dtype=torch.float32)
+    steps = []
+    for ids in tiny["prompts"][:4]:
+        for seed in range(4):
+            torch.manual_seed(seed)
+            r = ref.dflash_generate(draft, tiny["target"], torch.tensor([ids]), max_new_tokens=MAX_NEW,
+                                    stop_token_ids=tiny["stops"], return_stats=True, **setting)
+            o = spec_generate(tiny["target"], ours, tiny["embed"], tiny["head"], ids, MAX_NEW, tiny["stops"],
+                              sampling=SamplingSetting(**setting), generator=torch.Generator().manual_seed(seed))
+            assert o.completion_ids == r.output_ids[0, len(ids):].tolist(), (ids, seed)
+            assert o.acceptance_lengths == r.acceptance_lengths, (ids, seed)
+            steps += o.acceptance_lengths
+    assert max(steps) >= 2 and min(steps) == 1
+
+
+def test_dflash2_validate_online_sampled_vs_offline_expected(tiny, staged, drafter2):
+    """evaluate's expected tau of a DFlash 2 drafter at T > 0 (the selector teacher-forced on the cached tokens)
+    against its online speculative sampler over seeds; and the selector matters (its path is not the unary one)."""
+    from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.stages.validate_online import validate_online
 
-    with pytest.raises(InputError, match="DFlash 2 drafter at temperature > 0") as err:
-        validate_online(tiny["target_dir"], d / "c.jsonl", [drafter2], [tmp_path / "ev2.json"], tmp_path / "x.json",
-                        n_samples=1, device="cpu", dtype="float32", ddtree_budget=0)
-    assert "validate_online.sampling: []" in str(err.value)
-    r = validate_online(tiny["target_dir"], d / "c.jsonl", [drafter2], [tmp_path / "ev2.json"], tmp_path / "x.json",
-                        n_samples=1, device="cpu", dtype="float32", ddtree_budget=0, sampling=[])
-    assert r["checkpoints"][0]["sampling"] == {} and "Speculative sampling" not in r["markdown"]
+    d = staged
+    ev = evaluate(drafter2, d / "c.h5", tiny["target_dir"], d / "ev2.json", device="cpu", dtype="float32",
+                  ddtree_budgets=[], sampling=[STAGE_SETTING], checkpoint_name="dflash2", prompt_set="set")
+    label = SamplingSetting(**STAGE_SETTING).label
+    assert ev["variant"] == "dflash2" and ev["tau_unary"] != ev["tau"]  # the selector changes the greedy chain
+    assert ev["expected"][label]["tau"] > 1.2
+    r = validate_online(tiny["target_dir"], d / "c.jsonl", [drafter2], [d / "ev2.json"], d / "vo2.json",
+                        device="cpu", dtype="float32", ddtree_budget=0, n_samples=len(tiny["prompts"]) * COPIES,
+                        seeds=SEEDS, seed=0)
+    m = r["checkpoints"][0]["sampling"][label]
+    assert m["tau_offline"] == pytest.approx(ev["expected"][label]["tau"], rel=1e-12)  # every sample compared
+    print(f"\nDFlash 2 validate_online at {label}, {m['n_compared']} prompts x {SEEDS} seeds: online tau "
+          f"{m['tau_online']:.4f} +- {m['tau_online_se']:.4f}; offline expected {m['tau_offline']:.4f}: difference "
+          f"{m['diff']:+.4f} +- {m['diff_se']:.4f} ({m['diff_over_se']:+.2f} SE); paired {m['paired_diff']:+.4f} +- "
+          f"{m['paired_se']:.4f} ({m['paired_over_se']:+.2f} SE, {100 * m['paired_diff'] / m['tau_online']:+.2f} %)")
+    assert abs(m["diff_over_se"]) <= 3 and abs(m["paired_over_se"]) <= 3
+    assert abs(m["paired_diff"]) <= 0.03 * m["tau_online"]

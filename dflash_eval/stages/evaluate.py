@@ -116,7 +116,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     (:mod:`dflash_eval.expected`, :func:`dflash_eval.metrics.aggregate_expected`), per sample the
     :meth:`~dflash_eval.expected.ResponseExpectation.as_dict` entry (None without a verify step).
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
-    sampled cache. DFlash 2 at temperature > 0 is refused for now.
+    sampled cache. DFlash 2 at temperature > 0: the selector's own sampled path, q on its candidates
+    (:func:`dflash_eval.expected.selector_survival`); its selector diagnostics are those of the greedy path.
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -124,7 +125,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
             greedy completions that are not the target's greedy output (mean agreement below
             ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
             size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
-            cannot serve (:func:`sampling_settings`); temperature > 0 with a DFlash 2 drafter.
+            cannot serve (:func:`sampling_settings`).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if block_size is not None and block_size < 2:
@@ -135,10 +136,6 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = [st for st in settings if not st.greedy]
-        if sampled and is_dflash2(inputs.drafter):
-            raise InputError(inputs.drafter_dir / "config.json", "candidate_selector",
-                             f"{sampled[0].label}: expected acceptance of a DFlash 2 drafter at temperature > 0 is "
-                             "not wired into evaluate yet", "evaluate this checkpoint at temperature 0 only")
         expectations: dict[str, list] = {st.label: [] for st in sampled}
         results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
@@ -246,9 +243,9 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     bar = Progress(n_comp, "replay", logger=log)
     for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
         t1 = time.perf_counter()
-        if sampled:  # chain, every budget and every setting from one all-anchor pass (DFlash 1)
+        if sampled:  # chain, every budget (DFlash 1) or the selector diagnostics (DFlash 2), every setting: one pass
             samples, recs, tr = _sampled_pass(inputs, opts, B, [order[g] for g in group], budgets, mem, sampled,
-                                              expectations)
+                                              expectations, walked)
             trees.update({s.index: t for s, t in zip(samples, tr)})
         else:
             samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
@@ -320,10 +317,10 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
 
 
 def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, sampled,
-                  expectations: dict):
+                  expectations: dict, walked: dict):
     """One all-anchor pass over the samples ``indices``: the chain, every DDTree budget (greedy walks on the
-    cache: DDTree under target sampling, :mod:`dflash_eval.expected`) and every sampled setting's
-    expectation. Returns ``(samples, chains, trees)``."""
+    cache: DDTree under target sampling, :mod:`dflash_eval.expected`), DFlash 2's selector walks (into
+    ``walked``) and every sampled setting's expectation. Returns ``(samples, chains, trees)``."""
     reader, drafter = inputs.reader, inputs.drafter
     layers = list(drafter.cfg.target_layer_ids)
     final = reader.layer_ids[final_hidden_index(reader.attrs)]
@@ -341,6 +338,9 @@ def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: li
                                                 max_group_samples=opts.batch_size, sampling=sampled,
                                                 p_tokens=p_tokens)):
         chains.append(chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens))
+        if d.oracle is not None:  # DFlash 2
+            walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
+                                    d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
         trees.append(walk_budgets(d.topk_logp.cpu(), d.topk_ids.cpu(), s.input_ids, s.prompt_len, s.max_new_tokens,
                                   B, budgets) if budgets and len(d.anchors) else {b: [] for b in budgets})
         for st in sampled:

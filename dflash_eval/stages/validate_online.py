@@ -110,8 +110,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     Raises:
         InputError: ``n_samples < 1``, drafters/evals of different lengths, an evaluation without the budget
             or without one of the samples, or an unsupported (hybrid / sliding-window) target; a
-            ``sampling`` entry at temperature 0 (schema) or one the evaluation has no expected tau for; a DFlash 2
-            drafter with a setting at temperature > 0 (evaluate refuses those too).
+            ``sampling`` entry at temperature 0 (schema) or one the evaluation has no expected tau for.
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     n_samples, budget = opts.n_samples, opts.ddtree_budget or 0
@@ -121,7 +120,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     asked = _asked_settings(opts.sampling)
     loaded = [json.loads(Path(e).read_text()) for e in evals]
     # checked before the target is loaded: a refused setting costs no target load
-    settings_of = [_settings_for(ev, e, asked, d) for ev, e, d in zip(loaded, evals, drafters)]
+    settings_of = [_settings_for(ev, e, asked) for ev, e in zip(loaded, evals)]
     dev = resolve_device(opts.device)
     dt = resolve_dtype(opts.dtype, dev)
     spec = TargetSpec.read(target_dir)
@@ -200,22 +199,15 @@ def _asked_settings(entries) -> list[SamplingSetting] | None:
             for e in entries]
 
 
-def _settings_for(ev: dict, eval_path, asked, drafter_dir) -> list[SamplingSetting]:
+def _settings_for(ev: dict, eval_path, asked) -> list[SamplingSetting]:
     """The T > 0 settings to run for one evaluation: ``asked``, or (``None``) each T > 0 setting it holds.
 
     Raises:
-        InputError: a DFlash 2 drafter with any T > 0 setting (as ``evaluate``); an asked setting without an
-            expected tau in the evaluation.
+        InputError: an asked setting without an expected tau in the evaluation.
     """
     held = [SamplingSetting(float(e["temperature"]), float(e["top_p"]), int(e["top_k"]))
             for e in ev.get("sampling_settings", [])]
     settings = [st for st in held if not st.greedy] if asked is None else asked
-    if settings and ev.get("variant") == "dflash2":
-        raise InputError(Path(drafter_dir) / "config.json", "candidate_selector",
-                         f"{settings[0].label}: expected acceptance of a DFlash 2 drafter at temperature > 0 is not "
-                         "wired into evaluate yet, so there is no offline side to compare the online sampler with",
-                         "set validate_online.sampling: [] (greedy only) or leave this checkpoint out of "
-                         "validate_online.checkpoints")
     for st in settings:
         if st.label not in (ev.get("expected") or {}):
             raise InputError(eval_path, "expected", f"no expected tau at {st.label} (evaluated: "
