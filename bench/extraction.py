@@ -218,10 +218,10 @@ def run_child(args: list[str], env: dict) -> subprocess.CompletedProcess:
     return proc
 
 
-def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_tokens, env) -> dict:
+def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_tokens, env, final: bool = False) -> dict:
     argv = ["hidden-states", "--target", str(target), "--completions", str(comp), "--out", str(out),
             "--layer-ids", ",".join(map(str, layers)), "--device", device, "--dtype", dtype,
-            "--batch-tokens", str(batch_tokens)]
+            "--batch-tokens", str(batch_tokens), "--final-hidden" if final else "--no-final-hidden"]
     proc = run_child(["--child-stage", "--", *argv], env)
     m = re.search(r"computed (\d+) samples, (\d+) tokens in ([\d.]+) s", proc.stderr)
     rss = int(re.search(r"PEAK_RSS_KB=(\d+)", proc.stderr).group(1))
@@ -263,6 +263,10 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=None, help="default: the config schema's cache.batch_tokens")
     ap.add_argument("--rss-samples", type=int, default=None, help="samples of the 1x RSS run (default 128; smoke 8)")
     ap.add_argument("--parity-samples", type=int, default=8)
+    ap.add_argument("--no-rss", action="store_true", help="leave out the peak-RSS runs (1x and 4x --rss-samples)")
+    ap.add_argument("--final-hidden", action="store_true",
+                    help="the stage also stores the final normed hidden state (cache.final_hidden, for T > 0) and the "
+                         "plain loop keeps it too (HF's last hidden_states entry, layer N-1): the stronger loop")
     ap.add_argument("--child-loop", nargs=9, metavar="ARG", help=argparse.SUPPRESS)
     ap.add_argument("--child-stage", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -293,20 +297,23 @@ def main() -> None:
     print(f"outputs under {root}" + (" (smoke test: tiny models, numbers say nothing about speed)" if a.smoke else ""))
     for model in a.models.split(","):
         cfg, n, (lo, hi), layers, loop_batch = table[model]
+        final_id = cfg["num_hidden_layers"] - 1
+        loop_layers = sorted(set(layers) | {final_id}) if a.final_hidden else layers  # what the cache stores
         work = root / model
         target = build_target(work / "target", cfg)
         comp = work / "completions.jsonl"
         lengths = write_completions(comp, n, lo, hi, cfg["vocab_size"])
         flops = useful_flops(cfg, lengths)
         print(f"\n{model}: random init, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}; {n} samples, "
-              f"{sum(lengths):,} tokens ({lo}-{hi} per sample), stored layers {layers}")
+              f"{sum(lengths):,} tokens ({lo}-{hi} per sample), stored layers {layers}"
+              + (f" + the final normed state (layer {final_id}; stage and loop)" if a.final_hidden else ""))
         loop_npz = work / "loop_parity.npz"
-        lp = json.loads(run_child(["--child-loop", str(target), str(comp), json.dumps(layers), str(loop_batch), dev,
+        lp = json.loads(run_child(["--child-loop", str(target), str(comp), json.dumps(loop_layers), str(loop_batch), dev,
                                    dtype, str(loop_npz), str(a.parity_samples), "loop"], env).stdout.strip().splitlines()[-1])
         fw = json.loads(run_child(["--child-loop", str(target), str(comp), json.dumps(layers), str(loop_batch), dev,
                                    dtype, str(loop_npz), "0", "forward"], env).stdout.strip().splitlines()[-1])
         cache = work / "cache.h5"
-        st = stage(target, comp, cache, layers, dev, dtype, batch_tokens, env)
+        st = stage(target, comp, cache, layers, dev, dtype, batch_tokens, env, a.final_hidden)
         size = cache.stat().st_size / 1e9
         tps_s, tps_l = st["tokens"] / st["seconds"], lp["tokens"] / lp["seconds"]
         tf_s, tf_l = flops / st["seconds"] / 1e12, flops / lp["seconds"] / 1e12
@@ -333,6 +340,9 @@ def main() -> None:
         print(f"  cache vs loop, first {a.parity_samples} samples: max rel-L2 of a stored layer {worst:.2e}, "
               f"argmax agreement {agree:.4f}")
         cache.unlink()
+        if a.no_rss:
+            shutil.rmtree(work, ignore_errors=True)
+            continue
         rss = {}
         for mult in (1, 4):
             c = work / f"rss{mult}.jsonl"
