@@ -42,8 +42,8 @@ T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 TLOW = {"temperature": 0.05, "top_p": 0.95, "top_k": 20}
 MAX_NEW = 24
 #: the stage test (c): its setting, runs per prompt, and copies of the 7 prompts (each copy its own sampled
-#: completion); docs/measurements.md also quotes a run with COPIES = 4, SEEDS = 16
-STAGE_SETTING, SEEDS, COPIES = TLOW, 8, 1
+#: completion: 14 prompts, the issue's 8+); docs/measurements.md also quotes a run with COPIES = 4, SEEDS = 16
+STAGE_SETTING, SEEDS, COPIES = TLOW, 8, 2
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +197,9 @@ def test_validate_online_sampled_vs_offline_expected(tiny, staged):
           f"{m['tau_expected_online']:.4f}: paired difference {m['paired_diff']:+.4f} +- {m['paired_se']:.4f}, "
           f"{m['paired_over_se']:+.2f} SE, {100 * m['paired_diff'] / m['tau_online']:+.2f} %")
     assert m["tau_online"] > 1.2 or STAGE_SETTING is not TLOW  # drafts are accepted
-    # the cached side is one trajectory per prompt: with 7 prompts its spread (diff_se, about 7 % of tau here)
-    # exceeds the 3 % goal, which is asserted on the paired comparison; both within 3 SE
+    # the cached side is one trajectory per prompt: with 14 prompts its spread (diff_se, about 5 % of tau here)
+    # exceeds the 3 % goal, which is asserted on the paired comparison (docs/measurements.md: the unpaired
+    # difference shrinks with more prompts, 1.2 % with 168); both within 3 SE
     assert abs(m["diff_over_se"]) <= 3 and abs(m["paired_over_se"]) <= 3
     assert abs(m["paired_diff"]) <= 0.03 * m["tau_online"]
 
