@@ -548,7 +548,8 @@ def read_prompts(path: str | Path) -> list[dict]:
                 if key not in obj:
                     raise InputError(path, f"line {lineno}: {key}", "missing field", "regenerate with the 'prompts' stage")
             ids = obj["prompt_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                for t in ids):  # JSON true is a Python int
                 raise InputError(path, f"line {lineno}: prompt_ids", "must be a non-empty list of token ids",
                                  "regenerate with the 'prompts' stage")
             rows.append(obj)

@@ -340,6 +340,10 @@ def test_read_prompts_errors(tmp_path):
     with pytest.raises(InputError) as ei:
         read_prompts(p)
     assert ei.value.field == "line 2: prompt_ids"
+    p.write_text(json.dumps({**good, "prompt_ids": [1, True]}) + "\n")  # JSON true is not a token id
+    with pytest.raises(InputError) as ei:
+        read_prompts(p)
+    assert ei.value.field == "line 1: prompt_ids"
     p.write_text(json.dumps({k: v for k, v in good.items() if k != "text"}) + "\n")
     with pytest.raises(InputError) as ei:
         read_prompts(p)
