@@ -291,6 +291,10 @@ def add_flags(parser: argparse.ArgumentParser, stage: str) -> None:
         if node.get("x-rerun") is False:
             default = None  # resolved by from_args: the workflow's environment, else the schema default
             help_ += f" (the workflow passes it in {RUNTIME_ENV}: editing it reruns nothing)"
+        typ = _python_type(node)
+        if typ in (list, dict):  # the description shows the config file's YAML; the flag parses JSON
+            ints = typ is list and node.get("items", {}).get("type") == "integer"
+            help_ += " (on the command line: JSON" + (", or comma-separated integers" if ints else "") + ")"
         help_ = help_.replace("%", "%%")  # argparse %-formats help texts ("60 % of free memory")
         if _python_type(node) is bool:
             group.add_argument(flag_name(path), dest=_dest(path), action=argparse.BooleanOptionalAction,
