@@ -206,8 +206,8 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
         if sampled:
             if selector:  # DFlash 2: the selector samples its path; q lives on its candidates (reference select)
-                sel = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight,
-                                      temperature=sampling.temperature, generator=generator)
+                sel = drafter.candidate_selector(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev),
+                                                 temperature=sampling.temperature, generator=generator)
                 drafts = sel.path[0]
                 q = torch.zeros_like(logits).scatter_(-1, sel.candidates[0], sel.probs[0])  # [vs-1, V]
             else:
@@ -220,8 +220,9 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
             a, z = rejection_sample(drafts[None], _probs(out.logits[0], sampling)[None], q[None], generator=generator)
             accepted, bonus = list(range(int(a) + 1)), int(z)
         elif budget is None:
-            if selector:  # DFlash 2: the selector's path (reference propose)
-                drafts = drafter.propose(h[:, 1:], torch.tensor([seq[start]], device=dev), head_weight).path[0].tolist()
+            if selector:  # DFlash 2: the selector's path (reference propose), on this step's logits
+                drafts = drafter.candidate_selector(h[:, 1:], logits[None],
+                                                    torch.tensor([seq[start]], device=dev)).path[0].tolist()
             else:
                 drafts = logits.argmax(-1).tolist()
             verify = [seq[start]] + drafts

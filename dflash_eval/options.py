@@ -296,7 +296,7 @@ def add_flags(parser: argparse.ArgumentParser, stage: str) -> None:
             ints = typ is list and node.get("items", {}).get("type") == "integer"
             help_ += " (on the command line: JSON" + (", or comma-separated integers" if ints else "") + ")"
         help_ = help_.replace("%", "%%")  # argparse %-formats help texts ("60 % of free memory")
-        if _python_type(node) is bool:
+        if typ is bool:
             group.add_argument(flag_name(path), dest=_dest(path), action=argparse.BooleanOptionalAction,
                                default=default, help=help_)
             continue

@@ -280,13 +280,18 @@ def _greedy_replay(inputs: _Inputs, opts, B: int, samples, budgets: list[int], m
     if is_dflash2(drafter):  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
         for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
                                                     memory_bytes=mem, max_group_samples=opts.batch_size)):
-            walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
-                                    d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
+            walked[s.index] = _selector_walks(d)
     if budgets and opts.replay == "batched":
         return [chain for chain, _ in both]
     if is_dflash2(drafter) and opts.replay == "batched":
         return [walked[s.index].chain for s in samples]
     return replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
+
+
+def _selector_walks(d):
+    """DFlash 2's chains and diagnostics of one sample's all-anchor drafts (:func:`dflash_eval.selector_replay.walks`)."""
+    return walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(), d.limit.tolist(),
+                 d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
 
 
 def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetting]:
@@ -339,8 +344,7 @@ def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: li
                                                 p_tokens=p_tokens)):
         chains.append(chain_walk(d.accepted.tolist(), d.prompt_len, d.n_tokens))
         if d.oracle is not None:  # DFlash 2
-            walked[s.index] = walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(),
-                                    d.limit.tolist(), d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
+            walked[s.index] = _selector_walks(d)
         trees.append(walk_budgets(d.topk_logp.cpu(), d.topk_ids.cpu(), s.input_ids, s.prompt_len, s.max_new_tokens,
                                   B, budgets) if budgets and len(d.anchors) else {b: [] for b in budgets})
         for st in sampled:
