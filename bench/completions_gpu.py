@@ -27,6 +27,13 @@ On one H200 (torch 2.11, transformers 5.17), from the repository root::
 
     python3 bench/completions_gpu.py        # ~3 min
 
+``--ablate`` first runs one batch of the first batch size through the steps between the two: plain
+``generate``; the same with the stage's ``GenerationConfig``; with its decode-step logits processor
+too; the stage itself; each timed, then the stage and the plain loop under ``cProfile`` (the 15
+functions with the most own time in each), to show where the stage's extra time per decode step goes::
+
+    python3 bench/completions_gpu.py --ablate --batches 16 --static-batches ""
+
 CPU smoke run (tiny model, float32; what ``tests/test_bench_smoke.py`` runs)::
 
     .venv/bin/python bench/completions_gpu.py --smoke
@@ -84,6 +91,68 @@ def plain_generate(model, prompts, max_new, dev, static=False):
     return [cut_at_eos(row, [EOS], max_new)[0] for row in out[:, P:].tolist()]
 
 
+def ablate(model, tok, b, args, conf, dev) -> None:
+    """One batch of ``b`` prompts through plain ``generate``, the steps towards the stage, the stage; then cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    from transformers import LogitsProcessorList
+
+    from dflash_eval.generation import DecodeSteps
+
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(args.prompt_min, args.prompt_max + 1, (b,), generator=gen).tolist()
+    prompts = [torch.randint(3, conf.vocab_size, (L,), generator=gen).tolist() for L in lens]
+    src = TransformersSource(model, tok, args.max_new, stop_ids=[EOS], batch_size=b)
+    P = max(lens)
+    ids = torch.full((b, P), PAD, dtype=torch.long)
+    mask = torch.zeros((b, P), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p):] = torch.tensor(p)
+        mask[r, P - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+
+    def gen_plain():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=PAD)
+
+    def gen_config():
+        return model.generate(input_ids=ids, attention_mask=mask, generation_config=src.gen_config)
+
+    def gen_config_proc():
+        return model.generate(input_ids=ids, attention_mask=mask, generation_config=src.gen_config,
+                              logits_processor=LogitsProcessorList([DecodeSteps(b, args.max_new)]))
+
+    def stage():
+        return src.generate(prompts)
+
+    variants = [("generate", gen_plain), ("+ stage GenerationConfig", gen_config),
+                ("+ DecodeSteps processor", gen_config_proc), ("stage (TransformersSource.generate)", stage)]
+    print(f"ablation, batch {b}, {args.max_new} new tokens (each variant run twice, the second timed):")
+    for label, fn in variants:
+        with torch.inference_mode():
+            fn()
+            sync(dev)
+            t0 = time.perf_counter()
+            out = fn()
+            sync(dev)
+        secs = time.perf_counter() - t0
+        steps = (out.shape[1] - P) if torch.is_tensor(out) else max(len(x[0]) for x in out)
+        print(f"  {label:36s}: {secs:6.2f} s, {steps} decode steps, {1000 * secs / max(steps, 1):6.1f} ms per step")
+    for label, fn in (variants[0], variants[-1]):
+        prof = cProfile.Profile()
+        with torch.inference_mode():
+            prof.enable()
+            fn()
+            sync(dev)
+            prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
+        print(f"cProfile of {label}, top 15 by own time:")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:6000])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
@@ -94,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--prompt-min", type=int, default=32)
     ap.add_argument("--prompt-max", type=int, default=160)
+    ap.add_argument("--ablate", action="store_true",
+                    help="first time the steps between plain generate and the stage on one batch, and cProfile both")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -122,6 +193,8 @@ def main(argv=None) -> int:
           f"parameters); prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_new} new tokens; "
           f"memory-sized batch (auto) = {auto}")
     plain_sdpa = contextlib.nullcontext
+    if args.ablate:
+        ablate(model, tok, sizes[0], args, conf, dev)
     results = []
     first = True
     for b in sizes:
