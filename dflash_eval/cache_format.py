@@ -4,7 +4,7 @@ One file per (target, prompt set). The target runs once over each sample's
 prompt + completion token ids; the outputs of the requested decoder layers are
 stored so that any number of drafter checkpoints can be replayed offline.
 
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 5``)::
+File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 6``)::
 
     /                         file attributes (FILE_ATTRS, listed below)
     /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
@@ -38,6 +38,17 @@ arrays and ``meta`` when it reads a sample, and that the file-level arrays hold 
 Formats 3 and 4 have no ``meta`` and their checksum covers the three datasets only: their per-sample
 values are read unverified (the reader says so once per file in the log); 1 and 2 likewise.
 
+Every file attribute a stage uses is covered too (format 6): ``header`` holds them as canonical JSON and
+``header_sha256`` its checksum (:func:`write_header`), written whenever a covered attribute is (the file's
+creation, a shard merge). Covered: every file attribute but :data:`UNCOVERED_ATTRS`, i.e. all of FILE_ATTRS
+(and the writer's extras: ``shards`` of a merged cache, the ``engine*`` attributes of a vLLM extraction) except
+``extraction_runs`` (rewritten at every commit of every run) and ``n_samples`` (written when the last sample is:
+a killed run's sidecar must resume with its header intact). The reader checks both when it opens a format-6 file
+(:meth:`~dflash_eval.cache_reader.CacheReader._check_header`): an edited, added or deleted attribute is refused
+naming it with both values, and so is a missing ``header`` / ``header_sha256``. A ``format_version`` below what the
+file holds (a ``header``, or samples with ``meta``) is refused as an edit of ``format_version``. Formats 1 to 5 have
+no ``header``: their file attributes are read unverified (the log says so once per file).
+
 The per-sample values known before the target runs are file-level arrays written once when the
 file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
 datasets and two attributes (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
@@ -47,7 +58,8 @@ datasets and two attributes (format 2 kept ``sample_id``, ``prompt_len``, ``comp
 File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
 strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 to 5 (4: no per-sample ``meta``,
+- ``format``, ``format_version``: see above. Readers accept versions 1 to 6 (5: no ``header``, so the file
+  attributes are under no checksum; 4: also no per-sample ``meta``,
   so the per-sample values are not under the checksum; 3: also no ``completion_sampling``, read as greedy completions; 2: per-sample values as group attributes, see
   above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no ``batching`` /
   ``extraction_runs``).
@@ -79,6 +91,9 @@ strings are stored as JSON strings):
 - ``created_at``, ``extraction_runs``: when the first run started; JSON list with one entry per run that
   worked on the file (``started_at``, ``host``, ``pid``, and ``computed`` / ``reused`` sample counts).
 - ``n_samples``: written last, when every sample is in the file; a file without it is unfinished.
+- ``header``, ``header_sha256``: (format 6) canonical JSON (sorted keys, compact separators) of every other
+  file attribute but ``extraction_runs`` and ``n_samples``, as read back by h5py (int arrays as lists), and the
+  hex sha256 of its UTF-8 text; see above.
 
 Layer convention (transformers ``utils/generic.py`` collects ``hidden_states``; z-lab/dflash
 ``dflash/model.py`` ``extract_context_feature`` reads ``hidden_states[i + 1]``): ``target_layer_ids`` are
@@ -153,10 +168,14 @@ import numpy as np
 import torch
 
 FORMAT = "dflash-eval/hidden-state-cache"
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: the first format whose per-sample checksum covers the sample's per-sample values (its ``meta`` attribute)
 META_VERSION = 5
+#: the first format whose file attributes are under a checksum (the ``header`` attribute)
+HEADER_VERSION = 6
+#: file attributes outside ``header``: rewritten as the file grows (each commit, at the end), and the header itself
+UNCOVERED_ATTRS = ("extraction_runs", "n_samples", "header", "header_sha256")
 LAYER_CONVENTION = "hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1] (output of 0-based decoder layer)"
 FILE_ATTRS = (
     "format", "format_version", "target_name", "target_sha256", "target_model_type", "num_target_layers",
@@ -164,7 +183,7 @@ FILE_ATTRS = (
     "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
     "causal_conv1d_version", "causal_conv1d_kernel", "dflash_eval_version", "linear_attn_kernel", "linear_attn_backend", "layer_types",
     "image", "env", "batching", "padding_side", "batch_tokens", "completions_sha256", "prompt_set", "created_at",
-    "extraction_runs", "n_samples", "completion_sampling",
+    "extraction_runs", "n_samples", "completion_sampling", "header", "header_sha256",
 )
 #: ``completion_sampling`` of greedy completions (and of caches before format 4)
 GREEDY_COMPLETIONS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
@@ -249,6 +268,26 @@ def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.n
     if meta is not None:
         h.update(meta.encode("utf-8"))
     return h.hexdigest()
+
+
+def header_json(attrs) -> str:
+    """The ``header`` attribute (format 6) of file attributes ``attrs`` (an h5py ``AttributeManager`` or a dict
+    of stored values): canonical JSON (sorted keys, compact) of every attribute but :data:`UNCOVERED_ATTRS`."""
+    return json.dumps({k: py_value(v) for k, v in attrs.items() if k not in UNCOVERED_ATTRS}, sort_keys=True,
+                      separators=(",", ":"), default=str)
+
+
+def header_sha256(text: str) -> str:
+    """The ``header_sha256`` attribute: hex sha256 of the UTF-8 bytes of ``header``."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def write_header(attrs) -> None:
+    """Store ``header`` and ``header_sha256`` (format 6) of the file attributes as they are now in ``attrs``
+    (an h5py ``AttributeManager``); call after every write of a covered attribute."""
+    text = header_json(attrs)
+    attrs["header"] = text
+    attrs["header_sha256"] = header_sha256(text)
 
 
 def attr_value(val):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 from pathlib import Path
@@ -17,8 +18,9 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .cache_format import (FILE_DATASETS, FORMAT, META_FIELDS, META_VERSION, READABLE_VERSIONS, SAMPLE_DATASETS,
-                           CacheSample, from_storage, py_value, sample_sha256)
+from .cache_format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION, READABLE_VERSIONS,
+                           SAMPLE_DATASETS, CacheSample, from_storage, header_json, header_sha256, py_value,
+                           sample_sha256)
 from .errors import InputError
 from .sample_check import check_read_sample, check_sample_values, parse_meta
 
@@ -63,9 +65,14 @@ class CacheReader:
 
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
+    The file attributes of a format-6 file are verified on open (:meth:`_check_header`); those of older
+    formats are read unverified (the log says so once per reader).
+
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
-            or unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``).
+            unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), its ``format_version``
+            edited down (:meth:`_check_downgrade`), or (format 6) a file attribute differs from the checksummed
+            ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
     def __init__(self, path: str | os.PathLike, verify: bool = True):
@@ -89,6 +96,14 @@ class CacheReader:
         if version not in READABLE_VERSIONS:
             raise InputError(self.path, "format_version", f"{version} is not one of {READABLE_VERSIONS}",
                              "re-extract the cache with this version")
+        self._check_downgrade(version)
+        if version >= HEADER_VERSION:
+            self._check_header()
+        elif self.verify_reads:
+            log.warning("%s: cache format %d: its file attributes (target_layer_ids, hidden_size, dtype, "
+                        "target_sha256, completion_sampling, ...) are under no checksum (format %d covers them), so "
+                        "they are read unverified; re-extract the cache (snakemake -R hidden_states) to have them "
+                        "verified", self.path, version, HEADER_VERSION)
         self.format_version = version
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
@@ -106,6 +121,52 @@ class CacheReader:
                         "(format %d covers them), so they are read unverified; re-extract the cache "
                         "(snakemake -R hidden_states) to have them verified", self.path, version,
                         ", ".join(META_FIELDS), META_VERSION)
+
+    def _check_downgrade(self, version: int) -> None:
+        """Refuse a ``format_version`` below the features the file holds (format 6's ``header``, the
+        samples' format-5 ``meta``): read as the older format, the edit would disable their checks.
+
+        Raises:
+            InputError: ``format_version`` says less than the file's contents show.
+        """
+        a = self._f.attrs
+        found = None
+        if version < HEADER_VERSION and "header" in a:
+            found = (HEADER_VERSION, "the file carries a format-6 header")
+        elif version < META_VERSION:
+            try:
+                first = next(iter(self._f["samples"]), None) if "samples" in self._f else None
+                if first is not None and "meta" in self._f["samples"][first].attrs:
+                    found = (META_VERSION, f"its samples carry format-{META_VERSION} meta")
+            except (KeyError, OSError):  # a merged cache whose shards are gone: reported as missing samples later
+                pass
+        if found:
+            raise InputError(self.path, "format_version", f"format_version says {version} but {found[1]}: the "
+                             f"attribute was edited (format {found[0]} or later wrote the file)", HEADER_FIX)
+
+    def _check_header(self) -> None:
+        """Format 6: ``header_sha256`` matches ``header``, and every covered file attribute equals its value there.
+
+        Raises:
+            InputError: ``header`` or ``header_sha256`` missing, their checksum differs, or an attribute
+                (named, with both values) was edited, added or deleted.
+        """
+        a = self._f.attrs
+        for key in ("header", "header_sha256"):
+            if key not in a:
+                raise InputError(self.path, key, f"missing (every file of format {HEADER_VERSION} has it: the checksum "
+                                 "of the file attributes): it was deleted, or the file is damaged", HEADER_FIX)
+        text = str(py_value(a["header"]))
+        if header_sha256(text) != py_value(a["header_sha256"]):
+            raise InputError(self.path, "header", "the file attributes' header does not match its header_sha256: "
+                             "it was edited or damaged", HEADER_FIX)
+        stored, now = json.loads(text), json.loads(header_json(a))
+        for key in sorted(set(stored) | set(now)):
+            was, has = (json.dumps(d[key], sort_keys=True) if key in d else "(absent)" for d in (stored, now))
+            if was != has:
+                raise InputError(self.path, key, f"file attribute {key} is {_short(has)} but {_short(was)} in the "
+                                 "checksummed header: the attribute was edited or damaged after the file was "
+                                 "written", HEADER_FIX)
 
     @property
     def meta_verified(self) -> bool:
@@ -342,6 +403,16 @@ class CacheReader:
                 "add them to cache.target_layer_ids in the workflow config (this re-extracts the cache)",
             )
         return [self.layer_ids.index(i) for i in layer_ids]
+
+
+#: the fix of an edited file attribute (format 6) or ``format_version``
+HEADER_FIX = ("re-extract the cache (snakemake -R hidden_states, or delete it and run `python -m dflash_eval "
+              "hidden-states`), or restore an intact copy")
+
+
+def _short(text: str, n: int = 60) -> str:
+    """``text`` cut to ``n`` characters (an attribute's value in an error)."""
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 class _Raw(NamedTuple):

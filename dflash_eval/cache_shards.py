@@ -29,7 +29,7 @@ import json
 import os
 from pathlib import Path
 
-from .cache_format import FILE_DATASETS, IDENTITY_ATTRS
+from .cache_format import FILE_DATASETS, HEADER_VERSION, IDENTITY_ATTRS, write_header
 from .errors import InputError
 
 
@@ -121,6 +121,8 @@ def merge_shards(shards: list["str | Path"], completions_path: "str | Path", out
                     f.attrs[k] = v if not isinstance(v, list) else np.asarray(v)
             f.attrs["extraction_runs"] = json.dumps(runs)
             f.attrs["shards"] = json.dumps([Path(p).name for p in shards])
+            if int(attrs0["format_version"]) >= HEADER_VERSION:
+                write_header(f.attrs)  # the shards' header (verified when read) plus ``shards``
             for name, parts in arrays.items():
                 f.create_dataset(name, data=np.array([parts[where[i][1]][where[i][2]] for i in ids],
                                                      dtype=dtypes[name]), dtype=dtypes[name])

@@ -24,8 +24,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, IDENTITY_ATTRS, META_VERSION, argmax_agreement,
-                           attr_value, h5_writable, py_value, sample_meta_json, sample_sha256, to_storage)
+from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS, META_VERSION,
+                           argmax_agreement, attr_value, h5_writable, py_value, sample_meta_json, sample_sha256,
+                           to_storage, write_header)
 from .cache_reader import verify_group
 from .errors import InputError, partial_path
 
@@ -144,7 +145,9 @@ class PartialCache:
         return set(reused)
 
     def create(self, attrs: dict) -> None:
-        """Start a new sidecar with the file attributes ``attrs`` (identity values included)."""
+        """Start a new sidecar with the file attributes ``attrs`` (identity values included) and, format 6, their
+        ``header`` / ``header_sha256`` (:func:`~dflash_eval.cache_format.write_header`; later runs rewrite only
+        attributes outside it: ``extraction_runs``, ``n_samples``)."""
         import h5py
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +156,8 @@ class PartialCache:
             for key, val in {**attrs, **self.identity}.items():
                 f.attrs[key] = attr_value(val)
             f.attrs["extraction_runs"] = "[]"
+            if self.format_version >= HEADER_VERSION:
+                write_header(f.attrs)
             f.create_dataset("sample_ids", data=np.array([m.sample_id for m in self.meta], dtype=object),
                              dtype=h5py.string_dtype())
             f.create_dataset("prompt_len", data=np.array([m.prompt_len for m in self.meta], dtype=np.int32))

@@ -1,8 +1,9 @@
 """Test helpers that change a finished cache *consistently* (as a writer of that content would have written it).
 
-Format 5 puts every per-sample value under the sample's checksum, so a test that wants another value
-(a low ``argmax_agreement``) or an older format must rewrite the checksum too; an edit without it is
-what the reader refuses (tests/test_reliability.py).
+Format 5 puts every per-sample value under the sample's checksum, and format 6 every file attribute under
+``header_sha256``, so a test that wants another value (a low ``argmax_agreement``) or an older format must rewrite
+the checksum too; an edit without it is what the reader refuses (tests/test_reliability.py,
+tests/test_cache_header.py).
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ def set_agreement(path: Path, values) -> None:
 
 
 def downgrade(path: Path, version: int) -> None:
-    """Make a format-5 cache the cache format ``version`` (3 or 4) would have written: no ``meta``, checksums
-    over the three datasets only (the caller removes attributes the older format lacked)."""
+    """Make a format-6 cache the cache format ``version`` (3, 4 or 5) would have written: no ``header`` /
+    ``header_sha256``, and below 5 no ``meta``, checksums over the three datasets only (the caller removes
+    other attributes the older format lacked)."""
     with h5py.File(path, "r+") as f:
         f.attrs["format_version"] = version
+        for key in ("header", "header_sha256"):
+            if key in f.attrs:
+                del f.attrs[key]
+        if version >= META_VERSION:
+            return
         for i in range(len(f["sample_ids"])):
             _reseal(f, i, None)

@@ -71,11 +71,11 @@ def _evaluate(run, cache, out, **kw):
                     checkpoint_name="ck", prompt_set="set", **kw)
 
 
-def test_final_hidden_cache_is_format_5_with_the_last_layer(run):
+def test_final_hidden_cache_is_format_6_with_the_last_layer(run):
     from dflash_eval.cache_format import FORMAT_VERSION, completion_sampling, final_hidden_index
     from dflash_eval.cache_reader import CacheReader
 
-    assert FORMAT_VERSION == 5
+    assert FORMAT_VERSION == 6
     with CacheReader(run["dir"] / "final.h5") as r:
         assert r.layer_ids == [1, 2, 3] and r.attrs["last_layer_normed"]
         assert final_hidden_index(r.attrs) == 2

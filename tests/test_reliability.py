@@ -114,7 +114,7 @@ def test_an_edited_per_sample_value_fails_evaluate(pipeline, tmp_path, name, val
     bad = tmp_path / "edited.h5"
     shutil.copy(d / "c.h5", bad)
     with h5py.File(bad, "r") as f:
-        assert f.attrs["format_version"] == 5
+        assert f.attrs["format_version"] == 6
         old, sample_id = f[name][1], f["sample_ids"][1].decode()
         meta = json.loads(f["samples/000001"].attrs["meta"])
     assert meta["sample_id"] == sample_id and meta["prompt_len"] == intact["samples"][1]["prompt_len"] == 8
