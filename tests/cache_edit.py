@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 
-from dflash_eval.cache_format import META_VERSION, sample_meta_json, sample_sha256
+from dflash_eval.cache_format import HEADER_VERSION, META_VERSION, sample_meta_json, sample_sha256, write_header
 
 
 def _reseal(f, i: int, meta: str | None) -> None:
@@ -54,3 +54,12 @@ def downgrade(path: Path, version: int) -> None:
             return
         for i in range(len(f["sample_ids"])):
             _reseal(f, i, None)
+
+
+def set_file_attrs(path: Path, **values) -> None:
+    """Set file attributes and (format 6) rewrite ``header`` / ``header_sha256`` over them, as a writer of those
+    values would have (an edit without it is what the reader refuses: tests/test_cache_header.py)."""
+    with h5py.File(path, "r+") as f:
+        f.attrs.update(values)
+        if int(f.attrs["format_version"]) >= HEADER_VERSION:
+            write_header(f.attrs)

@@ -41,7 +41,7 @@ def read_cache(path: Path, layer_ids: list[int]) -> list[dict]:
     import h5py
 
     with h5py.File(path, "r") as f:
-        assert f.attrs["format_version"] in (3, 4, 5) and f.attrs["dtype"] == "float32", dict(f.attrs)
+        assert f.attrs["format_version"] in (3, 4, 5, 6) and f.attrs["dtype"] == "float32", dict(f.attrs)
         stored = [int(i) for i in f.attrs["target_layer_ids"]]
         cols = [stored.index(i) for i in layer_ids]
         out = []

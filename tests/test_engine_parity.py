@@ -158,16 +158,15 @@ def test_stage_run_hf_extracts_the_vllm_side_and_replays_the_drafter(tiny, tmp_p
 def test_stage_run_vllm_extracts_the_hf_side(tiny, tmp_path):
     """cache.source vllm: the HF side is extracted for real (no server); a run cache that is not the vLLM
     source's is refused by name."""
-    import h5py
+    from cache_edit import set_file_attrs
 
     target, comp, cache = tiny
     with pytest.raises(InputError, match="comes from source hf, but cache.source is vllm") as err:
         ep.engine_parity(target, comp, cache, LAYERS, tmp_path / "x.json", n_samples=2, source="vllm", device="cpu")
     assert err.value.field == "engine" and not (tmp_path / "x.json").exists()
-    labelled = tmp_path / "set_a.h5"  # the HF cache labelled as vLLM's (attributes carry no checksum)
+    labelled = tmp_path / "set_a.h5"  # the HF cache labelled as vLLM's (its header rewritten to match)
     shutil.copyfile(cache, labelled)
-    with h5py.File(labelled, "r+") as f:
-        f.attrs["engine"], f.attrs["engine_version"] = "vllm", "0.0-test"
+    set_file_attrs(labelled, engine="vllm", engine_version="0.0-test")
     r = ep.engine_parity(target, comp, labelled, LAYERS, tmp_path / "ep.json", n_samples=2, source="vllm",
                          device="cpu", dtype="float32", batch_tokens=512, drafters=[str(TRAINED_DRAFTER)])
     assert (r["run_source"], r["other_source"]) == ("vllm", "hf")
