@@ -2,14 +2,15 @@
 
 ``strip`` records the sha256 of ``model.safetensors`` and ``config.json`` in ``strip_info.json``
 (``sha256: {file: hex}``, :func:`file_checksums`); :func:`read_drafter_weights` hashes the weight
-bytes it reads (one read: the same bytes are hashed and parsed) and compares when the record is
-there (folders stripped before it was recorded, or written by hand, are read unverified), then
-refuses any non-finite tensor, naming it.
+bytes it reads (one read: the same bytes are hashed and parsed) and compares, then refuses any
+non-finite tensor, naming it. A folder without ``strip_info.json`` (written by hand, or the file
+deleted) is read unverified, with a warning naming it (``evaluate`` records ``drafter_verified``).
 
 ``strip_info.json`` itself ends with ``info_sha256``: sha256 of its other fields as canonical JSON
 (:func:`info_sha256`), so the values a stage takes from it (``step``, the tau table's and the
 report's x axis; ``random_init``; the ``sha256`` record) are verified too (:func:`read_strip_info`).
-A ``strip_info.json`` without it (stripped before it existed) is read unverified, with a warning.
+``strip`` always writes both: a ``strip_info.json`` without ``info_sha256``, or without the ``sha256``
+record of every checked file, is refused (strip again).
 """
 
 from __future__ import annotations
@@ -51,12 +52,18 @@ def info_sha256(info: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def read_strip_info(folder: Path, warn: bool = True) -> dict:
-    """``folder/strip_info.json``, verified against its ``info_sha256`` (``{}`` when the file is absent);
-    ``warn``: log that a file without ``info_sha256`` is read unverified.
+#: what :func:`read_drafter_weights` logs for a folder without ``strip_info.json``
+UNVERIFIED_WARNING = ("%s: weights read unverified: no strip_info.json; strip the checkpoint with the strip_drafter "
+                      "rule to have them verified")
+
+
+def read_strip_info(folder: Path) -> dict:
+    """``folder/strip_info.json``, verified against its ``info_sha256`` (``{}`` when the file is absent).
 
     Raises:
-        InputError: not a JSON object, or its fields do not match ``info_sha256`` (an edit after strip).
+        InputError: not a JSON object; no ``info_sha256`` or no ``sha256`` record of each of
+            :data:`CHECKED_FILES` (``strip`` writes both); its fields do not match ``info_sha256``
+            (an edit after strip).
     """
     info_file = Path(folder) / "strip_info.json"
     if not info_file.is_file():
@@ -69,10 +76,14 @@ def read_strip_info(folder: Path, warn: bool = True) -> dict:
         raise InputError(info_file, None, "not a JSON object", RESTRIP_FIX)
     want = info.get(INFO_FIELD)
     if want is None:
-        if warn:
-            log.warning("%s has no %s (stripped before it existed): its step, random_init and checksum record are "
-                        "read unverified", info_file, INFO_FIELD)
-    elif info_sha256(info) != want:
+        raise InputError(info_file, INFO_FIELD, "missing (strip writes it: the file was edited, or stripped by an "
+                         "older version), so its step, random_init and checksum record cannot be verified", RESTRIP_FIX)
+    record = info.get("sha256")
+    missing = [n for n in CHECKED_FILES if not isinstance(record, dict) or not isinstance(record.get(n), str)]
+    if missing:
+        raise InputError(info_file, "sha256", f"no checksum recorded for {', '.join(missing)} (strip records "
+                         f"{', '.join(CHECKED_FILES)}), so the weights cannot be verified", RESTRIP_FIX)
+    if info_sha256(info) != want:
         fields = ", ".join(sorted(k for k in info if k != INFO_FIELD))
         raise InputError(info_file, INFO_FIELD, f"its fields do not match their checksum: one of {fields} (or a "
                          "field added or removed) changed after strip wrote it", RESTRIP_FIX)
@@ -80,13 +91,12 @@ def read_strip_info(folder: Path, warn: bool = True) -> dict:
 
 
 def recorded_checksums(folder: Path) -> dict[str, str]:
-    """``strip_info.json``'s ``sha256`` record (empty when the file or the record is absent), verified
-    (:func:`read_strip_info`).
+    """``strip_info.json``'s ``sha256`` record (empty when the file is absent), verified (:func:`read_strip_info`).
 
     Raises:
-        InputError: ``strip_info.json`` is not a JSON object, or does not match its ``info_sha256``.
+        InputError: as :func:`read_strip_info`.
     """
-    return dict(read_strip_info(folder, warn=False).get("sha256") or {})
+    return dict(read_strip_info(folder).get("sha256") or {})
 
 
 def check_file(folder: Path, name: str, data: bytes, recorded: dict[str, str]) -> None:
@@ -105,16 +115,17 @@ def check_file(folder: Path, name: str, data: bytes, recorded: dict[str, str]) -
 
 
 def read_drafter_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """``folder/model.safetensors`` as a state dict, verified (checksum when recorded, finite tensors).
+    """``folder/model.safetensors`` as a state dict, verified (checksums, finite tensors).
 
     Also checks ``config.json`` against its record (the caller has parsed it already; it is small).
+    Without ``strip_info.json`` the checksums are not checked, and a warning names the folder.
 
     Returns:
         ``{key: tensor}`` on the CPU, dtypes as stored (bf16 after strip).
 
     Raises:
-        InputError: the weights file missing or not safetensors; a checksum mismatch
-            (:func:`check_file`); a tensor holding NaN or Inf (naming it).
+        InputError: the weights file missing or not safetensors; a bad ``strip_info.json``
+            (:func:`read_strip_info`); a checksum mismatch (:func:`check_file`); a tensor holding NaN or Inf (naming it).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -122,6 +133,8 @@ def read_drafter_weights(folder: Path) -> dict[str, torch.Tensor]:
     folder = Path(folder)
     weights = folder / "model.safetensors"
     recorded = recorded_checksums(folder)
+    if not recorded:
+        log.warning(UNVERIFIED_WARNING, folder)
     if (folder / "config.json").is_file():
         check_file(folder, "config.json", (folder / "config.json").read_bytes(), recorded)
     try:

@@ -243,14 +243,10 @@ def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_pa
     with pytest.raises(InputError) as err:
         load_drafter(out2)
     assert Path(err.value.file) == out2 / "config.json"
-    # a folder without the records (stripped before they existed, or by hand) still loads
-    info2 = json.loads((out2 / "strip_info.json").read_text())
-    del info2["sha256"], info2["info_sha256"]
-    (out2 / "strip_info.json").write_text(json.dumps(info2))
-    load_drafter(out2)
+    # a strip_info.json without the records is refused (tests/test_integrity.py)
 
 
-def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path, caplog):
+def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path):
     """strip_info.json's own fields (the step that labels the tau table's row) are under its info_sha256."""
     from dflash_eval.drafter_files import info_sha256, read_strip_info
     from dflash_eval.stages.strip_drafter import strip_checkpoint
@@ -266,11 +262,10 @@ def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path, caplog)
     e = err.value
     assert Path(e.file) == out / "strip_info.json" and e.field == "info_sha256" and "step" in e.problem
     assert "strip it again" in e.fix and not (pipeline["dir"] / "step.json").exists()
-    del info["info_sha256"]  # stripped before the field existed: read, with a warning
+    del info["info_sha256"]  # without the field: refused too (tests/test_integrity.py)
     (out / "strip_info.json").write_text(json.dumps(info, indent=2))
-    with caplog.at_level("WARNING", logger="dflash_eval"):
-        assert _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")["step"] == 5000
-    assert sum("has no info_sha256" in m for m in caplog.messages) == 1
+    with pytest.raises(InputError, match="info_sha256: missing"):
+        _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")
 
 
 def test_prompt_beyond_max_positions_is_refused(pipeline, tmp_path):

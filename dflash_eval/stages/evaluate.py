@@ -97,7 +97,9 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     ``argmax_agreement``), the :class:`~dflash_eval.metrics.AcceptanceStats` fields (``tau`` macro,
     ``tau_tokens_per_step`` micro, ``tau_sglang``, ``histogram``, ``slot_acceptance`` /
     ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``);
-    provenance (``step``, ``random_init``, ``device``, ``dtype``, ``cache``); ``argmax_agreement``
+    provenance (``step``, ``random_init``, ``device``, ``dtype``, ``cache``; ``drafter_verified``: the
+    drafter folder's ``strip_info.json`` was there and its checksums matched, False for a folder
+    without one, whose weights are read unverified); ``argmax_agreement``
     (:func:`~dflash_eval.compat.check_agreement`) and ``target_check``
     (:func:`~dflash_eval.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
@@ -394,6 +396,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         **stats.as_dict(),
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
+        "drafter_verified": bool(strip_info),  # load_drafter checked the files against it (or raised)
         "device": str(inputs.device),
         "dtype": dtype_name(inputs.embed.dtype),
         "replay": opts.replay,
