@@ -4,19 +4,77 @@
 ``input_ids`` / ``target_argmax`` ``[T]`` int32, ``hidden`` ``[T, K, H]`` uint16 bf16 bits or
 float32) and, from format 5 on, the sample's ``meta`` attribute to :func:`check_read_sample` before
 building the sample, then the values of the file-level per-sample arrays it will use to
-:func:`check_sample_values`. The bytes pass through memory anyway, so verifying costs one sha256
-pass and one exponent scan over them (measured by ``bench/verify_cost.py``); no sample reaches a
-metric unverified (format 5; before it, the per-sample values are outside the checksum).
+:func:`check_sample_values`. The bytes pass through memory anyway, so verifying costs one pass over
+them: :func:`checksum_and_scan` feeds each chunk of the hidden states to sha256 and scans the same
+chunk for non-finite values while it is in the CPU's cache (measured by ``bench/verify_cost.py``);
+no sample reaches a metric unverified (format 5; before it, the per-sample values are outside the
+checksum).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+
 import numpy as np
 
-import json
-
-from .cache_format import META_FIELDS, META_VERSION, sample_sha256
+from .cache_format import META_FIELDS, META_VERSION
 from .errors import InputError
+
+#: elements of hidden state per chunk of :func:`checksum_and_scan` (4 MiB of bf16 bits): small enough
+#: to stay in the CPU's cache between the hash and the scan, large enough that the GIL is taken back a
+#: few dozen times per sample, not thousands (the reader's checks run in threads beside evaluate's loop)
+SCAN_CHUNK = 1 << 21
+_scratch = threading.local()
+
+
+def _le_bytes(a: np.ndarray) -> np.ndarray:
+    """``a`` C-contiguous and little-endian (the byte order :func:`~dflash_eval.cache_format.sample_sha256` hashes)."""
+    a = np.ascontiguousarray(a)
+    return a.astype(a.dtype.newbyteorder("<"), copy=False)
+
+
+def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray,
+                      meta: str | None = None) -> tuple[str, bool]:
+    """:func:`~dflash_eval.cache_format.sample_sha256` of a sample and whether its hidden states are all
+    finite, in one pass over ``hidden``.
+
+    Args:
+        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 (bf16 bits) or float32, as stored.
+        meta: the ``meta`` attribute (format >= 5), else None.
+
+    Returns:
+        ``(hex digest, finite)``: the digest equals ``sample_sha256(input_ids, target_argmax, hidden, meta)``
+        (``tests/test_reliability.py``); ``finite`` is False when any value is inf or NaN (bf16: exponent bits
+        all ones, as :func:`first_non_finite`).
+    """
+    h = hashlib.sha256()
+    h.update(memoryview(_le_bytes(input_ids)).cast("B"))
+    h.update(memoryview(_le_bytes(target_argmax)).cast("B"))
+    flat = _le_bytes(hidden).reshape(-1)
+    bits = flat.dtype == np.uint16
+    key = (flat.dtype.str, SCAN_CHUNK)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or getattr(_scratch, "key", None) != key:  # one scratch buffer per thread, reused
+        buf = _scratch.buf = np.empty(SCAN_CHUNK, np.uint16 if bits else np.bool_)
+        _scratch.key = key
+    mask = np.uint16(0x7F80)
+    finite = True
+    for o in range(0, flat.size, SCAN_CHUNK):
+        c = flat[o:o + SCAN_CHUNK]
+        h.update(memoryview(c).cast("B"))
+        if finite:
+            b = buf[: c.size]
+            if bits:
+                np.bitwise_and(c, mask, out=b)
+                finite = int(b.max()) != 0x7F80  # the masked exponent is at most 0x7F80: no temporary array
+            else:
+                np.isfinite(c, out=b)
+                finite = bool(b.all())
+    if meta is not None:
+        h.update(meta.encode("utf-8"))
+    return h.hexdigest(), finite
 
 #: the fix of every damaged-sample error
 REEXTRACT_FIX = ("the file changed after it was written (bit rot, a bad copy, an edit): re-extract it "
@@ -66,12 +124,14 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
         if not stored_sha:
             raise InputError(path, field, f"sample {sample_id!r} has no sha256 attribute (every sample of format "
                              f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
-        got = sample_sha256(input_ids, target_argmax, hidden, meta if format_version >= META_VERSION else None)
+    got, finite = checksum_and_scan(input_ids, target_argmax, hidden,
+                                    meta if format_version >= META_VERSION else None)
+    if format_version >= 2:
         if got != stored_sha:
             what = "its bytes and per-sample values (meta)" if format_version >= META_VERSION else "its bytes"
             raise InputError(path, field, f"sample {sample_id!r}: {what} do not match their checksum (sha256 "
                              f"{got[:12]}... read, {stored_sha[:12]}... stored)", REEXTRACT_FIX)
-    where = first_non_finite(hidden)
+    where = None if finite else first_non_finite(hidden)  # locate it only when there is one
     if where is not None:
         t, k = where
         raise InputError(path, f"{field}/hidden", f"sample {sample_id!r}: non-finite hidden state (inf or NaN) at "

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -196,6 +197,29 @@ def test_non_finite_hidden_states_name_sample_token_and_layer(tmp_path, dtype):
     assert "'bad'" in e.problem and "token 3, target layer 7" in e.problem and "non-finite" in e.problem
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.float32])
+def test_checksum_and_scan_is_sample_sha256_and_the_finite_scan_in_one_pass(monkeypatch, dtype):
+    """The reader's one-pass check gives the writer's checksum and finds a non-finite value in any chunk."""
+    from dflash_eval import sample_check
+    from dflash_eval.cache_format import sample_sha256
+    from dflash_eval.sample_check import checksum_and_scan, first_non_finite
+
+    monkeypatch.setattr(sample_check, "SCAN_CHUNK", 1000)  # several chunks, the last one short
+    rng = np.random.default_rng(3)
+    ids, argmax = rng.integers(0, 500, 37).astype(np.int32), rng.integers(0, 500, 37).astype(np.int32)
+    hidden = (rng.integers(0, 0x7F00, (37, 3, 40)).astype(np.uint16) if dtype == np.uint16
+              else rng.standard_normal((37, 3, 40)).astype(np.float32))
+    for meta in (None, '{"sample_id": "x"}'):
+        assert checksum_and_scan(ids, argmax, hidden, meta) == (sample_sha256(ids, argmax, hidden, meta), True)
+    big_endian = hidden.astype(hidden.dtype.newbyteorder(">"))  # hashed as its little-endian bytes, as the writer does
+    assert checksum_and_scan(ids, argmax, big_endian)[0] == sample_sha256(ids, argmax, hidden)
+    for t, k, x in ((36, 2, 39), (0, 0, 0), (20, 1, 5)):  # the last element (short last chunk), the first, one inside
+        bad = hidden.copy()
+        bad[t, k, x] = 0x7F80 | 0x0001 if dtype == np.uint16 else np.inf  # a NaN (bf16 bits) / inf
+        digest, finite = checksum_and_scan(ids, argmax, bad)
+        assert not finite and digest == sample_sha256(ids, argmax, bad) and first_non_finite(bad) == (t, k)
+
+
 def test_nan_weights_fail_load_drafter_naming_the_tensor(pipeline, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -301,8 +325,10 @@ def test_verify_cost_bench_smoke(pipeline):
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["n_samples"] > 0 and result["read_s"] > 0 and result["verify_s"] > 0
-    assert result["evaluate_s"] > 0 and result["verify_pct_of_evaluate"] == pytest.approx(
-        100 * result["verify_s"] / result["evaluate_s"], rel=1e-6)
+    assert result["evaluate_s"] > 0 and result["check_s"] > 0 and result["verify_pct_of_evaluate"] == pytest.approx(
+        100 * result["check_s"] / result["evaluate_s"], rel=1e-6)
+    assert result["evaluate_s"] == min(result["rounds_verified_s"]) and len(result["rounds_verified_s"]) == 3
+    assert result["evaluate_unverified_s"] == min(result["rounds_unverified_s"])
     assert result["overhead_pct"] == pytest.approx(
         100 * (result["evaluate_s"] - result["evaluate_unverified_s"]) / result["evaluate_unverified_s"], rel=1e-6)
 
