@@ -9,6 +9,7 @@ Output JSONL, one row per prompt, in the prompts file's order::
      "stop_reason": "eos" | "length",
      "max_new_tokens": int,
      "generation": {...},            # provenance, the same in every row (below)
+     "row_index": int, "n_rows": int,  # the row's place in the file: 0-based, and the number of rows
      "ids_sha256": str,              # sha256 of the row's ids (dflash_eval/row_checksum.py), verified when read
      "row_sha256": str}              # sha256 of the whole row but itself (the same module), verified when read
 
@@ -53,7 +54,7 @@ from typing import Sequence
 
 from .errors import InputError, atomic_path
 from .io import iter_jsonl
-from .row_checksum import check_row
+from .row_checksum import COUNT, FIELD, INDEX, ROW_FIELD, check_places, check_row, check_uniform
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +164,29 @@ def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 
 
+#: the fix of a completions file changed after the completions stage wrote it
+FIX = ("regenerate the completions (snakemake -R completions, or delete the file and rerun), or restore an "
+       "intact copy")
+
+
 def read_completions(path: str | Path) -> list[dict]:
     """Parse the completions JSONL (InputError with the line number on malformed lines).
 
-    Each row's ``ids_sha256`` and ``row_sha256`` are verified (:mod:`dflash_eval.row_checksum`); rows
-    without them (files written before they existed) are read, with one warning per file and checksum.
+    Each row's ``ids_sha256`` and ``row_sha256`` are verified, then each row's place (``row_index`` /
+    ``n_rows``: :func:`~dflash_eval.row_checksum.check_places`) and that ids are unique; rows without
+    them (files written before they existed) are read, with one warning per file and what is unverified.
 
     Raises:
         InputError: missing file, malformed line, missing field, empty prompt, ids or another field not
-            matching the row's checksums, no rows.
+            matching the row's checksums, some rows with checksums or places and others without, a row
+            deleted, added or moved, a duplicate id, no rows.
     """
     path = Path(path)
     if not path.exists():
         raise InputError(path, None, "completions file not found", "run the completions rule first")
-    rows = []
+    rows, lines = [], []
     unverified = ids_only = 0
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
         for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
             for k in ("id", "prompt_ids", "completion_ids", "max_new_tokens"):
@@ -188,7 +197,17 @@ def read_completions(path: str | Path) -> list[dict]:
             covered = check_row(path, n, r)
             unverified += covered is None
             ids_only += covered == "ids"
+            if str(r["id"]) in seen:
+                raise InputError(path, f"line {n}: id", f"duplicate id {r['id']!r} (first on line {seen[str(r['id'])]}): "
+                                 "the completions stage writes each prompt once", FIX)
+            seen[str(r["id"])] = n
             rows.append(r)
+            lines.append(n)
+    numbered = list(zip(lines, rows))
+    check_uniform(path, numbered, (FIELD, ROW_FIELD), FIX)
+    if not check_places(path, numbered, FIX) and rows and ROW_FIELD in rows[0]:
+        log.warning("%s: its rows carry no %s/%s (written before them): a deleted or moved row would not be noticed",
+                    path, INDEX, COUNT)
     if unverified:
         log.warning("%s: %d of %d rows carry no ids_sha256 (written before row checksums): read unverified",
                     path, unverified, len(rows))

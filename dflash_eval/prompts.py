@@ -45,6 +45,7 @@ from typing import Any
 from .benchmarks import HUMANEVAL_TEMPLATE
 from .errors import InputError, atomic_path
 from .io import iter_jsonl, packaged_file, read_text
+from .row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_uniform, row_sha256
 
 log = logging.getLogger(__name__)
 
@@ -486,7 +487,9 @@ def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -
     value of :func:`build_prompt_set_with_meta`: skip counts per reason) to :func:`meta_path`.
 
     The metadata is a sidecar, not a first JSONL line, so that every line of the prompts file stays
-    a prompt row for its readers (:func:`read_prompts`, the completions stage).
+    a prompt row for its readers (:func:`read_prompts`, the completions stage). Each row carries
+    its place (``row_index``, ``n_rows``) and, last, ``row_sha256`` over the rest
+    (:mod:`dflash_eval.row_checksum`), which :func:`read_prompts` verifies.
 
     Returns:
         ``Path(out)``.
@@ -494,12 +497,22 @@ def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -
     out = Path(out)
     with atomic_path(out) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps({k: r[k] for k in ROW_FIELDS}, ensure_ascii=False) + "\n" for r in rows)
+            fh.writelines(json.dumps(_sealed({**{k: r[k] for k in ROW_FIELDS}, INDEX: i, COUNT: len(rows)}),
+                                     ensure_ascii=False) + "\n" for i, r in enumerate(rows))
     if meta is not None:
         with atomic_path(meta_path(out)) as tmp:
             tmp.write_text(json.dumps(meta, indent=1))
     log.info("wrote %d prompts -> %s", len(rows), out)
     return out
+
+
+def _sealed(row: dict) -> dict:
+    """``row`` with ``row_sha256`` (:func:`dflash_eval.row_checksum.row_sha256`) added last."""
+    return {**row, ROW_FIELD: row_sha256(row)}
+
+
+#: the fix of a prompts file changed after the prompts stage wrote it
+PROMPTS_FIX = "regenerate it with the 'prompts' stage (snakemake -R prompts), or restore an intact copy"
 
 
 def read_prompt_meta(path: str | Path) -> dict:
@@ -535,15 +548,26 @@ def read_prompts(path: str | Path) -> list[dict]:
     Returns:
         list of row dicts (fields ``id``, ``source``, ``prompt``, ``text``, ``prompt_ids``).
 
+    Rows written by :func:`write_prompts` carry ``row_sha256`` and their place (``row_index`` /
+    ``n_rows``), verified here and dropped from the returned rows; a file without them (written by
+    hand, or before them) is read with one warning.
+
     Raises:
-        InputError: missing file, malformed line, a missing field or empty ``prompt_ids`` (names the line), no rows.
+        InputError: missing file, malformed line, a missing field or empty ``prompt_ids`` (names the line),
+            a row not matching its ``row_sha256``, some rows sealed and others not, a row deleted, added
+            or moved (:func:`dflash_eval.row_checksum.check_places`), no rows.
     """
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "--prompts", "prompts file not found", "run the 'prompts' stage first")
-    rows = []
+    rows, numbered = [], []
     with open(path, encoding="utf-8") as fh:
         for lineno, obj in iter_jsonl(fh, path):
+            if ROW_FIELD in obj and row_sha256(obj) != obj[ROW_FIELD]:
+                raise InputError(path, f"line {lineno}: {ROW_FIELD}", f"prompt {obj.get('id')!r}: its fields do not "
+                                 "match the row checksum (one of them changed, or a field was added or removed, after "
+                                 "the prompts stage wrote it)", PROMPTS_FIX)
+            numbered.append((lineno, obj))
             for key in ROW_FIELDS:
                 if key not in obj:
                     raise InputError(path, f"line {lineno}: {key}", "missing field", "regenerate with the 'prompts' stage")
@@ -555,4 +579,9 @@ def read_prompts(path: str | Path) -> list[dict]:
             rows.append(obj)
     if not rows:
         raise InputError(path, "(file)", "no prompts", "regenerate with the 'prompts' stage")
-    return rows
+    check_uniform(path, numbered, (ROW_FIELD,), PROMPTS_FIX)
+    check_places(path, numbered, PROMPTS_FIX)
+    if ROW_FIELD not in rows[0]:
+        log.warning("%s: its rows carry no %s (not written by the prompts stage, or before it sealed rows): read "
+                    "unverified", path, ROW_FIELD)
+    return [{k: v for k, v in r.items() if k not in (INDEX, COUNT, ROW_FIELD)} for r in rows]  # the rows as written

@@ -9,7 +9,13 @@ written by the completions stage and checked by :func:`dflash_eval.completions_f
 a value changed in the file (an edit, a bad copy) is refused naming the line and the row, instead
 of conditioning the cache and the replay on tokens the target never produced or on another
 generation limit. Rows of files written before a checksum existed lack it: they are read, with one
-warning per file naming what is unverified.
+warning per file naming what is unverified; a file whose rows differ in which checksums they carry
+(a row's checksums removed) is refused (:func:`check_uniform`).
+
+Each row also carries its place, ``row_index`` (0-based) and ``n_rows``, under ``row_sha256``, so a
+row deleted, added, duplicated or moved is refused too (:func:`check_places`). The prompts file of
+the ``prompts`` stage carries ``row_index``, ``n_rows`` and ``row_sha256`` the same way
+(:func:`dflash_eval.prompts.write_prompts`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from .errors import InputError
 
 FIELD = "ids_sha256"
 ROW_FIELD = "row_sha256"
+INDEX, COUNT = "row_index", "n_rows"
 
 
 def ids_sha256(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:
@@ -73,3 +80,51 @@ def check_row(path, line: int, row: dict) -> str | None:
                          "regenerate the completions (snakemake -R completions, or delete the file and rerun), "
                          "or restore an intact copy")
     return "row"
+
+
+def check_uniform(path, rows: Sequence[tuple[int, dict]], fields: Sequence[str], fix: str) -> None:
+    """Refuse a file in which some rows carry one of ``fields`` (checksums, places) and others do not.
+
+    A writer seals every row alike, so a row without them beside rows with them had them removed (to
+    pass an edit unchecked) or was added by hand.
+
+    Args:
+        rows: ``(line number, row)`` of every row in the file's order.
+
+    Raises:
+        InputError: ``(path, "line <n>: <field>", ...)`` naming the first row that differs from the first row.
+    """
+    for field in fields:
+        has = [field in r for _, r in rows]
+        if any(has) and not all(has):
+            line, r = next((ln, r) for (ln, r), h in zip(rows, has) if h != has[0])
+            first = "carries" if field in r else "carries no"
+            other = "do not" if has[0] is False else "do"
+            raise InputError(path, f"line {line}: {field}", f"row {r.get('id')!r} {first} {field} while the rows before "
+                             f"it {other}: the writer seals every row alike, so rows were edited or added by hand", fix)
+
+
+def check_places(path, rows: Sequence[tuple[int, dict]], fix: str) -> bool:
+    """Compare each row's ``row_index`` / ``n_rows`` with where it is: no row deleted, added, duplicated or moved.
+
+    Args:
+        rows: ``(line number, row)`` of every row in the file's order (their checksums already checked,
+            so the places are what the writer wrote).
+
+    Returns:
+        True when the rows carry their places (all checked), False when none does (a file written before them).
+
+    Raises:
+        InputError: ``(path, "line <n>: row_index", ...)`` for the first row out of place (as
+            :func:`check_uniform` when only some rows carry them).
+    """
+    check_uniform(path, rows, (INDEX, COUNT), fix)
+    if not rows or COUNT not in rows[0][1]:
+        return False
+    n = len(rows)
+    for pos, (line, r) in enumerate(rows):
+        if r[INDEX] != pos or r[COUNT] != n:
+            raise InputError(path, f"line {line}: {INDEX}", f"row {r.get('id')!r} was written as row {r[INDEX] + 1} of "
+                             f"{r[COUNT]}, but is row {pos + 1} of {n} here: rows were deleted, added or moved after "
+                             "the file was written", fix)
+    return True

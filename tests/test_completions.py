@@ -64,9 +64,10 @@ def test_matches_reference_loop_batched_and_single(setup):
                                    device="cpu", dtype="float32")
         got = _read(out)
         assert [g["id"] for g in got] == [r["id"] for r in rows]  # prompts' order, not length order
-        for g, r in zip(got, rows):
+        for k, (g, r) in enumerate(zip(got, rows)):
             assert set(g) == {"id", "prompt_ids", "completion_ids", "text", "stop_reason", "max_new_tokens",
-                              "generation", "ids_sha256", "row_sha256"}
+                              "generation", "row_index", "n_rows", "ids_sha256", "row_sha256"}
+            assert g["row_index"] == k and g["n_rows"] == len(rows)
             assert g["generation"]["source"] == "transformers" and g["generation"]["stop_ids"] == [2]
             assert g["generation"]["dtype"] == "float32" and g["generation"]["device"] == "cpu"
             assert g["prompt_ids"] == r["prompt_ids"]

@@ -4,6 +4,10 @@
   says ``drafter_verified: false`` (true for a stripped folder);
 * a ``strip_info.json`` without ``info_sha256``, or without its ``sha256`` record, is refused
   (``strip`` always writes both);
+* a completions file with a row deleted, duplicated or moved, or with one row's checksums removed,
+  is refused naming the line (rows carry ``row_index`` / ``n_rows`` under ``row_sha256``);
+* a prompts file written by the prompts stage is sealed the same way: an edited, deleted or moved
+  prompt is refused; a hand-written one is read with a warning.
 """
 
 from __future__ import annotations
@@ -72,3 +76,80 @@ def test_strip_info_without_its_checksums_is_refused(pipeline, stripped, tmp_pat
     with pytest.raises(InputError):
         _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=bad, out="bad.json")
     assert not (pipeline["dir"] / "bad.json").exists()
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").splitlines(keepends=True)
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    ("delete the middle row", "line 1: row_index", "written as row 1 of 3, but is row 1 of 2"),
+    ("duplicate a row", "line 2: id", "duplicate id 'p0' (first on line 1)"),
+    ("swap two rows", "line 1: row_index", "written as row 2 of 3, but is row 1 of 3"),
+    ("drop the last row", "line 1: row_index", "written as row 1 of 3, but is row 1 of 2"),
+    ("strip one row's checksums", "line 2: ids_sha256", "carries no ids_sha256 while the rows before it do"),
+])
+def test_completions_rows_deleted_moved_or_unsealed_are_refused(pipeline, tmp_path, edit, field, words):  # noqa: F811
+    from dflash_eval.completions_file import read_completions
+
+    src = pipeline["dir"] / "c.jsonl"
+    assert [r["row_index"] for r in read_completions(src)] == [0, 1, 2]  # the intact file reads
+    lines = _lines(src)
+    if edit == "delete the middle row":
+        lines = [lines[0], lines[2]]
+    elif edit == "duplicate a row":
+        lines = [lines[0], lines[0], lines[2]]
+    elif edit == "swap two rows":
+        lines = [lines[1], lines[0], lines[2]]
+    elif edit == "drop the last row":
+        lines = lines[:2]
+    else:  # an edit hidden by removing the row's checksums
+        row = json.loads(lines[1])
+        row["completion_ids"] = row["completion_ids"][:-1]
+        del row["ids_sha256"], row["row_sha256"]
+        lines[1] = json.dumps(row) + "\n"
+    bad = tmp_path / "c.jsonl"
+    bad.write_text("".join(lines), encoding="utf-8")
+    with pytest.raises(InputError) as err:
+        read_completions(bad)
+    e = err.value
+    assert Path(e.file) == bad and e.field == field and "regenerate the completions" in e.fix
+    assert words in e.problem
+
+
+def _sealed_prompts(tmp_path: Path) -> Path:
+    from dflash_eval.prompts import write_prompts
+
+    rows = [{"id": f"p{i}", "source": "file", "prompt": f"q{i}", "text": f"q{i}", "prompt_ids": [1, 40 + i, 2]}
+            for i in range(3)]
+    return write_prompts(rows, tmp_path / "prompts.jsonl")
+
+
+def test_prompts_written_by_the_stage_are_sealed_and_verified(tmp_path, caplog):
+    from dflash_eval.prompts import read_prompts
+
+    path = _sealed_prompts(tmp_path)
+    first = json.loads(_lines(path)[0])
+    assert first["row_index"] == 0 and first["n_rows"] == 3 and len(first["row_sha256"]) == 64
+    got = read_prompts(path)
+    assert [r["prompt_ids"] for r in got] == [[1, 40, 2], [1, 41, 2], [1, 42, 2]]
+    assert "row_sha256" not in got[0] and "row_index" not in got[0]  # the rows as the stage built them
+    lines = _lines(path)
+    edited = json.loads(lines[1])
+    edited["prompt_ids"] = [1, 99, 2]  # another prompt under the same id
+    cases = {"edited": ([lines[0], json.dumps(edited) + "\n", lines[2]], "line 2: row_sha256"),
+             "deleted": ([lines[0], lines[2]], "line 1: row_index"),
+             "unsealed": ([lines[0], json.dumps({k: edited[k] for k in ("id", "source", "prompt", "text",
+                                                                        "prompt_ids")}) + "\n", lines[2]],
+                          "line 2: row_sha256")}
+    for name, (body, field) in cases.items():
+        bad = tmp_path / f"{name}.jsonl"
+        bad.write_text("".join(body), encoding="utf-8")
+        with pytest.raises(InputError) as err:
+            read_prompts(bad)
+        assert err.value.field == field and "'prompts' stage" in err.value.fix, name
+    hand = tmp_path / "hand.jsonl"  # a prompts file written by hand: read, with one warning
+    hand.write_text(json.dumps({"id": "a", "source": "file", "prompt": "", "text": "", "prompt_ids": [1, 2]}) + "\n")
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        assert read_prompts(hand)[0]["prompt_ids"] == [1, 2]
+    assert sum("read unverified" in m and "row_sha256" in m for m in caplog.messages) == 1

@@ -140,7 +140,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                     row = seal_row({"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
                                     "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
                                     "max_new_tokens": max_new_tokens, "generation": provenance,
-                                    **extra})  # ids_sha256 + row_sha256: read_completions verifies them
+                                    **extra, "row_index": i, "n_rows": len(rows)})
+                    # ids_sha256 + row_sha256 over it all, the row's place included: read_completions verifies them
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)
