@@ -91,7 +91,8 @@ from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
 from dflash_eval.demo import DFLASH2_DEMO_FIELDS  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched# noqa: E402
+from dflash_eval import anchors  # noqa: E402  (--groups-sweep sets its sizes)
+from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched  # noqa: E402
 from dflash_eval.replay import explain_differences, replay# noqa: E402
 from dflash_eval.runtime import free_memory_bytes# noqa: E402
 
@@ -456,6 +457,31 @@ def case_real(args, dev, dt, rate):
                                   "projected_s": ms * args.real_project / 1e3, "tau": taus[layout]}
         progress(name, f"batched {layout}: {t:.2f} s", t_case)
     print(f"  tau identical across layouts: {len(set(taus.values())) == 1}")
+    if args.groups_sweep:  # the groups layout's two sizes: query tokens per row, query tokens per drafter call
+        out["groups_sweep"] = []
+        saved = anchors.GROUP_QUERIES, dict(anchors.MAX_CHUNK_TOKENS)
+        try:
+            for spec in args.groups_sweep.split(","):
+                gq, chunk = (int(x) for x in spec.split("x"))
+                anchors.GROUP_QUERIES = gq
+                anchors.MAX_CHUNK_TOKENS[("groups", dev.type)] = chunk
+                st = {}
+                replay_batched(drafter, embed, head, samples[:1], memory_bytes=mem, layout="groups")  # warm-up
+                recs, t = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem,
+                                                            layout="groups", stats=st))
+                fl = batched_flops(drafter.cfg, st, V)
+                ms, tf = t / args.real_n * 1e3, fl / t / 1e12
+                useful = batched_flops(drafter.cfg, {**st, "pad_query_tokens": 0}, V)
+                tau_g = aggregate(recs, 16).tau
+                print(f"  groups {gq:4d} queries/row, {chunk:6d} queries/call: {ms:8.1f} ms/sample; "
+                      f"{fl / args.real_n / 1e12:.2f} TFLOP/sample executed -> {100 * tf / rate:5.1f} % of GEMM; "
+                      f"{st['calls']} calls; tau {tau_g:.4f} (same as above: {tau_g == taus['groups']})")
+                out["groups_sweep"].append({"group_queries": gq, "chunk_tokens": chunk, "ms_per_sample": ms,
+                                            "gemm_fraction": tf / rate, "tflop_per_sample": fl / args.real_n / 1e12,
+                                            "tflop_per_sample_no_padding": useful / args.real_n / 1e12, "tau": tau_g})
+                progress(name, f"groups {spec}: {t:.2f} s", t_case)
+        finally:
+            anchors.GROUP_QUERIES, anchors.MAX_CHUNK_TOKENS = saved[0], saved[1]
     return [out]
 
 
@@ -480,6 +506,10 @@ def main(argv=None):
     ap.add_argument("--real-prompt", type=int, default=128)
     ap.add_argument("--real-new", type=int, default=896, help="completion tokens (prompt + completion = 1k tokens)")
     ap.add_argument("--real-project", type=int, default=1000, help="samples per checkpoint in the projected time")
+    ap.add_argument("--groups-sweep", default="", metavar="QxC,...",
+                    help="real case: also time the groups layout at Q query tokens per row and C query tokens per "
+                         "drafter call, e.g. 128x16384,256x16384 (the defaults: anchors.GROUP_QUERIES, "
+                         "anchors.MAX_CHUNK_TOKENS)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

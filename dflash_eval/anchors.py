@@ -30,8 +30,12 @@ __all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree r
 #: ``groups`` = one row per :data:`GROUP_QUERIES` // B consecutive anchors (one context copy per
 #: group instead of per anchor; each query also scores its group's other blocks' keys, masked).
 LAYOUTS = ("rows", "packed", "groups")
-#: ``groups`` layout: query tokens per row (anchors per row = max(1, this // B))
-GROUP_QUERIES = 128
+#: ``groups`` layout: query tokens per row (anchors per row = max(1, this // B)). On one H200 (bf16,
+#: ``python3 bench/replay.py --case real --groups-sweep ...``, 2026-12-03) the 5-layer hidden-4096 B=16
+#: drafter took 102.6 ms/sample at 128 queries per row and 16384 per call, 88.6 at 512 and 32768 (the
+#: context K/V copied once per 32 anchors instead of 8; 2 % more executed FLOPs), 87.5-91.9 beyond
+#: (docs/measurements.md)
+GROUP_QUERIES = 512
 #: ``groups`` on CUDA: on one H200 (bf16, ``python3 bench/replay.py --case real``, 2026-12-02) a 5-layer
 #: hidden-4096 drafter's replay took 101.6 ms/sample in ``groups`` against 321.2 in ``rows`` and 348.3 in
 #: ``packed`` (38 % vs 12 % of the measured GEMM rate), same tau (docs/measurements.md). ``rows`` on the CPU,
@@ -40,7 +44,7 @@ DEFAULT_LAYOUT = {"cuda": "groups", "cpu": "rows"}
 #: most query tokens (anchors x B) per drafter call, per layout and device type: enough to fill a
 #: GPU, while ``rows``' K/V copies and ``packed``'s (chunk x chunk) attention stay a fraction of a call.
 MAX_CHUNK_TOKENS = {("rows", "cuda"): 16384, ("rows", "cpu"): 4096, ("packed", "cuda"): 4096, ("packed", "cpu"): 1024,
-                    ("groups", "cuda"): 16384, ("groups", "cpu"): 4096}
+                    ("groups", "cuda"): 32768, ("groups", "cpu"): 4096}
 
 
 def context_bytes_per_token(cfg, elem: int) -> int:

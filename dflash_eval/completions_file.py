@@ -164,6 +164,17 @@ def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 
 
+def subset_text(rows: Sequence[dict]) -> str:
+    """JSONL of ``rows`` (a slice of :func:`read_completions`, so verified) as a completions file of their
+    own: each row resealed with its new place (``row_index``, ``n_rows``; :func:`dflash_eval.row_checksum.seal_row`),
+    so :func:`read_completions` accepts the subset (the stages that check a few samples write one)."""
+    from .row_checksum import seal_row
+
+    drop = (FIELD, ROW_FIELD)
+    return "".join(json.dumps(seal_row({**{k: v for k, v in r.items() if k not in drop}, INDEX: i, COUNT: len(rows)}),
+                              ensure_ascii=False) + "\n" for i, r in enumerate(rows))
+
+
 #: the fix of a completions file changed after the completions stage wrote it
 FIX = ("regenerate the completions (snakemake -R completions, or delete the file and rerun), or restore an "
        "intact copy")

@@ -140,7 +140,8 @@ def test_errors_leave_no_output(setup, tmp_path):
     with pytest.raises(InputError, match="generation.max_new_tokens"):
         generate_completions(target, prompts, out, max_new_tokens=0)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({**rows[0], "prompt_ids": [1, 99999]}) + "\n")
+    unsealed = {k: v for k, v in rows[0].items() if k not in ("row_index", "n_rows", "row_sha256")}  # a hand-written file
+    bad.write_text(json.dumps({**unsealed, "prompt_ids": [1, 99999]}) + "\n")
     with pytest.raises(InputError, match="outside the target vocabulary") as ei:
         generate_completions(target, bad, out, device="cpu", dtype="float32")
     assert ei.value.field == "line 1: prompt_ids"

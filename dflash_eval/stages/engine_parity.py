@@ -37,7 +37,7 @@ import torch
 
 from .. import options as options_mod
 from ..cache_reader import CacheReader
-from ..completions_file import read_completions
+from ..completions_file import read_completions, subset_text
 from ..errors import InputError, atomic_path
 from .evaluate import evaluate
 from .hidden_states import extract_cache
@@ -221,7 +221,7 @@ def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int]
     with tempfile.TemporaryDirectory(prefix=".engine_parity.", dir=out.parent) as tmp:
         tmp = Path(tmp)
         sub = tmp / f"{completions_path.stem}.jsonl"  # same stem: the cache's prompt_set attribute
-        sub.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sub.write_text(subset_text(rows), encoding="utf-8")  # resealed with the rows' new places
         t0 = time.perf_counter()
         made = extract_cache(target_dir, sub, tmp / f"{other}.h5", layer_ids, extraction_options(opts, other),
                              target_fingerprint=target_fingerprint, server_log=server_log or f"{out}.vllm.log")

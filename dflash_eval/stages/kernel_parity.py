@@ -34,7 +34,7 @@ import torch
 
 from .. import options as options_mod
 from ..cache_reader import CacheReader
-from ..completions_file import read_completions
+from ..completions_file import read_completions, subset_text
 from ..errors import InputError, atomic_path
 from .evaluate import evaluate
 from .hidden_states import extract_hidden_states
@@ -176,7 +176,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
     with tempfile.TemporaryDirectory(prefix=".kernel_parity.", dir=Path(out).parent) as tmp:
         tmp = Path(tmp)
         sub = tmp / f"{Path(completions_path).stem}.jsonl"
-        sub.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sub.write_text(subset_text(rows), encoding="utf-8")  # resealed with the rows' new places
         caches = {}
         for k in ("a", "b"):
             t0 = time.perf_counter()
