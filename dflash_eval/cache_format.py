@@ -253,6 +253,12 @@ def sample_meta_json(sample_id: str, prompt_len: int, completion_len: int, stop_
                        "argmax_agreement": float(argmax_agreement)}, separators=(",", ":"))
 
 
+def le_bytes(a: np.ndarray) -> np.ndarray:
+    """``a`` C-contiguous and little-endian: the byte order :func:`sample_sha256` hashes (a view where it already is)."""
+    a = np.ascontiguousarray(a)
+    return a.astype(a.dtype.newbyteorder("<"), copy=False)
+
+
 def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray, meta: str | None = None) -> str:
     """The per-sample checksum (attribute ``sha256``): sha256 over the stored bytes of the three datasets,
     then (format 5) the UTF-8 bytes of the sample's ``meta`` attribute.
@@ -263,8 +269,7 @@ def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.n
     """
     h = hashlib.sha256()
     for a in (input_ids, target_argmax, hidden):
-        a = np.ascontiguousarray(a)
-        h.update(memoryview(a.astype(a.dtype.newbyteorder("<"), copy=False)).cast("B"))
+        h.update(memoryview(le_bytes(a)).cast("B"))
     if meta is not None:
         h.update(meta.encode("utf-8"))
     return h.hexdigest()
@@ -280,6 +285,30 @@ def header_json(attrs) -> str:
 def header_sha256(text: str) -> str:
     """The ``header_sha256`` attribute: hex sha256 of the UTF-8 bytes of ``header``."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def header_problem(attrs) -> tuple[str, str] | None:
+    """What is wrong with the ``header`` of file attributes ``attrs`` (format 6), or None when it holds.
+
+    Returns:
+        ``(attribute, cause)``: ``header`` / ``header_sha256`` missing, their checksum differing, or the first
+        covered attribute (sorted by name) whose value differs from the header's (edited, added or deleted).
+    """
+    for key in ("header", "header_sha256"):
+        if key not in attrs:
+            return key, (f"missing (every file of format {HEADER_VERSION} has it: the checksum of the file "
+                         "attributes): it was deleted, or the file is damaged")
+    text = str(py_value(attrs["header"]))
+    if header_sha256(text) != py_value(attrs["header_sha256"]):
+        return "header", "the file attributes' header does not match its header_sha256: it was edited or damaged"
+    stored, now = json.loads(text), json.loads(header_json(attrs))
+    for key in sorted(set(stored) | set(now)):
+        was, has = (json.dumps(d[key], sort_keys=True) if key in d else "(absent)" for d in (stored, now))
+        if was != has:
+            short = [t if len(t) <= 60 else t[:57] + "..." for t in (has, was)]
+            return key, (f"file attribute {key} is {short[0]} but {short[1]} in the checksummed header: the "
+                         "attribute was edited or damaged after the file was written")
+    return None
 
 
 def write_header(attrs) -> None:

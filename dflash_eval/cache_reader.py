@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from .cache_format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION, READABLE_VERSIONS,
-                           SAMPLE_DATASETS, CacheSample, from_storage, header_json, header_sha256, py_value,
+                           SAMPLE_DATASETS, CacheSample, from_storage, header_problem, py_value,
                            sample_sha256)
 from .errors import InputError
 from .sample_check import check_read_sample, check_sample_values, parse_meta
@@ -70,7 +69,8 @@ class CacheReader:
 
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
-            unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), its ``format_version``
+            unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), ``n_samples`` or the group
+            count differing from ``sample_ids`` (edited), its ``format_version``
             edited down (:meth:`_check_downgrade`), or (format 6) a file attribute differs from the checksummed
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
@@ -116,6 +116,10 @@ class CacheReader:
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
             raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
                              "finish it: rerun the hidden_states rule (it resumes from the samples already there)")
+        if int(self.attrs["n_samples"]) != len(self.sample_ids) or n_groups > len(self.sample_ids):
+            raise InputError(self.path, "n_samples", f"n_samples is {self.attrs['n_samples']} and samples/ holds "
+                             f"{n_groups} groups, but the file lists {len(self.sample_ids)} sample_ids (the writer "
+                             "makes all three equal): the file was edited or damaged", HEADER_FIX)
         if version < META_VERSION and self.verify_reads:
             log.warning("%s: cache format %d: its per-sample values (%s) are outside the per-sample checksums "
                         "(format %d covers them), so they are read unverified; re-extract the cache "
@@ -151,22 +155,9 @@ class CacheReader:
             InputError: ``header`` or ``header_sha256`` missing, their checksum differs, or an attribute
                 (named, with both values) was edited, added or deleted.
         """
-        a = self._f.attrs
-        for key in ("header", "header_sha256"):
-            if key not in a:
-                raise InputError(self.path, key, f"missing (every file of format {HEADER_VERSION} has it: the checksum "
-                                 "of the file attributes): it was deleted, or the file is damaged", HEADER_FIX)
-        text = str(py_value(a["header"]))
-        if header_sha256(text) != py_value(a["header_sha256"]):
-            raise InputError(self.path, "header", "the file attributes' header does not match its header_sha256: "
-                             "it was edited or damaged", HEADER_FIX)
-        stored, now = json.loads(text), json.loads(header_json(a))
-        for key in sorted(set(stored) | set(now)):
-            was, has = (json.dumps(d[key], sort_keys=True) if key in d else "(absent)" for d in (stored, now))
-            if was != has:
-                raise InputError(self.path, key, f"file attribute {key} is {_short(has)} but {_short(was)} in the "
-                                 "checksummed header: the attribute was edited or damaged after the file was "
-                                 "written", HEADER_FIX)
+        problem = header_problem(self._f.attrs)
+        if problem:
+            raise InputError(self.path, problem[0], problem[1], HEADER_FIX)
 
     @property
     def meta_verified(self) -> bool:
@@ -408,11 +399,6 @@ class CacheReader:
 #: the fix of an edited file attribute (format 6) or ``format_version``
 HEADER_FIX = ("re-extract the cache (snakemake -R hidden_states, or delete it and run `python -m dflash_eval "
               "hidden-states`), or restore an intact copy")
-
-
-def _short(text: str, n: int = 60) -> str:
-    """``text`` cut to ``n`` characters (an attribute's value in an error)."""
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 class _Raw(NamedTuple):

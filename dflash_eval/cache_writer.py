@@ -26,7 +26,7 @@ import numpy as np
 
 from .cache_format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS, META_VERSION,
                            argmax_agreement, attr_value, h5_writable, py_value, sample_meta_json, sample_sha256,
-                           to_storage, write_header)
+                           header_problem, to_storage, write_header)
 from .cache_reader import verify_group
 from .errors import InputError, partial_path
 
@@ -122,11 +122,14 @@ class PartialCache:
             return None
         try:
             diff = self._identity_diff(f)
-            if diff and "n_samples" in f.attrs:
-                # a finished cache of other settings (a kept link whose output Snakemake deleted for a rerun):
-                # nothing unfinished is lost by starting over
+            problem = None if diff or self.format_version < HEADER_VERSION else header_problem(f.attrs)
+            if (diff and "n_samples" in f.attrs) or problem:
+                # a finished cache of other settings (a kept link whose output Snakemake deleted for a rerun), or
+                # covered attributes edited/damaged in the sidecar: nothing unfinished is lost by starting over
                 f.close()
-                log.info("%s: finished cache of other settings (%s): removed, starting over", self.path, ", ".join(diff))
+                why = (f"finished cache of other settings ({', '.join(diff)}): removed" if diff else
+                       "the partial file of an earlier run fails its header check ({}: {})".format(*problem))
+                (log.info if diff else log.warning)("%s: %s, starting over", self.path, why)
                 self.path.unlink()
                 return None
             if diff:

@@ -45,7 +45,7 @@ from typing import Any
 from .benchmarks import HUMANEVAL_TEMPLATE
 from .errors import InputError, atomic_path
 from .io import iter_jsonl, packaged_file, read_text
-from .row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_uniform, row_sha256
+from .row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_sealed, check_uniform, seal
 
 log = logging.getLogger(__name__)
 
@@ -497,18 +497,13 @@ def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -
     out = Path(out)
     with atomic_path(out) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(_sealed({**{k: r[k] for k in ROW_FIELDS}, INDEX: i, COUNT: len(rows)}),
+            fh.writelines(json.dumps(seal({**{k: r[k] for k in ROW_FIELDS}, INDEX: i, COUNT: len(rows)}),
                                      ensure_ascii=False) + "\n" for i, r in enumerate(rows))
     if meta is not None:
         with atomic_path(meta_path(out)) as tmp:
             tmp.write_text(json.dumps(meta, indent=1))
     log.info("wrote %d prompts -> %s", len(rows), out)
     return out
-
-
-def _sealed(row: dict) -> dict:
-    """``row`` with ``row_sha256`` (:func:`dflash_eval.row_checksum.row_sha256`) added last."""
-    return {**row, ROW_FIELD: row_sha256(row)}
 
 
 #: the fix of a prompts file changed after the prompts stage wrote it
@@ -563,10 +558,9 @@ def read_prompts(path: str | Path) -> list[dict]:
     rows, numbered = [], []
     with open(path, encoding="utf-8") as fh:
         for lineno, obj in iter_jsonl(fh, path):
-            if ROW_FIELD in obj and row_sha256(obj) != obj[ROW_FIELD]:
-                raise InputError(path, f"line {lineno}: {ROW_FIELD}", f"prompt {obj.get('id')!r}: its fields do not "
-                                 "match the row checksum (one of them changed, or a field was added or removed, after "
-                                 "the prompts stage wrote it)", PROMPTS_FIX)
+            check_sealed(path, lineno, obj, f"prompt {obj.get('id')!r}: its fields do not match the row checksum "
+                         "(one of them changed, or a field was added or removed, after the prompts stage wrote it)",
+                         PROMPTS_FIX)
             numbered.append((lineno, obj))
             for key in ROW_FIELDS:
                 if key not in obj:

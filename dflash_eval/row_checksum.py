@@ -45,11 +45,34 @@ def row_sha256(row: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def seal(row: dict) -> dict:
+    """``row`` with ``row_sha256`` added last (a prompts row, :func:`dflash_eval.prompts.write_prompts`)."""
+    return {**row, ROW_FIELD: row_sha256(row)}
+
+
 def seal_row(row: dict) -> dict:
     """``row`` with ``ids_sha256`` and, last, ``row_sha256`` added (what the completions stage writes)."""
-    out = {**row, FIELD: ids_sha256(row["prompt_ids"], row["completion_ids"])}
-    out[ROW_FIELD] = row_sha256(out)
-    return out
+    return seal({**row, FIELD: ids_sha256(row["prompt_ids"], row["completion_ids"])})
+
+
+def check_sealed(path, line: int, row: dict, what: str, fix: str) -> bool:
+    """Compare a row's ``row_sha256`` with its fields (completions and prompts rows alike).
+
+    Args:
+        what: the message's cause, naming the row (e.g. ``"prompt 'a': its fields do not match ..."``).
+
+    Returns:
+        True when the row carries ``row_sha256`` and it matches, False when it carries none.
+
+    Raises:
+        InputError: ``(path, "line <line>: row_sha256", what, fix)`` when it does not match.
+    """
+    want = row.get(ROW_FIELD)
+    if want is None:
+        return False
+    if row_sha256(row) != want:
+        raise InputError(path, f"line {line}: {ROW_FIELD}", what, fix)
+    return True
 
 
 def check_row(path, line: int, row: dict) -> str | None:
@@ -69,16 +92,12 @@ def check_row(path, line: int, row: dict) -> str | None:
                          "not match their checksum (the file changed after the completions stage wrote it)",
                          "regenerate the completions (snakemake -R completions, or delete the file and rerun), "
                          "or restore an intact copy")
-    whole = row.get(ROW_FIELD)
-    if whole is None:
+    fields = ", ".join(sorted(k for k in row if k not in (FIELD, ROW_FIELD, "prompt_ids", "completion_ids")))
+    if not check_sealed(path, line, row, f"row {row.get('id')!r}: its fields do not match the row checksum: one of "
+                        f"{fields} (or a field added or removed) changed after the completions stage wrote it (its "
+                        "ids still match ids_sha256)", "regenerate the completions (snakemake -R completions, or "
+                        "delete the file and rerun), or restore an intact copy"):
         return "ids" if want is not None else None
-    if row_sha256(row) != whole:
-        fields = ", ".join(sorted(k for k in row if k not in (FIELD, ROW_FIELD, "prompt_ids", "completion_ids")))
-        raise InputError(path, f"line {line}: {ROW_FIELD}", f"row {row.get('id')!r}: its fields do not match the row "
-                         f"checksum: one of {fields} (or a field added or removed) changed after the completions "
-                         "stage wrote it (its ids still match ids_sha256)",
-                         "regenerate the completions (snakemake -R completions, or delete the file and rerun), "
-                         "or restore an intact copy")
     return "row"
 
 

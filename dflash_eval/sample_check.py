@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from .cache_format import META_FIELDS, META_VERSION
+from .cache_format import META_FIELDS, META_VERSION, le_bytes
 from .errors import InputError
 
 #: elements of hidden state per chunk of :func:`checksum_and_scan` (4 MiB of bf16 bits): small enough
@@ -27,12 +27,6 @@ from .errors import InputError
 #: few dozen times per sample, not thousands (the reader's checks run in threads beside evaluate's loop)
 SCAN_CHUNK = 1 << 21
 _scratch = threading.local()
-
-
-def _le_bytes(a: np.ndarray) -> np.ndarray:
-    """``a`` C-contiguous and little-endian (the byte order :func:`~dflash_eval.cache_format.sample_sha256` hashes)."""
-    a = np.ascontiguousarray(a)
-    return a.astype(a.dtype.newbyteorder("<"), copy=False)
 
 
 def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray,
@@ -50,9 +44,9 @@ def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: 
         all ones, as :func:`first_non_finite`).
     """
     h = hashlib.sha256()
-    h.update(memoryview(_le_bytes(input_ids)).cast("B"))
-    h.update(memoryview(_le_bytes(target_argmax)).cast("B"))
-    flat = _le_bytes(hidden).reshape(-1)
+    h.update(memoryview(le_bytes(input_ids)).cast("B"))
+    h.update(memoryview(le_bytes(target_argmax)).cast("B"))
+    flat = le_bytes(hidden).reshape(-1)
     bits = flat.dtype == np.uint16
     key = (flat.dtype.str, SCAN_CHUNK)
     buf = getattr(_scratch, "buf", None)

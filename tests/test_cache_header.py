@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import make_tiny_target  # noqa: E402
+from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.cache_format import FORMAT_VERSION, UNCOVERED_ATTRS  # noqa: E402
 from dflash_eval.cache_reader import CacheReader  # noqa: E402
@@ -37,23 +37,12 @@ LAYERS = [1, 3]
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A tiny target, a random drafter for it, 4 prompts, their completions and cache."""
-    from safetensors.torch import save_file
 
-    from dflash_eval.demo import drafter_config_for_target
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
     from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.target_spec import TargetSpec
 
     d = tmp_path_factory.mktemp("header")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg = drafter_config_for_target(target_dir, layer_ids=LAYERS, block_size=4, num_layers=1,
-                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
-    (d / "drafter").mkdir()
-    (d / "drafter" / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(d / "drafter" / "model.safetensors"))
+    cfg, drafter = make_random_drafter(d / "drafter", target_dir, LAYERS, block_size=4)
     prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": [1, 40 + i, 41, 2, 1, 50]}
                for i in range(4)]
     (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
@@ -127,6 +116,20 @@ def test_an_added_or_deleted_attribute_is_refused(work, tmp_path):
     with h5py.File(bad, "r+") as f:
         f.attrs["shards"] = "[]"
     with pytest.raises(InputError, match="shards: file attribute shards is"):
+        CacheReader(bad)
+
+
+def test_an_edited_sample_count_or_an_added_group_is_refused(work, tmp_path):
+    """n_samples (outside the header: it marks a finished file) must equal the sample_ids and the groups."""
+    bad = _copy(work, tmp_path)
+    with h5py.File(bad, "r+") as f:
+        f.attrs["n_samples"] = 3
+    with pytest.raises(InputError, match="n_samples is 3 and samples/ holds 4 groups, but the file lists 4 sample_ids"):
+        CacheReader(bad)
+    bad = _copy(work, tmp_path, "added.h5")
+    with h5py.File(bad, "r+") as f:
+        f.copy(f["samples/000000"], f["samples"], name="000004")
+    with pytest.raises(InputError, match="n_samples is 4 and samples/ holds 5 groups"):
         CacheReader(bad)
 
 

@@ -236,6 +236,17 @@ def test_partial_of_other_settings_is_refused_never_mixed(work, tmp_path, caplog
     assert "finished cache of other settings (target_layer_ids)" in caplog.text
     assert "0 verified in the partial file and kept, 240 to compute" in caplog.text
 
+    # A covered attribute outside the identity edited in an unfinished sidecar: its header check fails, so
+    # none of its samples is trusted (started over), and the cache equals the reference.
+    _unfinished_copy(wd / "ref.h5", tmp_path / "e.h5.partial", drop=[3])
+    with h5py.File(tmp_path / "e.h5.partial", "r+") as f:
+        f.attrs["vocab_size"] = int(f.attrs["vocab_size"]) + 1
+    caplog.clear()
+    extract_hidden_states(**{**base, "out": tmp_path / "e.h5"})
+    assert "fails its header check (vocab_size: file attribute vocab_size is" in caplog.text
+    assert "0 verified in the partial file and kept, 240 to compute" in caplog.text
+    assert datasets(tmp_path / "e.h5") == datasets(wd / "ref.h5")
+
 
 @pytest.mark.slow
 def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, monkeypatch):

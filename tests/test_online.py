@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import make_tiny_target  # noqa: E402
+from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.ddtree import build_tree  # noqa: E402
 from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify  # noqa: E402
@@ -25,23 +25,13 @@ from dflash_eval.stages.validate_online import validate_online  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from safetensors.torch import save_file
 
-    from dflash_eval.demo import drafter_config_for_target
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
     from dflash_eval.target import load_target
-    from dflash_eval.target_spec import TargetSpec, load_embed_and_head
+    from dflash_eval.target_spec import load_embed_and_head
 
     d = tmp_path_factory.mktemp("online")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg = drafter_config_for_target(target_dir, layer_ids=[1, 3], block_size=5, num_layers=1,
-                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
-    (d / "drafter").mkdir()
-    (d / "drafter" / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(d / "drafter" / "model.safetensors"))
+    cfg, drafter = make_random_drafter(d / "drafter", target_dir, [1, 3], block_size=5)
     target, _, _ = load_target(target_dir, "cpu", "float32")
     embed, head = (w.float() for w in load_embed_and_head(target_dir))
     return {"dir": d, "target_dir": target_dir, "target": target, "drafter": drafter.eval(), "embed": embed,

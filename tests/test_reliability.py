@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cache_edit import downgrade  # noqa: E402
-from tiny import make_tiny_target  # noqa: E402
+from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.cache_reader import CacheReader  # noqa: E402
 from dflash_eval.cache_writer import write_cache  # noqa: E402
@@ -40,24 +40,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """A tiny target, a random drafter folder (stripped layout), 3 prompts, their completions and cache."""
-    from safetensors.torch import save_file
 
-    from dflash_eval.demo import drafter_config_for_target
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
-    from dflash_eval.target_spec import TargetSpec
 
     d = tmp_path_factory.mktemp("reliability")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg = drafter_config_for_target(target_dir, layer_ids=[1, 3], block_size=4, num_layers=1,
-                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
-    (d / "drafter").mkdir()
-    (d / "drafter" / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(d / "drafter" / "model.safetensors"))
+    cfg, drafter = make_random_drafter(d / "drafter", target_dir, [1, 3], block_size=4)
     prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
                enumerate([[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]])]
     (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))

@@ -100,3 +100,31 @@ def make_tiny_target(out_dir: str | Path, arch: str = "llama", num_layers: int =
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model.to(torch.bfloat16).save_pretrained(str(out_dir))
     return out_dir
+
+
+def make_random_drafter(out_dir: str | Path, target_dir: str | Path, layer_ids: list[int], block_size: int,
+                        seed: int = 0):
+    """A random-init one-layer DFlash drafter for the tiny target, saved as an HF folder (config.json +
+    model.safetensors) in ``out_dir``; its mask token is the target's last vocabulary id.
+
+    Returns:
+        ``(config dict, the drafter module)``.
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_eval.demo import drafter_config_for_target
+    from dflash_eval.drafter import DFlashDrafter
+    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.target_spec import TargetSpec
+
+    cfg = drafter_config_for_target(target_dir, layer_ids=layer_ids, block_size=block_size, num_layers=1,
+                                    mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(out_dir / "model.safetensors"))
+    return cfg, drafter
