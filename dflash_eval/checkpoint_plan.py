@@ -24,8 +24,24 @@ CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin",
 #: the subset that holds weights: a checkpoint folder without any is refused at parse time
 CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
 #: names that become path components (run, target, checkpoint, prompt set): no separators, never ``.`` / ``..``
-#: or another name starting with a dot (a hidden folder, or one outside ``results/``)
-NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+#: or another name starting with a dot (a hidden folder, or one outside ``results/``); at most 100 characters
+#: (a file system's 255 bytes per path component, less the longest suffix a stage adds)
+NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+#: a name ending in a unit repeated 20 or more times: Snakemake takes such a wildcard value for a runaway
+#: recursion (``snakemake.io.PeriodicityDetector``, min_repeat 20) and silently plans no job for it
+PERIODIC_RE = re.compile(r"(.+?)\1{19,}$")
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a run, target, prompt set or checkpoint (None: it can)."""
+    if not NAME_RE.match(name):
+        return ("may only contain letters, digits, '.', '_' and '-', may not start with '.' and is at most 100 "
+                "characters long")
+    m = PERIODIC_RE.search(name)
+    if m:
+        return (f"ends in {m.group(1)!r} repeated {len(m.group(0)) // len(m.group(1))} times, which Snakemake takes "
+                "for a runaway recursion (it would plan no job for it)")
+    return None
 
 
 def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
@@ -43,10 +59,10 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     origin: dict[str, str] = {}
 
     def add(name, row, where):
-        if not NAME_RE.match(name):
-            raise InputError("config", where, f"checkpoint name {name!r} may only contain letters, digits, '.', '_' "
-                             "and '-', and may not start with '.' (it names the folders results/<run>/drafters/<name> "
-                             "and eval/<name>)",
+        problem = name_problem(name)
+        if problem:
+            raise InputError("config", where, f"checkpoint name {name!r} {problem} (it names the folders "
+                             "results/<run>/drafters/<name> and eval/<name>)",
                              "rename the file/folder or list it under checkpoints.list with an explicit name")
         if name in table:
             raise InputError("config", where, f"duplicate checkpoint name {name!r} (also from {origin[name]})",

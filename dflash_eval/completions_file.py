@@ -54,7 +54,7 @@ from typing import Sequence
 
 from .errors import InputError, atomic_path
 from .io import iter_jsonl
-from .row_checksum import COUNT, FIELD, INDEX, ROW_FIELD, check_places, check_row, check_uniform
+from .row_checksum import COUNT, FIELD, INDEX, ROW_FIELD, check_places, check_row, check_uniform, sealed_required
 
 log = logging.getLogger(__name__)
 
@@ -180,17 +180,19 @@ FIX = ("regenerate the completions (snakemake -R completions, or delete the file
        "intact copy")
 
 
-def read_completions(path: str | Path) -> list[dict]:
+def read_completions(path: str | Path, require_sealed: bool | None = None) -> list[dict]:
     """Parse the completions JSONL (InputError with the line number on malformed lines).
 
     Each row's ``ids_sha256`` and ``row_sha256`` are verified, then each row's place (``row_index`` /
     ``n_rows``: :func:`~dflash_eval.row_checksum.check_places`) and that ids are unique; rows without
-    them (files written before they existed) are read, with one warning per file and what is unverified.
+    them (files written before they existed) are read, with one warning per file and what is unverified,
+    unless ``require_sealed`` (default: inside the workflow, :func:`dflash_eval.row_checksum.sealed_required`:
+    its completions files are always the completions stage's, which seals every row).
 
     Raises:
         InputError: missing file, malformed line, missing field, empty prompt, ids or another field not
             matching the row's checksums, some rows with checksums or places and others without, a row
-            deleted, added or moved, a duplicate id, no rows.
+            deleted, added or moved, a duplicate id, no rows, rows without checksums with ``require_sealed``.
     """
     path = Path(path)
     if not path.exists():
@@ -219,6 +221,10 @@ def read_completions(path: str | Path) -> list[dict]:
     if not check_places(path, numbered, FIX) and rows and ROW_FIELD in rows[0]:
         log.warning("%s: its rows carry no %s/%s (written before them): a deleted or moved row would not be noticed",
                     path, INDEX, COUNT)
+    if (unverified or ids_only) and sealed_required(require_sealed):
+        raise InputError(path, f"line {lines[0]}: {FIELD if unverified else ROW_FIELD}", "its rows carry no row checksum, "
+                         "but inside the workflow every completions file is written (and sealed) by its completions "
+                         "stage: it was rewritten after that stage, or by a version from before the checksums", FIX)
     if unverified:
         log.warning("%s: %d of %d rows carry no ids_sha256 (written before row checksums): read unverified",
                     path, unverified, len(rows))

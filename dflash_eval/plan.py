@@ -23,11 +23,11 @@ import shlex
 from dataclasses import dataclass, field
 
 from .checkpoint_plan import (
-    NAME_RE,
     cache_layer_ids,
     check_checkpoint_configs,
     checkpoint_table,
     demo_args,
+    name_problem,
     strip_args,
 )
 from .errors import InputError
@@ -517,16 +517,18 @@ class Plan:
 
 
 def check_names(config: dict) -> None:
-    """Refuse run, target and prompt-set names that are not :data:`NAME_RE` (``..`` would leave ``results/``).
+    """Refuse run, target and prompt-set names that cannot name a folder (``..`` would leave ``results/``)
+    or a wildcard value (:func:`dflash_eval.checkpoint_plan.name_problem`).
 
     Raises:
         InputError: naming the entry.
     """
     for where, name in [("run", config["run"]), ("target.name", config["target"]["name"])] + [
             (f"prompt_sets.{n}", n) for n in config["prompt_sets"]]:
-        if not NAME_RE.match(str(name)):
-            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it may only hold "
-                             "letters, digits, '.', '_', '-' and may not start with '.'", "rename it (e.g. 'my-run')")
+        problem = name_problem(str(name))
+        if problem:
+            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it {problem}",
+                             "rename it (e.g. 'my-run')")
 
 
 def build_plan(config: dict) -> Plan:

@@ -45,7 +45,7 @@ from typing import Any
 from .benchmarks import HUMANEVAL_TEMPLATE
 from .errors import InputError, atomic_path
 from .io import iter_jsonl, packaged_file, read_text
-from .row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_sealed, check_uniform, seal
+from .row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_sealed, check_uniform, seal, sealed_required
 
 log = logging.getLogger(__name__)
 
@@ -537,20 +537,27 @@ def skip_table_markdown(metas: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def read_prompts(path: str | Path) -> list[dict]:
+def read_prompts(path: str | Path, require_sealed: bool | None = None) -> list[dict]:
     """Read a prompts JSONL written by :func:`write_prompts`.
+
+    Args:
+        path: the prompts JSONL.
+        require_sealed: refuse a file whose rows carry no ``row_sha256`` (default: inside the workflow,
+            :func:`dflash_eval.row_checksum.sealed_required`: its prompts file is always the prompts
+            stage's, which seals every row, so an unsealed one was rewritten).
 
     Returns:
         list of row dicts (fields ``id``, ``source``, ``prompt``, ``text``, ``prompt_ids``).
 
     Rows written by :func:`write_prompts` carry ``row_sha256`` and their place (``row_index`` /
     ``n_rows``), verified here and dropped from the returned rows; a file without them (written by
-    hand, or before them) is read with one warning.
+    hand, or before them) is read with one warning, or refused with ``require_sealed``.
 
     Raises:
         InputError: missing file, malformed line, a missing field or empty ``prompt_ids`` (names the line),
             a row not matching its ``row_sha256``, some rows sealed and others not, a row deleted, added
-            or moved (:func:`dflash_eval.row_checksum.check_places`), no rows.
+            or moved (:func:`dflash_eval.row_checksum.check_places`), no rows, unsealed rows with
+            ``require_sealed``.
     """
     path = Path(path)
     if not path.is_file():
@@ -575,6 +582,10 @@ def read_prompts(path: str | Path) -> list[dict]:
         raise InputError(path, "(file)", "no prompts", "regenerate with the 'prompts' stage")
     check_uniform(path, numbered, (ROW_FIELD,), PROMPTS_FIX)
     check_places(path, numbered, PROMPTS_FIX)
+    if ROW_FIELD not in rows[0] and sealed_required(require_sealed):
+        raise InputError(path, f"line {numbered[0][0]}: {ROW_FIELD}", "its rows carry no row checksum, but the "
+                         "workflow's prompts file is always written (and sealed) by the prompts stage: it was rewritten "
+                         "after that stage", PROMPTS_FIX)
     if ROW_FIELD not in rows[0]:
         log.warning("%s: its rows carry no %s (not written by the prompts stage, or before it sealed rows): read "
                     "unverified", path, ROW_FIELD)

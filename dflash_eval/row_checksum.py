@@ -16,12 +16,18 @@ Each row also carries its place, ``row_index`` (0-based) and ``n_rows``, under `
 row deleted, added, duplicated or moved is refused too (:func:`check_places`). The prompts file of
 the ``prompts`` stage carries ``row_index``, ``n_rows`` and ``row_sha256`` the same way
 (:func:`dflash_eval.prompts.write_prompts`).
+
+Inside the workflow every prompts and completions file is written by this project's stages, which
+seal every row: the shell prefix of its jobs (``rules/common.smk``) sets :data:`SEALED_ENV`, and
+there a file whose rows carry no checksum at all (rewritten without them) is refused
+(:func:`sealed_required`) instead of read with the warning a direct CLI call gives.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Sequence
 
 from .errors import InputError
@@ -29,6 +35,13 @@ from .errors import InputError
 FIELD = "ids_sha256"
 ROW_FIELD = "row_sha256"
 INDEX, COUNT = "row_index", "n_rows"
+#: set to 1 by the workflow's jobs: unsealed prompts and completions files are refused
+SEALED_ENV = "DFLASH_EVAL_REQUIRE_SEALED"
+
+
+def sealed_required(require: bool | None = None) -> bool:
+    """``require`` when given, else whether :data:`SEALED_ENV` is ``1`` (a job of the workflow)."""
+    return os.environ.get(SEALED_ENV) == "1" if require is None else require
 
 
 def ids_sha256(prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:

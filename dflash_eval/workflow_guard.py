@@ -8,8 +8,10 @@
   Snakemake (:func:`record_owner`: host, boot id, pid and start time) under
   ``.snakemake/dflash_eval/owners/``; ``onsuccess`` / ``onerror`` remove the record. At parse
   time :func:`release_stale_lock` finds locks whose recorded owner is provably gone (same host
-  and boot, the pid free or reused, no lock file newer than the record) and removes them, so the
-  same command just resumes (with ``rerun-incomplete``, set in every profile and ``make demo``);
+  and boot, the pid free or reused, no lock file newer than the record) and removes them; the
+  jobs the dead run had not seen finish are the outputs Snakemake marks incomplete, so a command
+  without ``--rerun-incomplete`` (set in every profile and ``make demo``) is re-executed with it
+  (:func:`rerun_incomplete_argv`): the same command just resumes, with or without a profile;
   where it cannot be sure (an owner on another host, locks without a record) it only says what
   to run. Snakemake's own ``--unlock`` does the same removal without any check.
 * **The jobs' watchdog** (:func:`owner_export`): the shell prefix of the main Snakemake process
@@ -24,6 +26,7 @@ import json
 import os
 import shlex
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -140,8 +143,13 @@ def unlock_command(argv: Sequence[str]) -> str:
     return " ".join(shlex.quote(w) for w in [prog, "--unlock", *words[1:]])
 
 
-def release_stale_lock(argv: Sequence[str], workdir: str | os.PathLike = ".") -> str | None:
-    """Remove Snakemake's locks when their owner is provably gone; returns what to tell the user (None: nothing).
+def release_stale_lock(argv: Sequence[str], workdir: str | os.PathLike = ".") -> tuple[str | None, bool]:
+    """Remove Snakemake's locks when their owner is provably gone.
+
+    Returns:
+        (what to tell the user or None, whether the locks were removed). Where they were, the
+        outputs Snakemake marks incomplete are the dead run's unfinished jobs: the caller reruns
+        them (``rerun-incomplete``).
 
     Provably gone: every owner record is of this host and boot, none of those processes runs
     (:func:`dflash_eval.watchdog.alive`), and no lock file is newer than the newest record (else a
@@ -155,29 +163,47 @@ def release_stale_lock(argv: Sequence[str], workdir: str | os.PathLike = ".") ->
         for path, rec in records:  # a --unlock or a lost record: forget the dead owners
             if rec.get("host") == host and rec.get("boot_id") == boot and not alive(rec.get("token", "0:")):
                 path.unlink(missing_ok=True)
-        return None
+        return None, False
     if not records:
-        return None  # locks of a run without a record (another tool, an older version): Snakemake explains
+        return None, False  # locks of a run without a record (another tool, an older version): Snakemake explains
     foreign = [r for _, r in records if r.get("host") != host or r.get("boot_id") != boot]
     if foreign:
         r = foreign[0]
         return (f"the workflow is locked by a Snakemake started on host {r.get('host')} (pid "
                 f"{str(r.get('token', '?')).split(':')[0]}, {r.get('started_at')}); if it is no longer running, "
-                f"run `{unlock_command(argv)}` once, then your command again")
+                f"run `{unlock_command(argv)}` once, then your command again with --rerun-incomplete"), False
     if any(alive(r.get("token", "0:")) for _, r in records):
-        return None  # a live run owns it: Snakemake's lock error is right
+        return None, False  # a live run owns it: Snakemake's lock error is right
     newest = max(p.stat().st_mtime for p, _ in records)
     if any(lk.stat().st_mtime > newest + MTIME_SLACK_S for lk in locks):
         return (f"the workflow is locked, and the Snakemake that last recorded itself here is gone; if no other "
-                f"Snakemake runs in this folder, run `{unlock_command(argv)}` once, then your command again")
+                f"Snakemake runs in this folder, run `{unlock_command(argv)}` once, then your command again with "
+                "--rerun-incomplete"), False
     import shutil
 
     shutil.rmtree(Path(workdir, LOCKS_DIR), ignore_errors=True)
     pids = ", ".join(str(r.get("token", "?")).split(":")[0] for _, r in records)
     for path, _ in records:
         path.unlink(missing_ok=True)
-    return (f"removed the lock left by a killed Snakemake (pid {pids} on this host, no longer running); "
-            "this run resumes its work (incomplete outputs are rerun)")
+    return f"removed the lock left by a killed Snakemake (pid {pids} on this host, no longer running)", True
+
+
+def rerun_incomplete_argv(argv: Sequence[str]) -> list[str] | None:
+    """The ``execv`` arguments of this Snakemake command with ``--rerun-incomplete`` added, or None when it
+    has it already (``--rerun-incomplete`` / ``--ri``) or this is not Snakemake's command line (an API call).
+
+    Snakemake reads the Snakefile before its DAG settings exist, so the flag can only be given to a new
+    process; the flag is appended (an option word: it also ends a preceding multi-value option such as
+    ``--resources``)."""
+    words = list(argv)
+    if not words or any(w in ("--rerun-incomplete", "--ri") for w in words):
+        return None
+    prog = Path(words[0])
+    if prog.name == "__main__.py" and prog.parent.name == "snakemake":
+        return [sys.executable, "-m", "snakemake", *words[1:], "--rerun-incomplete"]
+    if prog.name == "snakemake":
+        return [sys.executable, str(prog), *words[1:], "--rerun-incomplete"]
+    return None
 
 
 def check_config_files(files: Iterable[str | os.PathLike], argv: Sequence[str], snakefile_dir) -> None:

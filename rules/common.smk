@@ -23,6 +23,7 @@ from dflash_eval.config import describe_validation_error
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.options import RUNTIME_ENV
+from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
 from dflash_eval.workflow_guard import (
     check_config_files,
@@ -30,6 +31,7 @@ from dflash_eval.workflow_guard import (
     owner_export,
     record_owner,
     release_stale_lock,
+    rerun_incomplete_argv,
 )
 
 def _shown(path):
@@ -56,7 +58,19 @@ CONFIG_FILES = (
 # owner is provably gone, else explained (dflash_eval/workflow_guard.py).
 MAIN_PROCESS = workflow.exec_mode == ExecMode.DEFAULT
 if MAIN_PROCESS:
-    _lock_note = release_stale_lock(sys.argv)
+    _lock_note, _released = release_stale_lock(sys.argv)
+    _again = rerun_incomplete_argv(sys.argv) if _released else None
+    if _again:
+        # the dead run's unfinished jobs are the outputs Snakemake marks incomplete: the same command
+        # goes on as with --rerun-incomplete (set in every profile and make demo); the lock is gone already
+        logger.warning(f"dflash-eval: {_lock_note}; going on with --rerun-incomplete to rerun the jobs it left unfinished")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(_again[0], _again)
+    elif _released:
+        _lock_note += ("; this run reruns the jobs it left unfinished (--rerun-incomplete)"
+                       if {"--rerun-incomplete", "--ri"} & set(sys.argv) else
+                       "; the jobs it left unfinished are rerun only with --rerun-incomplete")
     if _lock_note:
         logger.warning(f"dflash-eval: {_lock_note}")
 
@@ -104,6 +118,7 @@ if config["generation"]["endpoint"].get("api_key"):
 # start time) for the jobs' watchdog (dflash_eval/watchdog.py), in the main process only.
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
+    parts.append(f"export {SEALED_ENV}=1;")  # its prompts/completions files are sealed: unsealed ones are refused
     parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
     if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/gpu_pool.py)
         parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")

@@ -39,7 +39,7 @@ def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
     assert "dup.yaml" in out and "evaluate: defined twice, on line 2 and on line 4" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b"])
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101])
 def test_names_that_leave_results_are_refused(name, tmp_path):
     from dflash_eval.checkpoint_plan import checkpoint_table
     from dflash_eval.plan import check_names
@@ -47,6 +47,7 @@ def test_names_that_leave_results_are_refused(name, tmp_path):
     base = {"run": "r", "target": {"name": "t"}, "prompt_sets": {"p": {}}}
     check_names(base)  # fine
     check_names({**base, "run": "v1.2"})  # a dot inside is fine
+    check_names({**base, "run": "".join(chr(97 + i % 26) for i in range(100))})  # 100 characters are fine
     for cfg, where in [({**base, "run": name}, "run"), ({**base, "target": {"name": name}}, "target.name"),
                        ({**base, "prompt_sets": {name: {}}}, f"prompt_sets.{name}")]:
         with pytest.raises(InputError) as err:
@@ -56,6 +57,29 @@ def test_names_that_leave_results_are_refused(name, tmp_path):
     ck.write_bytes(b"x")
     with pytest.raises(InputError, match="may not start with '.'"):
         checkpoint_table({"list": [{"name": name, "path": str(ck)}]})
+
+
+@pytest.mark.parametrize("name, unit, times", [("ck-" + "0" * 20, "0", 20), ("b" * 40, "b", 40),
+                                               ("step-" + "ab" * 25, "ab", 25)])
+def test_names_snakemake_would_take_for_a_recursion_are_refused(name, unit, times, tmp_path):
+    """A wildcard value ending in a unit repeated >= 20 times makes Snakemake plan no job for it (its
+    PeriodicityDetector), so such a checkpoint would be left out with exit 0: refused at parse time."""
+    from snakemake.io import PeriodicityDetector
+
+    from dflash_eval.checkpoint_plan import checkpoint_table
+    from dflash_eval.plan import check_names
+
+    assert PeriodicityDetector().is_periodic(name)  # Snakemake's own detector agrees
+    assert not PeriodicityDetector().is_periodic("ck-" + "0" * 19)
+    check_names({"run": "ck-" + "0" * 19, "target": {"name": "t"}, "prompt_sets": {"p": {}}})  # 19 are fine
+    ck = tmp_path / "c.pt"
+    ck.write_bytes(b"x")
+    with pytest.raises(InputError) as err:
+        checkpoint_table({"list": [{"name": name, "path": str(ck)}]})
+    assert f"ends in {unit!r} repeated {times} times" in err.value.problem
+    with pytest.raises(InputError) as err:
+        check_names({"run": name, "target": {"name": "t"}, "prompt_sets": {"p": {}}})
+    assert err.value.field == "run" and "runaway recursion" in err.value.problem
 
 
 def test_cli_threads_chosen_as_the_workflow_does(monkeypatch):
@@ -101,3 +125,15 @@ def test_watchdog_stops_a_job_whose_owner_is_gone():
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert proc.stdout.startswith("stopped after") and float(proc.stdout.split()[2]) < 3
     assert "is gone: stopping" in proc.stderr
+
+
+def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_lines():
+    from dflash_eval.workflow_guard import rerun_incomplete_argv
+
+    main = str(Path("/venv/lib/python3.11/site-packages/snakemake/__main__.py"))
+    assert rerun_incomplete_argv([main, "--cores", "1", "--resources", "gpu=1"]) == [
+        sys.executable, "-m", "snakemake", "--cores", "1", "--resources", "gpu=1", "--rerun-incomplete"]
+    assert rerun_incomplete_argv(["/venv/bin/snakemake", "all"]) == [
+        sys.executable, "/venv/bin/snakemake", "all", "--rerun-incomplete"]
+    assert rerun_incomplete_argv([main, "--ri"]) is None and rerun_incomplete_argv([main, "--rerun-incomplete"]) is None
+    assert rerun_incomplete_argv(["/usr/bin/python", "my_driver.py"]) is None and rerun_incomplete_argv([]) is None

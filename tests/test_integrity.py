@@ -117,6 +117,46 @@ def test_completions_rows_deleted_moved_or_unsealed_are_refused(pipeline, tmp_pa
     assert words in e.problem
 
 
+def _unsealed(lines: list[str], edit_row: int) -> str:
+    """Every row's checksums and place removed, then one completion id or prompt id changed."""
+    out = []
+    for k, line in enumerate(lines):
+        row = {key: v for key, v in json.loads(line).items()
+               if key not in ("ids_sha256", "row_sha256", "row_index", "n_rows")}
+        ids = "completion_ids" if "completion_ids" in row else "prompt_ids"
+        if k == edit_row:
+            row[ids] = row[ids][:-1] + [row[ids][-1] + 1]
+        out.append(json.dumps(row) + "\n")
+    return "".join(out)
+
+
+def test_inside_the_workflow_an_unsealed_prompts_or_completions_file_is_refused(
+        pipeline, tmp_path, monkeypatch, caplog):  # noqa: F811
+    """Every row's checksums stripped (then a token changed): a direct CLI call reads it with a warning (a
+    hand-written or old file); a workflow job (the shell prefix sets the variable) refuses it."""
+    from dflash_eval.completions_file import read_completions
+    from dflash_eval.prompts import read_prompts
+    from dflash_eval.row_checksum import SEALED_ENV
+
+    comp = tmp_path / "c.jsonl"
+    comp.write_text(_unsealed(_lines(pipeline["dir"] / "c.jsonl"), 1), encoding="utf-8")
+    prom = tmp_path / "p.jsonl"
+    prom.write_text(_unsealed(_lines(_sealed_prompts(tmp_path)), 0), encoding="utf-8")
+    monkeypatch.delenv(SEALED_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        assert len(read_completions(comp)) == 3 and read_prompts(prom)[0]["prompt_ids"] == [1, 40, 3]
+    assert sum("read unverified" in m for m in caplog.messages) == 2
+    monkeypatch.setenv(SEALED_ENV, "1")
+    for read, path, field, fix in [(read_completions, comp, "line 1: ids_sha256", "regenerate the completions"),
+                                   (read_prompts, prom, "line 1: row_sha256", "'prompts' stage")]:
+        with pytest.raises(InputError) as err:
+            read(path)
+        assert Path(err.value.file) == path and err.value.field == field and fix in err.value.fix
+        assert "rewritten after that stage" in err.value.problem
+    smk = (Path(__file__).resolve().parents[1] / "rules" / "common.smk").read_text()
+    assert 'parts.append(f"export {SEALED_ENV}=1;")' in smk  # every job of the workflow runs with it
+
+
 def _sealed_prompts(tmp_path: Path) -> Path:
     from dflash_eval.prompts import write_prompts
 

@@ -1022,3 +1022,47 @@ def test_sigkill_of_snakemake_stops_its_job_and_the_same_command_resumes(tmp_pat
     got = json.loads((wd / goal).read_text())
     assert got["tau"] == want["tau"] and got["tau"] > 1.0  # the trained drafter accepts drafts
     assert [s["acceptance_lengths"] for s in got["samples"]] == [s["acceptance_lengths"] for s in want["samples"]]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cwd").exists(), reason="needs Linux /proc to find the job")
+def test_a_job_that_finished_after_its_snakemake_died_is_rerun_by_the_plain_command(tmp_path):
+    """The plain command (no profile, no --rerun-incomplete) after a Snakemake that died while its job was
+    finishing: the job's output exists but Snakemake never recorded it, so it is marked incomplete (Snakemake
+    alone stops with IncompleteFilesException). The released stale lock turns rerun-incomplete on: the same
+    command reruns that job and ends with the same completions."""
+    import signal
+    import time
+
+    goal = "results/killed/completions/set_a.jsonl"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-m", "snakemake", goal, "--cores", "2", "--resources", "gpu=1"]
+    wd = _sigkill_workdir(tmp_path / "wf", 4)
+    proc = subprocess.Popen(command, cwd=wd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t0 = time.monotonic()
+    try:
+        while not _jobs(wd, "completions"):
+            assert proc.poll() is None, "snakemake ended before its completions job started"
+            assert time.monotonic() - t0 < 900, "no completions job"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGSTOP)  # Snakemake frozen (alive for the job's watchdog): the job finishes
+        while _jobs(wd, "completions"):
+            assert time.monotonic() - t0 < 900, "the completions job did not finish"
+            time.sleep(0.1)
+        assert (wd / goal).exists(), "the completions job ended without its output"
+        proc.send_signal(signal.SIGKILL)  # ... and dies before it saw its job finish
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    first = (wd / goal).read_bytes()
+
+    rerun = subprocess.run(command, cwd=wd, env=env, capture_output=True, text=True, timeout=1800)
+    text = rerun.stdout + rerun.stderr
+    assert rerun.returncode == 0, text[-4000:]
+    assert "IncompleteFilesException" not in text
+    assert "removed the lock left by a killed Snakemake" in text and "going on with --rerun-incomplete" in text
+    assert re.search(r"rule completions:", text), text[-4000:]  # the job ran again
+    assert (wd / goal).read_bytes() == first
