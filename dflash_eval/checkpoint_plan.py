@@ -44,6 +44,21 @@ def name_problem(name: str) -> str | None:
     return None
 
 
+def check_names(config: dict) -> None:
+    """Refuse run, target and prompt-set names that cannot name a folder (``..`` would leave ``results/``)
+    or a wildcard value (:func:`name_problem`).
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for where, name in [("run", config["run"]), ("target.name", config["target"]["name"])] + [
+            (f"prompt_sets.{n}", n) for n in config["prompt_sets"]]:
+        problem = name_problem(str(name))
+        if problem:
+            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it {problem}",
+                             "rename it (e.g. 'my-run')")
+
+
 def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     """One row per checkpoint name, sorted by name: ``{name: {path, kind, ...entry}}``.
 

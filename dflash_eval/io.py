@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -139,3 +140,19 @@ def read_json_object(path: str | Path, what: str, fix: str = "fix the file") -> 
     if not isinstance(obj, dict):
         raise InputError(path, None, f"{what} is a JSON {type(obj).__name__}, not an object", fix)
     return obj
+
+
+def write_text_if_changed(path: str | Path, text: str) -> bool:
+    """Write ``text`` to ``path`` (UTF-8, temp file + rename, folders made) unless it holds exactly that
+    already, so its mtime changes only with its content; True if written."""
+    path = Path(path)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return False
+    except (OSError, UnicodeDecodeError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return True

@@ -27,10 +27,11 @@ from .checkpoint_plan import (
     check_checkpoint_configs,
     checkpoint_table,
     demo_args,
-    name_problem,
+    check_names,
     strip_args,
 )
 from .errors import InputError
+from .io import write_text_if_changed
 from .sampling_plan import (
     setting_key,
     check_sampling_settings,
@@ -233,6 +234,17 @@ class Plan:
         """Every evaluate output of the run: exactly the configured (checkpoint, prompt set) pairs."""
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
                 for c in self.checkpoints for p in self.prompt_sets]
+
+    def planned_evaluations(self, run: str | None = None) -> str:
+        """``results/<run>/planned_evaluations.txt``: the run's evaluate outputs, one per line, an input of
+        ``summary`` rewritten when they change (:meth:`write_planned_evaluations`). Without Snakemake's
+        metadata (copied results, ``rm -rf .snakemake``) a checkpoint or prompt set added to a finished run
+        was never run ("Nothing to be done"); this file's mtime reruns ``summary`` and the new jobs."""
+        return os.path.join("results", run or self.run, "planned_evaluations.txt")
+
+    def write_planned_evaluations(self) -> bool:
+        """Write :meth:`planned_evaluations` when its content differs; True if written."""
+        return write_text_if_changed(self.planned_evaluations(), "".join(f"{e}\n" for e in self.evaluations()))
 
     def prompt_metas(self, run: str | None = None) -> list[str]:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
@@ -514,21 +526,6 @@ class Plan:
         args += ["--costs", costs[0]] if costs else []
         args += ["--config-sha256", self.config_sha256]
         return " ".join(shlex.quote(str(a)) for a in args)
-
-
-def check_names(config: dict) -> None:
-    """Refuse run, target and prompt-set names that cannot name a folder (``..`` would leave ``results/``)
-    or a wildcard value (:func:`dflash_eval.checkpoint_plan.name_problem`).
-
-    Raises:
-        InputError: naming the entry.
-    """
-    for where, name in [("run", config["run"]), ("target.name", config["target"]["name"])] + [
-            (f"prompt_sets.{n}", n) for n in config["prompt_sets"]]:
-        problem = name_problem(str(name))
-        if problem:
-            raise InputError("config", where, f"{name!r}: a name becomes a folder or file name, so it {problem}",
-                             "rename it (e.g. 'my-run')")
 
 
 def build_plan(config: dict) -> Plan:

@@ -95,6 +95,9 @@ except InputError as err:
         f"config ({CONFIG_FILES}): {err.field}: {err.problem}. Fix: {err.fix}"
     )
 
+if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations change (rerun without metadata)
+    PLAN.write_planned_evaluations()
+
 RUN = PLAN.run
 PROMPT_SETS = PLAN.prompt_sets
 TARGET = PLAN.target

@@ -40,6 +40,7 @@ rule summary:
     input:
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         costs=PLAN.target_costs_outputs(),
+        planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],
     output:
         csv=report(
             "results/{run}/tau.csv",

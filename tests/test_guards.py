@@ -42,7 +42,7 @@ def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
 @pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101])
 def test_names_that_leave_results_are_refused(name, tmp_path):
     from dflash_eval.checkpoint_plan import checkpoint_table
-    from dflash_eval.plan import check_names
+    from dflash_eval.checkpoint_plan import check_names
 
     base = {"run": "r", "target": {"name": "t"}, "prompt_sets": {"p": {}}}
     check_names(base)  # fine
@@ -67,7 +67,7 @@ def test_names_snakemake_would_take_for_a_recursion_are_refused(name, unit, time
     from snakemake.io import PeriodicityDetector
 
     from dflash_eval.checkpoint_plan import checkpoint_table
-    from dflash_eval.plan import check_names
+    from dflash_eval.checkpoint_plan import check_names
 
     assert PeriodicityDetector().is_periodic(name)  # Snakemake's own detector agrees
     assert not PeriodicityDetector().is_periodic("ck-" + "0" * 19)

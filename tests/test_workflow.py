@@ -699,6 +699,29 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
     assert len(csv) == 10 and set(csv.checkpoint) == {"step100", "step200", "demo-step50", "trained", "new-ckpt"}
 
 
+@pytest.mark.slow
+def test_a_checkpoint_added_to_copied_results_without_snakemake_metadata_is_evaluated(tiny_run, tmp_path):
+    """Results copied without .snakemake/ (a fresh clone, or `rm -rf .snakemake` to clear a lock): Snakemake
+    cannot see that summary's inputs grew, and used to say "Nothing to be done" for an added checkpoint.
+    results/<run>/planned_evaluations.txt (rewritten when the planned evaluations change) reruns summary."""
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    planned = wd / "results" / "tiny" / "planned_evaluations.txt"
+    assert planned.read_text().splitlines() == sorted(
+        f"results/tiny/eval/{c}/{p}.json" for c in ("demo-step50", "step100", "step200", "trained")
+        for p in ("set_a", "set_b"))
+    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    cfg = yaml.safe_load((wd / "config" / "config.yaml").read_text())
+    cfg["checkpoints"]["list"].append({"name": "again", "path": "trained/step300"})
+    _write_config(wd, cfg)
+    jobs = planned_jobs((lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE))))
+    assert not {r for r, _ in jobs} & (TARGET_RULES | {"demo_checkpoint"}), jobs
+    assert {("strip_drafter", "run=tiny, ckpt=again"), ("evaluate", "run=tiny, ckpt=again, prompt_set=set_a"),
+            ("evaluate", "run=tiny, ckpt=again, prompt_set=set_b"), ("summary", "run=tiny"),
+            ("report", "run=tiny")} <= set(jobs), jobs
+    assert "results/tiny/eval/again/set_a.json" in planned.read_text()
+
+
 # --------------------------------------------------------------------------- stale results, late checks, reruns
 
 
