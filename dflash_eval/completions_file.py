@@ -112,6 +112,7 @@ class PartialCompletions:
                     raise InputError(self.path, "key", "partial completions from an interrupted run with other settings: "
                                      + _key_diff(header.get("key") or {}, self.key),
                                      f"delete {self.path} to start over, or rerun with the settings it was made with")
+                failed = []
                 for n, line in enumerate(lines[1:], 2):
                     try:
                         row = json.loads(line)
@@ -119,7 +120,17 @@ class PartialCompletions:
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise InputError(self.path, f"line {n}", "not a completions row",
                                          f"delete {self.path} to start over") from None
+                    try:  # the stage seals every row it appends: one that fails (or lacks) its checksums is redone
+                        sealed = check_row(self.path, n, row) == "row"
+                    except (InputError, KeyError, TypeError, ValueError):
+                        sealed = False
+                    if not sealed:
+                        failed.append(rid)
+                        continue
                     done.setdefault(rid, line)
+                if failed:
+                    log.warning("%s: %d row(s) fail their checksums (edited or damaged since they were written: %s): "
+                                "generated again", self.path, len(failed), ", ".join(map(repr, failed[:5])))
         if not self.path.exists():
             with atomic_path(self.path) as tmp:
                 tmp.write_text(json.dumps({"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "key": self.key})

@@ -66,6 +66,7 @@ from pathlib import Path
 
 from .cost_stats import assess
 from .errors import InputError
+from .row_checksum import check_document
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ def read_costs(path) -> dict:
     if data.get("format") != FORMAT or data.get("format_version") not in READABLE_VERSIONS:
         raise InputError(path, "format", f"expected {FORMAT} v{FORMAT_VERSION}, got {data.get('format')} "
                          f"v{data.get('format_version')}", "re-run the target_costs rule")
+    if not check_document(path, data, "target_costs", "re-run the target_costs rule (snakemake -R target_costs), or "
+                          "restore an intact copy"):
+        log.warning("%s: no content_sha256 (written before it): read unverified", path)
     return data
 
 

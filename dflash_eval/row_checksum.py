@@ -58,6 +58,39 @@ def row_sha256(row: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+#: the checksum of a whole JSON output (an evaluate output, ``target_costs.json``) over its other keys
+DOC_FIELD = "content_sha256"
+
+
+def content_sha256(doc: dict) -> str:
+    """:func:`row_sha256` of a JSON document without its ``content_sha256`` (same canonical text)."""
+    return row_sha256({k: v for k, v in doc.items() if k != DOC_FIELD})
+
+
+def seal_document(doc: dict) -> dict:
+    """``doc`` with ``content_sha256`` added last (what ``evaluate`` and ``target_costs`` write)."""
+    return {**doc, DOC_FIELD: content_sha256(doc)}
+
+
+def check_document(path, doc: dict, stage: str, fix: str) -> bool:
+    """Compare a JSON output's ``content_sha256`` with its content.
+
+    Returns:
+        True when it carries one and it matches; False when it carries none (written before it: the
+        caller warns).
+
+    Raises:
+        InputError: ``(path, "content_sha256", ...)`` when a value changed after ``stage`` wrote it.
+    """
+    want = doc.get(DOC_FIELD)
+    if want is None:
+        return False
+    if content_sha256(doc) != want:
+        raise InputError(path, DOC_FIELD, f"its content does not match its checksum: a value (or a key) changed after "
+                         f"the {stage} stage wrote it", fix)
+    return True
+
+
 def seal(row: dict) -> dict:
     """``row`` with ``row_sha256`` added last (a prompts row, :func:`dflash_eval.prompts.write_prompts`)."""
     return {**row, ROW_FIELD: row_sha256(row)}

@@ -107,6 +107,7 @@ import pandas as pd
 
 from .errors import InputError
 from .io import read_json_object
+from .row_checksum import check_document
 from .metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 
 #: the settings of an evaluate output written before sampling settings existed: greedy only
@@ -170,6 +171,9 @@ def read_eval(path) -> dict:
         raise InputError(path, None, "evaluate output not found",
                          "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
     r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
+    if not check_document(path, r, "evaluate", "re-run its evaluate job (snakemake -R evaluate), or restore an intact "
+                          "copy"):
+        log.warning("%s: no content_sha256 (written before it): read unverified", path)
     missing = [k for k in EVAL_KEYS if k not in r]
     if not missing and (not isinstance(r["samples"], list)
                         or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):

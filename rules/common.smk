@@ -19,7 +19,7 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
-from dflash_eval.config import describe_validation_error
+from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.options import RUNTIME_ENV
@@ -88,6 +88,12 @@ except WorkflowError as err:
         f"config ({CONFIG_FILES}): {entry}: {problem}. Fix: correct that entry; "
         "config/schemas/config.schema.yaml describes every option, its type and its default."
     ) from None
+_non_finite = non_finite_entry(config)
+if _non_finite:
+    raise WorkflowError(
+        f"config ({CONFIG_FILES}): {_non_finite}: not a finite number (.nan / .inf). Fix: give a finite value; "
+        "config/schemas/config.schema.yaml describes every option, its type and its default."
+    )
 try:
     PLAN = build_plan(config)
 except InputError as err:

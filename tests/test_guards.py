@@ -37,6 +37,10 @@ def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "dup.yaml" in out and "evaluate: defined twice, on line 2 and on line 4" in out, out[-3000:]
+    (wd / "nan.yaml").write_text("generation:\n  sampling: {temperature: .nan}\n")
+    proc = smk(wd, "-n", "--configfile", "nan.yaml", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "generation.sampling.temperature: not a finite number" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101])
@@ -137,3 +141,14 @@ def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_
         sys.executable, "/venv/bin/snakemake", "all", "--rerun-incomplete"]
     assert rerun_incomplete_argv([main, "--ri"]) is None and rerun_incomplete_argv([main, "--rerun-incomplete"]) is None
     assert rerun_incomplete_argv(["/usr/bin/python", "my_driver.py"]) is None and rerun_incomplete_argv([]) is None
+
+
+def test_a_non_finite_number_in_the_config_is_named():
+    """YAML .nan / .inf pass JSON Schema's minimum/maximum (NaN compares false): named by its path."""
+    from dflash_eval.config import non_finite_entry
+
+    assert non_finite_entry({"generation": {"sampling": {"temperature": 0.7}}, "evaluate": {"sampling": [{}]}}) is None
+    assert non_finite_entry({"generation": {"sampling": {"temperature": float("nan")}}}) == \
+        "generation.sampling.temperature"
+    assert non_finite_entry({"evaluate": {"sampling": [{"temperature": 0}, {"temperature": float("inf")}]}}) == \
+        "evaluate.sampling[1].temperature"

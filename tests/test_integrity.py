@@ -193,3 +193,43 @@ def test_prompts_written_by_the_stage_are_sealed_and_verified(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="dflash_eval"):
         assert read_prompts(hand)[0]["prompt_ids"] == [1, 2]
     assert sum("read unverified" in m and "row_sha256" in m for m in caplog.messages) == 1
+
+
+def test_evaluate_outputs_and_target_costs_carry_a_verified_content_checksum(pipeline, tmp_path, caplog):  # noqa: F811
+    """An acceptance length, a step or a sample dropped in an eval JSON, or a cost scaled in target_costs.json,
+    used to reach tau.csv and the report unchecked: now refused naming the file and content_sha256."""
+    from dflash_eval.costs import read_costs
+    from dflash_eval.row_checksum import seal_document
+    from dflash_eval.tau_table import read_eval
+
+    d = pipeline["dir"]
+    _evaluate(pipeline, d / "c.h5", out="sealed.json")
+    path = d / "sealed.json"
+    r = read_eval(path)
+    assert len(r["content_sha256"]) == 64
+    edits = {"acceptance": lambda x: x["samples"][0].update(acceptance_lengths=[8] * 4),
+             "step": lambda x: x.update(step=5000), "dropped": lambda x: x["samples"].pop()}
+    for name, edit in edits.items():
+        x = json.loads(path.read_text())
+        edit(x)
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(json.dumps(x, indent=1))
+        with pytest.raises(InputError) as err:
+            read_eval(bad)
+        assert Path(err.value.file) == bad and err.value.field == "content_sha256", name
+        assert "changed after the evaluate stage wrote it" in err.value.problem and "-R evaluate" in err.value.fix
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "content_sha256"}  # an older version's file
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        assert read_eval(tmp_path / "old.json")["tau"] == r["tau"]
+    assert any("no content_sha256 (written before it): read unverified" in m for m in caplog.messages)
+
+    from dflash_eval.costs import FORMAT, FORMAT_VERSION
+
+    costs = seal_document({"format": FORMAT, "format_version": FORMAT_VERSION, "decode_s": 0.01})
+    (tmp_path / "costs.json").write_text(json.dumps(costs))
+    assert read_costs(tmp_path / "costs.json")["decode_s"] == 0.01
+    (tmp_path / "costs.json").write_text(json.dumps({**costs, "decode_s": 0.1}))
+    with pytest.raises(InputError) as err:
+        read_costs(tmp_path / "costs.json")
+    assert err.value.field == "content_sha256" and "target_costs stage" in err.value.problem

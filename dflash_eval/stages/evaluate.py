@@ -34,6 +34,7 @@ from ..expected import response_expectations, target_token_probs
 from ..metrics import aggregate, aggregate_expected, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
+from ..row_checksum import seal_document
 from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
 from ..sampling import SamplingSetting
 from ..selector_replay import walks
@@ -146,6 +147,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
+    result = seal_document(result)  # content_sha256, verified by every reader (tau_table.read_eval)
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
     log.info("evaluate %s on %s: tau %.4f over %d samples (%d verify steps, %.1f s, %.0f tok/s, %s %s, %s replay)",

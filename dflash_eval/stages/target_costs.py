@@ -29,6 +29,7 @@ from ..costs import FORMAT, FORMAT_VERSION, FORMULA
 from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterConfig
 from ..errors import InputError, atomic_path
+from ..row_checksum import seal_document
 from ..runtime import dtype_name, resolve_device, resolve_dtype
 from ..target import load_target, target_info
 from ..target_spec import TargetSpec
@@ -249,6 +250,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
     if not verdict["reliable"]:
         log.warning("the speedup estimate is unreliable (spread bound %.0f%%): %s", 100 * verdict["bound"],
                     "; ".join(verdict["reasons"]))
+    result = seal_document(result)  # content_sha256, verified by costs.read_costs
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
     log.info("target costs on %s (%s, %s) -> %s", result["device_name"], result["device"], result["dtype"], out)
