@@ -57,6 +57,21 @@ UNVERIFIED_WARNING = ("%s: weights read unverified: no strip_info.json; strip th
                       "rule to have them verified")
 
 
+def check_source(folder: Path, checkpoint: str) -> None:
+    """Refuse a stripped folder whose ``strip_info.json`` names another source than ``checkpoint`` (the path
+    its strip job was given: the workflow passes it to ``evaluate``), e.g. another checkpoint's folder
+    copied in its place. A folder without ``strip_info.json`` is not checked (read with a warning).
+
+    Raises:
+        InputError: ``(<folder>/strip_info.json, "source", ...)`` naming both sources; as :func:`read_strip_info`.
+    """
+    info = read_strip_info(Path(folder))
+    if info and str(info.get("source")) != str(checkpoint):
+        raise InputError(Path(folder) / "strip_info.json", "source", f"stripped from {info.get('source')!r}, but the "
+                         f"checkpoint evaluated under this name is {str(checkpoint)!r}: the folder holds another "
+                         "checkpoint's drafter", RESTRIP_FIX)
+
+
 def read_strip_info(folder: Path) -> dict:
     """``folder/strip_info.json``, verified against its ``info_sha256`` (``{}`` when the file is absent).
 

@@ -243,6 +243,41 @@ def load_embed_and_head(target: "str | Path | TargetSpec"):
     if head.shape != embed.shape:
         raise InputError(target_dir, head_key, f"LM head shape {tuple(head.shape)} != embedding shape {tuple(embed.shape)}",
                          "use a target whose lm_head and embed_tokens have the same vocabulary")
+    _check_tensors(spec, {embed_key: embed} if head is embed else {embed_key: embed, head_key: head})
     log.debug("embed %s %s, head %s %s (tied: %s) from %s", embed_key, tuple(embed.shape), head_key,
               tuple(head.shape), head is embed, target_dir)
     return embed, head
+
+
+def tensor_sha256(t) -> str:
+    """Hex sha256 of a tensor's bytes as stored (contiguous, native byte order; bf16 viewed as bytes, no copy)."""
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _check_tensors(spec: TargetSpec, tensors: dict) -> None:
+    """Compare the embedding / LM head just read with the ``tensors_sha256`` of the fingerprint record.
+
+    The record's whole-file sha256 is reused while the files' sizes and mtimes match (hashing a 54 GB
+    target per job would take minutes), so bytes that changed in place with their mtime kept (bit rot,
+    a copy that restores times) would pass: the tensors every drafter stage reads are hashed as they
+    are read (about 1 s per GB) and compared. Records without ``tensors_sha256`` (older ones) are not.
+
+    Raises:
+        InputError: ``(<weight file>, <key>, ...)`` when a tensor's bytes differ from the record's.
+    """
+    if spec.fingerprint_file is None:
+        return
+    try:
+        rec = json.loads(Path(spec.fingerprint_file).read_text(encoding="utf-8"))
+        want = rec.get("tensors_sha256") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: weights_sha256 warns and rehashes
+    for key, t in tensors.items():
+        if key in want and tensor_sha256(t) != want[key]:
+            raise InputError(_key_locations(spec).get(key, spec.path), key, "its bytes differ from the sha256 the "
+                             f"target_fingerprint rule recorded in {spec.fingerprint_file}, although the weight files' "
+                             "sizes and mtimes did not change: the weights were damaged on disk (bit rot, a bad copy)",
+                             "restore the target's weights (copy or convert them again), then rerun "
+                             "(snakemake -R target_fingerprint)")

@@ -206,6 +206,22 @@ def rerun_incomplete_argv(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+def metadata_gone(run_dir: str | os.PathLike, workdir: str | os.PathLike = ".") -> str | None:
+    """What to tell the user when ``run_dir`` holds outputs but Snakemake's metadata (``.snakemake/metadata``)
+    is gone (copied results, a fresh clone, ``rm -rf .snakemake``), else None.
+
+    Snakemake reruns a job for a changed option (params), code or input set only from that metadata;
+    without it only missing or older files rerun. A checkpoint or prompt set added still runs
+    (``planned_evaluations.txt``); an option changed since the outputs were made does not."""
+    meta = Path(workdir, ".snakemake", "metadata")
+    if not Path(run_dir, "tau.csv").exists() or (meta.is_dir() and any(meta.iterdir())):
+        return None
+    return (f"{run_dir} holds results but Snakemake's records of how they were made (.snakemake/metadata) are gone "
+            "(copied results or a removed .snakemake): an option changed since they were made will not rerun the "
+            "jobs it affects (added checkpoints and prompt sets still run). If you changed options, rerun those stages "
+            "(e.g. --forcerun evaluate, or -R completions for generation options)")
+
+
 def check_config_files(files: Iterable[str | os.PathLike], argv: Sequence[str], snakefile_dir) -> None:
     """:func:`check_yaml_files` of the config files and the profile files in use (:func:`profile_files`).
 

@@ -31,6 +31,7 @@ from dflash_eval.workflow_guard import (
     owner_export,
     record_owner,
     release_stale_lock,
+    metadata_gone,
     rerun_incomplete_argv,
 )
 
@@ -103,6 +104,9 @@ except InputError as err:
 
 if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations change (rerun without metadata)
     PLAN.write_planned_evaluations()
+    _gone = metadata_gone(PLAN.run_path())
+    if _gone:
+        logger.warning(f"dflash-eval: {_gone}")
 
 RUN = PLAN.run
 PROMPT_SETS = PLAN.prompt_sets

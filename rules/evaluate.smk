@@ -29,8 +29,9 @@ rule evaluate:
         drafter=lambda wildcards, input: os.path.dirname(input.drafter_weights),
         target=target_dir,
         options=lambda wildcards: PLAN.stage_flags("evaluate", wildcards.prompt_set),
+        checkpoint=lambda wildcards: CHECKPOINTS[wildcards.ckpt]["path"],
     shell:
-        "python -m dflash_eval evaluate --drafter {params.drafter:q}"
+        "python -m dflash_eval evaluate --drafter {params.drafter:q} --checkpoint-source {params.checkpoint:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --target-fingerprint {input.fingerprint:q} {params.options}"
         " --out {output:q} > {log:q} 2>&1"

@@ -152,3 +152,17 @@ def test_a_non_finite_number_in_the_config_is_named():
         "generation.sampling.temperature"
     assert non_finite_entry({"evaluate": {"sampling": [{"temperature": 0}, {"temperature": float("inf")}]}}) == \
         "evaluate.sampling[1].temperature"
+
+
+def test_results_without_snakemake_metadata_are_named(tmp_path):
+    """Snakemake reruns a job for a changed option only from .snakemake/metadata: without it, say so."""
+    from dflash_eval.workflow_guard import metadata_gone
+
+    run = tmp_path / "results" / "r"
+    assert metadata_gone(run, tmp_path) is None  # nothing made yet
+    run.mkdir(parents=True)
+    (run / "tau.csv").write_text("checkpoint\n")
+    assert "(.snakemake/metadata) are gone" in metadata_gone(run, tmp_path)
+    (tmp_path / ".snakemake" / "metadata").mkdir(parents=True)
+    (tmp_path / ".snakemake" / "metadata" / "cmVzdWx0cw==").write_text("{}")
+    assert metadata_gone(run, tmp_path) is None

@@ -233,3 +233,26 @@ def test_evaluate_outputs_and_target_costs_carry_a_verified_content_checksum(pip
     with pytest.raises(InputError) as err:
         read_costs(tmp_path / "costs.json")
     assert err.value.field == "content_sha256" and "target_costs stage" in err.value.problem
+
+
+def test_a_drafter_folder_stripped_from_another_checkpoint_is_refused(pipeline, stripped, tmp_path):  # noqa: F811
+    """Another checkpoint's stripped folder (self-consistent checksums) put in this checkpoint's place used to be
+    evaluated under this checkpoint's name and step; evaluate --checkpoint-source (the workflow passes the
+    checkpoint's path) compares it with strip_info.json's source."""
+    from dflash_eval.stages.evaluate import evaluate
+
+    d = pipeline["dir"]
+    source = json.loads((stripped / "strip_info.json").read_text())["source"]
+    assert source == str(d / "drafter")
+    kw = dict(device="cpu", dtype="float32", ddtree_budgets=[])
+    assert evaluate(stripped, d / "c.h5", pipeline["target_dir"], tmp_path / "ok.json", checkpoint_source=source,
+                    **kw)["n_samples"] > 0
+    with pytest.raises(InputError) as err:
+        evaluate(stripped, d / "c.h5", pipeline["target_dir"], tmp_path / "other.json",
+                 checkpoint_source="ckpts/step788.pt", **kw)
+    e = err.value
+    assert Path(e.file) == stripped / "strip_info.json" and e.field == "source"
+    assert f"stripped from {source!r}, but the checkpoint evaluated under this name is 'ckpts/step788.pt'" in e.problem
+    assert not (tmp_path / "other.json").exists()
+    rule = (Path(__file__).resolve().parents[1] / "rules" / "evaluate.smk").read_text()
+    assert "--checkpoint-source {params.checkpoint:q}" in rule  # the workflow passes it to every evaluate job

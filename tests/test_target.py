@@ -281,3 +281,40 @@ def test_fingerprint_record_is_used_while_files_are_unchanged(tmp_path, tiny_unt
     caplog.set_level("WARNING")
     assert TS.weights_sha256(tiny_untied, record=rec) == want
     assert len(calls) == 1 and "does not match the weight files" in caplog.text
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embed_or_head_damaged_in_place_with_its_mtime_kept_is_refused(tiny_untied, tiny_tied, tmp_path, tied):
+    """Bit rot / a time-restoring copy: the weight file's size and mtime match the fingerprint record, so its
+    whole-file sha256 is reused; the embedding and head a drafter stage reads are hashed as read and compared
+    with the record's tensors_sha256 (they used to be trusted: tau 1.0 with exit 0)."""
+    import os
+
+    import torch
+    from safetensors import safe_open
+
+    src = tiny_tied if tied else tiny_untied
+    t = Path(shutil.copytree(src, tmp_path / "t"))
+    rec = write_fingerprint(t, tmp_path / "fp.json")
+    keys = json.loads(rec.read_text())["tensors_sha256"]
+    assert sorted(keys) == (["model.embed_tokens.weight"] if tied else ["lm_head.weight", "model.embed_tokens.weight"])
+    spec = TS.TargetSpec.read(t, fingerprint_file=rec)
+    embed, head = TS.load_embed_and_head(spec)  # intact: read and verified
+    assert TS.tensor_sha256(embed) == keys["model.embed_tokens.weight"]
+    f = t / "model.safetensors"
+    with safe_open(str(f), framework="pt") as fh:
+        want = fh.get_tensor("model.embed_tokens.weight").clone()
+    data = bytearray(f.read_bytes())
+    start = data.find(want.contiguous().view(torch.uint8).numpy().tobytes()[:64])
+    assert start > 0
+    data[start + 1] ^= 0x80  # one sign bit of the embedding, in place
+    st = f.stat()
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert TS.weight_stats([f]) == json.loads(rec.read_text())["files"]  # the record still "matches"
+    with pytest.raises(InputError) as err:
+        TS.load_embed_and_head(TS.TargetSpec.read(t, fingerprint_file=rec))
+    e = err.value
+    assert Path(e.file) == f and e.field == "model.embed_tokens.weight"
+    assert "damaged on disk" in e.problem and "target_fingerprint" in e.fix
+    assert TS.load_embed_and_head(TS.TargetSpec.read(t))[0].shape == embed.shape  # without a record: not checked

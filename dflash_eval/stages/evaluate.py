@@ -28,7 +28,7 @@ from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
 from ..ddtree import replay_with_trees, walk_budgets
 from ..drafter import load_drafter
-from ..drafter_files import read_strip_info
+from ..drafter_files import check_source, read_strip_info
 from ..errors import InputError, atomic_path
 from ..expected import response_expectations, target_token_probs
 from ..metrics import aggregate, aggregate_expected, selector_stats
@@ -57,19 +57,23 @@ def add_arguments(p) -> None:
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--checkpoint-source", default=None, metavar="PATH",
+                   help="the checkpoint the drafter folder was stripped from (the workflow passes it): a folder whose "
+                        "strip_info.json names another source is refused")
     p.add_argument("--out", required=True, help="per-sample results JSON")
 
 
 def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
-             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint)
+             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
+             checkpoint_source=args.checkpoint_source)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
-             **overrides) -> dict:
+             checkpoint_source: str | None = None, **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
     Args:
@@ -91,6 +95,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         checkpoint_name, prompt_set: row labels (default: the drafter folder name, the cache file stem).
         allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
+        checkpoint_source: the checkpoint the folder must have been stripped from
+            (:func:`dflash_eval.drafter_files.check_source`; None: not checked).
         **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
 
     Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
@@ -127,10 +133,12 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
             token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
             greedy completions that are not the target's greedy output (mean agreement below
             ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
-            size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
+            size of 1; a drafter folder stripped from another checkpoint than ``checkpoint_source``; nothing to replay (no sample with a verify step); a sampling setting the cache
             cannot serve (:func:`sampling_settings`).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
+    if checkpoint_source is not None:
+        check_source(Path(drafter_dir), checkpoint_source)
     if block_size is not None and block_size < 2:
         raise InputError(None, "--block-size", f"must be >= 2 (or 0 = the drafter's), got {block_size}",
                          "a block holds the last committed token and at least one mask")

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, atomic_path
-from ..target_spec import FINGERPRINT_FORMAT, TargetSpec, weight_stats, as_spec, weights_sha256
+from ..target_spec import (FINGERPRINT_FORMAT, TargetSpec, as_spec, load_embed_and_head, tensor_sha256, weight_stats,
+                           weights_sha256)
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
 
     Output JSON: ``format`` (``"dflash-eval/target-fingerprint"``), ``sha256``
     (:func:`weights_sha256`), ``files`` (``name``, ``size``, ``mtime_ns`` of each weight file,
-    the key under which later jobs reuse the hash), ``target`` (folder), ``seconds``.
+    the key under which later jobs reuse the hash), ``target`` (folder), ``tensors_sha256`` (key ->
+    :func:`~dflash_eval.target_spec.tensor_sha256` of the embedding and LM head, verified whenever a
+    stage reads them through this record), ``seconds``.
 
     Raises:
         InputError: no ``*.safetensors`` files.
@@ -46,11 +49,22 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     if weight_stats(files) != before:
         raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
                          "rerun when nothing writes to the target folder")
+    embed, head = load_embed_and_head(spec)  # what the drafter stages read: hashed again as they read it
+    tensors = {k: tensor_sha256(t) for k, t in _shared_keys(spec, embed, head).items()}
     rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
-           "seconds": round(time.perf_counter() - t0, 3)}
+           "tensors_sha256": tensors, "seconds": round(time.perf_counter() - t0, 3)}
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
     log.info("target %s: weights sha256 %s -> %s", spec.path, sha, out)
     return Path(out)
 
 
+def _shared_keys(spec, embed, head) -> dict:
+    """``{stored key: tensor}`` of the embedding and (untied) LM head, as :func:`load_embed_and_head` chose them."""
+    from ..target_spec import EMBED_KEYS, HEAD_KEYS, _key_locations
+
+    where = _key_locations(spec)
+    out = {next(k for k in EMBED_KEYS if k in where): embed}
+    if head is not embed:
+        out[next(k for k in HEAD_KEYS if k in where)] = head
+    return out
