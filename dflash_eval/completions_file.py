@@ -245,3 +245,4 @@ def read_completions(path: str | Path, require_sealed: bool | None = None) -> li
     if not rows:
         raise InputError(path, None, "no samples", "check the prompt set and completions stage")
     return rows
+

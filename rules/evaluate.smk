@@ -12,6 +12,7 @@ rule evaluate:
         drafter_config="results/{run}/drafters/{ckpt}/config.json",
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
         cache="results/{run}/cache/{prompt_set}.h5",
+        completions="results/{run}/completions/{prompt_set}.jsonl",
     output:
         "results/{run}/eval/{ckpt}/{prompt_set}.json",
     log:
@@ -32,6 +33,7 @@ rule evaluate:
         checkpoint=lambda wildcards: CHECKPOINTS[wildcards.ckpt]["path"],
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q} --checkpoint-source {params.checkpoint:q}"
+        " --completions {input.completions:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --target-fingerprint {input.fingerprint:q} {params.options}"
         " --out {output:q} > {log:q} 2>&1"

@@ -256,3 +256,41 @@ def test_a_drafter_folder_stripped_from_another_checkpoint_is_refused(pipeline, 
     assert not (tmp_path / "other.json").exists()
     rule = (Path(__file__).resolve().parents[1] / "rules" / "evaluate.smk").read_text()
     assert "--checkpoint-source {params.checkpoint:q}" in rule  # the workflow passes it to every evaluate job
+
+
+def test_a_cache_or_completions_of_other_inputs_copied_in_place_is_refused(pipeline, tmp_path):  # noqa: F811
+    """Valid, self-consistent files of another prompt set / run / config put in this run's place used to be
+    taken for it: evaluate --completions compares the cache's completions_sha256 with the run's completions
+    file, hidden_states --prompts the completions rows with the run's prompts file (the workflow passes both)."""
+    from dflash_eval.completions_file import read_completions, subset_text
+    from dflash_eval.stages.hidden_states import check_generated_from
+    from dflash_eval.prompts import write_prompts
+    from dflash_eval.stages.evaluate import evaluate
+
+    d = pipeline["dir"]
+    kw = dict(device="cpu", dtype="float32", ddtree_budgets=[])
+    assert evaluate(d / "drafter", d / "c.h5", pipeline["target_dir"], tmp_path / "ok.json", completions=d / "c.jsonl",
+                    **kw)["n_samples"] > 0
+    rows = read_completions(d / "c.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text(subset_text(rows[:2]), encoding="utf-8")  # valid completions of another (smaller) set
+    with pytest.raises(InputError) as err:
+        evaluate(d / "drafter", d / "c.h5", pipeline["target_dir"], tmp_path / "no.json", completions=other, **kw)
+    assert Path(err.value.file) == d / "c.h5" and err.value.field == "completions_sha256"
+    assert "a cache of another prompt set, run or config" in err.value.problem and not (tmp_path / "no.json").exists()
+
+    prompt_rows = [{"id": r["id"], "source": "file", "prompt": "", "text": "", "prompt_ids": r["prompt_ids"]}
+                   for r in rows]
+    prompts = write_prompts(prompt_rows, tmp_path / "p.jsonl")
+    check_generated_from(d / "c.jsonl", prompts)  # the prompts they were generated from
+    edited = [dict(p) for p in prompt_rows]
+    edited[1]["prompt_ids"] = edited[1]["prompt_ids"][:-1] + [edited[1]["prompt_ids"][-1] + 1]
+    for name, body, words in [("seed", edited, f"row 2 is {rows[1]['id']!r}, prompt 2 of"),
+                              ("fewer", prompt_rows[:-1], f"{len(rows)} rows for {len(rows) - 1} prompts")]:
+        p = write_prompts(body, tmp_path / f"{name}.jsonl")
+        with pytest.raises(InputError) as err:
+            check_generated_from(d / "c.jsonl", p)
+        assert Path(err.value.file) == d / "c.jsonl" and err.value.field.endswith(": prompt_ids")
+        assert words in err.value.problem and "completions of another prompt set" in err.value.problem, name
+    for rule, flag in [("evaluate.smk", "--completions {input.completions:q}"), ("cache.smk", "--prompts {input.prompts:q}")]:
+        assert flag in (Path(__file__).resolve().parents[1] / "rules" / rule).read_text()  # the workflow passes them

@@ -31,6 +31,7 @@ from ..drafter import load_drafter
 from ..drafter_files import check_source, read_strip_info
 from ..errors import InputError, atomic_path
 from ..expected import response_expectations, target_token_probs
+from ..io import sha256_file
 from ..metrics import aggregate, aggregate_expected, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
@@ -57,6 +58,9 @@ def add_arguments(p) -> None:
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--completions", default=None, metavar="JSONL",
+                   help="the completions file the cache must have been extracted from (the workflow passes the run's): "
+                        "a cache whose completions_sha256 differs is refused")
     p.add_argument("--checkpoint-source", default=None, metavar="PATH",
                    help="the checkpoint the drafter folder was stripped from (the workflow passes it): a folder whose "
                         "strip_info.json names another source is refused")
@@ -67,13 +71,13 @@ def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
              allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
-             checkpoint_source=args.checkpoint_source)
+             checkpoint_source=args.checkpoint_source, completions=args.completions)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
-             checkpoint_source: str | None = None, **overrides) -> dict:
+             checkpoint_source: str | None = None, completions: str | Path | None = None, **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
     Args:
@@ -97,6 +101,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
         checkpoint_source: the checkpoint the folder must have been stripped from
             (:func:`dflash_eval.drafter_files.check_source`; None: not checked).
+        completions: the completions JSONL the cache must have been extracted from (its sha256 against the
+            cache's ``completions_sha256``, which the format-6 header covers; None: not checked).
         **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
 
     Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
@@ -133,7 +139,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
             token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
             greedy completions that are not the target's greedy output (mean agreement below
             ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
-            size of 1; a drafter folder stripped from another checkpoint than ``checkpoint_source``; nothing to replay (no sample with a verify step); a sampling setting the cache
+            size of 1; a drafter folder stripped from another checkpoint than ``checkpoint_source``; a
+            cache extracted from other completions than ``completions``; nothing to replay (no sample with a verify step); a sampling setting the cache
             cannot serve (:func:`sampling_settings`).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
@@ -144,6 +151,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
                          "a block holds the last committed token and at least one mask")
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
+        if completions is not None:
+            _check_completions(inputs.reader.attrs, inputs.cache_path, Path(completions))
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = [st for st in settings if not st.greedy]
@@ -386,6 +395,17 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
         result["expected"][label] = {**stats.as_dict(),
                                      "samples": [r.as_dict() if r is not None else None for r in resp]}
         log.info("expected tau at %s (given the cached trajectories): %.4f", label, stats.tau)
+
+
+def _check_completions(attrs, cache_path, completions: Path) -> None:
+    """Refuse a cache extracted from another completions file than ``completions`` (a cache of another prompt
+    set, run or config copied in its place: its own checksums intact)."""
+    sha = sha256_file(completions).hexdigest()
+    if attrs.get("completions_sha256") != sha:
+        raise InputError(cache_path, "completions_sha256", f"extracted from completions with sha256 "
+                         f"{str(attrs.get('completions_sha256'))[:16]}…, but {completions} has {sha[:16]}…: a cache of "
+                         "another prompt set, run or config", "extract it again (snakemake -R hidden_states), or "
+                         "restore this run's cache")
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:

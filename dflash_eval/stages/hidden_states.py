@@ -24,6 +24,7 @@ from .. import options as options_mod
 from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, completions_sampling, is_no_space
 from ..cache_shards import parse_shard, shard_plan
 from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
+from ..completions_file import FIX as COMPLETIONS_FIX
 from ..completions_file import read_completions
 from ..disk_room import no_room_error
 from ..errors import InputError
@@ -31,6 +32,7 @@ from ..extract import check_layers, check_packing, forward_batch, packing_suppor
 from ..hybrid import bind_linear_attention
 from ..io import sha256_file
 from ..progress import Progress
+from ..prompts import read_prompts
 from ..runtime import dtype_name, length_batches, resolve_device, resolve_dtype
 from ..target import load_target, target_info
 from ..target_spec import TargetSpec
@@ -58,6 +60,9 @@ def _layer_ids(text: str) -> list[int]:
 def add_arguments(p) -> None:
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--completions", required=True, help="completions JSONL of the prompt set")
+    p.add_argument("--prompts", default=None, metavar="JSONL",
+                   help="the prompts file the completions must have been generated from (the workflow passes the "
+                        "run's): completions of other prompts (another set, run or config) are refused")
     p.add_argument("--layer-ids", type=_layer_ids, required=True,
                    help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
                         "of every configured drafter's dflash_config.target_layer_ids")
@@ -77,6 +82,8 @@ def add_arguments(p) -> None:
 
 
 def main(args, opts) -> None:
+    if args.prompts:
+        check_generated_from(args.completions, args.prompts)
     extract_cache(args.target, args.completions, args.out, args.layer_ids, opts,
                   target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
                   server_log=args.server_log, shard=args.shard)
@@ -340,3 +347,24 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     log.info("cache writer thread: %s", ", ".join(f"{k} {v:.1f} s" for k, v in writer.timings.items()))
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}
+
+
+def check_generated_from(completions: str | Path, prompts: str | Path) -> None:
+    """Refuse a completions file that was not generated from ``prompts``: the completions stage writes one
+    row per prompt, in the prompts file's order, with its id and prompt ids, so a file of another prompt set,
+    run or config (its own checksums intact) copied in its place differs in one of them.
+
+    Raises:
+        InputError: ``(completions, "line <n>: prompt_ids", ...)`` naming the first row that differs, or the
+            row counts; as :func:`~dflash_eval.completions_file.read_completions` / :func:`~dflash_eval.prompts.read_prompts`.
+    """
+    got = [(str(r["id"]), list(r["prompt_ids"])) for r in read_completions(completions)]
+    want = [(str(p["id"]), list(p["prompt_ids"])) for p in read_prompts(prompts)]
+    if got == want:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    what = (f"row {k + 1} is {got[k][0]!r}, prompt {k + 1} of {prompts} is {want[k][0]!r}"
+            + (" with other prompt ids" if got[k][0] == want[k][0] else "")) if k < min(len(got), len(want)) else \
+        f"{len(got)} rows for {len(want)} prompts"
+    raise InputError(completions, f"line {k + 1}: prompt_ids", f"not generated from {prompts} ({what}): completions "
+                     "of another prompt set, run or config", COMPLETIONS_FIX)
