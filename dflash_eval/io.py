@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 from pathlib import Path
 from typing import IO, Iterator
 
-from .errors import InputError
+from .errors import InputError, atomic_path
 
 
 def sha256_file(path: str | Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
@@ -151,8 +150,6 @@ def write_text_if_changed(path: str | Path, text: str) -> bool:
             return False
     except (OSError, UnicodeDecodeError):
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
     return True

@@ -206,10 +206,23 @@ def load_embed_and_head(target: "str | Path | TargetSpec"):
     Raises:
         InputError: no safetensors, no embedding key, or an untied target without an LM head.
     """
+    spec = as_spec(target)
+    embed, head, keyed = _read_shared(spec)
+    _check_tensors(spec, keyed)
+    return embed, head
+
+
+def shared_tensors(target: "str | Path | TargetSpec") -> dict:
+    """``{stored key: tensor}`` of the embedding and (untied) LM head, as :func:`load_embed_and_head` chooses
+    them (a tied target: the embedding only), read without the fingerprint check (what the record hashes)."""
+    return _read_shared(as_spec(target))[2]
+
+
+def _read_shared(spec: TargetSpec):
+    """``(embed, head, {key: tensor})`` as documented in :func:`load_embed_and_head`."""
     import torch
     from safetensors import safe_open
 
-    spec = as_spec(target)
     target_dir = spec.path
     where = _key_locations(spec)
 
@@ -243,10 +256,9 @@ def load_embed_and_head(target: "str | Path | TargetSpec"):
     if head.shape != embed.shape:
         raise InputError(target_dir, head_key, f"LM head shape {tuple(head.shape)} != embedding shape {tuple(embed.shape)}",
                          "use a target whose lm_head and embed_tokens have the same vocabulary")
-    _check_tensors(spec, {embed_key: embed} if head is embed else {embed_key: embed, head_key: head})
     log.debug("embed %s %s, head %s %s (tied: %s) from %s", embed_key, tuple(embed.shape), head_key,
               tuple(head.shape), head is embed, target_dir)
-    return embed, head
+    return embed, head, ({embed_key: embed} if head is embed else {embed_key: embed, head_key: head})
 
 
 def tensor_sha256(t) -> str:

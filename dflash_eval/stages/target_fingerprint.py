@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, atomic_path
-from ..target_spec import (FINGERPRINT_FORMAT, TargetSpec, as_spec, load_embed_and_head, tensor_sha256, weight_stats,
+from ..target_spec import (FINGERPRINT_FORMAT, TargetSpec, as_spec, shared_tensors, tensor_sha256, weight_stats,
                            weights_sha256)
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,7 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     if weight_stats(files) != before:
         raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
                          "rerun when nothing writes to the target folder")
-    embed, head = load_embed_and_head(spec)  # what the drafter stages read: hashed again as they read it
-    tensors = {k: tensor_sha256(t) for k, t in _shared_keys(spec, embed, head).items()}
+    tensors = {k: tensor_sha256(t) for k, t in shared_tensors(spec).items()}  # hashed again as the stages read them
     rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
            "tensors_sha256": tensors, "seconds": round(time.perf_counter() - t0, 3)}
     with atomic_path(out) as tmp:
@@ -58,13 +57,3 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     log.info("target %s: weights sha256 %s -> %s", spec.path, sha, out)
     return Path(out)
 
-
-def _shared_keys(spec, embed, head) -> dict:
-    """``{stored key: tensor}`` of the embedding and (untied) LM head, as :func:`load_embed_and_head` chose them."""
-    from ..target_spec import EMBED_KEYS, HEAD_KEYS, _key_locations
-
-    where = _key_locations(spec)
-    out = {next(k for k in EMBED_KEYS if k in where): embed}
-    if head is not embed:
-        out[next(k for k in HEAD_KEYS if k in where)] = head
-    return out
