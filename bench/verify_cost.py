@@ -16,6 +16,13 @@ cache (random bf16 states, the real writer), then times on it:
   one untimed warm-up pass; ``--rounds`` rounds, unverified and verified interleaved, the minimum of
   each: the timing noise of a shared host is one-sided);
 
+- ``tensor_read_s`` / ``tensor_check_s`` / ``tensor_check_plain_s``: the target's embedding and LM head
+  (untied, bf16, ``--tensors``: the bench shape's or a Qwen3.6-27B-sized pair, 2 x 2.5 GB), read from a
+  safetensors file as every drafter stage does (page cache warm), and their fingerprint check
+  (:func:`dflash_eval.target_spec.tensor_sha256`: 64 MiB chunks in the job's torch threads) beside the
+  one-stream sha256 it replaced; once per evaluate job, so ``tensor_check_pct_of_evaluate`` relates it
+  to this run's evaluate time for ``n_samples`` samples (``tensor_check_pct_at_1000``: at 1,000 samples);
+
 and prints one JSON line with ``verify_pct_of_evaluate`` (``check_s``, the checks' own time as if
 run one after the other, over ``evaluate_s``) and ``overhead_pct`` (the wall time verification adds to
 evaluate's loop; ``within_goal``: at most 5 %).
@@ -25,7 +32,8 @@ head_dim 128: Qwen/Qwen3-8B ``config.json``), 5 stored layers, a 5-layer drafter
 64 samples of 512-2048 tokens. ``--smoke``: a tiny shape on the CPU in a few seconds (run by
 ``tests/test_reliability.py``).
 
-H200 host: ``python3 bench/verify_cost.py --out-dir /tmp/dflash-verify`` (writes a ~3.5 GB cache).
+H200 host: ``python3 bench/verify_cost.py --out-dir /tmp/dflash-verify`` (writes a ~3.5 GB cache and a
+2.5 GB embedding/head file; ``--tensors qwen3.6-27b``: 5.1 GB).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from dflash_eval.drafter import DFlashDrafter  # noqa: E402
 from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
 from dflash_eval.runtime import free_memory_bytes, resolve_device  # noqa: E402
 from dflash_eval.sample_check import checksum_and_scan, first_non_finite  # noqa: E402
+from dflash_eval.target_spec import tensor_sha256, tensor_sha256_plain  # noqa: E402
 
 #: name -> target layout (hidden, intermediate, heads, kv heads, head_dim, layers, vocab), stored layers,
 #: drafter layers, block size, samples, (min, max) tokens, DDTree budgets
@@ -91,6 +100,44 @@ def make_cache(path: Path, layout, layer_ids, n: int, lo: int, hi: int) -> None:
     write_cache(path, attrs, samples())
 
 
+#: (vocab, hidden) of the target's embedding and LM head: Qwen/Qwen3-8B and Qwen3.6-27B ``config.json``
+TENSOR_SHAPES = {"smoke": (512, 64), "qwen3-8b": (151936, 4096), "qwen3.6-27b": (248320, 5120)}
+
+
+def tensor_check_cost(out_dir: Path, vocab: int, hidden: int) -> dict:
+    """Seconds to read an untied bf16 embedding + LM head from safetensors (warm page cache, as the stages
+    read them) and to check them: :func:`tensor_sha256` (the stages') and :func:`tensor_sha256_plain` (before)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    f = out_dir / f"embed_head_{vocab}x{hidden}.safetensors"
+    if not f.exists():
+        g = torch.Generator().manual_seed(1)
+        save_file({k: torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+                   for k in ("model.embed_tokens.weight", "lm_head.weight")}, str(f))
+
+    def read():
+        with safe_open(str(f), framework="pt") as fh:
+            return [fh.get_tensor(k) for k in ("model.embed_tokens.weight", "lm_head.weight")]
+
+    read()  # warm the page cache
+    t0 = time.perf_counter()
+    tensors = read()
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for x in tensors:
+        tensor_sha256(x)
+    check_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for x in tensors:
+        tensor_sha256_plain(x)
+    plain_s = time.perf_counter() - t0
+    nbytes = sum(x.numel() * x.element_size() for x in tensors)
+    return {"tensor_gb": round(nbytes / 1e9, 3), "tensor_read_s": read_s, "tensor_check_s": check_s,
+            "tensor_check_plain_s": plain_s, "tensor_check_speedup": plain_s / check_s,
+            "_file": f}
+
+
 def sync(dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -104,6 +151,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out-dir", default=None, help="where the cache is written (default: a temp folder)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of evaluate's loop, unverified and verified "
                     "interleaved; the minimum of each is reported")
+    ap.add_argument("--tensors", choices=sorted(TENSOR_SHAPES), default=None,
+                    help="embedding / LM head size of the fingerprint check (default: the bench shape's)")
     args = ap.parse_args(argv)
     shape = "smoke" if args.smoke else "qwen3-8b"
     layout, layer_ids, n_layers, block, n, (lo, hi), budgets = SHAPES[shape]
@@ -183,8 +232,17 @@ def main(argv=None) -> dict:
               "evaluate_s": evaluate_s, "verify_pct_of_evaluate": 100 * check_s / evaluate_s,
               "overhead_pct": 100 * (evaluate_s - plain_s) / plain_s, "goal_pct": 5.0}
     result["within_goal"] = result["overhead_pct"] <= result["goal_pct"]
+    vocab, hidden = TENSOR_SHAPES[args.tensors or shape]
+    tensors = tensor_check_cost(out_dir, vocab, hidden)
+    tensor_file = tensors.pop("_file")
+    per_sample = evaluate_s / n
+    result.update(tensors, tensor_shape=[vocab, hidden], evaluate_s_per_sample=per_sample,
+                  tensor_check_pct_of_evaluate=100 * tensors["tensor_check_s"] / evaluate_s,
+                  tensor_check_plain_pct_of_evaluate=100 * tensors["tensor_check_plain_s"] / evaluate_s,
+                  tensor_check_pct_at_1000=100 * tensors["tensor_check_s"] / (1000 * per_sample))
     if not args.out_dir:
         cache.unlink()
+        tensor_file.unlink()
         os.rmdir(out_dir)
     print(json.dumps(result))
     return result

@@ -406,7 +406,7 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
 
     Returns:
         ``(rows, meta)``: the row dicts ``{id, source, prompt, text, prompt_ids}`` in walk order, and
-        the metadata :func:`write_prompts` stores beside them (:func:`meta_path`): ``source``,
+        the metadata the prompts stage stores beside them (:mod:`dflash_eval.prompts_meta`): ``source``,
         ``path``, ``n``, ``seed``, ``max_prompt_tokens``, ``available`` (usable prompts of the
         source), ``written``, ``skipped`` (count per reason code of :data:`SKIP_REASONS`: records
         the loader skipped, over the whole source, and ``too_long`` prompts met on the walk before
@@ -476,20 +476,13 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
 
 # --------------------------------------------------------------------------- JSONL I/O
 
-def meta_path(prompts_path: str | Path) -> Path:
-    """The metadata file beside a prompts JSONL: ``<name>.meta.json`` (``set.jsonl`` -> ``set.meta.json``)."""
-    p = Path(prompts_path)
-    return p.with_name(p.stem + ".meta.json")
+def write_prompts(rows: list[dict], out: str | Path) -> Path:
+    """Write prompt rows as JSONL (UTF-8, one object per line), atomically.
 
-
-def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -> Path:
-    """Write prompt rows as JSONL (UTF-8, one object per line), atomically, and ``meta`` (the second
-    value of :func:`build_prompt_set_with_meta`: skip counts per reason) to :func:`meta_path`.
-
-    The metadata is a sidecar, not a first JSONL line, so that every line of the prompts file stays
-    a prompt row for its readers (:func:`read_prompts`, the completions stage). Each row carries
-    its place (``row_index``, ``n_rows``) and, last, ``row_sha256`` over the rest
-    (:mod:`dflash_eval.row_checksum`), which :func:`read_prompts` verifies.
+    Each row carries its place (``row_index``, ``n_rows``) and, last, ``row_sha256`` over the rest
+    (:mod:`dflash_eval.row_checksum`), which :func:`read_prompts` verifies. The prompts stage writes
+    ``<set>.meta.json`` beside it (:func:`dflash_eval.prompts_meta.write_meta`); that is a sidecar, not
+    a first JSONL line, so that every line stays a prompt row for its readers.
 
     Returns:
         ``Path(out)``.
@@ -499,42 +492,12 @@ def write_prompts(rows: list[dict], out: str | Path, meta: dict | None = None) -
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(seal({**{k: r[k] for k in ROW_FIELDS}, INDEX: i, COUNT: len(rows)}),
                                      ensure_ascii=False) + "\n" for i, r in enumerate(rows))
-    if meta is not None:
-        with atomic_path(meta_path(out)) as tmp:
-            tmp.write_text(json.dumps(meta, indent=1))
     log.info("wrote %d prompts -> %s", len(rows), out)
     return out
 
 
 #: the fix of a prompts file changed after the prompts stage wrote it
 PROMPTS_FIX = "regenerate it with the 'prompts' stage (snakemake -R prompts), or restore an intact copy"
-
-
-def read_prompt_meta(path: str | Path) -> dict:
-    """The metadata :func:`write_prompts` stored for a prompts file (or the ``.meta.json`` path itself).
-
-    Raises:
-        InputError: missing or malformed file.
-    """
-    from .io import read_json_object
-
-    p = Path(path)
-    p = p if p.name.endswith(".meta.json") else meta_path(p)
-    meta = read_json_object(p, "prompts metadata", "re-run the prompts stage")
-    if not isinstance(meta.get("skipped"), dict):
-        raise InputError(p, "skipped", "missing", "re-run the prompts stage")
-    return meta
-
-
-def skip_table_markdown(metas: dict[str, dict]) -> str:
-    """Markdown table of the skip counts of several prompt sets (``{prompt set: meta}``), for the report."""
-    codes = sorted({k for m in metas.values() for k in m["skipped"]})
-    head = ["prompt set", "source", "available", "written"] + [SKIP_REASONS.get(c, c) for c in codes]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, m in sorted(metas.items()):
-        cells = [name, m.get("source", ""), str(m.get("available", "")), str(m.get("written", ""))]
-        lines.append("| " + " | ".join(cells + [str(m["skipped"].get(c, 0)) for c in codes]) + " |")
-    return "\n".join(lines)
 
 
 def read_prompts(path: str | Path, require_sealed: bool | None = None) -> list[dict]:

@@ -261,8 +261,40 @@ def _read_shared(spec: TargetSpec):
     return embed, head, ({embed_key: embed} if head is embed else {embed_key: embed, head_key: head})
 
 
-def tensor_sha256(t) -> str:
-    """Hex sha256 of a tensor's bytes as stored (contiguous, native byte order; bf16 viewed as bytes, no copy)."""
+#: ``tensors_digest`` of fingerprint records whose ``tensors_sha256`` are :func:`tensor_sha256` values; a record
+#: without the key (written before it) holds plain sha256 of the whole tensor (:func:`tensor_sha256_plain`)
+TENSOR_DIGEST = "sha256-of-64MiB-chunk-sha256"
+#: bytes per chunk of :func:`tensor_sha256`
+TENSOR_CHUNK = 64 << 20
+
+
+def tensor_sha256(t, threads: int | None = None) -> str:
+    """Hex digest of a tensor's bytes as stored (contiguous, native byte order; bf16 viewed as bytes, no
+    copy): the sha256 of the concatenated sha256 digests of its 64 MiB chunks, hashed in ``threads``
+    threads (default ``torch.get_num_threads()``, the job's thread count: :mod:`dflash_eval.threads`).
+
+    One sha256 stream runs at about 1.3 GB/s on one core (H200 host: docs/measurements.md), so the
+    embedding and LM head of a large target (2 x 2.5 GB for a 27B one) took seconds per job; chunks are
+    independent (``hashlib`` releases the GIL), so the check scales with the job's threads
+    (``bench/verify_cost.py``). The value differs from ``sha256sum`` of the bytes; records say which
+    scheme they hold (:data:`TENSOR_DIGEST`).
+    """
+    import torch
+    from concurrent.futures import ThreadPoolExecutor
+
+    buf = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+    chunks = [buf[i:i + TENSOR_CHUNK] for i in range(0, max(buf.size, 1), TENSOR_CHUNK)]
+    workers = max(1, min(len(chunks), threads or torch.get_num_threads()))
+    if workers == 1:
+        digests = [hashlib.sha256(c).digest() for c in chunks]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="tensor-sha256") as pool:
+            digests = list(pool.map(lambda c: hashlib.sha256(c).digest(), chunks))
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def tensor_sha256_plain(t) -> str:
+    """Hex sha256 of a tensor's bytes as stored, one stream (the records written before :data:`TENSOR_DIGEST`)."""
     import torch
 
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
@@ -274,7 +306,8 @@ def _check_tensors(spec: TargetSpec, tensors: dict) -> None:
     The record's whole-file sha256 is reused while the files' sizes and mtimes match (hashing a 54 GB
     target per job would take minutes), so bytes that changed in place with their mtime kept (bit rot,
     a copy that restores times) would pass: the tensors every drafter stage reads are hashed as they
-    are read (about 1 s per GB) and compared. Records without ``tensors_sha256`` (older ones) are not.
+    are read (:func:`tensor_sha256`, in the job's threads) and compared. Records without ``tensors_sha256``
+    (older ones) are not; those without ``tensors_digest`` hold :func:`tensor_sha256_plain` values.
 
     Raises:
         InputError: ``(<weight file>, <key>, ...)`` when a tensor's bytes differ from the record's.
@@ -284,10 +317,15 @@ def _check_tensors(spec: TargetSpec, tensors: dict) -> None:
     try:
         rec = json.loads(Path(spec.fingerprint_file).read_text(encoding="utf-8"))
         want = rec.get("tensors_sha256") or {}
+        scheme = rec.get("tensors_digest")
     except (OSError, ValueError, AttributeError):
         return  # unreadable: weights_sha256 warns and rehashes
+    if scheme not in (None, TENSOR_DIGEST):
+        raise InputError(spec.fingerprint_file, "tensors_digest", f"{scheme!r} is not a digest this version knows "
+                         f"({TENSOR_DIGEST!r})", "rerun the target_fingerprint rule (snakemake -R target_fingerprint)")
+    digest = tensor_sha256 if scheme else tensor_sha256_plain
     for key, t in tensors.items():
-        if key in want and tensor_sha256(t) != want[key]:
+        if key in want and digest(t) != want[key]:
             raise InputError(_key_locations(spec).get(key, spec.path), key, "its bytes differ from the sha256 the "
                              f"target_fingerprint rule recorded in {spec.fingerprint_file}, although the weight files' "
                              "sizes and mtimes did not change: the weights were damaged on disk (bit rot, a bad copy)",

@@ -18,6 +18,7 @@
 rule hidden_states:
     input:
         unpack(target_model_files),
+        record=options_record("hidden_states", "prompt_set"),
         fingerprint=TARGET.fingerprint,
         completions="results/{run}/completions/{prompt_set}.jsonl",
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
@@ -57,6 +58,7 @@ if PLAN.cache_shards > 1:
     rule hidden_states_shard:
         input:
             unpack(target_model_files),
+            record=options_record("hidden_states", "prompt_set"),
             fingerprint=TARGET.fingerprint,
             completions="results/{run}/completions/{prompt_set}.jsonl",
             prompts="results/{run}/prompts/{prompt_set}.jsonl",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
-from snakemake.settings.types import DeploymentMethod
+from snakemake.settings.types import DeploymentMethod, RerunTrigger
 from snakemake.utils import validate
 from snakemake_interface_executor_plugins.settings import ExecMode
 
@@ -22,6 +22,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
 from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
+from dflash_eval.job_records import record_path, write_records
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -104,6 +105,10 @@ except InputError as err:
 
 if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations change (rerun without metadata)
     PLAN.write_planned_evaluations()
+    # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
+    # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
+    _dag = getattr(workflow, "dag_settings", None)
+    write_records(PLAN, rewrite=_dag is None or RerunTrigger.PARAMS in _dag.rerun_triggers)
     _gone = metadata_gone(PLAN.run_path())
     if _gone:
         logger.warning(f"dflash-eval: {_gone}")
@@ -188,6 +193,12 @@ def target_all_files(wildcards):
 def target_dir(wildcards):
     """The target HF folder passed as --target (its files are the declared inputs)."""
     return TARGET.dir
+
+
+def options_record(stage, by=None):
+    """Input function: the options record of ``stage`` (dflash_eval/job_records.py) for the job's
+    ``by`` wildcard (prompt_set, ckpt), or the run's."""
+    return lambda wildcards: record_path(wildcards.run, stage, getattr(wildcards, by) if by else "run")
 
 
 def output_dir(wildcards, output):

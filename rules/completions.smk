@@ -13,6 +13,9 @@ rule completions:
     input:
         unpack(lambda wildcards: PLAN.completions_inputs()),
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
+        prompts_meta="results/{run}/prompts/{prompt_set}.meta.json",
+        record=options_record("completions", "prompt_set"),
+        prompts_record=options_record("prompts", "prompt_set"),
     output:
         "results/{run}/completions/{prompt_set}.jsonl",
     log:
@@ -35,5 +38,5 @@ rule completions:
         fingerprint=PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
-        " --prompts {input.prompts:q} {params.options}"
+        " --prompts {input.prompts:q} --prompts-settings {input.prompts_record:q} {params.options}"
         " {params.fingerprint} --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"

@@ -8,6 +8,7 @@
 rule target_costs:
     input:
         unpack(lambda wildcards: PLAN.target_costs_inputs(wildcards.run)),
+        record=options_record("target_costs"),
         fingerprint=TARGET.fingerprint,
     output:
         "results/{run}/target_costs.json",

@@ -5,6 +5,7 @@
 rule strip_drafter:
     input:
         unpack(lambda wildcards: PLAN.strip_inputs(wildcards.ckpt)),
+        record=options_record("strip_drafter", "ckpt"),
     output:
         weights="results/{run}/drafters/{ckpt}/model.safetensors",
         config="results/{run}/drafters/{ckpt}/config.json",

@@ -9,6 +9,7 @@
 rule engine_parity:
     input:
         unpack(target_model_files),
+        record=options_record("engine_parity"),
         fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{PLAN.engine_parity_prompt_set}.jsonl",
         cache=f"results/{{run}}/cache/{PLAN.engine_parity_prompt_set}.h5",

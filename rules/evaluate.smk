@@ -13,6 +13,7 @@ rule evaluate:
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
         cache="results/{run}/cache/{prompt_set}.h5",
         completions="results/{run}/completions/{prompt_set}.jsonl",
+        record=options_record("evaluate", "prompt_set"),
     output:
         "results/{run}/eval/{ckpt}/{prompt_set}.json",
     log:

@@ -9,6 +9,7 @@
 rule kernel_parity:
     input:
         unpack(target_model_files),
+        record=options_record("kernel_parity"),
         fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{PLAN.kernel_parity_prompt_set}.jsonl",
         drafters=expand(

@@ -7,6 +7,7 @@
 rule trackers:
     input:
         table="results/{run}/tau.parquet",
+        record=options_record("trackers"),
     output:
         "results/{run}/trackers.json",
     log:

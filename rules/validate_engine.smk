@@ -10,6 +10,7 @@
 rule validate_engine:
     input:
         unpack(target_model_files),
+        record=options_record("validate_engine"),
         completions=f"results/{{run}}/completions/{PLAN.validate_engine_prompt_set}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",

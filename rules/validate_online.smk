@@ -10,6 +10,7 @@
 rule validate_online:
     input:
         unpack(target_model_files),
+        record=options_record("validate_online"),
         completions=f"results/{{run}}/completions/{PLAN.validate_online_prompt_set}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",

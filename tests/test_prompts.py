@@ -174,7 +174,8 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
     assert appended == {"u", "oa", "s", "s2"}  # walked after the records read before
     assert skipped == {"system_without_user": 1, "assistant_first": 1, "unknown_role": 1, "empty_user_turn": 1,
                        "empty_conversation": 1, "not_a_conversation": 1}
-    from dflash_eval.prompts import build_prompt_set_with_meta, meta_path, read_prompt_meta, skip_table_markdown
+    from dflash_eval.prompts import build_prompt_set_with_meta
+    from dflash_eval.prompts_meta import meta_path, read_prompt_meta, skip_table_markdown, write_meta
 
     rows, meta = build_prompt_set_with_meta("sharegpt", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=0)
     assert rows[0]["id"] == "h"  # the previously read record first, whatever the seed does to the others
@@ -183,8 +184,9 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
     assert s["text"] == ("<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nwith system<|im_end|>\n"
                          "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert (meta["available"], meta["written"], meta["skipped"]) == (5, 5, dict(skipped))
-    out = write_prompts(rows, tmp_path / "ps" / "share.jsonl", meta)
-    assert meta_path(out) == tmp_path / "ps" / "share.meta.json" and read_prompt_meta(out) == meta
+    out = write_prompts(rows, tmp_path / "ps" / "share.jsonl")
+    assert write_meta(out, meta, tok_dir) == meta_path(out) == tmp_path / "ps" / "share.meta.json"
+    assert {k: v for k, v in read_prompt_meta(out).items() if k in meta} == meta
     assert len(read_prompts(out)) == 5  # the prompts file itself holds only rows
     table = skip_table_markdown({"share": meta})
     assert "| share | sharegpt | 5 | 5 | 1 | 1 | 1 | 1 | 1 | 1 |" in table and "starts with an assistant turn" in table

@@ -320,6 +320,8 @@ def test_verify_cost_bench_smoke(pipeline):
     assert result["evaluate_unverified_s"] == min(result["rounds_unverified_s"])
     assert result["overhead_pct"] == pytest.approx(
         100 * (result["evaluate_s"] - result["evaluate_unverified_s"]) / result["evaluate_unverified_s"], rel=1e-6)
+    assert result["tensor_shape"] == [512, 64] and result["tensor_check_s"] > 0 and result["tensor_read_s"] > 0
+    assert result["tensor_check_pct_of_evaluate"] == pytest.approx(100 * result["tensor_check_s"] / result["evaluate_s"])
 
 
 def test_samples_verifies_in_threads_and_names_the_first_bad_sample(tmp_path):

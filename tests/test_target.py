@@ -318,3 +318,41 @@ def test_embed_or_head_damaged_in_place_with_its_mtime_kept_is_refused(tiny_unti
     assert Path(e.file) == f and e.field == "model.embed_tokens.weight"
     assert "damaged on disk" in e.problem and "target_fingerprint" in e.fix
     assert TS.load_embed_and_head(TS.TargetSpec.read(t))[0].shape == embed.shape  # without a record: not checked
+
+
+def test_tensor_digest_is_chunked_thread_invariant_and_old_records_still_check(tiny_untied, tmp_path, monkeypatch):
+    """The embedding / head digest hashes 64 MiB chunks in the job's threads (a 27B target's 2 x 2.5 GB took
+    seconds per job in one stream); its value does not depend on the thread count, differs from a plain
+    sha256, and records written before it (no tensors_digest: plain sha256 values) are still verified."""
+    import hashlib
+
+    import torch
+
+    monkeypatch.setattr(TS, "TENSOR_CHUNK", 1000)  # many chunks on a small tensor (bf16: 2 bytes per value)
+    x = torch.arange(7001, dtype=torch.float32).to(torch.bfloat16)
+    raw = x.view(torch.uint8).numpy().tobytes()
+    want = hashlib.sha256(b"".join(hashlib.sha256(raw[i:i + 1000]).digest() for i in range(0, len(raw), 1000)))
+    assert {TS.tensor_sha256(x, threads=n) for n in (1, 3, 8)} == {want.hexdigest()}
+    assert TS.tensor_sha256_plain(x) == hashlib.sha256(raw).hexdigest() != want.hexdigest()
+    y = x.clone()
+    y[6999] = 1.0  # a change in the last chunk only
+    assert TS.tensor_sha256(y, threads=4) != want.hexdigest()
+
+    t = Path(shutil.copytree(tiny_untied, tmp_path / "t"))
+    rec = write_fingerprint(t, tmp_path / "fp.json")
+    doc = json.loads(rec.read_text())
+    assert doc["tensors_digest"] == TS.TENSOR_DIGEST
+    embed, head = TS.load_embed_and_head(TS.TargetSpec.read(t, fingerprint_file=rec))
+    old = {k: v for k, v in doc.items() if k != "tensors_digest"}  # a record of the previous version
+    old["tensors_sha256"] = {"model.embed_tokens.weight": TS.tensor_sha256_plain(embed),
+                             "lm_head.weight": TS.tensor_sha256_plain(head)}
+    rec.write_text(json.dumps(old))
+    TS.load_embed_and_head(TS.TargetSpec.read(t, fingerprint_file=rec))  # verified the old way: passes
+    old["tensors_sha256"]["lm_head.weight"] = TS.tensor_sha256(head)  # a chunked value under the old scheme
+    rec.write_text(json.dumps(old))
+    with pytest.raises(InputError, match="damaged on disk"):
+        TS.load_embed_and_head(TS.TargetSpec.read(t, fingerprint_file=rec))
+    rec.write_text(json.dumps({**doc, "tensors_digest": "blake3"}))
+    with pytest.raises(InputError) as err:
+        TS.load_embed_and_head(TS.TargetSpec.read(t, fingerprint_file=rec))
+    assert err.value.field == "tensors_digest" and "target_fingerprint" in err.value.fix

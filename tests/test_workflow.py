@@ -722,6 +722,32 @@ def test_a_checkpoint_added_to_copied_results_without_snakemake_metadata_is_eval
     assert "results/tiny/eval/again/set_a.json" in planned.read_text()
 
 
+@pytest.mark.slow
+def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_its_jobs(tiny_run, tmp_path):
+    """Results copied without .snakemake/: an edited option (evaluate.ddtree_budgets, a prompt set's seed) used
+    to rerun nothing (only a warning), so tau.csv kept the old setting's numbers. Each job group's options record
+    (results/<run>/options/, rewritten only when its content changes) is an input of its rule: by mtime alone,
+    the jobs of the changed option rerun, and no others."""
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    evals = [(c, p) for c in ("demo-step50", "step100", "step200", "trained") for p in ("set_a", "set_b")]
+    jobs = planned_jobs((lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE),
+                                                             *_overlay(wd, "evaluate: {ddtree_budgets: [2, 4]}"))))
+    assert sorted(r for r in jobs if r[0] == "evaluate") == sorted(
+        ("evaluate", f"run=tiny, ckpt={c}, prompt_set={p}") for c, p in evals), jobs
+    assert not {r for r, _ in jobs} & (TARGET_RULES | {"demo_checkpoint", "prompts", "strip_drafter"}), jobs
+    assert "--ddtree-budgets=2,4 " in (wd / "results/tiny/options/evaluate/set_a.json").read_text()
+
+    wd2 = tmp_path / "wf2"
+    shutil.copytree(tiny_run, wd2, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
+    jobs = planned_jobs((lambda p: p.stdout + p.stderr)(smk(wd2, "-n", "--workflow-profile", str(CI_PROFILE),
+                                                             *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}"))))
+    assert {("prompts", "run=tiny, prompt_set=set_b"), ("completions", "run=tiny, prompt_set=set_b"),
+            ("hidden_states", "run=tiny, prompt_set=set_b")} <= set(jobs), jobs
+    assert not [j for j in jobs if "set_a" in j[1]] and len([j for j in jobs if j[0] == "evaluate"]) == 4, jobs
+
+
 # --------------------------------------------------------------------------- stale results, late checks, reruns
 
 

@@ -22,6 +22,7 @@ from ..io import sha256_file
 from ..progress import Progress
 from ..row_checksum import seal_row
 from ..prompts import read_prompts
+from ..prompts_meta import check_prompts_provenance
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ def add_arguments(p) -> None:
     """Files of the stage (its options come from the config schema)."""
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--prompts", required=True, help="prompts JSONL from the 'prompts' stage")
+    p.add_argument("--prompts-settings", default=None, metavar="JSON",
+                   help="the workflow's options record of the prompts job (results/<run>/options/prompts/<set>.json): "
+                        "the prompts' <set>.meta.json must name it, so a prompts file of other settings is refused "
+                        "(without it, a meta present is still checked against the file and the tokenizer)")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
     p.add_argument("--server-log", default=None,
@@ -42,12 +47,12 @@ def add_arguments(p) -> None:
 
 def main(args, opts) -> None:
     generate_completions(args.target, args.prompts, args.out, opts, server_log=args.server_log,
-                         target_fingerprint=args.target_fingerprint)
+                         target_fingerprint=args.target_fingerprint, prompts_settings=args.prompts_settings)
 
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, opts=None, *,
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
-                         **overrides) -> Path:
+                         prompts_settings: str | Path | None = None, **overrides) -> Path:
     """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
 
     Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
@@ -69,6 +74,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         server_log: the served vLLM's log (default ``<out>.vllm.log`` when vLLM is started here).
         target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target_spec.write_fingerprint`),
             so the weights are not hashed again.
+        prompts_settings: the workflow's options record of the prompts job: ``<set>.meta.json`` must name it
+            (:func:`dflash_eval.prompts_meta.check_prompts_provenance`).
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -76,6 +83,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
 
     Raises:
         InputError: a bad option, bad prompts file or target folder, prompt ids outside the vocabulary,
+            a prompts file that its meta does not describe (replaced, another tokenizer, other settings),
             a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` (unless
             ``allow_beyond_max_positions``: :func:`dflash_eval.context_limit.check_context_limit`),
             a partial file from other settings, a server with another tokenizer or a too short max
@@ -87,6 +95,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     max_new_tokens = opts.max_new_tokens
     prompts_path, out, target_dir = Path(prompts_path), Path(out), Path(target_dir)
     rows = read_prompts(prompts_path)
+    prompts_sha256 = sha256_file(prompts_path).hexdigest()
+    check_prompts_provenance(prompts_path, prompts_sha256, target_dir, prompts_settings)
     ids_seen: set[str] = set()
     for k, r in enumerate(rows):
         if str(r["id"]) in ids_seen:
@@ -113,7 +123,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                         "generation_config.json eos_token_id)", ", ".join(f"{t} (id {i})" for i, t in missing.items()))
 
         provenance = src.provenance()
-        key = {"prompts_sha256": sha256_file(prompts_path).hexdigest(), "n_prompts": len(rows), "max_new_tokens": max_new_tokens,
+        key = {"prompts_sha256": prompts_sha256, "n_prompts": len(rows), "max_new_tokens": max_new_tokens,
                "generation": provenance, **src.resume_key()}
         partial = PartialCompletions(out, key)
         done: dict[str, str] = {}

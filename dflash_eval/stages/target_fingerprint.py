@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from ..errors import InputError, atomic_path
-from ..target_spec import (FINGERPRINT_FORMAT, TargetSpec, as_spec, shared_tensors, tensor_sha256, weight_stats,
-                           weights_sha256)
+from ..target_spec import (FINGERPRINT_FORMAT, TENSOR_DIGEST, TargetSpec, as_spec, shared_tensors, tensor_sha256,
+                           weight_stats, weights_sha256)
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     (:func:`weights_sha256`), ``files`` (``name``, ``size``, ``mtime_ns`` of each weight file,
     the key under which later jobs reuse the hash), ``target`` (folder), ``tensors_sha256`` (key ->
     :func:`~dflash_eval.target_spec.tensor_sha256` of the embedding and LM head, verified whenever a
-    stage reads them through this record), ``seconds``.
+    stage reads them through this record), ``tensors_digest`` (:data:`~dflash_eval.target_spec.TENSOR_DIGEST`:
+    how those were computed), ``seconds``.
 
     Raises:
         InputError: no ``*.safetensors`` files.
@@ -51,7 +52,7 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
                          "rerun when nothing writes to the target folder")
     tensors = {k: tensor_sha256(t) for k, t in shared_tensors(spec).items()}  # hashed again as the stages read them
     rec = {"format": FINGERPRINT_FORMAT, "sha256": sha, "files": before, "target": str(spec.path),
-           "tensors_sha256": tensors, "seconds": round(time.perf_counter() - t0, 3)}
+           "tensors_sha256": tensors, "tensors_digest": TENSOR_DIGEST, "seconds": round(time.perf_counter() - t0, 3)}
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
     log.info("target %s: weights sha256 %s -> %s", spec.path, sha, out)

@@ -1,0 +1,193 @@
+"""Options records (dflash_eval/job_records.py) and the prompts meta (dflash_eval/prompts_meta.py).
+
+A changed option must rerun its jobs also without Snakemake's metadata: each job group's options record is
+rewritten (new mtime) only when its content changes; a new record carries mtime 0 so that its creation
+reruns nothing. A prompts file (with its meta) of other settings copied over the run's is refused by the
+completions stage, which compares the meta with the prompts job's record, the file and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_eval.errors import InputError
+from dflash_eval.job_records import planned_records, record_path, record_values, write_records
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def config():
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    validate(cfg, str(REPO / "config" / "schemas" / "config.schema.yaml"))  # fills the schema's defaults
+    return cfg
+
+
+def _plan(cfg):
+    from dflash_eval.plan import build_plan
+
+    return build_plan(copy.deepcopy(cfg))
+
+
+def test_each_option_changes_exactly_its_jobs_records(config):
+    base = planned_records(_plan(config))
+    assert sorted(base) == sorted(
+        [record_path("default", s, p) for s in ("prompts", "completions", "hidden_states", "evaluate")
+         for p in ("humaneval", "sharegpt")]
+        + [record_path("default", "strip_drafter", c) for c in _plan(config).checkpoints]
+        + [record_path("default", "target_costs")])  # the optional stages that are off have none
+    assert json.loads(base["results/default/options/prompts/humaneval.json"]) == {
+        "options": "--n=16 --seed=0 --max-prompt-tokens=1024 --no-enable-thinking", "path": "", "source": "humaneval",
+        "target": "resources/targets/smollm2-135m-instruct"}
+
+    def changed(edit):
+        cfg = copy.deepcopy(config)
+        edit(cfg)
+        new = planned_records(_plan(cfg))
+        return sorted(p.split("/options/")[1] for p in new if new[p] != base.get(p))
+
+    assert changed(lambda c: c["prompt_sets"]["sharegpt"].update(seed=1)) == ["prompts/sharegpt.json"]
+    assert changed(lambda c: c["generation"].update(max_new_tokens=64)) == ["completions/humaneval.json",
+                                                                           "completions/sharegpt.json"]
+    assert changed(lambda c: c["evaluate"].update(ddtree_budgets=[8])) == ["evaluate/humaneval.json",
+                                                                          "evaluate/sharegpt.json"]
+    assert changed(lambda c: c["cache"].update(target_layer_ids=[1, 8, 15, 22, 27, 29])) == [
+        "hidden_states/humaneval.json", "hidden_states/sharegpt.json"]
+    assert changed(lambda c: c["target_costs"].update(repeats=3)) == ["target_costs/run.json"]
+    # rerun-neutral options (x-rerun: false) travel in the environment: no record changes
+    assert changed(lambda c: c["generation"].update(timeout_s=5)) == []
+    with pytest.raises(KeyError, match="no options record for stage 'summary'"):
+        record_values(_plan(config), "summary")
+
+
+def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(config, tmp_path, monkeypatch):
+    plan = _plan(config)
+    config["evaluate"]["ddtree_budgets"] = [16]
+    changed = _plan(config)
+    monkeypatch.chdir(tmp_path)  # records are written below the working directory
+    rec = Path(record_path("default", "evaluate", "sharegpt"))
+    assert write_records(plan) == [] and rec.stat().st_mtime == 0  # creation reports no change
+    assert write_records(plan) == [] and rec.stat().st_mtime == 0
+    assert write_records(changed, rewrite=False) == [] and rec.stat().st_mtime == 0  # --rerun-triggers without params
+    assert sorted(write_records(changed)) == [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
+    assert rec.stat().st_mtime > 1e9 and "--ddtree-budgets=16 " in rec.read_text()
+
+
+def test_every_rule_with_options_reads_its_record():
+    """The rules declare the record of the stage whose params they pass (and completions the prompts' one too)."""
+    rules = {f.name: f.read_text() for f in (REPO / "rules").glob("*.smk")}
+    text = "\n".join(rules.values())
+    for stage in ("prompts", "completions", "hidden_states", "evaluate", "strip_drafter", "target_costs",
+                  "kernel_parity", "engine_parity", "validate_online", "validate_engine", "trackers"):
+        assert f'record=options_record("{stage}"' in text, stage
+    assert text.count('options_record("hidden_states", "prompt_set")') == 2  # one job or the shards
+    assert 'prompts_record=options_record("prompts", "prompt_set")' in rules["completions.smk"]
+    assert "--prompts-settings {input.prompts_record:q}" in rules["completions.smk"]
+    assert "--settings {input.record:q}" in rules["prompts.smk"]
+
+
+# --------------------------------------------------------------------------- prompts meta
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    """Two target folders whose tokenizers differ in one added token (the tiny test tokenizer)."""
+    from tiny import make_tiny_target
+
+    root = tmp_path_factory.mktemp("tok")
+    a = make_tiny_target(root / "a")
+    b = root / "b"
+    shutil.copytree(a, b)
+    tok = json.loads((b / "tokenizer_config.json").read_text())
+    tok["model_max_length"] = 12345  # any change to a tokenizer file
+    (b / "tokenizer_config.json").write_text(json.dumps(tok))
+    return a, b
+
+
+def _prompts_job(target, out: Path, seed: int, record: Path):
+    """What rule prompts runs: the stage on a text file of prompts with the given seed and options record."""
+    import argparse
+
+    from dflash_eval import options
+    from dflash_eval.stages import prompts as stage
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = out.parent / "data.txt"
+    data.write_text("".join(f"prompt number {i}\n" for i in range(12)))
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"options": f"--n=4 --seed={seed}"}))
+    args = argparse.Namespace(source="file", path=str(data), turn1_completions=None, tokenizer=str(target),
+                              settings=str(record), out=str(out))
+    stage.main(args, options.make("prompts", n=4, seed=seed))
+    return out
+
+
+def test_a_prompts_file_of_other_settings_copied_in_place_is_refused(tokenizer_dirs, tmp_path):
+    """A validly sealed prompts file (with or without its meta) from a run of another seed, or made with
+    another tokenizer, used to be taken by the completions stage; the meta binds it to the run's record."""
+    from dflash_eval.io import sha256_file
+    from dflash_eval.prompts_meta import check_prompts_provenance, meta_path, read_prompt_meta
+
+    target, other_tok = tokenizer_dirs
+    run = _prompts_job(target, tmp_path / "run" / "set.jsonl", 0, tmp_path / "run" / "rec.json")
+    other = _prompts_job(target, tmp_path / "other" / "set.jsonl", 1, tmp_path / "other" / "rec.json")
+    record = tmp_path / "run" / "rec.json"
+    meta = read_prompt_meta(run)
+    assert meta["settings_sha256"] == sha256_file(record).hexdigest() and meta["written"] == 4
+    assert run.read_bytes() != other.read_bytes()
+
+    def check(prompts, tok=target, settings=record):
+        return check_prompts_provenance(prompts, sha256_file(prompts).hexdigest(), tok, settings)
+
+    assert check(run)["seed"] == 0  # the run's own file passes
+    cases = {}
+    shutil.copy(other, run)  # the prompts file alone
+    cases["file only"] = "prompts_sha256"
+    with pytest.raises(InputError) as err:
+        check(run)
+    assert err.value.field == "prompts_sha256" and Path(err.value.file) == meta_path(run)
+    assert "the prompts file was replaced or changed" in err.value.problem and "snakemake -R prompts" in err.value.fix
+    shutil.copy(meta_path(other), meta_path(run))  # and its meta: the settings differ
+    with pytest.raises(InputError) as err:
+        check(run)
+    assert err.value.field == "settings_sha256" and "come from a run with other settings" in err.value.problem
+    assert check(run, settings=None)["seed"] == 1  # off the workflow: file and tokenizer still agree
+    with pytest.raises(InputError) as err:
+        check(run, tok=other_tok, settings=None)
+    assert err.value.field == "tokenizer_sha256" and "another tokenizer" in err.value.problem
+    meta_path(run).write_text(meta_path(run).read_text().replace('"seed": 1', '"seed": 0'))  # an edited meta
+    with pytest.raises(InputError) as err:
+        check(run)
+    assert err.value.field == "content_sha256"
+    meta_path(run).unlink()
+    with pytest.raises(InputError, match="metadata of .* is missing"):
+        check(run)
+    assert check(run, settings=None) is None  # hand-written prompts off the workflow: nothing to compare
+
+
+def test_completions_stage_refuses_prompts_of_other_settings(tokenizer_dirs, tmp_path):
+    """Through the stage itself (what the workflow runs): refused before any generation, no output."""
+    from dflash_eval.stages.completions import generate_completions
+
+    target = tokenizer_dirs[0]
+    run = _prompts_job(target, tmp_path / "run" / "set.jsonl", 0, tmp_path / "run" / "rec.json")
+    other = _prompts_job(target, tmp_path / "other" / "set.jsonl", 1, tmp_path / "other" / "rec.json")
+    for f in (other, other.with_name("set.meta.json")):
+        shutil.copy(f, run.parent / f.name)
+    out = tmp_path / "run" / "c.jsonl"
+    with pytest.raises(InputError) as err:
+        generate_completions(target, run, out, prompts_settings=tmp_path / "run" / "rec.json", device="cpu",
+                             dtype="float32", max_new_tokens=4)
+    assert err.value.field == "settings_sha256" and not out.exists()
+    assert not list(out.parent.glob(".*partial"))
+    _prompts_job(target, run, 0, tmp_path / "run" / "rec.json")
+    assert generate_completions(target, run, out, prompts_settings=tmp_path / "run" / "rec.json", device="cpu",
+                                dtype="float32", max_new_tokens=4) == out
