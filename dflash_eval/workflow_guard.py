@@ -210,16 +210,18 @@ def metadata_gone(run_dir: str | os.PathLike, workdir: str | os.PathLike = ".") 
     """What to tell the user when ``run_dir`` holds outputs but Snakemake's metadata (``.snakemake/metadata``)
     is gone (copied results, a fresh clone, ``rm -rf .snakemake``), else None.
 
-    Snakemake reruns a job for a changed option (params), code or input set only from that metadata;
-    without it only missing or older files rerun. A checkpoint or prompt set added still runs
-    (``planned_evaluations.txt``); an option changed since the outputs were made does not."""
+    Snakemake reruns a job for changed params, code, input set or software environment only from that
+    metadata; without it only missing or older files rerun. Added checkpoints and prompt sets still run
+    (``planned_evaluations.txt``), and so do the jobs of a changed option (their options records,
+    :mod:`dflash_eval.job_records`); a changed container image or conda environment does not."""
     meta = Path(workdir, ".snakemake", "metadata")
     if not Path(run_dir, "tau.csv").exists() or (meta.is_dir() and any(meta.iterdir())):
         return None
     return (f"{run_dir} holds results but Snakemake's records of how they were made (.snakemake/metadata) are gone "
-            "(copied results or a removed .snakemake): an option changed since they were made will not rerun the "
-            "jobs it affects (added checkpoints and prompt sets still run). If you changed options, rerun those stages "
-            "(e.g. --forcerun evaluate, or -R completions for generation options)")
+            "(copied results or a removed .snakemake): changed options, added checkpoints and prompt sets still rerun "
+            f"what they affect ({run_dir}/options/, planned_evaluations.txt), but a changed software environment "
+            "(containers.cuda image, conda env) does not. If you changed one, rerun what it affects "
+            "(e.g. --forcerun evaluate, or -R completions)")
 
 
 def check_config_files(files: Iterable[str | os.PathLike], argv: Sequence[str], snakefile_dir) -> None:
