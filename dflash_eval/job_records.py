@@ -17,12 +17,17 @@ run-level stages). A record holds the values of its rule's ``params`` that can c
 (:meth:`~dflash_eval.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
 so the two triggers agree: with metadata both fire on the same jobs.
 
-Two rules keep the records from rerunning what they should not:
+Three rules keep the records from rerunning what they should not:
 
 - a record written for the first time gets modification time 0 (1970): it reports no change, so a
-  run that already had its outputs (made before the records existed) is not rerun by their creation;
+  run that already had its outputs (made before the records existed) is not rerun by their creation
+  (it cannot tell what they were made with: where ``.snakemake/metadata`` is gone too, the workflow
+  says so, :func:`dflash_eval.workflow_guard.metadata_gone`);
 - a rerun without the ``params`` trigger (``--rerun-triggers mtime input``: "I know this change is
-  harmless") leaves existing records as they are.
+  harmless") leaves existing records as they are;
+- so does a command that runs no job (``-n``, ``--dag``, ``--summary``, ``--list-changes``, ...:
+  :func:`plans_only`): checking a changed config and then reverting it must not rerun valid
+  outputs. It names the records that a real run would rewrite instead.
 
 The prompts record has a second reader: the prompts stage stores its sha256 in ``<set>.meta.json`` and
 the completions stage compares it (:mod:`dflash_eval.prompts_meta`), so a validly sealed prompts file of
@@ -33,8 +38,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from .io import write_text_if_changed
 
@@ -91,18 +97,58 @@ def planned_records(plan: "Plan") -> dict[str, str]:
             for s, k in keys}
 
 
-def write_records(plan: "Plan", rewrite: bool = True) -> list[str]:
-    """Write :func:`planned_records`: a missing record with modification time 0, a changed one (only with
-    ``rewrite``, i.e. when Snakemake's ``params`` rerun trigger is on) with the current time.
+#: Snakemake options of commands that plan, list or draw but run no job (and do not touch outputs)
+PLAN_ONLY_FLAGS = frozenset({
+    "--dry-run", "--dryrun", "--lint", "--dag", "--d3dag", "--rulegraph", "--filegraph", "--summary", "-S",
+    "--detailed-summary", "-D", "--list-changes", "--lc", "--list-code-changes", "--list-params-changes",
+    "--list-input-changes", "--list-rules", "-l", "--list-target-rules", "--lt", "--list-untracked", "--lu",
+    "--report", "--export-cwl", "--containerize", "--print-compilation", "--unlock", "--cleanup-metadata",
+    "--cm", "--list-conda-envs", "--archive", "--delete-all-output", "--delete-temp-output"})
+#: a bundle of short flags that take no value, one of them ``-n`` (``-np``, ``-pn``, ``-nF``)
+_SHORT_DRY = re.compile(r"^-[pqFkrT]*n[pqFkrT]*$")
+
+
+def plans_only(argv: Sequence[str]) -> bool:
+    """True when a Snakemake command line runs no job: a dry run (``-n``, ``--dry-run``, a short-flag bundle
+    with ``n``) or a listing, drawing, report, lint or unlock command (:data:`PLAN_ONLY_FLAGS`)."""
+    return any(w.split("=", 1)[0] in PLAN_ONLY_FLAGS or _SHORT_DRY.match(w) for w in argv)
+
+
+class RecordsUpdate(NamedTuple):
+    """What :func:`write_records` found."""
+
+    created: list[str]  #: records that did not exist (written, modification time 0)
+    changed: list[str]  #: records whose content differs from the plan's (rewritten unless ``rewrite`` was False)
+    fresh: bool  #: the run had no ``options/`` folder: every record is new (results of an earlier version, or removed)
+
+
+def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
+    """Write :func:`planned_records`: a missing record with modification time 0 (always: its rule needs the
+    file), a changed one with the current time, only with ``rewrite`` (the ``params`` rerun trigger on and
+    a command that runs jobs: not :func:`plans_only`).
 
     Returns:
-        the records whose content changed (their jobs rerun).
+        the records created, the records whose content changed (their jobs rerun once rewritten), and whether
+        the run had no records at all before.
     """
-    changed = []
+    created, changed = [], []
+    fresh = not Path("results", plan.run, RECORDS_DIR).is_dir()
     for path, text in planned_records(plan).items():
-        if not Path(path).is_file():
+        p = Path(path)
+        if not p.is_file():
             write_text_if_changed(path, text)
             os.utime(path, (0, 0))  # no change known: outputs made before the record are not rerun
-        elif rewrite and write_text_if_changed(path, text):
+            created.append(path)
+        elif p.read_text(encoding="utf-8") != text:
             changed.append(path)
-    return changed
+            if rewrite:
+                write_text_if_changed(path, text)
+    return RecordsUpdate(created, changed, fresh)
+
+
+def pending_note(changed: Sequence[str]) -> str:
+    """The warning of a command that runs no job while ``changed`` records differ from the config."""
+    return (f"options changed for {len(changed)} job group(s) ({', '.join(sorted(changed)[:6])}"
+            f"{', ...' if len(changed) > 6 else ''}): this command runs no job, so their records are left as they "
+            "are; the same command without -n reruns their jobs (a dry run shows them only where "
+            ".snakemake/metadata holds the old params)")

@@ -206,22 +206,30 @@ def rerun_incomplete_argv(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
-def metadata_gone(run_dir: str | os.PathLike, workdir: str | os.PathLike = ".") -> str | None:
+def metadata_gone(run_dir: str | os.PathLike, workdir: str | os.PathLike = ".",
+                  records_created: bool = False) -> str | None:
     """What to tell the user when ``run_dir`` holds outputs but Snakemake's metadata (``.snakemake/metadata``)
     is gone (copied results, a fresh clone, ``rm -rf .snakemake``), else None.
 
     Snakemake reruns a job for changed params, code, input set or software environment only from that
     metadata; without it only missing or older files rerun. Added checkpoints and prompt sets still run
-    (``planned_evaluations.txt``), and so do the jobs of a changed option (their options records,
-    :mod:`dflash_eval.job_records`); a changed container image or conda environment does not."""
+    (``planned_evaluations.txt``), and so do the jobs of an option changed since the options records were
+    written (:mod:`dflash_eval.job_records`); ``records_created``: the run had no records and they were just
+    written from the current config, so an option changed before now is not seen (results of an earlier
+    version, or a removed ``options/`` folder)."""
     meta = Path(workdir, ".snakemake", "metadata")
     if not Path(run_dir, "tau.csv").exists() or (meta.is_dir() and any(meta.iterdir())):
         return None
-    return (f"{run_dir} holds results but Snakemake's records of how they were made (.snakemake/metadata) are gone "
-            "(copied results or a removed .snakemake): changed options, added checkpoints and prompt sets still rerun "
-            f"what they affect ({run_dir}/options/, planned_evaluations.txt), but a changed software environment "
-            "(containers.cuda image, conda env) does not. If you changed one, rerun what it affects "
-            "(e.g. --forcerun evaluate, or -R completions)")
+    head = (f"{run_dir} holds results but Snakemake's records of how they were made (.snakemake/metadata) are gone "
+            "(copied results or a removed .snakemake)")
+    if records_created:
+        return (f"{head}, and its options records ({run_dir}/options/) were missing: they were written now from this "
+                "config, so an option changed since the results were made does NOT rerun the jobs it affects. If you "
+                "changed options, rerun those stages (e.g. --forcerun evaluate, or -R completions for generation "
+                "options); from now on the records carry option changes")
+    return (f"{head}: changed options, added checkpoints and prompt sets still rerun what they affect ({run_dir}/options/, "
+            "planned_evaluations.txt), but a changed software environment (containers.cuda image, conda env) does "
+            "not. If you changed one, rerun what it affects (e.g. --forcerun evaluate, or -R completions)")
 
 
 def check_config_files(files: Iterable[str | os.PathLike], argv: Sequence[str], snakefile_dir) -> None:

@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from dflash_eval.errors import InputError
-from dflash_eval.job_records import planned_records, record_path, record_values, write_records
+from dflash_eval.job_records import (pending_note, planned_records, plans_only, record_path, record_values,
+                                     write_records)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,11 +75,39 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     changed = _plan(config)
     monkeypatch.chdir(tmp_path)  # records are written below the working directory
     rec = Path(record_path("default", "evaluate", "sharegpt"))
-    assert write_records(plan) == [] and rec.stat().st_mtime == 0  # creation reports no change
-    assert write_records(plan) == [] and rec.stat().st_mtime == 0
-    assert write_records(changed, rewrite=False) == [] and rec.stat().st_mtime == 0  # --rerun-triggers without params
-    assert sorted(write_records(changed)) == [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
+    first = write_records(plan)
+    assert first.fresh and first.changed == [] and len(first.created) == 12 and rec.stat().st_mtime == 0
+    assert write_records(plan) == ([], [], False) and rec.stat().st_mtime == 0  # creation reports no change
+    evals = [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
+    pending = write_records(changed, rewrite=False)  # -n, or --rerun-triggers without params
+    assert sorted(pending.changed) == evals and rec.stat().st_mtime == 0 and "--ddtree-budgets=16 " not in rec.read_text()
+    assert "options changed for 2 job group(s) (results/default/options/evaluate/humaneval.json" in pending_note(
+        pending.changed)
+    assert sorted(write_records(changed).changed) == evals
     assert rec.stat().st_mtime > 1e9 and "--ddtree-budgets=16 " in rec.read_text()
+    shutil.rmtree("results/default/options/evaluate")
+    assert not write_records(changed).fresh  # one stage's records removed: not a run without records
+
+
+@pytest.mark.parametrize("argv, only", [
+    (["snakemake", "-n"], True), (["snakemake", "--cores", "2", "-np"], True), (["snakemake", "--dry-run"], True),
+    (["snakemake", "--dag"], True), (["snakemake", "--list-changes", "params"], True), (["snakemake", "--lint"], True),
+    (["snakemake", "--summary"], True), (["snakemake", "--unlock"], True), (["snakemake", "--report=r.html"], True),
+    (["snakemake", "--cores", "all"], False), (["snakemake", "--touch"], False), (["snakemake", "-j4", "-p"], False),
+    (["snakemake", "--configfile", "n.yaml"], False), (["snakemake", "-R", "evaluate"], False)])
+def test_commands_that_run_no_job_leave_the_records(argv, only):
+    assert plans_only(argv) is only
+
+
+def test_metadata_gone_says_whether_the_records_cover_option_changes(tmp_path):
+    from dflash_eval.workflow_guard import metadata_gone
+
+    run = tmp_path / "results" / "r"
+    run.mkdir(parents=True)
+    (run / "tau.csv").write_text("checkpoint\n")
+    assert "changed options, added checkpoints and prompt sets still rerun" in metadata_gone(run, tmp_path)
+    fresh = metadata_gone(run, tmp_path, records_created=True)
+    assert "were missing" in fresh and "does NOT rerun" in fresh and "--forcerun evaluate" in fresh
 
 
 def test_every_rule_with_options_reads_its_record():

@@ -727,25 +727,34 @@ def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_i
     """Results copied without .snakemake/: an edited option (evaluate.ddtree_budgets, a prompt set's seed) used
     to rerun nothing (only a warning), so tau.csv kept the old setting's numbers. Each job group's options record
     (results/<run>/options/, rewritten only when its content changes) is an input of its rule: by mtime alone,
-    the jobs of the changed option rerun, and no others."""
+    the jobs of the changed option rerun, and no others. A dry run leaves the records as they are (checking a
+    changed config, then reverting it, reruns nothing) and names the records a real run rewrites."""
+    out = lambda p: p.stdout + p.stderr  # noqa: E731
     wd = tmp_path / "wf"
     shutil.copytree(tiny_run, wd, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
-    assert "Nothing to be done" in (lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    overlay = _overlay(wd, "evaluate: {ddtree_budgets: [2, 4]}")
+    text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *overlay))
+    assert "options changed for 2 job group(s) (results/tiny/options/evaluate/set_a.json, " in text, text[-3000:]
+    assert "Nothing to be done" in text  # no metadata: only the records can tell, and -n leaves them
+    text = out(smk(wd, "--workflow-profile", str(CI_PROFILE), *overlay))  # the real run
+    ran = planned_jobs(text)
     evals = [(c, p) for c in ("demo-step50", "step100", "step200", "trained") for p in ("set_a", "set_b")]
-    jobs = planned_jobs((lambda p: p.stdout + p.stderr)(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE),
-                                                             *_overlay(wd, "evaluate: {ddtree_budgets: [2, 4]}"))))
-    assert sorted(r for r in jobs if r[0] == "evaluate") == sorted(
-        ("evaluate", f"run=tiny, ckpt={c}, prompt_set={p}") for c, p in evals), jobs
-    assert not {r for r, _ in jobs} & (TARGET_RULES | {"demo_checkpoint", "prompts", "strip_drafter"}), jobs
-    assert "--ddtree-budgets=2,4 " in (wd / "results/tiny/options/evaluate/set_a.json").read_text()
+    assert sorted(r for r in ran if r[0] == "evaluate") == sorted(
+        ("evaluate", f"run=tiny, ckpt={c}, prompt_set={p}") for c, p in evals), ran
+    assert not {r for r, _ in ran} & (TARGET_RULES | {"demo_checkpoint", "prompts", "strip_drafter"}), ran
+    assert json.loads((wd / "results/tiny/eval/step100/set_a.json").read_text())["ddtree_budgets"] == [2, 4]
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *overlay))
 
     wd2 = tmp_path / "wf2"
-    shutil.copytree(tiny_run, wd2, symlinks=True, ignore=shutil.ignore_patterns(".snakemake"))
-    jobs = planned_jobs((lambda p: p.stdout + p.stderr)(smk(wd2, "-n", "--workflow-profile", str(CI_PROFILE),
-                                                             *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}"))))
+    shutil.copytree(tiny_run, wd2, symlinks=True)  # with metadata: -n shows the params change, then a revert
+    text = out(smk(wd2, "-n", "--workflow-profile", str(CI_PROFILE), *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}")))
+    assert "options changed for 1 job group(s) (results/tiny/options/prompts/set_b.json)" in text
+    jobs = planned_jobs(text)
     assert {("prompts", "run=tiny, prompt_set=set_b"), ("completions", "run=tiny, prompt_set=set_b"),
             ("hidden_states", "run=tiny, prompt_set=set_b")} <= set(jobs), jobs
     assert not [j for j in jobs if "set_a" in j[1]] and len([j for j in jobs if j[0] == "evaluate"]) == 4, jobs
+    assert "Nothing to be done" in out(smk(wd2, "-n", "--workflow-profile", str(CI_PROFILE)))  # reverted: nothing
 
 
 # --------------------------------------------------------------------------- stale results, late checks, reruns
