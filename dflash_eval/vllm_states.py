@@ -54,7 +54,7 @@ import torch
 from .cache_format import FORMAT, FORMAT_VERSION, completions_sampling, to_storage
 from .cache_reader import open_h5_readonly
 from .cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
-from .errors import InputError, partial_path
+from .errors import InputError, partial_path, reused_sidecar_note
 from .io import sha256_file
 
 log = logging.getLogger(__name__)
@@ -436,6 +436,8 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             todo = [i for i in range(len(seqs)) if i not in done]
             log.info("%s: %d samples; %d verified in the partial file and kept, %d to fetch from vLLM %s at %s",
                      out, len(seqs), len(done), len(todo), info.version, client.url)
+            if done and not todo:
+                log.warning(reused_sidecar_note(out, len(done)))
             _run(cache, fetch, seqs, meta, todo, dt_name, opt.concurrency)
             cache.finish()
         except BaseException:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
-from snakemake.settings.types import DeploymentMethod, RerunTrigger
+from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 from snakemake_interface_executor_plugins.settings import ExecMode
 
@@ -22,7 +22,8 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
 from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
-from dflash_eval.job_records import pending_note, plans_only, record_path, write_records
+from dflash_eval.job_records import (pending_note, plans_only, record_path, rewrite_allowed, target_record_path,
+                                     write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -108,9 +109,7 @@ if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations chan
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
     # and by commands that run no job (-n: checking a changed config, then reverting it, reruns nothing)
-    _dag = getattr(workflow, "dag_settings", None)
-    _records = write_records(PLAN, rewrite=(_dag is None or RerunTrigger.PARAMS in _dag.rerun_triggers)
-                             and not plans_only(sys.argv))
+    _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv))
     if _records.changed and plans_only(sys.argv):
         logger.warning(f"dflash-eval: {pending_note(_records.changed)}")
     _gone = metadata_gone(PLAN.run_path(), records_created=_records.fresh)

@@ -18,5 +18,5 @@ rule trackers:
     params:
         options=lambda wildcards: PLAN.stage_flags("trackers"),
     shell:
-        "python -m dflash_eval trackers --table {input.table:q} --run {wildcards.run}"
+        "python -m dflash_eval trackers --table {input.table:q} --run={wildcards.run:q}"
         " {params.options} --out {output:q} > {log:q} 2>&1"

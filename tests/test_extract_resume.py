@@ -269,6 +269,11 @@ def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, m
     caplog.set_level("INFO")
     extract_hidden_states(**base)
     assert f"{N_SAMPLES} verified in the partial file and kept, 0 to compute" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "samples were taken" in r.getMessage()]
+    assert warned == [f"{out}: all {N_SAMPLES} samples were taken, verified, from {out}.partial, the cache an earlier "
+                      "job finished (kept because its Snakemake did not record it); nothing was recomputed. If you "
+                      f"forced this rerun to recompute the states (e.g. after a code change), delete {out}.partial "
+                      "and rerun"]  # never silent: a forced rerun after a code change must delete it
     assert os.path.samefile(out, tmp_path / "k.h5.partial")
     assert datasets(out) == datasets(wd / "ref.h5")
     assert remove_done_links([out, tmp_path / "missing.h5"]) == [tmp_path / "k.h5.partial"]

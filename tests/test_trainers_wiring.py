@@ -57,7 +57,7 @@ def test_dry_run_mt_bench_turn2_after_turn1_completions_and_trackers(tmp_path):
     block = out[:out.index("output: results/r1/prompts/mt2.jsonl")].rsplit("rule prompts:", 1)[1]
     assert "results/r1/completions/mt.jsonl" in block.split("input:", 1)[1]
     tr = next(c for c in cmds if "dflash_eval trackers" in c)
-    assert "--table results/r1/tau.parquet --run r1" in tr and "--tensorboard-enabled" in tr
+    assert "--table results/r1/tau.parquet --run=r1" in tr and "--tensorboard-enabled" in tr
     assert "--wandb-enabled" in tr and "--wandb-run-id=train-7" in tr and "--no-mlflow-enabled" in tr
     assert jobs.count("trackers") == 1
     # no tracker enabled: no trackers job
@@ -71,7 +71,7 @@ def test_demo_logs_to_tensorboard_by_default(tmp_path):
     wd = copy_workflow(tmp_path / "wf")
     out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml").stdout
     tr = next(c for c in shell_commands(out) if "dflash_eval trackers" in c)
-    assert "--run demo" in tr and "--tensorboard-enabled" in tr and "--no-wandb-enabled" in tr
+    assert "--run=demo" in tr and "--tensorboard-enabled" in tr and "--no-wandb-enabled" in tr
     assert "tensorboard --logdir results/demo/tensorboard" in (REPO / "README.md").read_text()
 
 

@@ -755,6 +755,30 @@ def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_i
             ("hidden_states", "run=tiny, prompt_set=set_b")} <= set(jobs), jobs
     assert not [j for j in jobs if "set_a" in j[1]] and len([j for j in jobs if j[0] == "evaluate"]) == 4, jobs
     assert "Nothing to be done" in out(smk(wd2, "-n", "--workflow-profile", str(CI_PROFILE)))  # reverted: nothing
+    record = (wd2 / "results/tiny/options/prompts/set_b.json").read_text()
+    text = out(smk(wd2, "--workflow-profile", str(CI_PROFILE), "--rerun-triggers", "mtime", "input",
+                   *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}")))  # "I know this change is harmless"
+    assert "Nothing to be done" in text and (wd2 / "results/tiny/options/prompts/set_b.json").read_text() == record
+
+
+@pytest.mark.slow
+def test_a_failed_run_leaves_no_finished_cache_for_a_forced_rerun_to_adopt(tiny_run, tmp_path):
+    """The fresh trial's C1: a run that failed elsewhere (here a damaged drafter) kept each finished cache's
+    sidecar link (<cache>.h5.partial), and a later `-R hidden_states` (to recompute after a code change)
+    adopted it: the old states, with exit 0. onerror now drops the links, as onsuccess does (only a killed
+    Snakemake needs them)."""
+    wd = _copy_run(tiny_run, tmp_path / "wf")
+    drafter = wd / "results/tiny/drafters/step100/model.safetensors"
+    data = bytearray(drafter.read_bytes())
+    data[-100] ^= 1
+    st = drafter.stat()
+    drafter.write_bytes(bytes(data))
+    os.utime(drafter, ns=(st.st_atime_ns, st.st_mtime_ns))
+    target = "results/tiny/eval/step100/set_a.json"
+    proc = smk(wd, "--workflow-profile", str(CI_PROFILE), "-R", "hidden_states", "--until", target, check=False)
+    assert proc.returncode != 0 and "strip_info.json" in proc.stdout + proc.stderr
+    assert (wd / "results/tiny/cache/set_a.h5").exists()  # the hidden_states job itself finished
+    assert not list((wd / "results/tiny/cache").glob("*.partial")), list((wd / "results/tiny/cache").iterdir())
 
 
 # --------------------------------------------------------------------------- stale results, late checks, reruns

@@ -404,8 +404,9 @@ def _check_completions(attrs, cache_path, completions: Path) -> None:
     if attrs.get("completions_sha256") != sha:
         raise InputError(cache_path, "completions_sha256", f"extracted from completions with sha256 "
                          f"{str(attrs.get('completions_sha256'))[:16]}…, but {completions} has {sha[:16]}…: a cache of "
-                         "another prompt set, run or config", "extract it again (snakemake -R hidden_states), or "
-                         "restore this run's cache")
+                         "another prompt set, run or config, or a completions file changed since the cache was extracted",
+                         f"if {completions} is intact (snakemake -R hidden_states checks its rows), extract the cache "
+                         "again (snakemake -R hidden_states); otherwise restore this run's files")
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:

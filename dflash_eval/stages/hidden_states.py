@@ -27,7 +27,7 @@ from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from ..completions_file import FIX as COMPLETIONS_FIX
 from ..completions_file import read_completions
 from ..disk_room import no_room_error
-from ..errors import InputError
+from ..errors import InputError, reused_sidecar_note
 from ..extract import check_layers, check_packing, forward_batch, packing_support, versions
 from ..hybrid import bind_linear_attention
 from ..io import sha256_file
@@ -220,6 +220,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         n_todo = sum(1 for b in todo for i in b if i not in done)
         log.info("%s: %d samples in %d batches; %d verified in the partial file and kept, %d to compute in %d batches",
                  out, len(seqs), len(batches), len(done), n_todo, len(todo))
+        if done and not todo:
+            log.warning(reused_sidecar_note(out, len(done)))
         if todo:
             model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
                                               devices=opts.devices, max_memory=opts.max_memory)
