@@ -32,7 +32,7 @@ Three rules keep the records from rerunning what they should not:
   outputs. It names the records that a real run would rewrite instead.
 
 The prompts record has a second reader: the prompts stage stores its sha256 in ``<set>.meta.json`` and
-the completions stage compares it (:mod:`dflash_eval.prompts_meta`), so a validly sealed prompts file of
+the completions stage compares it (:mod:`dflash_eval.provenance`), so a validly sealed prompts file of
 other settings copied over the run's is refused.
 """
 

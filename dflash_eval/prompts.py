@@ -406,7 +406,7 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
 
     Returns:
         ``(rows, meta)``: the row dicts ``{id, source, prompt, text, prompt_ids}`` in walk order, and
-        the metadata the prompts stage stores beside them (:mod:`dflash_eval.prompts_meta`): ``source``,
+        the metadata the prompts stage stores beside them (:mod:`dflash_eval.provenance`): ``source``,
         ``path``, ``n``, ``seed``, ``max_prompt_tokens``, ``available`` (usable prompts of the
         source), ``written``, ``skipped`` (count per reason code of :data:`SKIP_REASONS`: records
         the loader skipped, over the whole source, and ``too_long`` prompts met on the walk before
@@ -481,7 +481,7 @@ def write_prompts(rows: list[dict], out: str | Path) -> Path:
 
     Each row carries its place (``row_index``, ``n_rows``) and, last, ``row_sha256`` over the rest
     (:mod:`dflash_eval.row_checksum`), which :func:`read_prompts` verifies. The prompts stage writes
-    ``<set>.meta.json`` beside it (:func:`dflash_eval.prompts_meta.write_meta`); that is a sidecar, not
+    ``<set>.meta.json`` beside it (:func:`dflash_eval.provenance.write_meta`); that is a sidecar, not
     a first JSONL line, so that every line stays a prompt row for its readers.
 
     Returns:

@@ -168,7 +168,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         extra: JSON files with ``title`` + ``markdown`` (e.g. kernel parity).
         config_sha256: hash of the workflow config (provenance).
         run: run name (title).
-        prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.prompts_meta.read_prompt_meta`),
+        prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.provenance.read_prompt_meta`),
             shown as one section with the skip counts per reason.
 
     Raises:
@@ -191,7 +191,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
-        from .prompts_meta import read_prompt_meta, skip_table_markdown
+        from .provenance import read_prompt_meta, skip_table_markdown
 
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
         data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "

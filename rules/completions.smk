@@ -17,7 +17,8 @@ rule completions:
         record=options_record("completions", "prompt_set"),
         prompts_record=options_record("prompts", "prompt_set"),
     output:
-        "results/{run}/completions/{prompt_set}.jsonl",
+        completions="results/{run}/completions/{prompt_set}.jsonl",
+        meta="results/{run}/completions/{prompt_set}.meta.json",  # sha256 of it + of the record (hidden_states checks)
     log:
         main="logs/completions/{run}/{prompt_set}.log",
         server="logs/completions/{run}/{prompt_set}.vllm.log",
@@ -39,4 +40,5 @@ rule completions:
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
         " --prompts {input.prompts:q} --prompts-settings {input.prompts_record:q} {params.options}"
-        " {params.fingerprint} --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"
+        " {params.fingerprint} --server-log {log.server:q} --settings {input.record:q}"
+        " --out {output.completions:q} > {log.main:q} 2>&1"

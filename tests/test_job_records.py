@@ -1,4 +1,4 @@
-"""Options records (dflash_eval/job_records.py) and the prompts meta (dflash_eval/prompts_meta.py).
+"""Options records (dflash_eval/job_records.py) and the prompts / completions meta (dflash_eval/provenance.py).
 
 A changed option must rerun its jobs also without Snakemake's metadata: each job group's options record is
 rewritten (new mtime) only when its content changes; a new record carries mtime 0 so that its creation
@@ -140,6 +140,9 @@ def test_every_rule_with_options_reads_its_record():
     assert 'prompts_record=options_record("prompts", "prompt_set")' in rules["completions.smk"]
     assert "--prompts-settings {input.prompts_record:q}" in rules["completions.smk"]
     assert "--settings {input.record:q}" in rules["prompts.smk"]
+    assert "--settings {input.record:q}" in rules["completions.smk"]
+    assert rules["cache.smk"].count("--completions-settings {input.completions_record:q}") == 2
+    assert rules["cache.smk"].count('completions_record=options_record("completions", "prompt_set")') == 2
 
 
 # --------------------------------------------------------------------------- prompts meta
@@ -182,7 +185,7 @@ def test_a_prompts_file_of_other_settings_copied_in_place_is_refused(tokenizer_d
     """A validly sealed prompts file (with or without its meta) from a run of another seed, or made with
     another tokenizer, used to be taken by the completions stage; the meta binds it to the run's record."""
     from dflash_eval.io import sha256_file
-    from dflash_eval.prompts_meta import check_prompts_provenance, meta_path, read_prompt_meta
+    from dflash_eval.provenance import check_provenance, meta_path, read_prompt_meta
 
     target, other_tok = tokenizer_dirs
     run = _prompts_job(target, tmp_path / "run" / "set.jsonl", 0, tmp_path / "run" / "rec.json")
@@ -193,7 +196,8 @@ def test_a_prompts_file_of_other_settings_copied_in_place_is_refused(tokenizer_d
     assert run.read_bytes() != other.read_bytes()
 
     def check(prompts, tok=target, settings=record):
-        return check_prompts_provenance(prompts, sha256_file(prompts).hexdigest(), tok, settings)
+        return check_provenance(prompts, sha256_file(prompts).hexdigest(), stage="prompts", file_key="prompts_sha256",
+                                tokenizer_dir=tok, settings_record=settings)
 
     assert check(run)["seed"] == 0  # the run's own file passes
     cases = {}
@@ -245,3 +249,42 @@ def test_completions_stage_refuses_prompts_of_other_settings(tokenizer_dirs, tmp
     _prompts_job(target, run, 0, tmp_path / "run" / "rec.json")
     assert generate_completions(target, run, out, prompts_settings=tmp_path / "run" / "rec.json", device="cpu",
                                 dtype="float32", max_new_tokens=4) == out
+
+
+def test_completions_of_other_settings_copied_in_place_are_refused_by_hidden_states(tokenizer_dirs, tmp_path):
+    """The trial's C5: a valid completions file of the same prompts made with another max_new_tokens, copied over
+    the run's, was accepted end to end (a wrong tau, exit 0). The completions stage now writes a sealed meta
+    naming its options record; hidden_states (--completions-settings, as the workflow passes) compares it."""
+    import argparse
+
+    from dflash_eval.stages import hidden_states
+    from dflash_eval.stages.completions import generate_completions
+
+    target = tokenizer_dirs[0]
+    prompts = _prompts_job(target, tmp_path / "p" / "set.jsonl", 0, tmp_path / "p" / "rec.json")
+    runs = {}
+    for name, n in (("run", 6), ("other", 3)):
+        rec = tmp_path / name / "rec.json"
+        rec.parent.mkdir(parents=True)
+        rec.write_text(json.dumps({"options": f"--max-new-tokens={n}"}))
+        out = generate_completions(target, prompts, tmp_path / name / "set.jsonl", settings=rec, device="cpu",
+                                   dtype="float32", max_new_tokens=n)
+        runs[name] = (out, rec)
+    out, rec = runs["run"]
+    meta = json.loads(out.with_name("set.meta.json").read_text())
+    assert meta["n_rows"] == 4 and meta["max_new_tokens"] == 6 and meta["settings_sha256"] and "content_sha256" in meta
+
+    def job(completions_settings=rec):
+        """What rule hidden_states runs, up to its first read of the target (the checks come first)."""
+        args = argparse.Namespace(completions=str(out), completions_settings=completions_settings,
+                                  prompts=str(prompts), target=str(tmp_path / "no-target"))
+        hidden_states.main(args, None)
+
+    for f in (runs["other"][0], runs["other"][0].with_name("set.meta.json")):
+        shutil.copy(f, out.parent / f.name)  # the other run's completions with their meta
+        with pytest.raises(InputError) as err:
+            job()
+        assert Path(err.value.file) == out.with_name("set.meta.json")
+        assert err.value.field == ("completions_sha256" if f.suffix == ".jsonl" else "settings_sha256"), f
+        assert "snakemake -R completions" in err.value.fix
+    assert "max_new_tokens, sampling" in err.value.problem

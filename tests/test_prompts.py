@@ -175,7 +175,7 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
     assert skipped == {"system_without_user": 1, "assistant_first": 1, "unknown_role": 1, "empty_user_turn": 1,
                        "empty_conversation": 1, "not_a_conversation": 1}
     from dflash_eval.prompts import build_prompt_set_with_meta
-    from dflash_eval.prompts_meta import meta_path, read_prompt_meta, skip_table_markdown, write_meta
+    from dflash_eval.provenance import meta_path, read_prompt_meta, skip_table_markdown, write_meta
 
     rows, meta = build_prompt_set_with_meta("sharegpt", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=0)
     assert rows[0]["id"] == "h"  # the previously read record first, whatever the seed does to the others
@@ -185,7 +185,7 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
                          "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert (meta["available"], meta["written"], meta["skipped"]) == (5, 5, dict(skipped))
     out = write_prompts(rows, tmp_path / "ps" / "share.jsonl")
-    assert write_meta(out, meta, tok_dir) == meta_path(out) == tmp_path / "ps" / "share.meta.json"
+    assert write_meta(out, meta, file_key="prompts_sha256", tokenizer_dir=tok_dir) == meta_path(out) == tmp_path / "ps" / "share.meta.json"
     assert {k: v for k, v in read_prompt_meta(out).items() if k in meta} == meta
     assert len(read_prompts(out)) == 5  # the prompts file itself holds only rows
     table = skip_table_markdown({"share": meta})

@@ -22,7 +22,7 @@ from ..io import sha256_file
 from ..progress import Progress
 from ..row_checksum import seal_row
 from ..prompts import read_prompts
-from ..prompts_meta import check_prompts_provenance
+from ..provenance import check_provenance, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +42,23 @@ def add_arguments(p) -> None:
     p.add_argument("--server-log", default=None,
                    help="log file of the served vLLM (default: <out>.vllm.log); when the job starts no server, a given "
                         "file gets one line saying so (the workflow declares it for every source)")
-    p.add_argument("--out", required=True, help="completions JSONL")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/completions/<set>.json): its "
+                        "sha256 goes to <set>.meta.json beside the output, where hidden_states compares it")
+    p.add_argument("--out", required=True, help="completions JSONL; <name>.meta.json beside it records its sha256 and "
+                                                "the job's options record (dflash_eval/provenance.py)")
 
 
 def main(args, opts) -> None:
     generate_completions(args.target, args.prompts, args.out, opts, server_log=args.server_log,
-                         target_fingerprint=args.target_fingerprint, prompts_settings=args.prompts_settings)
+                         target_fingerprint=args.target_fingerprint, prompts_settings=args.prompts_settings,
+                         settings=args.settings)
 
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, opts=None, *,
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
-                         prompts_settings: str | Path | None = None, **overrides) -> Path:
+                         prompts_settings: str | Path | None = None, settings: str | Path | None = None,
+                         **overrides) -> Path:
     """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
 
     Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
@@ -75,7 +81,9 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target_spec.write_fingerprint`),
             so the weights are not hashed again.
         prompts_settings: the workflow's options record of the prompts job: ``<set>.meta.json`` must name it
-            (:func:`dflash_eval.prompts_meta.check_prompts_provenance`).
+            (:func:`dflash_eval.provenance.check_provenance`).
+        settings: the workflow's options record of this job: its sha256 goes to ``<out name>.meta.json``
+            (:func:`dflash_eval.provenance.write_meta`; written with every output), where hidden_states compares it.
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -96,7 +104,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     prompts_path, out, target_dir = Path(prompts_path), Path(out), Path(target_dir)
     rows = read_prompts(prompts_path)
     prompts_sha256 = sha256_file(prompts_path).hexdigest()
-    check_prompts_provenance(prompts_path, prompts_sha256, target_dir, prompts_settings)
+    check_provenance(prompts_path, prompts_sha256, stage="prompts", file_key="prompts_sha256", tokenizer_dir=target_dir,
+                     settings_record=prompts_settings)
     ids_seen: set[str] = set()
     for k, r in enumerate(rows):
         if str(r["id"]) in ids_seen:
@@ -201,6 +210,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         log.warning("%d of %d completions contain an end-of-turn token before their end (%s): generation ran past "
                     "the end of the turn; the target's stop ids %s miss it (first: %s)", len(early), len(rows),
                     ", ".join(sorted(set(early.values()))), stop_ids, list(early)[:5])
+    write_meta(out, {"n_rows": len(rows), "max_new_tokens": max_new_tokens}, file_key="completions_sha256",
+               settings_record=settings)
     log.info("wrote %d completions -> %s", len(rows), out)
     return out
 

@@ -28,6 +28,7 @@ from ..completions_file import FIX as COMPLETIONS_FIX
 from ..completions_file import read_completions
 from ..disk_room import no_room_error
 from ..errors import InputError, reused_sidecar_note
+from ..provenance import check_provenance
 from ..extract import check_layers, check_packing, forward_batch, packing_support, versions
 from ..hybrid import bind_linear_attention
 from ..io import sha256_file
@@ -63,6 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", default=None, metavar="JSONL",
                    help="the prompts file the completions must have been generated from (the workflow passes the "
                         "run's): completions of other prompts (another set, run or config) are refused")
+    p.add_argument("--completions-settings", default=None, metavar="JSON",
+                   help="the workflow's options record of the completions job (results/<run>/options/completions/"
+                        "<set>.json): the completions' <set>.meta.json must name it, so completions of other settings "
+                        "(max_new_tokens, sampling) are refused (without it, a meta present is still checked)")
     p.add_argument("--layer-ids", type=_layer_ids, required=True,
                    help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
                         "of every configured drafter's dflash_config.target_layer_ids")
@@ -82,6 +87,8 @@ def add_arguments(p) -> None:
 
 
 def main(args, opts) -> None:
+    check_provenance(args.completions, sha256_file(args.completions).hexdigest(), stage="completions",
+                     file_key="completions_sha256", settings_record=args.completions_settings)
     if args.prompts:
         check_generated_from(args.completions, args.prompts)
     extract_cache(args.target, args.completions, args.out, args.layer_ids, opts,

@@ -2,7 +2,7 @@
 
 Sources, the row format and the deterministic subset rule: :mod:`dflash_eval.prompts`. Beside the
 JSONL, ``<set>.meta.json`` records what was skipped and why (read by the report) and what the file was
-made from (:mod:`dflash_eval.prompts_meta`, verified by the completions stage). Options: config
+made from (:mod:`dflash_eval.provenance`, verified by the completions stage). Options: config
 section ``prompt_set`` (each prompt set's own ``n`` / ``seed`` / ``max_prompt_tokens`` override it;
 the workflow passes the merged values) and ``generation.enable_thinking``.
 """
@@ -10,7 +10,7 @@ the workflow passes the merged values) and ``generation.enable_thinking``.
 from __future__ import annotations
 
 from ..prompts import SOURCES, build_prompt_set_with_meta, write_prompts
-from ..prompts_meta import write_meta
+from ..provenance import write_meta
 
 STAGE = "prompts"
 
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/prompts/<set>.json): its sha256 "
                         "goes to the meta, where the completions stage compares it with the run's")
     p.add_argument("--out", required=True, help="prompts JSONL; its settings, sha256 and skip counts per reason go to "
-                                                "<name>.meta.json beside it (dflash_eval/prompts_meta.py)")
+                                                "<name>.meta.json beside it (dflash_eval/provenance.py)")
 
 
 def main(args, opts) -> None:
@@ -34,4 +34,5 @@ def main(args, opts) -> None:
                                             path=args.path, enable_thinking=opts.enable_thinking,
                                             max_prompt_tokens=opts.max_prompt_tokens,
                                             turn1_completions=args.turn1_completions)
-    write_meta(write_prompts(rows, args.out), meta, args.tokenizer, args.settings)
+    write_meta(write_prompts(rows, args.out), meta, file_key="prompts_sha256", tokenizer_dir=args.tokenizer,
+               settings_record=args.settings)
