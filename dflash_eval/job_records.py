@@ -122,7 +122,7 @@ PLAN_ONLY_FLAGS = frozenset({
     "--report", "--export-cwl", "--containerize", "--print-compilation", "--unlock", "--cleanup-metadata",
     "--cm", "--list-conda-envs", "--archive", "--delete-all-output", "--delete-temp-output"})
 #: a bundle of short flags that take no value, one of them ``-n`` (``-np``, ``-pn``, ``-nF``)
-_SHORT_DRY = re.compile(r"^-[pqFkrT]*n[pqFkrT]*$")
+_SHORT_DRY = re.compile(r"^-[pqFkr]*n[pqFkr]*$")
 
 
 def plans_only(argv: Sequence[str]) -> bool:
