@@ -92,8 +92,7 @@ def read_meta(path: str | Path, stage: str) -> dict:
     Raises:
         InputError: missing or malformed file, content changed after ``stage`` wrote it.
     """
-    p = Path(path)
-    p = p if p.name.endswith(".meta.json") else meta_path(p)
+    p = Path(path) if str(path).endswith(".meta.json") else meta_path(path)
     meta = read_json_object(p, f"{stage} metadata", fix_of(stage))
     if not check_document(p, meta, stage, fix_of(stage)):
         log.warning("%s: no content_sha256 (written before it): read unverified", p)
@@ -106,10 +105,10 @@ def read_prompt_meta(path: str | Path) -> dict:
     Raises:
         InputError: see :func:`read_meta`; no ``skipped`` table.
     """
-    meta = read_meta(path, "prompts")
+    p = Path(path) if str(path).endswith(".meta.json") else meta_path(path)
+    meta = read_meta(p, "prompts")
     if not isinstance(meta.get("skipped"), dict):
-        raise InputError(meta_path(path) if not str(path).endswith(".meta.json") else path, "skipped", "missing",
-                         fix_of("prompts"))
+        raise InputError(p, "skipped", "missing", fix_of("prompts"))
     return meta
 
 
