@@ -94,7 +94,7 @@ def test_sigkill_then_rerun_resumes(tiny, tmp_path):
     assert p.wait(timeout=900) == 0, (tmp_path / "2.log").read_text()[-3000:]
     assert log_counts((tmp_path / "2.log").read_text()) == (k, N_PROMPTS - k)
     assert out.read_bytes() == ref  # every prompt once, same bytes as the uninterrupted run
-    assert not partial.exists() and sorted(q.name for q in tmp_path.iterdir()) == ["1.log", "2.log", "c.jsonl"]
+    assert not partial.exists() and sorted(q.name for q in tmp_path.iterdir()) == ["1.log", "2.log", "c.jsonl", "c.meta.json"]  # + its meta
 
 
 @pytest.mark.slow
