@@ -126,22 +126,36 @@ def remove_done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:
         the sidecars removed.
     """
     removed = []
-    for out in outputs:
-        side = partial_path(out)
+    for side in done_links(outputs):
         with contextlib.suppress(OSError):
-            if os.path.samefile(side, out):
-                side.unlink()
-                removed.append(side)
+            side.unlink()
+            removed.append(side)
     return removed
 
 
-def reused_sidecar_note(out: str | os.PathLike, n_samples: int) -> str:
-    """The warning of a job that takes every sample from ``out``'s sidecar and computes none: a cache finished
-    by an earlier job whose Snakemake did not record it (killed), adopted as verified. A rerun forced to
+def reused_sidecar_note(out: str | os.PathLike, n_samples: int | None) -> str:
+    """The warning of a job that takes every sample (``n_samples``) from ``out``'s sidecar and computes none: a
+    cache finished by an earlier job whose Snakemake did not record it (killed), adopted as verified; with
+    ``n_samples`` None, the workflow's warning at parse time that such a sidecar is there. A rerun forced to
     recompute (``-R hidden_states`` after a code change) must delete the sidecar first."""
-    return (f"{out}: all {n_samples} samples were taken, verified, from {partial_path(out)}, the cache an earlier "
+    side = partial_path(out)
+    if n_samples is None:
+        return (f"{side} is the finished cache of a job a killed Snakemake did not record: the next hidden_states job "
+                f"of {out} takes its samples, verified, instead of recomputing them. If you are forcing a "
+                f"re-extraction (e.g. after a code change), delete {side} first")
+    return (f"{out}: all {n_samples} samples were taken, verified, from {side}, the cache an earlier "
             "job finished (kept because its Snakemake did not record it); nothing was recomputed. If you forced this "
-            f"rerun to recompute the states (e.g. after a code change), delete {partial_path(out)} and rerun")
+            f"rerun to recompute the states (e.g. after a code change), delete {side} and rerun")
+
+
+def done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:
+    """The sidecars of ``outputs`` that are only a second name (hard link) of the finished output."""
+    found = []
+    for out in outputs:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(partial_path(out), out):
+                found.append(partial_path(out))
+    return found
 
 
 @contextlib.contextmanager

@@ -188,9 +188,14 @@ def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
     return RecordsUpdate(created, changed, fresh)
 
 
-def pending_note(changed: Sequence[str]) -> str:
-    """The warning of a command that runs no job while ``changed`` records differ from the config."""
-    return (f"options changed for {len(changed)} job group(s) ({', '.join(sorted(changed)[:6])}"
-            f"{', ...' if len(changed) > 6 else ''}): this command runs no job, so their records are left as they "
-            "are; the same command without -n reruns their jobs (a dry run shows them only where "
-            ".snakemake/metadata holds the old params)")
+def pending_note(changed: Sequence[str], dry_run: bool = True) -> str:
+    """The warning of a command that leaves ``changed`` records as they are although they differ from the config:
+    one that runs no job (``dry_run``), or one run with ``--rerun-triggers`` without ``params``."""
+    head = (f"options changed for {len(changed)} job group(s) ({', '.join(sorted(changed)[:6])}"
+            f"{', ...' if len(changed) > 6 else ''})")
+    if dry_run:
+        return (f"{head}: this command runs no job, so their records are left as they are; the same command without "
+                "-n reruns their jobs (a dry run shows them only where .snakemake/metadata holds the old params)")
+    return (f"{head}: --rerun-triggers without 'params' leaves their records as they are and does not rerun their "
+            "jobs, so their outputs (and tau.csv) keep the settings those records name, not this config's; a run "
+            "without --rerun-triggers reruns them")

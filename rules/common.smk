@@ -20,7 +20,7 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error, non_finite_entry
-from dflash_eval.errors import InputError, remove_done_links
+from dflash_eval.errors import InputError, done_links, remove_done_links, reused_sidecar_note
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (pending_note, plans_only, record_path, rewrite_allowed, target_record_path,
                                      write_records)
@@ -110,8 +110,10 @@ if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations chan
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
     # and by commands that run no job (-n: checking a changed config, then reverting it, reruns nothing)
     _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv))
-    if _records.changed and plans_only(sys.argv):
-        logger.warning(f"dflash-eval: {pending_note(_records.changed)}")
+    if _records.changed and not rewrite_allowed(sys.argv):  # left as they are: say so, dry run or not
+        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=plans_only(sys.argv))}")
+    for _link in done_links(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)
+        logger.warning(f"dflash-eval: {reused_sidecar_note(_link.with_suffix(''), None)}")
     _gone = metadata_gone(PLAN.run_path(), records_created=_records.fresh)
     if _gone:
         logger.warning(f"dflash-eval: {_gone}")

@@ -288,3 +288,31 @@ def test_completions_of_other_settings_copied_in_place_are_refused_by_hidden_sta
         assert err.value.field == ("completions_sha256" if f.suffix == ".jsonl" else "settings_sha256"), f
         assert "snakemake -R completions" in err.value.fix
     assert "max_new_tokens, sampling" in err.value.problem
+
+
+def test_a_finished_sidecar_left_by_a_killed_snakemake_is_named(tmp_path):
+    """The trial's F3: a forced re-extraction after a killed Snakemake reused the finished sidecar with only a job-log
+    warning; the workflow names such sidecars on the console at parse time (errors.done_links)."""
+    import os
+
+    from dflash_eval.errors import done_links, remove_done_links, reused_sidecar_note
+
+    out, other = tmp_path / "a.h5", tmp_path / "b.h5"
+    out.write_bytes(b"cache")
+    os.link(out, tmp_path / "a.h5.partial")  # what --keep-partial leaves
+    other.write_bytes(b"cache")
+    (tmp_path / "b.h5.partial").write_bytes(b"unfinished work")  # a real partial file: resumable work, kept
+    assert done_links([out, other, tmp_path / "missing.h5"]) == [tmp_path / "a.h5.partial"]
+    note = reused_sidecar_note(out, None)
+    assert note.startswith(f"{out}.partial is the finished cache of a job a killed Snakemake did not record")
+    assert f"delete {out}.partial first" in note
+    assert remove_done_links([out, other]) == [tmp_path / "a.h5.partial"] and (tmp_path / "b.h5.partial").exists()
+    assert done_links([out, other]) == []
+    rules = (REPO / "rules" / "common.smk").read_text()
+    assert "for _link in done_links(PLAN.caches() + PLAN.shard_caches()):" in rules
+
+
+def test_records_left_under_rerun_triggers_without_params_are_named():
+    note = pending_note(["results/r/options/completions/a.json"], dry_run=False)
+    assert "--rerun-triggers without 'params' leaves their records as they are and does not rerun" in note
+    assert "keep the settings those records name, not this config's" in note
