@@ -21,10 +21,11 @@ so the two triggers agree: with metadata both fire on the same jobs.
 
 Three rules keep the records from rerunning what they should not:
 
-- a record written for the first time gets modification time 0 (1970): it reports no change, so a
-  run that already had its outputs (made before the records existed) is not rerun by their creation
-  (it cannot tell what they were made with: where ``.snakemake/metadata`` is gone too, the workflow
-  says so, :func:`dflash_eval.workflow_guard.metadata_gone`);
+- the records of a run that had none (made before the records existed) get modification time 0 (1970):
+  they report no change, so outputs made before them are not rerun by their creation (which cannot
+  tell what they were made with: where ``.snakemake/metadata`` is gone too, the workflow says so,
+  :func:`dflash_eval.workflow_guard.metadata_gone`); one record missing beside the others gets the
+  current time, so its jobs rerun;
 - a rerun without the ``params`` trigger (``--rerun-triggers mtime input``: "I know this change is
   harmless") leaves existing records as they are;
 - so does a command that runs no job (``-n``, ``--dag``, ``--summary``, ``--list-changes``, ...:
@@ -38,9 +39,9 @@ other settings copied over the run's is refused.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
@@ -114,40 +115,46 @@ def planned_records(plan: "Plan") -> dict[str, str]:
     return {path: json.dumps(values, indent=1, sort_keys=True) + "\n" for path, values in records.items()}
 
 
-#: Snakemake options of commands that plan, list or draw but run no job (and do not touch outputs)
-PLAN_ONLY_FLAGS = frozenset({
-    "--dry-run", "--dryrun", "--lint", "--dag", "--d3dag", "--rulegraph", "--filegraph", "--summary", "-S",
-    "--detailed-summary", "-D", "--list-changes", "--lc", "--list-code-changes", "--list-params-changes",
-    "--list-input-changes", "--list-rules", "-l", "--list-target-rules", "--lt", "--list-untracked", "--lu",
-    "--report", "--export-cwl", "--containerize", "--print-compilation", "--unlock", "--cleanup-metadata",
-    "--cm", "--list-conda-envs", "--archive", "--delete-all-output", "--delete-temp-output"})
-#: a bundle of short flags that take no value, one of them ``-n`` (``-np``, ``-pn``, ``-nF``)
-_SHORT_DRY = re.compile(r"^-[pqFkr]*n[pqFkr]*$")
+#: the ``argparse`` destinations of Snakemake's options of commands that plan, list, draw, lint or clean up but
+#: run no job (and do not touch outputs)
+PLAN_ONLY_DESTS = ("dryrun", "lint", "dag", "d3dag", "rulegraph", "filegraph", "summary", "detailed_summary",
+                   "list_changes", "list_input_changes", "list_params_changes", "list_rules", "list_target_rules",
+                   "list_untracked", "report", "export_cwl", "containerize", "print_compilation", "unlock",
+                   "cleanup_metadata", "cleanup_shadow", "list_conda_envs", "conda_create_envs_only",
+                   "conda_cleanup_envs", "archive", "delete_all_output", "delete_temp_output", "generate_unit_tests")
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(words: tuple[str, ...]):
+    from snakemake.cli import get_argument_parser
+
+    try:
+        return get_argument_parser().parse_known_args(list(words))[0]
+    except (SystemExit, Exception):  # argparse exits on a word it cannot read: Snakemake itself reports it
+        return None
+
+
+def snakemake_args(argv: Sequence[str]):
+    """This Snakemake command line parsed by Snakemake's own parser (``snakemake.cli.get_argument_parser``: short-flag
+    bundles such as ``-nf``, abbreviations such as ``--dry-r``), or None when it is not one (an API call). Its
+    settings objects do not exist yet while the Snakefile is read, so the command line is what tells (a
+    ``--rerun-triggers`` set only in a profile is not seen: give it on the command line)."""
+    return _parsed(tuple(argv)[1:])
 
 
 def plans_only(argv: Sequence[str]) -> bool:
-    """True when a Snakemake command line runs no job: a dry run (``-n``, ``--dry-run``, a short-flag bundle
-    with ``n``) or a listing, drawing, report, lint or unlock command (:data:`PLAN_ONLY_FLAGS`)."""
-    return any(w.split("=", 1)[0] in PLAN_ONLY_FLAGS or _SHORT_DRY.match(w) for w in argv)
+    """True when a Snakemake command line runs no job: a dry run (``-n``, in any spelling) or a listing, drawing,
+    report, lint, unlock or clean-up command (:data:`PLAN_ONLY_DESTS`)."""
+    args = snakemake_args(argv)
+    return args is not None and any(getattr(args, d, None) for d in PLAN_ONLY_DESTS)
 
 
 def params_trigger_off(argv: Sequence[str]) -> bool:
-    """True when a Snakemake command line gives ``--rerun-triggers`` without ``params`` (Snakemake's settings
-    are not built yet while the Snakefile is read, so the command line is what tells)."""
-    words = list(argv)
-    for i, w in enumerate(words):
-        if w == "--rerun-triggers":
-            values = []
-            for v in words[i + 1:]:
-                if v.startswith("-"):
-                    break
-                values.append(v)
-        elif w.startswith("--rerun-triggers="):
-            values = w.split("=", 1)[1].split()
-        else:
-            continue
-        return "params" not in values
-    return False
+    """True when a Snakemake command line gives ``--rerun-triggers`` without ``params``."""
+    from snakemake.settings.enums import RerunTrigger
+
+    args = snakemake_args(argv)
+    return args is not None and RerunTrigger.PARAMS not in set(args.rerun_triggers)
 
 
 def rewrite_allowed(argv: Sequence[str]) -> bool:
@@ -165,9 +172,12 @@ class RecordsUpdate(NamedTuple):
 
 
 def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
-    """Write :func:`planned_records`: a missing record with modification time 0 (always: its rule needs the
-    file), a changed one with the current time, only with ``rewrite`` (the ``params`` rerun trigger on and
-    a command that runs jobs: not :func:`plans_only`).
+    """Write :func:`planned_records`: a missing record always (its rule needs the file), with modification time 0
+    when the run had no records at all (a new run, or results of an earlier version: no change known), else with
+    the current time (one record removed beside the others: the options its jobs ran with are unknown, so they
+    rerun; the records of a new prompt set or checkpoint come with jobs that run anyway); a changed one with the
+    current time, only with ``rewrite`` (the ``params`` rerun trigger on and a command that runs jobs: not
+    :func:`plans_only`).
 
     Returns:
         the records created, the records whose content changed (their jobs rerun once rewritten), and whether
@@ -179,8 +189,9 @@ def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
         p = Path(path)
         if not p.is_file():
             write_text_if_changed(path, text)
-            os.utime(path, (0, 0))  # no change known: outputs made before the record are not rerun
-            created.append(path)
+            if fresh:  # a run without records (new, or of an earlier version): no change known
+                os.utime(path, (0, 0))
+            created.append(path)  # else one record gone beside the others: its jobs' options are unknown, rerun
         elif p.read_text(encoding="utf-8") != text:
             changed.append(path)
             if rewrite:
