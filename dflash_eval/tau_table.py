@@ -184,22 +184,51 @@ def read_eval(path) -> dict:
     return r
 
 
-def summary_frame(evals: list[str]) -> pd.DataFrame:
+def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
+    """Compare an evaluate output's ``settings_sha256`` (its options record) and ``cache.completions_sha256`` (the
+    completions its cache was extracted from) with the run's: ``expected`` = ``{"settings_sha256", "completions_sha256"}``
+    of its prompt set (None: nothing to compare). An output of other settings or other completions copied in
+    place (validly sealed) used to go into the tau table without a word. Outputs written before the fields
+    are read with a warning.
+
+    Raises:
+        InputError: ``(path, <field>, ...)`` naming the difference.
+    """
+    if not expected:
+        return
+    found = {"settings_sha256": r.get("settings_sha256"), "completions_sha256": (r.get("cache") or {}).get("completions_sha256")}
+    for key, want in expected.items():
+        if want is None:
+            continue
+        if found.get(key) is None:
+            log.warning("%s: no %s (written before it, or outside the workflow): not compared with the run's", path, key)
+        elif found[key] != want:
+            what = "options record (evaluate settings)" if key == "settings_sha256" else "completions file"
+            raise InputError(path, key if key == "settings_sha256" else f"cache.{key}",
+                             f"{found[key][:16]}... is not the sha256 of the run's {what} ({want[:16]}...): an evaluate "
+                             "output of other settings or other completions (another run, or copied in place)",
+                             "re-run its evaluate job (snakemake -R evaluate, or --forcerun this file)")
+
+
+def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:
     """Rows of the tau table from evaluate outputs (see module docstring).
 
     Every aggregate is recomputed with :func:`dflash_eval.metrics.aggregate` from the
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
 
+    ``expected``: ``{prompt set: {"settings_sha256", "completions_sha256"}}`` of the run (:func:`check_eval_inputs`).
+
     Raises:
-        InputError: an evaluate output is missing or malformed (:func:`read_eval`), or two outputs
-            are for the same (checkpoint, prompt set).
+        InputError: an evaluate output is missing or malformed (:func:`read_eval`), of other settings or
+            completions than ``expected`` names, or two outputs are for the same (checkpoint, prompt set).
     """
     rows, budgets = [], set()
     dflash2 = False
     seen: dict[tuple, str] = {}
     for path in evals:
         r = read_eval(path)
+        check_eval_inputs(path, r, (expected or {}).get(r["prompt_set"]))
         key = (r["checkpoint"], r["prompt_set"])
         if key in seen:
             raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",

@@ -22,8 +22,8 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
 from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, done_links, remove_done_links, reused_sidecar_note
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
-from dflash_eval.job_records import (pending_note, plans_only, record_path, rewrite_allowed, target_record_path,
-                                     write_records)
+from dflash_eval.job_records import (demo_record_path, pending_note, plans_only, record_path, rewrite_allowed,
+                                     target_record_path, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan

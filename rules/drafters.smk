@@ -32,6 +32,7 @@ rule strip_drafter:
 rule demo_checkpoint:
     input:
         unpack(lambda wildcards: PLAN.demo_inputs(wildcards.name)),
+        record=lambda wildcards: demo_record_path(wildcards.name),
     output:
         "resources/demo/checkpoints/{name}.pt",
     log:

@@ -36,7 +36,7 @@ rule evaluate:
         "python -m dflash_eval evaluate --drafter {params.drafter:q} --checkpoint-source {params.checkpoint:q}"
         " --completions {input.completions:q}"
         " --cache {input.cache:q} --target {params.target:q}"
-        " --target-fingerprint {input.fingerprint:q} {params.options}"
+        " --target-fingerprint {input.fingerprint:q} {params.options} --settings {input.record:q}"
         " --out {output:q} > {log:q} 2>&1"
 
 
@@ -45,6 +45,9 @@ rule summary:
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         costs=PLAN.target_costs_outputs(),
         planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],
+        # each evaluate output names its options record and completions: compared with the run's
+        records=lambda wildcards: [record_path(wildcards.run, "evaluate", p) for p in PROMPT_SETS],
+        completions=expand("results/{{run}}/completions/{prompt_set}.jsonl", prompt_set=PROMPT_SETS),
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -63,6 +66,7 @@ rule summary:
         args=lambda wildcards, input: PLAN.summary_args(input.get("costs", [])),
     shell:
         "python -m dflash_eval summary --evals {input.evals:q} {params.args}"
+        " --settings {input.records:q} --completions {input.completions:q}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} > {log:q} 2>&1"
 
 

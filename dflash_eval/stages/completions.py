@@ -21,6 +21,7 @@ from ..generation import ServerSource, end_of_turn_ids, open_source, stop_token_
 from ..io import sha256_file
 from ..progress import Progress
 from ..row_checksum import seal_row
+from ..target_spec import TargetSpec
 from ..prompts import read_prompts
 from ..provenance import check_provenance, write_meta
 
@@ -210,8 +211,11 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         log.warning("%d of %d completions contain an end-of-turn token before their end (%s): generation ran past "
                     "the end of the turn; the target's stop ids %s miss it (first: %s)", len(early), len(rows),
                     ", ".join(sorted(set(early.values()))), stop_ids, list(early)[:5])
-    write_meta(out, {"n_rows": len(rows), "max_new_tokens": max_new_tokens}, file_key="completions_sha256",
-               settings_record=settings)
+    # the weights that generated them (the job's own model: known from the fingerprint record, not hashed again)
+    weights = (TargetSpec.read(target_dir, fingerprint_file=target_fingerprint).weights_sha256()
+               if target_fingerprint else None)
+    write_meta(out, {"n_rows": len(rows), "max_new_tokens": max_new_tokens, "target_sha256": weights},
+               file_key="completions_sha256", settings_record=settings)
     log.info("wrote %d completions -> %s", len(rows), out)
     return out
 

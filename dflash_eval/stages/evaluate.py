@@ -64,6 +64,9 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-source", default=None, metavar="PATH",
                    help="the checkpoint the drafter folder was stripped from (the workflow passes it): a folder whose "
                         "strip_info.json names another source is refused")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/evaluate/<set>.json): its "
+                        "sha256 goes into the output (settings_sha256), where summary compares it with the run's")
     p.add_argument("--out", required=True, help="per-sample results JSON")
 
 
@@ -71,7 +74,7 @@ def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
              allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
-             checkpoint_source=args.checkpoint_source, completions=args.completions)
+             checkpoint_source=args.checkpoint_source, completions=args.completions, settings=args.settings)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
@@ -164,6 +167,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
+    result["settings_sha256"] = sha256_file(settings).hexdigest() if settings else None  # summary compares it
     result = seal_document(result)  # content_sha256, verified by every reader (tau_table.read_eval)
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
@@ -432,7 +436,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         "dtype": dtype_name(inputs.embed.dtype),
         "replay": opts.replay,
         "cache": {"path": inputs.cache_path, "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
-                  "linear_attn_kernel": a.get("linear_attn_kernel")},
+                  "linear_attn_kernel": a.get("linear_attn_kernel"), "completions_sha256": a.get("completions_sha256")},
         "argmax_agreement": inputs.agreement,
         "target_check": inputs.target_check,
         "elapsed_s": round(elapsed, 3),

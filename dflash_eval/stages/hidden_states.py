@@ -87,8 +87,10 @@ def add_arguments(p) -> None:
 
 
 def main(args, opts) -> None:
+    weights = (TargetSpec.read(args.target, fingerprint_file=args.target_fingerprint).weights_sha256()
+               if args.target_fingerprint else None)  # from the record: not hashed again
     check_provenance(args.completions, sha256_file(args.completions).hexdigest(), stage="completions",
-                     file_key="completions_sha256", settings_record=args.completions_settings)
+                     file_key="completions_sha256", settings_record=args.completions_settings, target_sha256=weights)
     if args.prompts:
         check_generated_from(args.completions, args.prompts)
     extract_cache(args.target, args.completions, args.out, args.layer_ids, opts,
