@@ -74,13 +74,15 @@ def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
              allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
-             checkpoint_source=args.checkpoint_source, completions=args.completions, settings=args.settings)
+             checkpoint_source=args.checkpoint_source, completions=args.completions,
+             settings_record=args.settings)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
-             checkpoint_source: str | None = None, completions: str | Path | None = None, **overrides) -> dict:
+             checkpoint_source: str | None = None, completions: str | Path | None = None,
+             settings_record: str | Path | None = None, **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
     Args:
@@ -136,6 +138,9 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
     sampled cache. DFlash 2 at temperature > 0: the selector's own sampled path, q on its candidates
     (:func:`dflash_eval.expected.selector_survival`); its selector diagnostics are those of the greedy path.
+    ``settings_sha256``: the sha256 of ``settings_record`` (the workflow's options record of the job), and
+    ``cache.completions_sha256``: the completions the cache was extracted from; summary compares both with
+    the run's (:func:`dflash_eval.tau_table.check_eval_inputs`).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -167,7 +172,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
-    result["settings_sha256"] = sha256_file(settings).hexdigest() if settings else None  # summary compares it
+    result["settings_sha256"] = sha256_file(settings_record).hexdigest() if settings_record else None  # summary checks
     result = seal_document(result)  # content_sha256, verified by every reader (tau_table.read_eval)
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
