@@ -157,7 +157,8 @@ def plans_only(argv: Sequence[str]) -> bool:
     """True when a Snakemake command line runs no job: a dry run (``-n``, in any spelling) or a listing, drawing,
     report, lint, unlock or clean-up command (:data:`PLAN_ONLY_DESTS`)."""
     args = snakemake_args(argv)
-    return args is not None and any(getattr(args, d, None) for d in PLAN_ONLY_DESTS)
+    return args is not None and (any(getattr(args, d, None) for d in PLAN_ONLY_DESTS)
+                                 or getattr(args, "executor", None) == "dryrun")  # Snakemake 9's own spelling
 
 
 def params_trigger_off(argv: Sequence[str]) -> bool:
@@ -184,7 +185,8 @@ class RecordsUpdate(NamedTuple):
 
 def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
     """Write :func:`planned_records`: a missing record always (its rule needs the file), with modification time 0
-    when the run had no records at all (a new run, or results of an earlier version: no change known), else with
+    when the run had no records at all (a new run, or results of an earlier version: no change known) or when it
+    is a shared resource's (``resources/``: the target's, a demo checkpoint's; an older version made them), else with
     the current time (one record removed beside the others: the options its jobs ran with are unknown, so they
     rerun; the records of a new prompt set or checkpoint come with jobs that run anyway); a changed one with the
     current time, only with ``rewrite`` (the ``params`` rerun trigger on and a command that runs jobs: not
@@ -195,12 +197,15 @@ def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
         the run had no records at all before.
     """
     created, changed = [], []
-    fresh = not Path("results", plan.run, RECORDS_DIR).is_dir()
+    run_dir = os.path.join("results", plan.run, "")
+    fresh = not Path(run_dir, RECORDS_DIR).is_dir()
     for path, text in planned_records(plan).items():
         p = Path(path)
         if not p.is_file():
             write_text_if_changed(path, text)
-            if fresh:  # a run without records (new, or of an earlier version): no change known
+            # a run without records (new, or of an earlier version), or a shared resource's record (target, demo
+            # checkpoint: made by every run, first by one of an earlier version): no change known
+            if fresh or not path.startswith(run_dir):
                 os.utime(path, (0, 0))
             created.append(path)  # else one record gone beside the others: its jobs' options are unknown, rerun
         elif p.read_text(encoding="utf-8") != text:

@@ -188,26 +188,28 @@ def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
     """Compare an evaluate output's ``settings_sha256`` (its options record) and ``cache.completions_sha256`` (the
     completions its cache was extracted from) with the run's: ``expected`` = ``{"settings_sha256", "completions_sha256"}``
     of its prompt set (None: nothing to compare). An output of other settings or other completions copied in
-    place (validly sealed) used to go into the tau table without a word. Outputs written before the fields
-    are read with a warning.
+    place (validly sealed) used to go into the tau table without a word; so would one that cannot tell (written
+    by an earlier version, or by evaluate outside the workflow), so it is refused too.
 
     Raises:
-        InputError: ``(path, <field>, ...)`` naming the difference.
+        InputError: ``(path, <field>, ...)`` naming the difference, or the field missing.
     """
     if not expected:
         return
     found = {"settings_sha256": r.get("settings_sha256"), "completions_sha256": (r.get("cache") or {}).get("completions_sha256")}
+    fix = "re-run its evaluate job (snakemake --forcerun <this file>, or -R evaluate for every one)"
     for key, want in expected.items():
+        field = key if key == "settings_sha256" else f"cache.{key}"
         if want is None:
             continue
         if found.get(key) is None:
-            log.warning("%s: no %s (written before it, or outside the workflow): not compared with the run's", path, key)
-        elif found[key] != want:
+            raise InputError(path, field, "missing: an evaluate output of an earlier version, or made outside the "
+                             "workflow, which cannot show that it was made with the run's settings and completions", fix)
+        if found[key] != want:
             what = "options record (evaluate settings)" if key == "settings_sha256" else "completions file"
-            raise InputError(path, key if key == "settings_sha256" else f"cache.{key}",
-                             f"{found[key][:16]}... is not the sha256 of the run's {what} ({want[:16]}...): an evaluate "
-                             "output of other settings or other completions (another run, or copied in place)",
-                             "re-run its evaluate job (snakemake -R evaluate, or --forcerun this file)")
+            raise InputError(path, field, f"{found[key][:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
+                             "an evaluate output of other settings or other completions (another run, or copied in "
+                             "place)", fix)
 
 
 def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:

@@ -97,6 +97,9 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
         pending.changed)
     assert sorted(write_records(changed).changed) == evals
     assert rec.stat().st_mtime > 1e9 and "--ddtree-budgets=16 " in rec.read_text()
+    target_rec = Path("resources/targets/smollm2-135m-instruct.options.json")
+    target_rec.unlink()  # a shared resource's record missing (made first by an earlier version): no change known
+    assert write_records(changed).created == [str(target_rec)] and target_rec.stat().st_mtime == 0
     shutil.rmtree("results/default/options/evaluate")
     again = write_records(changed)  # one stage's records removed: not a run without records
     assert not again.fresh and sorted(again.created) == evals
@@ -111,7 +114,9 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     (["snakemake", "--configfile", "n.yaml"], False), (["snakemake", "-R", "evaluate"], False),
     # the second trial's F7: spellings a hand-written matcher missed (Snakemake's own parser reads them)
     (["snakemake", "-nf"], True), (["snakemake", "-fn"], True), (["snakemake", "-nc1"], True), (["snakemake", "--dry-r"], True),
-    (["snakemake", "-nT1"], True), (["snakemake", "--lc", "params"], True), (["snakemake", "results/x.json", "-c1"], False)])
+    (["snakemake", "-nT1"], True), (["snakemake", "--lc", "params"], True), (["snakemake", "results/x.json", "-c1"], False),
+    (["snakemake", "--executor", "dryrun"], True), (["snakemake", "--executor=dryrun"], True),  # the third trial's G1
+    (["snakemake", "--executor", "touch"], False)])
 def test_commands_that_run_no_job_leave_the_records(argv, only):
     assert plans_only(argv) is only and rewrite_allowed(argv) is not only
 
@@ -361,6 +366,8 @@ def test_summary_refuses_evaluate_outputs_of_other_settings_or_completions(tmp_p
     with pytest.raises(InputError) as err:
         check_eval_inputs("e.json", {**ok, "cache": {"completions_sha256": "1" * 64}}, want["a"])
     assert err.value.field == "cache.completions_sha256" and "other completions" in err.value.problem
-    with caplog.at_level("WARNING"):
-        check_eval_inputs("old.json", {"cache": {}}, want["a"])  # written before the fields: named, not refused
-    assert "old.json: no settings_sha256" in caplog.text
+    with pytest.raises(InputError) as err:  # written before the fields (the third trial's G3): cannot tell, refused
+        check_eval_inputs("old.json", {"cache": {}}, want["a"])
+    assert err.value.field == "settings_sha256" and "an evaluate output of an earlier version" in err.value.problem
+    assert "--forcerun" in err.value.fix
+    check_eval_inputs("old.json", {"cache": {}}, None)  # off the workflow (no --settings/--completions): not compared
