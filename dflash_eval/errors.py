@@ -140,12 +140,18 @@ def reused_sidecar_note(out: str | os.PathLike, n_samples: int | None) -> str:
     recompute (``-R hidden_states`` after a code change) must delete the sidecar first."""
     side = partial_path(out)
     if n_samples is None:
-        return (f"{side} is the finished cache of a job a killed Snakemake did not record: the next hidden_states job "
-                f"of {out} takes its samples, verified, instead of recomputing them. If you are forcing a "
-                f"re-extraction (e.g. after a code change), delete {side} first")
+        return (f"{side} holds samples of {out} computed by a job that did not end with its Snakemake (killed): the "
+                f"next hidden_states job of {out} takes them, verified, instead of recomputing them (a resume). If "
+                f"you are forcing a re-extraction (e.g. after a code change), delete {side} first")
     return (f"{out}: all {n_samples} samples were taken, verified, from {side}, the cache an earlier "
             "job finished (kept because its Snakemake did not record it); nothing was recomputed. If you forced this "
             f"rerun to recompute the states (e.g. after a code change), delete {side} and rerun")
+
+
+def sidecars(outputs: Iterable[str | os.PathLike]) -> list[Path]:
+    """The sidecars of ``outputs`` that exist: a finished cache kept as a hard link, one whose output was deleted
+    since, or unfinished work; the next job of that output resumes from each (the workflow names them)."""
+    return [partial_path(out) for out in outputs if partial_path(out).exists()]
 
 
 def done_links(outputs: Iterable[str | os.PathLike]) -> list[Path]:

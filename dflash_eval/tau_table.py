@@ -208,8 +208,8 @@ def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
         if found[key] != want:
             what = "options record (evaluate settings)" if key == "settings_sha256" else "completions file"
             raise InputError(path, field, f"{found[key][:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
-                             "an evaluate output of other settings or other completions (another run, or copied in "
-                             "place)", fix)
+                             "an evaluate output of other settings or other completions (another run, copied in place, "
+                             "or kept by --touch / --rerun-triggers after an option changed)", fix)
 
 
 def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:

@@ -20,10 +20,10 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.config import describe_validation_error, non_finite_entry
-from dflash_eval.errors import InputError, done_links, remove_done_links, reused_sidecar_note
+from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
-from dflash_eval.job_records import (demo_record_path, pending_note, plans_only, record_path, rewrite_allowed,
-                                     target_record_path, write_records)
+from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
+                                     rewrite_allowed, target_record_path, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -111,9 +111,10 @@ if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations chan
     # and by commands that run no job (-n: checking a changed config, then reverting it, reruns nothing)
     _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv))
     if _records.changed and not rewrite_allowed(sys.argv):  # left as they are: say so, dry run or not
-        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=plans_only(sys.argv))}")
-    for _link in done_links(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)
-        logger.warning(f"dflash-eval: {reused_sidecar_note(_link.with_suffix(''), None)}")
+        _dry = plans_only(sys.argv) and not params_trigger_off(sys.argv)  # -n with --rerun-triggers: its own text
+        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=_dry)}")
+    for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)
+        logger.warning(f"dflash-eval: {reused_sidecar_note(_side.with_suffix(''), None)}")
     _gone = metadata_gone(PLAN.run_path(), records_created=_records.fresh)
     if _gone:
         logger.warning(f"dflash-eval: {_gone}")

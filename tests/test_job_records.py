@@ -323,7 +323,7 @@ def test_a_finished_sidecar_left_by_a_killed_snakemake_is_named(tmp_path):
     warning; the workflow names such sidecars on the console at parse time (errors.done_links)."""
     import os
 
-    from dflash_eval.errors import done_links, remove_done_links, reused_sidecar_note
+    from dflash_eval.errors import done_links, remove_done_links, reused_sidecar_note, sidecars
 
     out, other = tmp_path / "a.h5", tmp_path / "b.h5"
     out.write_bytes(b"cache")
@@ -331,13 +331,17 @@ def test_a_finished_sidecar_left_by_a_killed_snakemake_is_named(tmp_path):
     other.write_bytes(b"cache")
     (tmp_path / "b.h5.partial").write_bytes(b"unfinished work")  # a real partial file: resumable work, kept
     assert done_links([out, other, tmp_path / "missing.h5"]) == [tmp_path / "a.h5.partial"]
+    assert sidecars([out, other, tmp_path / "missing.h5"]) == [tmp_path / "a.h5.partial", tmp_path / "b.h5.partial"]
+    gone = tmp_path / "c.h5"  # the third trial's G5: the cache deleted to force a re-extraction, its sidecar kept
+    (tmp_path / "c.h5.partial").write_bytes(b"cache")
+    assert done_links([gone]) == [] and sidecars([gone]) == [tmp_path / "c.h5.partial"]  # still named
     note = reused_sidecar_note(out, None)
-    assert note.startswith(f"{out}.partial is the finished cache of a job a killed Snakemake did not record")
+    assert note.startswith(f"{out}.partial holds samples of {out} computed by a job that did not end with its Snakemake")
     assert f"delete {out}.partial first" in note
     assert remove_done_links([out, other]) == [tmp_path / "a.h5.partial"] and (tmp_path / "b.h5.partial").exists()
     assert done_links([out, other]) == []
     rules = (REPO / "rules" / "common.smk").read_text()
-    assert "for _link in done_links(PLAN.caches() + PLAN.shard_caches()):" in rules
+    assert "for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):" in rules
 
 
 def test_records_left_under_rerun_triggers_without_params_are_named():
