@@ -83,6 +83,12 @@ class CacheReader:
         self._f = open_h5_readonly(self.path)
         try:
             self._check()
+        except InputError:  # the checks' own errors (an InputError is a ValueError)
+            self._f.close()
+            raise
+        except H5_DAMAGE as err:  # h5py's errors for a damaged structure (an attribute's heap, a group)
+            self._f.close()
+            raise damaged(self.path, None, err) from None
         except BaseException:
             self._f.close()
             raise
@@ -319,12 +325,15 @@ class CacheReader:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_raw(self, i: int, layer_ids: list[int] | None) -> "_Raw":
-        g = self._f[f"samples/{i:06d}"]
         idx = None if layer_ids is None else self.layer_index(layer_ids)
-        sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
-        attrs = g.attrs
-        return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                    py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
+        try:
+            g = self._f[f"samples/{i:06d}"]
+            sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
+            attrs = g.attrs
+            return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
+        except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
+            raise damaged(self.path, f"samples/{i:06d}", err) from None
 
     def _check_raw(self, raw: "_Raw", compare: bool = True) -> None:
         """The checks of one sample as read: checksum (and ``meta``), finite states, then (``compare``,
@@ -373,7 +382,11 @@ class CacheReader:
             return []
         bad = []
         for i in (range(len(self)) if indices is None else indices):
-            g = self._f[f"samples/{i:06d}"]
+            try:
+                g = self._f[f"samples/{i:06d}"]
+            except H5_DAMAGE:  # the group itself is damaged
+                bad.append(i)
+                continue
             ok = verify_group(g) is not None
             if ok and self.meta_verified:
                 try:
@@ -397,6 +410,15 @@ class CacheReader:
 
 
 #: the fix of an edited file attribute (format 6) or ``format_version``
+#: what h5py raises for bytes of a damaged structure (object headers, heaps, datatype messages)
+H5_DAMAGE = (OSError, KeyError, RuntimeError, ValueError, TypeError)
+
+
+def damaged(path, field, err: BaseException) -> InputError:
+    """The error for an HDF5 structure h5py cannot read (``OSError`` / ``KeyError`` quoted), naming the file."""
+    return InputError(path, field, f"damaged HDF5 file ({type(err).__name__}: {err})", HEADER_FIX)
+
+
 HEADER_FIX = ("re-extract the cache (snakemake -R hidden_states, or delete it and run `python -m dflash_eval "
               "hidden-states`), or restore an intact copy")
 

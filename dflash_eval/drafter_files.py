@@ -19,10 +19,12 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InputError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch  # imported where weights are read: summary reads strip_info.json without torch
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +59,40 @@ UNVERIFIED_WARNING = ("%s: weights read unverified: no strip_info.json; strip th
                       "rule to have them verified")
 
 
-def check_source(folder: Path, checkpoint: str) -> None:
+def check_source(folder: Path, checkpoint: str, settings_record: str | Path | None = None) -> None:
     """Refuse a stripped folder whose ``strip_info.json`` names another source than ``checkpoint`` (the path
     its strip job was given: the workflow passes it to ``evaluate``), e.g. another checkpoint's folder
-    copied in its place. A folder without ``strip_info.json`` is not checked (read with a warning).
+    copied in its place; with ``settings_record`` (the run's strip options record, which holds the stamps of
+    the checkpoint's files: :func:`dflash_eval.io.file_stamps`), also one whose ``settings_sha256`` is not that
+    record's: a folder stripped from other bytes at the same path (an older copy of the folder put back, the
+    checkpoint rewritten since) or with other strip options. A folder without ``strip_info.json`` is not
+    checked (read with a warning).
 
     Raises:
-        InputError: ``(<folder>/strip_info.json, "source", ...)`` naming both sources; as :func:`read_strip_info`.
+        InputError: ``(<folder>/strip_info.json, "source" | "settings_sha256", ...)`` naming the difference (or
+            the field missing: stripped by an earlier version or outside the workflow); as :func:`read_strip_info`.
     """
     info = read_strip_info(Path(folder))
-    if info and str(info.get("source")) != str(checkpoint):
-        raise InputError(Path(folder) / "strip_info.json", "source", f"stripped from {info.get('source')!r}, but the "
+    if not info:
+        return
+    where = Path(folder) / "strip_info.json"
+    if str(info.get("source")) != str(checkpoint):
+        raise InputError(where, "source", f"stripped from {info.get('source')!r}, but the "
                          f"checkpoint evaluated under this name is {str(checkpoint)!r}: the folder holds another "
                          "checkpoint's drafter", RESTRIP_FIX)
+    if settings_record is None:
+        return
+    want = hashlib.sha256(Path(settings_record).read_bytes()).hexdigest()
+    got = info.get("settings_sha256")
+    if got is None:
+        raise InputError(where, "settings_sha256", f"missing: stripped by an earlier version or outside the workflow, "
+                         f"so it cannot show that it was made from the checkpoint's current files and the strip "
+                         f"options of {settings_record}", RESTRIP_FIX)
+    if got != want:
+        raise InputError(where, "settings_sha256", f"{got[:16]}... is not the sha256 of the run's strip record "
+                         f"{settings_record} ({want[:16]}...): the folder was stripped from other bytes of "
+                         f"{checkpoint} (an older copy of the folder put back, or the checkpoint's files replaced "
+                         "since) or with other strip options", RESTRIP_FIX)
 
 
 def read_strip_info(folder: Path) -> dict:
@@ -142,6 +165,7 @@ def read_drafter_weights(folder: Path) -> dict[str, torch.Tensor]:
         InputError: the weights file missing or not safetensors; a bad ``strip_info.json``
             (:func:`read_strip_info`); a checksum mismatch (:func:`check_file`); a tensor holding NaN or Inf (naming it).
     """
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load
 

@@ -153,3 +153,36 @@ def write_text_if_changed(path: str | Path, text: str) -> bool:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return True
+
+
+#: files up to this size are stamped by their sha256 (content), larger ones by size and mtime (:func:`file_stamps`)
+STAMP_HASH_BYTES = 16 << 20
+
+
+def file_stamps(path: str | Path) -> list[dict]:
+    """What a file (or each regular file directly in a folder, sorted) is: ``[{"file", "bytes", "sha256"}]`` for a
+    file of at most :data:`STAMP_HASH_BYTES` (a prompts file, a config, a small drafter: their content),
+    ``[{"file", "bytes", "mtime_ns"}]`` for a larger one (multi-GB checkpoints are not read at parse time).
+    ``file`` is the path after resolving symbolic links (relative to the working directory when inside it, so a
+    moved project keeps its stamps). Options records (:mod:`dflash_eval.job_records`) hold them, so a checkpoint
+    whose link now points elsewhere, or whose bytes were replaced by a copy that kept another file's time (``cp -p``,
+    ``rsync -a``, ``tar x``: an older mtime, which Snakemake's mtime check does not see; the fifth trial's F2: even
+    one within the same second), reruns or is refused. Only a large file rewritten with its size and its
+    nanosecond mtime put back is not seen. A missing path gives ``[]`` (its absence is reported where it is read).
+    """
+    import os
+
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p] if p.is_file() else []
+    cwd = Path.cwd().resolve()
+    out = []
+    for f in files:
+        real = f.resolve()
+        st = real.stat()
+        stamp = {"file": os.path.relpath(real, cwd) if real.is_relative_to(cwd) else str(real), "bytes": st.st_size}
+        if st.st_size <= STAMP_HASH_BYTES:
+            stamp["sha256"] = sha256_file(real).hexdigest()
+        else:
+            stamp["mtime_ns"] = st.st_mtime_ns
+        out.append(stamp)
+    return out

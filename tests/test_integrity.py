@@ -294,3 +294,91 @@ def test_a_cache_or_completions_of_other_inputs_copied_in_place_is_refused(pipel
         assert words in err.value.problem and "completions of another prompt set" in err.value.problem, name
     for rule, flag in [("evaluate.smk", "--completions {input.completions:q}"), ("cache.smk", "--prompts {input.prompts:q}")]:
         assert flag in (Path(__file__).resolve().parents[1] / "rules" / rule).read_text()  # the workflow passes them
+
+
+def test_a_cache_sample_that_is_not_its_completions_row_is_refused(pipeline, tmp_path):  # noqa: F811
+    """The fourth trial's finding 6: each sample's checksum covers its own bytes only, so a sample of another cache
+    moved into the file (its checksum intact, the file-level arrays made to match) changed tau without a word.
+    evaluate --completions compares the cache's sample ids with the rows' (each once) and each sample it reads
+    with its row's token ids and prompt length."""
+    import shutil
+
+    import h5py
+
+    from cache_edit import _meta_of, _reseal
+    from dflash_eval.stages.evaluate import evaluate
+
+    d = pipeline["dir"]
+    kw = dict(device="cpu", dtype="float32", ddtree_budgets=[])
+
+    def forged(edit):
+        c = tmp_path / f"{edit.__name__}.h5"
+        shutil.copy(d / "c.h5", c)
+        with h5py.File(c, "r+") as f:
+            edit(f)
+        return c
+
+    def other_tokens(f):  # a sample of the same id and length but other tokens (another run's), resealed
+        ids = f["samples/000000/input_ids"][()]
+        ids[-1] = (int(ids[-1]) + 1) % 100
+        f["samples/000000/input_ids"][...] = ids
+        _reseal(f, 0, _meta_of(f, 0))
+
+    def duplicated(f):  # sample 1 copied over slot 0, with the file-level arrays to match
+        del f["samples/000000"]
+        f.copy(f["samples/000001"], "samples/000000")
+        for name in ("sample_ids", "prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement"):
+            f[name][0] = f[name][1]
+
+    err_of = {}
+    for edit in (other_tokens, duplicated):
+        with pytest.raises(InputError) as err:
+            evaluate(d / "drafter", forged(edit), pipeline["target_dir"], tmp_path / "no.json",
+                     completions=d / "c.jsonl", **kw)
+        err_of[edit.__name__] = err.value
+    assert not (tmp_path / "no.json").exists()
+    e = err_of["other_tokens"]
+    assert e.field == "samples/000000" and "holds other token ids than its completions row" in e.problem
+    assert "snakemake -R hidden_states" in e.fix
+    e = err_of["duplicated"]
+    assert e.field == "sample_ids" and "not rows, or twice" in e.problem and "rows without a sample" in e.problem
+    # without --completions (outside the workflow) the forged sample is read: its own checksum is intact
+    assert evaluate(d / "drafter", tmp_path / "other_tokens.h5", pipeline["target_dir"], tmp_path / "x.json",
+                    **kw)["n_samples"] > 0
+
+
+def test_a_damaged_hdf5_structure_is_named_not_a_raw_h5py_error(pipeline, tmp_path):  # noqa: F811
+    """The fifth trial's F3: one byte flipped in the cache's object headers gave evaluate h5py's raw
+    ``OSError: Can't synchronously read data`` / ``KeyError: Unable to synchronously open object``, naming no
+    file. Every offset of the file's metadata region that h5py itself cannot read is now the catalogue's
+    ``damaged HDF5 file`` InputError naming the cache (or a sample), with the re-extract fix."""
+    import shutil
+
+    import h5py
+
+    from dflash_eval.cache_reader import CacheReader
+
+    src = pipeline["dir"] / "c.h5"
+    c = tmp_path / "c.h5"
+    raw_errors = 0
+    for off in range(512, 6000, 61):
+        shutil.copy(src, c)
+        with open(c, "r+b") as f:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+        try:  # what h5py does with it on its own
+            with h5py.File(c, "r") as f:
+                dict(f.attrs), f["sample_ids"][()], [f[f"samples/{i:06d}/input_ids"][()] for i in range(len(f["samples"]))]
+        except (OSError, KeyError, RuntimeError, ValueError, TypeError):
+            raw_errors += 1
+        else:
+            continue
+        with pytest.raises(InputError) as err:
+            with CacheReader(c) as r:
+                with r.verified_samples(list(range(len(r))), r.layer_ids):
+                    pass
+        assert Path(err.value.file) == c, off
+        assert "re-extract" in err.value.fix, (off, err.value.problem)  # damaged, or a checked field gone wrong
+    assert raw_errors >= 10  # the region holds object headers: many flips are unreadable to h5py

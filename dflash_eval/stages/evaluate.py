@@ -35,7 +35,7 @@ from ..io import sha256_file
 from ..metrics import aggregate, aggregate_expected, selector_stats
 from ..progress import Progress
 from ..replay import SampleResult, replay
-from ..row_checksum import seal_document
+from ..row_checksum import ids_sha256, seal_document
 from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
 from ..sampling import SamplingSetting
 from ..selector_replay import walks
@@ -64,6 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--checkpoint-source", default=None, metavar="PATH",
                    help="the checkpoint the drafter folder was stripped from (the workflow passes it): a folder whose "
                         "strip_info.json names another source is refused")
+    p.add_argument("--drafter-settings", default=None, metavar="JSON",
+                   help="the run's strip options record of the checkpoint (results/<run>/options/strip_drafter/<ckpt>"
+                        ".json, with its files' stamps): a folder whose strip_info.json settings_sha256 is not its sha256 "
+                        "(stripped from other bytes at the same path, or with other options) is refused")
     p.add_argument("--settings", default=None, metavar="JSON",
                    help="the workflow's options record of this job (results/<run>/options/evaluate/<set>.json): its "
                         "sha256 goes into the output (settings_sha256), where summary compares it with the run's")
@@ -75,14 +79,15 @@ def main(args, opts) -> None:
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
              allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
              checkpoint_source=args.checkpoint_source, completions=args.completions,
-             settings_record=args.settings)
+             settings_record=args.settings, drafter_settings=args.drafter_settings)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
              checkpoint_source: str | None = None, completions: str | Path | None = None,
-             settings_record: str | Path | None = None, **overrides) -> dict:
+             settings_record: str | Path | None = None, drafter_settings: str | Path | None = None,
+             **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
     Args:
@@ -106,6 +111,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
         checkpoint_source: the checkpoint the folder must have been stripped from
             (:func:`dflash_eval.drafter_files.check_source`; None: not checked).
+        drafter_settings: the run's strip options record of the checkpoint, whose sha256 the folder's
+            ``strip_info.json`` ``settings_sha256`` must be (with ``checkpoint_source``; None: not checked).
         completions: the completions JSONL the cache must have been extracted from (its sha256 against the
             cache's ``completions_sha256``, which the format-6 header covers; None: not checked).
         **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
@@ -139,8 +146,11 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     sampled cache. DFlash 2 at temperature > 0: the selector's own sampled path, q on its candidates
     (:func:`dflash_eval.expected.selector_survival`); its selector diagnostics are those of the greedy path.
     ``settings_sha256``: the sha256 of ``settings_record`` (the workflow's options record of the job), and
-    ``cache.completions_sha256``: the completions the cache was extracted from; summary compares both with
-    the run's (:func:`dflash_eval.tau_table.check_eval_inputs`).
+    ``cache.completions_sha256``: the completions the cache was extracted from, ``cache.header_sha256``: the
+    cache's header checksum (format 6: it covers the target, layer ids, dtype, completions and creation time, so
+    another extraction has another), ``strip_info_sha256``: the drafter folder's ``strip_info.json``
+    ``info_sha256`` (it covers the sha256 of the weights and config); summary compares all four with the run's
+    (:func:`dflash_eval.tau_table.check_eval_inputs`).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -153,19 +163,20 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if checkpoint_source is not None:
-        check_source(Path(drafter_dir), checkpoint_source)
+        check_source(Path(drafter_dir), checkpoint_source, drafter_settings)
     if block_size is not None and block_size < 2:
         raise InputError(None, "--block-size", f"must be >= 2 (or 0 = the drafter's), got {block_size}",
                          "a block holds the last committed token and at least one mask")
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
+        rows = None
         if completions is not None:
-            _check_completions(inputs.reader.attrs, inputs.cache_path, Path(completions))
+            rows = _check_completions(inputs.reader, inputs.cache_path, Path(completions))
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = [st for st in settings if not st.greedy]
         expectations: dict[str, list] = {st.label: [] for st in sampled}
-        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations, rows)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
         if walked:
             _add_selector(result, walked, B, inputs.n)
@@ -244,8 +255,11 @@ def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatc
                          "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
 
 
-def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
+def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, rows: dict | None = None):
     """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees.
+
+    ``rows``: ``{sample id: (prompt_len, ids_sha256)}`` of the completions (:func:`_check_completions`): each
+    sample read is compared with its row (:func:`_check_sample_ids`), None: not compared.
 
     With ``sampled`` settings (temperature > 0; DFlash 1) the chain, every DDTree budget and every setting's
     expectation come from one all-anchor pass (:func:`_sampled_pass`); ``expectations[label]`` gets
@@ -281,6 +295,8 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
             samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
         tree_s += time.perf_counter() - t1 if budgets else 0.0
         for s, rec in zip(samples, recs):
+            if rows is not None:
+                _check_sample_ids(inputs.cache_path, s, rows)
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
         bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
@@ -406,16 +422,58 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
         log.info("expected tau at %s (given the cached trajectories): %.4f", label, stats.tau)
 
 
-def _check_completions(attrs, cache_path, completions: Path) -> None:
+def _check_completions(reader: CacheReader, cache_path, completions: Path) -> dict[str, tuple[int, str]]:
     """Refuse a cache extracted from another completions file than ``completions`` (a cache of another prompt
-    set, run or config copied in its place: its own checksums intact)."""
+    set, run or config copied in its place: its own checksums intact), or whose sample ids are not its rows'
+    ids, each once; returns ``{id: (prompt_len, ids_sha256)}`` of its verified rows, which each sample read is
+    compared with (:func:`_check_sample_ids`).
+
+    Raises:
+        InputError: ``(cache, "completions_sha256" | "sample_ids", ...)``; a bad completions file
+            (:func:`dflash_eval.completions_file.read_completions`).
+    """
+    from ..completions_file import read_completions
+
     sha = sha256_file(completions).hexdigest()
-    if attrs.get("completions_sha256") != sha:
+    fix = (f"if {completions} is intact (snakemake -R hidden_states checks its rows), extract the cache again "
+           "(snakemake -R hidden_states); otherwise restore this run's files")
+    if reader.attrs.get("completions_sha256") != sha:
         raise InputError(cache_path, "completions_sha256", f"extracted from completions with sha256 "
-                         f"{str(attrs.get('completions_sha256'))[:16]}…, but {completions} has {sha[:16]}…: a cache of "
-                         "another prompt set, run or config, or a completions file changed since the cache was extracted",
-                         f"if {completions} is intact (snakemake -R hidden_states checks its rows), extract the cache "
-                         "again (snakemake -R hidden_states); otherwise restore this run's files")
+                         f"{str(reader.attrs.get('completions_sha256'))[:16]}…, but {completions} has {sha[:16]}…: a "
+                         "cache of another prompt set, run or config, or a completions file changed since the cache "
+                         "was extracted", fix)
+    # the verified rows' ids checksum only (dflash_eval.row_checksum.ids_sha256): O(rows) memory at any length
+    rows = {str(r["id"]): (len(r["prompt_ids"]), ids_sha256(r["prompt_ids"], r["completion_ids"]))
+            for r in read_completions(completions)}
+    if sorted(reader.sample_ids) != sorted(rows):
+        extra = sorted(set(reader.sample_ids) - set(rows)) or sorted({i for i in reader.sample_ids
+                                                                      if reader.sample_ids.count(i) > 1})
+        missing = sorted(set(rows) - set(reader.sample_ids))
+        raise InputError(cache_path, "sample_ids", f"{len(reader)} samples for {len(rows)} rows of {completions}"
+                         f"{'; not rows, or twice: ' + ', '.join(extra[:3]) if extra else ''}"
+                         f"{'; rows without a sample: ' + ', '.join(missing[:3]) if missing else ''}: samples were "
+                         "added to, removed from or moved within the file after extraction", fix)
+    return rows
+
+
+def _check_sample_ids(cache_path, s, rows: dict[str, tuple[int, str]]) -> None:
+    """Refuse a cache sample whose id is not a completions row's, or whose token ids or prompt length are not
+    that row's: each sample's checksum covers its own bytes only, so a sample of another cache moved into the
+    file (with the file-level arrays made to match) passed every other check (the fourth trial's finding 6).
+
+    Raises:
+        InputError: ``(cache, "samples/<index>", ...)`` naming the sample.
+    """
+    row = rows.get(str(s.sample_id))
+    ids = s.input_ids.tolist() if row is not None else None
+    what = ("is not a row of the completions it was extracted from" if row is None
+            else f"has prompt_len {s.prompt_len}, its completions row {row[0]}" if int(s.prompt_len) != row[0]
+            else "holds other token ids than its completions row" if ids_sha256(ids[: row[0]], ids[row[0]:]) != row[1]
+            else None)
+    if what:
+        raise InputError(cache_path, f"samples/{s.index:06d}", f"sample {s.sample_id!r} {what}: a sample of another "
+                         "cache moved into this file, or the file edited after extraction",
+                         "extract the cache again (snakemake -R hidden_states), or restore this run's cache")
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:
@@ -437,11 +495,14 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
         "drafter_verified": bool(strip_info),  # load_drafter checked the files against it (or raised)
+        # the drafter folder's strip_info.json (its info_sha256 covers the weights' and config's sha256): summary checks
+        "strip_info_sha256": strip_info.get("info_sha256"),
         "device": str(inputs.device),
         "dtype": dtype_name(inputs.embed.dtype),
         "replay": opts.replay,
         "cache": {"path": inputs.cache_path, "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
-                  "linear_attn_kernel": a.get("linear_attn_kernel"), "completions_sha256": a.get("completions_sha256")},
+                  "linear_attn_kernel": a.get("linear_attn_kernel"), "completions_sha256": a.get("completions_sha256"),
+                  "header_sha256": a.get("header_sha256")},  # the cache file's header (format 6): summary checks
         "argmax_agreement": inputs.agreement,
         "target_check": inputs.target_check,
         "elapsed_s": round(elapsed, 3),

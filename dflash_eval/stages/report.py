@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import atomic_dir, atomic_path
+from ..errors import InputError, atomic_dir, atomic_path
 from ..reporting import ReportData, build_figures, load_report_data, render_html, render_markdown
 
 
@@ -43,8 +43,10 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     All outputs are written atomically.
 
     Raises:
-        InputError: unreadable inputs (see :func:`load_report_data`).
+        InputError: unreadable inputs (see :func:`load_report_data`); a tau.csv that disagrees with ``evals``
+            (:func:`check_summary`).
     """
+    check_summary(summary_csv, evals)
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
@@ -61,3 +63,49 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
             with atomic_path(out_html) as tmp:
                 tmp.write_text(render_html(data, figs))
     return data
+
+
+#: tau.csv columns compared with the evaluate outputs by :func:`check_summary` (written with 4 decimals)
+CHECKED_COLUMNS = ("tau", "tau_tokens_per_step", "n_samples", "verify_steps", "committed_tokens")
+
+
+def check_summary(summary_csv, evals: list[str]) -> None:
+    """Refuse a ``tau.csv`` that is not what ``summary`` makes of ``evals``: other rows (checkpoint, prompt set,
+    sampling), or a value of :data:`CHECKED_COLUMNS` off by more than its rounding. The report is rebuilt from
+    the evaluate outputs, so a hand-edited (or stale) tau.csv used to disagree with it without a word (the
+    fifth trial's F5). ``summary_csv`` None: not compared.
+
+    Raises:
+        InputError: ``(tau.csv, <column>, ...)`` naming the row and both values.
+    """
+    if summary_csv is None:
+        return
+    import pandas as pd
+
+    from ..tau_table import summary_frame
+
+    key = ["checkpoint", "prompt_set", "sampling"]
+    fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {summary_csv}"
+    try:
+        table = pd.read_csv(summary_csv, dtype={k: str for k in key})
+    except (OSError, ValueError) as err:
+        raise InputError(summary_csv, None, f"not a readable tau table ({err})", fix) from None
+    want = summary_frame(evals)
+    missing = [k for k in key if k not in table.columns]
+    if missing:
+        raise InputError(summary_csv, missing[0], "missing: not a tau table of this version", fix)
+    got_rows = sorted(map(tuple, table[key].astype(str).values.tolist()))
+    want_rows = sorted(map(tuple, want[key].astype(str).values.tolist()))
+    if got_rows != want_rows:
+        raise InputError(summary_csv, "rows", f"{len(got_rows)} rows, the evaluate outputs give {len(want_rows)} "
+                         f"other (checkpoint, prompt set, sampling) rows: tau.csv was edited or is stale", fix)
+    merged = want.astype({k: str for k in key}).merge(table, on=key, suffixes=("", "_csv"))
+    for col in CHECKED_COLUMNS:
+        if col not in table.columns:
+            continue
+        off = (merged[col].astype(float) - merged[f"{col}_csv"].astype(float)).abs() > 1e-4
+        if off.any():
+            row = merged[off].iloc[0]
+            raise InputError(summary_csv, col, f"{row[col + '_csv']} for {row['checkpoint']} on {row['prompt_set']} "
+                             f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: tau.csv "
+                             "was edited after summary wrote it", fix)

@@ -63,7 +63,7 @@ from ..drafter import DFlashDrafter, check_state_dict
 from ..drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
 from ..drafter_files import INFO_FIELD, file_checksums, info_sha256
 from ..errors import InputError, atomic_dir
-from ..io import read_json_object
+from ..io import read_json_object, sha256_file
 from ..runtime import dtype_name
 from ..speculators_format import drop_extra_tensors, is_speculators_config, to_zlab_config
 
@@ -141,6 +141,10 @@ def add_arguments(p) -> None:
     p.add_argument("--allow-shared-mismatch", action="store_true",
                    help="accept embed_tokens/lm_head copies that differ from the target's")
     p.add_argument("--out-dir", required=True, help="output folder (replaced atomically; untouched on any error)")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of the job (results/<run>/options/strip_drafter/<ckpt>.json: "
+                        "the entry's arguments and its files' stamps): its sha256 goes into strip_info.json "
+                        "(settings_sha256), which evaluate compares with the run's (--drafter-settings)")
 
 
 def main(args, opts) -> None:
@@ -154,7 +158,8 @@ def main(args, opts) -> None:
         if not key:
             raise InputError(None, "--override", f"expected KEY=JSON, got {item!r}", "e.g. --override target_layer_ids=[1,9,17]")
     strip_checkpoint(args.checkpoint, args.out_dir, target_dir=args.target, drafter_config=args.drafter_config,
-                     overrides=overrides, allow_fp16=args.allow_fp16, allow_shared_mismatch=args.allow_shared_mismatch)
+                     overrides=overrides, allow_fp16=args.allow_fp16, allow_shared_mismatch=args.allow_shared_mismatch,
+                     settings_record=args.settings)
 
 
 def strip_checkpoint(
@@ -165,6 +170,7 @@ def strip_checkpoint(
     overrides: dict | None = None,
     allow_fp16: bool = False,
     allow_shared_mismatch: bool = False,
+    settings_record=None,
 ) -> Path:
     """Checkpoint -> ``out_dir`` with ``config.json``, bf16 ``model.safetensors``, ``strip_info.json``.
 
@@ -181,6 +187,9 @@ def strip_checkpoint(
             sets a field the config lacks, or settles one stored twice with different values.
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
+        settings_record: the workflow's options record of the job; its sha256 goes into ``strip_info.json``
+            ``settings_sha256`` (None: null), compared by ``evaluate --drafter-settings``
+            (:func:`dflash_eval.drafter_files.check_source`).
 
     Returns:
         ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
@@ -242,6 +251,8 @@ def strip_checkpoint(
         "dropped_shared": sorted(shared),
         "source_dtypes": sorted({dtype_name(v.dtype) for v in state.values()}),
         "notes": notes,
+        # the workflow's options record of this strip (the checkpoint's files' stamps): evaluate compares it
+        "settings_sha256": sha256_file(settings_record).hexdigest() if settings_record else None,
     }
     for note in notes:  # an equal shared copy dropped is the expected case (INFO); the rest need a look
         log.log(logging.INFO if note.endswith(SHARED_EQUAL_NOTE) else logging.WARNING, "%s: %s", ck.path, note)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..costs import read_costs, with_speedups
-from ..errors import atomic_path
+from ..drafter_files import read_strip_info
+from ..errors import InputError, atomic_path
 from ..io import sha256_file
 from ..tau_table import summary_frame
 
@@ -33,21 +34,57 @@ def add_arguments(p) -> None:
     p.add_argument("--completions", nargs="*", default=[], metavar="JSONL",
                    help="the run's completions files (results/<run>/completions/<set>.jsonl): an evaluate output whose "
                         "cache was extracted from others is refused")
+    p.add_argument("--caches", nargs="*", default=[], metavar="H5",
+                   help="the run's hidden-state caches (results/<run>/cache/<set>.h5): an evaluate output that names "
+                        "another cache header checksum (another extraction) is refused")
+    p.add_argument("--drafters", nargs="*", default=[], metavar="DIR",
+                   help="the run's stripped drafter folders (results/<run>/drafters/<ckpt>): an evaluate output that "
+                        "names another strip_info.json checksum (another drafter) is refused, and so is one of a "
+                        "checkpoint or prompt set the run does not have")
 
 
 def main(args, opts) -> None:
     write_summary(args.evals, args.out_csv, args.out_parquet, costs=args.costs,
-                  expected=expected_inputs(args.settings, args.completions))
+                  expected=expected_inputs(args.settings, args.completions, args.caches, args.drafters))
 
 
-def expected_inputs(settings: list[str], completions: list[str]) -> dict[str, dict]:
-    """``{prompt set: {"settings_sha256", "completions_sha256"}}`` from the run's records and completions files, keyed
-    by file stem (``<set>.json``, ``<set>.jsonl``); :func:`dflash_eval.tau_table.check_eval_inputs` compares them."""
-    out: dict[str, dict] = {}
+def expected_inputs(settings: list[str], completions: list[str], caches: list[str] = (),
+                    drafters: list[str] = ()) -> dict[str, dict]:
+    """What the run's files are, for :func:`dflash_eval.tau_table.check_eval_inputs`: ``{"sets": {prompt set:
+    {"settings_sha256", "completions_sha256", "header_sha256"}}, "checkpoints": {name: {"strip_info_sha256"}}}``,
+    keyed by file stem (``<set>.json``, ``<set>.jsonl``, ``<set>.h5``) and folder name (``<ckpt>``); a kind with no
+    file given is left out (not compared). ``header_sha256`` is the cache's file attribute (format 6; None
+    before), ``strip_info_sha256`` the folder's verified ``strip_info.json`` ``info_sha256`` (None without one).
+
+    Raises:
+        InputError: a cache that is not a readable HDF5 file; a ``strip_info.json`` that does not verify
+            (:func:`dflash_eval.drafter_files.read_strip_info`).
+    """
+    sets: dict[str, dict] = {}
     for key, files in (("settings_sha256", settings), ("completions_sha256", completions)):
         for f in files or []:
-            out.setdefault(Path(f).stem, {})[key] = sha256_file(f).hexdigest()
+            sets.setdefault(Path(f).stem, {})[key] = sha256_file(f).hexdigest()
+    for f in caches or []:
+        sets.setdefault(Path(f).stem, {})["header_sha256"] = _cache_header_sha256(f)
+    out: dict[str, dict] = {"sets": sets} if sets else {}
+    if drafters:
+        out["checkpoints"] = {Path(d).name: {"strip_info_sha256": read_strip_info(Path(d)).get("info_sha256")}
+                              for d in drafters}
     return out
+
+
+def _cache_header_sha256(path) -> str | None:
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            value = f.attrs.get("header_sha256")
+    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as err:  # dflash_eval.cache_reader.H5_DAMAGE
+        raise InputError(path, None, f"not a readable HDF5 cache ({err})",
+                         "re-run its hidden_states job (snakemake -R hidden_states)") from None
+    if isinstance(value, bytes):
+        value = value.decode()
+    return None if value is None else str(value)
 
 
 def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: dict | None = None) -> pd.DataFrame:
@@ -58,7 +95,8 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         out_csv, out_parquet: the two tables.
         costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.costs.speedup_columns`)
             are filled from it, else left empty.
-        expected: the run's settings and completions sha256 per prompt set (:func:`expected_inputs`), or None.
+        expected: what the run's options records, completions, caches and drafters are (:func:`expected_inputs`),
+            or None.
 
     Raises:
         InputError: an unreadable evaluate output (:func:`dflash_eval.tau_table.summary_frame`) or target costs
