@@ -47,7 +47,9 @@ a killed run's sidecar must resume with its header intact). The reader checks bo
 (:meth:`~dflash_eval.cache_reader.CacheReader._check_header`): an edited, added or deleted attribute is refused
 naming it with both values, and so is a missing ``header`` / ``header_sha256``. A ``format_version`` below what the
 file holds (a ``header``, or samples with ``meta``) is refused as an edit of ``format_version``. Formats 1 to 5 have
-no ``header``: their file attributes are read unverified (the log says so once per file).
+no ``header``: a direct CLI call reads their file attributes unverified (the log says so once per file); a workflow
+job refuses them (there every cache is written by this version's hidden_states stage, so an older format is a
+cache of an earlier version or one whose header was removed: :func:`dflash_eval.row_checksum.sealed_required`).
 
 The per-sample values known before the target runs are file-level arrays written once when the
 file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three

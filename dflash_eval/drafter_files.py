@@ -66,16 +66,19 @@ def check_source(folder: Path, checkpoint: str, settings_record: str | Path | No
     the checkpoint's files: :func:`dflash_eval.io.file_stamps`), also one whose ``settings_sha256`` is not that
     record's: a folder stripped from other bytes at the same path (an older copy of the folder put back, the
     checkpoint rewritten since) or with other strip options. A folder without ``strip_info.json`` is not
-    checked (read with a warning).
+    checked (read with a warning), except with ``settings_record`` (the workflow), where it is refused.
 
     Raises:
         InputError: ``(<folder>/strip_info.json, "source" | "settings_sha256", ...)`` naming the difference (or
             the field missing: stripped by an earlier version or outside the workflow); as :func:`read_strip_info`.
     """
     info = read_strip_info(Path(folder))
+    where = Path(folder) / "strip_info.json"
+    if not info and settings_record is not None:
+        raise InputError(where, None, "missing, but the run's strip job writes it: the folder cannot show that it "
+                         f"holds {checkpoint} stripped with the options of {settings_record}", RESTRIP_FIX)
     if not info:
         return
-    where = Path(folder) / "strip_info.json"
     if str(info.get("source")) != str(checkpoint):
         raise InputError(where, "source", f"stripped from {info.get('source')!r}, but the "
                          f"checkpoint evaluated under this name is {str(checkpoint)!r}: the folder holds another "

@@ -20,7 +20,9 @@ the ``prompts`` stage carries ``row_index``, ``n_rows`` and ``row_sha256`` the s
 Inside the workflow every prompts and completions file is written by this project's stages, which
 seal every row: the shell prefix of its jobs (``rules/common.smk``) sets :data:`SEALED_ENV`, and
 there a file whose rows carry no checksum at all (rewritten without them) is refused
-(:func:`sealed_required`) instead of read with the warning a direct CLI call gives.
+(:func:`sealed_required`) instead of read with the warning a direct CLI call gives; so is a sealed JSON
+output without its ``content_sha256`` (:func:`check_document`) and a hidden-state cache of a format
+before 6 (:class:`dflash_eval.cache_reader.CacheReader`).
 """
 
 from __future__ import annotations
@@ -77,13 +79,19 @@ def check_document(path, doc: dict, stage: str, fix: str) -> bool:
 
     Returns:
         True when it carries one and it matches; False when it carries none (written before it: the
-        caller warns).
+        caller warns) outside the workflow.
 
     Raises:
-        InputError: ``(path, "content_sha256", ...)`` when a value changed after ``stage`` wrote it.
+        InputError: ``(path, "content_sha256", ...)`` when a value changed after ``stage`` wrote it, or
+            when it carries none inside the workflow (:func:`sealed_required`: there every such file is
+            written, and sealed, by this version's ``stage`` stage).
     """
     want = doc.get(DOC_FIELD)
     if want is None:
+        if sealed_required():
+            raise InputError(path, DOC_FIELD, f"missing, but inside the workflow every {stage} output is written "
+                             f"and sealed by its {stage} stage: it was rewritten after that stage, or written by an "
+                             "earlier version", fix)
         return False
     if content_sha256(doc) != want:
         raise InputError(path, DOC_FIELD, f"its content does not match its checksum: a value (or a key) changed after "

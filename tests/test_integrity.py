@@ -382,3 +382,67 @@ def test_a_damaged_hdf5_structure_is_named_not_a_raw_h5py_error(pipeline, tmp_pa
         assert Path(err.value.file) == c, off
         assert "re-extract" in err.value.fix, (off, err.value.problem)  # damaged, or a checked field gone wrong
     assert raw_errors >= 10  # the region holds object headers: many flips are unreadable to h5py
+
+
+def test_inside_the_workflow_an_unsealed_cache_eval_output_or_drafter_is_refused(
+        pipeline, stripped, tmp_path, monkeypatch, caplog):  # noqa: F811
+    """The seventh trial's S1/S2: a cache with its header removed and ``format_version`` set to 5 (then its
+    target_layer_ids permuted: tau 1.28 -> 1.00), and an eval JSON without ``content_sha256`` (then its
+    acceptance lengths raised: tau 1.28 -> 3.28), were read "unverified" with a warning in a job log only, exit 0.
+    A direct CLI call still reads files of earlier versions with the warning; a workflow job (the shell prefix
+    sets DFLASH_EVAL_REQUIRE_SEALED=1, where every such file is this version's stage's) refuses them."""
+    import h5py
+    import numpy as np
+    from cache_edit import downgrade
+
+    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.costs import FORMAT, FORMAT_VERSION, read_costs
+    from dflash_eval.drafter_files import check_source
+    from dflash_eval.row_checksum import SEALED_ENV
+    from dflash_eval.tau_table import read_eval
+
+    d = pipeline["dir"]
+    old = tmp_path / "old.h5"
+    shutil.copy(d / "c.h5", old)
+    downgrade(old, 5)
+    with h5py.File(old, "r+") as f:
+        f.attrs["target_layer_ids"] = np.array(list(f.attrs["target_layer_ids"])[::-1])
+    _evaluate(pipeline, d / "c.h5", out="sealed.json")
+    unsealed = {k: v for k, v in json.loads((d / "sealed.json").read_text()).items() if k != "content_sha256"}
+    unsealed["samples"][0]["acceptance_lengths"] = [x + 2 for x in unsealed["samples"][0]["acceptance_lengths"]]
+    (tmp_path / "ev.json").write_text(json.dumps(unsealed))
+    (tmp_path / "costs.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION}))
+    bare = tmp_path / "bare"
+    shutil.copytree(stripped, bare)
+    (bare / "strip_info.json").unlink()
+    record = tmp_path / "strip.options.json"
+    record.write_text("{}")
+
+    monkeypatch.delenv(SEALED_ENV, raising=False)  # a direct call: read, with one warning each
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        CacheReader(old).close()
+        assert read_eval(tmp_path / "ev.json")["samples"][0]["acceptance_lengths"][0] >= 3
+        read_costs(tmp_path / "costs.json")
+    assert sum("read unverified" in m and str(tmp_path) in m for m in caplog.messages) == 3
+    check_source(bare, "ck.pt")  # off the workflow (no strip record): not checked
+
+    monkeypatch.setenv(SEALED_ENV, "1")
+    with pytest.raises(InputError) as err:
+        CacheReader(old)
+    assert Path(err.value.file) == old and err.value.field == "format_version"
+    assert "inside the workflow every cache is written by its hidden_states stage at format 6" in err.value.problem
+    assert "snakemake -R hidden_states" in err.value.fix
+    with pytest.raises(InputError, match="inside the workflow every cache"):
+        _evaluate(pipeline, old, out="old.json")
+    assert not (d / "old.json").exists()
+    for read, name, stage in [(read_eval, "ev.json", "evaluate"), (read_costs, "costs.json", "target_costs")]:
+        with pytest.raises(InputError) as err:
+            read(tmp_path / name)
+        assert Path(err.value.file) == tmp_path / name and err.value.field == "content_sha256"
+        assert f"inside the workflow every {stage} output is written and sealed by its {stage} stage" in str(err.value)
+        assert f"-R {stage}" in err.value.fix
+    with pytest.raises(InputError) as err:
+        check_source(bare, "ck.pt", record)
+    assert Path(err.value.file) == bare / "strip_info.json" and "the run's strip job writes it" in err.value.problem
+    CacheReader(d / "c.h5").close()  # this version's files pass
+    assert read_eval(d / "sealed.json")["content_sha256"]
