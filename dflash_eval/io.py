@@ -159,16 +159,22 @@ def write_text_if_changed(path: str | Path, text: str) -> bool:
 STAMP_HASH_BYTES = 16 << 20
 
 
-def file_stamps(path: str | Path) -> list[dict]:
+def file_stamps(path: str | Path, ctime: bool = False) -> list[dict]:
     """What a file (or each regular file directly in a folder, sorted) is: ``[{"file", "bytes", "sha256"}]`` for a
     file of at most :data:`STAMP_HASH_BYTES` (a prompts file, a config, a small drafter: their content),
-    ``[{"file", "bytes", "mtime_ns"}]`` for a larger one (multi-GB checkpoints are not read at parse time).
+    ``[{"file", "bytes", "mtime_ns"}]`` for a larger one (multi-GB checkpoints are not read at parse time), with
+    ``ctime_ns`` too when ``ctime`` (a checkpoint's files: the strip record). The kernel sets a file's ctime at
+    every change of its bytes and at every rename, and no tool can set it back (``touch``, ``cp -p``, ``rsync -a``
+    set mtime only), so two checkpoints of one size and one mtime swapped with ``mv`` (the seventh trial's S3:
+    equal mtimes come from reproducible archives, the Nix store, copy tools with a fixed time) are seen. Its cost:
+    a ``chmod``, or a copy that keeps times (``cp -a``, ``rsync -a``, ``tar x``), reruns that checkpoint's strip and
+    evaluate jobs (minutes); the target's files (whose jobs take hours on a large target) are stamped without it.
     ``file`` is the path after resolving symbolic links (relative to the working directory when inside it, so a
     moved project keeps its stamps). Options records (:mod:`dflash_eval.job_records`) hold them, so a checkpoint
     whose link now points elsewhere, or whose bytes were replaced by a copy that kept another file's time (``cp -p``,
     ``rsync -a``, ``tar x``: an older mtime, which Snakemake's mtime check does not see; the fifth trial's F2: even
     one within the same second), reruns or is refused. Only a large file rewritten with its size and its
-    nanosecond mtime put back is not seen. A missing path gives ``[]`` (its absence is reported where it is read).
+    nanosecond mtime put back is not seen, and with ``ctime`` not even that. A missing path gives ``[]`` (its absence is reported where it is read).
     """
     import os
 
@@ -184,5 +190,7 @@ def file_stamps(path: str | Path) -> list[dict]:
             stamp["sha256"] = sha256_file(real).hexdigest()
         else:
             stamp["mtime_ns"] = st.st_mtime_ns
+            if ctime:
+                stamp["ctime_ns"] = st.st_ctime_ns
         out.append(stamp)
     return out

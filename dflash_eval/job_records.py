@@ -136,7 +136,7 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | N
         files = [] if row.get("kind") == "demo" else [
             *row.get("files", []), *([row["drafter_config"]] if row.get("drafter_config") else [])]
         return {**target, "checkpoint": row["path"], "args": plan.strip_args(key),
-                "files": [st for f in files for st in file_stamps(f)]}
+                "files": [st for f in files for st in file_stamps(f, ctime=True)]}
     if stage in PER_RUN:
         layers = {"layer_ids": list(plan.cache_layer_ids)} if stage in ("kernel_parity", "engine_parity") else {}
         section = plan.config.get(stage) or {}
@@ -335,15 +335,30 @@ def write_records(plan: "Plan", rewrite: bool = True, config_files: Sequence[str
 
 def only_new_fields(old_text: str, new_text: str) -> bool:
     """Whether a record differs from the plan's only by fields an earlier version did not write (file stamps,
-    ``target_files``, ``picks``): every field of ``old_text`` is equal in ``new_text``. Such a record is rewritten
-    with its modification time kept, as records are created at time 0 over a run that had none: an upgrade
-    must not rerun the target's work (hours on a large target) for fields it cannot compare."""
+    ``target_files``, ``picks``; a stamp's ``ctime_ns``): every top-level field of ``old_text`` is in ``new_text``,
+    equal but for :data:`ADDED_STAMP_KEYS` added to its stamps. Such a record is rewritten with its modification
+    time kept, as records are created at time 0 over a run that had none: an upgrade must not rerun the target's
+    work (hours on a large target), or every checkpoint's, for fields it cannot compare. A key added inside any
+    other value (a ``picks`` option the config now sets) is a change."""
     try:
         old, new = json.loads(old_text), json.loads(new_text)
     except ValueError:
         return False
-    return isinstance(old, dict) and isinstance(new, dict) and set(old) < set(new) and all(
-        new[k] == v for k, v in old.items())
+    return (isinstance(old, dict) and isinstance(new, dict) and old != new and set(old) <= set(new)
+            and all(_extends(v, new[k]) for k, v in old.items()))
+
+
+#: keys a later version added to the file stamps (:func:`dflash_eval.io.file_stamps`) of existing records
+ADDED_STAMP_KEYS = frozenset({"ctime_ns"})
+
+
+def _extends(old, new) -> bool:
+    """``new`` is ``old``, or (in a list of stamps) ``old``'s stamps with :data:`ADDED_STAMP_KEYS` added."""
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return all(a == b or (isinstance(a, dict) and isinstance(b, dict) and "file" in a
+                              and set(b) - set(a) <= ADDED_STAMP_KEYS and all(b[k] == v for k, v in a.items()))
+                   for a, b in zip(old, new))
+    return old == new
 
 
 def pending_note(changed: Sequence[str], dry_run: bool = True, touch: bool = False) -> str:

@@ -155,6 +155,25 @@ def test_records_hold_the_stamps_of_the_files_their_jobs_read(config, tmp_path, 
     weights.write_bytes(weights.read_bytes()[::-1])
     os.utime(weights, ns=(ns + 1000, ns + 1000))  # 1 us later: the same second
     assert changed() == ["strip_drafter/ckA.json", "strip_drafter/ckL.json"]
+    # the seventh trial's S3: two checkpoints of one size and one mtime (touch -d @1, a reproducible archive)
+    # swapped with mv: size and mtime cannot tell them apart, the ctime (set by the kernel at the rename) does
+    other = tmp_path / "ck3507" / "model.safetensors"
+    assert other.stat().st_size == weights.stat().st_size
+    for f in (weights, other):
+        os.utime(f, ns=(10**9, 10**9))
+    base = records()
+    assert base["strip_drafter/ckA.json"]["files"][1]["mtime_ns"] == 10**9
+    spare = tmp_path / "swap"
+    os.rename(weights, spare)
+    os.rename(other, weights)
+    os.rename(spare, other)
+    now = records()
+    assert [(a["bytes"], a["mtime_ns"]) for a in now["strip_drafter/ckA.json"]["files"]] == [
+        (a["bytes"], a["mtime_ns"]) for a in base["strip_drafter/ckA.json"]["files"]]
+    assert changed() == ["strip_drafter/ckA.json", "strip_drafter/ckL.json"]
+    # a prompts record (a large prompts file: size and mtime only) is not stamped by ctime: nor is the target
+    assert all("ctime_ns" not in f for k, r in now.items() if not k.startswith("strip_drafter/")
+               for f in r.get("files", []) + r.get("target_files", []))
 
 
 def test_records_are_created_at_mtime_zero_and_rewritten_only_when_changed(config, tmp_path, monkeypatch):
@@ -662,3 +681,24 @@ def test_an_upgrade_that_only_adds_record_fields_reruns_nothing(config, tmp_path
     old["options"] = old["options"].replace("--seed=0", "--seed=1")  # an option that did change, besides
     rec.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     assert write_records(plan).changed == [str(rec)] and rec.stat().st_mtime > 1e9
+
+
+def test_only_new_fields_accepts_added_stamp_keys_but_not_an_added_option():
+    """An upgrade that adds ``ctime_ns`` to the stamps of a strip record (the seventh trial's S3) must not rerun
+    every checkpoint; a value that changed, a stamp of another file, or a key added inside ``picks`` (the user
+    set a picking option) is a change."""
+    from dflash_eval.job_records import only_new_fields
+
+    stamp = {"file": "ck/model.safetensors", "bytes": 10, "mtime_ns": 5}
+    old = {"checkpoint": "ck", "files": [stamp], "picks": {}}
+    new = {"checkpoint": "ck", "files": [{**stamp, "ctime_ns": 7}], "picks": {}, "target_files": []}
+    assert only_new_fields(json.dumps(old), json.dumps(new))
+    assert only_new_fields(json.dumps({k: v for k, v in old.items() if k != "files"}), json.dumps(old))
+    assert not only_new_fields(json.dumps(old), json.dumps(old))  # nothing new: not an upgrade
+    for other in ({**new, "files": [{**stamp, "mtime_ns": 6, "ctime_ns": 7}]},  # the file changed
+                  {**new, "files": [{**stamp, "file": "ck2/model.safetensors", "ctime_ns": 7}]},
+                  {**new, "files": [{**stamp, "ctime_ns": 7, "sha256": "ab"}]},  # not a stamp key a version added
+                  {**new, "files": []},
+                  {**new, "picks": {"checkpoints": ["ckA"]}},  # an option set in the config
+                  {**new, "checkpoint": "ck2"}):
+        assert not only_new_fields(json.dumps(old), json.dumps(other)), other
