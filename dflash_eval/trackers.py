@@ -16,9 +16,12 @@ skipped with a warning (name the step in the checkpoint, see :mod:`dflash_eval.c
 Each tracker is optional, off by default, and used through its own client library (pinned in
 ``envs/requirements-trackers.txt``); the config section is ``trackers`` (schema). Logging the same
 table again, or a table with more checkpoints, never duplicates a point: each tracker receives each
-(step, tag) pair once, and what it already holds is not sent again. A value that changed after a
-re-evaluation (new code, new settings) therefore stays as first logged in that run; log to a new
-run (TensorBoard ``run_name``, W&B ``run_id``, MLflow ``run_id`` / ``run_name``) to see the new one.
+(step, tag) pair once, and what it already holds is not sent again. A tracker run holds one value
+per (step, tag), so a value that changed after a re-evaluation (new code, new settings: the seventh
+trial's S4 found the old tau kept without a word) is refused before anything is sent
+(:func:`check_unchanged`: an error naming the tracker, the step, the tag and both values); log to a
+new run (TensorBoard ``run_name``, W&B ``run_id``, MLflow ``experiment`` or ``run_id``) to see the new
+values beside the old ones.
 
 - **TensorBoard** (tensorboard's own record writer and event protos): the run folder
   ``<dir>/<run_name>/`` gets one new event file per logging that adds points, holding only the
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -129,6 +133,30 @@ def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
     return [points[k] for k in sorted(points)]
 
 
+def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float], where: str | Path,
+                    new_run: str) -> None:
+    """Refuse points whose (step, tag) the tracker run holds with another value.
+
+    Args:
+        have: ``{(step, tag): value}`` the run holds (the last one written per pair); a pair of unknown value
+            (an older W&B ledger) is absent.
+        where: the tracker run (folder, ledger or store URI) for the message.
+        new_run: the config field that names another run (the fix).
+
+    Raises:
+        InputError: ``(where, "step <s>: <tag>", ...)`` for the first changed point, with both values and how
+            many points changed (values compared at float32 precision: TensorBoard stores float32).
+    """
+    changed = [(p, have[(p.step, p.tag)]) for p in points if (p.step, p.tag) in have
+               and not math.isclose(p.value, have[(p.step, p.tag)], rel_tol=1e-6, abs_tol=1e-7)]
+    if changed:
+        p, old = changed[0]
+        raise InputError(where, f"step {p.step}: {p.tag}", f"logged as {old:.6g}, but the tau table now says "
+                         f"{p.value:.6g} ({p.checkpoint}; {len(changed)} point(s) changed since they were logged, "
+                         "after a re-evaluation with other code or settings): a tracker run holds one value per "
+                         "step and tag", f"log to a new run (set {new_run}), or delete that run to log afresh")
+
+
 def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
     out: dict[int, list[Point]] = {}
     for p in points:
@@ -137,16 +165,17 @@ def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
 
 
 # --------------------------------------------------------------------------- TensorBoard
-def tensorboard_logged(run_dir: str | Path) -> set[tuple[int, str]]:
-    """``(step, tag)`` of every scalar in the dflash-eval event files of ``run_dir`` (tensorboard's reader)."""
+def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
+    """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (tensorboard's
+    reader; float32 values, the last file's where a pair repeats)."""
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     run_dir = Path(run_dir)
-    have = set()
+    have = {}
     for f in sorted(run_dir.glob(f"events.out.tfevents.*{TB_SUFFIX}")) if run_dir.is_dir() else ():
         for event in LegacyEventFileLoader(str(f)).Load():
             for v in event.summary.value:
-                have.add((int(event.step), v.tag))
+                have[(int(event.step), v.tag)] = float(v.simple_value)
     return have
 
 
@@ -164,6 +193,9 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
     Returns:
         ``{"file": the new file or None, "logged": points written now, "already": points on disk}``.
+
+    Raises:
+        InputError: a point on disk with another value (:func:`check_unchanged`).
     """
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
@@ -171,6 +203,7 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     have = tensorboard_logged(run_dir)
+    check_unchanged(points, have, run_dir, "trackers.tensorboard.run_name")
     new = sorted((p for p in points if (p.step, p.tag) not in have), key=lambda p: (p.step, p.tag))
     out = {"file": None, "logged": len(new), "already": len(points) - len(new)}
     for stale in run_dir.glob(f".*{TB_SUFFIX}.partial"):  # left by a killed writer
@@ -198,13 +231,17 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
 
 # --------------------------------------------------------------------------- W&B
-def _read_ledger(path: Path) -> dict[str, list[str]]:
+def _read_ledger(path: Path) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
+    """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}`` (absent in a ledger
+    of an earlier version: those values are unknown)."""
     if not path.is_file():
-        return {}
+        return {}, {}
     from .io import read_json_object
 
     led = read_json_object(path, "W&B ledger", f"delete {path} only if that W&B run is gone too")
-    return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}
+    values = {(int(step), str(tag)): float(v) for step, tags in (led.get("values") or {}).items()
+              for tag, v in tags.items()}
+    return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}, values
 
 
 def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, prefix: str = "dflash_eval") -> dict:
@@ -217,12 +254,16 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
 
     Returns:
         ``{"run_id", "mode", "dir", "logged", "already"}`` (points sent now / skipped as already logged).
+
+    Raises:
+        InputError: a point the ledger lists with another value (:func:`check_unchanged`).
     """
     import wandb
 
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
-    done = _read_ledger(ledger_path)
+    done, values = _read_ledger(ledger_path)
+    check_unchanged(points, values, ledger_path, "trackers.wandb.run_id")
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),
            "logged": len(new), "already": len(points) - len(new)}
@@ -244,10 +285,15 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         wandb.teardown()  # stop W&B's service process too: a long-lived watch must not keep one per log
     for p in new:
         done.setdefault(str(p.step), []).append(p.tag)
+        values[(p.step, p.tag)] = p.value
+    by_step: dict[str, dict[str, float]] = {}
+    for (step, tag), v in sorted(values.items()):
+        by_step.setdefault(str(step), {})[tag] = v
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(ledger_path) as tmp:
         tmp.write_text(json.dumps({"run_id": run_id, "project": cfg.get("project") or "dflash-eval",
-                                   "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))}},
+                                   "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))},
+                                   "values": by_step},
                                   indent=1))
     log.info("wandb (%s, run %s): %d new points, %d already logged", out["mode"], run_id, out["logged"], out["already"])
     return out
@@ -270,7 +316,8 @@ def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
         ``{"tracking_uri", "run_id", "logged", "already"}``.
 
     Raises:
-        InputError: a configured ``run_id`` the store does not know.
+        InputError: a configured ``run_id`` the store does not know; a point the run holds with another value
+            (:func:`check_unchanged`).
     """
     uri = cfg.get("tracking_uri") or default_mlflow_uri(run)
     if uri.startswith("file:") or "://" not in uri:
@@ -295,8 +342,13 @@ def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
         run_id = found[0].info.run_id if found else client.create_run(
             exp_id, run_name=cfg.get("run_name") or run, tags={"dflash_eval.run": run}).info.run_id
     have: dict[str, set[int]] = {}
+    values: dict[tuple[int, str], float] = {}
     for tag in sorted({p.tag for p in points}):
-        have[tag] = {m.step for m in client.get_metric_history(run_id, tag)}
+        history = sorted(client.get_metric_history(run_id, tag), key=lambda m: m.timestamp)
+        have[tag] = {m.step for m in history}
+        values.update({(int(m.step), tag): float(m.value) for m in history})  # the last logged per step
+    check_unchanged(points, values, uri, "trackers.mlflow.experiment to a new experiment's name, or "
+                    "trackers.mlflow.run_id")
     new = [p for p in points if p.step not in have.get(p.tag, set())]
     now = int(time.time() * 1000)
     metrics = [Metric(p.tag, p.value, now, p.step) for p in new]
@@ -333,7 +385,7 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
 
     Raises:
         InputError: an enabled tracker's client library is not installed (names the requirements
-            file), or a tracker's own configuration error.
+            file), a tracker's own configuration error, or a point its run holds with another value.
     """
     names = enabled(cfg)
     if not names:

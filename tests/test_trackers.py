@@ -176,3 +176,30 @@ def test_log_table_reads_the_tau_table_file(tmp_path, monkeypatch):
     assert tensorboard_scalars(tensorboard_run_dir(cfg, "demo")) == expected()
     with pytest.raises(InputError, match="tau table not found"):
         log_table(tmp_path / "missing.parquet", cfg, "demo")
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
+def test_a_value_that_changed_since_it_was_logged_is_refused(tmp_path, monkeypatch, tracker):
+    """The seventh trial's S4: after a rerun that changed tau (max_new_tokens 48 -> 40: tau.csv 1.2782 -> 1.2850),
+    TensorBoard kept the old value with 'already: 30, logged: 0' and no word. A tracker run holds one value per
+    (step, tag): a changed one is refused before anything is sent, naming the point, both values and the fix."""
+    pytest.importorskip(tracker)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {tracker: {"enabled": True}}
+    assert log_table(table(200), cfg, "demo")[tracker]["logged"] == 15
+    assert log_table(table(200), cfg, "demo")[tracker]["logged"] == 0  # the same values again: nothing to do
+    rerun = table(300)
+    rerun.loc[(rerun["step"] == 200) & (rerun["prompt_set"] == "humaneval"), "tau"] += 0.0068  # a re-evaluation moved one checkpoint's tau
+    with pytest.raises(InputError) as err:
+        log_table(rerun, cfg, "demo")
+    e = err.value
+    assert e.field == "step 200: dflash_eval/humaneval/tau" and "logged as 2, but the tau table now says 2.0068" in e.problem
+    assert "1 point(s) changed" in e.problem and "a tracker run holds one value per step and tag" in e.problem
+    new_run = {"tensorboard": "run_name", "wandb": "run_id", "mlflow": "experiment"}[tracker]
+    assert f"trackers.{tracker}.{new_run}" in e.fix
+    if tracker == "tensorboard":
+        assert tensorboard_scalars(tensorboard_run_dir(cfg, "demo")) == expected(200)  # nothing was sent
+    cfg[tracker][new_run] = "demo-v2"  # a new run takes the new values
+    assert log_table(rerun, cfg, "demo")[tracker]["logged"] == 23
+    assert log_table(table(300), {tracker: {"enabled": True}}, "demo")[tracker]["logged"] == 8  # unchanged: logged
