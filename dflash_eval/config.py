@@ -12,6 +12,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_plan import NAME_RE, name_problem
+
 SCHEMA_PATH = Path(__file__).with_name("schemas") / "config.schema.yaml"
 
 
@@ -56,7 +58,8 @@ def describe_validation_error(err) -> tuple[str, str]:
     jsonschema's message, except for ``oneOf``/``anyOf`` failures, whose bare message ("... is not
     valid under any of the given schemas") says nothing: they read the ``description`` of the schema
     node that failed, which for such nodes states the rule (e.g. "set either random_init: true or
-    drafter (exactly one)").
+    drafter (exactly one)"); a name that fails the name pattern (:data:`dflash_eval.checkpoint_plan.NAME_RE`)
+    reads what a name may hold.
     """
     if not hasattr(err, "absolute_path"):  # not a jsonschema error: keep its text
         return "(config)", str(err)
@@ -73,6 +76,8 @@ def describe_validation_error(err) -> tuple[str, str]:
     problem = err.message
     if err.validator in ("oneOf", "anyOf") and isinstance(err.schema, dict) and err.schema.get("description"):
         problem = f"not one of the allowed forms: {err.schema['description']}"
+    elif err.validator == "pattern" and isinstance(err.instance, str) and err.schema.get("pattern") == NAME_RE.pattern:
+        problem = f"{err.instance!r}: a name becomes a folder or file name, so it {name_problem(err.instance)}"
     elif err.validator == "additionalProperties" and isinstance(err.instance, dict) and isinstance(err.schema, dict):
         known = list(err.schema.get("properties", {}))
         for key in sorted(set(err.instance) - set(known)):  # a misspelt option: name the closest known one

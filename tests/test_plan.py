@@ -209,6 +209,11 @@ def test_schema_override_keys_are_the_packages():
      "the closest known option to 'temprature' is 'temperature'"),
     ({"prompt_sets": {"s": {"source": "sharegpt", "sampling": {"top_p": 0}}}}, "prompt_sets.s.sampling.top_p",
      "0 is less than or equal to the minimum of 0"),
+    # the seventh trial's U3: a name the schema's pattern refuses reads what a name may hold, not the regex
+    ({"run": ".."}, "run", "'..': a name becomes a folder or file name, so it may only contain letters, digits"),
+    ({"checkpoints": {"list": [{"name": "ck A", "path": "a.pt"}]}}, "checkpoints.list[0].name",
+     "'ck A': a name becomes a folder or file name, so it may only contain letters, digits, '.', '_' and '-', may "
+     "not start with '.' or '-' (a command-line option) and is at most 100 characters long"),
 ])
 def test_schema_errors_name_the_entry(cfg, entry, problem):
     """What rules/common.smk prints for a config the schema refuses: the entry as a config path and a
