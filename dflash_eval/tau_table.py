@@ -158,6 +158,63 @@ def _selector_columns(r: dict) -> dict:
     return out
 
 
+#: ``tau.parquet``'s schema metadata key holding :func:`frame_sha256` of its table (written by :func:`write_parquet`)
+PARQUET_SEAL = b"dflash_eval.content_sha256"
+
+
+def frame_sha256(df: pd.DataFrame) -> str:
+    """sha256 (hex) of a tau table's column names, dtypes and values (``pandas.util.hash_pandas_object`` per
+    row, index left out): what a parquet round trip keeps exactly, and what any edit of a cell changes."""
+    import hashlib
+
+    h = hashlib.sha256(repr([(str(c), str(t)) for c, t in df.dtypes.items()]).encode())
+    h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_parquet(df: pd.DataFrame, path) -> None:
+    """Write ``df`` as parquet (pyarrow) with :func:`frame_sha256` under :data:`PARQUET_SEAL` in its schema metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), PARQUET_SEAL: frame_sha256(df).encode()})
+    pq.write_table(table, path)
+
+
+def read_parquet(path) -> pd.DataFrame:
+    """A ``tau.parquet`` written by :func:`write_parquet`, verified against its seal (the seventh trial's U1: an
+    edited tau.parquet reached the trackers unchecked). One without the seal (an earlier version's, or rewritten
+    by another tool) is read with a warning by a direct call and refused inside the workflow
+    (:func:`dflash_eval.row_checksum.sealed_required`).
+
+    Raises:
+        InputError: unreadable; its values differ from the seal (edited after ``summary`` wrote it); no seal
+            inside the workflow.
+    """
+    import pyarrow.parquet as pq
+
+    from .row_checksum import sealed_required
+
+    fix = f"rebuild it: snakemake --forcerun {path} (or rerun `python -m dflash_eval summary`)"
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as err:
+        raise InputError(path, None, f"not a readable parquet file ({err})", fix) from None
+    df = table.to_pandas()
+    want = (table.schema.metadata or {}).get(PARQUET_SEAL)
+    if want is None:
+        if sealed_required():
+            raise InputError(path, PARQUET_SEAL.decode(), "missing, but inside the workflow every tau.parquet is "
+                             "written and sealed by the summary stage: it was rewritten after that stage (or by an "
+                             "earlier version)", fix)
+        log.warning("%s: no %s (written before it, or by another tool): read unverified", path, PARQUET_SEAL.decode())
+    elif frame_sha256(df) != want.decode():
+        raise InputError(path, PARQUET_SEAL.decode(), "its values do not match their checksum: a cell (or a row or "
+                         "column) changed after the summary stage wrote it", fix)
+    return df
+
+
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
 
 

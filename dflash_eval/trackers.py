@@ -81,14 +81,20 @@ def read_table(path: str | Path):
     """The tau table at ``path`` (``.parquet`` or ``.csv``) as a DataFrame.
 
     Raises:
-        InputError: missing file, or no ``checkpoint`` / ``step`` / ``prompt_set`` column.
+        InputError: missing file, a parquet file that fails its seal (:func:`dflash_eval.tau_table.read_parquet`),
+            or no ``checkpoint`` / ``step`` / ``prompt_set`` column.
     """
     import pandas as pd
 
     path = Path(path)
     if not path.is_file():
         raise InputError(path, None, "tau table not found", "run the summary stage first (results/<run>/tau.parquet)")
-    df = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    if path.suffix == ".parquet":
+        from .tau_table import read_parquet
+
+        df = read_parquet(path)  # verified against the seal summary wrote
+    else:
+        df = pd.read_csv(path)
     for col in ("checkpoint", "step", "prompt_set"):
         if col not in df.columns:
             raise InputError(path, col, "missing column: not a tau table", "pass results/<run>/tau.parquet or tau.csv")

@@ -291,3 +291,7 @@ def test_tau_table_carries_the_speedup_estimate_and_its_reliability(run):
     assert off["speedup_chain"].isna().all() and off["estimate_reliable"].isna().all()
     assert (tmp_path / "o.csv").read_text().splitlines()[1].endswith(",,,")
     assert pd.read_parquet(tmp_path / "o.parquet")["estimate_reliable"].isna().all()
+    from dflash_eval.tau_table import read_parquet  # the seal survives the round trip of every column kind
+
+    for name, frame in (("tau", df), ("n", noisy), ("o", off)):
+        assert read_parquet(tmp_path / f"{name}.parquet").equals(frame), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 
@@ -65,3 +66,44 @@ def test_tau_by_prompt_length_bins(tmp_path):
     # evaluate outputs without prompt_len (older): the bins stay empty
     old = write_summary([_eval(tmp_path, "s2", "x", 2, [[2]])], tmp_path / "u.csv", tmp_path / "u.parquet").iloc[0]
     assert pd.isna(old["tau_prompt_0_128"]) and old["n_prompt_0_128"] == 0
+
+
+def test_tau_parquet_is_sealed_and_verified(tmp_path, monkeypatch, caplog):
+    """The seventh trial's U1: tau.parquet (what the trackers log) edited after summary reached TensorBoard
+    unchecked. summary seals it (schema metadata); read_parquet refuses an edit, and inside the workflow a
+    file without the seal (rewritten by pandas, which drops it)."""
+    import pyarrow.parquet as pq
+    import pytest
+
+    from dflash_eval.errors import InputError
+    from dflash_eval.row_checksum import SEALED_ENV
+    from dflash_eval.tau_table import PARQUET_SEAL, read_parquet
+    from dflash_eval.trackers import read_table
+
+    evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1]]),
+             _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
+    path = tmp_path / "tau.parquet"
+    df = write_summary(evals, tmp_path / "tau.csv", path)
+    assert read_parquet(path).equals(df) and read_table(path).equals(df)  # a round trip keeps the seal's values
+    table = pq.read_table(path)
+    assert len(table.schema.metadata[PARQUET_SEAL]) == 64
+    edited = table.to_pandas()
+    edited.loc[0, "tau"] = 1.9782
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pandas(edited, preserve_index=False).replace_schema_metadata(
+        table.schema.metadata), tmp_path / "edited.parquet")  # the edit with the old seal kept
+    for bad in (tmp_path / "edited.parquet",):
+        with pytest.raises(InputError) as err:
+            read_table(bad)
+        assert Path(err.value.file) == bad and err.value.field == "dflash_eval.content_sha256"
+        assert "changed after the summary stage wrote it" in err.value.problem and "--forcerun" in err.value.fix
+    edited.to_parquet(tmp_path / "pandas.parquet", index=False)  # rewritten by pandas: no seal
+    monkeypatch.delenv(SEALED_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="dflash_eval"):
+        assert read_table(tmp_path / "pandas.parquet").loc[0, "tau"] == 1.9782  # a direct call: with a warning
+    assert any("read unverified" in m and "pandas.parquet" in m for m in caplog.messages)
+    monkeypatch.setenv(SEALED_ENV, "1")
+    with pytest.raises(InputError, match="inside the workflow every tau.parquet is written and sealed"):
+        read_table(tmp_path / "pandas.parquet")
+    assert read_table(path).equals(df)

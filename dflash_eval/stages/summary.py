@@ -17,7 +17,7 @@ from ..costs import read_costs, with_speedups
 from ..drafter_files import read_strip_info
 from ..errors import InputError, atomic_path
 from ..io import sha256_file
-from ..tau_table import summary_frame
+from ..tau_table import summary_frame, write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.4f")
     with atomic_path(out_parquet) as tmp:
-        df.to_parquet(tmp, index=False)
+        write_parquet(df, tmp)  # sealed: the trackers verify what they log
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
     if costs:
         shown += ["speedup_chain", "estimate_reliable"]
