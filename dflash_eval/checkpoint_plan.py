@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -116,7 +117,26 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
                          "set checkpoints.glob, checkpoints.list or checkpoints.demo")
     for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
         row["files"] = checkpoint_files(name, row, origin[name])
+    same_files_note(table)
     return dict(sorted(table.items()))
+
+
+def same_files_note(table: dict[str, dict]) -> str | None:
+    """Warn (and return the note) when checkpoints of several names are the same files (a path through ``..``, a
+    symbolic link, a second entry): each name is stripped and evaluated on its own, a duplicate row in tau.csv
+    (the seventh trial's U4). Not an error: comparing a checkpoint with itself under two names can be meant."""
+    by_files: dict[tuple, list[str]] = {}
+    for name, row in sorted(table.items()):
+        if row.get("kind") != "demo" and row.get("files"):
+            by_files.setdefault(tuple(sorted(os.path.realpath(f) for f in row["files"])), []).append(name)
+    if all(len(names) == 1 for names in by_files.values()):
+        return None
+    note = ("; ".join(f"checkpoints {', '.join(names)} are the same files ({files[0]}"
+                      f"{', ...' if len(files) > 1 else ''})" for files, names in by_files.items() if len(names) > 1)
+            + ": each name is stripped and evaluated on its own (a row per name in tau.csv); list each checkpoint "
+            "once unless that is meant")
+    logging.getLogger(__name__).warning(note)
+    return note
 
 
 def demo_layer_ids(name: str, row: dict) -> list[int] | None:
