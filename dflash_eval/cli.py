@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_signal_handlers()
-    watchdog.start()  # a job whose Snakemake is gone stops (SIGTERM -> Interrupted), keeping what resumes
     try:
+        watchdog.start()  # a job whose Snakemake is gone stops (SIGTERM -> Interrupted), keeping what resumes
         threads.apply(getattr(args, "threads", None))
         mod = _module(args.cmd)
         opts = options.from_args(mod.STAGE, args) if getattr(mod, "STAGE", None) else None

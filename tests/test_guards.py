@@ -131,6 +131,39 @@ def test_watchdog_stops_a_job_whose_owner_is_gone():
     assert "is gone: stopping" in proc.stderr
 
 
+def test_watchdog_stops_a_job_whose_owner_died_before_it_started():
+    """The seventh trial's U5: Snakemake SIGKILLed while a job's Python was starting; the watchdog, finding the owner
+    gone at its start, took it for one it cannot see (a container) and watched nothing, so the job ran to its end.
+    An owner of the job's own pid namespace that is gone stops the job at once; one named in another namespace
+    (a container's view) is still not watched, and tokens of an earlier version (two parts) still work."""
+    script = textwrap.dedent("""
+        import os, subprocess, sys, time
+        from dflash_eval import watchdog
+        from dflash_eval.errors import Interrupted, install_signal_handlers
+        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        time.sleep(0.3)
+        token = watchdog.owner_token(owner.pid)
+        assert token.count(":") >= 2 and token.endswith(watchdog.pid_namespace()), token
+        owner.kill(); owner.wait()
+        install_signal_handlers()
+        pid, ticks, ns = token.split(":", 2)
+        assert watchdog.start({watchdog.OWNER_ENV: f"{pid}:{ticks}:pid:[1]"}) is None  # another namespace
+        assert watchdog.start({watchdog.OWNER_ENV: f"{pid}:{ticks}"}) is None  # an earlier version's token
+        t0 = time.monotonic()
+        try:
+            assert watchdog.start({watchdog.OWNER_ENV: token}, interval_s=30) is not None
+            time.sleep(20)
+            print("not stopped")
+        except Interrupted:
+            print(f"stopped after {time.monotonic() - t0:.1f} s")
+            sys.exit(143)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("stopped after") and float(proc.stdout.split()[2]) < 1, proc.stdout
+    assert "is gone: stopping" in proc.stderr
+
+
 def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_lines():
     from dflash_eval.workflow_guard import rerun_incomplete_argv
 
