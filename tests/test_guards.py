@@ -105,30 +105,49 @@ def test_cli_threads_chosen_as_the_workflow_does(monkeypatch):
     assert args.threads == 3
 
 
-def test_watchdog_stops_a_job_whose_owner_is_gone():
-    script = textwrap.dedent("""
-        import os, subprocess, sys, time
-        from dflash_eval import watchdog
-        from dflash_eval.errors import Interrupted, install_signal_handlers
-        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        time.sleep(0.3)
-        os.environ[watchdog.OWNER_ENV] = watchdog.owner_token(owner.pid)
-        install_signal_handlers()
-        assert watchdog.start(interval_s=0.2) is not None
-        assert watchdog.start({watchdog.OWNER_ENV: watchdog.owner_token()}) is None  # never watches itself
-        owner.kill(); owner.wait()
-        t0 = time.monotonic()
-        try:
-            time.sleep(20)
-            print("not stopped")
-        except Interrupted:
-            print(f"stopped after {time.monotonic() - t0:.1f} s")
-            sys.exit(143)
-    """)
+#: a job's process in the watchdog tests: an owner process started (its token in ``token``) and the helpers
+#: that kill it and wait for the job's Interrupted
+_WATCHED_JOB = """
+import os, subprocess, sys, time
+from dflash_eval import watchdog
+from dflash_eval.errors import Interrupted, install_signal_handlers
+owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+time.sleep(0.3)
+token = watchdog.owner_token(owner.pid)
+install_signal_handlers()
+
+def kill_owner():
+    owner.kill(); owner.wait()
+
+def wait_stopped(start_watch):
+    t0 = time.monotonic()
+    try:
+        start_watch()
+        time.sleep(20)
+        print("not stopped")
+    except Interrupted:
+        print(f"stopped after {time.monotonic() - t0:.1f} s")
+        sys.exit(143)
+"""
+
+
+def _watched_job(body: str) -> float:
+    """Run :data:`_WATCHED_JOB` + ``body`` in a fresh Python; the seconds it took the watchdog to stop it."""
+    script = _WATCHED_JOB + textwrap.dedent(body)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("stopped after") and float(proc.stdout.split()[2]) < 3
-    assert "is gone: stopping" in proc.stderr
+    assert proc.stdout.startswith("stopped after") and "is gone: stopping" in proc.stderr, proc.stdout + proc.stderr
+    return float(proc.stdout.split()[2])
+
+
+def test_watchdog_stops_a_job_whose_owner_is_gone():
+    assert _watched_job("""
+        os.environ[watchdog.OWNER_ENV] = token
+        assert watchdog.start(interval_s=0.2) is not None
+        assert watchdog.start({watchdog.OWNER_ENV: watchdog.owner_token()}) is None  # never watches itself
+        kill_owner()
+        wait_stopped(lambda: None)
+    """) < 3
 
 
 def test_watchdog_stops_a_job_whose_owner_died_before_it_started():
@@ -136,32 +155,14 @@ def test_watchdog_stops_a_job_whose_owner_died_before_it_started():
     gone at its start, took it for one it cannot see (a container) and watched nothing, so the job ran to its end.
     An owner of the job's own pid namespace that is gone stops the job at once; one named in another namespace
     (a container's view) is still not watched, and tokens of an earlier version (two parts) still work."""
-    script = textwrap.dedent("""
-        import os, subprocess, sys, time
-        from dflash_eval import watchdog
-        from dflash_eval.errors import Interrupted, install_signal_handlers
-        owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        time.sleep(0.3)
-        token = watchdog.owner_token(owner.pid)
+    assert _watched_job("""
         assert token.count(":") >= 2 and token.endswith(watchdog.pid_namespace()), token
-        owner.kill(); owner.wait()
-        install_signal_handlers()
+        kill_owner()
         pid, ticks, ns = token.split(":", 2)
         assert watchdog.start({watchdog.OWNER_ENV: f"{pid}:{ticks}:pid:[1]"}) is None  # another namespace
         assert watchdog.start({watchdog.OWNER_ENV: f"{pid}:{ticks}"}) is None  # an earlier version's token
-        t0 = time.monotonic()
-        try:
-            assert watchdog.start({watchdog.OWNER_ENV: token}, interval_s=30) is not None
-            time.sleep(20)
-            print("not stopped")
-        except Interrupted:
-            print(f"stopped after {time.monotonic() - t0:.1f} s")
-            sys.exit(143)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 143, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("stopped after") and float(proc.stdout.split()[2]) < 1, proc.stdout
-    assert "is gone: stopping" in proc.stderr
+        wait_stopped(lambda: watchdog.start({watchdog.OWNER_ENV: token}, interval_s=30))
+    """) < 1
 
 
 def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_lines():
