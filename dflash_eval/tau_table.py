@@ -215,6 +215,49 @@ def read_parquet(path) -> pd.DataFrame:
     return df
 
 
+#: the columns that name a row of the tau table
+TABLE_KEY = ("checkpoint", "prompt_set", "sampling")
+#: columns :func:`check_table` compares with the evaluate outputs (tau.csv holds them with 4 decimals)
+CHECKED_COLUMNS = ("tau", "tau_tokens_per_step", "n_samples", "verify_steps", "committed_tokens")
+
+
+def check_table(table: pd.DataFrame, path, evals: list[str]) -> None:
+    """Refuse a tau table (``tau.csv`` or ``tau.parquet`` as read) that is not what ``summary`` makes of the run's
+    evaluate outputs ``evals``: other rows (checkpoint, prompt set, sampling: another run's table copied in place,
+    a stale one), or a value of :data:`CHECKED_COLUMNS` off by more than tau.csv's rounding (1e-4: an edit).
+    Used by ``report`` (tau.csv) and ``trackers`` (tau.parquet: the eighth trial's S1, another run's validly
+    sealed table logged to the run's TensorBoard).
+
+    Raises:
+        InputError: ``(path, <column> | "rows", ...)`` naming the row and both values; an evaluate output that
+            cannot be read (:func:`summary_frame`).
+    """
+    name = Path(path).name
+    fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {path}"
+    key = list(TABLE_KEY)
+    missing = [k for k in key if k not in table.columns]
+    if missing:
+        raise InputError(path, missing[0], "missing: not a tau table of this version", fix)
+    want = summary_frame(evals)
+    got_rows = sorted(map(tuple, table[key].astype(str).values.tolist()))
+    want_rows = sorted(map(tuple, want[key].astype(str).values.tolist()))
+    if got_rows != want_rows:
+        raise InputError(path, "rows", f"{len(got_rows)} rows, the evaluate outputs give {len(want_rows)} "
+                         f"other (checkpoint, prompt set, sampling) rows: {name} was edited, is stale or is another "
+                         "run's", fix)
+    merged = want.astype({k: str for k in key}).merge(table.astype({k: str for k in key}), on=key,
+                                                      suffixes=("", "_table"))
+    for col in CHECKED_COLUMNS:
+        if col not in table.columns:
+            continue
+        off = (merged[col].astype(float) - merged[f"{col}_table"].astype(float)).abs() > 1e-4
+        if off.any():
+            row = merged[off].iloc[0]
+            raise InputError(path, col, f"{row[col + '_table']} for {row['checkpoint']} on {row['prompt_set']} "
+                             f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: {name} "
+                             "was edited after summary wrote it", fix)
+
+
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
 
 

@@ -47,6 +47,7 @@ values beside the old ones.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -172,16 +173,38 @@ def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
 
 # --------------------------------------------------------------------------- TensorBoard
 def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
-    """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (tensorboard's
-    reader; float32 values, the last file's where a pair repeats)."""
-    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (float32 values, the
+    last file's where a pair repeats), read with tensorboard's record reader, whose CRC32C checks are errors here:
+    TensorBoard's own loader stops at a damaged record without a word, so a damaged file read as "nothing
+    logged" and its points were logged again with other values (the eighth trial's S2).
+
+    Raises:
+        InputError: a damaged or truncated event file (a record failing its checksum, or not an Event).
+    """
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.compat.tensorflow_stub import errors as tb_errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 
     run_dir = Path(run_dir)
     have = {}
     for f in sorted(run_dir.glob(f"events.out.tfevents.*{TB_SUFFIX}")) if run_dir.is_dir() else ():
-        for event in LegacyEventFileLoader(str(f)).Load():
-            for v in event.summary.value:
-                have[(int(event.step), v.tag)] = float(v.simple_value)
+        reader = PyRecordReader_New(str(f))
+        try:
+            while True:
+                try:
+                    reader.GetNext()
+                except tb_errors.OutOfRangeError:  # the end of the file
+                    break
+                event = event_pb2.Event.FromString(reader.record())
+                for v in event.summary.value:
+                    have[(int(event.step), v.tag)] = float(v.simple_value)
+        except (tb_errors.DataLossError, DecodeError) as err:
+            raise InputError(f, None, f"a damaged TensorBoard event file ({err}): what it holds cannot be compared "
+                             "with the tau table", "delete that run folder and log afresh, or log to a new run "
+                             "(trackers.tensorboard.run_name)") from None
+        finally:
+            reader.file_handle.close()
     return have
 
 
@@ -201,7 +224,8 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
         ``{"file": the new file or None, "logged": points written now, "already": points on disk}``.
 
     Raises:
-        InputError: a point on disk with another value (:func:`check_unchanged`).
+        InputError: a point on disk with another value (:func:`check_unchanged`); a damaged event file
+            (:func:`tensorboard_logged`).
     """
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
@@ -237,14 +261,29 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
 
 # --------------------------------------------------------------------------- W&B
-def _read_ledger(path: Path) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
+def _read_ledger(path: Path, wandb_dir: Path, run_id: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
     """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}`` (absent in a ledger
-    of an earlier version: those values are unknown)."""
-    if not path.is_file():
-        return {}, {}
-    from .io import read_json_object
+    of an earlier version: those values are unknown), verified against its ``content_sha256`` when it has one.
 
-    led = read_json_object(path, "W&B ledger", f"delete {path} only if that W&B run is gone too")
+    Raises:
+        InputError: an unreadable or edited ledger; no ledger while ``wandb_dir`` holds runs of ``run_id`` (the
+            eighth trial's S3: a deleted ledger read as "nothing logged", and every point went to that run again).
+    """
+    from .io import read_json_object
+    from .row_checksum import DOC_FIELD, check_document
+
+    fix = f"restore {path}, or log to a new run (trackers.wandb.run_id)"
+    if not path.is_file():
+        runs = sorted(wandb_dir.glob(f"*run-*-{glob.escape(run_id)}")) if wandb_dir.is_dir() else []
+        if runs:
+            raise InputError(path, None, f"missing, but {wandb_dir} holds {len(runs)} local run folder(s) of W&B run "
+                             f"{run_id!r} ({runs[-1].name}): what that run holds is unknown, and logging again would "
+                             "give its steps a second value", fix + ", or delete those folders (and the run on the "
+                             "W&B server) to log afresh")
+        return {}, {}
+    led = read_json_object(path, "W&B ledger", fix)
+    if DOC_FIELD in led:
+        check_document(path, led, "trackers", fix)
     values = {(int(step), str(tag)): float(v) for step, tags in (led.get("values") or {}).items()
               for tag, v in tags.items()}
     return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}, values
@@ -262,13 +301,16 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         ``{"run_id", "mode", "dir", "logged", "already"}`` (points sent now / skipped as already logged).
 
     Raises:
-        InputError: a point the ledger lists with another value (:func:`check_unchanged`).
+        InputError: a point the ledger lists with another value (:func:`check_unchanged`); a missing or edited
+            ledger (:func:`_read_ledger`).
     """
     import wandb
 
+    from .row_checksum import seal_document
+
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
-    done, values = _read_ledger(ledger_path)
+    done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id)
     check_unchanged(points, values, ledger_path, "trackers.wandb.run_id")
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),
@@ -297,10 +339,10 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         by_step.setdefault(str(step), {})[tag] = v
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(ledger_path) as tmp:
-        tmp.write_text(json.dumps({"run_id": run_id, "project": cfg.get("project") or "dflash-eval",
-                                   "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))},
-                                   "values": by_step},
-                                  indent=1))
+        tmp.write_text(json.dumps(seal_document(
+            {"run_id": run_id, "project": cfg.get("project") or "dflash-eval",
+             "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))},
+             "values": by_step}), indent=1))
     log.info("wandb (%s, run %s): %d new points, %d already logged", out["mode"], run_id, out["logged"], out["already"])
     return out
 

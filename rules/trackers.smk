@@ -7,6 +7,7 @@
 rule trackers:
     input:
         table="results/{run}/tau.parquet",
+        evals=lambda wildcards: PLAN.evaluations(wildcards.run),  # the table must be what summary makes of them
         record=options_record("trackers"),
     output:
         "results/{run}/trackers.json",
@@ -19,4 +20,4 @@ rule trackers:
         options=lambda wildcards: PLAN.stage_flags("trackers"),
     shell:
         "python -m dflash_eval trackers --table {input.table:q} --run={wildcards.run:q}"
-        " {params.options} --out {output:q} > {log:q} 2>&1"
+        " --evals {input.evals:q} {params.options} --out {output:q} > {log:q} 2>&1"

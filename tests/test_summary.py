@@ -107,3 +107,43 @@ def test_tau_parquet_is_sealed_and_verified(tmp_path, monkeypatch, caplog):
     with pytest.raises(InputError, match="inside the workflow every tau.parquet is written and sealed"):
         read_table(tmp_path / "pandas.parquet")
     assert read_table(path).equals(df)
+
+
+def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
+    """The eighth trial's S1: another run's tau.parquet (validly sealed) copied over the run's was logged to the
+    run's TensorBoard, exit 0. The trackers stage compares the table with the run's evaluate outputs (as report
+    does tau.csv): another run's rows, or an edited tau, log nothing."""
+    import argparse
+
+    import pytest
+
+    from dflash_eval.errors import InputError
+    from dflash_eval.stages import trackers as stage
+
+    mine = [_eval(tmp_path, "ckA", "humaneval", 788, [[3, 1], [1, 1, 1, 1]]),
+            _eval(tmp_path, "ckB", "humaneval", 3507, [[2, 2]])]
+    (tmp_path / "other").mkdir()
+    theirs = [_eval(tmp_path / "other", "ckX", "humaneval", 2000, [[1, 1]])]
+    write_summary(mine, tmp_path / "tau.csv", tmp_path / "tau.parquet")
+    write_summary(theirs, tmp_path / "x.csv", tmp_path / "x.parquet")
+    monkeypatch.chdir(tmp_path)
+    cfg = {"tensorboard": {"enabled": True}}
+
+    def run(table, evals):
+        args = argparse.Namespace(table=str(table), run="r", out=str(tmp_path / "trackers.json"), evals=evals)
+        stage.main(args, cfg)
+        return json.loads((tmp_path / "trackers.json").read_text())
+
+    with pytest.raises(InputError) as err:
+        run(tmp_path / "x.parquet", mine)
+    assert err.value.field == "rows" and "x.parquet was edited, is stale or is another run's" in err.value.problem
+    assert "--forcerun" in err.value.fix and not (tmp_path / "results").exists()  # nothing logged
+    edited = pd.read_csv(tmp_path / "tau.csv")
+    edited.loc[0, "tau"] += 0.25
+    edited.to_csv(tmp_path / "edited.csv", index=False)
+    with pytest.raises(InputError) as err:
+        run(tmp_path / "edited.csv", mine)
+    assert err.value.field == "tau" and "but its evaluate output gives 1.5000: edited.csv was edited" in err.value.problem
+    assert run(tmp_path / "tau.parquet", mine)["tensorboard"]["logged"] > 0
+    rule = (Path(__file__).resolve().parents[1] / "rules" / "trackers.smk").read_text()
+    assert "--evals {input.evals:q}" in rule  # the workflow always compares

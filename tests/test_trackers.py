@@ -203,3 +203,52 @@ def test_a_value_that_changed_since_it_was_logged_is_refused(tmp_path, monkeypat
     cfg[tracker][new_run] = "demo-v2"  # a new run takes the new values
     assert log_table(rerun, cfg, "demo")[tracker]["logged"] == 23
     assert log_table(table(300), {tracker: {"enabled": True}}, "demo")[tracker]["logged"] == 8  # unchanged: logged
+
+
+def test_a_damaged_tensorboard_event_file_is_an_error_not_nothing_logged(tmp_path):
+    """The eighth trial's S2: one byte flipped in a dflash-eval event file made TensorBoard's loader stop there
+    without a word, so the run read as empty and a changed tau was logged beside the old one. The records'
+    CRC32C checks are errors now, naming the file."""
+    run_dir = tmp_path / "tb" / "demo"
+    first = write_tensorboard(table_points(table(200)), run_dir)
+    f = Path(first["file"])
+    data = bytearray(f.read_bytes())
+    head = 12 + int.from_bytes(data[:8], "little") + 4  # the second record: the first scalar
+    data[head + 12 + 5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    changed = table(200)
+    changed.loc[0, "tau"] += 0.5
+    for points in (table_points(table(200)), table_points(changed)):
+        with pytest.raises(InputError) as err:
+            write_tensorboard(points, run_dir)
+        assert Path(err.value.file) == f and "a damaged TensorBoard event file" in err.value.problem
+        assert "failed event crc32 check" in err.value.problem and "run_name" in err.value.fix
+    f.write_bytes(bytes(data[: head + 6]))  # truncated inside a record
+    with pytest.raises(InputError, match="truncated record"):
+        write_tensorboard(table_points(table(200)), run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == [f.name]  # nothing written beside it
+
+
+def test_wandb_ledger_missing_beside_its_runs_or_edited_is_refused(tmp_path, monkeypatch):
+    """The eighth trial's S3: the ledger deleted while results/<run>/wandb holds the run: every point went to the
+    same W&B run again (a second value per step). Refused, as is an edited ledger (sealed by content_sha256)."""
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {"wandb": {"enabled": True}}
+    assert log_table(table(100), cfg, "demo")["wandb"]["logged"] == 7
+    ledger = tmp_path / "results/demo/trackers/wandb-dflash-eval-demo.json"
+    saved = ledger.read_text()
+    assert len(json.loads(saved)["content_sha256"]) == 64
+    ledger.unlink()
+    with pytest.raises(InputError) as err:
+        log_table(table(200), cfg, "demo")
+    assert Path(err.value.file).resolve() == ledger and "holds 1 local run folder(s) of W&B run 'dflash-eval-demo'" in (
+        err.value.problem) and "trackers.wandb.run_id" in err.value.fix
+    edited = json.loads(saved)
+    edited["values"]["100"]["dflash_eval/humaneval/tau"] = 9.0  # the edit that would pass a changed tau
+    ledger.write_text(json.dumps(edited))
+    with pytest.raises(InputError, match="content_sha256: its content does not match its checksum"):
+        log_table(table(200), cfg, "demo")
+    ledger.write_text(saved)
+    assert log_table(table(200), cfg, "demo")["wandb"]["logged"] == 8

@@ -65,15 +65,11 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     return data
 
 
-#: tau.csv columns compared with the evaluate outputs by :func:`check_summary` (written with 4 decimals)
-CHECKED_COLUMNS = ("tau", "tau_tokens_per_step", "n_samples", "verify_steps", "committed_tokens")
-
-
 def check_summary(summary_csv, evals: list[str]) -> None:
-    """Refuse a ``tau.csv`` that is not what ``summary`` makes of ``evals``: other rows (checkpoint, prompt set,
-    sampling), or a value of :data:`CHECKED_COLUMNS` off by more than its rounding. The report is rebuilt from
-    the evaluate outputs, so a hand-edited (or stale) tau.csv used to disagree with it without a word (the
-    fifth trial's F5). ``summary_csv`` None: not compared.
+    """Refuse a ``tau.csv`` that is not what ``summary`` makes of ``evals``
+    (:func:`dflash_eval.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a hand-edited
+    (or stale) tau.csv used to disagree with it without a word (the fifth trial's F5). ``summary_csv`` None: not
+    compared.
 
     Raises:
         InputError: ``(tau.csv, <column>, ...)`` naming the row and both values.
@@ -82,30 +78,11 @@ def check_summary(summary_csv, evals: list[str]) -> None:
         return
     import pandas as pd
 
-    from ..tau_table import summary_frame
+    from ..tau_table import TABLE_KEY, check_table
 
-    key = ["checkpoint", "prompt_set", "sampling"]
-    fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {summary_csv}"
     try:
-        table = pd.read_csv(summary_csv, dtype={k: str for k in key})
+        table = pd.read_csv(summary_csv, dtype={k: str for k in TABLE_KEY})
     except (OSError, ValueError) as err:
-        raise InputError(summary_csv, None, f"not a readable tau table ({err})", fix) from None
-    want = summary_frame(evals)
-    missing = [k for k in key if k not in table.columns]
-    if missing:
-        raise InputError(summary_csv, missing[0], "missing: not a tau table of this version", fix)
-    got_rows = sorted(map(tuple, table[key].astype(str).values.tolist()))
-    want_rows = sorted(map(tuple, want[key].astype(str).values.tolist()))
-    if got_rows != want_rows:
-        raise InputError(summary_csv, "rows", f"{len(got_rows)} rows, the evaluate outputs give {len(want_rows)} "
-                         f"other (checkpoint, prompt set, sampling) rows: tau.csv was edited or is stale", fix)
-    merged = want.astype({k: str for k in key}).merge(table, on=key, suffixes=("", "_csv"))
-    for col in CHECKED_COLUMNS:
-        if col not in table.columns:
-            continue
-        off = (merged[col].astype(float) - merged[f"{col}_csv"].astype(float)).abs() > 1e-4
-        if off.any():
-            row = merged[off].iloc[0]
-            raise InputError(summary_csv, col, f"{row[col + '_csv']} for {row['checkpoint']} on {row['prompt_set']} "
-                             f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: tau.csv "
-                             "was edited after summary wrote it", fix)
+        raise InputError(summary_csv, None, f"not a readable tau table ({err})",
+                         f"rebuild it from the evaluate outputs: snakemake --forcerun {summary_csv}") from None
+    check_table(table, summary_csv, evals)

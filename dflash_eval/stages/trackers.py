@@ -3,7 +3,8 @@ checkpoint's training step, each (step, metric) once.
 
 What is logged, under which names, and how re-logging avoids duplicates: :mod:`dflash_eval.trackers`.
 Options: config section ``trackers`` (each tracker off by default). Writes ``results/<run>/trackers.json``:
-what each tracker received now and what it already held.
+what each tracker received now and what it already held. In the workflow the table is first compared
+with the run's evaluate outputs (``--evals``): another run's table, or an edited one, logs nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import dataclasses
 import json
 
 from ..errors import atomic_path
-from ..trackers import log_table
+from ..tau_table import check_table
+from ..trackers import log_table, read_table
 
 STAGE = "trackers"
 
@@ -21,10 +23,16 @@ def add_arguments(p) -> None:
     p.add_argument("--table", required=True, help="the tau table (results/<run>/tau.parquet or tau.csv)")
     p.add_argument("--run", required=True, help="the run name (default W&B run id dflash-eval-<run>, default folders)")
     p.add_argument("--out", required=True, help="JSON record of what was logged (results/<run>/trackers.json)")
+    p.add_argument("--evals", nargs="*", default=None,
+                   help="the run's evaluate outputs: the table must be what summary makes of them (rows and tau, "
+                        "dflash_eval.tau_table.check_table), else nothing is logged; the workflow passes them")
 
 
 def main(args, opts) -> None:
     cfg = dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
-    logged = log_table(args.table, cfg, args.run)
+    table = read_table(args.table)
+    if args.evals is not None:
+        check_table(table, args.table, args.evals)
+    logged = log_table(table, cfg, args.run)
     with atomic_path(args.out) as tmp:
         tmp.write_text(json.dumps(logged, indent=1, sort_keys=True))
