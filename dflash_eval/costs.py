@@ -66,7 +66,7 @@ from pathlib import Path
 
 from .cost_stats import assess
 from .errors import InputError
-from .row_checksum import check_document
+from .row_checksum import check_run_output
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,15 @@ FORMULA = "tau * t_decode / (t_verify(n) + t_draft)"
 
 # --------------------------------------------------------------------------- estimate
 
-def read_costs(path) -> dict:
-    """Load a ``target_costs.json``.
+def read_costs(path, records=None) -> dict:
+    """Load a ``target_costs.json``, verified (:func:`dflash_eval.row_checksum.check_run_output`).
+
+    Args:
+        records: the run's options records of its run-level stages (the workflow passes them), or None.
 
     Raises:
-        InputError: unreadable, or not a dflash-eval target-costs file of this version.
+        InputError: unreadable, or not a dflash-eval target-costs file of this version; edited; with ``records``,
+            made with other target_costs settings than the run's (another run's file) or by an earlier version.
     """
     path = Path(path)
     try:
@@ -94,9 +98,10 @@ def read_costs(path) -> dict:
     if data.get("format") != FORMAT or data.get("format_version") not in READABLE_VERSIONS:
         raise InputError(path, "format", f"expected {FORMAT} v{FORMAT_VERSION}, got {data.get('format')} "
                          f"v{data.get('format_version')}", "re-run the target_costs rule")
-    if not check_document(path, data, "target_costs", "re-run the target_costs rule (snakemake -R target_costs), or "
-                          "restore an intact copy"):
-        log.warning("%s: no content_sha256 (written before it): read unverified", path)
+    # sealed; with ``records`` (the workflow's), also the run's target_costs settings (the eighth trial's S4:
+    # another run's file, of another context length, filled the speedup columns)
+    check_run_output(path, data, records, "re-run the target_costs rule (snakemake -R target_costs), or restore an "
+                     "intact copy", stage="target_costs")
     return data
 
 

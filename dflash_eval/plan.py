@@ -516,14 +516,29 @@ class Plan:
         """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
         return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
 
-    def summary_args(self, costs=()) -> str:
-        """Optional flags of ``summary``: ``--costs`` (the speedup columns of the tau table) when target costs exist."""
-        return " ".join(shlex.quote(str(a)) for a in (["--costs", costs[0]] if costs else []))
+    #: the run-level stages whose JSON output the summary (target_costs) or the report reads
+    RUN_OUTPUT_STAGES = ("target_costs", "kernel_parity", "engine_parity", "validate_online", "validate_engine")
 
-    def report_args(self, extra=(), costs=()) -> str:
-        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--config-sha256``."""
+    def run_level_records(self, run: str, stages=RUN_OUTPUT_STAGES) -> list[str]:
+        """The options records of the planned ``stages`` among :data:`RUN_OUTPUT_STAGES` (their outputs name them:
+        :func:`dflash_eval.row_checksum.check_run_output`)."""
+        from .job_records import record_path
+
+        return [record_path(run, s) for s in stages if getattr(self, f"{s}_outputs")()]
+
+    def summary_args(self, costs=(), records=()) -> str:
+        """Optional flags of ``summary``: ``--costs`` (the speedup columns of the tau table) when target costs exist,
+        with ``--run-settings`` (the target_costs record it must name)."""
+        args = ["--costs", costs[0]] if costs else []
+        args += ["--run-settings", *records] if records else []
+        return " ".join(shlex.quote(str(a)) for a in args)
+
+    def report_args(self, extra=(), costs=(), records=()) -> str:
+        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--run-settings`` (the
+        records those files must name), ``--config-sha256``."""
         args = ["--extra", *extra] if extra else []
         args += ["--costs", costs[0]] if costs else []
+        args += ["--run-settings", *records] if records else []
         args += ["--config-sha256", self.config_sha256]
         return " ".join(shlex.quote(str(a)) for a in args)
 

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .io import read_json_object
+from .row_checksum import check_run_output
 from .tau_table import primary_histogram, primary_rows, sampled_sets_note, summary_frame
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
@@ -158,7 +160,7 @@ def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
 
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
                      config_sha256: str | None = None, run: str | None = None,
-                     prompts_meta: list[str] | None = None) -> ReportData:
+                     prompts_meta: list[str] | None = None, run_records: list[str] | None = None) -> ReportData:
     """Collect the report's data from the run's files.
 
     Args:
@@ -170,9 +172,14 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         run: run name (title).
         prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.provenance.read_prompt_meta`),
             shown as one section with the skip counts per reason.
+        run_records: the run's options records of its run-level stages (the workflow passes them): ``costs`` and
+            each ``extra`` file must be sealed and name their stage's (the eighth trial's S4, S5: another run's
+            target_costs.json or validate_online.json, or an edited one, went into the report); None: only the
+            seals are checked.
 
     Raises:
-        InputError: unreadable inputs.
+        InputError: unreadable inputs; a ``costs`` or ``extra`` file edited, or (with ``run_records``) not made
+            by this run's stage with its settings (:func:`dflash_eval.row_checksum.check_run_output`).
     """
     every = summary_frame(evals)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
@@ -187,7 +194,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     from .costs import read_costs, speedup_frame, with_speedups
 
     if costs:
-        data.costs = read_costs(costs)
+        data.costs = read_costs(costs, run_records)
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
@@ -200,7 +207,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     if every["sampling"].nunique() > 1:
         data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
     for path in extra or []:
-        d = json.loads(Path(path).read_text())
+        d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
+        check_run_output(path, d, run_records)
         data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
     return data
 

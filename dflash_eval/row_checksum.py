@@ -201,3 +201,55 @@ def check_places(path, rows: Sequence[tuple[int, dict]], fix: str) -> bool:
                              f"{r[COUNT]}, but is row {pos + 1} of {n} here: rows were deleted, added or moved after "
                              "the file was written", fix)
     return True
+
+
+def write_run_output(out, result: dict, stage: str, settings_record=None, **dumps) -> dict:
+    """Write a run-level stage's JSON output (``target_costs.json``, the report's sections of ``kernel_parity``,
+    ``engine_parity``, ``validate_online``, ``validate_engine``) atomically, naming its ``stage`` and the sha256 of
+    the workflow's options record of the job (``settings_sha256``; None off the workflow), sealed by
+    ``content_sha256``: what :func:`check_run_output` compares, so that another run's file copied in place, or an
+    edited one, is refused by the stages that read it (the eighth trial's S4, S5). ``dumps``: ``default`` for values
+    JSON lacks (e.g. ``float`` for numpy scalars).
+
+    Returns:
+        the document as written.
+    """
+    from .errors import atomic_path
+
+    settings = hashlib.sha256(open(settings_record, "rb").read()).hexdigest() if settings_record else None
+    plain = json.loads(json.dumps(result, default=dumps.get("default")))  # numpy scalars etc. as JSON has them
+    doc = seal_document({**plain, "stage": stage, "settings_sha256": settings})
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def check_run_output(path, doc: dict, records=None, fix: str | None = None, stage: str | None = None) -> None:
+    """Verify a run-level stage's output (:func:`write_run_output`): its seal (:func:`check_document`), and, with
+    ``records`` (the run's options records of the run-level stages, ``results/<run>/options/<stage>/run.json``:
+    the workflow passes them), that it names one of those stages and that stage's record.
+
+    Raises:
+        InputError: ``(path, "content_sha256" | "stage" | "settings_sha256", ...)``: edited; not an output of the
+            run's stages; made with other settings (another run's file copied in place) or by an earlier version.
+    """
+    from pathlib import Path
+
+    stage = doc.get("stage") or stage or "its"  # the stage named in the file, else the caller's expectation
+    fix = fix or f"rerun it: snakemake --forcerun {path}"
+    if not check_document(path, doc, stage, fix):
+        import logging
+
+        logging.getLogger(__name__).warning("%s: no content_sha256 (written before it): read unverified", path)
+    if records is None:
+        return
+    want = {Path(r).parent.name: (str(r), hashlib.sha256(Path(r).read_bytes()).hexdigest()) for r in records}
+    if doc.get("stage") not in want:
+        raise InputError(path, "stage", f"{doc.get('stage')!r} is not one of the run's stages ({', '.join(sorted(want))}): "
+                         "not an output of this run's workflow, or one of an earlier version", fix)
+    record, sha = want[doc["stage"]]
+    got = doc.get("settings_sha256")
+    if got != sha:
+        raise InputError(path, "settings_sha256", f"{'missing' if got is None else got[:16] + '...'}, but the run's "
+                         f"{doc['stage']} options record {record} has sha256 {sha[:16]}...: the file was made with other "
+                         "settings (another run's copied in place) or by an earlier version", fix)

@@ -30,4 +30,4 @@ rule target_costs:
         "python -m dflash_eval target-costs --target {params.target:q}"
         " --drafter-config {input.drafter_configs:q} {params.options}"
         " --target-fingerprint {input.fingerprint:q}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

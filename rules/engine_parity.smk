@@ -44,4 +44,5 @@ rule engine_parity:
         "python -m dflash_eval engine-parity --target {params.target:q}"
         " --completions {input.completions:q} --cache {input.cache:q} --layer-ids {params.layer_ids}"
         " --drafter {params.drafters} --target-fingerprint {input.fingerprint:q}"
-        " {params.options} --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"
+        " {params.options} --server-log {log.server:q} --settings {input.record:q} --out {output:q}"
+        " > {log.main:q} 2>&1"

@@ -53,6 +53,7 @@ rule summary:
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         strip_infos=expand("results/{{run}}/drafters/{ckpt}/strip_info.json", ckpt=list(CHECKPOINTS)),
         record=options_record("summary"),  # with or without the speedup columns
+        run_records=lambda wildcards: PLAN.run_level_records(wildcards.run, ("target_costs",)),  # costs must name it
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -68,7 +69,7 @@ rule summary:
     container:
         config["containers"]["cuda"]
     params:
-        args=lambda wildcards, input: PLAN.summary_args(input.get("costs", [])),
+        args=lambda wildcards, input: PLAN.summary_args(input.get("costs", []), input.get("run_records", [])),
         drafters=lambda wildcards, input: [os.path.dirname(f) for f in input.strip_infos],
     shell:
         "python -m dflash_eval summary --evals {input.evals:q} {params.args}"
@@ -86,6 +87,7 @@ rule report:
         extra=PLAN.extra_outputs(),
         costs=PLAN.target_costs_outputs(),
         record=options_record("report"),  # its sections and the config's sha256
+        run_records=lambda wildcards: PLAN.run_level_records(wildcards.run),  # each section must name its own
     output:
         md="results/{run}/report.md",
         html=report(
@@ -109,7 +111,7 @@ rule report:
         config["containers"]["cuda"]
     params:
         args=lambda wildcards, input: PLAN.report_args(
-            input.get("extra", []), input.get("costs", [])
+            input.get("extra", []), input.get("costs", []), input.get("run_records", [])
         ),
     shell:
         "python -m dflash_eval report --summary {input.summary:q}"

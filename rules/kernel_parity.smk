@@ -42,4 +42,4 @@ rule kernel_parity:
         "python -m dflash_eval kernel-parity --target {params.target:q}"
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --drafter {params.drafters} --target-fingerprint {input.fingerprint:q}"
-        " {params.options} --out {output:q} > {log:q} 2>&1"
+        " {params.options} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

@@ -51,4 +51,4 @@ rule validate_engine:
         "python -m dflash_eval validate-engine --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} {params.costs} --work-dir {params.work} {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

@@ -46,4 +46,4 @@ rule validate_online:
         "python -m dflash_eval validate-online --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

@@ -446,3 +446,59 @@ def test_inside_the_workflow_an_unsealed_cache_eval_output_or_drafter_is_refused
     assert Path(err.value.file) == bare / "strip_info.json" and "the run's strip job writes it" in err.value.problem
     CacheReader(d / "c.h5").close()  # this version's files pass
     assert read_eval(d / "sealed.json")["content_sha256"]
+
+
+def test_a_run_level_output_of_another_run_or_edited_is_refused(tmp_path, monkeypatch):
+    """The eighth trial's S4 and S5: another run's target_costs.json (context 400 tokens instead of 32) filled the
+    run's speedup columns, and another run's (or an edited) validate_online.json went into the report, exit 0.
+    Each run-level output names its stage and the sha256 of its options record, sealed; summary and report compare
+    them with the run's records (--run-settings)."""
+    from dflash_eval.costs import FORMAT, FORMAT_VERSION, read_costs
+    from dflash_eval.reporting import load_report_data
+    from dflash_eval.row_checksum import SEALED_ENV, write_run_output
+    from test_summary import _eval
+
+    run_rec, other_rec = tmp_path / "options" / "target_costs" / "run.json", tmp_path / "other.json"
+    run_rec.parent.mkdir(parents=True)
+    run_rec.write_text('{"options": "--context-tokens=32"}\n')
+    other_rec.write_text('{"options": "--context-tokens=400"}\n')
+    section_rec = tmp_path / "options" / "validate_online" / "run.json"
+    section_rec.parent.mkdir()
+    section_rec.write_text('{"options": "--n-samples=2"}\n')
+    records = [str(run_rec), str(section_rec)]
+    costs = {"format": FORMAT, "format_version": FORMAT_VERSION, "decode_s": 0.01}
+    mine = write_run_output(tmp_path / "costs.json", costs, "target_costs", run_rec)
+    assert mine["stage"] == "target_costs" and len(mine["settings_sha256"]) == 64
+    assert read_costs(tmp_path / "costs.json", records)["decode_s"] == 0.01
+    write_run_output(tmp_path / "theirs.json", costs, "target_costs", other_rec)  # another run's, copied in place
+    with pytest.raises(InputError) as err:
+        read_costs(tmp_path / "theirs.json", records)
+    assert err.value.field == "settings_sha256" and "the run's target_costs options record" in err.value.problem
+    assert "another run's copied in place" in err.value.problem
+    read_costs(tmp_path / "theirs.json")  # off the workflow: its seal only
+    write_run_output(tmp_path / "old.json", costs, "target_costs")  # no record given (a direct call)
+    with pytest.raises(InputError, match="settings_sha256: missing"):
+        read_costs(tmp_path / "old.json", records)
+
+    evals = [_eval(tmp_path, "ckA", "humaneval", 788, [[3, 1]])]
+    section = {"title": "Online validation", "markdown": "| ckA | 1.2782 |"}
+    write_run_output(tmp_path / "vo.json", section, "validate_online", section_rec)
+    data = load_report_data(evals, extra=[str(tmp_path / "vo.json")], run_records=records)
+    assert data.extra[-1] == ("Online validation", "| ckA | 1.2782 |")
+    doc = json.loads((tmp_path / "vo.json").read_text())
+    doc["markdown"] = "| ckA | 1.9000 |"  # the trial's edit
+    (tmp_path / "edited.json").write_text(json.dumps(doc))
+    write_run_output(tmp_path / "stage.json", section, "kernel_parity", section_rec)  # a stage the run does not run
+    for name, field in (("edited.json", "content_sha256"), ("stage.json", "stage")):
+        with pytest.raises(InputError) as err:
+            load_report_data(evals, extra=[str(tmp_path / name)], run_records=records)
+        assert Path(err.value.file) == tmp_path / name and err.value.field == field, name
+    (tmp_path / "bare.json").write_text(json.dumps(section))  # unsealed: read off the workflow, refused in it
+    monkeypatch.delenv(SEALED_ENV, raising=False)
+    assert load_report_data(evals, extra=[str(tmp_path / "bare.json")]).extra[-1][1] == "| ckA | 1.2782 |"
+    monkeypatch.setenv(SEALED_ENV, "1")
+    with pytest.raises(InputError, match="content_sha256: missing, but inside the workflow"):
+        load_report_data(evals, extra=[str(tmp_path / "bare.json")])
+    for rule in ("costs", "kernel_parity", "engine_parity", "validate_online", "validate_engine"):  # every writer
+        text = (Path(__file__).resolve().parents[1] / "rules" / f"{rule}.smk").read_text()
+        assert "--settings {input.record:q}" in text, rule

@@ -38,7 +38,8 @@ import torch
 from .. import options as options_mod
 from ..cache_reader import CacheReader
 from ..completions_file import read_completions, subset_text
-from ..errors import InputError, atomic_path
+from ..errors import InputError
+from ..row_checksum import write_run_output
 from .evaluate import evaluate
 from .hidden_states import extract_cache
 from .kernel_parity import Parity
@@ -62,12 +63,16 @@ def add_arguments(p) -> None:
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
     p.add_argument("--server-log", default=None,
                    help="the job-owned vLLM server's log, when the other source is vllm (default <out>.vllm.log)")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/engine_parity/run.json): its "
+                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
+                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     engine_parity(args.target, args.completions, args.cache, args.layer_ids, args.out, opts, drafters=args.drafter,
-                  target_fingerprint=args.target_fingerprint, server_log=args.server_log)
+                  target_fingerprint=args.target_fingerprint, server_log=args.server_log, settings_record=args.settings)
 
 
 def other_source(source: str) -> str:
@@ -175,7 +180,7 @@ def _provenance(attrs: dict) -> dict:
 
 
 def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int], out, opts=None, *, drafters=(),
-                  target_fingerprint=None, server_log=None, **overrides) -> dict:
+                  target_fingerprint=None, server_log=None, settings_record=None, **overrides) -> dict:
     """Extract ``n_samples`` completions with the other source, compare with the run's cache, replay drafters on both.
 
     Args:
@@ -246,8 +251,7 @@ def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int]
             # is what this report shows, not a refusal
             result["drafters"].append(drafter_parity(Path(d).name, ev["hf"], ev["vllm"]))
     result["markdown"] = _markdown(result)
-    with atomic_path(out) as t:
-        t.write_text(json.dumps(result, indent=1) + "\n")
+    result.update(write_run_output(out, result, "engine_parity", settings_record))
     for line in result["markdown"].splitlines():
         log.info("%s", line)
     return result

@@ -35,7 +35,8 @@ import torch
 from .. import options as options_mod
 from ..cache_reader import CacheReader
 from ..completions_file import read_completions, subset_text
-from ..errors import InputError, atomic_path
+from ..errors import InputError
+from ..row_checksum import write_run_output
 from .evaluate import evaluate
 from .hidden_states import extract_hidden_states
 
@@ -52,12 +53,16 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/kernel_parity/run.json): its "
+                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
+                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     kernel_parity(args.target, args.completions, args.layer_ids, args.out, opts, drafters=args.drafter,
-                  target_fingerprint=args.target_fingerprint)
+                  target_fingerprint=args.target_fingerprint, settings_record=args.settings)
 
 
 
@@ -142,7 +147,7 @@ def layer_stats(reader_a, reader_b, layer_ids: list[int]) -> tuple[list[dict], f
 
 
 def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=None, *, drafters=(),
-                  target_fingerprint=None, **overrides) -> dict:
+                  target_fingerprint=None, settings_record=None, **overrides) -> dict:
     """Extract ``n_samples`` completions with two backends, compare per layer, replay drafters on both.
 
     Args:
@@ -168,7 +173,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
                     "layers": [], "drafters": [], "extractions": {}}
     if p["a"] is None:
         result["markdown"] = f"Skipped: {p['note']}."
-        _write(out, result)
+        _write(out, result, settings_record)
         return result
     rows = read_completions(Path(completions_path))[:n_samples]
     label = {k: f"{p[k]['backend']} {p[k]['dtype']}" for k in ("a", "b")}
@@ -206,7 +211,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
             result["drafters"].append({"checkpoint": Path(d).name, "tau_a": taus["a"], "tau_b": taus["b"]})
     result["title"] = f"Linear-attention kernel parity: A = {label['a']}, B = {label['b']}"
     result["markdown"] = _markdown(result, label)
-    _write(out, result)
+    _write(out, result, settings_record)
     for line in result["markdown"].splitlines():
         log.info("%s", line)
     return result
@@ -234,6 +239,5 @@ def _markdown(r: dict, label: dict) -> str:
     return "\n".join(lines)
 
 
-def _write(out, result: dict) -> None:
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
+def _write(out, result: dict, settings_record=None) -> None:
+    result.update(write_run_output(out, result, "kernel_parity", settings_record))

@@ -21,6 +21,10 @@ def add_arguments(p) -> None:
                    help="<set>.meta.json files of the prompts stage (what was skipped, per reason)")
     p.add_argument("--extra", nargs="*", default=[], help="extra JSON sections (e.g. kernel parity)")
     p.add_argument("--costs", default=None, help="target_costs.json: adds the estimated decode speedup")
+    p.add_argument("--run-settings", nargs="*", default=None, metavar="JSON",
+                   help="the run's options records of its run-level stages (results/<run>/options/<stage>/run.json): "
+                        "target_costs.json and each --extra section must name their stage's (settings_sha256), else "
+                        "they are refused (another run's file copied in place)")
     p.add_argument("--config-sha256", default=None, help="hash of the workflow config, shown under provenance")
     p.add_argument("--out", required=True, help="report.md")
     p.add_argument("--out-html", default=None, help="self-contained report.html (figures embedded)")
@@ -30,12 +34,12 @@ def add_arguments(p) -> None:
 def main(args, opts) -> None:
     write_report(args.summary, args.evals, args.caches, args.out, extra=args.extra, costs=args.costs,
                  out_html=args.out_html, figures_dir=args.figures_dir, config_sha256=args.config_sha256,
-                 prompts_meta=args.prompts_meta)
+                 prompts_meta=args.prompts_meta, run_records=args.run_settings)
 
 
 def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: list[str] | None = None,
                  costs=None, out_html=None, figures_dir=None, config_sha256: str | None = None,
-                 prompts_meta: list[str] | None = None) -> ReportData:
+                 prompts_meta: list[str] | None = None, run_records: list[str] | None = None) -> ReportData:
     """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
 
     ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
@@ -50,7 +54,7 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta)
+                            prompts_meta=prompts_meta, run_records=run_records)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
     if out_html or figures_dir:

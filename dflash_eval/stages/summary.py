@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out-parquet", required=True, help="tau.parquet")
     p.add_argument("--costs", default=None,
                    help="target_costs.json: fills the speedup_* and estimate_reliable columns (empty without it)")
+    p.add_argument("--run-settings", nargs="*", default=None, metavar="JSON",
+                   help="the run's target_costs options record (results/<run>/options/target_costs/run.json): "
+                        "target_costs.json must name it (settings_sha256), else it is refused (another run's file)")
     p.add_argument("--settings", nargs="*", default=[], metavar="JSON",
                    help="the run's evaluate options records (results/<run>/options/evaluate/<set>.json, one per prompt "
                         "set): an evaluate output whose settings_sha256 names another is refused")
@@ -45,7 +48,8 @@ def add_arguments(p) -> None:
 
 def main(args, opts) -> None:
     write_summary(args.evals, args.out_csv, args.out_parquet, costs=args.costs,
-                  expected=expected_inputs(args.settings, args.completions, args.caches, args.drafters))
+                  expected=expected_inputs(args.settings, args.completions, args.caches, args.drafters),
+                  run_records=args.run_settings)
 
 
 def expected_inputs(settings: list[str], completions: list[str], caches: list[str] = (),
@@ -87,7 +91,8 @@ def _cache_header_sha256(path) -> str | None:
     return None if value is None else str(value)
 
 
-def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: dict | None = None) -> pd.DataFrame:
+def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: dict | None = None,
+                  run_records: list[str] | None = None) -> pd.DataFrame:
     """Write ``tau.csv`` and ``tau.parquet`` atomically; returns the frame.
 
     Args:
@@ -97,13 +102,14 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
             are filled from it, else left empty.
         expected: what the run's options records, completions, caches and drafters are (:func:`expected_inputs`),
             or None.
+        run_records: the run's target_costs options record (``[]`` / None: not compared).
 
     Raises:
         InputError: an unreadable evaluate output (:func:`dflash_eval.tau_table.summary_frame`) or target costs
             file (:func:`dflash_eval.costs.read_costs`).
     """
     df = summary_frame(evals, expected)
-    df = with_speedups(df, read_costs(costs) if costs else None)
+    df = with_speedups(df, read_costs(costs, run_records) if costs else None)
     with atomic_path(out_csv) as tmp:
         df.to_csv(tmp, index=False, float_format="%.4f")
     with atomic_path(out_parquet) as tmp:

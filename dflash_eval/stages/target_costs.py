@@ -28,8 +28,8 @@ from ..cost_stats import assess, isotonic, robust_s, spread
 from ..costs import FORMAT, FORMAT_VERSION, FORMULA
 from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterConfig
-from ..errors import InputError, atomic_path
-from ..row_checksum import seal_document
+from ..errors import InputError
+from ..row_checksum import write_run_output
 from ..runtime import dtype_name, resolve_device, resolve_dtype
 from ..target import load_target, target_info
 from ..target_spec import TargetSpec
@@ -47,11 +47,16 @@ def add_arguments(p) -> None:
                         "on shapes only)")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/target_costs/run.json): its "
+                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
+                        "the run's")
     p.add_argument("--out", required=True, help="target_costs.json (layout: dflash_eval/costs.py)")
 
 
 def main(args, opts) -> None:
-    measure_target_costs(args.target, args.drafter_config, args.out, opts, target_fingerprint=args.target_fingerprint)
+    measure_target_costs(args.target, args.drafter_config, args.out, opts, target_fingerprint=args.target_fingerprint,
+                         settings_record=args.settings)
 
 
 def device_name(dev) -> str:
@@ -113,7 +118,7 @@ def _tree_mask(n: int, past: int, dtype, dev):
 
 
 def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike], out, opts=None, *, seed: int = 0,
-                         target_fingerprint=None, **overrides) -> dict:
+                         target_fingerprint=None, settings_record=None, **overrides) -> dict:
     """Time the target's decode step, its verify forwards and each drafter architecture's block pass.
 
     Args:
@@ -250,9 +255,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
     if not verdict["reliable"]:
         log.warning("the speedup estimate is unreliable (spread bound %.0f%%): %s", 100 * verdict["bound"],
                     "; ".join(verdict["reasons"]))
-    result = seal_document(result)  # content_sha256, verified by costs.read_costs
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1))
+    result = write_run_output(out, result, "target_costs", settings_record)  # verified by costs.read_costs
     log.info("target costs on %s (%s, %s) -> %s", result["device_name"], result["device"], result["dtype"], out)
     return result
 

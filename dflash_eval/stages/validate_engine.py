@@ -23,7 +23,8 @@ from pathlib import Path
 
 from .. import options as options_mod
 from ..completions_file import read_completions
-from ..errors import InputError, atomic_path
+from ..errors import InputError
+from ..row_checksum import write_run_output
 from ..vllm_engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,16 @@ def add_arguments(p) -> None:
     p.add_argument("--target-costs", default=None, help="target_costs.json: the cost-model speedup beside the measured one")
     p.add_argument("--work-dir", default=None, help="scratch folder for the servers' logs and helper modules "
                                                     "(default: beside --out)")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/validate_engine/run.json): its "
+                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
+                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     validate_engine(args.target, args.completions, args.drafter, args.evals, args.out, opts,
-                    target_costs=args.target_costs, work_dir=args.work_dir)
+                    target_costs=args.target_costs, work_dir=args.work_dir, settings_record=args.settings)
 
 
 def _engine_options(opts) -> EngineOptions:
@@ -69,7 +74,7 @@ def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) 
 
 
 def validate_engine(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None, *,
-                    target_costs=None, work_dir=None, **overrides) -> dict:
+                    target_costs=None, work_dir=None, settings_record=None, **overrides) -> dict:
     """vLLM's acceptance and speed for every drafter next to the offline replay of the same samples.
 
     Args:
@@ -149,8 +154,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         result["checkpoints"].append(entry)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["markdown"] = _markdown(result)
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    result.update(write_run_output(out, result, "validate_engine", settings_record, default=float))
     return result
 
 

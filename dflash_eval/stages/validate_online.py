@@ -20,7 +20,8 @@ import torch
 from .. import options as options_mod
 from ..completions_file import read_completions
 from ..drafter import load_drafter
-from ..errors import InputError, atomic_path
+from ..errors import InputError
+from ..row_checksum import write_run_output
 from ..generation import stop_token_ids
 from ..metrics import aggregate
 from ..online import check_target_supported, spec_generate
@@ -43,12 +44,16 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", nargs="+", required=True, help="stripped drafter folders")
     p.add_argument("--evals", nargs="+", required=True,
                    help="evaluate JSONs of those drafters on this prompt set, in the order of --drafter")
+    p.add_argument("--settings", default=None, metavar="JSON",
+                   help="the workflow's options record of this job (results/<run>/options/validate_online/run.json): its "
+                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
+                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the per-sample "
                                                 "comparison")
 
 
 def main(args, opts) -> None:
-    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts)
+    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts, settings_record=args.settings)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -60,7 +65,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def validate_online(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None,
-                    **overrides) -> dict:
+                    settings_record=None, **overrides) -> dict:
     """Online speculative decoding of the first ``n_samples`` prompts vs the offline replay of the same samples.
 
     Per drafter (paired with its evaluate JSON on the same prompt set) and per mode (``chain``, and
@@ -185,8 +190,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                      _f(m["tau_offline"]), _f(m["diff"], "+.4f"), _f(m["diff_over_se"], "+.2f"))
         result["checkpoints"].append(entry)
     result["markdown"] = _markdown(result)
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
+    result.update(write_run_output(out, result, "validate_online", settings_record))
     return result
 
 
