@@ -123,16 +123,20 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
 
 def same_files_note(table: dict[str, dict]) -> str | None:
     """Warn (and return the note) when checkpoints of several names are the same files (a path through ``..``, a
-    symbolic link, a second entry): each name is stripped and evaluated on its own, a duplicate row in tau.csv
+    symbolic link, a hard link, a second entry: compared by device and inode): each name is stripped and evaluated on its own, a duplicate row in tau.csv
     (the seventh trial's U4). Not an error: comparing a checkpoint with itself under two names can be meant."""
     by_files: dict[tuple, list[str]] = {}
+    shown: dict[tuple, str] = {}
     for name, row in sorted(table.items()):
         if row.get("kind") != "demo" and row.get("files"):
-            by_files.setdefault(tuple(sorted(os.path.realpath(f) for f in row["files"])), []).append(name)
+            stats = [os.stat(f) for f in row["files"]]  # (device, inode): hard links too
+            key = tuple(sorted((st.st_dev, st.st_ino) for st in stats))
+            by_files.setdefault(key, []).append(name)
+            shown.setdefault(key, os.path.realpath(row["files"][0]) + (", ..." if len(stats) > 1 else ""))
     if all(len(names) == 1 for names in by_files.values()):
         return None
-    note = ("; ".join(f"checkpoints {', '.join(names)} are the same files ({files[0]}"
-                      f"{', ...' if len(files) > 1 else ''})" for files, names in by_files.items() if len(names) > 1)
+    note = ("; ".join(f"checkpoints {', '.join(names)} are the same files ({shown[key]})"
+                      for key, names in by_files.items() if len(names) > 1)
             + ": each name is stripped and evaluated on its own (a row per name in tau.csv); list each checkpoint "
             "once unless that is meant")
     logging.getLogger(__name__).warning(note)

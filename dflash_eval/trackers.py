@@ -161,7 +161,8 @@ def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float],
         raise InputError(where, f"step {p.step}: {p.tag}", f"logged as {old:.6g}, but the tau table now says "
                          f"{p.value:.6g} ({p.checkpoint}; {len(changed)} point(s) changed since they were logged, "
                          "after a re-evaluation with other code or settings): a tracker run holds one value per "
-                         "step and tag", f"log to a new run (set {new_run}), or delete that run to log afresh")
+                         "step and tag", f"log to a new run (set {new_run}), or delete that run and log afresh (snakemake "
+                         "--forcerun trackers: results/<run>/trackers.json alone says nothing of the trackers)")
 
 
 def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
@@ -201,7 +202,7 @@ def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
                     have[(int(event.step), v.tag)] = float(v.simple_value)
         except (tb_errors.DataLossError, DecodeError) as err:
             raise InputError(f, None, f"a damaged TensorBoard event file ({err}): what it holds cannot be compared "
-                             "with the tau table", "delete that run folder and log afresh, or log to a new run "
+                             "with the tau table", "delete that run folder and log afresh (snakemake --forcerun trackers), or log to a new run "
                              "(trackers.tensorboard.run_name)") from None
         finally:
             reader.file_handle.close()

@@ -206,6 +206,7 @@ def test_one_checkpoint_under_several_names_is_named_at_parse_time(tmp_path, mon
     """The seventh trial's U4: the same file listed as ckA, as ckL through `..` and as ckS through a symbolic link
     was stripped and evaluated once per name without a word. Allowed (comparing a checkpoint with itself can be
     meant), but the parse warns, naming the names and the file; a copy (other files) is not named."""
+    import os
     import shutil
 
     from dflash_eval.checkpoint_plan import checkpoint_table
@@ -215,14 +216,16 @@ def test_one_checkpoint_under_several_names_is_named_at_parse_time(tmp_path, mon
     ck = tmp_path / "ckpts" / "ckA.pt"
     ck.write_bytes(b"x")
     (tmp_path / "ckpts" / "link.pt").symlink_to("ckA.pt")
+    os.link(ck, tmp_path / "hard.pt")  # the eighth trial's U2: a hard link is the same file too
     shutil.copy(ck, tmp_path / "ckpts" / "copy.pt")
     entries = [{"name": "ckA", "path": "ckpts/ckA.pt"}, {"name": "ckL", "path": "ckpts/../ckpts/./ckA.pt"},
-               {"name": "ckS", "path": "ckpts/link.pt"}, {"name": "ckC", "path": "ckpts/copy.pt"}]
+               {"name": "ckS", "path": "ckpts/link.pt"}, {"name": "ckC", "path": "ckpts/copy.pt"},
+               {"name": "ckH", "path": "hard.pt"}]
     with caplog.at_level("WARNING", logger="dflash_eval"):
         table = checkpoint_table({"list": entries})
-    assert sorted(table) == ["ckA", "ckC", "ckL", "ckS"]
+    assert sorted(table) == ["ckA", "ckC", "ckH", "ckL", "ckS"]
     notes = [m for m in caplog.messages if "same files" in m]
-    assert notes == [f"checkpoints ckA, ckL, ckS are the same files ({ck}): each name is stripped and evaluated on "
+    assert notes == [f"checkpoints ckA, ckH, ckL, ckS are the same files ({ck}): each name is stripped and evaluated on "
                      "its own (a row per name in tau.csv); list each checkpoint once unless that is meant"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="dflash_eval"):
