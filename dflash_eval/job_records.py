@@ -70,6 +70,16 @@ def record_path(run: str, stage: str, key: str = RUN_KEY) -> str:
     return os.path.join("results", run, RECORDS_DIR, stage, f"{key}.json")
 
 
+#: the run-level stages whose JSON output summary (target_costs) or report reads
+RUN_OUTPUT_STAGES = ("target_costs", "kernel_parity", "engine_parity", "validate_online", "validate_engine")
+
+
+def run_level_records(plan: "Plan", run: str, stages=RUN_OUTPUT_STAGES) -> list[str]:
+    """The options records of the planned ``stages`` (their outputs name them, and summary and report compare:
+    :func:`dflash_eval.row_checksum.check_run_output`)."""
+    return [record_path(run, s) for s in stages if getattr(plan, f"{s}_outputs")()]
+
+
 def target_record_path(target_name: str) -> str:
     """``resources/targets/<name>.options.json``: the record of rule ``target_from_gguf`` (a GGUF target is
     converted once per ``target.name``, for every run), next to the converted folder."""

@@ -516,30 +516,17 @@ class Plan:
         """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
         return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
 
-    #: the run-level stages whose JSON output the summary (target_costs) or the report reads
-    RUN_OUTPUT_STAGES = ("target_costs", "kernel_parity", "engine_parity", "validate_online", "validate_engine")
-
-    def run_level_records(self, run: str, stages=RUN_OUTPUT_STAGES) -> list[str]:
-        """The options records of the planned ``stages`` among :data:`RUN_OUTPUT_STAGES` (their outputs name them:
-        :func:`dflash_eval.row_checksum.check_run_output`)."""
-        from .job_records import record_path
-
-        return [record_path(run, s) for s in stages if getattr(self, f"{s}_outputs")()]
-
     def summary_args(self, costs=(), records=()) -> str:
-        """Optional flags of ``summary``: ``--costs`` (the speedup columns of the tau table) when target costs exist,
-        with ``--run-settings`` (the target_costs record it must name)."""
-        args = ["--costs", costs[0]] if costs else []
-        args += ["--run-settings", *records] if records else []
-        return " ".join(shlex.quote(str(a)) for a in args)
+        """Optional flags of ``summary``: ``--costs`` (the speedup columns) and ``--run-settings`` (the target_costs
+        record it must name) when target costs exist."""
+        return self.report_args((), costs, records, with_config=False)
 
-    def report_args(self, extra=(), costs=(), records=()) -> str:
+    def report_args(self, extra=(), costs=(), records=(), with_config: bool = True) -> str:
         """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--run-settings`` (the
         records those files must name), ``--config-sha256``."""
-        args = ["--extra", *extra] if extra else []
-        args += ["--costs", costs[0]] if costs else []
-        args += ["--run-settings", *records] if records else []
-        args += ["--config-sha256", self.config_sha256]
+        args = (["--extra", *extra] if extra else []) + (["--costs", costs[0]] if costs else [])
+        args += (["--run-settings", *records] if records else []) + (["--config-sha256", self.config_sha256]
+                                                                     if with_config else [])
         return " ".join(shlex.quote(str(a)) for a in args)
 
 

@@ -53,7 +53,7 @@ rule summary:
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         strip_infos=expand("results/{{run}}/drafters/{ckpt}/strip_info.json", ckpt=list(CHECKPOINTS)),
         record=options_record("summary"),  # with or without the speedup columns
-        run_records=lambda wildcards: PLAN.run_level_records(wildcards.run, ("target_costs",)),  # costs must name it
+        run_records=lambda wildcards: run_level_records(PLAN, wildcards.run, ("target_costs",)),  # costs must name it
     output:
         csv=report(
             "results/{run}/tau.csv",
@@ -87,7 +87,7 @@ rule report:
         extra=PLAN.extra_outputs(),
         costs=PLAN.target_costs_outputs(),
         record=options_record("report"),  # its sections and the config's sha256
-        run_records=lambda wildcards: PLAN.run_level_records(wildcards.run),  # each section must name its own
+        run_records=lambda wildcards: run_level_records(PLAN, wildcards.run),  # each section must name its own
     output:
         md="results/{run}/report.md",
         html=report(

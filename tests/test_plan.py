@@ -287,6 +287,11 @@ def test_target_costs_and_report_args():
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"
     assert p.report_args(["k p.json"], ["c.json"]) == f"--extra 'k p.json' --costs c.json --config-sha256 {sha}"
+    from dflash_eval.job_records import run_level_records  # the records run-level outputs must name
+
+    assert run_level_records(p, "r", ("target_costs",)) == ["results/r/options/target_costs/run.json"]
+    assert p.summary_args(["c.json"], ["a b.json"]) == "--costs c.json --run-settings 'a b.json'"
+    assert p.summary_args() == ""
     cfg["target_costs"] = {**tc, "enabled": False}
     assert p.target_costs_outputs() == [] and p.config_sha256 != sha
 
