@@ -205,8 +205,10 @@ def check_places(path, rows: Sequence[tuple[int, dict]], fix: str) -> bool:
 
 def write_run_output(out, result: dict, stage: str, settings_record=None, **dumps) -> dict:
     """Write a run-level stage's JSON output (``target_costs.json``, the report's sections of ``kernel_parity``,
-    ``engine_parity``, ``validate_online``, ``validate_engine``) atomically, naming its ``stage`` and the sha256 of
-    the workflow's options record of the job (``settings_sha256``; None off the workflow), sealed by
+    ``engine_parity``, ``validate_online``, ``validate_engine``) atomically, naming its ``stage``, the path
+    it was written to (``output``: ``results/<run>/...``, so that a copy in another run's folder is seen, whose
+    settings may well be the same: the ninth trial) and the sha256 of the workflow's options record of the job
+    (``settings_sha256``; None off the workflow), sealed by
     ``content_sha256``: what :func:`check_run_output` compares, so that another run's file copied in place, or an
     edited one, is refused by the stages that read it (the eighth trial's S4, S5). ``dumps``: ``default`` for values
     JSON lacks (e.g. ``float`` for numpy scalars).
@@ -218,7 +220,7 @@ def write_run_output(out, result: dict, stage: str, settings_record=None, **dump
 
     settings = hashlib.sha256(open(settings_record, "rb").read()).hexdigest() if settings_record else None
     plain = json.loads(json.dumps(result, default=dumps.get("default")))  # numpy scalars etc. as JSON has them
-    doc = seal_document({**plain, "stage": stage, "settings_sha256": settings})
+    doc = seal_document({**plain, "stage": stage, "settings_sha256": settings, "output": os.path.normpath(str(out))})
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
@@ -230,8 +232,9 @@ def check_run_output(path, doc: dict, records=None, fix: str | None = None, stag
     the workflow passes them), that it names one of those stages and that stage's record.
 
     Raises:
-        InputError: ``(path, "content_sha256" | "stage" | "settings_sha256", ...)``: edited; not an output of the
-            run's stages; made with other settings (another run's file copied in place) or by an earlier version.
+        InputError: ``(path, "content_sha256" | "stage" | "output" | "settings_sha256", ...)``: edited; not an
+            output of the run's stages; written at another path (another run's file copied in place); made with other
+            settings or by an earlier version.
     """
     from pathlib import Path
 
@@ -248,6 +251,10 @@ def check_run_output(path, doc: dict, records=None, fix: str | None = None, stag
         raise InputError(path, "stage", f"{doc.get('stage')!r} is not one of the run's stages ({', '.join(sorted(want))}): "
                          "not an output of this run's workflow, or one of an earlier version", fix)
     record, sha = want[doc["stage"]]
+    if doc.get("output") != os.path.normpath(str(path)):
+        raise InputError(path, "output", f"written by the {doc['stage']} stage as {doc.get('output')!r}, not at this "
+                         "path: another run's file (or another folder's) copied in place, or one of an earlier version",
+                         fix)
     got = doc.get("settings_sha256")
     if got != sha:
         raise InputError(path, "settings_sha256", f"{'missing' if got is None else got[:16] + '...'}, but the run's "

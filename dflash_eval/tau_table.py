@@ -255,7 +255,7 @@ def check_table(table: pd.DataFrame, path, evals: list[str]) -> None:
             row = merged[off].iloc[0]
             raise InputError(path, col, f"{row[col + '_table']} for {row['checkpoint']} on {row['prompt_set']} "
                              f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: {name} "
-                             "was edited after summary wrote it", fix)
+                             "was edited after summary wrote it, or is another run's", fix)
 
 
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output

@@ -479,6 +479,13 @@ def test_a_run_level_output_of_another_run_or_edited_is_refused(tmp_path, monkey
     write_run_output(tmp_path / "old.json", costs, "target_costs")  # no record given (a direct call)
     with pytest.raises(InputError, match="settings_sha256: missing"):
         read_costs(tmp_path / "old.json", records)
+    # the ninth trial: another run's file of the very same settings, copied into this run's folder
+    (tmp_path / "t9b").mkdir()
+    shutil.copy(tmp_path / "costs.json", tmp_path / "t9b" / "costs.json")
+    with pytest.raises(InputError) as err:
+        read_costs(tmp_path / "t9b" / "costs.json", records)
+    assert err.value.field == "output" and f"as {str(tmp_path / 'costs.json')!r}, not at this path" in err.value.problem
+    assert "another run's file" in err.value.problem
 
     evals = [_eval(tmp_path, "ckA", "humaneval", 788, [[3, 1]])]
     section = {"title": "Online validation", "markdown": "| ckA | 1.2782 |"}
@@ -489,7 +496,8 @@ def test_a_run_level_output_of_another_run_or_edited_is_refused(tmp_path, monkey
     doc["markdown"] = "| ckA | 1.9000 |"  # the trial's edit
     (tmp_path / "edited.json").write_text(json.dumps(doc))
     write_run_output(tmp_path / "stage.json", section, "kernel_parity", section_rec)  # a stage the run does not run
-    for name, field in (("edited.json", "content_sha256"), ("stage.json", "stage")):
+    shutil.copy(tmp_path / "vo.json", tmp_path / "t9b" / "vo.json")
+    for name, field in (("edited.json", "content_sha256"), ("stage.json", "stage"), ("t9b/vo.json", "output")):
         with pytest.raises(InputError) as err:
             load_report_data(evals, extra=[str(tmp_path / name)], run_records=records)
         assert Path(err.value.file) == tmp_path / name and err.value.field == field, name
