@@ -13,7 +13,6 @@ import dataclasses
 import json
 
 from ..errors import atomic_path
-from ..tau_table import check_table
 from ..trackers import log_table, read_table
 
 STAGE = "trackers"
@@ -32,6 +31,8 @@ def main(args, opts) -> None:
     cfg = dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
     table = read_table(args.table)
     if args.evals is not None:
+        from ..tau_table import check_table  # pandas: not at import (trackers --help stays light)
+
         check_table(table, args.table, args.evals)
     logged = log_table(table, cfg, args.run)
     with atomic_path(args.out) as tmp:
