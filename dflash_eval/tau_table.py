@@ -221,12 +221,15 @@ TABLE_KEY = ("checkpoint", "prompt_set", "sampling")
 CHECKED_COLUMNS = ("tau", "tau_tokens_per_step", "n_samples", "verify_steps", "committed_tokens")
 
 
-def check_table(table: pd.DataFrame, path, evals: list[str]) -> None:
+def check_table(table: pd.DataFrame, path, evals: list[str]) -> pd.DataFrame:
     """Refuse a tau table (``tau.csv`` or ``tau.parquet`` as read) that is not what ``summary`` makes of the run's
     evaluate outputs ``evals``: other rows (checkpoint, prompt set, sampling: another run's table copied in place,
     a stale one), or a value of :data:`CHECKED_COLUMNS` off by more than tau.csv's rounding (1e-4: an edit).
     Used by ``report`` (tau.csv) and ``trackers`` (tau.parquet: the eighth trial's S1, another run's validly
     sealed table logged to the run's TensorBoard).
+
+    Returns:
+        :func:`summary_frame` of ``evals`` (full precision), for a caller that goes on to use it (the report).
 
     Raises:
         InputError: ``(path, <column> | "rows", ...)`` naming the row and both values; an evaluate output that
@@ -256,6 +259,7 @@ def check_table(table: pd.DataFrame, path, evals: list[str]) -> None:
             raise InputError(path, col, f"{row[col + '_table']} for {row['checkpoint']} on {row['prompt_set']} "
                              f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: {name} "
                              "was edited after summary wrote it, or is another run's", fix)
+    return want
 
 
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output

@@ -50,11 +50,11 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
         InputError: unreadable inputs (see :func:`load_report_data`); a tau.csv that disagrees with ``evals``
             (:func:`check_summary`).
     """
-    check_summary(summary_csv, evals)
+    every = check_summary(summary_csv, evals)
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta, run_records=run_records)
+                            prompts_meta=prompts_meta, run_records=run_records, every=every)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
     if out_html or figures_dir:
@@ -69,17 +69,21 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     return data
 
 
-def check_summary(summary_csv, evals: list[str]) -> None:
+def check_summary(summary_csv, evals: list[str]):
     """Refuse a ``tau.csv`` that is not what ``summary`` makes of ``evals``
     (:func:`dflash_eval.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a hand-edited
     (or stale) tau.csv used to disagree with it without a word (the fifth trial's F5). ``summary_csv`` None: not
     compared.
 
+    Returns:
+        the tau table of ``evals`` at full precision (:func:`dflash_eval.tau_table.summary_frame`), None when
+        ``summary_csv`` is None.
+
     Raises:
         InputError: ``(tau.csv, <column>, ...)`` naming the row and both values.
     """
     if summary_csv is None:
-        return
+        return None
     import pandas as pd
 
     from ..tau_table import TABLE_KEY, check_table
@@ -89,4 +93,4 @@ def check_summary(summary_csv, evals: list[str]) -> None:
     except (OSError, ValueError) as err:
         raise InputError(summary_csv, None, f"not a readable tau table ({err})",
                          f"rebuild it from the evaluate outputs: snakemake --forcerun {summary_csv}") from None
-    check_table(table, summary_csv, evals)
+    return check_table(table, summary_csv, evals)
