@@ -203,15 +203,24 @@ def check_places(path, rows: Sequence[tuple[int, dict]], fix: str) -> bool:
     return True
 
 
-def write_run_output(out, result: dict, stage: str, settings_record=None, **dumps) -> dict:
+#: a run-level output's record of the sealed outputs it was computed from: ``{path: content_sha256}``
+INPUTS_FIELD = "inputs_sha256"
+
+
+def write_run_output(out, result: dict, stage: str, settings_record=None, inputs: dict | None = None,
+                     **dumps) -> dict:
     """Write a run-level stage's JSON output (``target_costs.json``, the report's sections of ``kernel_parity``,
     ``engine_parity``, ``validate_online``, ``validate_engine``) atomically, naming its ``stage``, the path
     it was written to (``output``: ``results/<run>/...``, so that a copy in another run's folder is seen, whose
     settings may well be the same: the ninth trial) and the sha256 of the workflow's options record of the job
     (``settings_sha256``; None off the workflow), sealed by
     ``content_sha256``: what :func:`check_run_output` compares, so that another run's file copied in place, or an
-    edited one, is refused by the stages that read it (the eighth trial's S4, S5). ``dumps``: ``default`` for values
-    JSON lacks (e.g. ``float`` for numpy scalars).
+    edited one, is refused by the stages that read it (the eighth trial's S4, S5). ``inputs``: the sealed outputs it
+    was computed from, ``{path: their content_sha256 as read}`` (``validate_online`` / ``validate_engine``: the
+    evaluate outputs it compared with), stored as :data:`INPUTS_FIELD` and compared by :func:`check_run_output`
+    with those files as they are then (the tenth trial: an evaluate output edited, validated, then restored with
+    its old mtime left a report comparing online decoding with the edited numbers). ``dumps``: ``default`` for
+    values JSON lacks (e.g. ``float`` for numpy scalars).
 
     Returns:
         the document as written.
@@ -220,7 +229,10 @@ def write_run_output(out, result: dict, stage: str, settings_record=None, **dump
 
     settings = hashlib.sha256(open(settings_record, "rb").read()).hexdigest() if settings_record else None
     plain = json.loads(json.dumps(result, default=dumps.get("default")))  # numpy scalars etc. as JSON has them
-    doc = seal_document({**plain, "stage": stage, "settings_sha256": settings, "output": os.path.normpath(str(out))})
+    doc = {**plain, "stage": stage, "settings_sha256": settings, "output": os.path.normpath(str(out))}
+    if inputs is not None:
+        doc[INPUTS_FIELD] = {os.path.normpath(str(k)): v for k, v in inputs.items()}
+    doc = seal_document(doc)
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
@@ -229,12 +241,14 @@ def write_run_output(out, result: dict, stage: str, settings_record=None, **dump
 def check_run_output(path, doc: dict, records=None, fix: str | None = None, stage: str | None = None) -> None:
     """Verify a run-level stage's output (:func:`write_run_output`): its seal (:func:`check_document`), and, with
     ``records`` (the run's options records of the run-level stages, ``results/<run>/options/<stage>/run.json``:
-    the workflow passes them), that it names one of those stages and that stage's record.
+    the workflow passes them), that it names one of those stages and that stage's record; and that each output it
+    was computed from (:data:`INPUTS_FIELD`) still carries the ``content_sha256`` it had then.
 
     Raises:
-        InputError: ``(path, "content_sha256" | "stage" | "output" | "settings_sha256", ...)``: edited; not an
-            output of the run's stages; written at another path (another run's file copied in place); made with other
-            settings or by an earlier version.
+        InputError: ``(path, "content_sha256" | "stage" | "output" | "settings_sha256" | "inputs_sha256", ...)``:
+            edited; not an output of the run's stages; written at another path (another run's file copied in
+            place); made with other settings or by an earlier version; computed from an evaluate output that has
+            changed (or gone) since.
     """
     from pathlib import Path
 
@@ -244,6 +258,16 @@ def check_run_output(path, doc: dict, records=None, fix: str | None = None, stag
         import logging
 
         logging.getLogger(__name__).warning("%s: no content_sha256 (written before it): read unverified", path)
+    for src, sha in (doc.get(INPUTS_FIELD) or {}).items():
+        try:
+            now = json.loads(Path(src).read_text()).get(DOC_FIELD)
+        except (OSError, ValueError, AttributeError):
+            now = "unreadable"
+        if now != sha:
+            raise InputError(path, INPUTS_FIELD, f"{stage} compared with {src} as it was then (content_sha256 "
+                             f"{str(sha)[:16]}...), but that file is {'gone or ' if now == 'unreadable' else ''}"
+                             f"{'unreadable' if now == 'unreadable' else 'now ' + str(now)[:16] + '...'}: it was "
+                             "edited, replaced or restored after this stage ran", fix)
     if records is None:
         return
     want = {Path(r).parent.name: (str(r), hashlib.sha256(Path(r).read_bytes()).hexdigest()) for r in records}

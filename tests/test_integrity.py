@@ -510,3 +510,47 @@ def test_a_run_level_output_of_another_run_or_edited_is_refused(tmp_path, monkey
     for rule in ("costs", "kernel_parity", "engine_parity", "validate_online", "validate_engine"):  # every writer
         text = (Path(__file__).resolve().parents[1] / "rules" / f"{rule}.smk").read_text()
         assert "--settings {input.record:q}" in text, rule
+
+
+def test_a_validation_of_other_evaluate_outputs_is_refused(tmp_path, monkeypatch):
+    """The tenth trial's F2: an evaluate output edited (acceptance lengths raised), validate_online run on it (it read
+    the file unverified), then the intact file restored with its old mtime: nothing reran validate_online and the
+    report (exit 0) compared online decoding with the edited numbers (offline tau 2.19 where the samples give 1.69).
+    A run-level output records the content_sha256 of each evaluate output it compared with (inputs_sha256), the
+    report refuses it when one has changed or gone; validate_online / validate_engine read them verified."""
+    from dflash_eval.reporting import load_report_data
+    from dflash_eval.row_checksum import INPUTS_FIELD, SEALED_ENV, seal_document, write_run_output
+    from dflash_eval.tau_table import read_eval
+
+    monkeypatch.setenv(SEALED_ENV, "1")
+    rec = tmp_path / "options" / "validate_online" / "run.json"
+    rec.parent.mkdir(parents=True)
+    rec.write_text('{"options": "--n-samples=2"}\n')
+    ev = tmp_path / "eval.json"
+    intact = seal_document({"checkpoint": "ckB", "prompt_set": "humaneval", "block_size": 8, "step": 3507,
+                            "samples": [{"id": "0", "acceptance_lengths": [3, 1]}]})
+    ev.write_text(json.dumps(intact))
+    edited = seal_document({**intact, "samples": [{"id": "0", "acceptance_lengths": [4, 2]}]})  # a valid seal, too
+    section = {"title": "Online validation", "markdown": "| ckB | 2.0 |"}
+    doc = write_run_output(tmp_path / "vo.json", section, "validate_online", rec,
+                           inputs={str(ev): edited["content_sha256"]})  # validated against the edited one
+    assert doc[INPUTS_FIELD] == {str(ev): edited["content_sha256"]}
+    with pytest.raises(InputError) as err:
+        load_report_data([str(ev)], extra=[str(tmp_path / "vo.json")], run_records=[str(rec)])
+    assert Path(err.value.file) == tmp_path / "vo.json" and err.value.field == INPUTS_FIELD
+    assert f"compared with {ev} as it was then" in err.value.problem and "restored after this stage ran" in err.value.problem
+    assert err.value.fix == f"rerun it: snakemake --forcerun {tmp_path / 'vo.json'}"
+    write_run_output(tmp_path / "vo.json", section, "validate_online", rec, inputs={str(ev): intact["content_sha256"]})
+    assert load_report_data([str(ev)], extra=[str(tmp_path / "vo.json")],
+                            run_records=[str(rec)]).extra[-1][1] == "| ckB | 2.0 |"
+    ev.unlink()  # gone since
+    with pytest.raises(InputError, match="is gone or unreadable"):
+        load_report_data([], extra=[str(tmp_path / "vo.json")], run_records=[str(rec)])
+    # the stages read their evaluate outputs through the verified reader (before any target or server starts)
+    for stage in ("validate_online", "validate_engine"):
+        text = (Path(__file__).resolve().parents[1] / "dflash_eval" / "stages" / f"{stage}.py").read_text()
+        assert "loaded = [read_eval(e) for e in evals]" in text and "inputs={e: ev.get(DOC_FIELD)" in text, stage
+    bad = {**intact, "samples": [{"id": "0", "acceptance_lengths": [4, 2]}]}  # edited, old seal
+    ev.write_text(json.dumps(bad))
+    with pytest.raises(InputError, match="content_sha256: its content does not match"):
+        read_eval(ev)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.ddtree import build_tree  # noqa: E402
 from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify  # noqa: E402
+from dflash_eval.errors import InputError  # noqa: E402
 from dflash_eval.stages.validate_online import validate_online  # noqa: E402
 
 
@@ -122,3 +124,10 @@ def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
     assert max(a for s in modes["ddtree_32"]["samples"] for a in s["online"]) > 1  # the tree accepted drafts
     saved = json.loads((d / "vo.json").read_text())
     assert saved["title"] and "| ddtree_32 |" in saved["markdown"]
+    ev = json.loads((d / "ev.json").read_text())
+    assert saved["inputs_sha256"] == {os.path.normpath(str(d / "ev.json")): ev["content_sha256"]}  # what it compared
+    ev["samples"][0]["acceptance_lengths"][0] += 1  # the tenth trial's edit: refused before the target loads
+    (d / "ev.json").write_text(json.dumps(ev))
+    with pytest.raises(InputError, match="content_sha256: its content does not match"):
+        validate_online(tiny["target_dir"], d / "c.jsonl", [d / "drafter"], [d / "ev.json"], d / "vo2.json",
+                        n_samples=3, device="cpu", dtype="float32")

@@ -14,7 +14,6 @@ the checkpoint's evaluate JSON of the same samples after the stop-token conversi
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -24,7 +23,8 @@ from pathlib import Path
 from .. import options as options_mod
 from ..completions_file import read_completions
 from ..errors import InputError
-from ..row_checksum import write_run_output
+from ..row_checksum import DOC_FIELD, write_run_output
+from ..tau_table import read_eval
 from ..vllm_engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     out = Path(out)
     work = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
+    loaded = [read_eval(e) for e in evals]  # sealed: verified before any server starts (the tenth trial)
     rows = read_completions(Path(completions_path))[: opts.n_samples]
     max_new = max(int(r["max_new_tokens"]) for r in rows)
     costs = read_costs(target_costs) if target_costs else None
@@ -118,8 +119,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
                     "server": plain["server"], "n_samples": len(rows), "completions": str(completions_path),
                     "plain": plain["timing"], "costs_device": costs_device(costs) if costs else None,
                     "checkpoints": []}
-    for drafter_dir, eval_path in zip(drafters, evals):
-        ev = json.loads(Path(eval_path).read_text())
+    for drafter_dir, eval_path, ev in zip(drafters, evals, loaded):
         have = {s["id"] for s in ev["samples"]}
         missing = [r["id"] for r in rows if r["id"] not in have]
         if missing:
@@ -154,7 +154,8 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         result["checkpoints"].append(entry)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["markdown"] = _markdown(result)
-    result.update(write_run_output(out, result, "validate_engine", settings_record, default=float))
+    result.update(write_run_output(out, result, "validate_engine", settings_record, default=float,
+                                   inputs={e: ev.get(DOC_FIELD) for e, ev in zip(evals, loaded)}))
     return result
 
 

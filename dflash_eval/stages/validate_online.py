@@ -10,7 +10,6 @@ Options: config section ``validate_online`` (:mod:`dflash_eval.options`).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -21,7 +20,7 @@ from .. import options as options_mod
 from ..completions_file import read_completions
 from ..drafter import load_drafter
 from ..errors import InputError
-from ..row_checksum import write_run_output
+from ..row_checksum import DOC_FIELD, write_run_output
 from ..generation import stop_token_ids
 from ..metrics import aggregate
 from ..online import check_target_supported, spec_generate
@@ -29,6 +28,7 @@ from ..runtime import dtype_name, resolve_device, resolve_dtype
 from ..sampling import SamplingSetting
 from ..target import load_target
 from ..target_spec import TargetSpec, load_embed_and_head
+from ..tau_table import read_eval
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
         raise InputError(None, "--drafter/--evals", f"{len(drafters)} drafters but {len(evals)} evaluations",
                          "pass one evaluate JSON per drafter, in the same order")
     asked = _asked_settings(opts.sampling)
-    loaded = [json.loads(Path(e).read_text()) for e in evals]
+    loaded = [read_eval(e) for e in evals]  # sealed: verified (an edited one compared with online decoding: trial 10)
     # checked before the target is loaded: a refused setting costs no target load
     settings_of = [_settings_for(ev, e, asked) for ev, e in zip(loaded, evals)]
     dev = resolve_device(opts.device)
@@ -190,7 +190,8 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                      _f(m["tau_offline"]), _f(m["diff"], "+.4f"), _f(m["diff_over_se"], "+.2f"))
         result["checkpoints"].append(entry)
     result["markdown"] = _markdown(result)
-    result.update(write_run_output(out, result, "validate_online", settings_record))
+    result.update(write_run_output(out, result, "validate_online", settings_record,
+                                   inputs={e: ev.get(DOC_FIELD) for e, ev in zip(evals, loaded)}))
     return result
 
 
