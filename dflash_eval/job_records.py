@@ -388,3 +388,43 @@ def pending_note(changed: Sequence[str], dry_run: bool = True, touch: bool = Fal
     return (f"{head}: --rerun-triggers without 'params' leaves their records as they are and does not rerun their "
             "jobs, so their outputs (and tau.csv) keep the settings those records name, not this config's; a run "
             "without --rerun-triggers reruns them")
+
+
+#: the line of ``planned_evaluations.txt`` that counts the times lost outputs were found (:func:`write_planned_evaluations`)
+LOST_LINE = "# outputs found lost, time "
+
+
+def write_planned_evaluations(plan: "Plan") -> list[str]:
+    """Write the run's :meth:`~dflash_eval.plan.Plan.planned_evaluations` when its content differs; when an output
+    that tau.csv or the report was made from is gone (:func:`lost_outputs`), change its content (a count of the times,
+    :data:`LOST_LINE`, naming the files). Snakemake does not remake a missing intermediate whose consumers are up to
+    date, so tau.csv, the report and the trackers kept rows no file backs any more (the tenth trial's F1: an evaluate
+    job that failed on a damaged cache removed its output; the cache restored, the same command said "Nothing to be
+    done"). A changed ``planned_evaluations.txt`` reruns summary (a new mtime alone would not: Snakemake skips an
+    input whose checksum it recorded unchanged), and with it the jobs that make the lost files, then report and
+    trackers; the count stays, so the next command has nothing to do.
+
+    Returns:
+        the lost outputs (``[]`` when none).
+    """
+    path = plan.planned_evaluations()
+    try:
+        kept = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.startswith(LOST_LINE)]
+    except (OSError, UnicodeDecodeError):
+        kept = []
+    lost = lost_outputs(plan)
+    if lost:
+        count = kept[-1][len(LOST_LINE):].split(":")[0] if kept else ""
+        kept = [f"{LOST_LINE}{int(count) + 1 if count.isdigit() else 1}: {', '.join(lost)}"]
+    write_text_if_changed(path, "".join(f"{e}\n" for e in plan.evaluations()) + "".join(f"{k}\n" for k in kept[-1:]))
+    return lost
+
+
+def lost_outputs(plan: "Plan") -> list[str]:
+    """The run's evaluate outputs, ``target_costs.json`` and report sections that are gone while the run's tau.csv,
+    made from them, is still there (:func:`write_planned_evaluations`). Caches and prompts files are not listed:
+    remaking them redoes target work (a cache deleted to free disk stays deleted until a job needs it)."""
+    if not os.path.exists(plan.run_path("tau.csv")):
+        return []
+    made = plan.evaluations() + plan.target_costs_outputs() + plan.extra_outputs()
+    return [f for f in made if not os.path.exists(f)]

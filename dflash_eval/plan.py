@@ -31,7 +31,6 @@ from .checkpoint_plan import (
     strip_args,
 )
 from .errors import InputError
-from .io import write_text_if_changed
 from .sampling_plan import (
     setting_key,
     check_sampling_settings,
@@ -239,12 +238,9 @@ class Plan:
         """``results/<run>/planned_evaluations.txt``: the run's evaluate outputs, one per line, an input of
         ``summary`` rewritten when they change (:meth:`write_planned_evaluations`). Without Snakemake's
         metadata (copied results, ``rm -rf .snakemake``) a checkpoint or prompt set added to a finished run
-        was never run ("Nothing to be done"); this file's mtime reruns ``summary`` and the new jobs."""
+        was never run ("Nothing to be done"); this file's mtime reruns ``summary`` and the new jobs
+        (:func:`dflash_eval.job_records.write_planned_evaluations`)."""
         return os.path.join("results", run or self.run, "planned_evaluations.txt")
-
-    def write_planned_evaluations(self) -> bool:
-        """Write :meth:`planned_evaluations` when its content differs; True if written."""
-        return write_text_if_changed(self.planned_evaluations(), "".join(f"{e}\n" for e in self.evaluations()))
 
     def prompt_metas(self, run: str | None = None) -> list[str]:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""

@@ -23,7 +23,8 @@ from dflash_eval.config import describe_validation_error, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
-                                     rewrite_allowed, run_level_records, target_record_path, touches, write_records)
+                                     rewrite_allowed, run_level_records, target_record_path, touches,
+                                     write_planned_evaluations, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -105,7 +106,11 @@ except InputError as err:
     )
 
 if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
-    PLAN.write_planned_evaluations()  # (rerun without metadata); --touch would mark summary up to date over it
+    _lost = write_planned_evaluations(PLAN)  # (rerun without metadata); --touch would mark summary up to date over it
+    if _lost:  # renewed: Snakemake would not remake them under an up-to-date tau.csv
+        logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv and the report were made from are gone "
+                       f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
+                       "summary, report and trackers rerun")
 if MAIN_PROCESS:
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params

@@ -723,6 +723,39 @@ def test_a_checkpoint_added_to_copied_results_without_snakemake_metadata_is_eval
 
 
 @pytest.mark.slow
+def test_a_lost_evaluate_output_is_made_again_by_the_same_command(tiny_run, tmp_path):
+    """The tenth trial's F1: an evaluate output gone while tau.csv (made from it) is there, e.g. removed by
+    Snakemake after its evaluate job failed on a damaged cache, the cache then restored with its old mtime. Snakemake
+    does not remake a missing intermediate under up-to-date consumers: "Nothing to be done", exit 0, and tau.csv,
+    the report and the trackers kept a row no file backs. The parse renews planned_evaluations.txt: the same command
+    remakes the file (and target_costs.json, gone too) and reruns summary and report; then nothing is left to do."""
+    out = lambda p: p.stdout + p.stderr  # noqa: E731
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True)
+    gone = wd / "results/tiny/eval/step100/set_a.json"
+    want = json.loads(gone.read_text())
+    gone.unlink()
+    (wd / "results/tiny/target_costs.json").unlink()
+    text = out(smk(wd, "--workflow-profile", str(CI_PROFILE)))
+    assert "2 output(s) that tau.csv and the report were made from are gone (results/tiny/eval/step100/set_a.json, " \
+           "results/tiny/target_costs.json): they are made again" in text, text[-3000:]
+    ran = planned_jobs(text)
+    assert sorted(r for r, _ in ran if r != "all") == ["evaluate", "report", "summary", "target_costs"], text[-5000:]
+    assert ("evaluate", "run=tiny, ckpt=step100, prompt_set=set_a") in ran
+    again = json.loads(gone.read_text())
+    assert [s["acceptance_lengths"] for s in again["samples"]] == [s["acceptance_lengths"] for s in want["samples"]]
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    planned = (wd / "results/tiny/planned_evaluations.txt").read_text().splitlines()
+    assert planned[-1] == "# outputs found lost, time 1: results/tiny/eval/step100/set_a.json, " \
+                          "results/tiny/target_costs.json", planned
+    gone.unlink()  # lost again: counted again (the content must change for Snakemake to rerun summary)
+    ran = planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE))))
+    assert sorted(r for r, _ in ran if r != "all") == ["evaluate", "report", "summary"], ran
+    assert (wd / "results/tiny/planned_evaluations.txt").read_text().splitlines()[-1].startswith(
+        "# outputs found lost, time 2: results/tiny/eval/step100/set_a.json")
+
+
+@pytest.mark.slow
 def test_an_option_changed_on_copied_results_without_snakemake_metadata_reruns_its_jobs(tiny_run, tmp_path):
     """Results copied without .snakemake/: an edited option (evaluate.ddtree_budgets, a prompt set's seed) used
     to rerun nothing (only a warning), so tau.csv kept the old setting's numbers. Each job group's options record
