@@ -181,6 +181,7 @@ def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatc
     assert json.loads((tmp_path / "ve.json").read_text())["title"] == r["title"]
     with pytest.raises(InputError, match="1 drafters but 2 evaluations"):
         stage.validate_engine("t", comp, ["d/ck"], [str(ev), str(ev)], tmp_path / "x.json")
-    ev.write_text(json.dumps({"block_size": 4, "samples": [{"id": "a", "acceptance_lengths": [4, 2, 3]}]}))
+    ev.write_text(json.dumps({"block_size": 4, "checkpoint": "ck", "prompt_set": "he",
+                              "samples": [{"id": "a", "acceptance_lengths": [4, 2, 3]}]}))
     with pytest.raises(InputError, match=r"no offline result for \['b'\]"):
         stage.validate_engine("t", comp, ["d/ck"], [str(ev)], tmp_path / "x.json")
