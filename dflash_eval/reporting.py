@@ -160,8 +160,7 @@ def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
 
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
                      config_sha256: str | None = None, run: str | None = None,
-                     prompts_meta: list[str] | None = None, run_records: list[str] | None = None,
-                     every=None) -> ReportData:
+                     prompts_meta: list[str] | None = None, run_records: list[str] | None = None) -> ReportData:
     """Collect the report's data from the run's files.
 
     Args:
@@ -177,15 +176,12 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
             each ``extra`` file must be sealed and name their stage's (the eighth trial's S4, S5: another run's
             target_costs.json or validate_online.json, or an edited one, went into the report); None: only the
             seals are checked.
-        every: :func:`dflash_eval.tau_table.summary_frame` of ``evals`` when the caller has it already (the report
-            stage, from its tau.csv check); None: computed here.
 
     Raises:
         InputError: unreadable inputs; a ``costs`` or ``extra`` file edited, or (with ``run_records``) not made
             by this run's stage with its settings (:func:`dflash_eval.row_checksum.check_run_output`).
     """
-    if every is None:
-        every = summary_frame(evals)
+    every = summary_frame(evals)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists = {}
     for p in evals:

@@ -217,49 +217,74 @@ def read_parquet(path) -> pd.DataFrame:
 
 #: the columns that name a row of the tau table
 TABLE_KEY = ("checkpoint", "prompt_set", "sampling")
-#: columns :func:`check_table` compares with the evaluate outputs (tau.csv holds them with 4 decimals)
-CHECKED_COLUMNS = ("tau", "tau_tokens_per_step", "n_samples", "verify_steps", "committed_tokens")
+#: how ``tau.csv`` writes floats (the summary stage; :func:`check_table` renders the same)
+CSV_FLOAT_FORMAT = "%.4f"
 
 
-def check_table(table: pd.DataFrame, path, evals: list[str]) -> pd.DataFrame:
-    """Refuse a tau table (``tau.csv`` or ``tau.parquet`` as read) that is not what ``summary`` makes of the run's
-    evaluate outputs ``evals``: other rows (checkpoint, prompt set, sampling: another run's table copied in place,
-    a stale one), or a value of :data:`CHECKED_COLUMNS` off by more than tau.csv's rounding (1e-4: an edit).
-    Used by ``report`` (tau.csv) and ``trackers`` (tau.parquet: the eighth trial's S1, another run's validly
-    sealed table logged to the run's TensorBoard).
+def table_csv(df: pd.DataFrame) -> str:
+    """The text of ``tau.csv`` for the table ``df`` (what the summary stage writes)."""
+    return df.to_csv(index=False, float_format=CSV_FLOAT_FORMAT)
 
-    Returns:
-        :func:`summary_frame` of ``evals`` (full precision), for a caller that goes on to use it (the report).
+
+def _cells(text: str, path) -> tuple[list[str], dict[tuple, dict[str, str]]]:
+    """Header and rows (by :data:`TABLE_KEY`) of a tau table's CSV text, every cell as its text."""
+    import csv
+    import io
+
+    reader = csv.DictReader(io.StringIO(text))
+    header = list(reader.fieldnames or [])
+    missing = [k for k in TABLE_KEY if k not in header]
+    if missing:
+        raise InputError(path, missing[0], "missing: not a tau table of this version",
+                         f"rebuild it from the evaluate outputs: snakemake --forcerun {path}")
+    return header, {tuple(row[k] for k in TABLE_KEY): row for row in reader}
+
+
+def _same_cell(got: str, want: str) -> bool:
+    """Two cells of a tau table as text: the same number to tau.csv's 4 decimals (a table saved again by another
+    tool may write 0.0 for 0.0000), else the same text."""
+    if got == want:
+        return True
+    try:
+        a, b = float(got), float(want)
+    except ValueError:
+        return False
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-4 + 1e-12 * abs(b)
+
+
+def check_table(table: pd.DataFrame | str, path, want: pd.DataFrame, skip=()) -> None:
+    """Refuse a tau table that is not what ``summary`` makes of the run's evaluate outputs (and target costs):
+    ``table`` (``tau.csv``'s text, or ``tau.parquet`` as read) compared cell by cell with ``want``
+    (:func:`summary_frame`, with :func:`dflash_eval.costs.with_speedups` for the speedup columns), both as
+    ``tau.csv`` writes them (:func:`table_csv`): other rows (checkpoint, prompt set, sampling: another run's table
+    copied in place, a stale one), other columns, or any cell edited beyond tau.csv's rounding (:func:`_same_cell`;
+    the tenth trial's F4: only tau and four more columns were compared, so an edited DDTree tau, speedup, step or agreement stayed in tau.csv with exit 0).
+    Used by ``report`` (tau.csv, every column) and ``trackers`` (tau.parquet, but the ``skip`` columns: the speedup
+    columns, which need target_costs.json; the eighth trial's S1, another run's validly sealed table logged to the
+    run's TensorBoard).
 
     Raises:
-        InputError: ``(path, <column> | "rows", ...)`` naming the row and both values; an evaluate output that
-            cannot be read (:func:`summary_frame`).
+        InputError: ``(path, <column> | "rows" | "columns", ...)`` naming the row and both values.
     """
     name = Path(path).name
     fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {path}"
-    key = list(TABLE_KEY)
-    missing = [k for k in key if k not in table.columns]
-    if missing:
-        raise InputError(path, missing[0], "missing: not a tau table of this version", fix)
-    want = summary_frame(evals)
-    got_rows = sorted(map(tuple, table[key].astype(str).values.tolist()))
-    want_rows = sorted(map(tuple, want[key].astype(str).values.tolist()))
-    if got_rows != want_rows:
-        raise InputError(path, "rows", f"{len(got_rows)} rows, the evaluate outputs give {len(want_rows)} "
-                         f"other (checkpoint, prompt set, sampling) rows: {name} was edited, is stale or is another "
-                         "run's", fix)
-    merged = want.astype({k: str for k in key}).merge(table.astype({k: str for k in key}), on=key,
-                                                      suffixes=("", "_table"))
-    for col in CHECKED_COLUMNS:
-        if col not in table.columns:
-            continue
-        off = (merged[col].astype(float) - merged[f"{col}_table"].astype(float)).abs() > 1e-4
-        if off.any():
-            row = merged[off].iloc[0]
-            raise InputError(path, col, f"{row[col + '_table']} for {row['checkpoint']} on {row['prompt_set']} "
-                             f"({row['sampling']}), but its evaluate output gives {float(row[col]):.4f}: {name} "
-                             "was edited after summary wrote it, or is another run's", fix)
-    return want
+    got_cols, got = _cells(table if isinstance(table, str) else table_csv(table), path)
+    want_cols, wanted = _cells(table_csv(want), path)
+    if sorted(got) != sorted(wanted):
+        raise InputError(path, "rows", f"{len(got)} rows, the evaluate outputs give {len(wanted)} other (checkpoint, "
+                         f"prompt set, sampling) rows: {name} was edited, is stale or is another run's", fix)
+    cols = [c for c in want_cols if c not in skip]
+    lost = [c for c in cols if c not in got_cols] + [c for c in got_cols if c not in want_cols and c not in skip]
+    if lost:
+        raise InputError(path, "columns", f"{lost[0]!r} {'missing' if lost[0] in want_cols else 'not a column summary writes'}: "
+                         f"{name} was edited, is stale (an earlier version's) or is another run's", fix)
+    for key, row in wanted.items():
+        for col in cols:
+            if not _same_cell(got[key][col], row[col]):
+                raise InputError(path, col, f"{got[key][col] or '(empty)'} for {key[0]} on {key[1]} ({key[2]}), but "
+                                 f"summary makes {row[col] or '(empty)'} of the run's evaluate outputs"
+                                 f"{' and target costs' if col.startswith(('speedup_', 'estimate_')) else ''}: {name} "
+                                 "was edited after summary wrote it, or is another run's", fix)
 
 
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output

@@ -182,7 +182,25 @@ def test_html_self_contained_and_markdown(run):
     with pytest.raises(InputError) as err:
         write_report(out / "tau.csv", evals, caches, out / "report.md")
     assert err.value.field == "rows"
+    # the tenth trial's F4: every other column could be edited (an acceptance rate, the step, a count), and
+    # a table without the speedup columns the report's target costs give
+    for column, value in (("accept_slot_1", "0.9000"), ("step", "5000"), ("verify_steps", "7")):
+        cells = first.split(",")
+        cells[header.split(",").index(column)] = value
+        (out / "tau.csv").write_text("\n".join([header, ",".join(cells), *rest]) + "\n")
+        with pytest.raises(InputError) as err:
+            write_report(out / "tau.csv", evals, caches, out / "report.md")
+        assert err.value.field == column and f"{value} for {cells[0]} on " in err.value.problem, column
     (out / "tau.csv").write_text(good)
+    with pytest.raises(InputError) as err:  # summary made it without target costs, the report has them
+        write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path))
+    assert err.value.field == "speedup_chain" and "(empty) for " in err.value.problem
+    assert "of the run's evaluate outputs and target costs" in err.value.problem
+    (out / "tau.csv").write_text("".join(line.rsplit(",", 1)[0] + "\n" for line in good.splitlines()))  # a column less
+    with pytest.raises(InputError) as err:
+        write_report(out / "tau.csv", evals, caches, out / "report.md")
+    assert err.value.field == "columns" and f"{header.split(',')[-1]!r} missing" in err.value.problem
+    write_summary(evals, out / "tau.csv", out / "tau.parquet", costs=fake_costs(tmp_path))
     write_report(out / "tau.csv", evals, caches, out / "report.md", costs=fake_costs(tmp_path),
                    out_html=out / "report.html", figures_dir=out / "figures", config_sha256="f00d")
     html = (out / "report.html").read_text()

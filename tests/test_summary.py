@@ -143,7 +143,15 @@ def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
     edited.to_csv(tmp_path / "edited.csv", index=False)
     with pytest.raises(InputError) as err:
         run(tmp_path / "edited.csv", mine)
-    assert err.value.field == "tau" and "but its evaluate output gives 1.5000: edited.csv was edited" in err.value.problem
+    assert err.value.field == "tau" and "but summary makes 1.5000 of the run's evaluate outputs: edited.csv was edited" \
+        in err.value.problem
+    from dflash_eval.costs import with_speedups
+    from dflash_eval.tau_table import check_table, summary_frame
+
+    want = with_speedups(summary_frame(mine), None)
+    check_table((tmp_path / "tau.csv").read_text(), "tau.csv", want)  # as summary wrote it
+    pd.read_csv(tmp_path / "tau.csv").to_csv(tmp_path / "saved.csv", index=False)  # saved again: 0.0 for 0.0000
+    check_table((tmp_path / "saved.csv").read_text(), "saved.csv", want)  # the same values: accepted
     assert run(tmp_path / "tau.parquet", mine)["tensorboard"]["logged"] > 0
     rule = (Path(__file__).resolve().parents[1] / "rules" / "trackers.smk").read_text()
     assert "--evals {input.evals:q}" in rule  # the workflow always compares

@@ -50,11 +50,11 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
         InputError: unreadable inputs (see :func:`load_report_data`); a tau.csv that disagrees with ``evals``
             (:func:`check_summary`).
     """
-    every = check_summary(summary_csv, evals)
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta, run_records=run_records, every=every)
+                            prompts_meta=prompts_meta, run_records=run_records)
+    check_summary(summary_csv, data.table)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
     if out_html or figures_dir:
@@ -69,28 +69,23 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     return data
 
 
-def check_summary(summary_csv, evals: list[str]):
-    """Refuse a ``tau.csv`` that is not what ``summary`` makes of ``evals``
-    (:func:`dflash_eval.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a hand-edited
-    (or stale) tau.csv used to disagree with it without a word (the fifth trial's F5). ``summary_csv`` None: not
-    compared.
-
-    Returns:
-        the tau table of ``evals`` at full precision (:func:`dflash_eval.tau_table.summary_frame`), None when
-        ``summary_csv`` is None.
+def check_summary(summary_csv, table) -> None:
+    """Refuse a ``tau.csv`` that is not what ``summary`` makes of the run's evaluate outputs and target costs:
+    ``table`` is that (the report's full table, :attr:`dflash_eval.reporting.ReportData.table`), compared cell by
+    cell (:func:`dflash_eval.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a
+    hand-edited (or stale) tau.csv used to disagree with it without a word (the fifth trial's F5; the tenth's F4 for
+    the columns but tau). ``summary_csv`` None: not compared.
 
     Raises:
-        InputError: ``(tau.csv, <column>, ...)`` naming the row and both values.
+        InputError: ``(tau.csv, <column> | "rows" | "columns", ...)`` naming the row and both values.
     """
     if summary_csv is None:
-        return None
-    import pandas as pd
-
-    from ..tau_table import TABLE_KEY, check_table
+        return
+    from ..tau_table import check_table
 
     try:
-        table = pd.read_csv(summary_csv, dtype={k: str for k in TABLE_KEY})
-    except (OSError, ValueError) as err:
+        text = Path(summary_csv).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
         raise InputError(summary_csv, None, f"not a readable tau table ({err})",
                          f"rebuild it from the evaluate outputs: snakemake --forcerun {summary_csv}") from None
-    return check_table(table, summary_csv, evals)
+    check_table(text, summary_csv, table)

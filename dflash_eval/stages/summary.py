@@ -17,7 +17,7 @@ from ..costs import read_costs, with_speedups
 from ..drafter_files import read_strip_info
 from ..errors import InputError, atomic_path
 from ..io import sha256_file
-from ..tau_table import summary_frame, write_parquet
+from ..tau_table import summary_frame, table_csv, write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
     df = summary_frame(evals, expected)
     df = with_speedups(df, read_costs(costs, run_records) if costs else None)
     with atomic_path(out_csv) as tmp:
-        df.to_csv(tmp, index=False, float_format="%.4f")
+        tmp.write_text(table_csv(df))
     with atomic_path(out_parquet) as tmp:
         write_parquet(df, tmp)  # sealed: the trackers verify what they log
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
