@@ -8,6 +8,8 @@ rule trackers:
     input:
         table="results/{run}/tau.parquet",
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),  # the table must be what summary makes of them
+        costs=PLAN.target_costs_outputs(),  # and of the target costs (its speedup columns)
+        run_records=lambda wildcards: run_level_records(PLAN, wildcards.run, ("target_costs",)),  # costs must name it
         record=options_record("trackers"),
     output:
         "results/{run}/trackers.json",
@@ -18,6 +20,7 @@ rule trackers:
         "../envs/cpu.yaml"
     params:
         options=lambda wildcards: PLAN.stage_flags("trackers"),
+        args=lambda wildcards, input: PLAN.summary_args(input.get("costs", []), input.get("run_records", [])),
     shell:
         "python -m dflash_eval trackers --table {input.table:q} --run={wildcards.run:q}"
-        " --evals {input.evals:q} {params.options} --out {output:q} > {log:q} 2>&1"
+        " --evals {input.evals:q} {params.args} {params.options} --out {output:q} > {log:q} 2>&1"

@@ -130,7 +130,8 @@ def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
     cfg = {"tensorboard": {"enabled": True}}
 
     def run(table, evals):
-        args = argparse.Namespace(table=str(table), run="r", out=str(tmp_path / "trackers.json"), evals=evals)
+        args = argparse.Namespace(table=str(table), run="r", out=str(tmp_path / "trackers.json"), evals=evals,
+                                  costs=None, run_settings=None)
         stage.main(args, cfg)
         return json.loads((tmp_path / "trackers.json").read_text())
 
@@ -152,6 +153,29 @@ def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
     check_table((tmp_path / "tau.csv").read_text(), "tau.csv", want)  # as summary wrote it
     pd.read_csv(tmp_path / "tau.csv").to_csv(tmp_path / "saved.csv", index=False)  # saved again: 0.0 for 0.0000
     check_table((tmp_path / "saved.csv").read_text(), "saved.csv", want)  # the same values: accepted
+    # the tenth trial's F5: another run's tau.parquet of the same evaluate outputs but other target costs (its
+    # speedup columns) was logged; with the run's target_costs.json (the workflow passes it) every cell is compared
+    from test_report import fake_costs
+
+    ours, other = (tmp_path / "ours").mkdir() or tmp_path / "ours", (tmp_path / "other2").mkdir() or tmp_path / "other2"
+    for folder, decode_s in ((ours, 0.010), (other, 0.012)):
+        c = json.loads(Path(fake_costs(folder)).read_text())
+        c["decode_s"] = decode_s
+        c["drafters"] = {k: {**c["drafters"]["early"], "block_size": 8} for k in ("ckA", "ckB")}
+        c["verify"].append({"n": 8, "mask": "causal", "median_s": 0.018})  # block size 8
+        (folder / "target_costs.json").write_text(json.dumps(c))
+        write_summary(mine, folder / "tau.csv", folder / "tau.parquet", costs=str(folder / "target_costs.json"))
+    args = argparse.Namespace(table=str(other / "tau.parquet"), run="r-other", out=str(tmp_path / "t.json"), evals=mine,
+                              costs=str(ours / "target_costs.json"), run_settings=None)
+    with pytest.raises(InputError) as err:
+        stage.main(args, cfg)
+    assert err.value.field == "speedup_chain" and "of the run's evaluate outputs and target costs" in err.value.problem
+    assert pd.read_parquet(ours / "tau.parquet")["speedup_chain"].notna().all()
+    args.costs, args.run = None, "r-other"  # without the costs (target_costs disabled): speedups not compared
+    stage.main(args, cfg)
+    args.table, args.costs, args.run = str(ours / "tau.parquet"), str(ours / "target_costs.json"), "r-ours"
+    stage.main(args, cfg)
     assert run(tmp_path / "tau.parquet", mine)["tensorboard"]["logged"] > 0
     rule = (Path(__file__).resolve().parents[1] / "rules" / "trackers.smk").read_text()
     assert "--evals {input.evals:q}" in rule  # the workflow always compares
+    assert "costs=PLAN.target_costs_outputs()" in rule and "PLAN.summary_args(input.get(\"costs\", [])" in rule
