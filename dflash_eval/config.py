@@ -106,3 +106,24 @@ def non_finite_entry(config: Any, where: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+def integral_numbers(config: Any, node: dict | None = None) -> Any:
+    """``config`` with each float the schema types ``integer`` (JSON Schema accepts ``4.0`` there) made an int, in
+    place (dicts and lists), and returned: ``n: 4.0`` and ``n: 4`` are one setting, so they give the same options
+    record and rerun nothing (the tenth trial: ``prompt_set.n: 4.0`` redid the run's target work)."""
+    node = load_schema() if node is None else node
+    kind = node.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if isinstance(config, float) and "integer" in kinds and "number" not in kinds and config.is_integer():
+        return int(config)
+    if isinstance(config, dict):
+        props, other = node.get("properties", {}), node.get("additionalProperties")
+        for key, value in config.items():
+            sub = props.get(key, other if isinstance(other, dict) else None)
+            if sub is not None:
+                config[key] = integral_numbers(value, sub)
+    elif isinstance(config, list) and isinstance(node.get("items"), dict):
+        for i, value in enumerate(config):
+            config[i] = integral_numbers(value, node["items"])
+    return config

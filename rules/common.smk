@@ -19,7 +19,7 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
-from dflash_eval.config import describe_validation_error, non_finite_entry
+from dflash_eval.config import describe_validation_error, integral_numbers, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
@@ -98,6 +98,7 @@ if _non_finite:
         f"config ({CONFIG_FILES}): {_non_finite}: not a finite number (.nan / .inf). Fix: give a finite value; "
         "config/schemas/config.schema.yaml describes every option, its type and its default."
     )
+integral_numbers(config)  # `n: 4.0` is `n: 4` (one options record: nothing reruns)
 try:
     PLAN = build_plan(config)
 except InputError as err:

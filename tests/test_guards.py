@@ -188,6 +188,23 @@ def test_a_non_finite_number_in_the_config_is_named():
         "evaluate.sampling[1].temperature"
 
 
+def test_an_integral_float_in_the_config_is_the_integer():
+    """The tenth trial: `prompt_set.n: 4.0` (valid: JSON Schema's integer) changed the options record of a run made
+    with `n: 4` and redid its target work. Floats the schema types integer are made ints; numbers stay as given."""
+    from dflash_eval.config import integral_numbers
+
+    cfg = {"prompt_set": {"n": 4.0}, "generation": {"max_new_tokens": 48.0, "sampling": {"temperature": 1.0}},
+           "evaluate": {"ddtree_budgets": [4.0, 8], "sampling": [{"temperature": 0.0, "top_k": 20.0}]},
+           "checkpoints": {"demo": [{"name": "d", "random_init": True, "step": 50.0}]}, "prompt_sets": {"he": {"n": 2.0}}}
+    out = integral_numbers(cfg)
+    assert out is cfg and cfg["prompt_set"]["n"] == 4 and type(cfg["prompt_set"]["n"]) is int
+    assert type(cfg["generation"]["max_new_tokens"]) is int and type(cfg["generation"]["sampling"]["temperature"]) is float
+    assert [type(b) for b in cfg["evaluate"]["ddtree_budgets"]] == [int, int]
+    assert type(cfg["evaluate"]["sampling"][0]["top_k"]) is int and type(cfg["evaluate"]["sampling"][0]["temperature"]) is float
+    assert type(cfg["checkpoints"]["demo"][0]["step"]) is int and type(cfg["prompt_sets"]["he"]["n"]) is int
+    assert integral_numbers({"prompt_set": {"n": 4.5}})["prompt_set"]["n"] == 4.5  # left to the schema to refuse
+
+
 def test_results_without_snakemake_metadata_are_named(tmp_path):
     """Snakemake reruns a job for a changed option only from .snakemake/metadata: without it, say so."""
     from dflash_eval.workflow_guard import metadata_gone
