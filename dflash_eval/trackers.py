@@ -262,13 +262,17 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
 
 # --------------------------------------------------------------------------- W&B
-def _read_ledger(path: Path, wandb_dir: Path, run_id: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
+def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
+                 project: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
     """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}`` (absent in a ledger
-    of an earlier version: those values are unknown), verified against its ``content_sha256`` when it has one.
+    of an earlier version: those values are unknown), verified against its ``content_sha256`` when it has one, and
+    its ``run_id`` / ``project`` against the run logged to.
 
     Raises:
         InputError: an unreadable or edited ledger; no ledger while ``wandb_dir`` holds runs of ``run_id`` (the
-            eighth trial's S3: a deleted ledger read as "nothing logged", and every point went to that run again).
+            eighth trial's S3: a deleted ledger read as "nothing logged", and every point went to that run again);
+            the ledger of another W&B run or project copied in place (the tenth trial's F6: its points were taken
+            as logged, or logged a second time).
     """
     from .io import read_json_object
     from .row_checksum import DOC_FIELD, check_document
@@ -285,6 +289,12 @@ def _read_ledger(path: Path, wandb_dir: Path, run_id: str) -> tuple[dict[str, li
     led = read_json_object(path, "W&B ledger", fix)
     if DOC_FIELD in led:
         check_document(path, led, "trackers", fix)
+    for field, want in (("run_id", run_id), ("project", project)):
+        if field in led and led[field] != want:
+            raise InputError(path, field, f"{led[field]!r}, but this ledger is of W&B {field.replace('_', ' ')} "
+                             f"{want!r}: another run's ledger copied in place (its points would be taken as logged "
+                             "here, or logged a second time)", f"delete it and restore the run's own ledger, or log to "
+                             f"a new run (trackers.wandb.run_id)")
     values = {(int(step), str(tag)): float(v) for step, tags in (led.get("values") or {}).items()
               for tag, v in tags.items()}
     return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}, values
@@ -311,7 +321,8 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
 
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
-    done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id)
+    done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id,
+                                cfg.get("project") or "dflash-eval")
     check_unchanged(points, values, ledger_path, "trackers.wandb.run_id")
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),

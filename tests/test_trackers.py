@@ -250,5 +250,16 @@ def test_wandb_ledger_missing_beside_its_runs_or_edited_is_refused(tmp_path, mon
     ledger.write_text(json.dumps(edited))
     with pytest.raises(InputError, match="content_sha256: its content does not match its checksum"):
         log_table(table(200), cfg, "demo")
+    # the tenth trial's F6: another run's ledger (validly sealed) copied over the run's: its points were taken as
+    # logged here (nothing sent), or one of other budgets gave a step a second value
+    from dflash_eval.row_checksum import seal_document
+
+    for field, value in (("run_id", "dflash-eval-other"), ("project", "elsewhere")):
+        theirs = {k: v for k, v in json.loads(saved).items() if k != "content_sha256"}
+        ledger.write_text(json.dumps(seal_document({**theirs, field: value})))
+        with pytest.raises(InputError) as err:
+            log_table(table(200), cfg, "demo")
+        assert err.value.field == field and f"{value!r}, but this ledger is of W&B" in err.value.problem, field
+        assert "another run's ledger copied in place" in err.value.problem
     ledger.write_text(saved)
     assert log_table(table(200), cfg, "demo")["wandb"]["logged"] == 8
