@@ -420,6 +420,17 @@ def write_planned_evaluations(plan: "Plan") -> list[str]:
     return lost
 
 
+def lost_target_outputs(plan: "Plan") -> list[str]:
+    """The run's hidden-state caches and completions files that are gone while its tau.csv is there: not remade by
+    :func:`write_planned_evaluations` (target work, and a cache may have been deleted to free disk), but named in a
+    parse-time warning (the tenth trial: a failed hidden_states job's cache, removed by Snakemake, stayed gone with
+    "Nothing to be done" and no word)."""
+    if not os.path.exists(plan.run_path("tau.csv")):
+        return []
+    files = plan.caches() + [plan.run_path("completions", f"{p}.jsonl") for p in plan.prompt_sets]
+    return [f for f in files if not os.path.exists(f)]
+
+
 def lost_outputs(plan: "Plan") -> list[str]:
     """The run's evaluate outputs, ``target_costs.json`` and report sections that are gone while the run's tau.csv,
     made from them, is still there (:func:`write_planned_evaluations`). Caches and prompts files are not listed:

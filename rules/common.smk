@@ -24,7 +24,7 @@ from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_not
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
                                      rewrite_allowed, run_level_records, target_record_path, touches,
-                                     write_planned_evaluations, write_records)
+                                     lost_target_outputs, write_planned_evaluations, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.plan import build_plan
@@ -112,6 +112,12 @@ if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when th
         logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv and the report were made from are gone "
                        f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
                        "summary, report and trackers rerun")
+    _target_gone = lost_target_outputs(PLAN)
+    if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
+        logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade by this command "
+                       "(target work); tau.csv and the report stand on the evaluate outputs, which name the cache and "
+                       "completions they were made from; a job that needs them (a new checkpoint) remakes them first, "
+                       "or remake them now: snakemake <that file>")
 if MAIN_PROCESS:
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
