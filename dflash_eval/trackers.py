@@ -294,7 +294,7 @@ def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
             raise InputError(path, field, f"{led[field]!r}, but this ledger is of W&B {field.replace('_', ' ')} "
                              f"{want!r}: another run's ledger copied in place (its points would be taken as logged "
                              "here, or logged a second time)", "delete it and restore the run's own ledger, or log to "
-                             f"a new run (trackers.wandb.run_id)")
+                             "a new run (trackers.wandb.run_id)")
     values = {(int(step), str(tag)): float(v) for step, tags in (led.get("values") or {}).items()
               for tag, v in tags.items()}
     return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}, values
