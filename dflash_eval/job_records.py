@@ -390,34 +390,39 @@ def pending_note(changed: Sequence[str], dry_run: bool = True, touch: bool = Fal
             "without --rerun-triggers reruns them")
 
 
-#: the line of ``planned_evaluations.txt`` that counts the times lost outputs were found (:func:`write_planned_evaluations`)
-LOST_LINE = "# outputs found lost, time "
+#: the line of ``planned_evaluations.txt`` that counts the times lost or replaced outputs were found
+#: (:func:`write_planned_evaluations`)
+LOST_LINE = "# outputs found lost or replaced, time "
 
 
-def write_planned_evaluations(plan: "Plan") -> list[str]:
+def write_planned_evaluations(plan: "Plan") -> tuple[list[str], list[str]]:
     """Write the run's :meth:`~dflash_eval.plan.Plan.planned_evaluations` when its content differs; when an output
-    that tau.csv or the report was made from is gone (:func:`lost_outputs`), change its content (a count of the times,
+    that tau.csv or the report was made from is gone (:func:`lost_outputs`), or a final output is not what its stage
+    wrote (:func:`dflash_eval.output_digests.replaced_outputs`), change its content (a count of the times,
     :data:`LOST_LINE`, naming the files). Snakemake does not remake a missing intermediate whose consumers are up to
     date, so tau.csv, the report and the trackers kept rows no file backs any more (the tenth trial's F1: an evaluate
     job that failed on a damaged cache removed its output; the cache restored, the same command said "Nothing to be
-    done"). A changed ``planned_evaluations.txt`` reruns summary (a new mtime alone would not: Snakemake skips an
-    input whose checksum it recorded unchanged), and with it the jobs that make the lost files, then report and
-    trackers; the count stays, so the next command has nothing to do.
+    done"); nor a final output edited or copied in place (the eleventh trial). A changed ``planned_evaluations.txt``
+    (an input of summary, report and trackers) reruns the three (a new mtime alone would not: Snakemake skips an
+    input whose checksum it recorded unchanged), and with them the jobs that make the lost files; the count stays,
+    so the next command has nothing to do.
 
     Returns:
-        the lost outputs (``[]`` when none).
+        ``(lost, replaced)`` outputs (``[]`` when none).
     """
+    from .output_digests import replaced_outputs
+
     path = plan.planned_evaluations()
     try:
         kept = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.startswith(LOST_LINE)]
     except (OSError, UnicodeDecodeError):
         kept = []
-    lost = lost_outputs(plan)
-    if lost:
+    lost, replaced = lost_outputs(plan), replaced_outputs(plan.run_path())
+    if lost or replaced:
         count = kept[-1][len(LOST_LINE):].split(":")[0] if kept else ""
-        kept = [f"{LOST_LINE}{int(count) + 1 if count.isdigit() else 1}: {', '.join(lost)}"]
+        kept = [f"{LOST_LINE}{int(count) + 1 if count.isdigit() else 1}: {', '.join(lost + replaced)}"]
     write_text_if_changed(path, "".join(f"{e}\n" for e in plan.evaluations()) + "".join(f"{k}\n" for k in kept[-1:]))
-    return lost
+    return lost, replaced
 
 
 def lost_target_outputs(plan: "Plan") -> list[str]:

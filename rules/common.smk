@@ -107,11 +107,14 @@ except InputError as err:
     )
 
 if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
-    _lost = write_planned_evaluations(PLAN)  # (rerun without metadata); --touch would mark summary up to date over it
+    _lost, _replaced = write_planned_evaluations(PLAN)  # (rerun without metadata); --touch would mark summary up to date over it
     if _lost:  # renewed: Snakemake would not remake them under an up-to-date tau.csv
         logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv and the report were made from are gone "
                        f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
                        "summary, report and trackers rerun")
+    if _replaced:  # final outputs no later job reads: their stage's digest (dflash_eval/output_digests.py)
+        logger.warning(f"dflash-eval: {', '.join(_replaced)}: not what its stage wrote (edited, or another run's "
+                       "copied in place): summary, report and trackers rerun to make the run's own again")
     _target_gone = lost_target_outputs(PLAN)
     if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
         logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade by this command "

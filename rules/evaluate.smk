@@ -87,6 +87,7 @@ rule report:
         extra=PLAN.extra_outputs(),
         costs=PLAN.target_costs_outputs(),
         record=options_record("report"),  # its sections and the config's sha256
+        planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],  # outputs remade
         run_records=lambda wildcards: run_level_records(PLAN, wildcards.run),  # each section must name its own
     output:
         md="results/{run}/report.md",

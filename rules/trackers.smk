@@ -11,6 +11,7 @@ rule trackers:
         costs=PLAN.target_costs_outputs(),  # and of the target costs (its speedup columns)
         run_records=lambda wildcards: run_level_records(PLAN, wildcards.run, ("target_costs",)),  # costs must name it
         record=options_record("trackers"),
+        planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],  # outputs remade
     output:
         "results/{run}/trackers.json",
     log:

@@ -746,17 +746,44 @@ def test_a_lost_evaluate_output_is_made_again_by_the_same_command(tiny_run, tmp_
     assert [s["acceptance_lengths"] for s in again["samples"]] == [s["acceptance_lengths"] for s in want["samples"]]
     assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
     planned = (wd / "results/tiny/planned_evaluations.txt").read_text().splitlines()
-    assert planned[-1] == "# outputs found lost, time 1: results/tiny/eval/step100/set_a.json, " \
+    assert planned[-1] == "# outputs found lost or replaced, time 1: results/tiny/eval/step100/set_a.json, " \
                           "results/tiny/target_costs.json", planned
     gone.unlink()  # lost again: counted again (the content must change for Snakemake to rerun summary)
     ran = planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE))))
     assert sorted(r for r, _ in ran if r != "all") == ["evaluate", "report", "summary"], ran
     assert (wd / "results/tiny/planned_evaluations.txt").read_text().splitlines()[-1].startswith(
-        "# outputs found lost, time 2: results/tiny/eval/step100/set_a.json")
+        "# outputs found lost or replaced, time 2: results/tiny/eval/step100/set_a.json")
     (wd / "results/tiny/cache/set_b.h5").unlink()  # target work: named, not remade by this command
     text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
     assert "dflash-eval: results/tiny/cache/set_b.h5 gone while tau.csv is there: not remade by this command" in text
     assert "Nothing to be done" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_final_output_edited_or_copied_in_place_is_made_again(tiny_run, tmp_path):
+    """The eleventh trial: another run's tau.parquet / tau.csv copied in place with an older mtime, or its report.md
+    / report.html, stayed with "Nothing to be done" (no later job reads them). summary, report and trackers record
+    the sha256 of what they wrote (results/<run>/digests/); the parse compares, and the same command makes the run's
+    own files again; then nothing is left to do."""
+    out = lambda p: p.stdout + p.stderr  # noqa: E731
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True)
+    run = wd / "results/tiny"
+    assert sorted(p.name for p in (run / "digests").iterdir()) == ["report.json", "summary.json"]
+    want = {n: (run / n).read_bytes() for n in ("tau.csv", "tau.parquet", "report.md")}
+    old = (run / "tau.csv").stat()
+    assert "\nstep100," in (run / "tau.csv").read_text()
+    (run / "tau.csv").write_text((run / "tau.csv").read_text().replace("\nstep100,", "\nstep999,", 1))  # "another run's"
+    os.utime(run / "tau.csv", ns=(old.st_atime_ns, old.st_mtime_ns))  # with the old mtime
+    (run / "report.md").write_text("# dflash-eval report: other\n")
+    text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    assert "dflash-eval: results/tiny/report.md, results/tiny/tau.csv: not what its stage wrote (edited, or another " \
+           "run's copied in place)" in text, text[-3000:]
+    ran = planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE))))
+    assert sorted(r for r, _ in ran if r != "all") == ["report", "summary"], ran
+    assert (run / "tau.csv").read_bytes() == want["tau.csv"] and (run / "tau.parquet").read_bytes() == want["tau.parquet"]
+    assert (run / "report.md").read_text().startswith("# dflash-eval report: tiny")
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
 
 
 @pytest.mark.slow

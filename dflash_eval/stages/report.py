@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError, atomic_dir, atomic_path
+from ..output_digests import record_outputs
 from ..reporting import ReportData, build_figures, load_report_data, render_html, render_markdown
 
 
@@ -66,6 +67,7 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
         if out_html:
             with atomic_path(out_html) as tmp:
                 tmp.write_text(render_html(data, figs))
+    record_outputs("report", [out, out_html])  # compared at parse time (an edited or foreign copy is remade)
     return data
 
 

@@ -17,6 +17,7 @@ from ..costs import read_costs, with_speedups
 from ..drafter_files import read_strip_info
 from ..errors import InputError, atomic_path
 from ..io import sha256_file
+from ..output_digests import record_outputs
 from ..tau_table import summary_frame, table_csv, write_parquet
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         tmp.write_text(table_csv(df))
     with atomic_path(out_parquet) as tmp:
         write_parquet(df, tmp)  # sealed: the trackers verify what they log
+    record_outputs("summary", [out_csv, out_parquet])  # compared at parse time (an edited or foreign copy is remade)
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
     if costs:
         shown += ["speedup_chain", "estimate_reliable"]

@@ -48,3 +48,6 @@ def main(args, opts) -> None:
     logged = log_table(table, cfg, args.run)
     with atomic_path(args.out) as tmp:
         tmp.write_text(json.dumps(logged, indent=1, sort_keys=True))
+    from ..output_digests import record_outputs
+
+    record_outputs("trackers", [args.out])  # compared at parse time (an edited or foreign copy is remade)
