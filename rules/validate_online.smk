@@ -11,6 +11,8 @@ rule validate_online:
     input:
         unpack(target_model_files),
         record=options_record("validate_online"),
+        # the evaluate outputs must name it (and their completions and drafters), as summary checks
+        eval_record=lambda wildcards: record_path(wildcards.run, "evaluate", PLAN.validate_online_prompt_set),
         completions=f"results/{{run}}/completions/{PLAN.validate_online_prompt_set}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",
@@ -46,4 +48,4 @@ rule validate_online:
         "python -m dflash_eval validate-online --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} {params.options}"
-        " --settings {input.record:q} --out {output:q} > {log:q} 2>&1"
+        " --eval-settings {input.eval_record:q} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

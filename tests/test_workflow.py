@@ -784,6 +784,13 @@ def test_a_final_output_edited_or_copied_in_place_is_made_again(tiny_run, tmp_pa
     assert (run / "tau.csv").read_bytes() == want["tau.csv"] and (run / "tau.parquet").read_bytes() == want["tau.parquet"]
     assert (run / "report.md").read_text().startswith("# dflash-eval report: tiny")
     assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    # the eleventh trial's F4: another checkpoint's evaluate output copied over the validated one, then a targeted
+    # command: validate_online compared the drafter decoded online with the other checkpoint's offline numbers
+    shutil.copy(run / "eval/step100/set_a.json", run / "eval/trained/set_a.json")
+    proc = smk(wd, "--workflow-profile", str(CI_PROFILE), "results/tiny/validate_online.json", check=False)
+    log = (wd / "logs/validate_online/tiny.log").read_text()
+    assert proc.returncode != 0 and "results/tiny/eval/trained/set_a.json: checkpoint: 'step100', but the file lies " \
+        "where the workflow puts the output of checkpoint 'trained'" in log, log[-3000:]
 
 
 @pytest.mark.slow

@@ -78,6 +78,34 @@ def expected_inputs(settings: list[str], completions: list[str], caches: list[st
     return out
 
 
+def check_paired_evals(evals: list[str], loaded: list[dict], drafters: list[str], completions,
+                       eval_settings=None) -> None:
+    """For a stage that reads evaluate outputs beside the drafters they were made with (``validate_online``,
+    ``validate_engine``), inside the workflow (:func:`dflash_eval.row_checksum.sealed_required`): each output
+    (``loaded``, as read) lies where the workflow puts it, was made from ``completions``, the paired drafter's
+    ``strip_info.json`` and (when given) the run's evaluate options record ``eval_settings``
+    (:func:`dflash_eval.tau_table.check_eval_inputs`, as summary checks them), and names the paired drafter's
+    checkpoint. The eleventh trial: ckA's evaluate output copied over ckB's, validated by a targeted command,
+    compared ckB decoded online with ckA's offline numbers (a false mismatch, exit 0).
+
+    Raises:
+        InputError: ``(eval, <field>, ...)`` as :func:`dflash_eval.tau_table.check_eval_inputs`, or ``checkpoint``
+            for an output paired with another checkpoint's drafter.
+    """
+    from ..row_checksum import sealed_required
+    from ..tau_table import check_eval_inputs
+
+    if not sealed_required():
+        return
+    expected = expected_inputs([eval_settings] if eval_settings else [], [completions], drafters=drafters)
+    for path, ev, drafter in zip(evals, loaded, drafters):
+        check_eval_inputs(path, ev, expected)
+        if str(ev["checkpoint"]) != Path(drafter).name:
+            raise InputError(path, "checkpoint", f"{ev['checkpoint']!r}, but it is paired with drafter {drafter}: "
+                             "pass each drafter with its own evaluate output, in the same order",
+                             "re-run its evaluate job (snakemake --forcerun <this file>)")
+
+
 def _cache_header_sha256(path) -> str | None:
     import h5py
 

@@ -25,6 +25,7 @@ from ..completions_file import read_completions
 from ..errors import InputError
 from ..row_checksum import DOC_FIELD, write_run_output
 from ..tau_table import read_eval
+from .summary import check_paired_evals
 from ..vllm_engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,17 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/validate_engine/run.json): its "
                         "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
                         "the run's")
+    p.add_argument("--eval-settings", default=None, metavar="JSON",
+                   help="the run's evaluate options record of this prompt set (results/<run>/options/evaluate/<set>.json): "
+                        "inside the workflow each evaluate output must name it, its completions and its drafter, as "
+                        "summary checks (the workflow passes it)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     validate_engine(args.target, args.completions, args.drafter, args.evals, args.out, opts,
-                    target_costs=args.target_costs, work_dir=args.work_dir, settings_record=args.settings)
+                    target_costs=args.target_costs, work_dir=args.work_dir, settings_record=args.settings,
+                    eval_settings=args.eval_settings)
 
 
 def _engine_options(opts) -> EngineOptions:
@@ -74,7 +80,8 @@ def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) 
 
 
 def validate_engine(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None, *,
-                    target_costs=None, work_dir=None, settings_record=None, **overrides) -> dict:
+                    target_costs=None, work_dir=None, settings_record=None, eval_settings=None,
+                    **overrides) -> dict:
     """vLLM's acceptance and speed for every drafter next to the offline replay of the same samples.
 
     Args:
@@ -94,6 +101,9 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
+    ``eval_settings``: the run's evaluate options record of the prompt set; inside the workflow every evaluate
+    output must name it, its completions and its paired drafter (:func:`dflash_eval.stages.summary.check_paired_evals`).
+
     Raises:
         InputError: drafters/evals of different lengths, an evaluation without one of the samples.
     """
@@ -108,6 +118,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     work = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
     loaded = [read_eval(e) for e in evals]  # sealed: verified before any server starts (the tenth trial)
+    check_paired_evals(evals, loaded, drafters, completions_path, eval_settings)  # as summary does
     rows = read_completions(Path(completions_path))[: opts.n_samples]
     max_new = max(int(r["max_new_tokens"]) for r in rows)
     costs = read_costs(target_costs) if target_costs else None

@@ -29,6 +29,7 @@ from ..sampling import SamplingSetting
 from ..target import load_target
 from ..target_spec import TargetSpec, load_embed_and_head
 from ..tau_table import read_eval
+from .summary import check_paired_evals
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,17 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/validate_online/run.json): its "
                         "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
                         "the run's")
+    p.add_argument("--eval-settings", default=None, metavar="JSON",
+                   help="the run's evaluate options record of this prompt set (results/<run>/options/evaluate/<set>.json): "
+                        "inside the workflow each evaluate output must name it, its completions and its drafter, as "
+                        "summary checks (the workflow passes it)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the per-sample "
                                                 "comparison")
 
 
 def main(args, opts) -> None:
-    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts, settings_record=args.settings)
+    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts, settings_record=args.settings,
+                    eval_settings=args.eval_settings)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -65,7 +71,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def validate_online(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None,
-                    settings_record=None, **overrides) -> dict:
+                    settings_record=None, eval_settings=None, **overrides) -> dict:
     """Online speculative decoding of the first ``n_samples`` prompts vs the offline replay of the same samples.
 
     Per drafter (paired with its evaluate JSON on the same prompt set) and per mode (``chain``, and
@@ -112,6 +118,9 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             available, else cpu/float32).
         **overrides: option values, when ``opts`` is not given.
 
+    ``eval_settings``: the run's evaluate options record of the prompt set; inside the workflow every evaluate
+    output must name it, its completions and its paired drafter (:func:`dflash_eval.stages.summary.check_paired_evals`).
+
     Raises:
         InputError: ``n_samples < 1``, drafters/evals of different lengths, an evaluation without the budget
             or without one of the samples, or an unsupported (hybrid / sliding-window) target; a
@@ -124,6 +133,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                          "pass one evaluate JSON per drafter, in the same order")
     asked = _asked_settings(opts.sampling)
     loaded = [read_eval(e) for e in evals]  # sealed: verified (an edited one compared with online decoding: trial 10)
+    check_paired_evals(evals, loaded, drafters, completions_path, eval_settings)  # as summary does
     # checked before the target is loaded: a refused setting costs no target load
     settings_of = [_settings_for(ev, e, asked) for ev, e in zip(loaded, evals)]
     dev = resolve_device(opts.device)
