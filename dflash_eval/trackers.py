@@ -327,6 +327,13 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),
            "logged": len(new), "already": len(points) - len(new)}
+    local = Path(out["dir"]) / "wandb"
+    if out["mode"] == "offline" and done and not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(run_id)}"))):
+        # the eleventh trial's F6: offline points live in those folders until `wandb sync`; they are taken as logged
+        out["warning"] = (f"the ledger {ledger_path} lists points logged offline to W&B run {run_id!r}, but {local} holds "
+                          "no folder of that run: if it was not synced (wandb sync) before it was removed, those points "
+                          "are lost; to log them again, delete the ledger (and the run on the W&B server, if any)")
+        log.warning("%s", out["warning"])
     if not new:
         return out
     Path(out["dir"]).mkdir(parents=True, exist_ok=True)

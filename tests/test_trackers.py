@@ -4,6 +4,7 @@ store), read back with each tracker's own reader; no duplicate after re-logging 
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import sys
 from pathlib import Path
@@ -263,3 +264,7 @@ def test_wandb_ledger_missing_beside_its_runs_or_edited_is_refused(tmp_path, mon
         assert "another run's ledger copied in place" in err.value.problem
     ledger.write_text(saved)
     assert log_table(table(200), cfg, "demo")["wandb"]["logged"] == 8
+    # the eleventh trial's F6: the offline run folders removed (synced, or lost): said, not silently taken as logged
+    shutil.move(tmp_path / "results/demo/wandb", tmp_path / "wandb-moved")
+    got = log_table(table(200), cfg, "demo")["wandb"]
+    assert got["logged"] == 0 and "holds no folder of that run: if it was not synced" in got["warning"]
