@@ -177,6 +177,9 @@ def atomic_path(dest: str | os.PathLike, suffix: str | None = None) -> Iterator[
     ``locking=False`` (HDF5 would take a conflicting ``flock``).
     """
     dest = Path(dest)
+    if dest.is_dir() and not dest.is_symlink():  # os.replace would fail with a bare IsADirectoryError (trial 12)
+        raise InputError(dest, None, "a folder stands where this stage writes a file",
+                         f"remove it (rm -r {dest}) and run the same command again")
     dest.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=suffix or ".tmp", dir=dest.parent)

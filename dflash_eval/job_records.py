@@ -417,7 +417,8 @@ def write_planned_evaluations(plan: "Plan") -> tuple[list[str], list[str]]:
         kept = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.startswith(LOST_LINE)]
     except (OSError, UnicodeDecodeError):
         kept = []
-    lost, replaced = lost_outputs(plan), replaced_outputs(plan.run_path())
+    stages = ["summary", "report"] + (["trackers"] if plan.trackers_outputs() else [])
+    lost, replaced = lost_outputs(plan), replaced_outputs(plan.run_path(), stages)
     if lost or replaced:
         count = kept[-1][len(LOST_LINE):].split(":")[0] if kept else ""
         kept = [f"{LOST_LINE}{int(count) + 1 if count.isdigit() else 1}: {', '.join(lost + replaced)}"]

@@ -1,7 +1,7 @@
 """What the run's last stages wrote: the sha256 of each final output, compared at parse time.
 
 ``tau.csv`` and ``tau.parquet`` (``summary``), ``report.md`` and ``report.html`` (``report``) and
-``trackers.json`` (``trackers``) are read again by no later job when nothing upstream changes, so one edited,
+``trackers.json`` (``trackers``), and the report's figures, are read again by no later job when nothing upstream changes, so one edited,
 or another run's copied in place (even with an older mtime), stayed with "Nothing to be done" and exit 0 (the
 eleventh trial: another run's tau.parquet / tau.csv and report.md / report.html). Inside the workflow each of
 these stages records the sha256 of what it wrote in ``results/<run>/digests/<stage>.json`` (sealed by
@@ -22,11 +22,29 @@ from .io import sha256_file
 
 #: the folder of ``results/<run>/`` that holds the digests
 DIGEST_DIR = "digests"
+#: each stage's final outputs under ``results/<run>/`` (a folder: every file in it)
+FINAL_OUTPUTS = {"summary": ("tau.csv", "tau.parquet"), "report": ("report.md", "report.html", "figures"),
+                 "trackers": ("trackers.json",)}
+
+
+def digest(path: str | os.PathLike) -> str:
+    """sha256 (hex) of a file, or of a folder: its files' relative names and sha256, in name order (hidden files
+    left out: Snakemake puts a ``.snakemake_timestamp`` in a folder output after the job)."""
+    path = Path(path)
+    if not path.is_dir():
+        return sha256_file(path).hexdigest()
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(q for q in path.rglob("*") if q.is_file()
+                    and not any(part.startswith(".") for part in q.relative_to(path).parts)):
+        h.update(f"{f.relative_to(path).as_posix()}\0{sha256_file(f).hexdigest()}\n".encode())
+    return h.hexdigest()
 
 
 def record_outputs(stage: str, paths: Iterable) -> Path | None:
-    """Record the sha256 of ``paths`` (the stage's final outputs, in one ``results/<run>/`` folder) in
-    ``<that folder>/digests/<stage>.json``, inside the workflow only
+    """Record the :func:`digest` of ``paths`` (the stage's final outputs, files or folders, in one ``results/<run>/``
+    folder) in ``<that folder>/digests/<stage>.json``, inside the workflow only
     (:func:`dflash_eval.row_checksum.sealed_required`; a direct CLI call writes nothing beside its outputs).
 
     Returns:
@@ -39,28 +57,38 @@ def record_outputs(stage: str, paths: Iterable) -> Path | None:
         return None
     out = files[0].parent / DIGEST_DIR / f"{stage}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = seal_document({"stage": stage, "outputs": {os.path.normpath(str(f)): sha256_file(f).hexdigest()
-                                                     for f in files}})
+    doc = seal_document({"stage": stage, "outputs": {os.path.normpath(str(f)): digest(f) for f in files}})
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
     return out
 
 
-def replaced_outputs(run_dir: str | os.PathLike) -> list[str]:
-    """The final outputs under ``run_dir`` whose bytes differ from what their stage recorded (:func:`record_outputs`):
-    edited, or another run's copied in place. A missing output is not listed (Snakemake remakes it); a digest file
-    that is unreadable or edited lists the outputs it names (or itself), so they are made again.
+def replaced_outputs(run_dir: str | os.PathLike, stages: Iterable[str] = tuple(FINAL_OUTPUTS)) -> list[str]:
+    """The final outputs (:data:`FINAL_OUTPUTS`) of ``stages`` under ``run_dir`` that are there but are not what their
+    stage recorded (:func:`record_outputs`): edited, truncated, replaced by a folder, or another run's copied in place;
+    also one whose digest is missing or does not verify (the twelfth trial: ``digests/`` deleted, then an edited
+    tau.csv with its old mtime passed; results of a version before the digests are made again once). A missing
+    output is not listed (Snakemake remakes it). ``stages``: those the run plans (a stage no longer run would have
+    its outputs listed at every parse).
     """
     from .row_checksum import check_document
 
     found: list[str] = []
-    for rec in sorted((Path(run_dir) / DIGEST_DIR).glob("*.json")):
+    for stage in stages:
+        rec = Path(run_dir) / DIGEST_DIR / f"{stage}.json"
         try:
             doc = json.loads(rec.read_text())
             check_document(rec, doc, str(doc.get("stage")), "")
             outputs = dict(doc["outputs"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError, InputError):
-            found.append(str(rec))
-            continue
-        found += [p for p, sha in outputs.items() if os.path.isfile(p) and sha256_file(p).hexdigest() != sha]
+            outputs = {}
+        for name in FINAL_OUTPUTS[stage]:
+            path = os.path.normpath(os.path.join(run_dir, name))
+            if os.path.lexists(path):
+                try:
+                    same = outputs.get(path) == digest(path)
+                except OSError:
+                    same = False
+                if not same:
+                    found.append(path)
     return found

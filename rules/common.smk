@@ -114,7 +114,10 @@ if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when th
                        "summary, report and trackers rerun")
     if _replaced:  # final outputs no later job reads: their stage's digest (dflash_eval/output_digests.py)
         logger.warning(f"dflash-eval: {', '.join(_replaced)}: not what its stage wrote (edited, or another run's "
-                       "copied in place): summary, report and trackers rerun to make the run's own again")
+                       "copied in place, or its digest is gone): " + (
+                           "this command runs no job (a dry run, --report, ...), so it shows them as they are; the "
+                           "same command without that option remakes them" if plans_only(sys.argv) else
+                           "summary, report and trackers rerun to make the run's own again"))
     _target_gone = lost_target_outputs(PLAN)
     if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
         logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade by this command "

@@ -776,14 +776,36 @@ def test_a_final_output_edited_or_copied_in_place_is_made_again(tiny_run, tmp_pa
     (run / "tau.csv").write_text((run / "tau.csv").read_text().replace("\nstep100,", "\nstep999,", 1))  # "another run's"
     os.utime(run / "tau.csv", ns=(old.st_atime_ns, old.st_mtime_ns))  # with the old mtime
     (run / "report.md").write_text("# dflash-eval report: other\n")
+    (run / "figures" / "extra.png").write_bytes(b"not a figure of this run")
     text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
-    assert "dflash-eval: results/tiny/report.md, results/tiny/tau.csv: not what its stage wrote (edited, or another " \
-           "run's copied in place)" in text, text[-3000:]
+    assert "dflash-eval: results/tiny/tau.csv, results/tiny/report.md, results/tiny/figures: not what its stage wrote " \
+           "(edited, or another run's copied in place, or its digest is gone): this command runs no job" in text, \
+        text[-3000:]
     ran = planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE))))
     assert sorted(r for r, _ in ran if r != "all") == ["report", "summary"], ran
     assert (run / "tau.csv").read_bytes() == want["tau.csv"] and (run / "tau.parquet").read_bytes() == want["tau.parquet"]
     assert (run / "report.md").read_text().startswith("# dflash-eval report: tiny")
+    assert not (run / "figures" / "extra.png").exists()  # the folder made again
     assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    # the twelfth trial's N10: the digests deleted, then tau.csv edited with its old mtime
+    shutil.rmtree(run / "digests")
+    old = (run / "tau.csv").stat()
+    (run / "tau.csv").write_text((run / "tau.csv").read_text().replace("\nstep100,", "\nstep999,", 1))
+    os.utime(run / "tau.csv", ns=(old.st_atime_ns, old.st_mtime_ns))
+    ran = planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE))))
+    assert sorted(r for r, _ in ran if r != "all") == ["report", "summary"], ran
+    assert (run / "tau.csv").read_bytes() == want["tau.csv"]
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    # the twelfth trial's N9: a folder where tau.csv goes: seen at parse (digest), the same command remakes the file
+    (run / "tau.csv").unlink()
+    (run / "tau.csv").mkdir()
+    smk(wd, "--workflow-profile", str(CI_PROFILE))
+    assert (run / "tau.csv").read_bytes() == want["tau.csv"]
+    from dflash_eval.errors import InputError, atomic_path
+
+    with pytest.raises(InputError, match="a folder stands where this stage writes a file"):  # what a stage says
+        with atomic_path(run / "figures"):
+            pass
     # the eleventh trial's F4: another checkpoint's evaluate output copied over the validated one, then a targeted
     # command: validate_online compared the drafter decoded online with the other checkpoint's offline numbers
     shutil.copy(run / "eval/step100/set_a.json", run / "eval/trained/set_a.json")
