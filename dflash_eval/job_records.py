@@ -151,7 +151,9 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | N
         layers = {"layer_ids": list(plan.cache_layer_ids)} if stage in ("kernel_parity", "engine_parity") else {}
         section = plan.config.get(stage) or {}
         picks = {k: section[k] for k in PICKING_OPTIONS if k in section}  # which inputs it reads (sixth trial's F3)
-        return {**target, **layers, "options": plan.stage_flags(stage), "picks": picks}
+        # target_costs times on its threads (a Snakemake `threads:`, not a flag: the twelfth trial's N4)
+        threads = {"threads": plan.target_costs_threads} if stage == "target_costs" else {}
+        return {**target, **layers, **threads, "options": plan.stage_flags(stage), "picks": picks}
     if stage == "summary":  # with or without the speedup columns (sixth trial's F2)
         return {"options": plan.summary_args(plan.target_costs_outputs())}
     if stage == "report":  # its sections (target costs, kernel parity, online, engine); not the config's sha256,

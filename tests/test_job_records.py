@@ -92,6 +92,8 @@ def test_each_option_changes_exactly_its_jobs_records(config):
     first = sorted(_plan(config).demo_checkpoints)[0]
     assert changed(lambda c: next(d for d in c["checkpoints"]["demo"] if d["name"] == first).update(step=789)) == [
         f"resources/demo/checkpoints/{first}.options.json"]
+    # target_costs' threads (a Snakemake threads: directive, not a flag): its timings (the twelfth trial's N4)
+    assert changed(lambda c: c["target_costs"].update(threads=7)) == ["target_costs/run.json"]
     # rerun-neutral options (x-rerun: false) travel in the environment: no record changes
     assert changed(lambda c: c["generation"].update(timeout_s=5)) == []
     with pytest.raises(KeyError, match="no options record for stage 'strip'"):
