@@ -114,8 +114,9 @@ def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
     points: dict[tuple[int, str], Point] = {}
     no_step = sorted({str(c) for c, s in zip(df["checkpoint"], df["step"]) if pd.isna(s)})
     if no_step:
-        log.warning("trackers: no training step known for %s: not logged (name the step in the checkpoint, e.g. "
-                    "a folder step1500/ or a 'step' entry)", ", ".join(no_step))
+        log.warning("trackers: no training step known for %s: not logged (a step comes from the checkpoint's own "
+                    "'step' / 'global_step', its folder's trainer_state.json / training_state.json, or its name, "
+                    "e.g. step1500)", ", ".join(no_step))
     if "sampling" in df.columns:  # the first row of a (checkpoint, prompt set) is its first configured setting
         first = ~df.duplicated(["checkpoint", "prompt_set"])
         df = df.assign(tag_scope=[f"{ps}" if f else f"{ps}/{lab}"
