@@ -98,6 +98,15 @@ ALWAYS_PER_RUN = ("summary", "report")
 PICKING_OPTIONS = ("prompt_set", "checkpoints", "n_samples")
 
 
+#: files of a target folder that shape generation without being declared inputs of its jobs: the stop ids
+#: (:func:`dflash_eval.generation.stop_token_ids` reads ``generation_config.json`` and, for a converted GGUF,
+#: ``dflash_eval_target.json``) and, of a converted GGUF, the tokenizer files rule ``target_from_gguf`` writes
+#: beside those it declares (the chat template in ``chat_template.jinja``)
+GENERATION_FILES = ("generation_config.json", "dflash_eval_target.json")
+#: the record field of :func:`generation_values`; left out of :func:`record_sha256`
+GENERATION_KEY = "target_generation_files"
+
+
 def target_values(plan: "Plan") -> dict:
     """What every record holds of the target: its folder, and for an HF folder given in ``target.path`` the
     :func:`dflash_eval.io.file_stamps` of its files (config, weights, tokenizer), so new weights copied with an
@@ -109,10 +118,58 @@ def target_values(plan: "Plan") -> dict:
     return {"target": plan.target.dir, "target_files": [st for f in files for st in file_stamps(f)]}
 
 
-def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | None = None) -> dict:
+def generation_values(plan: "Plan") -> dict:
+    """What the prompts and completions records hold of the files that shape generation (the chat template, the
+    stop ids): ``{GENERATION_KEY: stamps}`` of :data:`GENERATION_FILES` present in the target folder, and for a
+    converted GGUF of its tokenizer files too (:data:`dflash_eval.plan.TOKENIZER_FILES`). An edited chat template
+    or stop id (``eos_token_id`` in ``generation_config.json``, the fix docs/errors.md gives for a target that
+    never stops) thus reruns the prompts or completions and everything after them (the twelfth trial's N1: it
+    reran nothing, the old completions stayed).
+
+    ``{}`` while the folder does not exist (a GGUF target before its conversion): the field, added by the next
+    parse, is one the record lacked, which :func:`only_new_fields` rewrites without a rerun; and
+    :func:`record_sha256` leaves it out, so outputs made before it still name their record."""
+    from .plan import TOKENIZER_FILES
+
+    folder = Path(plan.target.dir)
+    if not folder.is_dir():
+        return {}
+    names = (*TOKENIZER_FILES, *GENERATION_FILES) if plan.target.from_gguf else GENERATION_FILES
+    return {GENERATION_KEY: [st for n in names for st in file_stamps(folder / n)]}
+
+
+def record_sha256(path: str | Path) -> str:
+    """The sha256 a stage records of its options record (``settings_sha256``) and a reader compares: of the
+    record's bytes, or, for a record holding :data:`GENERATION_KEY`, of the text it would be without that field
+    (the stamps of target files, compared through the record's modification time, not the settings a job ran
+    with; a field absent from the first parse of a GGUF target's run).
+
+    Raises:
+        OSError: the record cannot be read.
+    """
+    import hashlib
+
+    data = Path(path).read_bytes()
+    try:
+        values = json.loads(data)
+    except ValueError:
+        values = None
+    if isinstance(values, dict) and GENERATION_KEY in values:
+        data = record_text({k: v for k, v in values.items() if k != GENERATION_KEY}).encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def record_text(values: dict) -> str:
+    """A record's text: canonical JSON, one key per line."""
+    return json.dumps(values, indent=1, sort_keys=True) + "\n"
+
+
+def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | None = None,
+                  generation: dict | None = None) -> dict:
     """The values of one record: what its rule's ``params`` pass that can change outputs.
 
-    ``target``: :func:`target_values` of the plan (computed when None; :func:`planned_records` passes it once).
+    ``target``: :func:`target_values` of the plan (computed when None; :func:`planned_records` passes it once);
+    ``generation``: :func:`generation_values` likewise (prompts and completions records).
 
     Raises:
         KeyError: an unknown ``stage``, prompt set or checkpoint.
@@ -130,10 +187,14 @@ def record_values(plan: "Plan", stage: str, key: str = RUN_KEY, target: dict | N
         return {**target, "args": plan.demo_args(key), "files": file_stamps(drafter) if drafter else []}
     if stage == "prompts":
         data = plan.prompt_data_path(key)
-        return {**target, "source": plan.prompt_set_options(key)["source"], "path": plan.prompts_path_arg(key),
-                "options": plan.stage_flags(stage, key), "files": file_stamps(data) if data else []}
+        generation = generation_values(plan) if generation is None else generation
+        return {**target, **generation, "source": plan.prompt_set_options(key)["source"],
+                "path": plan.prompts_path_arg(key), "options": plan.stage_flags(stage, key),
+                "files": file_stamps(data) if data else []}
     if stage == "completions":
-        return {**target, "options": plan.stage_flags(stage, key), "fingerprint": plan.completions_fingerprint_arg()}
+        generation = generation_values(plan) if generation is None else generation
+        return {**target, **generation, "options": plan.stage_flags(stage, key),
+                "fingerprint": plan.completions_fingerprint_arg()}
     if stage == "hidden_states":
         return {**target, "layer_ids": list(plan.cache_layer_ids), "shards": plan.cache_shards,
                 "options": plan.stage_flags(stage, key)}
@@ -169,13 +230,13 @@ def planned_records(plan: "Plan") -> dict[str, str]:
     keys += [("strip_drafter", c) for c in plan.checkpoints]
     keys += [(s, RUN_KEY) for s in PER_RUN if getattr(plan, f"{s}_outputs")()]  # the optional stages that are on
     keys += [(s, RUN_KEY) for s in ALWAYS_PER_RUN]
-    target = target_values(plan)  # the target's files are stamped once
-    records = {record_path(plan.run, s, k): record_values(plan, s, k, target) for s, k in keys}
+    target, generation = target_values(plan), generation_values(plan)  # the target's files are stamped once
+    records = {record_path(plan.run, s, k): record_values(plan, s, k, target, generation) for s, k in keys}
     if plan.target.from_gguf:
         records[target_record_path(plan.target_name)] = record_values(plan, "target_from_gguf", target=target)
     for name in plan.demo_checkpoints:
         records[demo_record_path(name)] = record_values(plan, "demo_checkpoint", name, target)
-    return {path: json.dumps(values, indent=1, sort_keys=True) + "\n" for path, values in records.items()}
+    return {path: record_text(values) for path, values in records.items()}
 
 
 #: the ``argparse`` destinations of Snakemake's options of commands that plan, list, draw, lint or clean up but

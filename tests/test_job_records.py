@@ -48,7 +48,9 @@ def test_each_option_changes_exactly_its_jobs_records(config):
         + [record_path("default", "summary"), record_path("default", "report")]  # planned in every run
         + ["resources/targets/smollm2-135m-instruct.options.json"]  # target_from_gguf's (a GGUF target)
         + [f"resources/demo/checkpoints/{c}.options.json" for c in _plan(config).demo_checkpoints])  # demo_checkpoint's
-    assert json.loads(base["results/default/options/prompts/humaneval.json"]) == {
+    prompts_record = json.loads(base["results/default/options/prompts/humaneval.json"])
+    prompts_record.pop("target_generation_files", None)  # present once the GGUF is converted: the test below
+    assert prompts_record == {
         "options": "--n=16 --seed=0 --max-prompt-tokens=1024 --no-enable-thinking", "path": "", "source": "humaneval",
         "target": "resources/targets/smollm2-135m-instruct", "files": []}  # a packaged set: no user file
     for c in _plan(config).demo_checkpoints:  # rule demo_checkpoint's .pt (absent at the first parse): no stamps
@@ -704,3 +706,48 @@ def test_only_new_fields_accepts_added_stamp_keys_but_not_an_added_option():
                   {**new, "picks": {"checkpoints": ["ckA"]}},  # an option set in the config
                   {**new, "checkpoint": "ck2"}):
         assert not only_new_fields(json.dumps(old), json.dumps(other)), other
+
+
+def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(config, tmp_path, monkeypatch):
+    """The twelfth trial's N1: the converted GGUF target's chat_template.jinja and generation_config.json (whose
+    eos_token_id docs/errors.md tells a user to edit) are inputs of no job; editing them reran nothing. The prompts
+    and completions records hold their stamps once the folder exists; the field's arrival after the conversion is
+    no change (the first run is not redone), and the settings sha256 the stages record leaves it out."""
+    import os
+
+    from dflash_eval.job_records import GENERATION_KEY, only_new_fields, record_sha256
+
+    config["checkpoints"] = {"demo": [], "list": [
+        {"name": "ckA", "path": str(REPO / "demo" / "drafters" / "dflash-smollm2-b8-step788")}]}
+    monkeypatch.chdir(tmp_path)
+    first = write_records(_plan(config))  # before target_from_gguf: no folder, no field
+    prompts, completions = Path(record_path("default", "prompts", "humaneval")), Path(
+        record_path("default", "completions", "humaneval"))
+    assert first.fresh and GENERATION_KEY not in json.loads(prompts.read_text())
+    before = {p: (record_sha256(p), p.read_text()) for p in (prompts, completions)}
+    folder = tmp_path / "resources" / "targets" / "smollm2-135m-instruct"
+    folder.mkdir(parents=True)  # what the conversion writes beside its declared outputs
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (folder / "generation_config.json").write_text('{"eos_token_id": 2}')
+    for p in (prompts, completions):
+        os.utime(p, (1000, 1000))
+    second = write_records(_plan(config))  # the next parse: the field arrives, nothing reruns
+    assert second.changed == [] and all(p.stat().st_mtime == 1000 for p in (prompts, completions))
+    stamps = json.loads(prompts.read_text())[GENERATION_KEY]
+    assert [s["file"] for s in stamps] == [f"resources/targets/smollm2-135m-instruct/{n}" for n in (
+        "chat_template.jinja", "generation_config.json")]
+    assert only_new_fields(before[prompts][1], prompts.read_text())
+    assert {p: record_sha256(p) for p in before} == {p: sha for p, (sha, _) in before.items()}  # outputs still match
+    generating = sorted(record_path("default", s, p) for s in ("prompts", "completions") for p in ("humaneval", "sharegpt"))
+    (folder / "generation_config.json").write_text('{"eos_token_id": [2, 28]}')  # errors.md's fix for a stop id
+    assert sorted(write_records(_plan(config)).changed) == generating
+    assert prompts.stat().st_mtime > 1e9
+    (folder / "chat_template.jinja").write_text("You are a pirate. {{ messages[0].content }}")
+    assert sorted(write_records(_plan(config)).changed) == generating
+    assert record_sha256(prompts) == before[prompts][0]  # the stamps are not the settings a stage ran with
+    hf = dict(config, target={**config["target"], "path": str(folder), "name": "hf"})  # an HF folder: its
+    (folder / "config.json").write_text('{"num_hidden_layers": 30, "hidden_size": 576}')  # generation_config.json too (chat templates are tokenizer files)
+    (folder / "model.safetensors").write_bytes(b"x")
+    (folder / "tokenizer.json").write_text("{}")
+    assert [s["file"] for s in json.loads(planned_records(_plan(hf))[record_path("default", "completions", "humaneval")])[
+        GENERATION_KEY]] == ["resources/targets/smollm2-135m-instruct/generation_config.json"]
