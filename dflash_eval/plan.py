@@ -376,6 +376,7 @@ class Plan:
         overlaid with the set's own); ``hidden_states``: ``final_hidden`` = ``needs_final_hidden``; ``evaluate``:
         ``sampling`` = the set's ``evaluate_settings``; ``engine_parity``: ``final_hidden`` as its prompt set's cache;
         ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
+        ``target_costs``: ``budgets`` with every ``evaluate.ddtree_budgets`` budget added;
         ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
         from .options import section_values
@@ -385,6 +386,8 @@ class Plan:
             values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
         if stage == "validate_online":
             values["ddtree_budget"] = self.validate_online_budget
+        if stage == "target_costs":  # every evaluated budget gets its speedup (twelfth trial's A0: an empty column)
+            values["budgets"] = sorted({*values["budgets"], *self.config.get("evaluate", {}).get("ddtree_budgets", [])})
         if stage == "hidden_states" and values.get("source") != "vllm":
             values["vllm"] = section_values(stage, {})["vllm"]  # unused by source hf: editing them reruns nothing
         if prompt_set is not None and stage == "completions":

@@ -69,6 +69,13 @@ def test_each_option_changes_exactly_its_jobs_records(config):
                                                                            "completions/sharegpt.json"]
     assert changed(lambda c: c["evaluate"].update(ddtree_budgets=[8])) == ["evaluate/humaneval.json",
                                                                           "evaluate/sharegpt.json"]
+    # a budget target_costs does not time is added to its timings (the twelfth trial's A0: its speedup column
+    # was empty and "best" was picked among the others, without a word)
+    assert changed(lambda c: c["evaluate"].update(ddtree_budgets=[4, 8])) == [
+        "evaluate/humaneval.json", "evaluate/sharegpt.json", "target_costs/run.json"]
+    four = copy.deepcopy(config)
+    four["evaluate"]["ddtree_budgets"] = [4, 8]
+    assert "--budgets=4,8,16,32,64,128,256" in _plan(four).stage_flags("target_costs")
     assert changed(lambda c: c["cache"].update(target_layer_ids=[1, 8, 15, 22, 27, 29])) == [
         "hidden_states/humaneval.json", "hidden_states/sharegpt.json"]
     assert changed(lambda c: c["target_costs"].update(repeats=3)) == ["target_costs/run.json"]
