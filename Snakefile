@@ -52,6 +52,10 @@ rule all:
 onsuccess:
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
     forget_owner()
+    # what the trackers left out (a checkpoint without a step, two at one step, W&B points lost with their
+    # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers.py)
+    for _note in trackers_run_warnings(PLAN, STARTED):
+        logger.warning(f"dflash-eval: {_note}")
 
 
 # The running Snakemake is recorded, so that a lock it leaves when killed is recognised as stale

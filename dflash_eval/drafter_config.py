@@ -256,6 +256,7 @@ class DrafterConfig:
         cfg = copy.deepcopy(cfg)
         notes: list[str] = apply_overrides(cfg, dict(overrides or {}), source)
         check_duplicated_fields(cfg, source)
+        check_finite_numbers(cfg, source)
         dcfg = cfg.get("dflash_config") or {}
 
         unsupported = [k for k in UNSUPPORTED_DFLASH_KEYS if k in dcfg or k in cfg]
@@ -394,6 +395,35 @@ class DrafterConfig:
             head_dim=self.head_dim,
             **kw,
         )
+
+
+#: float fields that must be positive where set (a zero or negative one breaks the norm, RoPE or the softcap)
+POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "final_logit_softcapping")
+
+
+def check_finite_numbers(cfg: dict, source: str) -> None:
+    """Refuse a NaN or infinite number anywhere in a drafter config (Python's ``json`` reads ``NaN`` and
+    ``Infinity``), and a :data:`POSITIVE_FLOATS` field that is not positive, naming the field: such a config
+    builds a drafter whose every draft is rejected (the thirteenth trial: ``rms_norm_eps: NaN`` gave tau 1.0,
+    exit 0, like NaN weights, which are refused where loaded).
+
+    Raises:
+        InputError: ``(source, field path, ...)``.
+    """
+    from .config import non_finite_entry
+
+    where = non_finite_entry(cfg)
+    if where:
+        raise InputError(source, where, "not a finite number (NaN or infinity): no trained drafter has one",
+                         "restore the value the training run saved (or give it with strip --override / the "
+                         "checkpoint entry's overrides)")
+    for copy_ in (cfg, cfg.get("dflash_config") or {}, cfg.get("rope_parameters") or {}):
+        for name in POSITIVE_FLOATS:
+            v = copy_.get(name) if isinstance(copy_, dict) else None
+            if v is None or (name == "final_logit_softcapping" and v == 0):  # unset; a softcap of 0: none
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InputError(source, name, f"must be a positive number, got {v!r}", f"restore the trained {name}")
 
 
 def _dflash2_fields(cfg: dict, dcfg: dict, source: str, hidden: int, vocab: int, block_size: int,

@@ -502,9 +502,25 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
 
 def lost_outputs(plan: "Plan") -> list[str]:
     """The run's evaluate outputs, ``target_costs.json`` and report sections that are gone while the run's tau.csv,
-    made from them, is still there (:func:`write_planned_evaluations`). Caches and prompts files are not listed:
+    made from them, is still there (:func:`write_planned_evaluations`), and the tracker logs gone under the run's
+    ``trackers.json`` (:func:`gone_tracker_logs`). Caches and prompts files are not listed:
     remaking them redoes target work (a cache deleted to free disk stays deleted until a job needs it)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
     made = plan.evaluations() + plan.target_costs_outputs() + plan.extra_outputs()
-    return [f for f in made if not os.path.exists(f)]
+    return [f for f in made if not os.path.exists(f)] + gone_tracker_logs(plan)
+
+
+def gone_tracker_logs(plan: "Plan") -> list[str]:
+    """The TensorBoard event files / W&B offline run folders the run's ``trackers.json`` says were logged to and
+    are gone (:func:`dflash_eval.trackers.gone_logs`): the trackers rerun."""
+    path = Path(plan.run_path("trackers.json"))
+    if not plan.trackers_outputs() or not path.is_file():
+        return []
+    from .trackers import gone_logs
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []  # its digest check (output_digests) names it
+    return gone_logs(record, plan.config.get("trackers") or {}, plan.run) if isinstance(record, dict) else []

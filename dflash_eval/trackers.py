@@ -102,21 +102,25 @@ def read_table(path: str | Path):
     return df
 
 
-def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
+def table_points(df, prefix: str = "dflash_eval", notes: list[str] | None = None) -> list[Point]:
     """The points of a tau table (see the module docstring), sorted by (step, tag).
 
-    Two checkpoints at the same step would put two values on one (step, tag); the first by
-    checkpoint name is kept and the other named in a warning.
+    A checkpoint without a step is left out; two checkpoints at the same step would put two values on one
+    (step, tag): the first by checkpoint name is kept. Both are warned about (the log) and, with ``notes``,
+    appended there (:func:`log_table` puts them in ``trackers.json``, the workflow prints them at its end).
     """
     import pandas as pd
 
+    notes = [] if notes is None else notes
     cols = [c for c in df.columns if str(c).startswith(METRIC_PREFIXES)]
     points: dict[tuple[int, str], Point] = {}
     no_step = sorted({str(c) for c, s in zip(df["checkpoint"], df["step"]) if pd.isna(s)})
     if no_step:
-        log.warning("trackers: no training step known for %s: not logged (a step comes from the checkpoint's own "
-                    "'step' / 'global_step', its folder's trainer_state.json / training_state.json, or its name, "
-                    "e.g. step1500)", ", ".join(no_step))
+        notes.append(f"trackers: no training step known for {', '.join(no_step)}: not logged (a step comes from the "
+                     "checkpoint's own 'step' / 'global_step', its folder's trainer_state.json / training_state.json, "
+                     "or its name, e.g. step1500)")
+        log.warning("%s", notes[-1])
+    shared: dict[tuple[str, str, int], None] = {}
     if "sampling" in df.columns:  # the first row of a (checkpoint, prompt set) is its first configured setting
         first = ~df.duplicated(["checkpoint", "prompt_set"])
         df = df.assign(tag_scope=[f"{ps}" if f else f"{ps}/{lab}"
@@ -134,10 +138,13 @@ def table_points(df, prefix: str = "dflash_eval") -> list[Point]:
             key = (int(rec["step"]), f"{prefix}/{rec['tag_scope']}/{col}")
             if key in points:
                 if points[key].checkpoint != rec["checkpoint"]:
-                    log.warning("trackers: %s and %s are both at step %d: %s logged from %s only",
-                                points[key].checkpoint, rec["checkpoint"], key[0], key[1], points[key].checkpoint)
+                    shared[(points[key].checkpoint, str(rec["checkpoint"]), key[0])] = None
                 continue
             points[key] = Point(key[0], key[1], float(v), str(rec["checkpoint"]))
+    for kept, other, step in shared:
+        notes.append(f"trackers: {kept} and {other} are both at step {step}: its points are logged from {kept} only "
+                     "(give each checkpoint its own step: checkpoints.list 'step', or its name)")
+        log.warning("%s", notes[-1])
     return [points[k] for k in sorted(points)]
 
 
@@ -260,6 +267,43 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
     out["file"] = str(final)
     log.info("tensorboard: %d new points -> %s (%d already there)", len(new), final, out["already"])
     return out
+
+
+def _with_files(out: dict, run_dir: Path) -> dict:
+    """``out`` with ``files``: the dflash-eval event files of ``run_dir`` (names), what :func:`gone_logs` checks."""
+    return {**out, "files": sorted(f.name for f in run_dir.iterdir() if _TB_NAME.match(f.name))}
+
+
+def gone_logs(record: dict, cfg: dict, run: str) -> list[str]:
+    """What a finished trackers job logged to and is gone now: the event files ``trackers.json`` (``record``)
+    names, or the TensorBoard run folder's every dflash-eval event file (a record of an earlier version); W&B
+    offline run folders of the run while the record holds no warning about them yet. ``[]`` when all are there.
+
+    The workflow reruns the trackers for them (:func:`dflash_eval.job_records.lost_outputs`): TensorBoard gets the
+    points again, W&B's ledger still lists its points (they went to the deleted folders), so the rerun says so in
+    ``trackers.json`` (``warning``) and does not come back (the twelfth trial's N11: folders deleted, "Nothing to
+    be done", and trackers.json still claimed the points).
+
+    Args:
+        record: ``results/<run>/trackers.json`` (as written by the trackers stage; not verified here).
+        cfg: config section ``trackers``; ``run``: the run name.
+    """
+    gone = []
+    tb = record.get("tensorboard")
+    if isinstance(tb, dict) and (cfg.get("tensorboard") or {}).get("enabled") and tb.get("logged", 0) + tb.get("already", 0):
+        run_dir = tensorboard_run_dir(cfg, run)
+        names = tb.get("files")
+        if isinstance(names, list) and names:
+            gone += [str(run_dir / n) for n in names if not (run_dir / n).is_file()]
+        elif not (run_dir.is_dir() and any(_TB_NAME.match(f.name) for f in run_dir.iterdir())):
+            gone.append(str(run_dir))
+    wb = record.get("wandb")
+    if (isinstance(wb, dict) and (cfg.get("wandb") or {}).get("enabled") and wb.get("mode") == "offline"
+            and wb.get("logged", 0) + wb.get("already", 0) and not wb.get("warning") and wb.get("dir")):
+        local = Path(wb["dir"]) / "wandb"
+        if not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(str(wb.get('run_id')))}"))):
+            gone.append(str(local))
+    return gone
 
 
 # --------------------------------------------------------------------------- W&B
@@ -449,7 +493,8 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
         record_dir: ledger folder (default ``results/<run>/trackers``).
 
     Returns:
-        ``{tracker: what it logged}`` plus ``points`` (the table's point count); ``{}`` when none is on.
+        ``{tracker: what it logged}`` plus ``points`` (the table's point count) and ``warnings`` (checkpoints left
+        out: :func:`table_points`; absent when none); ``{}`` when none is on.
 
     Raises:
         InputError: an enabled tracker's client library is not installed (names the requirements
@@ -460,9 +505,10 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
         return {}
     df = read_table(table) if isinstance(table, (str, Path)) else table
     prefix = cfg.get("prefix") or "dflash_eval"
-    points = table_points(df, prefix)
+    notes: list[str] = []
+    points = table_points(df, prefix, notes)
     record_dir = Path(record_dir or os.path.join("results", run, "trackers"))
-    out: dict = {"points": len(points)}
+    out: dict = {"points": len(points), **({"warnings": notes} if notes else {})}
     for name in names:
         module = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[name]
         try:
@@ -471,9 +517,32 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
             raise InputError("config", f"trackers.{name}.enabled", f"the {module} client library is not installed",
                              "pip install -r envs/requirements-trackers.txt (or switch the tracker off)") from None
         if name == "tensorboard":
-            out[name] = write_tensorboard(points, tensorboard_run_dir(cfg, run))
+            out[name] = _with_files(write_tensorboard(points, tensorboard_run_dir(cfg, run)), tensorboard_run_dir(cfg, run))
         elif name == "wandb":
             out[name] = log_wandb(points, cfg.get("wandb") or {}, run, record_dir, prefix)
         else:
             out[name] = log_mlflow(points, cfg.get("mlflow") or {}, run)
     return out
+
+
+def record_warnings(path: str | Path) -> list[str]:
+    """The warnings a ``trackers.json`` holds (checkpoints left out, W&B points lost with their folders), which the
+    workflow prints at its end when the trackers ran (the twelfth trial's N2: they were in the job log only).
+    ``[]`` when the file is missing or unreadable (its digest check names it)."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(record, dict):
+        return []
+    return [str(w) for w in record.get("warnings") or []] + [
+        str(v["warning"]) for v in record.values() if isinstance(v, dict) and v.get("warning")]
+
+
+def run_warnings(plan, since: float) -> list[str]:
+    """:func:`record_warnings` of the run's ``trackers.json`` when a job of this Snakemake run wrote it (modified
+    at or after ``since``, seconds since the epoch), else ``[]`` (the Snakefile's ``onsuccess``)."""
+    outs = plan.trackers_outputs()
+    if not outs or not os.path.isfile(outs[0]) or os.path.getmtime(outs[0]) < since:
+        return []
+    return record_warnings(outs[0])

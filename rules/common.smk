@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -27,6 +28,7 @@ from dflash_eval.job_records import (demo_record_path, params_trigger_off, pendi
                                      lost_target_outputs, write_planned_evaluations, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
+from dflash_eval.trackers import run_warnings as trackers_run_warnings
 from dflash_eval.plan import build_plan
 from dflash_eval.workflow_guard import (
     check_config_files,
@@ -61,6 +63,7 @@ CONFIG_FILES = (
 # The main Snakemake process (not a cluster job's): a lock left by a killed run is released when its
 # owner is provably gone, else explained (dflash_eval/workflow_guard.py).
 MAIN_PROCESS = workflow.exec_mode == ExecMode.DEFAULT
+STARTED = time.time()  # outputs newer than this were made by this run (onsuccess: the trackers' warnings)
 if MAIN_PROCESS:
     _lock_note, _released = release_stale_lock(sys.argv)
     _again = rerun_incomplete_argv(sys.argv) if _released else None
@@ -109,7 +112,7 @@ except InputError as err:
 if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
     _lost, _replaced = write_planned_evaluations(PLAN)  # (rerun without metadata); --touch would mark summary up to date over it
     if _lost:  # renewed: Snakemake would not remake them under an up-to-date tau.csv
-        logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv and the report were made from are gone "
+        logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv, the report or trackers.json stand on are gone "
                        f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
                        "summary, report and trackers rerun")
     if _replaced:  # final outputs no later job reads: their stage's digest (dflash_eval/output_digests.py)

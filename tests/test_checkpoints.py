@@ -228,6 +228,30 @@ def test_partial_rotary_factor_ignored_with_note(tmp_path, cfg, state):
     assert "partial_rotary_factor" not in json.loads((out / "config.json").read_text())
 
 
+@pytest.mark.parametrize("field, value, where, problem", [
+    ("rms_norm_eps", float("nan"), "rms_norm_eps", "not a finite number"),
+    ("rope_theta", float("inf"), "rope_theta", "not a finite number"),
+    ("rms_norm_eps", 0.0, "rms_norm_eps", "must be a positive number, got 0.0"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps", "must be a positive number, got '1e-6'"),
+])
+def test_non_finite_or_non_positive_config_numbers_are_refused(tmp_path, cfg, state, field, value, where, problem):
+    """The thirteenth trial's A1: ``"rms_norm_eps": NaN`` in a checkpoint's config.json (Python's json reads it)
+    built a drafter whose every draft was rejected: tau 1.0, exit 0. Refused by name, at strip and wherever a
+    config is read (a stripped folder's config edited after strip too)."""
+    write_hf(tmp_path / "d", dict(cfg, **{field: value}), state)
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", where, tmp_path / "out")
+    assert problem in exc.value.problem
+    from dflash_eval.drafter_config import DrafterConfig
+
+    nested = dict(json.loads(json.dumps(cfg)), rope_parameters={"rope_type": "default", "rope_theta": float("nan")})
+    nested.pop("rope_theta", None)  # the nested copy only (two copies must agree: another error)
+    with pytest.raises(InputError) as exc:
+        DrafterConfig.from_dict(nested, "x/config.json")
+    assert exc.value.field == "rope_parameters.rope_theta" and "not a finite number" in exc.value.problem
+
+
 def test_missing_target_layer_ids_needs_override(tmp_path, cfg, state):
     bad = json.loads(json.dumps(cfg))
     del bad["dflash_config"]["target_layer_ids"]

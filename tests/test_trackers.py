@@ -67,8 +67,31 @@ def test_table_points_are_one_per_checkpoint_metric_and_step(caplog):
     assert {p.tag for p in table_points(df)} >= {"dflash_eval/humaneval/tau_T1_0"}
     # two checkpoints at one step: the first by name is kept, the other is named
     dup = pd.concat([table(100), table(100).assign(checkpoint="ck-z", tau=7.0)])
-    assert as_points(table_points(dup))["dflash_eval/humaneval/tau"] == [(100, 1.5)]
+    notes: list[str] = []
+    assert as_points(table_points(dup, notes=notes))["dflash_eval/humaneval/tau"] == [(100, 1.5)]
     assert "ck-a and ck-z are both at step 100" in caplog.text
+    # the twelfth trial's N2: both also go into trackers.json (the workflow prints them at its end)
+    assert notes == ["trackers: no training step known for ck-z, nostep: not logged (a step comes from the checkpoint's own "
+                     "'step' / 'global_step', its folder's trainer_state.json / training_state.json, or its name, e.g. "
+                     "step1500)", "trackers: ck-a and ck-z are both at step 100: its points are logged from ck-a only "
+                     "(give each checkpoint its own step: checkpoints.list 'step', or its name)"]
+
+
+def test_trackers_json_holds_the_checkpoints_left_out_and_the_workflow_prints_them(tmp_path, monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from dflash_eval.trackers import run_warnings
+
+    monkeypatch.chdir(tmp_path)
+    record = log_table(table(100), {"tensorboard": {"enabled": True}}, "demo")
+    assert record["warnings"] == [table_points(table(100), notes=(n := [])) and n[0]]
+    out = tmp_path / "trackers.json"
+    out.write_text(json.dumps(record))
+    plan = SimpleNamespace(trackers_outputs=lambda: [str(out)])
+    assert run_warnings(plan, since=out.stat().st_mtime - 1) == record["warnings"]
+    os.utime(out, (1000, 1000))  # written by an earlier run: not printed again
+    assert run_warnings(plan, since=2000) == []
 
 
 def test_table_points_tag_each_sampling_setting():
@@ -268,3 +291,34 @@ def test_wandb_ledger_missing_beside_its_runs_or_edited_is_refused(tmp_path, mon
     shutil.move(tmp_path / "results/demo/wandb", tmp_path / "wandb-moved")
     got = log_table(table(200), cfg, "demo")["wandb"]
     assert got["logged"] == 0 and "holds no folder of that run: if it was not synced" in got["warning"]
+
+
+def test_tracker_logs_gone_under_trackers_json_are_found_and_relogged(tmp_path, monkeypatch):
+    """The twelfth trial's N11: results/<run>/tensorboard (or the W&B offline folders) deleted gave "Nothing to be
+    done" while trackers.json still claimed the points. ``gone_logs`` names what the record says was logged to and
+    is gone (the workflow then reruns the trackers): TensorBoard gets its points again; W&B, whose ledger lists
+    them, says they are lost in trackers.json, and is not named again (no rerun loop)."""
+    pytest.importorskip("wandb")
+    from dflash_eval.trackers import gone_logs
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {"tensorboard": {"enabled": True}, "wandb": {"enabled": True}}
+    record = log_table(table(100), cfg, "demo")
+    run_dir = tensorboard_run_dir(cfg, "demo")
+    assert record["tensorboard"]["files"] == [Path(record["tensorboard"]["file"]).name]
+    assert gone_logs(record, cfg, "demo") == []
+    record = log_table(table(200), cfg, "demo")  # a second event file: both are named
+    assert len(record["tensorboard"]["files"]) == 2 and gone_logs(record, cfg, "demo") == []
+    first = run_dir / record["tensorboard"]["files"][0]
+    first.unlink()  # one of them deleted: its points are gone from TensorBoard
+    assert gone_logs(record, cfg, "demo") == [str(first)]
+    shutil.rmtree(tmp_path / "results/demo/tensorboard")
+    shutil.rmtree(tmp_path / "results/demo/wandb")
+    assert gone_logs(record, cfg, "demo") == [str(first), str(run_dir / record["tensorboard"]["files"][1]),
+                                              "results/demo/wandb"]
+    old = {**record, "tensorboard": {k: v for k, v in record["tensorboard"].items() if k != "files"}}
+    assert gone_logs(old, cfg, "demo")[0] == str(run_dir)  # a record of an earlier version: the folder
+    again = log_table(table(200), cfg, "demo")  # what the rerun does
+    assert again["tensorboard"]["logged"] == 15 and tensorboard_scalars(run_dir) == expected(200)
+    assert "if it was not synced" in again["wandb"]["warning"] and gone_logs(again, cfg, "demo") == []

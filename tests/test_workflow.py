@@ -737,7 +737,7 @@ def test_a_lost_evaluate_output_is_made_again_by_the_same_command(tiny_run, tmp_
     gone.unlink()
     (wd / "results/tiny/target_costs.json").unlink()
     text = out(smk(wd, "--workflow-profile", str(CI_PROFILE)))
-    assert "2 output(s) that tau.csv and the report were made from are gone (results/tiny/eval/step100/set_a.json, " \
+    assert "2 output(s) that tau.csv, the report or trackers.json stand on are gone (results/tiny/eval/step100/set_a.json, " \
            "results/tiny/target_costs.json): they are made again" in text, text[-3000:]
     ran = planned_jobs(text)
     assert sorted(r for r, _ in ran if r != "all") == ["evaluate", "report", "summary", "target_costs"], text[-5000:]
@@ -897,6 +897,30 @@ def test_a_failed_run_leaves_no_finished_cache_for_a_forced_rerun_to_adopt(tiny_
 def _copy_run(tiny_run, dst: Path) -> Path:
     shutil.copytree(tiny_run, dst, symlinks=True)  # keeps mtimes and the .snakemake metadata
     return dst
+
+
+@pytest.mark.slow
+def test_a_deleted_tensorboard_folder_is_logged_again_by_the_same_command(tiny_run, tmp_path):
+    """The twelfth trial's N11: results/<run>/tensorboard deleted after the trackers ran gave "Nothing to be done"
+    while trackers.json still claimed the points. The parse finds the event files trackers.json names gone and
+    reruns the trackers (with summary and report), which log every point again; then nothing is left to do."""
+    out = lambda p: p.stdout + p.stderr  # noqa: E731
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True)
+    overlay = _overlay(wd, "trackers: {tensorboard: {enabled: true}}")
+    assert ("trackers", "run=tiny") in planned_jobs(out(smk(wd, "--workflow-profile", str(CI_PROFILE), *overlay)))
+    record = json.loads((wd / "results/tiny/trackers.json").read_text())
+    logged = record["tensorboard"]["logged"]
+    assert logged == record["points"] > 0 and len(record["tensorboard"]["files"]) == 1
+    shutil.rmtree(wd / "results/tiny/tensorboard")
+    text = out(smk(wd, "--workflow-profile", str(CI_PROFILE), *overlay))
+    assert "1 output(s) that tau.csv, the report or trackers.json stand on are gone (results/tiny/tensorboard/tiny/" \
+        "events.out.tfevents." in text, text[-3000:]
+    assert sorted(r for r, _ in planned_jobs(text) if r != "all") == ["report", "summary", "trackers"], text[-3000:]
+    again = json.loads((wd / "results/tiny/trackers.json").read_text())
+    assert again["tensorboard"]["logged"] == logged and (wd / "results/tiny/tensorboard/tiny" /
+                                                         again["tensorboard"]["files"][0]).is_file()
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *overlay))
 
 
 def _overlay(wd: Path, text: str) -> list[str]:
