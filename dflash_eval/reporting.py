@@ -265,7 +265,8 @@ def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     from .figures import method_columns
 
     f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
-    out = pd.DataFrame({"checkpoint": data.checkpoints, "step": f["step"].to_numpy()})
+    steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000 (the twelfth trial)
+    out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
     for col, label in method_columns(data.frame):
         out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
     return out

@@ -158,6 +158,8 @@ def test_fake_columns_adapt(run):
     assert "## DDTree: tau per node budget" in md and "| late | 200 | 4.000 | 4.500 | 5.000 |" in md
     assert "| late | humaneval | 0.900 | 0.600 | 0.300 |" in md and "| early | chat | 0.900 | 0.600 |  |" in md
     assert "| late | humaneval | 4.000 | 3.900 |" in md  # by position
+    data.frame["step"] = data.frame["step"].astype(float)  # a float step column (a row without step): 200, not 200.000
+    assert "| late | 200 | 4.000 | 4.500 | 5.000 |" in R.render_markdown(data)
 
 
 def test_html_self_contained_and_markdown(run):
