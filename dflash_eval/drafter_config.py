@@ -397,8 +397,10 @@ class DrafterConfig:
         )
 
 
-#: float fields that must be positive where set (a zero or negative one breaks the norm, RoPE or the softcap)
-POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "final_logit_softcapping")
+#: float fields that must be positive where set (a zero or negative one breaks the norm, RoPE, the softcap or
+#: turns the embedding / logits scale to nothing or upside down)
+POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "final_logit_softcapping", "input_embedding_scale",
+                   "output_multiplier")
 
 
 def check_finite_numbers(cfg: dict, source: str) -> None:

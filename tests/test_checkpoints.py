@@ -233,6 +233,9 @@ def test_partial_rotary_factor_ignored_with_note(tmp_path, cfg, state):
     ("rope_theta", float("inf"), "rope_theta", "not a finite number"),
     ("rms_norm_eps", 0.0, "rms_norm_eps", "must be a positive number, got 0.0"),
     ("rms_norm_eps", "1e-6", "rms_norm_eps", "must be a positive number, got '1e-6'"),
+    ("output_multiplier", -1.0, "output_multiplier", "must be a positive number, got -1.0"),
+    ("input_embedding_scale", 0, "input_embedding_scale", "must be a positive number, got 0"),
+    ("final_logit_softcapping", -5.0, "final_logit_softcapping", "must be a positive number, got -5.0"),
 ])
 def test_non_finite_or_non_positive_config_numbers_are_refused(tmp_path, cfg, state, field, value, where, problem):
     """The thirteenth trial's A1: ``"rms_norm_eps": NaN`` in a checkpoint's config.json (Python's json reads it)
