@@ -51,6 +51,9 @@ def check_compat(
         if target.hidden_size is not None and cfg.hidden_size != target.hidden_size:
             raise InputError(source, "hidden_size", f"drafter {cfg.hidden_size} != target {target.hidden_size} ({target.path})",
                              "evaluate against the target this drafter was trained for")
+        if target.vocab_size is not None and cfg.vocab_size != target.vocab_size:  # a config of another target
+            notes.append(f"config vocab_size {cfg.vocab_size} != the target's {target.vocab_size} ({target.path}): the "
+                         "drafter drafts with the target's embedding and LM head; check that this is its target")
         claimed = cfg.raw.get("num_target_layers")
         if isinstance(claimed, int) and claimed != target.num_layers:
             notes.append(f"config num_target_layers {claimed} != the target's {target.num_layers} layers "

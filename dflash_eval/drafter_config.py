@@ -303,10 +303,16 @@ class DrafterConfig:
                 raise InputError(source, name, f"must be a positive integer, got {value!r}", f"fix '{name}'")
             return value
 
+        def flag(name: str, default: bool = False) -> bool:
+            value = cfg.get(name, default)
+            if not isinstance(value, bool):  # bool("false") is True
+                raise InputError(source, name, f"must be true or false, got {value!r}", f"fix '{name}' (a JSON boolean)")
+            return value
+
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         n_layers = need("num_hidden_layers")
-        layer_types = list(cfg.get("layer_types") or ["full_attention"] * n_layers)
+        layer_types = list(cfg.get("layer_types") or implied_layer_types(cfg, n_layers, source, notes))
         if len(layer_types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
             raise InputError(
                 source, "layer_types",
@@ -325,7 +331,7 @@ class DrafterConfig:
                     "set use_sliding_window: true and sliding_window to the trained window, or make every "
                     "layer full_attention (pass the corrected config with --drafter-config)",
                 )
-            sliding = need("sliding_window")
+            sliding = need("sliding_window", QWEN3_SLIDING_WINDOW)
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             raise InputError(source, "is_causal", f"must be true/false, got {is_causal!r}", "fix is_causal")
@@ -355,7 +361,7 @@ class DrafterConfig:
             block_size=block_size,
             mask_token_id=mask_token_id,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=flag("attention_bias"),
             hidden_act=act,
             layer_types=layer_types,
             sliding_window=sliding,
@@ -395,6 +401,35 @@ class DrafterConfig:
             head_dim=self.head_dim,
             **kw,
         )
+
+
+#: transformers ``Qwen3Config`` defaults of ``sliding_window`` and ``max_window_layers`` (what a config without them
+#: gets when the reference builds it)
+QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
+
+
+def implied_layer_types(cfg: dict, n_layers: int, source: str, notes: list[str]) -> list[str]:
+    """The ``layer_types`` of a config that gives none, as transformers ``Qwen3Config`` derives them (what the
+    z-lab reference's ``from_pretrained`` builds): with ``use_sliding_window: true``, layers from
+    ``max_window_layers`` (default 28) on use the ``sliding_window`` (default 4096); else all full attention.
+    Noted when any layer slides (the thirteenth trial's A7: such a config was evaluated with full attention while
+    the reference windows it).
+
+    Raises:
+        InputError: ``max_window_layers`` that is not a non-negative integer.
+    """
+    if cfg.get("use_sliding_window") is not True or cfg.get("sliding_window", QWEN3_SLIDING_WINDOW) is None:
+        return ["full_attention"] * n_layers
+    first = cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InputError(source, "max_window_layers", f"must be a non-negative integer, got {first!r}",
+                         "fix max_window_layers (or give layer_types)")
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if "sliding_attention" in types:
+        notes.append(f"layer_types not given: {types} from use_sliding_window, max_window_layers {first} and "
+                     f"sliding_window {cfg.get('sliding_window', QWEN3_SLIDING_WINDOW)}, as transformers Qwen3Config "
+                     "derives them (the reference's drafter)")
+    return types
 
 
 #: float fields that must be positive where set (a zero or negative one breaks the norm, RoPE, the softcap or

@@ -17,7 +17,7 @@ from dflash_eval.checkpoints import FORMATS, detect_format
 from dflash_eval.stages.strip_drafter import strip_checkpoint
 from dflash_eval.drafter import DFlashDrafter, load_drafter
 from dflash_eval.errors import InputError
-from fixtures.drafters import LAYER_IDS, MASK_ID, VOCAB, random_state, tiny_config, write_target
+from fixtures.drafters import LAYER_IDS, MASK_ID, TARGET_LAYERS, VOCAB, random_state, tiny_config, write_target
 
 
 # --------------------------------------------------------------------------- writers, one per format
@@ -236,6 +236,8 @@ def test_partial_rotary_factor_ignored_with_note(tmp_path, cfg, state):
     ("output_multiplier", -1.0, "output_multiplier", "must be a positive number, got -1.0"),
     ("input_embedding_scale", 0, "input_embedding_scale", "must be a positive number, got 0"),
     ("final_logit_softcapping", -5.0, "final_logit_softcapping", "must be a positive number, got -5.0"),
+    # bool("false") is True: it was refused, but as missing k_proj.bias tensors
+    ("attention_bias", "false", "attention_bias", "must be true or false, got 'false'"),
 ])
 def test_non_finite_or_non_positive_config_numbers_are_refused(tmp_path, cfg, state, field, value, where, problem):
     """The thirteenth trial's A1: ``"rms_norm_eps": NaN`` in a checkpoint's config.json (Python's json reads it)
@@ -625,3 +627,21 @@ def test_two_different_embedded_configs_are_refused(tmp_path, cfg, state):
     # a training-arguments dict under 'config' is not a drafter config: no conflict
     torch.save({"model": state, "draft_config": cfg, "config": {"lr": 1e-4}}, tmp_path / "args.pt")
     strip_checkpoint(tmp_path / "args.pt", tmp_path / "out2")
+
+
+def test_a_drafter_config_of_another_vocabulary_is_noted(cfg):
+    """The thirteenth trial's A3: a drafter config whose vocab_size is not the target's passed without a word (the
+    drafter drafts with the target's embedding and head, so it runs; the config may be another target's)."""
+    from pathlib import Path as P
+
+    from dflash_eval.compat import check_compat
+    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.target_spec import TargetSpec
+
+    spec = TargetSpec(path=P("t"), config={}, model_type="qwen3", num_layers=TARGET_LAYERS, hidden_size=cfg["hidden_size"],
+                      vocab_size=cfg["vocab_size"])
+    assert check_compat(DrafterConfig.from_dict(cfg), "c.json", target=spec) == []
+    other = DrafterConfig.from_dict(dict(cfg, vocab_size=cfg["vocab_size"] + 7))
+    assert check_compat(other, "c.json", target=spec) == [
+        f"config vocab_size {cfg['vocab_size'] + 7} != the target's {cfg['vocab_size']} (t): the drafter drafts with the "
+        "target's embedding and LM head; check that this is its target"]

@@ -40,7 +40,11 @@ CONFIGS = {"full": tiny_config(sliding=False, layers=3, window=WINDOW, block_siz
            "sliding": tiny_config(sliding=True, layers=3, window=WINDOW, block_size=B),
            # reference semantics of a top-level is_causal: every layer, windowed ones then look both ways
            "sliding-noncausal": dict(tiny_config(sliding=True, layers=3, window=WINDOW // 2, block_size=B), is_causal=False),
-           "full-causal": dict(tiny_config(sliding=False, layers=3, block_size=B), is_causal=True)}
+           "full-causal": dict(tiny_config(sliding=False, layers=3, block_size=B), is_causal=True),
+           # no layer_types: transformers' Qwen3Config derives them (layers >= max_window_layers slide; the
+           # thirteenth trial's A7: evaluated with full attention while the reference windows them)
+           "sliding-implied": dict(tiny_config(sliding=False, layers=3, block_size=B), use_sliding_window=True,
+                                   sliding_window=WINDOW, max_window_layers=1)}
 
 
 def rel_diff(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,6 +61,9 @@ def make_pair(kind: str, dtype: torch.dtype, seed: int = 0):
         attn = ref.layers[0].self_attn
         assert (attn.sliding_window, attn.is_causal) == (WINDOW, True)
         assert (ref.layers[-1].self_attn.sliding_window, ref.layers[-1].self_attn.is_causal) == (None, False)
+    if kind == "sliding-implied":
+        assert [layer.self_attn.sliding_window for layer in ref.layers] == [None, WINDOW, WINDOW]
+        assert ours.cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     return ref.to(dtype).eval(), ours.to(dtype).eval()
 
 
