@@ -323,6 +323,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp_conv.finish(self.mlp(x), dyn, segment)
 
 
+#: the fix of a drafter whose drafted states are not finite (:meth:`DFlashDrafter.take_nonfinite`)
+NONFINITE_FIX = ("evaluate an earlier checkpoint (this one likely diverged: check its training loss); if its "
+                 "config.json was edited, restore the values the training run saved")
+
+
 class DFlashDrafter(nn.Module):
     """DFlash draft model (see module docstring for the maths and its sources)."""
 
@@ -336,6 +341,17 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = rotary_embedding(cfg)  # non-persistent inv_freq
         self.candidate_selector = CandidateSelector(cfg) if cfg.variant == "dflash2" else None
+        self._nonfinite: torch.Tensor | None = None  # see take_nonfinite
+
+    def take_nonfinite(self) -> bool:
+        """Whether a drafted state given to :meth:`logits` since the last call held NaN or inf (then reset).
+
+        :meth:`logits` only accumulates a device flag (no host sync per call); a caller asks once per batch. A
+        drafter whose weights overflow in its forward pass (finite weights, a diverged checkpoint), or a config
+        value that breaks a norm, drafts argmax garbage, which gives tau 1.0 without an error (the thirteenth
+        trial's A8); ``evaluate`` and ``validate_online`` refuse it (:class:`dflash_eval.errors.InputError`)."""
+        bad, self._nonfinite = self._nonfinite, None
+        return bool(bad) if bad is not None else False
 
     # -- context ---------------------------------------------------------------
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -468,6 +484,8 @@ class DFlashDrafter(nn.Module):
         The states are flattened to one contiguous ``[N, H]`` matrix first: on CPU, ``F.linear`` on a
         strided 3-D view (e.g. ``h[:, 1:]``) runs about 4x slower than on its contiguous copy.
         """
+        bad = ~torch.isfinite(hidden).all()  # [H]-sized rows: cheap beside the head; checked by take_nonfinite
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight).view(*hidden.shape[:-1], -1)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier

@@ -228,6 +228,26 @@ def test_nan_weights_fail_load_drafter_naming_the_tensor(pipeline, tmp_path):
         _evaluate(pipeline, d / "c.h5", drafter=bad, out="nan.json")
 
 
+def test_weights_that_overflow_in_the_forward_pass_are_refused_by_evaluate(pipeline, tmp_path):
+    """The thirteenth trial's A8: finite weights that overflow in the drafter's forward pass (3e38 in one MLP
+    projection, as a diverged run leaves) passed the weights check and drafted garbage: tau 1.0, exit 0. evaluate
+    refuses a drafter whose drafted states are not finite, naming the folder."""
+    from safetensors.torch import load_file, save_file
+
+    d = pipeline["dir"]
+    bad = tmp_path / "overflowing_drafter"
+    shutil.copytree(d / "drafter", bad)
+    state = load_file(str(bad / "model.safetensors"))
+    key = sorted(k for k in state if k.endswith("mlp.down_proj.weight"))[0]
+    state[key][:] = 3e38  # finite; the products' sums overflow
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(InputError) as err:
+        _evaluate(pipeline, d / "c.h5", drafter=bad, out="overflow.json")
+    assert Path(err.value.file) == bad / "model.safetensors" and "not finite (NaN or inf) in its forward pass" in (
+        err.value.problem) and "earlier checkpoint" in err.value.fix
+    assert not (tmp_path / "overflow.json").exists() and not (d / "overflow.json").exists()
+
+
 def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -27,7 +27,7 @@ from ..cache_format import completion_sampling, final_hidden_index
 from ..cache_reader import CacheReader
 from ..compat import check_agreement, check_cache_target, check_compat
 from ..ddtree import replay_with_trees, walk_budgets
-from ..drafter import load_drafter
+from ..drafter import NONFINITE_FIX, load_drafter
 from ..drafter_files import check_source, read_strip_info
 from ..errors import InputError, atomic_path
 from ..expected import response_expectations, target_token_probs
@@ -294,6 +294,11 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, ro
         else:
             samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
         tree_s += time.perf_counter() - t1 if budgets else 0.0
+        if drafter.take_nonfinite():
+            raise InputError(Path(inputs.drafter_dir) / "model.safetensors", None, "the drafter's states are not "
+                             f"finite (NaN or inf) in its forward pass over samples {[s.sample_id for s in samples][:3]}"
+                             "...: weights that overflow (a diverged checkpoint; finite weights can) or a config value "
+                             "that breaks a norm; every draft would be rejected (tau 1.0)", NONFINITE_FIX)
         for s, rec in zip(samples, recs):
             if rows is not None:
                 _check_sample_ids(inputs.cache_path, s, rows)

@@ -18,7 +18,7 @@ import torch
 
 from .. import options as options_mod
 from ..completions_file import read_completions
-from ..drafter import load_drafter
+from ..drafter import NONFINITE_FIX, load_drafter
 from ..errors import InputError
 from ..row_checksum import DOC_FIELD, write_run_output
 from ..generation import stop_token_ids
@@ -187,6 +187,9 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                                     "seconds": round(t_mode, 3), "samples": samples}
             log.info("%s %s: online tau %.4f vs offline %.4f (%+.2f %%); %d/%d same output, %d of them identical steps",
                      entry["checkpoint"], name, on, offt, 100 * (on - offt) / offt, same_n, len(samples), ident_n)
+        if drafter.take_nonfinite():  # an online tau of 1.0 "agreeing" with an offline 1.0 is no validation
+            raise InputError(Path(drafter_dir) / "model.safetensors", None, "the drafter's states are not finite "
+                             "(NaN or inf) in its forward pass: every draft is rejected", NONFINITE_FIX)
         for st in settings:
             if st.label not in [x["label"] for x in result["sampling_settings"]]:
                 result["sampling_settings"].append({"label": st.label, "temperature": st.temperature,
