@@ -136,6 +136,11 @@ def method_speedups(r: dict, costs: dict, budgets: list[int]) -> list[dict]:
     verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
     t_dec = float(costs["decode_s"])
     d = costs["drafters"].get(r["checkpoint"], {})
+    if d.get("block_size") is not None and int(d["block_size"]) != int(r["block_size"]):
+        raise InputError(costs.get("output") or "target_costs.json", f"drafters.{r['checkpoint']}.block_size",
+                         f"{d['block_size']}, but {r['checkpoint']} was evaluated at block size {r['block_size']}: the "
+                         "costs were timed from another drafter config", "rerun target_costs (snakemake --forcerun "
+                         "target_costs) after the run's strip_drafter jobs")
     methods = [("chain", None, int(r["block_size"]), "causal", r["tau"], d.get("draft_s"))]
     for b in budgets:
         methods.append((f"ddtree_{b}", b, b + 1, "tree", r.get(f"tau_ddtree_{b}"), d.get("draft_tree_s", {}).get(str(b))))

@@ -123,10 +123,10 @@ if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when th
                            "summary, report and trackers rerun to make the run's own again"))
     _target_gone = lost_target_outputs(PLAN)
     if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
-        logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade by this command "
+        logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade for its own sake "
                        "(target work); tau.csv and the report stand on the evaluate outputs, which name the cache and "
-                       "completions they were made from; a job that needs them (a new checkpoint) remakes them first, "
-                       "or remake them now: snakemake <that file>")
+                       "completions they were made from; a job that needs them (a new checkpoint, a changed input or "
+                       "option upstream) remakes them first, or remake them now: snakemake <that file>")
 if MAIN_PROCESS:
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params

@@ -142,3 +142,39 @@ def test_costs_are_minima_interleaved_and_monotone(llama, tmp_path, monkeypatch)
     assert r["drafters"]["ck"]["draft_s"] == min(r["drafters"]["ck"]["draft_samples_s"])
     assert isinstance(r["estimate_reliable"], bool) and r["reliability"]["bound"] == 0.25
     assert read_costs(tmp_path / "c.json")["format_version"] == 2
+
+
+def test_a_stripped_drafter_config_is_verified_before_it_is_timed(llama, tmp_path, monkeypatch):
+    """The thirteenth trial: a stripped folder's config.json edited (block_size 8 -> 4) with its mtime put back was
+    timed as a block-4 drafter, and tau.csv got that speedup beside the block-8 tau. Verified against the folder's
+    strip_info.json as evaluate does; inside the workflow a folder without one is refused."""
+    from dflash_eval.drafter_files import INFO_FIELD, info_sha256, sha256_bytes
+
+    (cfg,) = _drafter_configs(tmp_path, llama, [("ck", 4)])
+    info = {"sha256": {"config.json": sha256_bytes(cfg.read_bytes()), "model.safetensors": "0" * 64}}
+    (cfg.parent / "strip_info.json").write_text(json.dumps({**info, INFO_FIELD: info_sha256(info)}))
+    kw = dict(budgets=[3], context_tokens=8, repeats=1, warmup=0, device="cpu")
+    assert measure_target_costs(llama, [cfg], tmp_path / "c.json", **kw)["drafters"]["ck"]["block_size"] == 4
+    cfg.write_text(cfg.read_text().replace('"block_size": 4', '"block_size": 3'))
+    with pytest.raises(InputError) as err:
+        measure_target_costs(llama, [cfg], tmp_path / "c2.json", **kw)
+    assert Path(err.value.file) == cfg and "do not match the sha256 in strip_info.json" in err.value.problem
+    (cfg.parent / "strip_info.json").unlink()  # outside the workflow: read as given; inside it: refused
+    assert measure_target_costs(llama, [cfg], tmp_path / "c3.json", **kw)["drafters"]["ck"]["block_size"] == 3
+    monkeypatch.setenv("DFLASH_EVAL_REQUIRE_SEALED", "1")
+    with pytest.raises(InputError, match="missing, but the run's strip job writes it"):
+        measure_target_costs(llama, [cfg], tmp_path / "c4.json", **kw)
+
+
+def test_costs_timed_at_another_block_size_are_refused_not_used():
+    """The costs of a drafter timed at another block size than it was evaluated at (an edited config) gave the
+    chain a speedup from another verify width and draft time; refused, naming the checkpoint."""
+    from dflash_eval.costs import method_speedups
+
+    costs = {"verify": [{"n": 8, "mask": "causal", "median_s": 2.0}, {"n": 4, "mask": "causal", "median_s": 1.5}],
+             "decode_s": 1.0, "drafters": {"ck": {"block_size": 4, "draft_s": 0.5, "draft_tree_s": {}}},
+             "output": "results/r/target_costs.json"}
+    assert method_speedups({"checkpoint": "ck", "block_size": 4, "tau": 3.0}, costs, [])[0]["speedup"] == 1.5
+    with pytest.raises(InputError) as err:
+        method_speedups({"checkpoint": "ck", "block_size": 8, "tau": 3.0}, costs, [])
+    assert (err.value.file, err.value.field) == ("results/r/target_costs.json", "drafters.ck.block_size")

@@ -28,8 +28,9 @@ from ..cost_stats import assess, isotonic, robust_s, spread
 from ..costs import FORMAT, FORMAT_VERSION, FORMULA
 from ..drafter import DFlashDrafter
 from ..drafter_config import DrafterConfig
+from ..drafter_files import RESTRIP_FIX, check_file, recorded_checksums
 from ..errors import InputError
-from ..row_checksum import write_run_output
+from ..row_checksum import sealed_required, write_run_output
 from ..runtime import dtype_name, resolve_device, resolve_dtype
 from ..target import load_target, target_info
 from ..target_spec import TargetSpec
@@ -156,9 +157,17 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
     for path in drafter_configs:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            data = path.read_bytes()
+            raw = json.loads(data)
         except (OSError, ValueError) as err:
             raise InputError(path, None, f"cannot read the drafter config ({err})", "run the strip_drafter rule first") from None
+        # a stripped folder's config is verified as evaluate verifies it (the thirteenth trial: an edited block_size
+        # with its mtime put back was timed, and tau.csv got the speedup of another block size)
+        recorded = recorded_checksums(path.parent)
+        if not recorded and sealed_required():
+            raise InputError(path.parent / "strip_info.json", None, "missing, but the run's strip job writes it: the "
+                             "drafter config cannot be verified", RESTRIP_FIX)
+        check_file(path.parent, path.name, data, recorded)
         cfg = DrafterConfig.from_dict(raw, source=str(path))
         sha = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         by_hash.setdefault(sha, cfg)
