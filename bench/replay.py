@@ -457,6 +457,21 @@ def case_real(args, dev, dt, rate):
                                   "projected_s": ms * args.real_project / 1e3, "tau": taus[layout]}
         progress(name, f"batched {layout}: {t:.2f} s", t_case)
     print(f"  tau identical across layouts: {len(set(taus.values())) == 1}")
+    if args.finite_check_cost:  # the drafted states' NaN / inf watch (DFlashDrafter.logits), on and off, interleaved
+        layout, times = DEFAULT_LAYOUT.get(dev.type, "rows"), {True: [], False: []}
+        try:
+            for _ in range(3):
+                for on in (True, False):
+                    DFlashDrafter.check_finite = on
+                    _, t = timed(dev, lambda: replay_batched(drafter, embed, head, samples, memory_bytes=mem,
+                                                             layout=layout))
+                    times[on].append(t)
+        finally:
+            DFlashDrafter.check_finite = True
+        on, off = min(times[True]), min(times[False])
+        print(f"  finite-state check ({layout}): {on / args.real_n * 1e3:.1f} ms/sample with, {off / args.real_n * 1e3:.1f} "
+              f"without (min of 3, interleaved): ratio {on / off:.4f} (goal <= 1.05)")
+        out["finite_check"] = {"layout": layout, "with_s": on, "without_s": off, "ratio": on / off}
     if args.groups_sweep:  # the groups layout's two sizes: query tokens per row, query tokens per drafter call
         out["groups_sweep"] = []
         saved = anchors.GROUP_QUERIES, dict(anchors.MAX_CHUNK_TOKENS)
@@ -510,6 +525,9 @@ def main(argv=None):
                     help="real case: also time the groups layout at Q query tokens per row and C query tokens per "
                          "drafter call, e.g. 128x16384,256x16384 (the defaults: anchors.GROUP_QUERIES, "
                          "anchors.MAX_CHUNK_TOKENS)")
+    ap.add_argument("--finite-check-cost", action="store_true",
+                    help="real case: time the default layout with and without the drafted states' NaN / inf watch "
+                         "(DFlashDrafter.check_finite), interleaved, and print the ratio (goal <= 1.05)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:

@@ -343,6 +343,10 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = CandidateSelector(cfg) if cfg.variant == "dflash2" else None
         self._nonfinite: torch.Tensor | None = None  # see take_nonfinite
 
+    #: whether :meth:`logits` watches the drafted states for NaN / inf (:meth:`take_nonfinite`); a switch only for
+    #: the bench that times its cost (``bench/replay.py --finite-check-cost``)
+    check_finite = True
+
     def take_nonfinite(self) -> bool:
         """Whether a drafted state given to :meth:`logits` since the last call held NaN or inf (then reset).
 
@@ -484,8 +488,9 @@ class DFlashDrafter(nn.Module):
         The states are flattened to one contiguous ``[N, H]`` matrix first: on CPU, ``F.linear`` on a
         strided 3-D view (e.g. ``h[:, 1:]``) runs about 4x slower than on its contiguous copy.
         """
-        bad = ~torch.isfinite(hidden).all()  # [H]-sized rows: cheap beside the head; checked by take_nonfinite
-        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
+        if self.check_finite:  # [H]-sized rows: cheap beside the head (bench/replay.py --finite-check-cost)
+            bad = ~torch.isfinite(hidden).all()
+            self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight).view(*hidden.shape[:-1], -1)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
