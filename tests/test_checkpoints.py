@@ -645,3 +645,17 @@ def test_a_drafter_config_of_another_vocabulary_is_noted(cfg):
     assert check_compat(other, "c.json", target=spec) == [
         f"config vocab_size {cfg['vocab_size'] + 7} != the target's {cfg['vocab_size']} (t): the drafter drafts with the "
         "target's embedding and LM head; check that this is its target"]
+
+
+def test_huge_finite_weights_are_named_in_the_strip_notes(tmp_path, cfg, state):
+    """The thirteenth trial: norm.weight 1e30 (finite) passed strip without a word; a weight far above a trained
+    drafter's is named in strip_info.json's notes (and the job log); a trained one is not."""
+    big = {k: v.clone() for k, v in state.items()}
+    big["norm.weight"][0] = 1e30
+    write_hf(tmp_path / "d", cfg, big)
+    notes = json.loads((strip_checkpoint(tmp_path / "d", tmp_path / "out") / "strip_info.json").read_text())["notes"]
+    assert [n for n in notes if "largest magnitude" in n] == [
+        "norm.weight: largest magnitude 1e+30, far above a trained drafter's weights (a diverged or damaged checkpoint?)"]
+    write_hf(tmp_path / "ok", cfg, state)
+    ok = json.loads((strip_checkpoint(tmp_path / "ok", tmp_path / "out2") / "strip_info.json").read_text())["notes"]
+    assert not [n for n in ok if "largest magnitude" in n]

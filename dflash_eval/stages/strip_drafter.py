@@ -99,8 +99,16 @@ def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[Dr
     return DrafterConfig.from_dict(cfg, source=src, overrides=overrides), src, notes
 
 
-def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state: dict, allow_fp16: bool) -> None:
-    """fc width, exact key set and shapes, dtypes and finiteness of the drafter tensors."""
+#: |value| above which a drafter weight is named in a note: trained bf16 drafters stay far below it (norm weights
+#: of order 1-100), while weights that overflow the forward pass (the thirteenth trial's 3e38 / 1e30) are above
+HUGE_WEIGHT = 1e4
+
+
+def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state: dict, allow_fp16: bool,
+                   notes: list[str] | None = None) -> None:
+    """fc width, exact key set and shapes, dtypes and finiteness of the drafter tensors; tensors holding a value
+    above :data:`HUGE_WEIGHT` in magnitude are named in ``notes`` (evaluate refuses a drafter whose forward pass
+    overflows; a large finite weight that does not overflow drafts garbage, which only a low tau shows)."""
     k, h = len(cfg.target_layer_ids), cfg.hidden_size
     fc = state.get("fc.weight")
     if fc is not None and fc.ndim == 2 and fc.shape[1] != k * h:
@@ -119,6 +127,10 @@ def _check_weights(ck: LoadedCheckpoint, cfg: DrafterConfig, cfg_src: str, state
                              "convert from the bf16/fp32 master weights, or pass --allow-fp16")
         if not bool(torch.isfinite(v).all()):
             raise InputError(ck.path, key, "contains NaN or Inf", "use an earlier checkpoint of the run")
+        peak = float(v.abs().max()) if v.numel() else 0.0
+        if notes is not None and peak > HUGE_WEIGHT:
+            notes.append(f"{key}: largest magnitude {peak:.3g}, far above a trained drafter's weights (a diverged or damaged "
+                         "checkpoint?)")
 
 
 def add_arguments(p) -> None:
@@ -211,7 +223,7 @@ def strip_checkpoint(
         state.pop(k)
     if buffers:
         notes.append(f"dropped non-persistent rotary buffers {buffers}")
-    _check_weights(ck, cfg, cfg_src, state, allow_fp16)
+    _check_weights(ck, cfg, cfg_src, state, allow_fp16, notes)
     if target_dir is not None:
         from ..target_spec import TargetSpec, load_embed_and_head
 
