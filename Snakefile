@@ -52,6 +52,8 @@ rule all:
 onsuccess:
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
     forget_owner()
+    if MAIN_PROCESS and rewrite_allowed(sys.argv):  # fields known only now (a converted target's chat template)
+        complete_records(PLAN)
     # what the trackers left out (a checkpoint without a step, two at one step, W&B points lost with their
     # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers.py)
     for _note in trackers_run_warnings(PLAN, STARTED):
@@ -70,3 +72,5 @@ onerror:
     # would adopt them instead of recomputing); only a killed Snakemake leaves them
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
     forget_owner()
+    if MAIN_PROCESS and rewrite_allowed(sys.argv):
+        complete_records(PLAN)

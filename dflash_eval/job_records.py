@@ -126,9 +126,10 @@ def generation_values(plan: "Plan") -> dict:
     never stops) thus reruns the prompts or completions and everything after them (the twelfth trial's N1: it
     reran nothing, the old completions stayed).
 
-    ``{}`` while the folder does not exist (a GGUF target before its conversion): the field, added by the next
-    parse, is one the record lacked, which :func:`only_new_fields` rewrites without a rerun; and
-    :func:`record_sha256` leaves it out, so outputs made before it still name their record."""
+    ``{}`` while the folder does not exist (a GGUF target before its conversion): the field, added at the end of
+    the run that converts it (:func:`complete_records`), is one the record lacked, which :func:`only_new_fields`
+    rewrites without a rerun; and :func:`record_sha256` leaves it out, so outputs made before it still name
+    their record."""
     from .plan import TOKENIZER_FILES
 
     folder = Path(plan.target.dir)
@@ -404,6 +405,28 @@ def write_records(plan: "Plan", rewrite: bool = True, config_files: Sequence[str
             if rewrite:
                 write_text_if_changed(path, text)
     return RecordsUpdate(created, changed, fresh, tuple(remade))
+
+
+def complete_records(plan: "Plan") -> list[str]:
+    """At the end of a run (the Snakefile's ``onsuccess`` / ``onerror``): the records that lack only fields the
+    parse could not know, rewritten with them, their modification times kept (:func:`only_new_fields`); the
+    records written. The prompts and completions records of a GGUF target's first run are written before
+    ``target_from_gguf`` makes the folder whose chat template and stop ids they stamp
+    (:func:`generation_values`); without this, the next parse would stamp the files as they are then, and an
+    edit made in between would never rerun anything (the fourteenth trial). Any other difference is left to
+    the next parse (:func:`write_records`)."""
+    done = []
+    for path, text in planned_records(plan).items():
+        p = Path(path)
+        if not p.is_file():
+            continue
+        old = p.read_text(encoding="utf-8")
+        if old != text and only_new_fields(old, text):
+            st = p.stat()
+            write_text_if_changed(path, text)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+            done.append(path)
+    return done
 
 
 def only_new_fields(old_text: str, new_text: str) -> bool:

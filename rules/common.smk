@@ -23,7 +23,7 @@ if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
 from dflash_eval.config import describe_validation_error, integral_numbers, non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
-from dflash_eval.job_records import (demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
+from dflash_eval.job_records import (complete_records, demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
                                      rewrite_allowed, run_level_records, target_record_path, touches,
                                      lost_target_outputs, write_planned_evaluations, write_records)
 from dflash_eval.options import RUNTIME_ENV

@@ -722,7 +722,7 @@ def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(c
     no change (the first run is not redone), and the settings sha256 the stages record leaves it out."""
     import os
 
-    from dflash_eval.job_records import GENERATION_KEY, only_new_fields, record_sha256
+    from dflash_eval.job_records import GENERATION_KEY, complete_records, only_new_fields, record_sha256
 
     config["checkpoints"] = {"demo": [], "list": [
         {"name": "ckA", "path": str(REPO / "demo" / "drafters" / "dflash-smollm2-b8-step788")}]}
@@ -738,7 +738,12 @@ def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(c
     (folder / "generation_config.json").write_text('{"eos_token_id": 2}')
     for p in (prompts, completions):
         os.utime(p, (1000, 1000))
-    second = write_records(_plan(config))  # the next parse: the field arrives, nothing reruns
+    # the end of the run that converted it (Snakefile onsuccess / onerror): the field arrives, nothing reruns (the
+    # fourteenth trial: left to the next parse, an edit made before it was stamped as the original and never seen)
+    assert sorted(complete_records(_plan(config))) == sorted(
+        record_path("default", s, p) for s in ("prompts", "completions") for p in ("humaneval", "sharegpt"))
+    assert all(p.stat().st_mtime == 1000 for p in (prompts, completions)) and complete_records(_plan(config)) == []
+    second = write_records(_plan(config))  # the next parse: nothing left to add
     assert second.changed == [] and all(p.stat().st_mtime == 1000 for p in (prompts, completions))
     stamps = json.loads(prompts.read_text())[GENERATION_KEY]
     assert [s["file"] for s in stamps] == [f"resources/targets/smollm2-135m-instruct/{n}" for n in (
@@ -747,6 +752,7 @@ def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(c
     assert {p: record_sha256(p) for p in before} == {p: sha for p, (sha, _) in before.items()}  # outputs still match
     generating = sorted(record_path("default", s, p) for s in ("prompts", "completions") for p in ("humaneval", "sharegpt"))
     (folder / "generation_config.json").write_text('{"eos_token_id": [2, 28]}')  # errors.md's fix for a stop id
+    assert complete_records(_plan(config)) == []  # a change is the next parse's, which reruns the jobs
     assert sorted(write_records(_plan(config)).changed) == generating
     assert prompts.stat().st_mtime > 1e9
     (folder / "chat_template.jinja").write_text("You are a pirate. {{ messages[0].content }}")
