@@ -183,10 +183,12 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     """
     every = summary_frame(evals)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
-    hists = {}
+    hists, drafter_notes = {}, {}
     for p in evals:
         r = json.loads(Path(p).read_text())
         hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), primary_histogram(r))
+        for note in r.get("drafter_notes") or []:  # strip's notes that need a look, once per checkpoint
+            drafter_notes.setdefault(r["checkpoint"], {})[str(note)] = None
     agreement, cache_attrs = _agreement(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
                       prompt_lengths=prompt_length_columns(frame),
@@ -206,6 +208,9 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
                            + skip_table_markdown(metas)))
     if every["sampling"].nunique() > 1:
         data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
+    if drafter_notes:  # e.g. sliding layers derived from use_sliding_window, a weight far above trained ones
+        data.extra.append(("Drafter notes", "What strip noted of each checkpoint (strip_info.json notes).\n\n" + "\n".join(
+            f"- `{ck}`: {note}" for ck in sorted(drafter_notes) for note in drafter_notes[ck])))
     for path in extra or []:
         d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
         check_run_output(path, d, run_records)

@@ -167,8 +167,9 @@ def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float],
     if changed:
         p, old = changed[0]
         raise InputError(where, f"step {p.step}: {p.tag}", f"logged as {old:.6g}, but the tau table now says "
-                         f"{p.value:.6g} ({p.checkpoint}; {len(changed)} point(s) changed since they were logged, "
-                         "after a re-evaluation with other code or settings): a tracker run holds one value per "
+                         f"{p.value:.6g} ({p.checkpoint}; {len(changed)} point(s) changed since they were logged: "
+                         "a re-evaluation with other code or settings, or another checkpoint now at that step): a "
+                         "tracker run holds one value per "
                          "step and tag", f"log to a new run (set {new_run}), or delete that run and log afresh (snakemake "
                          "--forcerun trackers: results/<run>/trackers.json alone says nothing of the trackers)")
 

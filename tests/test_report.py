@@ -315,3 +315,17 @@ def test_tau_table_carries_the_speedup_estimate_and_its_reliability(run):
 
     for name, frame in (("tau", df), ("n", noisy), ("o", off)):
         assert read_parquet(tmp_path / f"{name}.parquet").equals(frame), name
+
+
+def test_drafter_notes_are_listed_in_the_report(run):
+    """The fourteenth trial: a checkpoint evaluated with sliding layers derived from use_sliding_window (a strip
+    note) showed nothing of it in the report; the evaluate outputs carry strip's notes, the report lists them."""
+    from dflash_eval.row_checksum import DOC_FIELD, seal_document
+
+    tmp_path, evals, caches = run
+    note = "layer_types not given: ['sliding_attention'] from use_sliding_window, ..."
+    for p in evals[:3:2]:  # both prompt sets of "early": listed once
+        doc = {k: v for k, v in json.loads(Path(p).read_text()).items() if k != DOC_FIELD}
+        Path(p).write_text(json.dumps(seal_document({**doc, "drafter_notes": [note]})))
+    md = R.render_markdown(R.load_report_data(evals, caches))
+    assert f"- `early`: {note}" in md and md.count(note) == 1 and "`late`:" not in md

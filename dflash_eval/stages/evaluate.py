@@ -40,6 +40,7 @@ from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dty
 from ..sampling import SamplingSetting
 from ..selector_replay import walks
 from ..target_spec import TargetSpec, load_embed_and_head
+from .strip_drafter import SHARED_EQUAL_NOTE
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +503,8 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         "drafter_verified": bool(strip_info),  # load_drafter checked the files against it (or raised)
         # the drafter folder's strip_info.json (its info_sha256 covers the weights' and config's sha256): summary checks
         "strip_info_sha256": strip_info.get("info_sha256"),
+        # what strip noted that needs a look (layer types derived, large weights, ...): the report lists them
+        "drafter_notes": [n for n in strip_info.get("notes") or [] if not str(n).endswith(SHARED_EQUAL_NOTE)],
         "device": str(inputs.device),
         "dtype": dtype_name(inputs.embed.dtype),
         "replay": opts.replay,
