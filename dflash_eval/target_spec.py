@@ -121,13 +121,20 @@ def weight_files(target_dir: str | Path) -> list[Path]:
 FINGERPRINT_FORMAT = "dflash-eval/target-fingerprint"
 
 
-def weight_stats(files: list[Path]) -> list[dict]:
-    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on."""
+def weight_stats(files: list[Path], ctime: bool = False) -> list[dict]:
+    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on; with ``ctime`` also
+    ``ctime_ns``, which the kernel sets at every change of the bytes and no tool sets back (see
+    :func:`weights_sha256`)."""
     out = []
     for f in files:
         st = f.stat()
-        out.append({"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        out.append({"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                    **({"ctime_ns": st.st_ctime_ns} if ctime else {})})
     return out
+
+
+def _without_ctime(stats) -> list:
+    return [{k: v for k, v in d.items() if k != "ctime_ns"} if isinstance(d, dict) else d for d in stats or []]
 
 
 def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | None = None) -> str:
@@ -138,28 +145,70 @@ def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | N
     (rule ``target_fingerprint`` -> :func:`write_fingerprint`) and every job passes the record
     here: when the record's files (names, sizes, mtimes) equal the folder's, its sha256 is
     returned without reading the weights; otherwise (weights replaced since, unreadable record)
-    the weights are hashed again, with a warning.
+    the weights are hashed again, with a warning. A record that holds the files' ctimes (this version's) and
+    differs from the folder only by a ctime is checked by hashing again (:func:`_rehash_in_place`).
 
     Raises:
-        InputError: no ``*.safetensors`` files.
+        InputError: no ``*.safetensors`` files; weights changed in place with their size and mtime kept.
     """
     files = weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir)
     if record is not None:
+        stale = False
         try:
             rec = json.loads(Path(record).read_text(encoding="utf-8"))
-            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == weight_stats(files):
-                log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
-                return str(rec["sha256"])
-            log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them again",
-                        record)
+            now = weight_stats(files, ctime=True)
+            if rec.get("format") == FINGERPRINT_FORMAT and _without_ctime(rec.get("files")) == _without_ctime(now):
+                if all("ctime_ns" not in d or d == n for d, n in zip(rec["files"], now)):  # (no ctime: older record)
+                    log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16],
+                             record)
+                    return str(rec["sha256"])
+                stale = True
+            else:
+                log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them "
+                            "again", record)
         except (OSError, ValueError, KeyError, AttributeError) as err:
             log.warning("fingerprint record %s unreadable (%s): hashing the weights", record, err)
+        if stale:  # outside the try: its refusal is an InputError (a ValueError)
+            return _rehash_in_place(files, rec, record, now)
+    return _hash_files(files)
+
+
+def _hash_files(files: list[Path]) -> str:
     h = hashlib.sha256()
     t0 = time.perf_counter()
     for f in files:
         sha256_file(f, h)
     log.info("hashed %d weight file(s) in %.1f s", len(files), time.perf_counter() - t0)
     return h.hexdigest()
+
+
+def _rehash_in_place(files: list[Path], rec: dict, record, now: list[dict]) -> str:
+    """The weights' sizes and mtimes match the fingerprint record but a ctime does not: the bytes may have been
+    rewritten in place with the mtime put back (``touch -r``, a time-keeping copy, bit rot repaired badly: the
+    fourteenth trial's A8, a decoder layer scaled in place, gave another tau under the record's sha256, exit 0).
+    Hash them again: the same sha256 (a ``chmod``, a re-copy) updates the record's ctimes in place (its mtime
+    kept, so nothing reruns); another is refused.
+
+    Raises:
+        InputError: the weights differ from the fingerprinted ones.
+    """
+    sha = _hash_files(files)
+    if sha != rec["sha256"]:
+        changed = [n["name"] for d, n in zip(rec["files"], now) if d != n]
+        raise InputError(Path(files[0]).parent / changed[0], None, f"changed in place since the target was fingerprinted "
+                         f"({record}): size and mtime kept, but its bytes hash to {sha[:16]}..., not the recorded "
+                         f"{str(rec['sha256'])[:16]}...", "restore the target's weights; if the change is intended, "
+                         "make the target work again: snakemake --forcerun target_fingerprint")
+    log.warning("target weight files' ctime changed since %s (a chmod or a copy): same sha256, record updated", record)
+    import os
+
+    from .errors import atomic_path
+
+    st = Path(record).stat()
+    with atomic_path(record) as tmp:
+        tmp.write_text(json.dumps({**rec, "files": now}, indent=1) + "\n", encoding="utf-8")
+    os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change for Snakemake: nothing reruns
+    return sha
 
 
 
