@@ -204,10 +204,13 @@ def _rehash_in_place(files: list[Path], rec: dict, record, now: list[dict]) -> s
 
     from .errors import atomic_path
 
-    st = Path(record).stat()
-    with atomic_path(record) as tmp:
-        tmp.write_text(json.dumps({**rec, "files": now}, indent=1) + "\n", encoding="utf-8")
-    os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change for Snakemake: nothing reruns
+    try:
+        st = Path(record).stat()
+        with atomic_path(record) as tmp:
+            tmp.write_text(json.dumps({**rec, "files": now}, indent=1) + "\n", encoding="utf-8")
+        os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change for Snakemake: nothing reruns
+    except OSError as err:  # a read-only record (a container's mount): hashed again next time, still verified
+        log.warning("could not update %s (%s)", record, err)
     return sha
 
 
