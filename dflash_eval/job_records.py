@@ -481,7 +481,7 @@ def pending_note(changed: Sequence[str], dry_run: bool = True, touch: bool = Fal
 LOST_LINE = "# outputs found lost or replaced, time "
 
 
-def write_planned_evaluations(plan: "Plan") -> tuple[list[str], list[str]]:
+def write_planned_evaluations(plan: "Plan", move: bool = True) -> tuple[list[str], list[str]]:
     """Write the run's :meth:`~dflash_eval.plan.Plan.planned_evaluations` when its content differs; when an output
     that tau.csv or the report was made from is gone (:func:`lost_outputs`), or a final output is not what its stage
     wrote (:func:`dflash_eval.output_digests.replaced_outputs`), change its content (a count of the times,
@@ -493,10 +493,13 @@ def write_planned_evaluations(plan: "Plan") -> tuple[list[str], list[str]]:
     input whose checksum it recorded unchanged), and with them the jobs that make the lost files; the count stays,
     so the next command has nothing to do.
 
+    A sealed run-level output found edited (:func:`dflash_eval.output_digests.reject_edited_outputs`) is moved
+    aside first (with ``move``; a command that runs no job only lists it) and so counted as replaced.
+
     Returns:
         ``(lost, replaced)`` outputs (``[]`` when none).
     """
-    from .output_digests import replaced_outputs
+    from .output_digests import reject_edited_outputs, replaced_outputs
 
     path = plan.planned_evaluations()
     try:
@@ -504,7 +507,8 @@ def write_planned_evaluations(plan: "Plan") -> tuple[list[str], list[str]]:
     except (OSError, UnicodeDecodeError):
         kept = []
     stages = ["summary", "report"] + (["trackers"] if plan.trackers_outputs() else [])
-    lost, replaced = lost_outputs(plan), replaced_outputs(plan.run_path(), stages)
+    edited = reject_edited_outputs(plan.target_costs_outputs() + plan.extra_outputs(), move=move)
+    lost, replaced = [f for f in lost_outputs(plan) if f not in edited], edited + replaced_outputs(plan.run_path(), stages)
     if lost or replaced:
         count = kept[-1][len(LOST_LINE):].split(":")[0] if kept else ""
         kept = [f"{LOST_LINE}{int(count) + 1 if count.isdigit() else 1}: {', '.join(lost + replaced)}"]

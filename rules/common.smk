@@ -110,7 +110,7 @@ except InputError as err:
     )
 
 if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
-    _lost, _replaced = write_planned_evaluations(PLAN)  # (rerun without metadata); --touch would mark summary up to date over it
+    _lost, _replaced = write_planned_evaluations(PLAN, move=not plans_only(sys.argv))  # (rerun without metadata); --touch would mark summary up to date over it
     if _lost:  # renewed: Snakemake would not remake them under an up-to-date tau.csv
         logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv, the report or trackers.json stand on are gone "
                        f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
@@ -120,7 +120,8 @@ if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when th
                        "copied in place, or its digest is gone): " + (
                            "this command runs no job (a dry run, --report, ...), so it shows them as they are; the "
                            "same command without that option remakes them" if plans_only(sys.argv) else
-                           "summary, report and trackers rerun to make the run's own again"))
+                           "summary, report and trackers rerun to make the run's own again (an edited sealed file: "
+                           "moved to <file>.rejected and made again)"))
     _target_gone = lost_target_outputs(PLAN)
     if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
         logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade for its own sake "

@@ -900,6 +900,33 @@ def _copy_run(tiny_run, dst: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_an_edited_validation_with_its_mtime_kept_is_made_again(tiny_run, tmp_path):
+    """The fourteenth trial's A7: validate_online.json (a final deliverable) edited with its mtime put back stayed
+    as the run's ("Nothing to be done"). The parse checks the sealed run-level outputs: the edited file is moved
+    to <file>.rejected and the same command makes it again; then nothing is left to do."""
+    import os
+
+    out = lambda p: p.stdout + p.stderr  # noqa: E731
+    wd = tmp_path / "wf"
+    shutil.copytree(tiny_run, wd, symlinks=True)
+    f = wd / "results/tiny/validate_online.json"
+    want = json.loads(f.read_text())
+    st = f.stat()
+    f.write_text(f.read_text().replace('"ok": true', '"ok": false', 1))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+    assert "results/tiny/validate_online.json" in text and "shows them as they are" in text, text[-3000:]
+    assert f.is_file() and not (wd / "results/tiny/validate_online.json.rejected").exists()  # -n moves nothing
+    text = out(smk(wd, "--workflow-profile", str(CI_PROFILE)))
+    assert "results/tiny/validate_online.json" in text and "moved to <file>.rejected" in text, text[-3000:]
+    assert ("validate_online", "run=tiny") in planned_jobs(text), text[-3000:]
+    assert (wd / "results/tiny/validate_online.json.rejected").is_file()
+    again = json.loads(f.read_text())
+    assert [c["modes"]["chain"]["ok"] for c in again["checkpoints"]] == [c["modes"]["chain"]["ok"] for c in want["checkpoints"]]
+    assert "Nothing to be done" in out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
+
+
+@pytest.mark.slow
 def test_a_deleted_tensorboard_folder_is_logged_again_by_the_same_command(tiny_run, tmp_path):
     """The twelfth trial's N11: results/<run>/tensorboard deleted after the trackers ran gave "Nothing to be done"
     while trackers.json still claimed the points. The parse finds the event files trackers.json names gone and
