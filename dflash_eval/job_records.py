@@ -524,6 +524,8 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
     files = plan.caches() + [plan.run_path("completions", f"{p}.jsonl") for p in plan.prompt_sets]
+    if plan.target.from_gguf:  # the converted target (the fourteenth trial: removed without a word)
+        files += plan.target.weights[:1]
     return [f for f in files if not os.path.exists(f)]
 
 
