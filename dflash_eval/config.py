@@ -90,24 +90,6 @@ def describe_validation_error(err) -> tuple[str, str]:
 
 
 
-def non_finite_entry(config: Any, where: str = "") -> str | None:
-    """The dotted path of the first NaN or infinite number in ``config`` (YAML ``.nan`` / ``.inf``), or None.
-
-    JSON Schema's ``minimum`` / ``maximum`` cannot refuse them (every comparison with NaN is false), so
-    the workflow checks them after validation: no option of the schema takes a non-finite number."""
-    import math
-
-    if isinstance(config, float) and not math.isfinite(config):
-        return where or "(config)"
-    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
-    for key, value in items:
-        found = non_finite_entry(value, f"{where}[{key}]" if isinstance(key, int) else
-                                 (f"{where}.{key}" if where else str(key)))
-        if found:
-            return found
-    return None
-
-
 def integral_numbers(config: Any, node: dict | None = None) -> Any:
     """``config`` with each float the schema types ``integer`` (JSON Schema accepts ``4.0`` there) made an int, in
     place (dicts and lists), and returned: ``n: 4.0`` and ``n: 4`` are one setting, so they give the same options

@@ -447,7 +447,7 @@ def check_finite_numbers(cfg: dict, source: str) -> None:
     Raises:
         InputError: ``(source, field path, ...)``.
     """
-    from .config import non_finite_entry
+    from .io import non_finite_entry
 
     where = non_finite_entry(cfg)
     if where:

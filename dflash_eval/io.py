@@ -194,3 +194,22 @@ def file_stamps(path: str | Path, ctime: bool = False) -> list[dict]:
                 stamp["ctime_ns"] = st.st_ctime_ns
         out.append(stamp)
     return out
+
+
+def non_finite_entry(config, where: str = "") -> str | None:
+    """The dotted path of the first NaN or infinite number in ``config`` (YAML ``.nan`` / ``.inf``), or None.
+
+    JSON Schema's ``minimum`` / ``maximum`` cannot refuse them (every comparison with NaN is false), so
+    the workflow checks them after validation: no option of the schema takes a non-finite number. Drafter
+    configs too (:func:`dflash_eval.drafter_config.check_finite_numbers`: Python's ``json`` reads ``NaN``)."""
+    import math
+
+    if isinstance(config, float) and not math.isfinite(config):
+        return where or "(config)"
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
+    for key, value in items:
+        found = non_finite_entry(value, f"{where}[{key}]" if isinstance(key, int) else
+                                 (f"{where}.{key}" if where else str(key)))
+        if found:
+            return found
+    return None

@@ -187,8 +187,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     for p in evals:
         r = json.loads(Path(p).read_text())
         hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), primary_histogram(r))
-        for note in r.get("drafter_notes") or []:  # strip's notes that need a look, once per checkpoint
-            drafter_notes.setdefault(r["checkpoint"], {})[str(note)] = None
+        drafter_notes.update({f"- `{r['checkpoint']}`: {n}": None for n in r.get("drafter_notes") or []})  # once each
     agreement, cache_attrs = _agreement(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
                       prompt_lengths=prompt_length_columns(frame),
@@ -208,9 +207,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
                            + skip_table_markdown(metas)))
     if every["sampling"].nunique() > 1:
         data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
-    if drafter_notes:  # e.g. sliding layers derived from use_sliding_window, a weight far above trained ones
-        data.extra.append(("Drafter notes", "What strip noted of each checkpoint (strip_info.json notes).\n\n" + "\n".join(
-            f"- `{ck}`: {note}" for ck in sorted(drafter_notes) for note in drafter_notes[ck])))
+    if drafter_notes:  # strip's notes that need a look: sliding layers derived from use_sliding_window, huge weights
+        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
     for path in extra or []:
         d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
         check_run_output(path, d, run_records)

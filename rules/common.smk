@@ -20,7 +20,8 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 
 if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
-from dflash_eval.config import describe_validation_error, integral_numbers, non_finite_entry
+from dflash_eval.config import describe_validation_error, integral_numbers
+from dflash_eval.io import non_finite_entry
 from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
 from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (complete_records, demo_record_path, params_trigger_off, pending_note, plans_only, record_path,

@@ -179,7 +179,7 @@ def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_
 
 def test_a_non_finite_number_in_the_config_is_named():
     """YAML .nan / .inf pass JSON Schema's minimum/maximum (NaN compares false): named by its path."""
-    from dflash_eval.config import non_finite_entry
+    from dflash_eval.io import non_finite_entry
 
     assert non_finite_entry({"generation": {"sampling": {"temperature": 0.7}}, "evaluate": {"sampling": [{}]}}) is None
     assert non_finite_entry({"generation": {"sampling": {"temperature": float("nan")}}}) == \
