@@ -11,6 +11,7 @@ rule validate_online:
     input:
         unpack(target_model_files),
         record=options_record("validate_online"),
+        fingerprint=TARGET.fingerprint,
         # the evaluate outputs must name it (and their completions and drafters), as summary checks
         eval_record=lambda wildcards: record_path(wildcards.run, "evaluate", PLAN.validate_online_prompt_set),
         completions=f"results/{{run}}/completions/{PLAN.validate_online_prompt_set}.jsonl",
@@ -47,5 +48,5 @@ rule validate_online:
     shell:
         "python -m dflash_eval validate-online --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
-        " --evals {input.evals:q} {params.options}"
+        " --evals {input.evals:q} --target-fingerprint {input.fingerprint:q} {params.options}"
         " --eval-settings {input.eval_record:q} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import sys
 from pathlib import Path
@@ -126,6 +127,25 @@ def test_validate_online_equals_offline_on_tiny_pipeline(tiny):
     assert saved["title"] and "| ddtree_32 |" in saved["markdown"]
     ev = json.loads((d / "ev.json").read_text())
     assert saved["inputs_sha256"] == {os.path.normpath(str(d / "ev.json")): ev["content_sha256"]}  # what it compared
+    # the fifteenth trial: a target changed in place (mtime put back) was run online against the intact one's cache
+    # and said "ok": the fingerprint verifies the weights and names the completions' target
+    from dflash_eval.stages.target_fingerprint import write_fingerprint
+
+    fp = write_fingerprint(tiny["target_dir"], d / "fp.json")
+    r2 = validate_online(tiny["target_dir"], d / "c.jsonl", [d / "drafter"], [d / "ev.json"], d / "vo3.json",
+                         n_samples=1, device="cpu", dtype="float32", target_fingerprint=fp)
+    assert r2["target_sha256"] == json.loads(fp.read_text())["sha256"] and r2["checkpoints"][0]["modes"]["chain"]["ok"]
+    changed = d / "changed_target"
+    shutil.copytree(tiny["target_dir"], changed, copy_function=shutil.copy2)
+    fp2 = write_fingerprint(changed, d / "fp2.json")
+    w = changed / "model.safetensors"
+    st, data = w.stat(), bytearray(w.read_bytes())
+    data[-64] ^= 0x40
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(InputError, match="changed in place since the target was fingerprinted"):
+        validate_online(changed, d / "c.jsonl", [d / "drafter"], [d / "ev.json"], d / "vo4.json", n_samples=1,
+                        device="cpu", dtype="float32", target_fingerprint=fp2)
     ev["samples"][0]["acceptance_lengths"][0] += 1  # the tenth trial's edit: refused before the target loads
     (d / "ev.json").write_text(json.dumps(ev))
     with pytest.raises(InputError, match="content_sha256: its content does not match"):

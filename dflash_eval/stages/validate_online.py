@@ -53,13 +53,17 @@ def add_arguments(p) -> None:
                    help="the run's evaluate options record of this prompt set (results/<run>/options/evaluate/<set>.json): "
                         "inside the workflow each evaluate output must name it, its completions and its drafter, as "
                         "summary checks (the workflow passes it)")
+    p.add_argument("--target-fingerprint", default=None, metavar="JSON",
+                   help="the target's fingerprint record (resources/targets/<name>.fingerprint.json): the target's "
+                        "weights sha256 is verified through it and compared with the completions' (the workflow "
+                        "passes it)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the per-sample "
                                                 "comparison")
 
 
 def main(args, opts) -> None:
     validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts, settings_record=args.settings,
-                    eval_settings=args.eval_settings)
+                    eval_settings=args.eval_settings, target_fingerprint=args.target_fingerprint)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -71,7 +75,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def validate_online(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None,
-                    settings_record=None, eval_settings=None, **overrides) -> dict:
+                    settings_record=None, eval_settings=None, target_fingerprint=None, **overrides) -> dict:
     """Online speculative decoding of the first ``n_samples`` prompts vs the offline replay of the same samples.
 
     Per drafter (paired with its evaluate JSON on the same prompt set) and per mode (``chain``, and
@@ -99,7 +103,8 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             ``budget > 0``), one per drafter.
         out: JSON path. Keys: ``title`` and ``markdown`` (for ``report --extra``), ``budget``, ``device``,
             ``dtype``, ``checkpoints``: per drafter and mode ``tau_online``, ``tau_offline``, ``rel_diff``,
-            ``n_same_output``, ``n_identical_steps``, ``ok`` (every same-output sample has identical steps),
+            ``n_same_output``, ``n_identical_steps``, ``ok`` (every same-output sample has identical steps, and at
+            least one sample has the same output: none compared validates nothing),
             ``seconds`` and ``samples`` (``id``, ``same_output``, ``identical_steps``, ``first_step_diff``,
             ``first_token_diff``, ``online``, ``offline``); per drafter ``sampling`` ``{setting label: ...}``
             (:func:`_sampled_entry`: macro ``tau_online`` (mean over samples of the per-sample mean over
@@ -138,7 +143,8 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     settings_of = [_settings_for(ev, e, asked) for ev, e in zip(loaded, evals)]
     dev = resolve_device(opts.device)
     dt = resolve_dtype(opts.dtype, dev)
-    spec = TargetSpec.read(target_dir)
+    spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
+    target_sha = _check_target(spec, completions_path) if target_fingerprint else None
     target, tok, _ = load_target(spec, dev, dt)
     check_target_supported(target, str(Path(target_dir) / "config.json"))
     stop_ids, _ = stop_token_ids(target_dir, tok)  # the ids the completions stage stopped on
@@ -146,7 +152,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     rows = read_completions(Path(completions_path))[:n_samples]
     modes = [("chain", None)] + ([(f"ddtree_{budget}", budget)] if budget else [])
     result: dict = {"title": "Online speculative decoding vs offline replay", "budget": budget or None,
-                    "device": str(dev), "dtype": dtype_name(dt), "n_samples": len(rows),
+                    "device": str(dev), "dtype": dtype_name(dt), "n_samples": len(rows), "target_sha256": target_sha,
                     "completions": str(completions_path), "seeds": opts.seeds, "seed": opts.seed,
                     "sampling_settings": [], "checkpoints": []}
     for drafter_dir, eval_path, ev, settings in zip(drafters, evals, loaded, settings_of):
@@ -183,10 +189,12 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             same_n = sum(s["same_output"] for s in samples)
             ident_n = sum(s["identical_steps"] for s in samples)
             entry["modes"][name] = {"tau_online": on, "tau_offline": offt, "rel_diff": (on - offt) / offt,
-                                    "n_same_output": same_n, "n_identical_steps": ident_n, "ok": same_n == ident_n,
+                                    "n_same_output": same_n, "n_identical_steps": ident_n,
+                                    "ok": same_n == ident_n and same_n > 0,  # no sample compared: nothing validated
                                     "seconds": round(t_mode, 3), "samples": samples}
-            log.info("%s %s: online tau %.4f vs offline %.4f (%+.2f %%); %d/%d same output, %d of them identical steps",
-                     entry["checkpoint"], name, on, offt, 100 * (on - offt) / offt, same_n, len(samples), ident_n)
+            log.log(logging.INFO if entry["modes"][name]["ok"] else logging.WARNING,
+                    "%s %s: online tau %.4f vs offline %.4f (%+.2f %%); %d/%d same output, %d of them identical steps",
+                    entry["checkpoint"], name, on, offt, 100 * (on - offt) / offt, same_n, len(samples), ident_n)
         if drafter.take_nonfinite():  # an online tau of 1.0 "agreeing" with an offline 1.0 is no validation
             raise InputError(Path(drafter_dir) / "model.safetensors", None, "the drafter's states are not finite "
                              "(NaN or inf) in its forward pass: every draft is rejected", NONFINITE_FIX)
@@ -206,6 +214,27 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     result.update(write_run_output(out, result, "validate_online", settings_record,
                                    inputs={e: ev.get(DOC_FIELD) for e, ev in zip(evals, loaded)}))
     return result
+
+
+def _check_target(spec: TargetSpec, completions_path) -> str:
+    """The target's weights sha256, verified through its fingerprint record (weights changed in place are refused:
+    :func:`dflash_eval.target_spec.weights_sha256`), and compared with the sha256 of the weights that generated the
+    completions (their meta; a server's completions name none). The fifteenth trial: a target changed in place
+    (its mtime put back) was run online against the cache of the intact one, and the validation said "ok".
+
+    Raises:
+        InputError: the weights changed in place, or are not those that generated the completions.
+    """
+    from ..provenance import meta_path, read_meta
+
+    sha = spec.weights_sha256()
+    meta = meta_path(completions_path)
+    made = read_meta(meta, "completions").get("target_sha256") if meta.is_file() else None
+    if made and made != sha:
+        raise InputError(meta, "target_sha256", f"the completions were generated by a target with weights sha256 "
+                         f"{made[:16]}..., the target given is {sha[:16]}...: online decoding would not follow them",
+                         "validate against the target that made the run's completions (or remake them)")
+    return sha
 
 
 def _asked_settings(entries) -> list[SamplingSetting] | None:
