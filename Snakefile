@@ -58,6 +58,9 @@ onsuccess:
     # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers.py)
     for _note in trackers_run_warnings(PLAN, STARTED):
         logger.warning(f"dflash-eval: {_note}")
+    # a validation that did not pass is a warning on the console, not only a row of the report
+    for _note in failed_checks(PLAN.validate_online_outputs() + PLAN.validate_engine_outputs(), STARTED):
+        logger.warning(f"dflash-eval: {_note}")
 
 
 # The running Snakemake is recorded, so that a lock it leaves when killed is recognised as stale

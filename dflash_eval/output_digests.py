@@ -118,3 +118,36 @@ def reject_edited_outputs(paths: Iterable[str], move: bool = True) -> list[str]:
                 os.replace(path, str(path) + REJECTED_SUFFIX)
             found.append(str(path))
     return found
+
+
+def failed_checks(paths: Iterable[str], since: float) -> list[str]:
+    """One line per check that did not pass in the validation outputs among ``paths`` (``validate_online.json``,
+    ``validate_engine.json``) written at or after ``since`` (seconds since the epoch): an entry with ``"ok": false``
+    (greedy online vs offline steps, engine vs offline tau) or ``"within_goal": false`` (sampled online vs offline
+    tau), named by checkpoint and mode. The Snakefile's ``onsuccess`` prints them (the fifteenth trial: a validation
+    that failed was only an "ok: no" row in the report, exit 0)."""
+    lines: list[str] = []
+
+    def walk(node, where: tuple, path: str) -> None:
+        if isinstance(node, list):
+            for value in node:
+                walk(value, where, path)
+        elif isinstance(node, dict):
+            where = where + (str(node["checkpoint"]),) if "checkpoint" in node else where
+            if node.get("ok") is False or node.get("within_goal") is False:
+                lines.append(f"{path}: {' '.join(where) or 'run'}: " + (
+                    "sampled online tau differs from offline beyond the goal" if node.get("within_goal") is False
+                    else "did not pass") + " (see the report)")
+            for key, value in node.items():
+                if key not in ("samples", "requests", "per_position"):
+                    walk(value, where if key in ("checkpoints", "modes", "sampling") else where + (key,), path)
+
+    for path in paths:
+        try:
+            if os.path.getmtime(path) < since:
+                continue
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        walk(doc, (), str(path))
+    return lines

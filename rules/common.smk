@@ -29,6 +29,7 @@ from dflash_eval.job_records import (complete_records, demo_record_path, params_
                                      lost_target_outputs, write_planned_evaluations, write_records)
 from dflash_eval.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
+from dflash_eval.output_digests import failed_checks
 from dflash_eval.trackers import run_warnings as trackers_run_warnings
 from dflash_eval.plan import build_plan
 from dflash_eval.workflow_guard import (

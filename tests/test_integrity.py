@@ -554,3 +554,24 @@ def test_a_validation_of_other_evaluate_outputs_is_refused(tmp_path, monkeypatch
     ev.write_text(json.dumps(bad))
     with pytest.raises(InputError, match="content_sha256: its content does not match"):
         read_eval(ev)
+
+
+def test_a_validation_that_did_not_pass_is_named_at_the_end_of_the_run(tmp_path):
+    """The fifteenth trial: a validation that failed was only an "ok: no" row of the report (exit 0): the Snakefile's
+    onsuccess prints each failed check of the validations this run wrote (and none of an earlier run's)."""
+    import time
+
+    from dflash_eval.output_digests import failed_checks
+
+    vo = tmp_path / "validate_online.json"
+    vo.write_text(json.dumps({"checkpoints": [
+        {"checkpoint": "ckA", "modes": {"chain": {"ok": True, "samples": [{"ok": False}]}, "ddtree_4": {"ok": False}},
+         "sampling": {"T=1": {"within_goal": False}, "T=0.6": {"within_goal": True}}},
+        {"checkpoint": "ckB", "modes": {"chain": {"ok": True}}}]}))
+    ve = tmp_path / "validate_engine.json"
+    ve.write_text(json.dumps({"checkpoints": [{"checkpoint": "ckB", "ok": False, "requests": [{"ok": False}]}]}))
+    assert failed_checks([vo, ve, tmp_path / "gone.json"], since=0) == [
+        f"{vo}: ckA ddtree_4: did not pass (see the report)",
+        f"{vo}: ckA T=1: sampled online tau differs from offline beyond the goal (see the report)",
+        f"{ve}: ckB: did not pass (see the report)"]
+    assert failed_checks([vo, ve], since=time.time() + 10) == []  # written before this run: not repeated
