@@ -9,6 +9,7 @@ job runs. Used by :mod:`dflash_eval.plan`.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import json
@@ -97,13 +98,17 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
                              "against the working directory)", "correct the pattern or remove it")
         for path in live:
             p = Path(path)
+            if _path_problem(path, folder_ok=True):
+                raise InputError("config", "checkpoints.glob", f"{pattern!r} matches {path!r}, which "
+                                 f"{_path_problem(path, folder_ok=True)}", "narrow the pattern or move that entry")
             add(p.name if p.is_dir() else p.stem, {"path": path, "kind": "glob"}, f"checkpoints.glob ({path})")
     for i, entry in enumerate(ckpt_cfg.get("list", [])):
         where = f"checkpoints.list[{i}] ({entry['name']})"
         for key in ("path", "drafter_config"):
-            if entry.get(key) and not os.path.exists(entry[key]):
-                raise InputError("config", f"{where}.{key}", f"{entry[key]!r} does not exist (relative paths are "
-                                 "resolved against the working directory)", "correct the path or remove the entry")
+            problem = entry.get(key) and _path_problem(entry[key], folder_ok=key == "path")
+            if problem:
+                raise InputError("config", f"{where}.{key}", f"{entry[key]!r} {problem}",
+                                 "correct the path or remove the entry")
         add(entry["name"], {**entry, "kind": "list"}, where)
     for i, entry in enumerate(ckpt_cfg.get("demo", [])):
         where = f"checkpoints.demo[{i}] ({entry['name']})"
@@ -119,6 +124,23 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
         row["files"] = checkpoint_files(name, row, origin[name])
     same_files_note(table)
     return dict(sorted(table.items()))
+
+
+def _path_problem(path: str, folder_ok: bool) -> str | None:
+    """Why a configured checkpoint path cannot be read (``None``: it can): missing, a broken or looping symbolic
+    link, or neither a regular file nor (with ``folder_ok``) a folder: a FIFO, socket or device would pass the
+    parse and fail in a job with a raw traceback (the fifteenth trial: a FIFO as checkpoint path)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if os.path.islink(path):
+            return ("is a symbolic link that loops" if e.errno == errno.ELOOP else
+                    "is a symbolic link to nothing") + " (relative paths are resolved against the working directory)"
+        return "does not exist (relative paths are resolved against the working directory)"
+    if os.path.isfile(path) or (folder_ok and os.path.isdir(path)):
+        return None
+    return ("is neither a regular file nor a folder (a FIFO, socket or device)" if folder_ok else
+            "is not a regular file")
 
 
 def same_files_note(table: dict[str, dict]) -> str | None:

@@ -58,6 +58,12 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     ({"glob": "ck/bad name.pt"}, "checkpoints.glob (ck/bad name.pt)", "may only contain"),
     ({"demo": [{"name": "d", "step": 0, "drafter": "missing-folder"}]}, "checkpoints.demo[0] (d).drafter", "not a folder"),
     ({}, "checkpoints", "no checkpoint configured"),
+    # the fifteenth trial: a FIFO passed the parse and strip failed with a raw NotADirectoryError
+    ({"list": [{"name": "f", "path": "ck/fifo"}]}, "checkpoints.list[0] (f).path", "neither a regular file nor a folder"),
+    ({"glob": "ck/fi*"}, "checkpoints.glob", "neither a regular file nor a folder"),
+    ({"list": [{"name": "a", "path": "ck/x.pt", "drafter_config": "ck"}]}, "checkpoints.list[0] (a).drafter_config",
+     "is not a regular file"),
+    ({"list": [{"name": "l", "path": "ck/loop1"}]}, "checkpoints.list[0] (l).path", "a symbolic link that loops"),
 ])
 def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, field, problem):
     monkeypatch.chdir(tmp_path)
@@ -65,6 +71,9 @@ def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, fiel
     (tmp_path / "ck" / "x.pt").write_bytes(b"x")
     (tmp_path / "ck" / "bad name.pt").write_bytes(b"x")
     os.symlink(tmp_path / "ck" / "gone.pt", tmp_path / "ck" / "broken.pt")
+    os.mkfifo(tmp_path / "ck" / "fifo")
+    os.symlink("loop2", tmp_path / "ck" / "loop1")
+    os.symlink("loop1", tmp_path / "ck" / "loop2")
     with pytest.raises(InputError) as ei:
         checkpoint_plan.checkpoint_table(cfg)
     assert ei.value.field == field and problem in ei.value.problem and ei.value.fix
