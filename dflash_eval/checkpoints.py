@@ -57,6 +57,7 @@ Validation and the stripped output: :mod:`dflash_eval.stages.strip_drafter`.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import logging
 import pickle
@@ -107,6 +108,9 @@ RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
 LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
 #: trainer-state JSON files whose ``global_step`` names an HF-style folder's step (speculators, HF Trainer)
 TRAINER_STATE_FILES = ("training_state.json", "trainer_state.json")
+#: torch files a trainer's checkpoint folder holds beside the weights (HF Trainer, SpecForge), not drafter weights
+TRAINER_SIDE_FILES = ("optimizer*.pt", "optimizer*.bin", "scheduler*.pt", "scaler*.pt", "training_args.bin",
+                      "rng_state*.pth", STATE_FILE)
 
 
 @dataclass
@@ -242,10 +246,16 @@ def _read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], lis
         InputError: a shard listed in the index is missing, or a shard's keys disagree with the index.
     """
     index = folder / INDEX_FILE
+    # a torch state dict beside the safetensors weights (another step's export, the fifteenth trial) is not read:
+    # said in the notes (strip_info.json, the report), the trainer's own side files left out
+    torch_files = sorted(p.name for p in folder.iterdir() if p.suffix in TORCH_SUFFIXES
+                         and not any(fnmatch.fnmatch(p.name, pat) for pat in TRAINER_SIDE_FILES))
+    torch_note = [f"ignored {torch_files}: the weights read are the folder's safetensors (point the checkpoint "
+                  "entry at a .pt file to read that one)"] if torch_files else []
     if not index.is_file():
         others = sorted(p.name for p in folder.glob("*.safetensors") if p.name != "model.safetensors")
         notes = [f"ignored {others}: not model.safetensors and no {INDEX_FILE}"] if others else []
-        return _read_safetensors(folder / "model.safetensors"), notes
+        return _read_safetensors(folder / "model.safetensors"), notes + torch_note
     weight_map = _read_json(index, "safetensors index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(index, "weight_map", "missing or empty", RESAVE)
@@ -261,7 +271,7 @@ def _read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], lis
                              f"{absent[:10]}, present but not listed {extra[:10]}", RESAVE)
         state.update(part)
     unused = sorted(p.name for p in folder.glob("*.safetensors") if p.name not in set(weight_map.values()))
-    return state, [f"ignored {unused}: not in {INDEX_FILE}"] if unused else []
+    return state, ([f"ignored {unused}: not in {INDEX_FILE}"] if unused else []) + torch_note
 
 
 def _torch_load(path: Path, allowed: tuple = ()) -> Any:

@@ -137,6 +137,24 @@ def test_hf_folder_round_trip(tmp_path, cfg, shards, dtype):
     assert model.cfg.target_layer_ids == LAYER_IDS and model.cfg.mask_token_id == MASK_ID
 
 
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_torch_file_beside_safetensors_weights_is_named_not_read(tmp_path, cfg, shards):
+    """The fifteenth trial: a folder with model.safetensors (step 788) and another step's .pt used the safetensors
+    with no word; the trainer's own side files (optimizer.pt, rng_state.pth, ...) are no news and not named."""
+    src = random_state(cfg, seed=2)
+    folder = write_hf(tmp_path / "step_40", cfg, src, shards=shards)
+    torch.save(random_state(cfg, seed=3), folder / "training_state_3507.pt")
+    for side in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "training_args.bin"):
+        (folder / side).write_bytes(b"x")
+    out = strip_checkpoint(folder, tmp_path / "out")
+    assert_bf16_equal(out, src)  # the safetensors were read
+    notes = json.loads((out / "strip_info.json").read_text())["notes"]
+    assert [n for n in notes if "training_state_3507.pt" in n] == [
+        "ignored ['training_state_3507.pt']: the weights read are the folder's safetensors (point the checkpoint "
+        "entry at a .pt file to read that one)"]
+    assert not any("optimizer.pt" in n or "rng_state" in n for n in notes)
+
+
 def test_specforge_legacy_round_trip(tmp_path, cfg, state):
     folder = write_specforge_legacy(tmp_path, cfg, state)
     for given in (folder, folder / "training_state.pt"):
