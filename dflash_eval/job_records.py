@@ -526,6 +526,8 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
     files = plan.caches() + [plan.run_path("completions", f"{p}.jsonl") for p in plan.prompt_sets]
     if plan.target.from_gguf:  # the converted target (the fourteenth trial: removed without a word)
         files += plan.target.weights[:1]
+    # the fingerprint record (the fifteenth trial: gone after a killed --forcerun target_fingerprint, no word)
+    files += [plan.target.fingerprint] if plan.target.fingerprint else []
     return [f for f in files if not os.path.exists(f)]
 
 

@@ -174,6 +174,16 @@ def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float],
                          "--forcerun trackers: results/<run>/trackers.json alone says nothing of the trackers)")
 
 
+def stale_points(points: Iterable[Point], have: Iterable[tuple[int, str]]) -> dict:
+    """What a tracker run holds that the tau table no longer has: ``{"stale": n, "stale_steps": [steps]}`` (``{}``
+    when none). A tracker cannot take a point back: a checkpoint removed from the run, or another config logging
+    under the same run name, leaves its points there (the fifteenth trial: the TensorBoard and W&B runs kept another
+    config's step-2000 point, in no row of tau.csv, without a word); :func:`log_table` warns."""
+    now = {(p.step, p.tag) for p in points}
+    gone = sorted({k for k in have if k not in now})
+    return {"stale": len(gone), "stale_steps": sorted({s for s, _ in gone})} if gone else {}
+
+
 def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
     out: dict[int, list[Point]] = {}
     for p in points:
@@ -245,7 +255,7 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
     have = tensorboard_logged(run_dir)
     check_unchanged(points, have, run_dir, "trackers.tensorboard.run_name")
     new = sorted((p for p in points if (p.step, p.tag) not in have), key=lambda p: (p.step, p.tag))
-    out = {"file": None, "logged": len(new), "already": len(points) - len(new)}
+    out = {"file": None, "logged": len(new), "already": len(points) - len(new), **stale_points(points, have)}
     for stale in run_dir.glob(f".*{TB_SUFFIX}.partial"):  # left by a killed writer
         stale.unlink(missing_ok=True)
     if not new:
@@ -372,7 +382,8 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
     check_unchanged(points, values, ledger_path, "trackers.wandb.run_id")
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),
-           "logged": len(new), "already": len(points) - len(new)}
+           "logged": len(new), "already": len(points) - len(new),
+           **stale_points(points, {(int(step), tag) for step, tags in done.items() for tag in tags})}
     local = Path(out["dir"]) / "wandb"
     if out["mode"] == "offline" and done and not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(run_id)}"))):
         # the eleventh trial's F6: offline points live in those folders until `wandb sync`; they are taken as logged
@@ -468,10 +479,15 @@ def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
     for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
     log.info("mlflow (%s, run %s): %d new points, %d already logged", uri, run_id, len(new), len(points) - len(new))
-    return {"tracking_uri": uri, "run_id": run_id, "logged": len(new), "already": len(points) - len(new)}
+    return {"tracking_uri": uri, "run_id": run_id, "logged": len(new), "already": len(points) - len(new),
+            **stale_points(points, values)}
 
 
 # --------------------------------------------------------------------------- all of them
+#: the config field that names a new tracker run
+NEW_RUN_FIELD = {"tensorboard": "run_name", "wandb": "run_id", "mlflow": "experiment"}
+
+
 def enabled(cfg: dict | None) -> list[str]:
     """Names of the trackers switched on in config section ``trackers``."""
     cfg = cfg or {}
@@ -523,6 +539,13 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
             out[name] = log_wandb(points, cfg.get("wandb") or {}, run, record_dir, prefix)
         else:
             out[name] = log_mlflow(points, cfg.get("mlflow") or {}, run)
+        if out[name].get("stale"):
+            out.setdefault("warnings", []).append(
+                f"{name}: the tracker run holds {out[name]['stale']} point(s) at step(s) "
+                f"{', '.join(map(str, out[name]['stale_steps'][:8]))}{', ...' if len(out[name]['stale_steps']) > 8 else ''} "
+                "that the tau table no longer has (a checkpoint removed from the run, or another config logging under "
+                f"the same run name): a tracker cannot take them back; to see only this table's, log to a new run "
+                f"(trackers.{name}.{NEW_RUN_FIELD[name]})")
     return out
 
 

@@ -129,7 +129,11 @@ if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when th
         logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade for its own sake "
                        "(target work); tau.csv and the report stand on the evaluate outputs, which name the cache and "
                        "completions they were made from; a job that needs them (a new checkpoint, a changed input or "
-                       "option upstream) remakes them first, or remake them now: snakemake <that file>")
+                       "option upstream) remakes them first, or remake them now: snakemake <that file>" + (
+                           "; the target's fingerprint record is among them: remaking it hashes the target's weights "
+                           "again and, as a new input, reruns the target work after it (completions, hidden_states), "
+                           "e.g. after an interrupted --forcerun target_fingerprint" if PLAN.target.fingerprint in _target_gone
+                           else ""))
 if MAIN_PROCESS:
     # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
     # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from dflash_eval.errors import InputError
-from dflash_eval.trackers import (log_table, table_points, tensorboard_run_dir, write_tensorboard)
+from dflash_eval.trackers import (NEW_RUN_FIELD, log_table, table_points, tensorboard_run_dir, write_tensorboard)
 from tracker_files import mlflow_points, tensorboard_scalars, wandb_points
 
 pytest.importorskip("tensorboard")
@@ -227,6 +227,25 @@ def test_a_value_that_changed_since_it_was_logged_is_refused(tmp_path, monkeypat
     cfg[tracker][new_run] = "demo-v2"  # a new run takes the new values
     assert log_table(rerun, cfg, "demo")[tracker]["logged"] == 23
     assert log_table(table(300), {tracker: {"enabled": True}}, "demo")[tracker]["logged"] == 8  # unchanged: logged
+
+
+@pytest.mark.parametrize("tracker", ["tensorboard", "wandb", "mlflow"])
+def test_points_the_table_no_longer_has_are_named(tmp_path, monkeypatch, tracker):
+    """The fifteenth trial: two configs sharing one run name (or a checkpoint removed from the run) left the other's
+    step-2000 point in the TensorBoard and W&B runs, in no row of tau.csv, with trackers.json saying "already 13"
+    and no word. A tracker cannot take a point back: trackers.json warns (printed at the end of the run)."""
+    pytest.importorskip(tracker)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = {tracker: {"enabled": True}}
+    first = log_table(table(300), cfg, "demo")
+    assert first[tracker]["logged"] == 23 and "stale" not in first[tracker] and "warnings" in first  # nostep only
+    out = log_table(table(200), cfg, "demo")  # ck-c (step 300) no longer in the run
+    assert (out[tracker]["logged"], out[tracker]["stale"], out[tracker]["stale_steps"]) == (0, 8, [300])
+    assert out["warnings"][-1] == (
+        f"{tracker}: the tracker run holds 8 point(s) at step(s) 300 that the tau table no longer has (a checkpoint "
+        "removed from the run, or another config logging under the same run name): a tracker cannot take them back; "
+        f"to see only this table's, log to a new run (trackers.{tracker}.{NEW_RUN_FIELD[tracker]})")
 
 
 def test_a_damaged_tensorboard_event_file_is_an_error_not_nothing_logged(tmp_path):
