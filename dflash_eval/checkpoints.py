@@ -103,7 +103,12 @@ IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$
 PARAM_LEAF = re.compile(r"(^|\.)(weight|bias|base_kernel|predecessor_codebook|successor_codebook)$")
 #: DFlash 2 codebooks under their saved names (no ``.weight``; reference ``DFlash2DraftModel.from_pretrained``)
 CODEBOOK_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)", r"epoch_\d+_step_(\d+)")
+#: a step is a whole digit run: not followed by a letter or a decimal part (``step20k``, ``step1e5``, ``step_1.5k``
+#: are no step: the sixteenth trial's P5, their leading digits were taken as steps 20, 1 and 1)
+STEP_END = r"(?![A-Za-z0-9]|\.\d)"
+STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)" + STEP_END, r"epoch_\d+_step_(\d+)" + STEP_END)
+#: a step-like word whose digits run on into a unit or decimal (:func:`unread_step`)
+UNREAD_STEP = r"(?:global_step|step|iter|checkpoint)[_-]?\d[\w.]*"
 RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
 LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
 #: trainer-state JSON files whose ``global_step`` names an HF-style folder's step (speculators, HF Trainer)
@@ -137,12 +142,24 @@ class LoadedCheckpoint:
 
 
 def parse_step(name: str) -> int | None:
-    """Training step from a checkpoint name (``step1500``, ``global_step_400``, ``epoch_0_step_100``, ``-step900``)."""
+    """Training step from a checkpoint name (``step1500``, ``global_step_400``, ``epoch_0_step_100``, ``-step900``,
+    ``step100.pt``); ``None`` when none, or when the digits run on into a unit or decimal (``step20k``,
+    ``step_1.5k``, ``step1e5``: :func:`unread_step` names it)."""
     for pat in STEP_PATTERNS[::-1]:
         m = re.search(pat, name)
         if m:
             return int(m.group(1))
     return None
+
+
+def unread_step(name: str) -> str | None:
+    """The note for a name whose step-like word :func:`parse_step` does not read (``step20k``): strip records it,
+    so the report and ``strip_info.json`` say why the checkpoint has no step. ``None`` when the name has a step or
+    no step-like word."""
+    m = None if parse_step(name) is not None else re.search(UNREAD_STEP, name)
+    return (f"no training step: '{m.group(0)}' in the name {name!r} is not a whole number of steps (a unit or "
+            "decimal after the digits); name it with the number (e.g. step20000) or give the step in "
+            "trainer_state.json (global_step)") if m else None
 
 
 # --------------------------------------------------------------------------- detection

@@ -121,7 +121,7 @@ def target_values(plan: "Plan") -> dict:
 def generation_values(plan: "Plan") -> dict:
     """What the prompts and completions records hold of the files that shape generation (the chat template, the
     stop ids): ``{GENERATION_KEY: stamps}`` of :data:`GENERATION_FILES` present in the target folder, and for a
-    converted GGUF of its tokenizer files too (:data:`dflash_eval.plan.TOKENIZER_FILES`). An edited chat template
+    converted GGUF of its tokenizer files and ``config.json`` too (:data:`dflash_eval.plan.TOKENIZER_FILES`). An edited chat template
     or stop id (``eos_token_id`` in ``generation_config.json``, the fix docs/errors.md gives for a target that
     never stops) thus reruns the prompts or completions and everything after them (the twelfth trial's N1: it
     reran nothing, the old completions stayed).
@@ -135,7 +135,10 @@ def generation_values(plan: "Plan") -> dict:
     folder = Path(plan.target.dir)
     if not folder.is_dir():
         return {}
-    names = (*TOKENIZER_FILES, *GENERATION_FILES) if plan.target.from_gguf else GENERATION_FILES
+    # a converted GGUF's config.json too: the folder is target_from_gguf's output, so its config.json is stamped
+    # nowhere else (the sixteenth trial's P7: rope_theta edited, mtime put back: "Nothing to be done", and
+    # validate_online then ran another model); an HF folder's is in target_values
+    names = (*TOKENIZER_FILES, *GENERATION_FILES, "config.json") if plan.target.from_gguf else GENERATION_FILES
     return {GENERATION_KEY: [st for n in names for st in file_stamps(folder / n)]}
 
 

@@ -155,6 +155,25 @@ def test_a_torch_file_beside_safetensors_weights_is_named_not_read(tmp_path, cfg
     assert not any("optimizer.pt" in n or "rng_state" in n for n in notes)
 
 
+@pytest.mark.parametrize("name, step", [
+    ("step1500", 1500), ("global_step_400", 400), ("epoch_0_step_100", 100), ("run-step900", 900), ("step100.pt", 100),
+    ("checkpoint-3000", 3000), ("step_100_ema", 100), ("dflash-smollm2-b8-step3507", 3507), ("ckpt", None),
+    # the sixteenth trial's P5: the leading digits were taken (20, 10, 1, 1, 2): no step, and strip says why
+    ("run1-step20k", None), ("step-10k", None), ("step_1.5k", None), ("step1e5", None), ("step-2e19", None)])
+def test_step_from_the_name_is_a_whole_number_or_none(name, step):
+    from dflash_eval.checkpoints import parse_step, unread_step
+
+    assert parse_step(name) == step
+    assert (unread_step(name) is not None) == (step is None and name != "ckpt")
+
+
+def test_a_name_whose_step_has_a_unit_gets_no_step_and_a_note(tmp_path, cfg):
+    folder = write_hf(tmp_path / "run1-step20k", cfg, random_state(cfg, seed=2))
+    info = json.loads((strip_checkpoint(folder, tmp_path / "out") / "strip_info.json").read_text())
+    assert info["step"] is None and "no training step: 'step20k' in the name 'run1-step20k' is not a whole number " \
+        "of steps (a unit or decimal after the digits)" in " ".join(info["notes"])
+
+
 def test_specforge_legacy_round_trip(tmp_path, cfg, state):
     folder = write_specforge_legacy(tmp_path, cfg, state)
     for given in (folder, folder / "training_state.pt"):

@@ -758,6 +758,12 @@ def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(c
     (folder / "chat_template.jinja").write_text("You are a pirate. {{ messages[0].content }}")
     assert sorted(write_records(_plan(config)).changed) == generating
     assert record_sha256(prompts) == before[prompts][0]  # the stamps are not the settings a stage ran with
+    (folder / "config.json").write_text('{"num_hidden_layers": 30, "hidden_size": 576, "rope_theta": 100000.0}')
+    assert sorted(write_records(_plan(config)).changed) == generating
+    kept = (folder / "config.json").stat()  # the sixteenth trial's P7: an edit with its mtime put back
+    (folder / "config.json").write_text('{"num_hidden_layers": 30, "hidden_size": 576, "rope_theta": 10000.00}')
+    os.utime(folder / "config.json", ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert sorted(write_records(_plan(config)).changed) == generating
     hf = dict(config, target={**config["target"], "path": str(folder), "name": "hf"})  # an HF folder: its
     (folder / "config.json").write_text('{"num_hidden_layers": 30, "hidden_size": 576}')  # generation_config.json too (chat templates are tokenizer files)
     (folder / "model.safetensors").write_bytes(b"x")

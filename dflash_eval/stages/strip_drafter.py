@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint
+from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint, unread_step
 from ..compat import check_compat
 from ..drafter import DFlashDrafter, check_state_dict
 from ..drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
@@ -235,6 +235,9 @@ def strip_checkpoint(
         notes += check_compat(cfg, cfg_src)
         if shared:
             notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
+    if ck.meta.get("step") is None:  # a name like step20k: say why there is no step (the sixteenth trial's P5)
+        src = Path(checkpoint)
+        notes += [n for n in [unread_step(src.name if src.is_dir() else src.stem)] if n]
     fmt = ck.format + ("+shared" if shared else "")
     out_state = {k: v.to(torch.bfloat16).contiguous() for k, v in sorted(state.items())}
     config_out = copy.deepcopy(cfg.raw)  # the parsed config with overrides applied; never the caller's dict
