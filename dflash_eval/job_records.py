@@ -541,8 +541,12 @@ def lost_outputs(plan: "Plan") -> list[str]:
     remaking them redoes target work (a cache deleted to free disk stays deleted until a job needs it)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
+    from .output_digests import made_from
+
     made = plan.evaluations() + plan.target_costs_outputs() + plan.extra_outputs()
-    return [f for f in made if not os.path.exists(f)] + gone_tracker_logs(plan)
+    used = made_from(plan.run_path())  # None: digests of an earlier version (every planned output counts)
+    return [f for f in made if not os.path.exists(f) and (used is None or os.path.normpath(f) in used)] + \
+        gone_tracker_logs(plan)
 
 
 def gone_tracker_logs(plan: "Plan") -> list[str]:

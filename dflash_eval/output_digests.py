@@ -42,10 +42,12 @@ def digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def record_outputs(stage: str, paths: Iterable) -> Path | None:
+def record_outputs(stage: str, paths: Iterable, made_from: Iterable = ()) -> Path | None:
     """Record the :func:`digest` of ``paths`` (the stage's final outputs, files or folders, in one ``results/<run>/``
     folder) in ``<that folder>/digests/<stage>.json``, inside the workflow only
-    (:func:`dflash_eval.row_checksum.sealed_required`; a direct CLI call writes nothing beside its outputs).
+    (:func:`dflash_eval.row_checksum.sealed_required`; a direct CLI call writes nothing beside its outputs), with
+    ``made_from``: the inputs they were made of (evaluate outputs, target costs, report sections), so that only
+    those are called lost when gone (:func:`made_from`).
 
     Returns:
         the digest file written, or None.
@@ -57,10 +59,31 @@ def record_outputs(stage: str, paths: Iterable) -> Path | None:
         return None
     out = files[0].parent / DIGEST_DIR / f"{stage}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = seal_document({"stage": stage, "outputs": {os.path.normpath(str(f)): digest(f) for f in files}})
+    doc = seal_document({"stage": stage, "outputs": {os.path.normpath(str(f)): digest(f) for f in files},
+                         "made_from": sorted({os.path.normpath(str(f)) for f in made_from if f})})
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
     return out
+
+
+def made_from(run_dir: str | os.PathLike, stages: Iterable[str] = ("summary", "report")) -> set[str] | None:
+    """The inputs the run's final outputs were made of (:func:`record_outputs`' ``made_from``, normalised paths),
+    or ``None`` when no verified digest of ``stages`` holds the field (a version before it: every planned input
+    counts). A planned output that is missing but not among them is new, not lost (the sixteenth trial's P5b: a new
+    checkpoint's evaluate output was called "gone")."""
+    from .row_checksum import check_document
+
+    found: set[str] | None = None
+    for stage in stages:
+        rec = Path(run_dir) / DIGEST_DIR / f"{stage}.json"
+        try:
+            doc = json.loads(rec.read_text())
+            check_document(rec, doc, str(doc.get("stage")), "")
+            names = doc["made_from"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, InputError):
+            continue
+        found = (found or set()) | {str(n) for n in names}
+    return found
 
 
 def replaced_outputs(run_dir: str | os.PathLike, stages: Iterable[str] = tuple(FINAL_OUTPUTS)) -> list[str]:

@@ -67,7 +67,7 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
         if out_html:
             with atomic_path(out_html) as tmp:
                 tmp.write_text(render_html(data, figs))
-    record_outputs("report", [out, out_html, figures_dir])  # compared at parse time (an edited or foreign copy is remade)
+    record_outputs("report", [out, out_html, figures_dir], made_from=[*evals, *(extra or []), costs])  # compared at parse time (an edited or foreign copy is remade)
     return data
 
 

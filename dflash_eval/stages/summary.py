@@ -143,7 +143,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         tmp.write_text(table_csv(df))
     with atomic_path(out_parquet) as tmp:
         write_parquet(df, tmp)  # sealed: the trackers verify what they log
-    record_outputs("summary", [out_csv, out_parquet])  # compared at parse time (an edited or foreign copy is remade)
+    record_outputs("summary", [out_csv, out_parquet], made_from=[*evals, costs])  # compared at parse time (an edited or foreign copy is remade)
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
     if costs:
         shown += ["speedup_chain", "estimate_reliable"]
