@@ -62,7 +62,7 @@ def check_names(config: dict) -> None:
                              "rename it (e.g. 'my-run')")
 
 
-def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
+def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
     """One row per checkpoint name, sorted by name: ``{name: {path, kind, ...entry}}``.
 
     ``kind`` is ``glob`` (name = file stem / folder name), ``list`` (explicit name, path,
@@ -71,7 +71,8 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
 
     Raises:
         InputError: a bad name, a duplicate name, a glob matching nothing (or only broken links),
-            a list path or drafter_config that does not exist, or no checkpoint at all.
+            a list path or drafter_config that does not exist, a path inside ``results/<run>/`` (with ``run``),
+            or no checkpoint at all.
     """
     table: dict[str, dict] = {}
     origin: dict[str, str] = {}
@@ -120,6 +121,15 @@ def checkpoint_table(ckpt_cfg: dict) -> dict[str, dict]:
     if not table:
         raise InputError("config", "checkpoints", "no checkpoint configured",
                          "set checkpoints.glob, checkpoints.list or checkpoints.demo")
+    outputs = os.path.realpath(os.path.join("results", run)) + os.sep if run else None
+    for name, row in table.items():
+        if outputs and row.get("kind") != "demo" and os.path.realpath(row["path"]).startswith(outputs):
+            # the sixteenth trial's P4: its own stripped folder as a checkpoint: a cyclic strip job, then an error
+            # whose fix could not work
+            raise InputError("config", f"{origin[name]}.path" if row["kind"] == "list" else origin[name],
+                             f"{row['path']!r} is inside results/{run}/, which this run writes (a stripped drafter "
+                             "of this run as a checkpoint would be its own strip job's input and output)",
+                             "point at the original checkpoint, or copy the folder out of results/<run>/ first")
     for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
         row["files"] = checkpoint_files(name, row, origin[name])
     same_files_note(table)

@@ -544,7 +544,7 @@ def build_plan(config: dict) -> Plan:
     check_generation(config["generation"])
     check_cache(config["cache"], engine_parity=bool(config.get("engine_parity", {}).get("enabled")))
     target = resolve_target(config["target"])
-    checkpoints = checkpoint_table(config["checkpoints"])
+    checkpoints = checkpoint_table(config["checkpoints"], config["run"])
     spec = target_spec_if_known(target)
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)

@@ -64,6 +64,10 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     ({"list": [{"name": "a", "path": "ck/x.pt", "drafter_config": "ck"}]}, "checkpoints.list[0] (a).drafter_config",
      "is not a regular file"),
     ({"list": [{"name": "l", "path": "ck/loop1"}]}, "checkpoints.list[0] (l).path", "a symbolic link that loops"),
+    # the sixteenth trial's P4: the run's own stripped folder as a checkpoint (a cyclic strip job)
+    ({"list": [{"name": "a", "path": "results/r/drafters/a"}]}, "checkpoints.list[0] (a).path",
+     "'results/r/drafters/a' is inside results/r/, which this run writes"),
+    ({"glob": "results/r/drafters/*"}, "checkpoints.glob (results/r/drafters/a)", "is inside results/r/"),
 ])
 def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, field, problem):
     monkeypatch.chdir(tmp_path)
@@ -72,10 +76,12 @@ def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, fiel
     (tmp_path / "ck" / "bad name.pt").write_bytes(b"x")
     os.symlink(tmp_path / "ck" / "gone.pt", tmp_path / "ck" / "broken.pt")
     os.mkfifo(tmp_path / "ck" / "fifo")
+    (tmp_path / "results" / "r" / "drafters" / "a").mkdir(parents=True)
+    (tmp_path / "results" / "r" / "drafters" / "a" / "model.safetensors").write_bytes(b"x")
     os.symlink("loop2", tmp_path / "ck" / "loop1")
     os.symlink("loop1", tmp_path / "ck" / "loop2")
     with pytest.raises(InputError) as ei:
-        checkpoint_plan.checkpoint_table(cfg)
+        checkpoint_plan.checkpoint_table(cfg, "r")
     assert ei.value.field == field and problem in ei.value.problem and ei.value.fix
 
 
