@@ -77,3 +77,5 @@ onerror:
     forget_owner()
     if MAIN_PROCESS and rewrite_allowed(sys.argv):
         complete_records(PLAN)
+    for _note in failed_checks(PLAN.validate_online_outputs() + PLAN.validate_engine_outputs(), STARTED):
+        logger.warning(f"dflash-eval: {_note}")  # a validation that did not pass, also when a later job failed

@@ -526,7 +526,8 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
     "Nothing to be done" and no word)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
-    files = plan.caches() + [plan.run_path("completions", f"{p}.jsonl") for p in plan.prompt_sets]
+    files = plan.caches() + [plan.run_path(stage, f"{p}.jsonl") for stage in ("prompts", "completions")
+                             for p in plan.prompt_sets]  # prompts: removed first by a killed --forcerun prompts
     if plan.target.from_gguf:  # the converted target (the fourteenth trial: removed without a word)
         files += plan.target.weights[:1]
     # the fingerprint record (the fifteenth trial: gone after a killed --forcerun target_fingerprint, no word)

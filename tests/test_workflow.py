@@ -762,8 +762,10 @@ def test_a_lost_evaluate_output_is_made_again_by_the_same_command(tiny_run, tmp_
     # the fifteenth trial: the fingerprint record gone (an interrupted --forcerun target_fingerprint) said nothing
     record = next((wd / "resources/targets").glob("*.fingerprint.json"))
     record.unlink()
+    (wd / "results/tiny/prompts/set_a.jsonl").unlink()  # likewise the prompts (an interrupted --forcerun prompts)
     text = out(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)))
-    assert f"results/tiny/cache/set_b.h5, resources/targets/{record.name} gone while tau.csv is there" in text, text[-3000:]
+    assert f"results/tiny/cache/set_b.h5, results/tiny/prompts/set_a.jsonl, resources/targets/{record.name} gone " \
+           "while tau.csv is there" in text, text[-3000:]
     assert "the target's fingerprint record is among them: remaking it hashes the target's weights again" in text
 
 
