@@ -76,7 +76,8 @@ def describe_validation_error(err) -> tuple[str, str]:
     problem = err.message
     if err.validator in ("oneOf", "anyOf") and isinstance(err.schema, dict) and err.schema.get("description"):
         problem = f"not one of the allowed forms: {err.schema['description']}"
-    elif err.validator == "pattern" and isinstance(err.instance, str) and err.schema.get("pattern") == NAME_RE.pattern:
+    elif err.validator == "pattern" and isinstance(err.instance, str) and err.schema.get("pattern") in (
+            NAME_RE.pattern, "^$|" + NAME_RE.pattern):  # a name, or '' for a default
         problem = f"{err.instance!r}: a name becomes a folder or file name, so it {name_problem(err.instance)}"
     elif err.validator == "additionalProperties" and isinstance(err.instance, dict) and isinstance(err.schema, dict):
         known = list(err.schema.get("properties", {}))

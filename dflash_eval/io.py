@@ -110,6 +110,9 @@ def iter_jsonl(fh: IO[str], path: str | Path, fix: str = "write one JSON object 
             return
         except UnicodeDecodeError:
             raise not_utf8(path) from None
+        if lineno == 1 and line.startswith("\ufeff"):  # the sixteenth trial: the fix named was "one JSON object per line"
+            raise InputError(path, "line 1", "starts with a UTF-8 byte-order mark (BOM, written by some Windows "
+                             "editors)", "save the file as UTF-8 without BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' <file>")
         if not line.strip():
             continue
         try:

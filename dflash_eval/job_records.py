@@ -526,8 +526,13 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
     "Nothing to be done" and no word)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
-    files = plan.caches() + [plan.run_path(stage, f"{p}.jsonl") for stage in ("prompts", "completions")
-                             for p in plan.prompt_sets]  # prompts: removed first by a killed --forcerun prompts
+    from .output_digests import made_from
+
+    used = made_from(plan.run_path())  # a prompt set tau.csv has no rows of yet is new, not lost (P5b, P12b)
+    sets = [p for p in plan.prompt_sets if used is None or any(
+        os.path.normpath(e) in used for e in plan.evaluations() if Path(e).stem == p)]
+    files = [plan.run_path(stage, f"{p}{ext}") for stage, ext in (("cache", ".h5"), ("prompts", ".jsonl"),
+                                                                  ("completions", ".jsonl")) for p in sets]
     if plan.target.from_gguf:  # the converted target (the fourteenth trial: removed without a word)
         files += plan.target.weights[:1]
     # the fingerprint record (the fifteenth trial: gone after a killed --forcerun target_fingerprint, no word)

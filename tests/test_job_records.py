@@ -770,3 +770,31 @@ def test_an_edited_chat_template_or_stop_id_reruns_the_prompts_and_completions(c
     (folder / "tokenizer.json").write_text("{}")
     assert [s["file"] for s in json.loads(planned_records(_plan(hf))[record_path("default", "completions", "humaneval")])[
         GENERATION_KEY]] == ["resources/targets/smollm2-135m-instruct/generation_config.json"]
+
+
+def test_only_what_tau_csv_was_made_of_is_called_lost(config, tmp_path, monkeypatch):
+    """The sixteenth trial's P5b / P12b: a new checkpoint's evaluate output, or a new prompt set's cache and
+    completions, were called "gone while tau.csv is there"; what summary and report were made of is recorded with
+    their digests (made_from), and only that is lost when missing."""
+    from dflash_eval.job_records import lost_outputs, lost_target_outputs
+    from dflash_eval.output_digests import record_outputs
+    from dflash_eval.row_checksum import SEALED_ENV
+
+    plan = _plan(config)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(SEALED_ENV, "1")
+    assert len(plan.prompt_sets) > 1 and len(plan.checkpoints) > 1
+    old_set, old_ck = plan.prompt_sets[0], sorted(plan.checkpoints)[0]
+    made = [e for e in plan.evaluations() if Path(e).stem == old_set and f"/eval/{old_ck}/" in e]
+    tau = Path(plan.run_path("tau.csv"))
+    tau.parent.mkdir(parents=True)
+    tau.write_text("checkpoint\n")
+    # before any digest records made_from (an earlier version): every planned file counts
+    assert sorted(lost_outputs(plan)) == sorted(plan.evaluations() + plan.target_costs_outputs() + plan.extra_outputs())
+    record_outputs("summary", [tau], made_from=made)
+    assert lost_outputs(plan) == made
+    lost = lost_target_outputs(plan)
+    assert [f for f in lost if f.startswith("results/")] == [
+        plan.run_path(stage, f"{old_set}{ext}") for stage, ext in (
+            ("cache", ".h5"), ("prompts", ".jsonl"), ("completions", ".jsonl"))]
+    assert plan.target.fingerprint in lost

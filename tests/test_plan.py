@@ -226,6 +226,9 @@ def test_schema_override_keys_are_the_packages():
      "0 is less than or equal to the minimum of 0"),
     # the seventh trial's U3: a name the schema's pattern refuses reads what a name may hold, not the regex
     ({"run": ".."}, "run", "'..': a name becomes a folder or file name, so it may only contain letters, digits"),
+    # the sixteenth trial's P15: a TensorBoard run_name of ../../../../x wrote outside results/
+    ({"trackers": {"tensorboard": {"run_name": "../../x"}}}, "trackers.tensorboard.run_name",
+     "'../../x': a name becomes a folder or file name, so it may only contain letters"),
     ({"checkpoints": {"list": [{"name": "ck A", "path": "a.pt"}]}}, "checkpoints.list[0].name",
      "'ck A': a name becomes a folder or file name, so it may only contain letters, digits, '.', '_' and '-', may "
      "not start with '.' or '-' (a command-line option) and is at most 100 characters long"),

@@ -350,3 +350,14 @@ def test_read_prompts_errors(tmp_path):
     with pytest.raises(InputError) as ei:
         read_prompts(p)
     assert ei.value.field == "line 1: text"
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_named_as_such(tmp_path):
+    """The sixteenth trial: a UTF-8 BOM (PowerShell, Notepad) read "malformed JSON ... Fix: write one JSON object per
+    line", a fix that does not help."""
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "hi"}\n')
+    with pytest.raises(InputError) as ei:
+        load_file(p)
+    assert (ei.value.file, ei.value.field) == (str(p), "line 1") and "byte-order mark" in ei.value.problem
+    assert "without BOM" in ei.value.fix
