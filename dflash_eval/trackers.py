@@ -282,7 +282,7 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
 def _with_files(out: dict, run_dir: Path) -> dict:
     """``out`` with ``files``: the dflash-eval event files of ``run_dir`` (names), what :func:`gone_logs` checks."""
-    return {**out, "files": sorted(f.name for f in run_dir.iterdir() if _TB_NAME.match(f.name))}
+    return {**out, "run_dir": str(run_dir), "files": sorted(f.name for f in run_dir.iterdir() if _TB_NAME.match(f.name))}
 
 
 def gone_logs(record: dict, cfg: dict, run: str) -> list[str]:
@@ -304,13 +304,16 @@ def gone_logs(record: dict, cfg: dict, run: str) -> list[str]:
     if isinstance(tb, dict) and (cfg.get("tensorboard") or {}).get("enabled") and tb.get("logged", 0) + tb.get("already", 0):
         run_dir = tensorboard_run_dir(cfg, run)
         names = tb.get("files")
-        if isinstance(names, list) and names:
+        if tb.get("run_dir") not in (None, str(run_dir)):
+            pass  # logged to another run folder (run_name changed): those files are not this folder's (P15)
+        elif isinstance(names, list) and names:
             gone += [str(run_dir / n) for n in names if not (run_dir / n).is_file()]
         elif not (run_dir.is_dir() and any(_TB_NAME.match(f.name) for f in run_dir.iterdir())):
             gone.append(str(run_dir))
     wb = record.get("wandb")
     if (isinstance(wb, dict) and (cfg.get("wandb") or {}).get("enabled") and wb.get("mode") == "offline"
-            and wb.get("logged", 0) + wb.get("already", 0) and not wb.get("warning") and wb.get("dir")):
+            and wb.get("logged", 0) + wb.get("already", 0) and not wb.get("warning") and wb.get("dir")
+            and wb.get("run_id") == ((cfg.get("wandb") or {}).get("run_id") or f"dflash-eval-{run}")):
         local = Path(wb["dir"]) / "wandb"
         if not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(str(wb.get('run_id')))}"))):
             gone.append(str(local))

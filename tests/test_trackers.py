@@ -336,8 +336,11 @@ def test_tracker_logs_gone_under_trackers_json_are_found_and_relogged(tmp_path, 
     shutil.rmtree(tmp_path / "results/demo/wandb")
     assert gone_logs(record, cfg, "demo") == [str(first), str(run_dir / record["tensorboard"]["files"][1]),
                                               "results/demo/wandb"]
-    old = {**record, "tensorboard": {k: v for k, v in record["tensorboard"].items() if k != "files"}}
+    old = {**record, "tensorboard": {k: v for k, v in record["tensorboard"].items() if k not in ("files", "run_dir")}}
     assert gone_logs(old, cfg, "demo")[0] == str(run_dir)  # a record of an earlier version: the folder
+    # the sixteenth trial's P15: after a switch of run_name / run_id, the other run's logs are not "gone" here
+    other = {"tensorboard": {**cfg["tensorboard"], "run_name": "v2"}, "wandb": {**cfg["wandb"], "run_id": "v2"}}
+    assert gone_logs(record, other, "demo") == []
     again = log_table(table(200), cfg, "demo")  # what the rerun does
     assert again["tensorboard"]["logged"] == 15 and tensorboard_scalars(run_dir) == expected(200)
     assert "if it was not synced" in again["wandb"]["warning"] and gone_logs(again, cfg, "demo") == []
