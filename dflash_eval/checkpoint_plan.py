@@ -24,6 +24,8 @@ from .io import read_json_object
 #: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
 #: the subset that holds weights: a checkpoint folder without any is refused at parse time
+#: what a checkpoint given as one file may be (:data:`dflash_eval.checkpoints.TORCH_SUFFIXES`)
+CHECKPOINT_FILES = (".pt", ".pth", ".bin")
 CHECKPOINT_WEIGHT_PATTERNS = ("*.safetensors", "*.pt", "*.pth", "*.bin", "*.distcp")
 #: names that become path components (run, target, checkpoint, prompt set): no separators, never ``.`` / ``..``
 #: or another name starting with a dot (a hidden folder, or one outside ``results/``) or a dash (it would read as a
@@ -130,6 +132,13 @@ def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
                              f"{row['path']!r} is inside results/{run}/, which this run writes (a stripped drafter "
                              "of this run as a checkpoint would be its own strip job's input and output)",
                              "point at the original checkpoint, or copy the folder out of results/<run>/ first")
+        if row.get("kind") != "demo" and os.path.isfile(row["path"]) and not row["path"].endswith(CHECKPOINT_FILES):
+            # the sixteenth trial's P20: model.safetensors given for its folder passed the parse, strip refused it
+            where = f"{origin[name]}.path" if row["kind"] == "list" else origin[name]
+            raise InputError("config", where, f"{row['path']!r} is a file strip cannot read alone (a checkpoint file "
+                             f"is a torch state dict, {', '.join(CHECKPOINT_FILES)}; safetensors weights are read "
+                             "with their folder's config.json)", "point at the folder that holds it" if row[
+                                 "path"].endswith(".safetensors") else "point at the checkpoint file or folder")
     for name, row in table.items():  # an input function must never raise: Snakemake would hide the error
         row["files"] = checkpoint_files(name, row, origin[name])
     same_files_note(table)

@@ -403,7 +403,11 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
     if isinstance(meta.get("global_step"), (int, float)) and "step" in meta and meta["global_step"] != meta["step"]:
         notes.append(f"the checkpoint stores step={meta['step']!r} and global_step={meta['global_step']!r}; "
                      "the step column uses 'step'")
-    meta["step"] = int(step) if isinstance(step, (int, float)) else parse_step(step_name)
+    named = parse_step(step_name)
+    if isinstance(step, (int, float)) and named is not None and int(step) != named:  # the sixteenth trial's P17
+        notes.append(f"the checkpoint stores step {int(step)}, its name {step_name!r} says {named}: the step column "
+                     "uses the stored one")
+    meta["step"] = int(step) if isinstance(step, (int, float)) else named
     return LoadedCheckpoint(path, fmt + (f"[{'/'.join(nest)}]" if nest else ""), _strip_prefixes(state, path),
                             obj[cfg_key] if cfg_key else None, meta, f"{path} [{cfg_key}]" if cfg_key else None,
                             [path.parent / "config.json"], notes=notes, config_error=conflict)

@@ -218,6 +218,15 @@ def test_torch_dict_round_trip(tmp_path, cfg, state, container, prefix, name):
     assert info["step"] == 500 if container else info["step"] is None
 
 
+def test_a_stored_step_other_than_the_names_is_noted(tmp_path, cfg, state):
+    """The sixteenth trial's P17: step3507.pt storing step 100 (a resumed run's local step) said nothing."""
+    path = write_torch(tmp_path, cfg, state, "model", "", "step3507.pt")
+    torch.save({**torch.load(path, weights_only=False), "step": 100}, path)
+    info = json.loads((strip_checkpoint(path, tmp_path / "out") / "strip_info.json").read_text())
+    assert info["step"] == 100 and "the checkpoint stores step 100, its name 'step3507' says 3507: the step column " \
+        "uses the stored one" in info["notes"]
+
+
 def test_dcp_round_trip(tmp_path, cfg, state):
     folder = write_dcp(tmp_path, cfg, state)
     assert detect_format(folder)[0] == "dcp"

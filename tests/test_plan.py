@@ -68,6 +68,9 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     ({"list": [{"name": "a", "path": "results/r/drafters/a"}]}, "checkpoints.list[0] (a).path",
      "'results/r/drafters/a' is inside results/r/, which this run writes"),
     ({"glob": "results/r/drafters/*"}, "checkpoints.glob (results/r/drafters/a)", "is inside results/r/"),
+    # the sixteenth trial's P20: the weights file given for its folder passed the parse; strip refused it
+    ({"list": [{"name": "w", "path": "ck/model.safetensors"}]}, "checkpoints.list[0] (w).path",
+     "is a file strip cannot read alone"),
 ])
 def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, field, problem):
     monkeypatch.chdir(tmp_path)
@@ -76,6 +79,7 @@ def test_checkpoint_table_errors_name_the_entry(tmp_path, monkeypatch, cfg, fiel
     (tmp_path / "ck" / "bad name.pt").write_bytes(b"x")
     os.symlink(tmp_path / "ck" / "gone.pt", tmp_path / "ck" / "broken.pt")
     os.mkfifo(tmp_path / "ck" / "fifo")
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")
     (tmp_path / "results" / "r" / "drafters" / "a").mkdir(parents=True)
     (tmp_path / "results" / "r" / "drafters" / "a" / "model.safetensors").write_bytes(b"x")
     os.symlink("loop2", tmp_path / "ck" / "loop1")
