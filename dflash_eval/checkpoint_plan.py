@@ -112,7 +112,7 @@ def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
             if problem:
                 raise InputError("config", f"{where}.{key}", f"{entry[key]!r} {problem}",
                                  "correct the path or remove the entry")
-        add(entry["name"], {**entry, "kind": "list"}, where)
+        add(entry["name"], {**entry, "path": spelled(entry["path"]), "kind": "list"}, where)
     for i, entry in enumerate(ckpt_cfg.get("demo", [])):
         where = f"checkpoints.demo[{i}] ({entry['name']})"
         if entry.get("drafter") and not os.path.isdir(entry["drafter"]):
@@ -143,6 +143,15 @@ def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
         row["files"] = checkpoint_files(name, row, origin[name])
     same_files_note(table)
     return dict(sorted(table.items()))
+
+
+def spelled(path: str) -> str:
+    """One spelling of a path: repeated and trailing ``/`` and ``./`` segments dropped (``..`` kept: through a
+    symbolic link it is not the parent). The sixteenth trial's P22: ``ck/`` for ``ck`` changed the strip record and
+    reran its jobs."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    out = ("/" if path.startswith("/") else "") + "/".join(parts)
+    return out or ("/" if path.startswith("/") else ".")
 
 
 def _path_problem(path: str, folder_ok: bool) -> str | None:

@@ -427,3 +427,12 @@ def test_validate_online_on_a_greedy_set_warns_that_it_runs_greedy_only():
     assert greedy_only_note(config, "he-t1", ["he", "he-t1"]) is None  # its own T > 0 setting runs
     config["validate_online"]["sampling"] = []  # greedy asked for: no note
     assert greedy_only_note(config, "he", ["he", "he-t1"]) is None
+
+
+def test_a_checkpoint_path_has_one_spelling(tmp_path, monkeypatch):
+    """The sixteenth trial's P22: `ck/` for `ck` (or `ck//x`, `./ck`) changed the strip record and reran its jobs."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")
+    rows = [checkpoint_plan.checkpoint_table({"list": [{"name": "a", "path": p}]})["a"] for p in ("ck", "ck/", "./ck//")]
+    assert [r["path"] for r in rows] == ["ck"] * 3 and rows[0]["files"] == rows[2]["files"]
