@@ -36,7 +36,7 @@ $(STAMP): $(REQUIREMENTS)
 	$(BIN)/python -m pip install --no-deps -e .
 	touch $@
 
-# The trackers' client libraries (dflash_eval/trackers.py): needed by the demo (TensorBoard) and the tests.
+# The trackers' client libraries (dflash_eval/trackers/log.py): needed by the demo (TensorBoard) and the tests.
 venv-trackers: $(TRACKERS_STAMP)
 
 # --no-warn-conflicts: the data and reference wheels of envs/requirements-nodeps.txt are installed without

@@ -55,7 +55,7 @@ onsuccess:
     if MAIN_PROCESS and rewrite_allowed(sys.argv):  # fields known only now (a converted target's chat template)
         complete_records(PLAN)
     # what the trackers left out (a checkpoint without a step, two at one step, W&B points lost with their
-    # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers.py)
+    # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers/log.py)
     for _note in trackers_run_warnings(PLAN, STARTED):
         logger.warning(f"dflash-eval: {_note}")
     # a validation that did not pass is a warning on the console, not only a row of the report

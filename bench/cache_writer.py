@@ -2,7 +2,7 @@
 
 No model: each shape's batches (the stage's own packed ``length_batches`` over random lengths) are
 filled with random bf16 bits in two reusable host buffers, exactly as ``extract._run_batches`` hands
-them over, and pushed through :class:`dflash_eval.cache_writer.StreamingWriter` into a real sidecar that is
+them over, and pushed through :class:`dflash_eval.cache.writer.StreamingWriter` into a real sidecar that is
 then finished (renamed into place). One run prints, per shape:
 
 - tok/s and GB/s of the writer (first ``reserve`` to ``close``), and that rate over the GPU stage's
@@ -47,7 +47,7 @@ def _lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 
 def _meta(lengths, vocab: int = 49152):
-    from dflash_eval.cache_writer import SampleMeta
+    from dflash_eval.cache.writer import SampleMeta
 
     rng = np.random.default_rng(1)
     out = []
@@ -58,7 +58,7 @@ def _meta(lengths, vocab: int = 49152):
 
 
 def _identity(K: int, H: int, batch_tokens: int) -> dict:
-    from dflash_eval.cache_format import FORMAT, FORMAT_VERSION, IDENTITY_ATTRS
+    from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, IDENTITY_ATTRS
 
     ident = {k: "bench" for k in IDENTITY_ATTRS}
     ident.update(format=FORMAT, format_version=FORMAT_VERSION, target_layer_ids=list(range(K)), hidden_size=H,
@@ -85,8 +85,8 @@ class _PyWork:
 def run_writer(out: Path, lengths, K: int, H: int, batch_tokens: int, hash_threads: int | None,
                gil_probe: bool) -> dict:
     """Push every batch through PartialCache + StreamingWriter; the writer's timings and rates."""
-    from dflash_eval.cache_writer import Batch, PartialCache, StreamingWriter
-    from dflash_eval.runtime import length_batches
+    from dflash_eval.cache.writer import Batch, PartialCache, StreamingWriter
+    from dflash_eval.core.runtime import length_batches
 
     meta = _meta(lengths)
     batches = length_batches(lengths, max_tokens=batch_tokens, packed=True)
@@ -133,7 +133,7 @@ def run_writer(out: Path, lengths, K: int, H: int, batch_tokens: int, hash_threa
 def breakdown(tmp: Path, lengths, K: int, H: int, n: int) -> dict:
     """Per-sample costs of the pieces, each alone in one thread, on ``n`` samples of the shape."""
 
-    from dflash_eval.cache_format import h5_writable
+    from dflash_eval.cache.format import h5_writable
 
     rng = np.random.default_rng(3)
     ls = lengths[:n]
@@ -217,13 +217,13 @@ def main() -> None:
     ap.add_argument("--breakdown-samples", type=int, default=200)
     ap.add_argument("--src", default=str(REPO), help="checkout whose dflash_eval is measured (default: this one)")
     a = ap.parse_args()
-    from dflash_eval.config import schema_default
+    from dflash_eval.core.schema import schema_default
 
     bt = a.batch_tokens or schema_default("cache.batch_tokens")
     root = Path(a.out_dir or tempfile.mkdtemp(prefix="dflash-writer-"))
     root.mkdir(parents=True, exist_ok=True)
     base = _PyWork().run_for(0.5)
-    import dflash_eval.cache_format as C
+    import dflash_eval.cache.format as C
 
     print(f"cache writer alone (no model), CPU: {os.cpu_count()} cores; batch_tokens {bt}; outputs under {root}; "
           f"dflash_eval from {Path(C.__file__).parent}")

@@ -4,13 +4,13 @@
 A SmolLM2-135M-shaped target with random weights (``transformers.LlamaConfig`` from its config.json:
 no hub access), random prompt ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new``
 new tokens, greedy. For every batch size in ``--batches`` (``auto`` = what the stage picks with
-``generation.batch_size: 0``, :func:`dflash_eval.target.decode_batch_size`) the same
-``--n-batches`` length-sorted batches (:func:`dflash_eval.runtime.length_batches`) run through:
+``generation.batch_size: 0``, :func:`dflash_eval.target.model.decode_batch_size`) the same
+``--n-batches`` length-sorted batches (:func:`dflash_eval.core.runtime.length_batches`) run through:
 
-- ``stage``: :class:`dflash_eval.generation.TransformersSource` (what ``python -m dflash_eval
+- ``stage``: :class:`dflash_eval.serving.generation.TransformersSource` (what ``python -m dflash_eval
   completions`` runs: fresh greedy GenerationConfig, explicit attention mask, grouped-KV SDPA,
   decode-step streamer);
-- ``stage, plain sdpa``: the same without :func:`dflash_eval.target.gqa_sdpa` (transformers' own
+- ``stage, plain sdpa``: the same without :func:`dflash_eval.target.model.gqa_sdpa` (transformers' own
   ``sdpa`` attention, KV heads repeated), to show what that helper costs or saves on CUDA;
 - ``generate``: the loop a user writes, ``model.generate(ids, attention_mask, max_new_tokens,
   do_sample=False)`` with the default dynamic cache;
@@ -57,9 +57,9 @@ import torch  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001
 
-from dflash_eval import target as target_mod  # noqa: E402
-from dflash_eval.generation import TransformersSource, cut_at_eos  # noqa: E402
-from dflash_eval.runtime import length_batches, resolve_device, resolve_dtype  # noqa: E402
+from dflash_eval.target import model as target_mod  # noqa: E402
+from dflash_eval.serving.generation import TransformersSource, cut_at_eos  # noqa: E402
+from dflash_eval.core.runtime import length_batches, resolve_device, resolve_dtype  # noqa: E402
 
 #: HuggingFaceTB/SmolLM2-135M-Instruct config.json (architecture only)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -99,7 +99,7 @@ def ablate(model, tok, b, args, conf, dev) -> None:
 
     from transformers import LogitsProcessorList
 
-    from dflash_eval.generation import DecodeSteps
+    from dflash_eval.serving.generation import DecodeSteps
 
     gen = torch.Generator().manual_seed(7)
     lens = torch.randint(args.prompt_min, args.prompt_max + 1, (b,), generator=gen).tolist()

@@ -39,8 +39,8 @@ def main() -> None:
 
     import torch
     from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
 
     records: list[str] = []
 

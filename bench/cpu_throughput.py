@@ -26,9 +26,9 @@ def rss_mb() -> float:
 
 
 def bench_extraction(target_dir, completions, layer_ids, n):
-    from dflash_eval.completions_file import read_completions
-    from dflash_eval.extract import run_target
-    from dflash_eval.target import load_target
+    from dflash_eval.data.completions import read_completions
+    from dflash_eval.cache.extract import run_target
+    from dflash_eval.target.model import load_target
 
     model, _, _ = load_target(target_dir, device="cpu", dtype="float32")
     rows = read_completions(__import__("pathlib").Path(completions))[:n]
@@ -54,7 +54,7 @@ def bench_extraction(target_dir, completions, layer_ids, n):
 
 
 def bench_replay(drafter, cache, target_dir):
-    import dflash_eval.replay as rp
+    import dflash_eval.replay.chain as rp
     from dflash_eval.stages.evaluate import evaluate
 
     times = {}

@@ -3,13 +3,13 @@
 
 Measured on the same random samples (the cost does not depend on the values of the hidden states):
 
-1. **Batched all-anchor drafter pass** (device, :func:`dflash_eval.replay.iter_anchor_drafts`, the
+1. **Batched all-anchor drafter pass** (device, :func:`dflash_eval.replay.chain.iter_anchor_drafts`, the
    pass ``evaluate`` runs): lazy greedy drafts only (what the chain alone needs) vs every slot's
    greedy draft + top-K full-vocabulary log-probs per slot (K = the largest budget; what the chain
-   and every DDTree budget need together, :func:`dflash_eval.ddtree.replay_with_trees`). Ratio =
+   and every DDTree budget need together, :func:`dflash_eval.replay.ddtree.replay_with_trees`). Ratio =
    the extra device cost of DDTree, for all budgets together.
 2. **Tree walks** (CPU, Python): every budget walked on its own trajectory
-   (:func:`dflash_eval.ddtree.walk_budgets`, one heap run per visited anchor shared by the budgets
+   (:func:`dflash_eval.replay.ddtree.walk_budgets`, one heap run per visited anchor shared by the budgets
    there) vs one separate heap per budget and anchor, vs the chain's walk. A random drafter
    accepts nothing, which would make every heap stop at once, so the walks run on **synthetic
    drafts** of the same shape with peaked per-slot distributions (``--peak``) whose top-1 is the
@@ -43,12 +43,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from dflash_eval.cache_format import CacheSample# noqa: E402
-from dflash_eval.ddtree import accepted_depths, chain_from_greedy, walk_budgets  # noqa: E402
-from dflash_eval.drafter import DFlashDrafter  # noqa: E402
-from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
-from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval.anchors import iter_anchor_drafts# noqa: E402
+from dflash_eval.cache.format import CacheSample# noqa: E402
+from dflash_eval.replay.ddtree import accepted_depths, chain_from_greedy, walk_budgets  # noqa: E402
+from dflash_eval.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_eval.drafter.config import DrafterConfig  # noqa: E402
+from dflash_eval.replay.metrics import aggregate  # noqa: E402
+from dflash_eval.replay.anchors import iter_anchor_drafts# noqa: E402
 
 BUDGETS = [8, 16, 32, 64, 128, 256]
 

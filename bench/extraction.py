@@ -238,7 +238,7 @@ def stage(target: Path, comp: Path, out: Path, layers, device, dtype, batch_toke
 def parity(cache: Path, loop_npz: Path, n: int) -> tuple[float, float]:
     import numpy as np
 
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     ref = np.load(loop_npz)
     worst, agree, total = 0.0, 0, 0
@@ -279,8 +279,8 @@ def main() -> None:
 
     import torch
 
-    from dflash_eval.config import schema_default
-    from dflash_eval.runtime import resolve_device
+    from dflash_eval.core.schema import schema_default
+    from dflash_eval.core.runtime import resolve_device
 
     dev = str(resolve_device("cpu" if a.smoke else a.device))
     dtype = "float32" if dev == "cpu" else "bfloat16"

@@ -4,9 +4,9 @@
 What it does (one H200, < 4 min): builds a tiny random Qwen3.5 (4 layers, hidden 64) and a
 ~2.3B-parameter random Qwen3.5-style hybrid (24 layers [3 x GDN, 1 x gated attention], hidden
 2048, GDN 16 QK / 32 V heads x 128, attention 16/2 heads x 256, FFN 6144, vocab 151936) in bf16
-on the GPU; runs the pipeline's extraction (``dflash_eval.extract.run_target``: forward hooks,
+on the GPU; runs the pipeline's extraction (``dflash_eval.cache.extract.run_target``: forward hooks,
 right padding) on synthetic samples (random ids, a few hundred tokens) with the fla and the torch
-GDN kernels bound through ``dflash_eval.hybrid.check_bound_kernel``; reports per layer cos /
+GDN kernels bound through ``dflash_eval.target.hybrid.check_bound_kernel``; reports per layer cos /
 rel-L2 / max-abs for fla vs torch, each vs a float32 torch reference, batch invariance
 (right-padded batch vs each sample alone) per backend, fla rerun determinism, tokens/s per
 backend, and the bound-kernel description; then runs the real ``kernel-parity`` stage
@@ -48,8 +48,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import torch  # noqa: E402
 
 import tiny_hybrid as th  # noqa: E402
-from dflash_eval import hybrid  # noqa: E402
-from dflash_eval.extract import run_target  # noqa: E402
+from dflash_eval.target import hybrid  # noqa: E402
+from dflash_eval.cache.extract import run_target  # noqa: E402
 from dflash_eval.stages.kernel_parity import Parity  # noqa: E402
 
 T0 = time.perf_counter()
@@ -148,8 +148,8 @@ def pipeline_stage(dev, tmp: Path) -> dict:
     """The real kernel-parity stage on the tiny target folder (fla vs torch through extract_hidden_states)."""
     from safetensors.torch import save_file
 
-    from dflash_eval.checkpoints import demo_drafter_config
-    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+    from dflash_eval.drafter.checkpoints import demo_drafter_config
+    from dflash_eval.drafter.model import DFlashDrafter, DrafterConfig
     from dflash_eval.stages.kernel_parity import kernel_parity
 
     target = th.save_target(tmp / "tiny-qwen35", "qwen3_5", dtype=torch.bfloat16)

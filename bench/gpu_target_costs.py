@@ -43,7 +43,7 @@ def build(shape: str, root: Path, device: str) -> tuple[Path, Path]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_eval.demo import drafter_config_for_target
+    from dflash_eval.drafter.demo import drafter_config_for_target
     from tiny import make_tiny_tokenizer
 
     hidden, inter, layers, heads, kv, d_layers, block, tli = SHAPES[shape]

@@ -8,10 +8,10 @@ process also reports its peak memory per GPU), in three ways:
 
 - ``one-gpu``: the whole target on one GPU (``--devices 1``, ``CUDA_VISIBLE_DEVICES`` = the first GPU);
 - ``split``: the target's layers over two GPUs (``--devices 2``; ``--max-memory`` may force a split of
-  a target that fits one GPU), the path of targets larger than one GPU (dflash_eval/device_map.py);
+  a target that fits one GPU), the path of targets larger than one GPU (dflash_eval/target/device_map.py);
 - ``two-shards``: ``--shard 0/2`` and ``--shard 1/2`` (every other batch of the one-job plan,
-  dflash_eval/cache_shards.py), two jobs at once, each taking its own GPU from the GPU pool
-  (dflash_eval/gpu_pool.py), then ``merge-cache-shards``; wall time includes the merge.
+  dflash_eval/cache/shards.py), two jobs at once, each taking its own GPU from the GPU pool
+  (dflash_eval/core/gpu_pool.py), then ``merge-cache-shards``; wall time includes the merge.
 
 It prints per run the GPUs, compute tok/s (the stage's own log line; two shards: all tokens over
 the slower shard's compute time), wall seconds (process start to end, loading included), peak allocated GiB per GPU, and whether every sample's states and argmax equal
@@ -129,14 +129,14 @@ def _finish(proc, out_json: Path) -> dict:
     m = COMPUTED.search(log)
     res["tokens"], res["compute_s"], res["tok_s"] = (int(m.group(2)), float(m.group(3)), int(m.group(4))) if m \
         else (0, 0.0, 0)
-    res["placement"] = [line.split("dflash_eval.device_map: ")[1] for line in log.splitlines()
-                        if "dflash_eval.device_map: " in line]
+    res["placement"] = [line.split("dflash_eval.target.device_map: ")[1] for line in log.splitlines()
+                        if "dflash_eval.target.device_map: " in line]
     return res
 
 
 def states(cache: Path) -> dict:
     """sample id -> (hidden, argmax) of a cache."""
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     with CacheReader(cache) as rd:
         return {s.sample_id: (s.hidden, s.target_argmax) for s in (rd.sample(i) for i in range(len(rd)))}
@@ -171,7 +171,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from dflash_eval.cache_shards import merge_shards
+    from dflash_eval.cache.shards import merge_shards
 
     gpus = [] if args.smoke else [str(i) for i in range(torch.cuda.device_count())]
     if not args.smoke and not gpus:

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Online validation's loop beside the reference loop, per sample, same target, drafter and prompts.
 
-``dflash_eval.online.spec_generate`` (what ``python -m dflash_eval validate-online`` runs per prompt,
+``dflash_eval.replay.online.spec_generate`` (what ``python -m dflash_eval validate-online`` runs per prompt,
 chain mode) against ``dflash.model.dflash_generate`` (``dflash==0.1.0``, the reference loop), batch 1,
 alternating per sample after one warm-up sample each. Target: random weights from a transformers
 ``LlamaConfig`` (``--target smol``: SmolLM2-135M's shape, as the demo; ``big``: the 2.03B llama of
 ``bench/replay.py``); drafter: random, ``--draft-layers`` layers of the target's width, block size
-``--block-size``, saved once and loaded by both (ours: :func:`dflash_eval.drafter.load_drafter`; the
+``--block-size``, saved once and loaded by both (ours: :func:`dflash_eval.drafter.model.load_drafter`; the
 reference: ``DFlashDraftModel.from_pretrained``). A random drafter accepts almost nothing: every
 verify step commits ~1 token, the most steps per sample (the loops' per-step cost shows fully).
 
@@ -44,10 +44,10 @@ print = functools.partial(print, flush=True)  # noqa: A001
 
 from replay import BIG, SMOL, TINY, drafter_config, import_reference, random_target, save_drafter, sync  # noqa: E402
 
-from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
-from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
-from dflash_eval.online import spec_generate  # noqa: E402
-from dflash_eval.runtime import resolve_device, resolve_dtype  # noqa: E402
+from dflash_eval.drafter.model import DFlashDrafter, load_drafter  # noqa: E402
+from dflash_eval.drafter.config import DrafterConfig  # noqa: E402
+from dflash_eval.replay.online import spec_generate  # noqa: E402
+from dflash_eval.core.runtime import resolve_device, resolve_dtype  # noqa: E402
 
 
 def main(argv=None) -> int:

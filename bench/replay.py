@@ -22,7 +22,7 @@ Cases:
     stop token, the target in the loop.
 (iii) ``dflash2`` -- the same target, samples and block size as (ii) with a random **DFlash 2**
     drafter (grouped dynamic causal conv + candidate selector, the fields of
-    ``dflash_eval.demo.DFLASH2_DEMO_FIELDS``: 2 taps, groups of 16, rank 256, top-16; conv taps near
+    ``dflash_eval.drafter.demo.DFLASH2_DEMO_FIELDS``: 2 taps, groups of 16, rank 256, top-16; conv taps near
     the identity, codebooks large enough that the selector leaves the argmax), so its batched /
     sequential / online times sit beside DFlash 1's at the same B. Its online loop is the reference
     ``dflash_generate`` with ``DFlash2DraftModel`` (the stripped layout loads into it).
@@ -53,7 +53,7 @@ host has no network and no ``dflash``, so carry the wheel in the git-ignored ``.
 
 This script puts ``.whl/dflash/dflash-*.whl`` on ``sys.path`` when ``import dflash`` fails (a
 pure-Python wheel imports from the zip); without either, the online loop is this package's
-:func:`dflash_eval.online.spec_generate` (chain, batch 1) and the output says so. On one H200,
+:func:`dflash_eval.replay.online.spec_generate` (chain, batch 1) and the output says so. On one H200,
 from the repo root:
 
     python bench/replay.py --case real          # the real-size drafter alone, bf16 (~1-2 min)
@@ -85,16 +85,16 @@ import torch  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001  (progress shows up in redirected logs)
 
-from dflash_eval.cache_format import CacheSample# noqa: E402
-from dflash_eval.extract import run_target  # noqa: E402
-from dflash_eval.drafter import DFlashDrafter, load_drafter  # noqa: E402
-from dflash_eval.demo import DFLASH2_DEMO_FIELDS  # noqa: E402
-from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
-from dflash_eval.metrics import aggregate  # noqa: E402
-from dflash_eval import anchors  # noqa: E402  (--groups-sweep sets its sizes)
-from dflash_eval.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched  # noqa: E402
-from dflash_eval.replay import explain_differences, replay# noqa: E402
-from dflash_eval.runtime import free_memory_bytes# noqa: E402
+from dflash_eval.cache.format import CacheSample# noqa: E402
+from dflash_eval.cache.extract import run_target  # noqa: E402
+from dflash_eval.drafter.model import DFlashDrafter, load_drafter  # noqa: E402
+from dflash_eval.drafter.demo import DFLASH2_DEMO_FIELDS  # noqa: E402
+from dflash_eval.drafter.config import DrafterConfig  # noqa: E402
+from dflash_eval.replay.metrics import aggregate  # noqa: E402
+from dflash_eval.replay import anchors  # noqa: E402  (--groups-sweep sets its sizes)
+from dflash_eval.replay.anchors import DEFAULT_LAYOUT, LAYOUTS, replay_batched  # noqa: E402
+from dflash_eval.replay.chain import explain_differences, replay# noqa: E402
+from dflash_eval.core.runtime import free_memory_bytes# noqa: E402
 
 #: SmolLM2-135M-Instruct's architecture (HuggingFaceTB/SmolLM2-135M-Instruct config.json)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -119,7 +119,7 @@ def import_reference():
         wheels = sorted(glob.glob(str(REPO / ".whl" / "dflash" / "dflash-*.whl")))
         if not wheels:
             print("# dflash is not installed and .whl/dflash/dflash-*.whl is missing: the online loop is "
-                  "dflash_eval.online.spec_generate (chain; lossless and step-identical to the offline replay in "
+                  "dflash_eval.replay.online.spec_generate (chain; lossless and step-identical to the offline replay in "
                   "float32, tests/test_online.py), not dflash.model.dflash_generate. For the reference: "
                   "`python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash` where PyPI is reachable")
             return None
@@ -204,9 +204,9 @@ def online(ref, ref_drafter, target, samples, max_new: int, stop, dev, drafter=N
     """Online loop per sample (batch 1): ``(seconds, [acceptance lists], [output ids])``.
 
     ``ref`` = ``dflash.model``: the reference ``dflash_generate``; ``ref = None``: our
-    :func:`dflash_eval.online.spec_generate` (chain) with ``drafter``/``embed``/``head``.
+    :func:`dflash_eval.replay.online.spec_generate` (chain) with ``drafter``/``embed``/``head``.
     """
-    from dflash_eval.online import spec_generate
+    from dflash_eval.replay.online import spec_generate
 
     accs, outs = [], []
 
@@ -286,14 +286,14 @@ def compare(name, drafter, embed, head, samples, ref, ref_drafter, target, max_n
               f"{st['head_rows']} LM-head rows; {fl / 1e9:.1f} GFLOP executed -> {fl / t_bat[layout] / 1e12:.3f} TFLOP/s "
               f"({100 * fl / t_bat[layout] / 1e12 / flops_rate:.1f} % of the measured {flops_rate:.3f} TFLOP/s GEMM rate)")
     return {"case": name, "n": n, "batched_s": t_bat, "default_layout": default, "sequential_s": t_seq,
-            "online_s": t_onl, "online_n": k, "online_loop": "dflash" if ref is not None else "dflash_eval.online",
+            "online_s": t_onl, "online_n": k, "online_loop": "dflash" if ref is not None else "dflash_eval.replay.online",
             "tau_batched": {x: tau(bat[x]) for x in LAYOUTS},
             "tau_sequential": tau(seq), "tau_online": tau(onl) if onl else None,
             "differ": {x: sum(bat[x][i] != seq[i] for i in range(n)) for x in LAYOUTS}, "gemm_tflops": flops_rate}
 
 
 def case_smol(args, ref, dev, dt, rate):
-    from dflash_eval.target import load_target
+    from dflash_eval.target.model import load_target
 
     if args.smol_target:
         target, _, _ = load_target(args.smol_target, device=dev, dtype=dt)
@@ -339,7 +339,7 @@ def case_smol(args, ref, dev, dt, rate):
 
 
 def dflash2_fields(tcfg: dict) -> dict:
-    """The DFlash 2 fields of the bench's DFlash 2 drafter (:data:`dflash_eval.demo.DFLASH2_DEMO_FIELDS`, capped)."""
+    """The DFlash 2 fields of the bench's DFlash 2 drafter (:data:`dflash_eval.drafter.demo.DFLASH2_DEMO_FIELDS`, capped)."""
     f = dict(DFLASH2_DEMO_FIELDS)
     f["selector_rank"] = min(f["selector_rank"], tcfg["hidden_size"])
     f["selector_top_k"] = min(f["selector_top_k"], tcfg["vocab_size"])
@@ -534,7 +534,7 @@ def main(argv=None):
         args.smol_n, args.smol_new, args.prompt_len = 2, 12, 8
         args.big_n, args.big_prompt, args.big_new, args.online_samples = 3, 16, 48, min(args.online_samples, 1)
         args.real_n, args.real_prompt, args.real_new = 2, 16, 48
-    from dflash_eval.runtime import resolve_device, resolve_dtype
+    from dflash_eval.core.runtime import resolve_device, resolve_dtype
 
     dev = resolve_device(args.device)
     dt = resolve_dtype(args.dtype, dev)

@@ -2,7 +2,7 @@
 
 Offline acceptance at temperature > 0 needs the target's filtered distribution at every position of the
 cached trajectory. Two ways to keep it, measured here on the hidden_states stage's own forward
-(:func:`dflash_eval.extract.forward_batch`, the stage's length batches of ``cache.batch_tokens``, packed
+(:func:`dflash_eval.cache.extract.forward_batch`, the stage's length batches of ``cache.batch_tokens``, packed
 where the stage packs), for a random-init target built from a transformers config (no hub, no GGUF;
 the models of ``bench/extraction.py``, stored layers = DFlash's ``build_target_layer_ids`` for 5 draft
 layers, so the last layer is not among them):
@@ -66,7 +66,7 @@ def time_batches(model, seqs, batches, layers, dev, pad_id, packed, topks):
     (+ the final normed hidden state), ``top<K>`` (the stage + top-K logits in place of the argmax)."""
     import torch
 
-    from dflash_eval.extract import forward_batch
+    from dflash_eval.cache.extract import forward_batch
 
     n_layers = model.config.num_hidden_layers
     head = model.get_output_embeddings()
@@ -141,8 +141,8 @@ def write_files(root: Path, model, seqs, layers, dev, pad_id, packed, topks) -> 
     import numpy as np
     import torch
 
-    from dflash_eval.cache_format import to_storage
-    from dflash_eval.extract import forward_batch
+    from dflash_eval.cache.format import to_storage
+    from dflash_eval.cache.extract import forward_batch
 
     n_layers = model.config.num_hidden_layers
     head = model.get_output_embeddings()
@@ -178,8 +178,8 @@ def evaluate_side(model, seqs, layers, dev, pad_id, packed, topks) -> dict:
     """Cost per token of p(x_m | x_<m) at SETTING (what evaluate needs) from each option, and exactness checks."""
     import torch
 
-    from dflash_eval.extract import forward_batch
-    from dflash_eval.sampling import filtered_probs, token_probs
+    from dflash_eval.cache.extract import forward_batch
+    from dflash_eval.replay.sampling import filtered_probs, token_probs
 
     T, top_p, top_k = SETTING
     n_layers = model.config.num_hidden_layers
@@ -230,11 +230,11 @@ def main() -> None:
 
     import torch
 
-    from dflash_eval.config import schema_default
-    from dflash_eval.extract import packing_support
-    from dflash_eval.runtime import length_batches, resolve_device
-    from dflash_eval.target import load_target
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.core.schema import schema_default
+    from dflash_eval.cache.extract import packing_support
+    from dflash_eval.core.runtime import length_batches, resolve_device
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import TargetSpec
 
     dev = resolve_device("cpu" if a.smoke else a.device)
     dtype = "float32" if dev.type == "cpu" else "bfloat16"

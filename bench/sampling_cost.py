@@ -4,9 +4,9 @@
 ``evaluate`` computes every ``evaluate.sampling`` setting from the one all-anchor drafter pass that also
 gives the chain and every DDTree budget (:func:`dflash_eval.stages.evaluate._sampled_pass`): the extra
 work of a setting with temperature > 0 is the target's probability of each cached token (one LM-head row
-per token from the cached final hidden state, :func:`dflash_eval.expected.target_token_probs`), the
+per token from the cached final hidden state, :func:`dflash_eval.replay.expected.target_token_probs`), the
 drafter's full-vocabulary LM head at every slot of every anchor with the setting's filter
-(:func:`dflash_eval.expected.chain_survival`) and the walk DP (:func:`dflash_eval.expected.response_expectations`).
+(:func:`dflash_eval.replay.expected.chain_survival`) and the walk DP (:func:`dflash_eval.replay.expected.response_expectations`).
 Timed here, each the fastest of ``--repeats`` (one warm-up first):
 
 - ``chain``: greedy chain only (``evaluate.ddtree_budgets: []``; the lazy LM head, slot by slot);
@@ -41,14 +41,14 @@ import torch  # noqa: E402
 
 from replay import BIG, TINY, drafter_config, sync  # noqa: E402
 
-from dflash_eval.anchors import chain_walk, iter_anchor_drafts, replay_batched  # noqa: E402
-from dflash_eval.cache_format import CacheSample  # noqa: E402
-from dflash_eval.ddtree import replay_with_trees, walk_budgets  # noqa: E402
-from dflash_eval.drafter import DFlashDrafter  # noqa: E402
-from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
-from dflash_eval.expected import response_expectations, target_token_probs  # noqa: E402
-from dflash_eval.metrics import aggregate, aggregate_expected  # noqa: E402
-from dflash_eval.sampling import SamplingSetting  # noqa: E402
+from dflash_eval.replay.anchors import chain_walk, iter_anchor_drafts, replay_batched  # noqa: E402
+from dflash_eval.cache.format import CacheSample  # noqa: E402
+from dflash_eval.replay.ddtree import replay_with_trees, walk_budgets  # noqa: E402
+from dflash_eval.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_eval.drafter.config import DrafterConfig  # noqa: E402
+from dflash_eval.replay.expected import response_expectations, target_token_probs  # noqa: E402
+from dflash_eval.replay.metrics import aggregate, aggregate_expected  # noqa: E402
+from dflash_eval.replay.sampling import SamplingSetting  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001
 

@@ -1,6 +1,6 @@
 """Grouped KV heads in the drafter's masked attention: copied (repeat_interleave) vs SDPA's enable_gqa.
 
-The drafter (dflash_eval/drafter.py) passes ``enable_gqa=True`` with its boolean block mask.
+The drafter (dflash_eval/drafter/model.py) passes ``enable_gqa=True`` with its boolean block mask.
 This prints, side by side in one run, time and peak memory of both on the replay's ``rows``
 shapes (C rows of B queries over K context keys + the block), their max difference, and whether
 the memory-efficient kernel accepts grouped heads with a mask.

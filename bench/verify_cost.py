@@ -1,17 +1,17 @@
 """What verified cache reads cost, against the evaluate stage's own time on the same samples.
 
-``CacheReader.sample`` checks every sample it returns (:func:`dflash_eval.sample_check.check_read_sample`:
+``CacheReader.sample`` checks every sample it returns (:func:`dflash_eval.cache.sample_check.check_read_sample`:
 sha256 over the stored bytes, and a scan for non-finite hidden states). This bench writes a synthetic
 cache (random bf16 states, the real writer), then times on it:
 
 - ``read_s``: every sample read with ``CacheReader(verify=False)`` (HDF5 read + conversion);
 - ``check_s``: the reader's checks alone, on the same arrays, as the reader runs them
-  (:func:`dflash_eval.sample_check.checksum_and_scan`: sha256 and the finite scan in one pass), beside
+  (:func:`dflash_eval.cache.sample_check.checksum_and_scan`: sha256 and the finite scan in one pass), beside
   the two separate passes they replaced (``hash_s`` + ``finite_s`` = ``verify_s``);
 - ``evaluate_s`` / ``evaluate_unverified_s``: evaluate's replay loop as the stage runs it (longest
   first, memory-sized groups, ``CacheReader.verified_samples``: the checks in threads while the next
   samples are read and while the group is replayed, its errors raised when the group is done,
-  :func:`dflash_eval.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
+  :func:`dflash_eval.replay.ddtree.replay_with_trees` for evaluate's default DDTree budgets) with
   a random drafter of the chosen size on the chosen device, with and without verification (after
   one untimed warm-up pass; ``--rounds`` rounds, unverified and verified interleaved, the minimum of
   each: the timing noise of a shared host is one-sided);
@@ -19,7 +19,7 @@ cache (random bf16 states, the real writer), then times on it:
 - ``tensor_read_s`` / ``tensor_check_s`` / ``tensor_check_plain_s``: the target's embedding and LM head
   (untied, bf16, ``--tensors``: the bench shape's or a Qwen3.6-27B-sized pair, 2 x 2.5 GB), read from a
   safetensors file as every drafter stage does (page cache warm), and their fingerprint check
-  (:func:`dflash_eval.target_spec.tensor_sha256`: 64 MiB chunks in the job's torch threads) beside the
+  (:func:`dflash_eval.target.spec.tensor_sha256`: 64 MiB chunks in the job's torch threads) beside the
   one-stream sha256 it replaced; once per evaluate job, so ``tensor_check_pct_of_evaluate`` relates it
   to this run's evaluate time for ``n_samples`` samples (``tensor_check_pct_at_1000``: at 1,000 samples);
 
@@ -52,16 +52,16 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dflash_eval.anchors import context_bytes_per_token, length_groups  # noqa: E402
-from dflash_eval.cache_format import FORMAT_VERSION, sample_sha256  # noqa: E402
-from dflash_eval.cache_reader import CacheReader  # noqa: E402
-from dflash_eval.cache_writer import write_cache  # noqa: E402
-from dflash_eval.ddtree import replay_with_trees  # noqa: E402
-from dflash_eval.drafter import DFlashDrafter  # noqa: E402
-from dflash_eval.drafter_config import DrafterConfig  # noqa: E402
-from dflash_eval.runtime import free_memory_bytes, resolve_device  # noqa: E402
-from dflash_eval.sample_check import checksum_and_scan, first_non_finite  # noqa: E402
-from dflash_eval.target_spec import tensor_sha256, tensor_sha256_plain  # noqa: E402
+from dflash_eval.replay.anchors import context_bytes_per_token, length_groups  # noqa: E402
+from dflash_eval.cache.format import FORMAT_VERSION, sample_sha256  # noqa: E402
+from dflash_eval.cache.reader import CacheReader  # noqa: E402
+from dflash_eval.cache.writer import write_cache  # noqa: E402
+from dflash_eval.replay.ddtree import replay_with_trees  # noqa: E402
+from dflash_eval.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_eval.drafter.config import DrafterConfig  # noqa: E402
+from dflash_eval.core.runtime import free_memory_bytes, resolve_device  # noqa: E402
+from dflash_eval.cache.sample_check import checksum_and_scan, first_non_finite  # noqa: E402
+from dflash_eval.target.spec import tensor_sha256, tensor_sha256_plain  # noqa: E402
 
 #: name -> target layout (hidden, intermediate, heads, kv heads, head_dim, layers, vocab), stored layers,
 #: drafter layers, block size, samples, (min, max) tokens, DDTree budgets

@@ -3,10 +3,10 @@
 1. Completions: a plain vLLM server sends the prompts greedily (also the speed baseline: output tok/s,
    per-request latency).
 2. Hidden states of those completions twice: the HF path (:func:`dflash_eval.stages.hidden_states.extract_hidden_states`)
-   and vLLM's extract mode (:mod:`dflash_eval.vllm_states`); per stored layer the largest relative L2
+   and vLLM's extract mode (:mod:`dflash_eval.serving.vllm.states`); per stored layer the largest relative L2
    difference over the samples, and whether ids and target argmax are identical.
 3. Every drafter is replayed offline on both caches (tau per sample on each: fidelity across engines), then
-   served by vLLM with ``method: dflash`` (:mod:`dflash_eval.vllm_engine`): raw and converted acceptance vs
+   served by vLLM with ``method: dflash`` (:mod:`dflash_eval.serving.vllm.engine`): raw and converted acceptance vs
    the offline replay, divergence kinds, measured speedup.
 
 Writes ``<out>/vllm_engine.json`` and ``<out>/vllm_engine.md``; prints the markdown.
@@ -49,7 +49,7 @@ def compare_caches(hf_path, vllm_path) -> dict:
     """Per stored layer the largest rel-L2 (vLLM vs HF) over samples; ids / argmax identical; argmax agreement."""
     import torch
 
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     with CacheReader(hf_path) as a, CacheReader(vllm_path) as b:
         worst = [0.0] * len(a.layer_ids)
@@ -85,13 +85,13 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from dflash_eval.gguf import convert_gguf, resolve_gguf
-    from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.runtime import dtype_name, resolve_device, resolve_dtype
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
+    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
     from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.stages.hidden_states import extract_hidden_states
-    from dflash_eval.vllm_engine import EngineOptions, compare, serve_and_measure
-    from dflash_eval.vllm_states import extract_hidden_states_vllm
+    from dflash_eval.serving.vllm.engine import EngineOptions, compare, serve_and_measure
+    from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
                         tensor_parallel_size=args.tensor_parallel_size, cpu_fix=args.cpu_fix)
     t0 = time.perf_counter()
     plain = serve_and_measure(target, rows, max_new, out, out / "plain.vllm.log", eng)
-    from dflash_eval.generation import stop_token_ids
+    from dflash_eval.serving.generation import stop_token_ids
 
     stops = set(stop_token_ids(target)[0])
     comp = out / "completions.jsonl"

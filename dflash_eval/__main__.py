@@ -1,3 +1,3 @@
-from .cli import main
+from dflash_eval.cli import main
 import sys
 sys.exit(main())

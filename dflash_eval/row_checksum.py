@@ -5,7 +5,7 @@ list as comma-separated decimal ids, no spaces; UTF-8), and, last, ``row_sha256`
 row's canonical JSON without ``row_sha256`` itself (:func:`row_sha256`: keys sorted, no spaces,
 non-ASCII escaped), so every field a stage reads (``id``, ``stop_reason``, ``max_new_tokens``,
 ``generation`` with the sampling settings, ``text``, ...) is covered, not only the ids. Both are
-written by the completions stage and checked by :func:`dflash_eval.completions_file.read_completions`:
+written by the completions stage and checked by :func:`dflash_eval.data.completions.read_completions`:
 a value changed in the file (an edit, a bad copy) is refused naming the line and the row, instead
 of conditioning the cache and the replay on tokens the target never produced or on another
 generation limit. Rows of files written before a checksum existed lack it: they are read, with one
@@ -15,14 +15,14 @@ warning per file naming what is unverified; a file whose rows differ in which ch
 Each row also carries its place, ``row_index`` (0-based) and ``n_rows``, under ``row_sha256``, so a
 row deleted, added, duplicated or moved is refused too (:func:`check_places`). The prompts file of
 the ``prompts`` stage carries ``row_index``, ``n_rows`` and ``row_sha256`` the same way
-(:func:`dflash_eval.prompts.write_prompts`).
+(:func:`dflash_eval.data.prompts.write_prompts`).
 
 Inside the workflow every prompts and completions file is written by this project's stages, which
 seal every row: the shell prefix of its jobs (``rules/common.smk``) sets :data:`SEALED_ENV`, and
 there a file whose rows carry no checksum at all (rewritten without them) is refused
 (:func:`sealed_required`) instead of read with the warning a direct CLI call gives; so is a sealed JSON
 output without its ``content_sha256`` (:func:`check_document`) and a hidden-state cache of a format
-before 6 (:class:`dflash_eval.cache_reader.CacheReader`).
+before 6 (:class:`dflash_eval.cache.reader.CacheReader`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import json
 import os
 from typing import Sequence
 
-from .errors import InputError
+from dflash_eval.core.errors import InputError
 
 FIELD = "ids_sha256"
 ROW_FIELD = "row_sha256"
@@ -100,7 +100,7 @@ def check_document(path, doc: dict, stage: str, fix: str) -> bool:
 
 
 def seal(row: dict) -> dict:
-    """``row`` with ``row_sha256`` added last (a prompts row, :func:`dflash_eval.prompts.write_prompts`)."""
+    """``row`` with ``row_sha256`` added last (a prompts row, :func:`dflash_eval.data.prompts.write_prompts`)."""
     return {**row, ROW_FIELD: row_sha256(row)}
 
 
@@ -225,7 +225,7 @@ def write_run_output(out, result: dict, stage: str, settings_record=None, inputs
     Returns:
         the document as written.
     """
-    from .errors import atomic_path
+    from dflash_eval.core.errors import atomic_path
 
     settings = hashlib.sha256(open(settings_record, "rb").read()).hexdigest() if settings_record else None
     plain = json.loads(json.dumps(result, default=dumps.get("default")))  # numpy scalars etc. as JSON has them

@@ -2,7 +2,7 @@
 
 ``python -m dflash_eval watch --configfile my.yaml`` (run where you run Snakemake: the repository
 root, or any folder holding the workflow) polls ``watch.dir`` every ``watch.poll_s`` seconds. A
-checkpoint that is complete (:mod:`dflash_eval.trainer_output`: never one still being written, and
+checkpoint that is complete (:mod:`dflash_eval.drafter.trainer_output`: never one still being written, and
 only after the trainer's own "done" marker where its layout has one) is evaluated by the workflow:
 Snakemake as a subprocess with your config files plus one generated file naming that checkpoint
 alone (``results/<run>/watch/configs/<name>.yaml``: ``checkpoints: {list: [it], glob: "", demo: []}``),
@@ -11,7 +11,7 @@ completions and caches are made by the first evaluation and reused by the next o
 
 After each evaluation ``watch`` rebuilds the tau table of every checkpoint it evaluated
 (``results/<run>/watch/tau.csv`` / ``.parquet``, :func:`dflash_eval.summary.write_summary`), logs it
-to the configured trackers (:mod:`dflash_eval.trackers`; each point once) and prints one line::
+to the configured trackers (:mod:`dflash_eval.trackers.log`; each point once) and prints one line::
 
     watch: step 200 step200: tau set_a 2.413 set_b 2.250 | best set_a 2.413 (step 200), set_b 2.250 (step 200)
 
@@ -46,9 +46,9 @@ from pathlib import Path
 
 import yaml
 
-from .errors import InputError, atomic_path
-from .trainer_output import Candidate, candidates, identify, inspect, matches, same_files
-from .yaml_strict import load_file as load_yaml
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.drafter.trainer_output import Candidate, candidates, identify, inspect, matches, same_files
+from dflash_eval.core.yaml_strict import load_file as load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ def load_config(configfiles: list[str | Path], workdir: str | Path = ".") -> dic
     """
     from snakemake.utils import validate
 
-    from .config import SCHEMA_PATH, describe_validation_error
+    from dflash_eval.core.schema import SCHEMA_PATH
+
+    from dflash_eval.workflow.config import describe_validation_error
 
     cfg: dict = {}
     files = [Path(workdir) / DEFAULT_CONFIG] if (Path(workdir) / DEFAULT_CONFIG).is_file() else []
@@ -276,7 +278,7 @@ class Watcher:
 
     def evaluate(self, cand: Candidate) -> bool:
         """Evaluate one checkpoint, log the table to the trackers, print its line, record it done."""
-        from .trackers import log_table
+        from dflash_eval.trackers.log import log_table
 
         log.info("evaluating %s (step %s)", cand.path, cand.step)
         rc, logf = self.snakemake(cand)
@@ -302,7 +304,7 @@ class Watcher:
 
     def table(self, also: str | None = None):
         """Tau table of every evaluated checkpoint (and ``also``), written to ``results/<run>/watch/tau.*``."""
-        from .stages.summary import write_summary
+        from dflash_eval.stages.summary import write_summary
 
         names = list(self.done()) + ([also] if also else [])
         evals = [t for n in dict.fromkeys(names) for t in self.targets(n) if os.path.isfile(t)]

@@ -1,7 +1,7 @@
 """Parse-time guards of the workflow (torch-free; called from ``rules/common.smk`` and the Snakefile's hooks).
 
 * **Duplicate YAML keys** (:func:`check_yaml_files`): Snakemake's loaders keep the last of two equal
-  keys; the config files and the profile in use are re-read with :mod:`dflash_eval.yaml_strict`
+  keys; the config files and the profile in use are re-read with :mod:`dflash_eval.core.yaml_strict`
   before the config is validated, so a prompt set defined twice stops the run naming both lines.
 * **A Snakemake killed by SIGKILL** leaves its lock (``.snakemake/locks/``) behind and the next run
   stops with "Directory cannot be locked". The Snakefile's ``onstart`` records the running
@@ -15,8 +15,8 @@
   where it cannot be sure (an owner on another host, locks without a record) it only says what
   to run. Snakemake's own ``--unlock`` does the same removal without any check.
 * **The jobs' watchdog** (:func:`owner_export`): the shell prefix of the main Snakemake process
-  names it in :data:`dflash_eval.watchdog.OWNER_ENV`, so a job whose Snakemake died stops
-  (:mod:`dflash_eval.watchdog`). Cluster jobs re-read the Snakefile in their own Snakemake
+  names it in :data:`dflash_eval.core.watchdog.OWNER_ENV`, so a job whose Snakemake died stops
+  (:mod:`dflash_eval.core.watchdog`). Cluster jobs re-read the Snakefile in their own Snakemake
   (``remote`` execution) and export nothing: SLURM ends its jobs itself.
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .watchdog import OWNER_ENV, alive, owner_token
+from dflash_eval.core.watchdog import OWNER_ENV, alive, owner_token
 
 OWNERS_DIR = Path(".snakemake", "dflash_eval", "owners")
 LOCKS_DIR = Path(".snakemake", "locks")
@@ -83,12 +83,12 @@ def profile_files(argv: Sequence[str], environ=None, snakefile_dir: str | os.Pat
 
 
 def check_yaml_files(files: Iterable[str | os.PathLike]) -> None:
-    """Re-read each YAML file strictly (:func:`dflash_eval.yaml_strict.load_file`).
+    """Re-read each YAML file strictly (:func:`dflash_eval.core.yaml_strict.load_file`).
 
     Raises:
         InputError: a key defined twice in one mapping (both lines named), or a file that is not YAML.
     """
-    from .yaml_strict import load_file
+    from dflash_eval.core.yaml_strict import load_file
 
     for f in files:
         if Path(f).is_file():
@@ -152,7 +152,7 @@ def release_stale_lock(argv: Sequence[str], workdir: str | os.PathLike = ".") ->
         them (``rerun-incomplete``).
 
     Provably gone: every owner record is of this host and boot, none of those processes runs
-    (:func:`dflash_eval.watchdog.alive`), and no lock file is newer than the newest record (else a
+    (:func:`dflash_eval.core.watchdog.alive`), and no lock file is newer than the newest record (else a
     run that has locked but not yet written its record might own them). Records of dead owners
     are removed once the locks are gone.
     """

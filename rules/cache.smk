@@ -52,7 +52,7 @@ rule hidden_states:
 
 # config cache.shards > 1: N jobs per prompt set, each on its own GPU (the GPU pool), each computing
 # every N-th batch of the one-job batch plan (states bit-identical to one job), then one merge that
-# links their samples into the prompt set's cache (dflash_eval/cache_shards.py); the merge, not
+# links their samples into the prompt set's cache (dflash_eval/cache/shards.py); the merge, not
 # rule hidden_states, then makes the cache.
 if PLAN.cache_shards > 1:
 

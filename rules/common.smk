@@ -1,4 +1,4 @@
-# Shared set-up: config validation, the plan (dflash_eval/plan.py: every parse-time check and
+# Shared set-up: config validation, the plan (dflash_eval/workflow/plan.py: every parse-time check and
 # every rule's inputs and flags), the shell prefix, helpers every rule uses, and wildcard
 # constraints. The other rule files hold only rules.
 #
@@ -18,20 +18,20 @@ from snakemake.settings.types import DeploymentMethod
 from snakemake.utils import validate
 from snakemake_interface_executor_plugins.settings import ExecMode
 
-if (Path(workflow.basedir) / "dflash_eval" / "plan.py").is_file():
+if (Path(workflow.basedir) / "dflash_eval" / "workflow" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
-from dflash_eval.config import describe_validation_error, integral_numbers
-from dflash_eval.io import non_finite_entry
-from dflash_eval.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
-from dflash_eval.gpu_pool import POOL_ENV as GPU_POOL_ENV
+from dflash_eval.workflow.config import describe_validation_error, integral_numbers
+from dflash_eval.core.io import non_finite_entry
+from dflash_eval.core.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
+from dflash_eval.core.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.job_records import (complete_records, demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
                                      rewrite_allowed, run_level_records, target_record_path, touches,
                                      lost_target_outputs, write_planned_evaluations, write_records)
-from dflash_eval.options import RUNTIME_ENV
+from dflash_eval.core.options import RUNTIME_ENV
 from dflash_eval.row_checksum import SEALED_ENV
 from dflash_eval.output_digests import failed_checks
-from dflash_eval.trackers import run_warnings as trackers_run_warnings
-from dflash_eval.plan import build_plan
+from dflash_eval.trackers.log import run_warnings as trackers_run_warnings
+from dflash_eval.workflow.plan import build_plan
 from dflash_eval.workflow_guard import (
     check_config_files,
     forget_owner,
@@ -170,12 +170,12 @@ if config["generation"]["endpoint"].get("api_key"):
 # why it carries the stage options that cannot change outputs (schema `x-rerun: false`:
 # timeouts, retries); every other option is a rule's params (PLAN.stage_flags(stage)),
 # so editing it reruns the jobs that read it. It also names this Snakemake process (pid and
-# start time) for the jobs' watchdog (dflash_eval/watchdog.py), in the main process only.
+# start time) for the jobs' watchdog (dflash_eval/core/watchdog.py), in the main process only.
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
     parts.append(f"export {SEALED_ENV}=1;")  # its prompts/completions files are sealed: unsealed ones are refused
     parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
-    if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/gpu_pool.py)
+    if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/core/gpu_pool.py)
         parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
     methods = workflow.deployment_settings.deployment_method
     if not (DeploymentMethod.CONDA in methods or DeploymentMethod.APPTAINER in methods):

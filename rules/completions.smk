@@ -2,7 +2,7 @@
 # itself (generation.source: transformers) or from a serving engine (openai = vLLM's
 # OpenAI-compatible server, sglang = SGLang's native API), either the user's server
 # (generation.endpoint.url) or vLLM started and stopped by the job itself
-# (generation.serve: vllm; the job owns the server's lifetime, dflash_eval/serving.py).
+# (generation.serve: vllm; the job owns the server's lifetime, dflash_eval/serving/clients.py).
 #
 # Resume: the job appends finished completions to results/<run>/completions/
 # .<prompt_set>.jsonl.partial, which is NOT a declared output, so Snakemake's clean-up

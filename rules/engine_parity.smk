@@ -3,7 +3,7 @@
 # vllm), compared per layer and per sample with the run's cache of that set, and every
 # selected drafter replayed on both -> results/{run}/engine_parity.json (title + markdown
 # for `report --extra`). Enabled by engine_parity.enabled (off by default; checked in
-# dflash_eval/plan.py). A job-owned vLLM server's log is logs/engine_parity/{run}.vllm.log.
+# dflash_eval/workflow/plan.py). A job-owned vLLM server's log is logs/engine_parity/{run}.vllm.log.
 
 
 rule engine_parity:

@@ -1,7 +1,7 @@
 # Hybrid (linear-attention) targets: the same few samples extracted with the fla and
 # the torch Gated-DeltaNet kernels, compared per layer, and every selected drafter
 # replayed on both caches -> results/{run}/kernel_parity.json (title + markdown for
-# `report --extra`). Enabled by kernel_parity.enabled (checked in dflash_eval/plan.py);
+# `report --extra`). Enabled by kernel_parity.enabled (checked in dflash_eval/workflow/plan.py);
 # on a host without CUDA + fla the job compares torch bf16 with torch fp32 instead and
 # says so in the report.
 

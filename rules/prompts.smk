@@ -1,6 +1,6 @@
 # Prompt set -> chat-templated prompts (text + token ids) as JSONL, and <set>.meta.json beside it
 # (what was skipped and why, read by the report; the sha256 of the file, its tokenizer and the job's
-# options record, checked by completions: dflash_eval/provenance.py).
+# options record, checked by completions: dflash_eval/data/provenance.py).
 
 
 rule prompts:

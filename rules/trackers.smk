@@ -1,5 +1,5 @@
 # The tau table -> TensorBoard / W&B / MLflow at each checkpoint's training step (config section
-# trackers; dflash_eval/trackers.py). Runs when a tracker is enabled; each (step, metric) is logged
+# trackers; dflash_eval/trackers/log.py). Runs when a tracker is enabled; each (step, metric) is logged
 # once, so a rerun after a new checkpoint adds only its points. No container: the trackers' client
 # libraries (envs/requirements-trackers.txt) are in the host and conda environments, not in the image.
 

@@ -4,7 +4,7 @@
 # one at a time inside the job; counters and per-request steps next to the offline
 # replay of the same samples -> results/{run}/validate_engine.json (title + markdown
 # for `report --extra`). Enabled by validate_engine.enabled (off by default; checked
-# in dflash_eval/plan.py). Conventions and traced divergences: docs/serving-engines.md.
+# in dflash_eval/workflow/plan.py). Conventions and traced divergences: docs/serving-engines.md.
 
 
 rule validate_engine:

@@ -4,7 +4,7 @@
 # for the first few prompts of one prompt set, compared per sample with the offline
 # replay / expected tau of the same samples -> results/{run}/validate_online.json (title + markdown for
 # `report --extra`). Enabled by validate_online.enabled (off by default; checked in
-# dflash_eval/plan.py).
+# dflash_eval/workflow/plan.py).
 
 
 rule validate_online:

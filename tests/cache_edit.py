@@ -12,7 +12,7 @@ from pathlib import Path
 
 import h5py
 
-from dflash_eval.cache_format import HEADER_VERSION, META_VERSION, sample_meta_json, sample_sha256, write_header
+from dflash_eval.cache.format import HEADER_VERSION, META_VERSION, sample_meta_json, sample_sha256, write_header
 
 
 def _reseal(f, i: int, meta: str | None) -> None:

@@ -1,7 +1,7 @@
 """Acceptance lengths recomputed by hand from a hidden-state cache, independently of the package's replay.
 
 What the pinned-tau tests compare the workflow's ``tau.csv`` and per-sample eval JSON with. Nothing here
-calls :mod:`dflash_eval.replay`, :mod:`dflash_eval.ddtree`, :mod:`dflash_eval.metrics` or the cache reader:
+calls :mod:`dflash_eval.replay.chain`, :mod:`dflash_eval.replay.ddtree`, :mod:`dflash_eval.replay.metrics` or the cache reader:
 
 * the cache is read with ``h5py`` (layout: ``dflash_eval/cache.py``'s format docstring, version 3, float32);
 * per anchor ``t`` (the last committed token, ``P <= t <= T-2``) the drafter (``DFlashDrafter``) runs
@@ -58,7 +58,7 @@ def load(drafter_dir: Path, target_dir: Path):
     """(drafter in float32, config dict, target embedding ``[V, H]``, target LM head ``[V, H]``), float32."""
     from safetensors.torch import load_file
 
-    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+    from dflash_eval.drafter.model import DFlashDrafter, DrafterConfig
 
     cfg = json.loads((drafter_dir / "config.json").read_text())
     drafter = DFlashDrafter(DrafterConfig.from_dict(cfg))

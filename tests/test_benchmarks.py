@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_eval.benchmarks import (BENCHMARKS, MATH_SUFFIX, check_thinking, load_benchmark, mt_bench_turn2_messages,
+from dflash_eval.data.benchmarks import (BENCHMARKS, MATH_SUFFIX, check_thinking, load_benchmark, mt_bench_turn2_messages,
                                     mt_bench_turns, read_rows)
-from dflash_eval.errors import InputError
-from dflash_eval.prompts import build_prompt_set_with_meta
+from dflash_eval.core.errors import InputError
+from dflash_eval.data.prompts import build_prompt_set_with_meta
 from tiny import make_tiny_tokenizer
 
 FIX = Path(__file__).parent / "fixtures" / "prompt_sets"  # (not "benchmarks": .gitignore holds Snakemake's)
@@ -40,7 +40,7 @@ def tok(tok_dir):
 def _reference_rows(name: str, path: Path | None) -> list[dict]:
     """The rows the reference's format function gets, as ``datasets`` would give them."""
     if path is None:
-        from dflash_eval.io import packaged_file
+        from dflash_eval.core.io import packaged_file
 
         path = packaged_file(*BENCHMARKS[name].package)
     rows = read_rows(path)

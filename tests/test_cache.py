@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_eval.cache_format import FILE_ATTRS, from_storage, to_storage
-from dflash_eval.cache_reader import CacheReader
-from dflash_eval.cache_writer import write_cache
-from dflash_eval.extract import run_target
-from dflash_eval.runtime import length_batches
-from dflash_eval.errors import InputError
+from dflash_eval.cache.format import FILE_ATTRS, from_storage, to_storage
+from dflash_eval.cache.reader import CacheReader
+from dflash_eval.cache.writer import write_cache
+from dflash_eval.cache.extract import run_target
+from dflash_eval.core.runtime import length_batches
+from dflash_eval.core.errors import InputError
 
 
 def test_bf16_round_trip_is_bit_exact(tmp_path):
@@ -111,7 +111,7 @@ def _tiny_lm(arch: str):
 def test_packed_matches_padded_and_hf(arch):
     """Packed samples (one sequence, per-sample causal attention via cu_seqlens, positions restarting at 0)
     give HF's hidden_states[i+1] of each sample alone, like the right-padded batch (float32, CPU)."""
-    from dflash_eval.extract import check_packing
+    from dflash_eval.cache.extract import check_packing
 
     model = _tiny_lm(arch)
     g = torch.Generator().manual_seed(1)
@@ -134,8 +134,8 @@ def test_packed_matches_padded_and_hf(arch):
 
 
 def test_packing_support():
-    from dflash_eval.extract import packing_support
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.cache.extract import packing_support
+    from dflash_eval.target.spec import TargetSpec
 
     def spec(**cfg):
         base = {"num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 10}
@@ -208,7 +208,7 @@ def _documented():
     """Names the cache docstring documents: file attributes, sample datasets, sample attributes."""
     import re
 
-    import dflash_eval.cache_format as C
+    import dflash_eval.cache.format as C
 
     doc = C.__doc__
     files_part = doc[doc.index("File attributes (FILE_ATTRS"): doc.index("Layer convention")]
@@ -228,7 +228,7 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
     import sys
     from pathlib import Path
 
-    from dflash_eval.cache_format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
+    from dflash_eval.cache.format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -259,8 +259,8 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
 def test_resume_salvages_a_partial_whose_group_index_is_damaged(tmp_path, caplog):
     """A sample group whose object header never reached the disk (a kill between metadata writes): it
     cannot be opened nor unlinked, so the verified samples are copied to a fresh file and the rest recomputed."""
-    from dflash_eval.cache_format import IDENTITY_ATTRS, sample_sha256
-    from dflash_eval.cache_writer import PartialCache, SampleMeta
+    from dflash_eval.cache.format import IDENTITY_ATTRS, sample_sha256
+    from dflash_eval.cache.writer import PartialCache, SampleMeta
 
     meta = [SampleMeta(f"s{i}", np.arange(5, dtype=np.int32) + i, 2, "eos", 8) for i in range(4)]
     identity = {k: 1 for k in IDENTITY_ATTRS} | {"format": "dflash-eval/hidden-state-cache", "target_layer_ids": [0]}

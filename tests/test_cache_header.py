@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
-from dflash_eval.cache_format import FORMAT_VERSION, UNCOVERED_ATTRS  # noqa: E402
-from dflash_eval.cache_reader import CacheReader  # noqa: E402
-from dflash_eval.cache_shards import merge_shards  # noqa: E402
-from dflash_eval.cache_writer import write_cache  # noqa: E402
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.cache.format import FORMAT_VERSION, UNCOVERED_ATTRS  # noqa: E402
+from dflash_eval.cache.reader import CacheReader  # noqa: E402
+from dflash_eval.cache.shards import merge_shards  # noqa: E402
+from dflash_eval.cache.writer import write_cache  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 from dflash_eval.stages.hidden_states import extract_hidden_states  # noqa: E402
 
 LAYERS = [1, 3]

@@ -13,9 +13,9 @@ import h5py
 import pytest
 import torch
 
-from dflash_eval.cache_reader import CacheReader
-from dflash_eval.cache_shards import merge_shards, parse_shard, shard_plan
-from dflash_eval.errors import InputError
+from dflash_eval.cache.reader import CacheReader
+from dflash_eval.cache.shards import merge_shards, parse_shard, shard_plan
+from dflash_eval.core.errors import InputError
 from dflash_eval.stages.hidden_states import extract_hidden_states
 from tiny import make_tiny_target
 

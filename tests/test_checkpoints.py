@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_eval.checkpoints import FORMATS, detect_format
+from dflash_eval.drafter.checkpoints import FORMATS, detect_format
 from dflash_eval.stages.strip_drafter import strip_checkpoint
-from dflash_eval.drafter import DFlashDrafter, load_drafter
-from dflash_eval.errors import InputError
+from dflash_eval.drafter.model import DFlashDrafter, load_drafter
+from dflash_eval.core.errors import InputError
 from fixtures.drafters import LAYER_IDS, MASK_ID, TARGET_LAYERS, VOCAB, random_state, tiny_config, write_target
 
 
@@ -161,7 +161,7 @@ def test_a_torch_file_beside_safetensors_weights_is_named_not_read(tmp_path, cfg
     # the sixteenth trial's P5: the leading digits were taken (20, 10, 1, 1, 2): no step, and strip says why
     ("run1-step20k", None), ("step-10k", None), ("step_1.5k", None), ("step1e5", None), ("step-2e19", None)])
 def test_step_from_the_name_is_a_whole_number_or_none(name, step):
-    from dflash_eval.checkpoints import parse_step, unread_step
+    from dflash_eval.drafter.checkpoints import parse_step, unread_step
 
     assert parse_step(name) == step
     assert (unread_step(name) is not None) == (step is None and name != "ckpt")
@@ -294,7 +294,7 @@ def test_non_finite_or_non_positive_config_numbers_are_refused(tmp_path, cfg, st
         strip_checkpoint(tmp_path / "d", tmp_path / "out")
     assert_refused(exc, tmp_path / "d" / "config.json", where, tmp_path / "out")
     assert problem in exc.value.problem
-    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.drafter.config import DrafterConfig
 
     nested = dict(json.loads(json.dumps(cfg)), rope_parameters={"rope_type": "default", "rope_theta": float("nan")})
     nested.pop("rope_theta", None)  # the nested copy only (two copies must agree: another error)
@@ -603,7 +603,7 @@ def test_field_stored_twice_with_different_values_is_refused(tmp_path, cfg, stat
     written = json.loads((out / "config.json").read_text())
     notes = json.loads((out / "strip_info.json").read_text())["notes"]
     assert any(n.startswith(f"override {field}=") for n in notes), notes
-    from dflash_eval.drafter_config import check_duplicated_fields, field_locations
+    from dflash_eval.drafter.config import check_duplicated_fields, field_locations
 
     check_duplicated_fields(written, "written")  # the output is consistent
     if field == "rope_theta":
@@ -625,7 +625,7 @@ def test_agreeing_copies_say_nothing(tmp_path, cfg, state):
 def test_strip_never_modifies_the_input_config(tmp_path, cfg, state):
     """transformers writes rope_theta into the RoPE dict it is given; neither the caller's dict nor the
     written config may gain it (the stripped rope_scaling must be the checkpoint's)."""
-    from dflash_eval.drafter import DrafterConfig
+    from dflash_eval.drafter.model import DrafterConfig
 
     scaled = dict(cfg, rope_scaling={"rope_type": "linear", "factor": 2.0})
     before = json.loads(json.dumps(scaled))
@@ -680,9 +680,9 @@ def test_a_drafter_config_of_another_vocabulary_is_noted(cfg):
     drafter drafts with the target's embedding and head, so it runs; the config may be another target's)."""
     from pathlib import Path as P
 
-    from dflash_eval.compat import check_compat
-    from dflash_eval.drafter_config import DrafterConfig
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.drafter.compat import check_compat
+    from dflash_eval.drafter.config import DrafterConfig
+    from dflash_eval.target.spec import TargetSpec
 
     spec = TargetSpec(path=P("t"), config={}, model_type="qwen3", num_layers=TARGET_LAYERS, hidden_size=cfg["hidden_size"],
                       vocab_size=cfg["vocab_size"])

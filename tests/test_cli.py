@@ -59,7 +59,7 @@ def test_summary_with_a_missing_or_foreign_eval_file(tmp_path, capsys):
 @pytest.mark.parametrize("text, want", [("8,16", [8, 16]), ("8", [8]), ("", []), ("[4, 32]", [4, 32])])
 def test_integer_list_flags_take_the_comma_and_the_json_form(text, want):
     """What the rules render (``--ddtree-budgets=8``: one budget) parses back to the same list."""
-    from dflash_eval import options
+    from dflash_eval.core import options
     from dflash_eval.cli import build_parser
 
     args = build_parser("evaluate").parse_args(["evaluate", *REQUIRED["evaluate"], f"--ddtree-budgets={text}"])

@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from dflash_eval.generation import SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, stop_token_ids
+from dflash_eval.serving.generation import SOURCES, TransformersSource, cut_at_eos, end_of_turn_ids, stop_token_ids
 from dflash_eval.stages.completions import generate_completions
-from dflash_eval.errors import InputError
-from dflash_eval.prompts import build_prompt_set, write_prompts
-from dflash_eval.target import load_target
+from dflash_eval.core.errors import InputError
+from dflash_eval.data.prompts import build_prompt_set, write_prompts
+from dflash_eval.target.model import load_target
 from tiny import make_tiny_target
 
 PROMPTS = ["hi", "What is the capital of France? Paris.", "def add(a, b):\n    return a + b",
@@ -243,7 +243,7 @@ def test_warns_when_completions_run_past_the_end_of_turn(setup, tmp_path, caplog
 
 
 def test_gguf_end_of_generation_ids():
-    from dflash_eval.gguf import gguf_end_of_generation_ids
+    from dflash_eval.target.gguf import gguf_end_of_generation_ids
 
     meta = {"tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2,
             "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.padding_token_id": 2}
@@ -255,7 +255,7 @@ def test_gguf_end_of_generation_ids():
 @pytest.mark.slow
 def test_convert_gguf_writes_every_end_of_generation_id(tmp_path, monkeypatch):
     """The real SmolLM2 GGUF with an eot id added to its metadata: the converted target stops at eos and eot."""
-    from dflash_eval import gguf as T
+    from dflash_eval.target import gguf as T
 
     real = T._gguf_metadata
     monkeypatch.setattr(T, "_gguf_metadata", lambda p: {**real(p), "tokenizer.ggml.eot_token_id": 0})

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_eval.prompts import build_prompt_set, write_prompts
+from dflash_eval.data.prompts import build_prompt_set, write_prompts
 from tiny import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]

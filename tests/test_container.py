@@ -81,7 +81,7 @@ def test_default_image_is_an_explicit_local_sif():
 ])
 def test_causal_conv1d_status(tmp_path, monkeypatch, case, expected):
     """The cache records whether causal-conv1d's kernels import, not only that it is installed."""
-    from dflash_eval.hybrid import causal_conv1d_status
+    from dflash_eval.target.hybrid import causal_conv1d_status
 
     for name in ("causal_conv1d", "causal_conv1d_cuda"):
         monkeypatch.delitem(sys.modules, name, raising=False)

@@ -11,12 +11,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dflash_eval.demo import drafter_config_for_target  # noqa: E402
+from dflash_eval.drafter.demo import drafter_config_for_target  # noqa: E402
 from dflash_eval.cli import build_parser  # noqa: E402
-from dflash_eval.costs import read_costs
+from dflash_eval.target.costs import read_costs
 from dflash_eval.stages.target_costs import _tree_mask, measure_target_costs  # noqa: E402
-from dflash_eval.errors import InputError  # noqa: E402
-from dflash_eval.target_spec import TargetSpec# noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
+from dflash_eval.target.spec import TargetSpec# noqa: E402
 
 
 def _drafter_configs(tmp_path, target, specs):
@@ -96,7 +96,7 @@ def test_cli_defaults_from_schema():
 
 # --------------------------------------------------------------------------- noise: min, interleaving, monotone fit
 def test_cost_statistics_by_hand():
-    from dflash_eval.cost_stats import assess, isotonic, robust_s, spread
+    from dflash_eval.target.cost_stats import assess, isotonic, robust_s, spread
 
     assert robust_s([0.79, 0.16, 0.2]) == 0.16
     assert spread([1.0, 1.0, 1.0]) == 0.0 and spread([0.16, 0.2, 0.79]) == pytest.approx(0.25)
@@ -148,7 +148,7 @@ def test_a_stripped_drafter_config_is_verified_before_it_is_timed(llama, tmp_pat
     """The thirteenth trial: a stripped folder's config.json edited (block_size 8 -> 4) with its mtime put back was
     timed as a block-4 drafter, and tau.csv got that speedup beside the block-8 tau. Verified against the folder's
     strip_info.json as evaluate does; inside the workflow a folder without one is refused."""
-    from dflash_eval.drafter_files import INFO_FIELD, info_sha256, sha256_bytes
+    from dflash_eval.drafter.files import INFO_FIELD, info_sha256, sha256_bytes
 
     (cfg,) = _drafter_configs(tmp_path, llama, [("ck", 4)])
     info = {"sha256": {"config.json": sha256_bytes(cfg.read_bytes()), "model.safetensors": "0" * 64}}
@@ -169,7 +169,7 @@ def test_a_stripped_drafter_config_is_verified_before_it_is_timed(llama, tmp_pat
 def test_costs_timed_at_another_block_size_are_refused_not_used():
     """The costs of a drafter timed at another block size than it was evaluated at (an edited config) gave the
     chain a speedup from another verify width and draft time; refused, naming the checkpoint."""
-    from dflash_eval.costs import method_speedups
+    from dflash_eval.target.costs import method_speedups
 
     costs = {"verify": [{"n": 8, "mask": "causal", "median_s": 2.0}, {"n": 4, "mask": "causal", "median_s": 1.5}],
              "decode_s": 1.0, "drafters": {"ck": {"block_size": 4, "draft_s": 0.5, "draft_tree_s": {}}},

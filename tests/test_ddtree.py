@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from dflash_eval.ddtree import accepted_depths, build_tree, chain_from_greedy, replay_with_trees, walk_budgets
+from dflash_eval.replay.ddtree import accepted_depths, build_tree, chain_from_greedy, replay_with_trees, walk_budgets
 
 
 def brute_force_order(lp, K, L):
@@ -214,8 +214,8 @@ def test_batched_drafts_give_the_sequential_chain_and_the_trees(layout, memory_b
     cases (whatever the chunking), and its trees == the spec walk on the same per-anchor top-K."""
     from test_replay import OracleDrafter, sample, seq_of
 
-    from dflash_eval.anchors import anchor_drafts
-    from dflash_eval.replay import replay_batch
+    from dflash_eval.replay.anchors import anchor_drafts
+    from dflash_eval.replay.chain import replay_batch
 
     eye = torch.eye(50)
     cases = [(seq_of(15), 5, 2, 4, 1000), (seq_of(16), 5, 2, 4, 1000), (seq_of(26), 5, 99, 8, 1000),

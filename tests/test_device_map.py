@@ -8,9 +8,9 @@ import re
 import pytest
 import torch
 
-from dflash_eval.device_map import AUTO_FRACTION, gib, meta_model, parse_size, plan_device_map
-from dflash_eval.errors import InputError
-from dflash_eval.target_spec import TargetSpec
+from dflash_eval.target.device_map import AUTO_FRACTION, gib, meta_model, parse_size, plan_device_map
+from dflash_eval.core.errors import InputError
+from dflash_eval.target.spec import TargetSpec
 from tiny import make_tiny_target
 
 F32 = torch.float32
@@ -111,7 +111,7 @@ def test_extraction_through_a_dispatched_target_is_bit_identical(tmp_path, monke
     from accelerate import dispatch_model
 
     import dflash_eval.stages.hidden_states as hs
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     target = make_tiny_target(tmp_path / "t", num_layers=4, hidden=64)
     rows = [{"id": f"x{i}", "prompt_ids": [5, 6, 7, 8][: i + 1], "completion_ids": [9, 10, 11][: 3 - i % 2],

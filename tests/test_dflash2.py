@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 import dflash.model as dflash_model
 from transformers import Qwen3Config
 
-from dflash_eval.cache_format import CacheSample
-from dflash_eval.checkpoints import saved_codebook_names
-from dflash_eval.drafter import CandidateSelector, DFlashDrafter, GroupedDynamicCausalConv, load_drafter
-from dflash_eval.drafter_config import DrafterConfig
-from dflash_eval.errors import InputError
-from dflash_eval.anchors import LAYOUTS as LAYOUTS_ANCHORS, chain_walk, iter_anchor_drafts, replay_batched
-from dflash_eval.replay import replay_batch
+from dflash_eval.cache.format import CacheSample
+from dflash_eval.drafter.checkpoints import saved_codebook_names
+from dflash_eval.drafter.model import CandidateSelector, DFlashDrafter, GroupedDynamicCausalConv, load_drafter
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.core.errors import InputError
+from dflash_eval.replay.anchors import LAYOUTS as LAYOUTS_ANCHORS, chain_walk, iter_anchor_drafts, replay_batched
+from dflash_eval.replay.chain import replay_batch
 from dflash_eval.stages.strip_drafter import strip_checkpoint
 from fixtures.drafters import (DFLASH2, HIDDEN, LAYER_IDS, TARGET_LAYERS, VOCAB, randomize_dflash2_, tiny_config,
                                tiny_config2, write_target)
@@ -438,7 +438,7 @@ def test_stripped_keys_are_vllm_qwen3_dflash2_parameters(tmp_path):
 
 # --------------------------------------------------------------------------- selector diagnostics (pure)
 def test_selector_stats_hand_built():
-    from dflash_eval.metrics import SelectorStep, selector_stats
+    from dflash_eval.replay.metrics import SelectorStep, selector_stats
 
     steps = [SelectorStep(1, 2, 3, (True, True, False)),  # picked slot 1, missed slot 2 (its target was a candidate)
              SelectorStep(0, 0, 3, (False, True, True)),  # slot 1's target not among the candidates
@@ -461,7 +461,7 @@ def test_selector_survival_at_temperature_to_zero_is_the_selector_chain():
     """The all-anchor pass's DFlash 2 ``P(a >= k | x)`` at T -> 0 with p = 1: the selector teacher-forced on the
     cached tokens is one-hot at its argmax, so the expected accepted count of every anchor is the greedy
     selector chain's (a predecessor off by one slot would break it: the path differs from the unary argmax)."""
-    from dflash_eval.sampling import SamplingSetting
+    from dflash_eval.replay.sampling import SamplingSetting
 
     _, ours, _ = make_pair("full", seed=4)
     gen = torch.Generator().manual_seed(7)

@@ -225,7 +225,7 @@ def test_cache_reading_example_runs(tmp_path):
     """The h5py example of docs/cache-format.md, run on a cache written by the real writer."""
     import torch
 
-    from dflash_eval.cache_writer import write_cache
+    from dflash_eval.cache.writer import write_cache
 
     text = (REPO / "docs" / "cache-format.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", text, re.S).group(1)

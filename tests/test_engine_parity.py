@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from test_workflow import PROMPTS_A, TRAINED_DRAFTER  # noqa: E402
 
-from dflash_eval.cache_reader import CacheReader  # noqa: E402
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.cache.reader import CacheReader  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 from dflash_eval.stages import engine_parity as ep  # noqa: E402
 
 LAYERS = [1, 2, 3]  # the trained drafter's target_layer_ids
@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
     pytest.importorskip("h5py")
     from tiny import make_tiny_target
 
-    from dflash_eval.prompts import build_prompt_set, write_prompts
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
@@ -183,7 +183,7 @@ def test_stage_run_vllm_extracts_the_hf_side(tiny, tmp_path):
 
 
 def test_extraction_options_are_the_hidden_states_stage_s():
-    from dflash_eval import options
+    from dflash_eval.core import options
 
     opts = options.make("engine_parity", n_samples=2, source="hf", final_hidden=True, vllm={"concurrency": 2})
     hs = ep.extraction_options(opts, "vllm")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_eval.errors import atomic_dir, atomic_path, partial_path, remove_done_links, remove_stale_temps
+from dflash_eval.core.errors import atomic_dir, atomic_path, partial_path, remove_done_links, remove_stale_temps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_stale_temps_of_killed_writers_are_removed_live_ones_kept(tmp_path):
     # A writer killed with SIGKILL inside atomic_path: its temporary stays behind.
     script = textwrap.dedent(f"""
         import os, signal
-        from dflash_eval.errors import atomic_path
+        from dflash_eval.core.errors import atomic_path
         with atomic_path({str(dest)!r}) as tmp:
             tmp.write_text("half")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -39,7 +39,7 @@ def test_stale_temps_of_killed_writers_are_removed_live_ones_kept(tmp_path):
     # A live writer of the same output (holding its temporary's lock) is left alone...
     live = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from dflash_eval.errors import atomic_path
+        from dflash_eval.core.errors import atomic_path
         with atomic_path({str(dest)!r}) as tmp:
             print(tmp.name, flush=True)
             sys.stdin.read()
@@ -73,7 +73,8 @@ def test_signal_stops_a_stage_cleanly(tmp_path, sig, code):
     dest = tmp_path / "report.md"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from dflash_eval import cli, errors
+        from dflash_eval import cli
+        from dflash_eval.core import errors
         from dflash_eval.stages import summary
 
         def slow_stage(args, opts):

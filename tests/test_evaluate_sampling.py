@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cache_edit import downgrade  # noqa: E402
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 
 T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 
@@ -61,8 +61,8 @@ def _evaluate(run, cache, out, **kw):
 
 
 def test_final_hidden_cache_is_format_6_with_the_last_layer(run):
-    from dflash_eval.cache_format import FORMAT_VERSION, completion_sampling, final_hidden_index
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.format import FORMAT_VERSION, completion_sampling, final_hidden_index
+    from dflash_eval.cache.reader import CacheReader
 
     assert FORMAT_VERSION == 6
     with CacheReader(run["dir"] / "final.h5") as r:
@@ -74,15 +74,15 @@ def test_final_hidden_cache_is_format_6_with_the_last_layer(run):
 
 
 def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(run):
-    from dflash_eval.anchors import iter_anchor_drafts
-    from dflash_eval.cache_reader import CacheReader
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.expected import response_expectations
-    from dflash_eval.metrics import aggregate_expected
-    from dflash_eval.sampling import SamplingSetting, token_probs
-    from dflash_eval.target import load_target
-    from dflash_eval.target_spec import load_embed_and_head
-    from dflash_eval.tau_table import summary_frame
+    from dflash_eval.replay.anchors import iter_anchor_drafts
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.replay.expected import response_expectations
+    from dflash_eval.replay.metrics import aggregate_expected
+    from dflash_eval.replay.sampling import SamplingSetting, token_probs
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import load_embed_and_head
+    from dflash_eval.report.tau_table import summary_frame
 
     plain = _evaluate(run, "plain.h5", "greedy.json", ddtree_budgets=[4])
     both = _evaluate(run, "final.h5", "both.json", ddtree_budgets=[4], sampling=[{"temperature": 0}, T1],
@@ -130,7 +130,7 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
     assert old["sampling"].tolist() == ["T0"] and old["tau"].iloc[0] == plain["tau"]
 
     # the report: per-pair tables on the first setting, every setting in its own section
-    from dflash_eval.reporting import load_report_data, render_markdown
+    from dflash_eval.report.build import load_report_data, render_markdown
 
     data = load_report_data([str(run["dir"] / "both.json")])
     assert data.frame["sampling"].tolist() == ["T0"]
@@ -141,7 +141,7 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
 
     # a pair whose first setting is T = 1 (a set drawn at T = 1): the per-pair tables, the histogram and the
     # legend show that setting's expected values, and a note says so
-    from dflash_eval.figures import set_label
+    from dflash_eval.report.figures import set_label
 
     r = json.loads((run["dir"] / "both.json").read_text())
     r["sampling_settings"] = r["sampling_settings"][::-1]
@@ -182,7 +182,9 @@ def test_plan_matches_each_setting_to_the_sets_drawn_at_its_temperature():
     parse back into those stage options; a setting or a set without a partner stops the plan, naming the entry."""
     import shlex
 
-    from dflash_eval import options, plan
+    from dflash_eval.core import options
+
+    from dflash_eval.workflow import plan
     from dflash_eval.cli import build_parser
 
     T0 = {"temperature": 0, "top_p": 1.0, "top_k": 0}  # the schema's defaults filled, as Snakemake's validate does
@@ -251,8 +253,8 @@ def test_plan_matches_each_setting_to_the_sets_drawn_at_its_temperature():
 def test_sampled_completions_are_seeded_recorded_and_evaluated_at_their_temperature(run, tmp_path):
     """generation.sampling at T = 1: the same seed draws the same tokens, another seed others; the provenance
     and the cache record the setting; evaluate at T = 1 then needs no override, and T = 0 is refused."""
-    from dflash_eval.cache_reader import CacheReader
-    from dflash_eval.completions_file import read_completions
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.data.completions import read_completions
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
@@ -285,7 +287,7 @@ def test_sampled_completions_are_seeded_recorded_and_evaluated_at_their_temperat
 
 
 def test_server_requests_carry_the_setting_and_a_seed_per_prompt():
-    from dflash_eval.serving import _neutral_sampling
+    from dflash_eval.serving.clients import _neutral_sampling
 
     assert _neutral_sampling()["temperature"] == 0.0 and "seed" not in _neutral_sampling()
     got = _neutral_sampling({"temperature": 1.0, "top_p": 0.95, "top_k": 0, "seed": 12})
@@ -297,8 +299,8 @@ def test_server_requests_carry_the_setting_and_a_seed_per_prompt():
 def test_server_source_sends_seed_plus_prompt_index_and_records_the_setting():
     from types import SimpleNamespace
 
-    from dflash_eval.generation import ServerSource
-    from dflash_eval.serving import ServedCompletion
+    from dflash_eval.serving.generation import ServerSource
+    from dflash_eval.serving.clients import ServedCompletion
 
     sent = {}
 

@@ -1,4 +1,4 @@
-"""Expected acceptance from the all-anchor pass (:mod:`dflash_eval.expected`) and its aggregate.
+"""Expected acceptance from the all-anchor pass (:mod:`dflash_eval.replay.expected`) and its aggregate.
 
 Exact cases: the target's token probabilities equal the dense filter at the cached tokens; at 0/1
 acceptance probabilities the expected aggregate equals the greedy aggregate field for field.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_eval.expected import response_expectations, target_token_probs
-from dflash_eval.metrics import aggregate, aggregate_expected
-from dflash_eval.anchors import chain_walk
-from dflash_eval.sampling import SamplingSetting, filtered_probs
+from dflash_eval.replay.expected import response_expectations, target_token_probs
+from dflash_eval.replay.metrics import aggregate, aggregate_expected
+from dflash_eval.replay.anchors import chain_walk
+from dflash_eval.replay.sampling import SamplingSetting, filtered_probs
 
 
 def test_target_token_probs_are_the_filter_at_the_cached_tokens():
@@ -61,12 +61,12 @@ def test_anchor_pass_survival_equals_one_block_at_a_time(topk):
 
     from fixtures.drafters import HIDDEN, LAYER_IDS, VOCAB, randomize_, tiny_config
 
-    from dflash_eval.anchors import iter_anchor_drafts
-    from dflash_eval.cache_format import CacheSample
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
-    from dflash_eval.expected import chain_survival
-    from dflash_eval.replay import _single_block_logits
+    from dflash_eval.replay.anchors import iter_anchor_drafts
+    from dflash_eval.cache.format import CacheSample
+    from dflash_eval.drafter.model import DFlashDrafter
+    from dflash_eval.drafter.config import DrafterConfig
+    from dflash_eval.replay.expected import chain_survival
+    from dflash_eval.replay.chain import _single_block_logits
 
     B = 5
     drafter = randomize_(DFlashDrafter(DrafterConfig.from_dict(copy.deepcopy(tiny_config(block_size=B)))), 3).eval()

@@ -25,8 +25,8 @@ import h5py
 import numpy as np
 import pytest
 
-from dflash_eval.cache_format import FILE_DATASETS
-from dflash_eval.errors import InputError
+from dflash_eval.cache.format import FILE_DATASETS
+from dflash_eval.core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 N_SAMPLES = 240
@@ -252,8 +252,8 @@ def test_partial_of_other_settings_is_refused_never_mixed(work, tmp_path, caplog
 def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, monkeypatch):
     """--keep-partial: the finished sidecar is a hard link of the cache; with the cache deleted (what
     Snakemake does before rerunning an orphaned job) the next run verifies and reuses it, loading nothing."""
-    from dflash_eval import target as target_mod
-    from dflash_eval.errors import remove_done_links
+    from dflash_eval.target import model as target_mod
+    from dflash_eval.core.errors import remove_done_links
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     wd = work
@@ -284,7 +284,7 @@ def test_kept_link_is_reused_without_loading_the_model(work, tmp_path, caplog, m
 def test_host_memory_holds_two_batches_whatever_the_sample_count(work, tmp_path, caplog):
     """Streaming: the states held in host memory at once never exceed two batches, for 1x and 4x the samples."""
     from dflash_eval.stages.hidden_states import extract_hidden_states
-    from dflash_eval.runtime import length_batches
+    from dflash_eval.core.runtime import length_batches
 
     for n in (60, 240):
         comp = write_completions(tmp_path / f"c{n}.jsonl", n, seed=2)
@@ -301,7 +301,7 @@ def test_host_memory_holds_two_batches_whatever_the_sample_count(work, tmp_path,
 
 
 def test_packed_batches_never_exceed_the_token_budget():
-    from dflash_eval.runtime import length_batches
+    from dflash_eval.core.runtime import length_batches
 
     lengths = [50, 10, 70, 30, 30, 200, 5]
     batches = length_batches(lengths, max_tokens=100, packed=True)
@@ -317,7 +317,7 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
     """Free space below the next batch's size (statvfs): stop before HDF5 writes, commit kept, resume."""
     import shutil as _shutil
 
-    from dflash_eval import cache_writer as cache_mod
+    from dflash_eval.cache import writer as cache_mod
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     calls = {"n": 0}
@@ -346,7 +346,7 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
 def test_a_sigkilled_shard_resumes_and_the_merge_equals_one_job(work):
     """cache.shards: shard 1/2 SIGKILLed mid-run resumes from its committed samples; merged with shard 0/2 the
     prompt set's cache holds every dataset byte for byte as the one-job cache (read through the links)."""
-    from dflash_eval.cache_shards import merge_shards
+    from dflash_eval.cache.shards import merge_shards
 
     wd = work
     fh = open(wd / "shard1.log", "w")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 def test_sdpa_gqa_equals_repeated_kv_heads():
     import torch.nn.functional as F
 
-    from dflash_eval.target import sdpa_gqa_attention
+    from dflash_eval.target.model import sdpa_gqa_attention
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 6, 1, 8, generator=g)
@@ -34,8 +34,8 @@ def test_fast_generate_matches_plain_generate(tmp_path, arch, monkeypatch):
     """Unpadded prefill + GQA-in-place attention give the completions of the plain padded generate()."""
     from tiny import make_tiny_target
 
-    import dflash_eval.target as T
-    from dflash_eval.generation import TransformersSource
+    import dflash_eval.target.model as T
+    from dflash_eval.serving.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch=arch, num_layers=3, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -61,7 +61,7 @@ def test_preallocated_kv_layer_writes_in_place(tmp_path):
     capacity it falls back to concatenation."""
     from tiny import make_tiny_target
 
-    import dflash_eval.target as T
+    import dflash_eval.target.model as T
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -91,8 +91,8 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
 
     from tiny import make_tiny_target
 
-    import dflash_eval.target as T
-    from dflash_eval.generation import TransformersSource
+    import dflash_eval.target.model as T
+    from dflash_eval.serving.generation import TransformersSource
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=2, hidden=64, seed=3)
     model, tok, _ = T.load_target(target, device="cpu", dtype="float32")
@@ -100,7 +100,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
     src = TransformersSource(model, tok, max_new_tokens=6, stop_ids=[10 ** 6])  # no stop: 6 steps
     quiet = src.generate(prompts)
     src.log_every = 0.0
-    with caplog.at_level(logging.INFO, logger="dflash_eval.generation"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.serving.generation"):
         loud = src.generate(prompts)
     assert loud == quiet and all(len(ids) == 6 for ids, _ in loud)
     steps = [r.getMessage() for r in caplog.records if "decode step" in r.getMessage()]
@@ -111,7 +111,7 @@ def test_decode_steps_logged_without_changing_tokens(tmp_path, caplog):
 def test_memory_sized_decode_batch_by_hand():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_eval.target import CPU_DECODE_BATCH, MAX_DECODE_BATCH, decode_batch_size
+    from dflash_eval.target.model import CPU_DECODE_BATCH, MAX_DECODE_BATCH, decode_batch_size
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_eval import gpu_pool
-from dflash_eval.errors import InputError
+from dflash_eval.core import gpu_pool
+from dflash_eval.core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = """
 import json, os, sys, time
 from types import SimpleNamespace
-from dflash_eval import gpu_pool
+from dflash_eval.core import gpu_pool
 lease = gpu_pool.claim(sys.argv[1], SimpleNamespace(device="auto", devices=int(sys.argv[2])))
 t0 = time.time()
 print("held", flush=True)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash_eval.errors import InputError
+from dflash_eval.core.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_duplicate_yaml_key_names_both_lines(tmp_path):
-    from dflash_eval.yaml_strict import load_file
+    from dflash_eval.core.yaml_strict import load_file
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("prompt_sets:\n  chat:\n    source: file\n  code: {source: file}\n  chat:\n    source: sharegpt\n")
@@ -45,8 +45,8 @@ def test_workflow_refuses_a_config_with_a_duplicate_key(tmp_path):
 
 @pytest.mark.parametrize("name", ["..", ".", ".hidden", "a/b", "a" * 101, "--help", "-x"])
 def test_names_that_leave_results_are_refused(name, tmp_path):
-    from dflash_eval.checkpoint_plan import checkpoint_table
-    from dflash_eval.checkpoint_plan import check_names
+    from dflash_eval.workflow.checkpoints import checkpoint_table
+    from dflash_eval.workflow.checkpoints import check_names
 
     base = {"run": "r", "target": {"name": "t"}, "prompt_sets": {"p": {}}}
     check_names(base)  # fine
@@ -70,8 +70,8 @@ def test_names_snakemake_would_take_for_a_recursion_are_refused(name, unit, time
     PeriodicityDetector), so such a checkpoint would be left out with exit 0: refused at parse time."""
     from snakemake.io import PeriodicityDetector
 
-    from dflash_eval.checkpoint_plan import checkpoint_table
-    from dflash_eval.checkpoint_plan import check_names
+    from dflash_eval.workflow.checkpoints import checkpoint_table
+    from dflash_eval.workflow.checkpoints import check_names
 
     assert PeriodicityDetector().is_periodic(name)  # Snakemake's own detector agrees
     assert not PeriodicityDetector().is_periodic("ck-" + "0" * 19)
@@ -87,9 +87,9 @@ def test_names_snakemake_would_take_for_a_recursion_are_refused(name, unit, time
 
 
 def test_cli_threads_chosen_as_the_workflow_does(monkeypatch):
-    from dflash_eval import threads
+    from dflash_eval.core import threads
     from dflash_eval.cli import build_parser
-    from dflash_eval.config import schema_default
+    from dflash_eval.core.schema import schema_default
 
     assert threads.choose(3, {"OMP_NUM_THREADS": "5"}) == (3, "--threads")
     assert threads.choose(None, {"OMP_NUM_THREADS": "5"}) == (5, "OMP_NUM_THREADS")
@@ -109,8 +109,8 @@ def test_cli_threads_chosen_as_the_workflow_does(monkeypatch):
 #: that kill it and wait for the job's Interrupted
 _WATCHED_JOB = """
 import os, subprocess, sys, time
-from dflash_eval import watchdog
-from dflash_eval.errors import Interrupted, install_signal_handlers
+from dflash_eval.core import watchdog
+from dflash_eval.core.errors import Interrupted, install_signal_handlers
 owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 time.sleep(0.3)
 token = watchdog.owner_token(owner.pid)
@@ -179,7 +179,7 @@ def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_
 
 def test_a_non_finite_number_in_the_config_is_named():
     """YAML .nan / .inf pass JSON Schema's minimum/maximum (NaN compares false): named by its path."""
-    from dflash_eval.io import non_finite_entry
+    from dflash_eval.core.io import non_finite_entry
 
     assert non_finite_entry({"generation": {"sampling": {"temperature": 0.7}}, "evaluate": {"sampling": [{}]}}) is None
     assert non_finite_entry({"generation": {"sampling": {"temperature": float("nan")}}}) == \
@@ -191,7 +191,7 @@ def test_a_non_finite_number_in_the_config_is_named():
 def test_an_integral_float_in_the_config_is_the_integer():
     """The tenth trial: `prompt_set.n: 4.0` (valid: JSON Schema's integer) changed the options record of a run made
     with `n: 4` and redid its target work. Floats the schema types integer are made ints; numbers stay as given."""
-    from dflash_eval.config import integral_numbers
+    from dflash_eval.workflow.config import integral_numbers
 
     cfg = {"prompt_set": {"n": 4.0}, "generation": {"max_new_tokens": 48.0, "sampling": {"temperature": 1.0}},
            "evaluate": {"ddtree_budgets": [4.0, 8], "sampling": [{"temperature": 0.0, "top_k": 20.0}]},
@@ -226,7 +226,7 @@ def test_one_checkpoint_under_several_names_is_named_at_parse_time(tmp_path, mon
     import os
     import shutil
 
-    from dflash_eval.checkpoint_plan import checkpoint_table
+    from dflash_eval.workflow.checkpoints import checkpoint_table
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ckpts").mkdir()

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import tiny_hybrid as th
-from dflash_eval import hybrid
-from dflash_eval.extract import run_target
+from dflash_eval.target import hybrid
+from dflash_eval.cache.extract import run_target
 from dflash_eval.stages.hidden_states import extract_hidden_states
 from dflash_eval.cli import main
-from dflash_eval.errors import InputError
+from dflash_eval.core.errors import InputError
 
 LAYERS = [0, 2, 3]  # 0, 2: linear attention; 3: the last layer (full attention, HF's entry is final-normed)
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +39,9 @@ def completions(tmp_path_factory):
 def drafter(target, tmp_path_factory):
     from safetensors.torch import save_file
 
-    from dflash_eval.demo import drafter_config_for_target
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.drafter.demo import drafter_config_for_target
+    from dflash_eval.drafter.model import DFlashDrafter
+    from dflash_eval.drafter.config import DrafterConfig
 
     cfg = drafter_config_for_target(target, layer_ids=[0, 3], block_size=4, num_layers=1, mask_token_id=th.VOCAB - 1)
     torch.manual_seed(0)
@@ -70,8 +70,8 @@ def test_hooks_match_hf_hidden_states(kind):
 
 def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
     """A Qwen3_5ForConditionalGeneration folder (text_config, model.language_model.* weights) loads as a causal LM."""
-    from dflash_eval.target import load_target, target_info
-    from dflash_eval.target_spec import load_embed_and_head
+    from dflash_eval.target.model import load_target, target_info
+    from dflash_eval.target.spec import load_embed_and_head
 
     vlm = th.build_model("qwen3_5_vlm")
     vlm.save_pretrained(tmp_path)
@@ -173,7 +173,7 @@ def test_fla_bound_at_import_is_detected_and_overridden(tmp_path):
     script = textwrap.dedent("""
         import json, sys, torch
         import tiny_hybrid as th
-        from dflash_eval import hybrid
+        from dflash_eval.target import hybrid
         import transformers.models.qwen3_5.modeling_qwen3_5 as M
         out = {"at_import": hybrid.describe_module(M)}
         model = th.build_model("qwen3_5")

@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_reliability import _evaluate, pipeline  # noqa: E402,F401  (the module-scoped fixture)
 
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_a_drafter_without_strip_info_is_evaluated_with_a_warning(pipeline, stri
 @pytest.mark.parametrize("edit, field", [("no info_sha256", "info_sha256"), ("no sha256", "sha256"),
                                          ("sha256 without config.json", "sha256")])
 def test_strip_info_without_its_checksums_is_refused(pipeline, stripped, tmp_path, edit, field):  # noqa: F811
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.drafter_files import info_sha256
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.drafter.files import info_sha256
 
     bad = tmp_path / "bad"
     shutil.copytree(stripped, bad)
@@ -90,7 +90,7 @@ def _lines(path: Path) -> list[str]:
     ("strip one row's checksums", "line 2: ids_sha256", "carries no ids_sha256 while the rows before it do"),
 ])
 def test_completions_rows_deleted_moved_or_unsealed_are_refused(pipeline, tmp_path, edit, field, words):  # noqa: F811
-    from dflash_eval.completions_file import read_completions
+    from dflash_eval.data.completions import read_completions
 
     src = pipeline["dir"] / "c.jsonl"
     assert [r["row_index"] for r in read_completions(src)] == [0, 1, 2]  # the intact file reads
@@ -134,8 +134,8 @@ def test_inside_the_workflow_an_unsealed_prompts_or_completions_file_is_refused(
         pipeline, tmp_path, monkeypatch, caplog):  # noqa: F811
     """Every row's checksums stripped (then a token changed): a direct CLI call reads it with a warning (a
     hand-written or old file); a workflow job (the shell prefix sets the variable) refuses it."""
-    from dflash_eval.completions_file import read_completions
-    from dflash_eval.prompts import read_prompts
+    from dflash_eval.data.completions import read_completions
+    from dflash_eval.data.prompts import read_prompts
     from dflash_eval.row_checksum import SEALED_ENV
 
     comp = tmp_path / "c.jsonl"
@@ -158,7 +158,7 @@ def test_inside_the_workflow_an_unsealed_prompts_or_completions_file_is_refused(
 
 
 def _sealed_prompts(tmp_path: Path) -> Path:
-    from dflash_eval.prompts import write_prompts
+    from dflash_eval.data.prompts import write_prompts
 
     rows = [{"id": f"p{i}", "source": "file", "prompt": f"q{i}", "text": f"q{i}", "prompt_ids": [1, 40 + i, 2]}
             for i in range(3)]
@@ -166,7 +166,7 @@ def _sealed_prompts(tmp_path: Path) -> Path:
 
 
 def test_prompts_written_by_the_stage_are_sealed_and_verified(tmp_path, caplog):
-    from dflash_eval.prompts import read_prompts
+    from dflash_eval.data.prompts import read_prompts
 
     path = _sealed_prompts(tmp_path)
     first = json.loads(_lines(path)[0])
@@ -198,9 +198,9 @@ def test_prompts_written_by_the_stage_are_sealed_and_verified(tmp_path, caplog):
 def test_evaluate_outputs_and_target_costs_carry_a_verified_content_checksum(pipeline, tmp_path, caplog):  # noqa: F811
     """An acceptance length, a step or a sample dropped in an eval JSON, or a cost scaled in target_costs.json,
     used to reach tau.csv and the report unchecked: now refused naming the file and content_sha256."""
-    from dflash_eval.costs import read_costs
+    from dflash_eval.target.costs import read_costs
     from dflash_eval.row_checksum import seal_document
-    from dflash_eval.tau_table import read_eval
+    from dflash_eval.report.tau_table import read_eval
 
     d = pipeline["dir"]
     _evaluate(pipeline, d / "c.h5", out="sealed.json")
@@ -224,7 +224,7 @@ def test_evaluate_outputs_and_target_costs_carry_a_verified_content_checksum(pip
         assert read_eval(tmp_path / "old.json")["tau"] == r["tau"]
     assert any("no content_sha256 (written before it): read unverified" in m for m in caplog.messages)
 
-    from dflash_eval.costs import FORMAT, FORMAT_VERSION
+    from dflash_eval.target.costs import FORMAT, FORMAT_VERSION
 
     costs = seal_document({"format": FORMAT, "format_version": FORMAT_VERSION, "decode_s": 0.01})
     (tmp_path / "costs.json").write_text(json.dumps(costs))
@@ -262,9 +262,9 @@ def test_a_cache_or_completions_of_other_inputs_copied_in_place_is_refused(pipel
     """Valid, self-consistent files of another prompt set / run / config put in this run's place used to be
     taken for it: evaluate --completions compares the cache's completions_sha256 with the run's completions
     file, hidden_states --prompts the completions rows with the run's prompts file (the workflow passes both)."""
-    from dflash_eval.completions_file import read_completions, subset_text
+    from dflash_eval.data.completions import read_completions, subset_text
     from dflash_eval.stages.hidden_states import check_generated_from
-    from dflash_eval.prompts import write_prompts
+    from dflash_eval.data.prompts import write_prompts
     from dflash_eval.stages.evaluate import evaluate
 
     d = pipeline["dir"]
@@ -356,7 +356,7 @@ def test_a_damaged_hdf5_structure_is_named_not_a_raw_h5py_error(pipeline, tmp_pa
 
     import h5py
 
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     src = pipeline["dir"] / "c.h5"
     c = tmp_path / "c.h5"
@@ -395,11 +395,11 @@ def test_inside_the_workflow_an_unsealed_cache_eval_output_or_drafter_is_refused
     import numpy as np
     from cache_edit import downgrade
 
-    from dflash_eval.cache_reader import CacheReader
-    from dflash_eval.costs import FORMAT, FORMAT_VERSION, read_costs
-    from dflash_eval.drafter_files import check_source
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.target.costs import FORMAT, FORMAT_VERSION, read_costs
+    from dflash_eval.drafter.files import check_source
     from dflash_eval.row_checksum import SEALED_ENV
-    from dflash_eval.tau_table import read_eval
+    from dflash_eval.report.tau_table import read_eval
 
     d = pipeline["dir"]
     old = tmp_path / "old.h5"
@@ -453,8 +453,8 @@ def test_a_run_level_output_of_another_run_or_edited_is_refused(tmp_path, monkey
     run's speedup columns, and another run's (or an edited) validate_online.json went into the report, exit 0.
     Each run-level output names its stage and the sha256 of its options record, sealed; summary and report compare
     them with the run's records (--run-settings)."""
-    from dflash_eval.costs import FORMAT, FORMAT_VERSION, read_costs
-    from dflash_eval.reporting import load_report_data
+    from dflash_eval.target.costs import FORMAT, FORMAT_VERSION, read_costs
+    from dflash_eval.report.build import load_report_data
     from dflash_eval.row_checksum import SEALED_ENV, write_run_output
     from test_summary import _eval
 
@@ -518,9 +518,9 @@ def test_a_validation_of_other_evaluate_outputs_is_refused(tmp_path, monkeypatch
     report (exit 0) compared online decoding with the edited numbers (offline tau 2.19 where the samples give 1.69).
     A run-level output records the content_sha256 of each evaluate output it compared with (inputs_sha256), the
     report refuses it when one has changed or gone; validate_online / validate_engine read them verified."""
-    from dflash_eval.reporting import load_report_data
+    from dflash_eval.report.build import load_report_data
     from dflash_eval.row_checksum import INPUTS_FIELD, SEALED_ENV, seal_document, write_run_output
-    from dflash_eval.tau_table import read_eval
+    from dflash_eval.report.tau_table import read_eval
 
     monkeypatch.setenv(SEALED_ENV, "1")
     rec = tmp_path / "options" / "validate_online" / "run.json"

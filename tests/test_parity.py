@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_eval.cache_format import CacheSample
+from dflash_eval.cache.format import CacheSample
 from dflash_eval.stages.strip_drafter import strip_checkpoint
-from dflash_eval.drafter import DFlashDrafter, load_drafter
-from dflash_eval.drafter_config import DrafterConfig
-from dflash_eval.anchors import replay_batched
-from dflash_eval.replay import explain_differences, replay_batch
+from dflash_eval.drafter.model import DFlashDrafter, load_drafter
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.replay.anchors import replay_batched
+from dflash_eval.replay.chain import explain_differences, replay_batch
 from fixtures.drafters import HIDDEN, LAYER_IDS, TARGET_LAYERS, VOCAB, randomize_, tiny_config
 
 # The reference implementation (dflash==0.1.0, installed by `make venv` from envs/requirements-nodeps.txt).

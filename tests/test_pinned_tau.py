@@ -19,11 +19,11 @@ from a Snakemake dry-run of the tiny workflow) in one process, for ``make test-f
 Mutations these tests were checked against (each made by hand in the package, both tests failed,
 reverted):
 
-(a) the acceptance walk always rejects: ``dflash_eval.replay.chain_walk`` commits 1 token per step
-    (``produced = 1``), and ``dflash_eval.ddtree.walk_budgets`` takes depth 0 (``produced = 1``);
+(a) the acceptance walk always rejects: ``dflash_eval.replay.chain.chain_walk`` commits 1 token per step
+    (``produced = 1``), and ``dflash_eval.replay.ddtree.walk_budgets`` takes depth 0 (``produced = 1``);
 (b) it accepts one more draft than it should: ``chain_walk`` commits ``min(a + 2, tokens left)``,
     ``walk_budgets`` ``min(min(d + 1, depth limit) + 1, tokens left)``, and the all-anchor pass
-    (``dflash_eval.replay._group_drafts``) counts the accepted prefix one slot past the first mismatch
+    (``dflash_eval.replay.chain._group_drafts``) counts the accepted prefix one slot past the first mismatch
     (``acc = min(acc + 1, limit)``).
 """
 

@@ -1,4 +1,4 @@
-"""Workflow planning (dflash_eval.plan): the checks a config gets at parse time, without torch or Snakemake."""
+"""Workflow planning (dflash_eval.workflow.plan): the checks a config gets at parse time, without torch or Snakemake."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from dflash_eval import checkpoint_plan, plan
-from dflash_eval.errors import InputError
+from dflash_eval.workflow import checkpoints as checkpoint_plan
+
+from dflash_eval.workflow import plan
+from dflash_eval.core.errors import InputError
 
 
 def _target(d, layers=4):
@@ -30,7 +32,7 @@ def _config(**over):
 
 
 def test_plan_module_imports_no_torch():
-    code = "import sys, dflash_eval.plan, dflash_eval.target_spec, dflash_eval.options; sys.exit('torch' in sys.modules)"
+    code = "import sys, dflash_eval.workflow.plan, dflash_eval.target.spec, dflash_eval.core.options; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -147,7 +149,7 @@ def test_cache_layers_union_of_demo_drafters_and_target_range(tmp_path):
         checkpoint_plan.cache_layer_ids({}, {**rows, "c": {"kind": "list"}})
     with pytest.raises(InputError, match="duplicate"):
         checkpoint_plan.cache_layer_ids({"target_layer_ids": [1, 1]}, {})
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.target.spec import TargetSpec
 
     spec = TargetSpec.read(_target(tmp_path / "t", layers=3))
     with pytest.raises(InputError) as ei:
@@ -208,8 +210,8 @@ def test_strip_and_demo_args():
 
 def test_schema_override_keys_are_the_packages():
     """The workflow schema accepts exactly the override keys strip accepts (an unknown key is an error in both)."""
-    from dflash_eval.config import load_schema
-    from dflash_eval.drafter_config import OVERRIDE_KEYS
+    from dflash_eval.core.schema import load_schema
+    from dflash_eval.drafter.config import OVERRIDE_KEYS
 
     entry = load_schema()["properties"]["checkpoints"]["properties"]["list"]["items"]["properties"]["overrides"]
     assert entry["propertyNames"]["enum"] == list(OVERRIDE_KEYS)
@@ -242,7 +244,9 @@ def test_schema_errors_name_the_entry(cfg, entry, problem):
     problem that says what is wrong (a oneOf failure reads the rule from the schema's description)."""
     import jsonschema
 
-    from dflash_eval.config import describe_validation_error, load_schema
+    from dflash_eval.core.schema import load_schema
+
+    from dflash_eval.workflow.config import describe_validation_error
 
     err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema()).iter_errors(cfg))
     got_entry, got_problem = describe_validation_error(err)
@@ -289,7 +293,7 @@ def test_drafter_configs_known_at_parse_time_are_checked(tmp_path, monkeypatch):
 
 def test_target_costs_and_report_args():
     """Rule target_costs' inputs/flags and the report's optional flags, from config target_costs (schema defaults)."""
-    from dflash_eval.config import schema_default
+    from dflash_eval.core.schema import schema_default
 
     tc = {k: schema_default(f"target_costs.{k}") for k in ("enabled", "context_tokens", "warmup", "device", "dtype")}
     tc.update(budgets=[4, 16], repeats=3)
@@ -361,7 +365,7 @@ def test_cache_vllm_configures_engine_parity_s_vllm_side_when_the_source_is_hf()
 
 def test_cache_source_vllm_flags_gpus_and_rerun_neutral_options():
     """The hidden_states rule's flags, GPUs and threads follow cache.source / cache.vllm (schema defaults filled)."""
-    from dflash_eval.config import load_schema
+    from dflash_eval.core.schema import load_schema
 
     base = {"run": "r", "target": {"linear_attn_backend": "auto"}}
 
@@ -416,7 +420,7 @@ def test_validate_online_sampling_must_be_an_evaluated_setting():
 
 def test_validate_online_on_a_greedy_set_warns_that_it_runs_greedy_only():
     """validate_online.sampling null on a set evaluated at T = 0 alone, with a T > 0 set elsewhere: a note names it."""
-    from dflash_eval.sampling_plan import greedy_only_note
+    from dflash_eval.workflow.sampling import greedy_only_note
 
     t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
     config = {"generation": {"sampling": {}}, "evaluate": {"sampling": [{"temperature": 0}, t1], "cross_temperature": False},

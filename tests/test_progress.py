@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from dflash_eval.progress import Progress
+from dflash_eval.core.progress import Progress
 
 
 def test_logs_instead_of_a_bar_off_terminal(caplog):
-    caplog.set_level(logging.INFO, logger="dflash_eval.progress")
+    caplog.set_level(logging.INFO, logger="dflash_eval.core.progress")
     with Progress(10, "replay", log_every=0.0) as p:  # pytest captures stderr: not a TTY
         assert p.bar.disable
         p.update(4)
@@ -19,7 +19,7 @@ def test_logs_instead_of_a_bar_off_terminal(caplog):
 
 
 def test_quiet_between_intervals(caplog):
-    caplog.set_level(logging.INFO, logger="dflash_eval.progress")
+    caplog.set_level(logging.INFO, logger="dflash_eval.core.progress")
     with Progress(None, "completions", log_every=3600.0) as p:
         for _ in range(100):
             p.update(3)

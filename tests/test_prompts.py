@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from dflash_eval.errors import InputError
-from dflash_eval.prompts import (build_prompt_set, load_file, load_humaneval, load_sharegpt, read_prompts,
+from dflash_eval.core.errors import InputError
+from dflash_eval.data.prompts import (build_prompt_set, load_file, load_humaneval, load_sharegpt, read_prompts,
                                  template_prompt, write_prompts)
 from tiny import make_tiny_tokenizer
 
@@ -75,7 +75,7 @@ def test_enable_thinking_reaches_the_template(tok):
 # ---------------------------------------------------------------- sharegpt
 
 def test_sharegpt_packaged_file_is_truncated_and_complete_records_kept(caplog):
-    with caplog.at_level(logging.WARNING, logger="dflash_eval.prompts"):
+    with caplog.at_level(logging.WARNING, logger="dflash_eval.data.prompts"):
         items = load_sharegpt()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("ended early" in m and "kept the 17671 complete records" in m for m in warnings), warnings
@@ -107,7 +107,7 @@ def test_sharegpt_handmade_truncated(tmp_path, caplog):
     cut = full[: full.index("last one") + 4]  # inside the last record's string
     p = tmp_path / "share.json"
     p.write_text(cut, encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="dflash_eval.prompts"):
+    with caplog.at_level(logging.WARNING, logger="dflash_eval.data.prompts"):
         items = load_sharegpt(p)
     assert items == [("a", "hi there"), ("a#2", SHAREGPT_RECORDS[3]["conversations"][0]["value"])]
     assert any("kept the 4 complete records" in r.getMessage() for r in caplog.records)
@@ -139,7 +139,7 @@ def test_sharegpt_every_cut_position(tmp_path):
 def test_sharegpt_complete_file_warns_only_about_skips(tmp_path, caplog):
     p = tmp_path / "share.json"
     p.write_text(json.dumps(SHAREGPT_RECORDS), encoding="utf-8")
-    with caplog.at_level(logging.WARNING, logger="dflash_eval.prompts"):
+    with caplog.at_level(logging.WARNING, logger="dflash_eval.data.prompts"):
         items = load_sharegpt(p)
     assert [i for i, _ in items] == ["a", "a#2", "c"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -174,8 +174,8 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
     assert appended == {"u", "oa", "s", "s2"}  # walked after the records read before
     assert skipped == {"system_without_user": 1, "assistant_first": 1, "unknown_role": 1, "empty_user_turn": 1,
                        "empty_conversation": 1, "not_a_conversation": 1}
-    from dflash_eval.prompts import build_prompt_set_with_meta
-    from dflash_eval.provenance import meta_path, read_prompt_meta, skip_table_markdown, write_meta
+    from dflash_eval.data.prompts import build_prompt_set_with_meta
+    from dflash_eval.data.provenance import meta_path, read_prompt_meta, skip_table_markdown, write_meta
 
     rows, meta = build_prompt_set_with_meta("sharegpt", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=0)
     assert rows[0]["id"] == "h"  # the previously read record first, whatever the seed does to the others
@@ -313,7 +313,7 @@ def test_max_prompt_tokens_filter(tmp_path, tok_dir, tok, caplog):
     limit = sorted(lens.values())[12]
     n_ok = sum(1 for v in lens.values() if v <= limit)
     assert 0 < n_ok < 30
-    with caplog.at_level(logging.INFO, logger="dflash_eval.prompts"):
+    with caplog.at_level(logging.INFO, logger="dflash_eval.data.prompts"):
         rows = build_prompt_set("file", tok_dir, n=0, seed=0, path=p, max_prompt_tokens=limit)
     assert sorted(r["id"] for r in rows) == sorted(k for k, v in lens.items() if v <= limit)
     assert all(len(r["prompt_ids"]) <= limit for r in rows)

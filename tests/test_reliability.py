@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cache_edit import downgrade  # noqa: E402
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
-from dflash_eval.cache_reader import CacheReader  # noqa: E402
-from dflash_eval.cache_writer import write_cache  # noqa: E402
-from dflash_eval.errors import InputError  # noqa: E402
+from dflash_eval.cache.reader import CacheReader  # noqa: E402
+from dflash_eval.cache.writer import write_cache  # noqa: E402
+from dflash_eval.core.errors import InputError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,9 +189,9 @@ def test_non_finite_hidden_states_name_sample_token_and_layer(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", [np.uint16, np.float32])
 def test_checksum_and_scan_is_sample_sha256_and_the_finite_scan_in_one_pass(monkeypatch, dtype):
     """The reader's one-pass check gives the writer's checksum and finds a non-finite value in any chunk."""
-    from dflash_eval import sample_check
-    from dflash_eval.cache_format import sample_sha256
-    from dflash_eval.sample_check import checksum_and_scan, first_non_finite
+    from dflash_eval.cache import sample_check
+    from dflash_eval.cache.format import sample_sha256
+    from dflash_eval.cache.sample_check import checksum_and_scan, first_non_finite
 
     monkeypatch.setattr(sample_check, "SCAN_CHUNK", 1000)  # several chunks, the last one short
     rng = np.random.default_rng(3)
@@ -212,7 +212,7 @@ def test_checksum_and_scan_is_sample_sha256_and_the_finite_scan_in_one_pass(monk
 def test_nan_weights_fail_load_drafter_naming_the_tensor(pipeline, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from dflash_eval.drafter import load_drafter
+    from dflash_eval.drafter.model import load_drafter
 
     d = pipeline["dir"]
     bad = tmp_path / "nan_drafter"
@@ -251,8 +251,8 @@ def test_weights_that_overflow_in_the_forward_pass_are_refused_by_evaluate(pipel
 def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.drafter_files import file_checksums
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.drafter.files import file_checksums
     from dflash_eval.stages.strip_drafter import strip_checkpoint
 
     out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
@@ -281,7 +281,7 @@ def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_pa
 
 def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path):
     """strip_info.json's own fields (the step that labels the tau table's row) are under its info_sha256."""
-    from dflash_eval.drafter_files import info_sha256, read_strip_info
+    from dflash_eval.drafter.files import info_sha256, read_strip_info
     from dflash_eval.stages.strip_drafter import strip_checkpoint
 
     out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
@@ -406,7 +406,7 @@ def test_disk_full_message_says_needed_and_free_consistently(tmp_path, monkeypat
     import errno
     import shutil as _shutil
 
-    from dflash_eval.disk_room import no_room_error
+    from dflash_eval.cache.disk_room import no_room_error
 
     usage = _shutil.disk_usage(tmp_path)
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage._replace(free=free_mb * 10**6))
@@ -423,7 +423,7 @@ def test_closed_client_stops_its_request_in_flight_without_retrying():
     import threading
     import time
 
-    from dflash_eval.serving import ServerClient, ServerUnavailable
+    from dflash_eval.serving.clients import ServerClient, ServerUnavailable
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -492,7 +492,7 @@ def test_session_end_check_finds_leftover_threads_and_children():
 
 
 def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
-    from dflash_eval.completions_file import read_completions
+    from dflash_eval.data.completions import read_completions
     from dflash_eval.row_checksum import ids_sha256, row_sha256
 
     src = pipeline["dir"] / "c.jsonl"

@@ -13,10 +13,10 @@ import types
 import pytest
 import torch
 
-from dflash_eval.cache_format import CacheSample
-from dflash_eval.anchors import anchor_drafts, chain_walk, replay_batched
-from dflash_eval.drafter import DFlashDrafter
-from dflash_eval.replay import SampleResult, replay
+from dflash_eval.cache.format import CacheSample
+from dflash_eval.replay.anchors import anchor_drafts, chain_walk, replay_batched
+from dflash_eval.drafter.model import DFlashDrafter
+from dflash_eval.replay.chain import SampleResult, replay
 
 MODES = ("sequential", "batched")
 
@@ -218,7 +218,7 @@ def test_chain_walk_by_hand():
 @pytest.mark.parametrize("queries", [4, 12, 20])
 def test_groups_layout_pads_uneven_rows(queries, monkeypatch):
     # B = 4: 1, 3 and 5 anchors per row; pieces of 24, 13, 14, 6 anchors leave padded rows (their drafts dropped)
-    import dflash_eval.anchors as anchors_mod
+    import dflash_eval.replay.anchors as anchors_mod
 
     monkeypatch.setattr(anchors_mod, "GROUP_QUERIES", queries)
     seqs = [seq_of(30, 0), seq_of(17, 1), seq_of(23, 2), seq_of(9, 3)]
@@ -237,7 +237,7 @@ def test_groups_layout_pads_uneven_rows(queries, monkeypatch):
 
 
 def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
-    from dflash_eval.drafter import _repeat_heads
+    from dflash_eval.drafter.model import _repeat_heads
 
     base = torch.randn(1, 2, 5, 3)
     shared = base.expand(4, -1, -1, -1)  # the batched replay's one-sample context, stride 0 on dim 0
@@ -259,8 +259,8 @@ def test_repeat_heads_of_a_broadcast_context_equals_repeat_interleave():
 def test_rotary_embedding_is_transformers_qwen3_bit_for_bit(rope):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash_eval.rope import rotary_embedding
-    from dflash_eval.drafter_config import DrafterConfig
+    from dflash_eval.drafter.rope import rotary_embedding
+    from dflash_eval.drafter.config import DrafterConfig
 
     raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1,

@@ -14,12 +14,12 @@ import pandas as pd
 import pytest
 import torch
 
-from dflash_eval import reporting as R
-from dflash_eval.errors import InputError
+from dflash_eval.report import build as R
+from dflash_eval.core.errors import InputError
 from dflash_eval.stages.report import write_report
-from dflash_eval.cache_format import FORMAT, FORMAT_VERSION
-from dflash_eval.cache_writer import write_cache
-from dflash_eval.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame, with_speedups
+from dflash_eval.cache.format import FORMAT, FORMAT_VERSION
+from dflash_eval.cache.writer import write_cache
+from dflash_eval.target.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame, with_speedups
 
 
 def write_eval(tmp_path, ckpt, ps, step, samples, block=4, **extra):
@@ -147,7 +147,7 @@ def test_fake_columns_adapt(run):
     assert data.slot_curves[("early", "chat")] == {"chain": [0.9, 0.6]}  # trailing empty slot dropped
     assert data.slot_curves[("late", "chat")] == {"chain": [0.9, 0.6, 0.3]}
     assert data.positions == [("0-64", "tau_pos_0_64"), ("64-128", "tau_pos_64_128")]
-    from dflash_eval.figures import method_columns, tau_vs_step
+    from dflash_eval.report.figures import method_columns, tau_vs_step
 
     assert [c for c, _ in method_columns(data.frame)] == ["tau", "tau_ddtree_2", "tau_ddtree_8"]
     assert len([ax for ax in tau_vs_step(data.frame).axes if ax.get_visible()]) == 3
@@ -311,7 +311,7 @@ def test_tau_table_carries_the_speedup_estimate_and_its_reliability(run):
     assert off["speedup_chain"].isna().all() and off["estimate_reliable"].isna().all()
     assert (tmp_path / "o.csv").read_text().splitlines()[1].endswith(",,,")
     assert pd.read_parquet(tmp_path / "o.parquet")["estimate_reliable"].isna().all()
-    from dflash_eval.tau_table import read_parquet  # the seal survives the round trip of every column kind
+    from dflash_eval.report.tau_table import read_parquet  # the seal survives the round trip of every column kind
 
     for name, frame in (("tau", df), ("n", noisy), ("o", off)):
         assert read_parquet(tmp_path / f"{name}.parquet").equals(frame), name

@@ -1,4 +1,4 @@
-"""Sampling filter, speculative sampler and expected acceptance (:mod:`dflash_eval.sampling`).
+"""Sampling filter, speculative sampler and expected acceptance (:mod:`dflash_eval.replay.sampling`).
 
 Checked against the reference implementation (``dflash==0.1.0``, ``dflash.model``): the filter bit for
 bit, the rejection sampler draw for draw, the closed forms (DFlash 1's independent slots, DFlash 2's
@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import dflash.model as ref  # the reference: a missing one must fail, never skip
-from dflash_eval.errors import InputError
-from dflash_eval.metrics import sample_tau
-from dflash_eval.anchors import chain_walk
-from dflash_eval.sampling import (SamplingSetting, check_sampling, filtered_probs, filtered_support, mc_accepted,
+from dflash_eval.core.errors import InputError
+from dflash_eval.replay.metrics import sample_tau
+from dflash_eval.replay.anchors import chain_walk
+from dflash_eval.replay.sampling import (SamplingSetting, check_sampling, filtered_probs, filtered_support, mc_accepted,
                                   rejection_sample, selector_path_probs, selector_transitions, slot_alpha, slot_beta,
                                   survival_independent, survival_selector, token_probs)
-from dflash_eval.walk import mc_walks, produced_probs, walk_expectation, walk_expectations
+from dflash_eval.replay.walk import mc_walks, produced_probs, walk_expectation, walk_expectations
 
 SETTINGS = [(1.0, 1.0, 0), (0.7, 1.0, 0), (1.0, 0.95, 20), (1.0, 0.95, 0), (1.3, 1.0, 5), (0.6, 0.5, 3),
             (1.0, 0.3, 0), (2.0, 0.999, 1), (1.0, 1.0, 64), (1.0, 0.9, 1000)]
@@ -428,7 +428,7 @@ def test_hf_logits_processor_samples_the_reference_filter(tmp_path):
     from tiny import make_tiny_target
     from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
 
-    from dflash_eval.sampling import hf_logits_processor
+    from dflash_eval.replay.sampling import hf_logits_processor
 
     model = AutoModelForCausalLM.from_pretrained(make_tiny_target(tmp_path / "m"), dtype=torch.float32).eval()
     setting = SamplingSetting(1.0, 0.9, 5)
@@ -452,7 +452,7 @@ def test_hf_logits_processor_samples_the_reference_filter(tmp_path):
 
 def test_token_probs_from_the_top_k_equal_the_full_filter():
     """q of a top-k setting from the DDTree pass's top-K log-probs == the filter over the whole vocabulary."""
-    from dflash_eval.sampling import token_probs_topk
+    from dflash_eval.replay.sampling import token_probs_topk
 
     g = torch.Generator().manual_seed(11)
     logits = 3 * torch.randn(6, 5, 257, generator=g)

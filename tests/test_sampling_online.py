@@ -3,7 +3,7 @@
 The target is a random bigram model (p(x_m | x_{m-1})), the drafter a fixed noisy function of the anchor
 token (DFlash 1: independent slots; DFlash 2: each slot also conditioned on the previous drafted token, as
 the candidate selector). Online: seeded runs of the reference's loop (drafts sampled from q, verified by
-:func:`dflash_eval.sampling.rejection_sample`, which draws what ``dflash.model._rejection_sample``
+:func:`dflash_eval.replay.sampling.rejection_sample`, which draws what ``dflash.model._rejection_sample``
 draws; the target's p of a slot conditioned on the drafted tokens before it). Offline: trajectories drawn
 from the target (as the completions stage draws them), then per trajectory the exact expectation of the
 response's tau given the trajectory (per slot ``beta = min(1, q(x)/p(x))`` at the trajectory's token,
@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from dflash_eval.sampling import filtered_probs, rejection_sample, slot_alpha, slot_beta, survival_independent
-from dflash_eval.walk import produced_probs, walk_expectations
+from dflash_eval.replay.sampling import filtered_probs, rejection_sample, slot_alpha, slot_beta, survival_independent
+from dflash_eval.replay.walk import produced_probs, walk_expectations
 
 V, B, P, M = 6, 4, 1, 12  # vocabulary, block size, prompt length, max_new_tokens
 MAX_LEN = P + M
@@ -111,9 +111,9 @@ def test_expected_tau_given_the_trajectory_equals_the_online_sampler():
 def test_ddtree_under_sampling_is_the_tree_walk_on_the_sampled_trajectory():
     """liranringel/ddtree at T > 0: a tree from the drafter's log-probabilities, the target's token sampled at
     every node, the walk follows the child holding it. Given the committed tokens the accepted depth is
-    determined, so the greedy tree walk on sampled trajectories (:func:`dflash_eval.ddtree.walk_budgets`)
+    determined, so the greedy tree walk on sampled trajectories (:func:`dflash_eval.replay.ddtree.walk_budgets`)
     has the online mean tau."""
-    from dflash_eval.ddtree import build_tree, walk_budgets
+    from dflash_eval.replay.ddtree import build_tree, walk_budgets
 
     setting = (1.0, 1.0, 0)
     tp, q1, _ = _model(5, setting)

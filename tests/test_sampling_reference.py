@@ -5,7 +5,7 @@ on the tiny target and the tiny trained drafter (``tests/fixtures/trained_drafte
 seeds. Speculative sampling is lossless, so each run's output is a sample of the target at the setting:
 the trajectory our estimator conditions on. Offline, the drafter's all-anchor pass on that trajectory and
 the target's probabilities give the expectation of the online macro tau given the trajectory
-(:mod:`dflash_eval.expected`); averaged over the runs it estimates the same quantity as the online taus'
+(:mod:`dflash_eval.replay.expected`); averaged over the runs it estimates the same quantity as the online taus'
 mean. The test prints both, their paired difference and its standard error, and requires the difference
 to be within 3 standard errors and at most 3 % of the online tau. Marked slow: about 4 minutes on 2 loaded
 CPU cores (64 reference runs).
@@ -39,14 +39,14 @@ def test_offline_expected_tau_equals_reference_online_sampler(tmp_path, monkeypa
     import dflash.model as ref
     from transformers import AutoTokenizer
 
-    from dflash_eval.anchors import iter_anchor_drafts
-    from dflash_eval.cache_format import CacheSample
-    from dflash_eval.drafter import load_drafter
-    from dflash_eval.expected import response_expectations
-    from dflash_eval.generation import stop_token_ids
-    from dflash_eval.sampling import SamplingSetting, token_probs
-    from dflash_eval.target import load_target
-    from dflash_eval.target_spec import load_embed_and_head
+    from dflash_eval.replay.anchors import iter_anchor_drafts
+    from dflash_eval.cache.format import CacheSample
+    from dflash_eval.drafter.model import load_drafter
+    from dflash_eval.replay.expected import response_expectations
+    from dflash_eval.serving.generation import stop_token_ids
+    from dflash_eval.replay.sampling import SamplingSetting, token_probs
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import load_embed_and_head
 
     target_dir = make_tiny_target(tmp_path / "target", arch="llama", num_layers=4, hidden=64, seed=0)
     tok = AutoTokenizer.from_pretrained(str(target_dir))

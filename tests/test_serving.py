@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from dflash_eval.stages.completions import generate_completions
-from dflash_eval.errors import InputError
-from dflash_eval.prompts import build_prompt_set, write_prompts
-from dflash_eval.serving import ServerError, ServerUnavailable
+from dflash_eval.core.errors import InputError
+from dflash_eval.data.prompts import build_prompt_set, write_prompts
+from dflash_eval.serving.clients import ServerError, ServerUnavailable
 from standin_server import StandIn
 from tiny import make_tiny_target, make_tiny_tokenizer
 
@@ -275,7 +275,7 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
     # requests in flight, timeouts, retries and the key's variable cannot change the completions: they travel in the
     # jobs' environment (options.RUNTIME_ENV), not as rerun-triggering params
     assert args.concurrency is None and args.endpoint__api_key_env is None and "--concurrency" not in cmds[0]
-    from dflash_eval.options import runtime_env
+    from dflash_eval.core.options import runtime_env
 
     assert json.loads(runtime_env({"generation": {"concurrency": 32}}))["completions"]["concurrency"] == 32
     job = text[text.index("rule completions:"):].split("\n\n")[0]

@@ -59,8 +59,8 @@ def test_drafter_construction_imports_no_transformers_modeling():
            "num_target_layers": 4, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 4096,
            "vocab_size": 100, "block_size": 4,
            "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 99, "block_size": 4}}
-    code = ("import torch\nfrom dflash_eval.drafter import DFlashDrafter\n"
-            "from dflash_eval.drafter_config import DrafterConfig\n"
+    code = ("import torch\nfrom dflash_eval.drafter.model import DFlashDrafter\n"
+            "from dflash_eval.drafter.config import DrafterConfig\n"
             f"cfg = DrafterConfig.from_dict({cfg!r})\n"
             "DFlashDrafter(cfg)\n"
             "with torch.device('meta'):\n    m = DFlashDrafter(cfg)\n"

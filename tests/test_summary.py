@@ -9,7 +9,7 @@ import pandas as pd
 
 from dflash_eval.stages.report import write_report
 from dflash_eval.stages.summary import write_summary
-from dflash_eval.tau_table import COLUMNS, VARIANT_COLUMNS, slot_columns
+from dflash_eval.report.tau_table import COLUMNS, VARIANT_COLUMNS, slot_columns
 
 
 def _eval(tmp_path, ckpt, ps, step, samples, block=8):
@@ -75,10 +75,10 @@ def test_tau_parquet_is_sealed_and_verified(tmp_path, monkeypatch, caplog):
     import pyarrow.parquet as pq
     import pytest
 
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
     from dflash_eval.row_checksum import SEALED_ENV
-    from dflash_eval.tau_table import PARQUET_SEAL, read_parquet
-    from dflash_eval.trackers import read_table
+    from dflash_eval.report.tau_table import PARQUET_SEAL, read_parquet
+    from dflash_eval.trackers.log import read_table
 
     evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1]]),
              _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
@@ -117,7 +117,7 @@ def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
 
     import pytest
 
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
     from dflash_eval.stages import trackers as stage
 
     mine = [_eval(tmp_path, "ckA", "humaneval", 788, [[3, 1], [1, 1, 1, 1]]),
@@ -146,8 +146,8 @@ def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
         run(tmp_path / "edited.csv", mine)
     assert err.value.field == "tau" and "but summary makes 1.5000 of the run's evaluate outputs: edited.csv was edited" \
         in err.value.problem
-    from dflash_eval.costs import with_speedups
-    from dflash_eval.tau_table import check_table, summary_frame
+    from dflash_eval.target.costs import with_speedups
+    from dflash_eval.report.tau_table import check_table, summary_frame
 
     want = with_speedups(summary_frame(mine), None)
     check_table((tmp_path / "tau.csv").read_text(), "tau.csv", want)  # as summary wrote it

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_eval import gguf as G
-from dflash_eval import runtime as R
-from dflash_eval import target as T
-from dflash_eval import target_spec as TS
+from dflash_eval.target import gguf as G
+from dflash_eval.core import runtime as R
+from dflash_eval.target import model as T
+from dflash_eval.target import spec as TS
 from dflash_eval.stages.target_fingerprint import write_fingerprint
-from dflash_eval.errors import InputError
+from dflash_eval.core.errors import InputError
 from tiny import make_tiny_target
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dflash_eval.errors import InputError
-from dflash_eval.trackers import (NEW_RUN_FIELD, log_table, table_points, tensorboard_run_dir, write_tensorboard)
+from dflash_eval.core.errors import InputError
+from dflash_eval.trackers.log import (NEW_RUN_FIELD, log_table, table_points, tensorboard_run_dir, write_tensorboard)
 from tracker_files import mlflow_points, tensorboard_scalars, wandb_points
 
 pytest.importorskip("tensorboard")
@@ -81,7 +81,7 @@ def test_trackers_json_holds_the_checkpoints_left_out_and_the_workflow_prints_th
     import os
     from types import SimpleNamespace
 
-    from dflash_eval.trackers import run_warnings
+    from dflash_eval.trackers.log import run_warnings
 
     monkeypatch.chdir(tmp_path)
     record = log_table(table(100), {"tensorboard": {"enabled": True}}, "demo")
@@ -318,7 +318,7 @@ def test_tracker_logs_gone_under_trackers_json_are_found_and_relogged(tmp_path, 
     is gone (the workflow then reruns the trackers): TensorBoard gets its points again; W&B, whose ledger lists
     them, says they are lost in trackers.json, and is not named again (no rerun loop)."""
     pytest.importorskip("wandb")
-    from dflash_eval.trackers import gone_logs
+    from dflash_eval.trackers.log import gone_logs
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")

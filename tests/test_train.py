@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from dflash_eval.errors import InputError
-from dflash_eval.train import TrainConfig, block_loss, build_train_prompts, pick_mask_token, sample_anchors, train
+from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.train import TrainConfig, block_loss, build_train_prompts, pick_mask_token, sample_anchors, train
 from tiny import make_tiny_target
 
 
@@ -30,7 +30,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sharegpt_split_holds_out_every_demo_prompt(tiny):
-    from dflash_eval.prompts import build_prompt_set, read_prompts
+    from dflash_eval.data.prompts import build_prompt_set, read_prompts
 
     info = build_train_prompts(tiny / "target", tiny / "train_prompts.jsonl", holdout_n=64, limit=0)
     train_ids = {r["id"] for r in read_prompts(tiny / "train_prompts.jsonl")}
@@ -80,7 +80,7 @@ def test_anchors_stay_in_the_completion():
 
 def test_block_loss_matches_hand_computation():
     """One block, B=4: CE over slots 1..3 of labels x[a+1..a+3], weights exp(-(k-1)/gamma)."""
-    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
+    from dflash_eval.drafter.model import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.from_dict({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                                    "num_key_value_heads": 1, "head_dim": 8, "intermediate_size": 24, "vocab_size": 20,
@@ -120,13 +120,13 @@ def test_cpu_smoke_run_is_reproducible(tiny):
 def test_trainer_and_replay_build_the_same_blocks_and_logits():
     """The trainer optimises what the replay measures: on a drafter with non-default ``input_embedding_scale``,
     ``output_multiplier`` and logit softcap, the trainer's per-anchor logits equal the replay's one-block logits
-    (:func:`dflash_eval.replay._single_block_logits`, the block built by ``make_block``) and a hand computation of
+    (:func:`dflash_eval.replay.chain._single_block_logits`, the block built by ``make_block``) and a hand computation of
     the DFlash block (anchor + mask tokens embedded x scale; head x multiplier; tanh softcap). Dropping any of the
     three in the trainer or in the drafter's shared methods breaks one of the equalities."""
-    from dflash_eval.cache_format import CacheSample
-    from dflash_eval.drafter import DFlashDrafter, DrafterConfig
-    from dflash_eval.replay import _single_block_logits
-    from dflash_eval.train import block_logits
+    from dflash_eval.cache.format import CacheSample
+    from dflash_eval.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash_eval.replay.chain import _single_block_logits
+    from dflash_eval.drafter.train import block_logits
 
     scale, mult, cap = 2.5, 0.7, 3.0
     cfg = DrafterConfig.from_dict({"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_eval.trainer_output import candidates, checkpoint_name, inspect
+from dflash_eval.drafter.trainer_output import candidates, checkpoint_name, inspect
 
 OLD = time.time() + 3600  # "now" one hour later: every file has settled
 
@@ -117,7 +117,7 @@ def test_candidates_skip_links_logs_hidden_and_temporary_entries(tmp_path):
     torch.save({}, tmp_path / "step5.pt")
     assert [p.name for p in candidates(tmp_path)] == ["run-step100", "run-step200", "step5.pt"]
     assert [p.name for p in candidates(tmp_path, "run-step*")] == ["run-step100", "run-step200"]
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
 
     with pytest.raises(InputError, match="watch.dir"):
         candidates(tmp_path / "missing")
@@ -129,7 +129,7 @@ def test_names_are_workflow_safe(tmp_path):
 
 
 def test_strip_takes_the_step_of_training_state_json(tmp_path):
-    from dflash_eval.checkpoints import load_checkpoint
+    from dflash_eval.drafter.checkpoints import load_checkpoint
 
     ck = _weights(tmp_path / "0")
     (ck / "training_state.json").write_text(json.dumps({"epoch": 0, "local_step": 7, "global_step": 16626}))

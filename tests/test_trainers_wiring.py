@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from dflash_eval import plan
-from dflash_eval.errors import InputError
+from dflash_eval.workflow import plan
+from dflash_eval.core.errors import InputError
 from test_workflow import (REPO, _drafter_config, _fake_hf_target, _write_config, copy_workflow, job_counts,
                            planned_jobs, shell_commands, smk)
 from tracker_files import tensorboard_scalars

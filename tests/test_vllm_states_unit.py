@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_eval.errors import InputError
-from dflash_eval.vllm_states import (LAYER_OFFSET, aux_layer_ids, argmax_from_logprobs, check_dump, connector_module_dir,
+from dflash_eval.core.errors import InputError
+from dflash_eval.serving.vllm.states import (LAYER_OFFSET, aux_layer_ids, argmax_from_logprobs, check_dump, connector_module_dir,
                                      dump_columns, extract_args, final_norm, read_dump)
 
 
@@ -115,7 +115,7 @@ def test_final_norm_equals_the_hf_last_hidden_state(tmp_path):
     from tiny import make_tiny_target
     from transformers import AutoModelForCausalLM
 
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.target.spec import TargetSpec
 
     target = make_tiny_target(tmp_path / "t", arch="llama", num_layers=3, hidden=32)
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
@@ -133,7 +133,7 @@ def test_final_norm_equals_the_hf_last_hidden_state(tmp_path):
 
 
 def test_final_norm_refuses_other_norm_types(tmp_path):
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.target.spec import TargetSpec
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 4,
                                                       "hidden_size": 8, "vocab_size": 16}))
@@ -151,7 +151,7 @@ def test_a_server_not_in_extract_mode_is_a_clear_error(tmp_path):
     from standin_server import StandIn
     from tiny import make_tiny_target
 
-    from dflash_eval.vllm_states import extract_hidden_states_vllm
+    from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
 
     target = make_tiny_target(tmp_path / "t", num_layers=2, hidden=32)
     comp = tmp_path / "c.jsonl"
@@ -168,7 +168,7 @@ def test_hybrid_fix_check_refuses_a_connector_without_the_group_block_size(tmp_p
     import os
     import sys
 
-    from dflash_eval.vllm_states import check_hybrid_fix
+    from dflash_eval.serving.vllm.states import check_hybrid_fix
 
     fake = tmp_path / "vllm" / "distributed" / "kv_transfer" / "kv_connector" / "v1"
     fake.mkdir(parents=True)

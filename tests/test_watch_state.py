@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from dflash_eval.errors import InputError
+from dflash_eval.core.errors import InputError
 from dflash_eval.watch import Watcher, WatchOptions, load_config
 
 

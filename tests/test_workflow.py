@@ -811,7 +811,7 @@ def test_a_final_output_edited_or_copied_in_place_is_made_again(tiny_run, tmp_pa
     (run / "tau.csv").mkdir()
     smk(wd, "--workflow-profile", str(CI_PROFILE))
     assert (run / "tau.csv").read_bytes() == want["tau.csv"]
-    from dflash_eval.errors import InputError, atomic_path
+    from dflash_eval.core.errors import InputError, atomic_path
 
     with pytest.raises(InputError, match="a folder stands where this stage writes a file"):  # what a stage says
         with atomic_path(run / "figures"):
@@ -1017,8 +1017,8 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     # evaluate.sampling [T = 0, T = 1]: only the new set's chain runs (set_a's cache and evaluations keep their
     # params), each setting is evaluated on the set drawn at its temperature and nowhere else, and only the T = 1
     # set's cache stores the target's final normed hidden state.
-    from dflash_eval.cache_format import completion_sampling, final_hidden_index
-    from dflash_eval.cache_reader import CacheReader
+    from dflash_eval.cache.format import completion_sampling, final_hidden_index
+    from dflash_eval.cache.reader import CacheReader
 
     t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
     cfg["prompt_sets"]["set_c"] = {"source": "file", "path": "prompts/b.jsonl", "n": 2, "sampling": {**t1, "seed": 1}}
@@ -1121,14 +1121,14 @@ def _evaluate(tiny_run, out, cache=None, target=None, **kw):
 @pytest.mark.slow
 def test_evaluate_refuses_a_cache_of_another_target(tiny_run, tmp_path):
     """Item 10: a cache whose target_sha256 is not the target's weights was replayed silently."""
-    from dflash_eval.errors import InputError
+    from dflash_eval.core.errors import InputError
     from tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", arch="llama", num_layers=4, hidden=64, seed=7)
     with pytest.raises(InputError) as ei:
         _evaluate(tiny_run, tmp_path / "e.json", target=other)
     cache_sha = json.loads((tiny_run / "results/tiny/eval/step100/set_a.json").read_text())["cache"]["target_sha256"]
-    from dflash_eval.target_spec import weights_sha256
+    from dflash_eval.target.spec import weights_sha256
 
     assert ei.value.field == "target_sha256" and cache_sha in ei.value.problem and weights_sha256(other) in ei.value.problem
     assert "--allow-foreign-cache" in ei.value.fix and not (tmp_path / "e.json").exists()
@@ -1147,8 +1147,8 @@ def test_evaluate_surfaces_and_enforces_target_agreement(tiny_run, tmp_path, cap
     sys.path.insert(0, str(Path(__file__).parent))
     import cache_edit
 
-    from dflash_eval.errors import InputError
-    from dflash_eval.tau_table import summary_frame
+    from dflash_eval.core.errors import InputError
+    from dflash_eval.report.tau_table import summary_frame
 
     cache = tmp_path / "set_a.h5"
     shutil.copy(tiny_run / "results/tiny/cache/set_a.h5", cache)

@@ -114,10 +114,10 @@ def make_random_drafter(out_dir: str | Path, target_dir: str | Path, layer_ids: 
 
     from safetensors.torch import save_file
 
-    from dflash_eval.demo import drafter_config_for_target
-    from dflash_eval.drafter import DFlashDrafter
-    from dflash_eval.drafter_config import DrafterConfig
-    from dflash_eval.target_spec import TargetSpec
+    from dflash_eval.drafter.demo import drafter_config_for_target
+    from dflash_eval.drafter.model import DFlashDrafter
+    from dflash_eval.drafter.config import DrafterConfig
+    from dflash_eval.target.spec import TargetSpec
 
     cfg = drafter_config_for_target(target_dir, layer_ids=layer_ids, block_size=block_size, num_layers=1,
                                     mask_token_id=TargetSpec.read(target_dir).vocab_size - 1)

@@ -7,7 +7,7 @@ config under ``text_config``), and ``Qwen3NextConfig`` with a small MoE. Layer
 pattern ``[linear, linear, linear, full]`` (``full_attention_interval=4``), so the
 last layer is full attention as in the real checkpoints. Saved folders hold
 config.json, model.safetensors and a word-level tokenizer (ids ``t0 .. t{V-1}``,
-``<pad>`` = 0, ``<eos>`` = 1), loadable by ``dflash_eval.target.load_target``.
+``<pad>`` = 0, ``<eos>`` = 1), loadable by ``dflash_eval.target.model.load_target``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ GPU_CHECKS = "a float32 matmul on the device; fla's Triton chunk_gated_delta_rul
 
 #: modules that run inside another program's environment, not the image's: the hidden-states connector
 #: is loaded by a vLLM server (its own venv, ``envs/vllm-*.txt``) through ``kv_connector_module_path``
-OTHER_ENV_MODULES = {"dflash_eval.vllm_connector"}
+OTHER_ENV_MODULES = {"dflash_eval.serving.vllm.connector"}
 
 
 def _version(dist: str) -> str | None:
@@ -141,7 +141,7 @@ def check_fla(found: dict, problems: list) -> None:
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
 
-        from dflash_eval.hybrid import bound_implementation
+        from dflash_eval.target.hybrid import bound_implementation
         fn = bound_implementation(mq.torch_chunk_gated_delta_rule)
         found["transformers_chunk_rule"] = f"{fn.__module__}.{fn.__qualname__}"
         if not fn.__module__.startswith("fla."):
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     elif torch.version.cuda is not None:
         problems.append(f"torch {torch.__version__} is a CUDA {torch.version.cuda} build in the CPU variant")
 
-    from dflash_eval.hybrid import causal_conv1d_status
+    from dflash_eval.target.hybrid import causal_conv1d_status
 
     found["causal_conv1d_kernel"] = causal_conv1d_status()
     if os.environ.get("CAUSAL_CONV1D_VERSION") and not found["causal_conv1d_kernel"].startswith("imported"):

@@ -1,9 +1,9 @@
 """Stage ``completions`` (rule ``completions``): the target's completions of one prompt set (greedy, or seeded samples).
 
 Reads the prompts JSONL (``prompts`` stage) and the target; generates with a source of
-:mod:`dflash_eval.generation` (HF ``generate`` here, or a vLLM / SGLang server); writes the
-completions file (:mod:`dflash_eval.completions_file`: format, resumable sidecar). Options: config
-section ``generation`` and ``target.linear_attn_backend`` (:mod:`dflash_eval.options`).
+:mod:`dflash_eval.serving.generation` (HF ``generate`` here, or a vLLM / SGLang server); writes the
+completions file (:mod:`dflash_eval.data.completions`: format, resumable sidecar). Options: config
+section ``generation`` and ``target.linear_attn_backend`` (:mod:`dflash_eval.core.options`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import logging
 import time
 from pathlib import Path
 
-from .. import options as options_mod
-from ..completions_file import STOP_EOS, PartialCompletions
-from ..context_limit import check_context_limit
-from ..errors import InputError
-from ..generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
-from ..io import sha256_file
-from ..progress import Progress
-from ..row_checksum import seal_row
-from ..target_spec import TargetSpec
-from ..prompts import read_prompts
-from ..provenance import check_provenance, write_meta
+from dflash_eval.core import options as options_mod
+from dflash_eval.data.completions import STOP_EOS, PartialCompletions
+from dflash_eval.target.context_limit import check_context_limit
+from dflash_eval.core.errors import InputError
+from dflash_eval.serving.generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
+from dflash_eval.core.io import sha256_file
+from dflash_eval.core.progress import Progress
+from dflash_eval.row_checksum import seal_row
+from dflash_eval.target.spec import TargetSpec
+from dflash_eval.data.prompts import read_prompts
+from dflash_eval.data.provenance import check_provenance, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/completions/<set>.json): its "
                         "sha256 goes to <set>.meta.json beside the output, where hidden_states compares it")
     p.add_argument("--out", required=True, help="completions JSONL; <name>.meta.json beside it records its sha256 and "
-                                                "the job's options record (dflash_eval/provenance.py)")
+                                                "the job's options record (dflash_eval/data/provenance.py)")
 
 
 def main(args, opts) -> None:
@@ -60,7 +60,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
                          prompts_settings: str | Path | None = None, settings: str | Path | None = None,
                          **overrides) -> Path:
-    """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.completions_file`).
+    """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.data.completions`).
 
     Completions are appended to the sidecar ``.<out name>.partial`` as they finish; the output
     is written in the prompts file's order (temp file + rename) once every prompt is done.
@@ -68,23 +68,23 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
 
     Args:
         target_dir: HF target folder (server sources read only its config, tokenizer and stop ids).
-        prompts_path: JSONL from the prompts stage (:func:`dflash_eval.prompts.read_prompts`).
+        prompts_path: JSONL from the prompts stage (:func:`dflash_eval.data.prompts.read_prompts`).
         out: output JSONL.
-        opts: the stage's options (:func:`dflash_eval.options.make`; config section ``generation`` and
+        opts: the stage's options (:func:`dflash_eval.core.options.make`; config section ``generation`` and
             ``target.linear_attn_backend``): ``source`` (``transformers`` | ``openai`` | ``sglang``,
-            :data:`dflash_eval.generation.SOURCES`), ``max_new_tokens`` (stop id included),
+            :data:`dflash_eval.serving.generation.SOURCES`), ``max_new_tokens`` (stop id included),
             ``batch_size`` (prompts per ``generate`` call), ``device`` / ``dtype`` (``auto``: bf16 on
             CUDA, float32 on CPU; for ``serve: vllm`` they choose vLLM's ``--dtype``),
             ``linear_attn_backend`` (GDN kernel of hybrid targets; use the cache stage's), the server
             settings (``endpoint``, ``serve``, ``vllm``, ``concurrency``, ``timeout_s``, ``retries``,
             ``allow_retokenize``).
         server_log: the served vLLM's log (default ``<out>.vllm.log`` when vLLM is started here).
-        target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target_spec.write_fingerprint`),
+        target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target.spec.write_fingerprint`),
             so the weights are not hashed again.
         prompts_settings: the workflow's options record of the prompts job: ``<set>.meta.json`` must name it
-            (:func:`dflash_eval.provenance.check_provenance`).
+            (:func:`dflash_eval.data.provenance.check_provenance`).
         settings: the workflow's options record of this job: its sha256 goes to ``<out name>.meta.json``
-            (:func:`dflash_eval.provenance.write_meta`; written with every output), where hidden_states compares it.
+            (:func:`dflash_eval.data.provenance.write_meta`; written with every output), where hidden_states compares it.
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -94,7 +94,7 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         InputError: a bad option, bad prompts file or target folder, prompt ids outside the vocabulary,
             a prompts file that its meta does not describe (replaced, another tokenizer, other settings),
             a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` (unless
-            ``allow_beyond_max_positions``: :func:`dflash_eval.context_limit.check_context_limit`),
+            ``allow_beyond_max_positions``: :func:`dflash_eval.target.context_limit.check_context_limit`),
             a partial file from other settings, a server with another tokenizer or a too short max
             length, a server without token ids (unless allowed).
         ServerUnavailable / ServerError: the server failed (after retries); the partial file keeps

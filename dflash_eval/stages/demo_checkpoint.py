@@ -2,7 +2,7 @@
 
 Each ``checkpoints.demo`` entry wraps a committed stripped drafter (the trained demo drafters in
 ``demo/drafters/``) or is randomly initialised; the written file has the layout real trainers use
-(:mod:`dflash_eval.demo`), so the demo's checkpoints go through ``strip_drafter`` like a user's.
+(:mod:`dflash_eval.drafter.demo`), so the demo's checkpoints go through ``strip_drafter`` like a user's.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ..demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
-from ..drafter import DFlashDrafter
-from ..drafter_config import DrafterConfig
-from ..errors import InputError
-from ..options import schema_type
-from ..target_spec import TargetSpec, load_embed_and_head
+from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from dflash_eval.drafter.model import DFlashDrafter
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.core.errors import InputError
+from dflash_eval.core.options import schema_type
+from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
                    help="training step recorded in the checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--variant", choices=("dflash", "dflash2"), default="dflash",
-                   help="variant of a random-init drafter (dflash2: DFlash 2, dflash_eval.demo.DFLASH2_DEMO_FIELDS)")
+                   help="variant of a random-init drafter (dflash2: DFlash 2, dflash_eval.drafter.demo.DFLASH2_DEMO_FIELDS)")
     p.add_argument("--out", required=True, help="the .pt checkpoint")
 
 
@@ -51,12 +51,12 @@ def main(args, opts) -> None:
 
 def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, layer_ids=None, block_size=16,
                           num_layers=1, step=0, seed=0, variant="dflash") -> Path:
-    """Write a training-style ``.pt`` demo checkpoint (layout: :mod:`dflash_eval.demo`).
+    """Write a training-style ``.pt`` demo checkpoint (layout: :mod:`dflash_eval.drafter.demo`).
 
     Either wraps a committed stripped drafter (``drafter_dir``: the trained demo drafters) or
     random-initialises one (``random_init``; labelled so in the checkpoint and every table; its
     mask token follows :func:`pick_mask_token`, as the trainer's; ``variant`` ``'dflash2'``: a DFlash 2
-    drafter, :func:`~dflash_eval.demo.drafter_config_for_target`). The optimizer state is AdamW's
+    drafter, :func:`~dflash_eval.drafter.demo.drafter_config_for_target`). The optimizer state is AdamW's
     layout with zero moments (a realistic file without a training step).
 
     Raises:

@@ -1,7 +1,7 @@
 """Stage ``engine_parity`` (rule ``engine_parity``): the run's cache against the other hidden-state source.
 
 Fidelity across engines. ``cache.source`` fills a run's caches through transformers (``hf``) or through
-a vLLM server in extract mode (``vllm``, :mod:`dflash_eval.vllm_states`). On the first ``n_samples``
+a vLLM server in extract mode (``vllm``, :mod:`dflash_eval.serving.vllm.states`). On the first ``n_samples``
 completions of one prompt set, :func:`engine_parity` extracts a temporary cache with the *other*
 source. It uses the hidden_states stage's own dispatch
 (:func:`dflash_eval.stages.hidden_states.extract_cache`) with the run's ``cache`` settings: the same
@@ -35,14 +35,14 @@ from pathlib import Path
 
 import torch
 
-from .. import options as options_mod
-from ..cache_reader import CacheReader
-from ..completions_file import read_completions, subset_text
-from ..errors import InputError
-from ..row_checksum import write_run_output
-from .evaluate import evaluate
-from .hidden_states import extract_cache
-from .kernel_parity import Parity
+from dflash_eval.core import options as options_mod
+from dflash_eval.cache.reader import CacheReader
+from dflash_eval.data.completions import read_completions, subset_text
+from dflash_eval.core.errors import InputError
+from dflash_eval.row_checksum import write_run_output
+from dflash_eval.stages.evaluate import evaluate
+from dflash_eval.stages.hidden_states import extract_cache
+from dflash_eval.stages.kernel_parity import Parity
 
 STAGE = "engine_parity"
 SOURCES = ("hf", "vllm")

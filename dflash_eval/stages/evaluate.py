@@ -2,12 +2,12 @@
 
 Reads a stripped drafter folder (``strip_drafter``), the prompt set's hidden-state cache
 (``hidden_states``) and the target's ``embed_tokens`` / ``lm_head``; checks that they belong
-together (:mod:`dflash_eval.compat`: layers, widths, mask token, the cache's target fingerprint,
+together (:mod:`dflash_eval.drafter.compat`: layers, widths, mask token, the cache's target fingerprint,
 the linear-attention kernel, the completions' argmax agreement with the target); replays
-speculative decoding offline (:mod:`dflash_eval.anchors` / :mod:`dflash_eval.replay` for the
-chain, :mod:`dflash_eval.ddtree` for every DDTree budget, all from one all-anchor drafter pass);
-aggregates tau (:mod:`dflash_eval.metrics`) and writes the JSON atomically. Options: config
-section ``evaluate`` and ``target.training_backend`` (:mod:`dflash_eval.options`).
+speculative decoding offline (:mod:`dflash_eval.replay.anchors` / :mod:`dflash_eval.replay.chain` for the
+chain, :mod:`dflash_eval.replay.ddtree` for every DDTree budget, all from one all-anchor drafter pass);
+aggregates tau (:mod:`dflash_eval.replay.metrics`) and writes the JSON atomically. Options: config
+section ``evaluate`` and ``target.training_backend`` (:mod:`dflash_eval.core.options`).
 """
 
 from __future__ import annotations
@@ -21,26 +21,26 @@ from pathlib import Path
 
 import torch
 
-from .. import options as options_mod
-from ..anchors import chain_walk, context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
-from ..cache_format import completion_sampling, final_hidden_index
-from ..cache_reader import CacheReader
-from ..compat import check_agreement, check_cache_target, check_compat
-from ..ddtree import replay_with_trees, walk_budgets
-from ..drafter import NONFINITE_FIX, load_drafter
-from ..drafter_files import check_source, read_strip_info
-from ..errors import InputError, atomic_path
-from ..expected import response_expectations, target_token_probs
-from ..io import sha256_file
-from ..metrics import aggregate, aggregate_expected, selector_stats
-from ..progress import Progress
-from ..replay import SampleResult, replay
-from ..row_checksum import ids_sha256, seal_document
-from ..runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
-from ..sampling import SamplingSetting
-from ..selector_replay import walks
-from ..target_spec import TargetSpec, load_embed_and_head
-from .strip_drafter import SHARED_EQUAL_NOTE
+from dflash_eval.core import options as options_mod
+from dflash_eval.replay.anchors import chain_walk, context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
+from dflash_eval.cache.format import completion_sampling, final_hidden_index
+from dflash_eval.cache.reader import CacheReader
+from dflash_eval.drafter.compat import check_agreement, check_cache_target, check_compat
+from dflash_eval.replay.ddtree import replay_with_trees, walk_budgets
+from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
+from dflash_eval.drafter.files import check_source, read_strip_info
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.replay.expected import response_expectations, target_token_probs
+from dflash_eval.core.io import sha256_file
+from dflash_eval.replay.metrics import aggregate, aggregate_expected, selector_stats
+from dflash_eval.core.progress import Progress
+from dflash_eval.replay.chain import SampleResult, replay
+from dflash_eval.row_checksum import ids_sha256, seal_document
+from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
+from dflash_eval.replay.sampling import SamplingSetting
+from dflash_eval.replay.selector import walks
+from dflash_eval.target.spec import TargetSpec, load_embed_and_head
+from dflash_eval.stages.strip_drafter import SHARED_EQUAL_NOTE
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +93,16 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
 
     Args:
         drafter_dir: stripped drafter folder.
-        cache_path: the prompt set's HDF5 cache (:mod:`dflash_eval.cache_format`).
+        cache_path: the prompt set's HDF5 cache (:mod:`dflash_eval.cache.format`).
         target_dir: target HF folder.
         out: output JSON path (written atomically).
-        opts: the stage's options (:func:`dflash_eval.options.make`): ``max_samples`` (0 = all),
+        opts: the stage's options (:func:`dflash_eval.core.options.make`): ``max_samples`` (0 = all),
             ``batch_size`` (samples handled together; 0 = as many as fit the device's free memory,
-            :func:`dflash_eval.runtime.free_memory_bytes`), ``replay`` (``'batched'``: all-anchor,
-            :func:`dflash_eval.anchors.replay_batched`; ``'sequential'``: the reference,
-            :func:`dflash_eval.replay.replay_batch`; same acceptance), ``ddtree_budgets`` (with
+            :func:`dflash_eval.core.runtime.free_memory_bytes`), ``replay`` (``'batched'``: all-anchor,
+            :func:`dflash_eval.replay.anchors.replay_batched`; ``'sequential'``: the reference,
+            :func:`dflash_eval.replay.chain.replay_batch`; same acceptance), ``ddtree_budgets`` (with
             ``'batched'`` the chain and every budget come from one all-anchor pass keeping the
-            top-``max(budgets)`` log-probs per slot, :func:`dflash_eval.ddtree.replay_with_trees`),
+            top-``max(budgets)`` log-probs per slot, :func:`dflash_eval.replay.ddtree.replay_with_trees`),
             ``device``, ``dtype``, the agreement thresholds and ``allow_*`` switches,
             ``training_backend``, ``sampling`` (the settings; temperature > 0 needs the cache's final
             normed hidden state and runs the batched pass), ``cross_temperature``.
@@ -111,7 +111,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
         checkpoint_source: the checkpoint the folder must have been stripped from
-            (:func:`dflash_eval.drafter_files.check_source`; None: not checked).
+            (:func:`dflash_eval.drafter.files.check_source`; None: not checked).
         drafter_settings: the run's strip options record of the checkpoint, whose sha256 the folder's
             ``strip_info.json`` ``settings_sha256`` must be (with ``checkpoint_source``; None: not checked).
         completions: the completions JSONL the cache must have been extracted from (its sha256 against the
@@ -120,38 +120,38 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
 
     Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
     ``prompt_len``, ``n_tokens``, ``max_new_tokens``, ``steps``, ``tau``, ``acceptance_lengths``,
-    ``argmax_agreement``), the :class:`~dflash_eval.metrics.AcceptanceStats` fields (``tau`` macro,
+    ``argmax_agreement``), the :class:`~dflash_eval.replay.metrics.AcceptanceStats` fields (``tau`` macro,
     ``tau_tokens_per_step`` micro, ``tau_sglang``, ``histogram``, ``slot_acceptance`` /
     ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``);
     provenance (``step``, ``random_init``, ``device``, ``dtype``, ``cache``; ``drafter_verified``: the
     drafter folder's ``strip_info.json`` was there and its checksums matched, False for a folder
     without one, whose weights are read unverified); ``argmax_agreement``
-    (:func:`~dflash_eval.compat.check_agreement`) and ``target_check``
-    (:func:`~dflash_eval.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
+    (:func:`~dflash_eval.drafter.compat.check_agreement`) and ``target_check``
+    (:func:`~dflash_eval.drafter.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
     ``ddtree`` (``{"<B>": aggregate}``). Always ``variant`` (``'dflash'`` / ``'dflash2'``) and
     ``ddtree_applicable`` (False for DFlash 2: no serving engine defines a tree over the selector's
     path, so its ``ddtree`` entries are None and no per-sample tree lists are written). DFlash 2
-    also: ``selector`` (:class:`~dflash_eval.metrics.SelectorStats` of the selector's chain, from
+    also: ``selector`` (:class:`~dflash_eval.replay.metrics.SelectorStats` of the selector's chain, from
     one all-anchor pass in either replay mode), ``tau_oracle`` (a perfect selector over the same
     top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
     logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``. Sampling
-    (``opts.sampling``, one :class:`~dflash_eval.sampling.SamplingSetting` each): ``sampling_settings``
+    (``opts.sampling``, one :class:`~dflash_eval.replay.sampling.SamplingSetting` each): ``sampling_settings``
     (``label``, ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
     ``completion_sampling`` (how the cache's completions were drawn), ``cross_temperature``, and
     ``expected`` ``{label: aggregate + samples}`` per setting with temperature > 0: the expected
     acceptance of dflash==0.1.0's speculative sampler given the cached trajectories
-    (:mod:`dflash_eval.expected`, :func:`dflash_eval.metrics.aggregate_expected`), per sample the
-    :meth:`~dflash_eval.expected.ResponseExpectation.as_dict` entry (None without a verify step).
+    (:mod:`dflash_eval.replay.expected`, :func:`dflash_eval.replay.metrics.aggregate_expected`), per sample the
+    :meth:`~dflash_eval.replay.expected.ResponseExpectation.as_dict` entry (None without a verify step).
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
     sampled cache. DFlash 2 at temperature > 0: the selector's own sampled path, q on its candidates
-    (:func:`dflash_eval.expected.selector_survival`); its selector diagnostics are those of the greedy path.
+    (:func:`dflash_eval.replay.expected.selector_survival`); its selector diagnostics are those of the greedy path.
     ``settings_sha256``: the sha256 of ``settings_record`` (the workflow's options record of the job), and
     ``cache.completions_sha256``: the completions the cache was extracted from, ``cache.header_sha256``: the
     cache's header checksum (format 6: it covers the target, layer ids, dtype, completions and creation time, so
     another extraction has another), ``strip_info_sha256``: the drafter folder's ``strip_info.json``
     ``info_sha256`` (it covers the sha256 of the weights and config); summary compares all four with the run's
-    (:func:`dflash_eval.tau_table.check_eval_inputs`).
+    (:func:`dflash_eval.report.tau_table.check_eval_inputs`).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
@@ -341,7 +341,7 @@ def _greedy_replay(inputs: _Inputs, opts, B: int, samples, budgets: list[int], m
 
 
 def _selector_walks(d):
-    """DFlash 2's chains and diagnostics of one sample's all-anchor drafts (:func:`dflash_eval.selector_replay.walks`)."""
+    """DFlash 2's chains and diagnostics of one sample's all-anchor drafts (:func:`dflash_eval.replay.selector.walks`)."""
     return walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(), d.limit.tolist(),
                  d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
 
@@ -351,7 +351,7 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
 
     Raises:
         InputError: a setting at a temperature other than the one the cache's completions were drawn at
-            (``completion_sampling``, :mod:`dflash_eval.cache_format`) unless ``cross_temperature``; a
+            (``completion_sampling``, :mod:`dflash_eval.cache.format`) unless ``cross_temperature``; a
             temperature > 0 on a cache without the final normed hidden state (the target's p).
     """
     settings = [SamplingSetting(float(e.get("temperature", 0)), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
@@ -376,7 +376,7 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
 def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, sampled,
                   expectations: dict, walked: dict):
     """One all-anchor pass over the samples ``indices``: the chain, every DDTree budget (greedy walks on the
-    cache: DDTree under target sampling, :mod:`dflash_eval.expected`), DFlash 2's selector walks (into
+    cache: DDTree under target sampling, :mod:`dflash_eval.replay.expected`), DFlash 2's selector walks (into
     ``walked``) and every sampled setting's expectation. Returns ``(samples, chains, trees)``."""
     reader, drafter = inputs.reader, inputs.drafter
     layers = list(drafter.cfg.target_layer_ids)
@@ -436,9 +436,9 @@ def _check_completions(reader: CacheReader, cache_path, completions: Path) -> di
 
     Raises:
         InputError: ``(cache, "completions_sha256" | "sample_ids", ...)``; a bad completions file
-            (:func:`dflash_eval.completions_file.read_completions`).
+            (:func:`dflash_eval.data.completions.read_completions`).
     """
-    from ..completions_file import read_completions
+    from dflash_eval.data.completions import read_completions
 
     sha = sha256_file(completions).hexdigest()
     fix = (f"if {completions} is intact (snakemake -R hidden_states checks its rows), extract the cache again "

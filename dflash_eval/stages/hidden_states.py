@@ -1,11 +1,11 @@
 """Stage ``hidden_states`` (rule ``hidden_states``): the target over every completion -> the prompt set's HDF5 cache.
 
-Reads the completions file (:mod:`dflash_eval.completions_file`) and the target; runs the target
-forward of :mod:`dflash_eval.extract` (hooks on the stored layers, packed or padded batches);
-writes the cache with :mod:`dflash_eval.cache_writer` (format: :mod:`dflash_eval.cache_format`),
+Reads the completions file (:mod:`dflash_eval.data.completions`) and the target; runs the target
+forward of :mod:`dflash_eval.cache.extract` (hooks on the stored layers, packed or padded batches);
+writes the cache with :mod:`dflash_eval.cache.writer` (format: :mod:`dflash_eval.cache.format`),
 resumably: a killed run continues its ``.partial`` sidecar. With ``cache.source: vllm`` the states
-come from a vLLM server in extract mode instead (:mod:`dflash_eval.vllm_states`, same format).
-Options: config section ``cache`` and ``target.linear_attn_backend`` (:mod:`dflash_eval.options`).
+come from a vLLM server in extract mode instead (:mod:`dflash_eval.serving.vllm.states`, same format).
+Options: config section ``cache`` and ``target.linear_attn_backend`` (:mod:`dflash_eval.core.options`).
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import options as options_mod
-from ..cache_format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, completions_sampling, is_no_space
-from ..cache_shards import parse_shard, shard_plan
-from ..cache_writer import Batch, PartialCache, SampleMeta, StreamingWriter
-from ..completions_file import FIX as COMPLETIONS_FIX
-from ..completions_file import read_completions
-from ..disk_room import no_room_error
-from ..errors import InputError, reused_sidecar_note
-from ..provenance import check_provenance
-from ..extract import check_layers, check_packing, forward_batch, packing_support, versions
-from ..hybrid import bind_linear_attention
-from ..io import sha256_file
-from ..progress import Progress
-from ..prompts import read_prompts
-from ..runtime import dtype_name, length_batches, resolve_device, resolve_dtype
-from ..target import load_target, target_info
-from ..target_spec import TargetSpec
+from dflash_eval.core import options as options_mod
+from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, completions_sampling, is_no_space
+from dflash_eval.cache.shards import parse_shard, shard_plan
+from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
+from dflash_eval.data.completions import FIX as COMPLETIONS_FIX
+from dflash_eval.data.completions import read_completions
+from dflash_eval.cache.disk_room import no_room_error
+from dflash_eval.core.errors import InputError, reused_sidecar_note
+from dflash_eval.data.provenance import check_provenance
+from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
+from dflash_eval.target.hybrid import bind_linear_attention
+from dflash_eval.core.io import sha256_file
+from dflash_eval.core.progress import Progress
+from dflash_eval.data.prompts import read_prompts
+from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device, resolve_dtype
+from dflash_eval.target.model import load_target, target_info
+from dflash_eval.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shard", type=parse_shard, default=None, metavar="K/N",
                    help="compute only shard K of N of the prompt set (its batches K, K+N, ... of the one-job batch "
                         "plan, so each sample's states equal a one-job extraction's); merge the N shard caches "
-                        "with 'merge-cache-shards' (dflash_eval/cache_shards.py)")
+                        "with 'merge-cache-shards' (dflash_eval/cache/shards.py)")
     p.add_argument("--out", required=True, help="HDF5 cache path; built in the resumable sidecar <out>.partial, "
                                                 "renamed when complete")
 
@@ -103,15 +103,15 @@ def extract_cache(target_dir, completions_path, out, layer_ids: list[int], opts,
     """The cache of ``completions_path`` from the source ``opts.source`` names (config ``cache.source``).
 
     ``hf``: :func:`extract_hidden_states` (the target's HF forward in this process); ``vllm``:
-    :func:`dflash_eval.vllm_states.extract_hidden_states_vllm` (a vLLM server in extract mode; ``server_log``
+    :func:`dflash_eval.serving.vllm.states.extract_hidden_states_vllm` (a vLLM server in extract mode; ``server_log``
     is the job-owned server's log, ``shard`` is refused there). The one dispatch of the two sources, used by
     this stage and by ``engine_parity``. Arguments, return value and errors: those two functions.
 
     Raises:
         InputError: ``shard`` with source ``vllm`` (one server per prompt set), and what the source raises.
     """
-    if opts.source == "vllm":  # a vLLM server in extract mode (dflash_eval.vllm_states)
-        from ..vllm_states import extract_hidden_states_vllm
+    if opts.source == "vllm":  # a vLLM server in extract mode (dflash_eval.serving.vllm.states)
+        from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
 
         if shard is not None:
             raise InputError("config", "cache.shards", "shards split the HF forward, but cache.source is 'vllm'",
@@ -144,7 +144,7 @@ class _HostBuffers:
 
 def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int], opts=None, *,
                           target_fingerprint=None, keep_partial: bool = False, shard=None, **overrides) -> Path:
-    """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache_format`).
+    """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache.format`).
 
     Args:
         target_dir: HF target folder.
@@ -154,16 +154,16 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         layer_ids: 0-based decoder layers to store (order kept), HF ``hidden_states[i+1]`` (the plan's
             union of every configured drafter's ``target_layer_ids``); with ``final_hidden`` the last
             layer (final-normed) is appended when absent.
-        opts: the stage's options (:func:`dflash_eval.options.make`; config section ``cache`` and
+        opts: the stage's options (:func:`dflash_eval.core.options.make`; config section ``cache`` and
             ``target.linear_attn_backend``): ``batch_tokens`` (tokens per forward: real tokens when
             packed, padded tokens otherwise), ``packing`` (``'auto'``: packed where
-            :func:`dflash_eval.extract.packing_support` allows; ``'off'``: right-padded), ``device``,
+            :func:`dflash_eval.cache.extract.packing_support` allows; ``'off'``: right-padded), ``device``,
             ``dtype`` (float32 on CPU by default; the cache stores bfloat16 or float32),
             ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers), ``final_hidden``
             (also store the final normed hidden state, the target's p at temperature > 0).
         target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
-        keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache_format`).
-        shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache_shards.shard_plan`); ``out`` then holds
+        keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache.format`).
+        shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache.shards.shard_plan`); ``out`` then holds
             those samples, in the completions file's order.
         **overrides: option values, when ``opts`` is not given.
 
@@ -367,7 +367,7 @@ def check_generated_from(completions: str | Path, prompts: str | Path) -> None:
 
     Raises:
         InputError: ``(completions, "line <n>: prompt_ids", ...)`` naming the first row that differs, or the
-            row counts; as :func:`~dflash_eval.completions_file.read_completions` / :func:`~dflash_eval.prompts.read_prompts`.
+            row counts; as :func:`~dflash_eval.data.completions.read_completions` / :func:`~dflash_eval.data.prompts.read_prompts`.
     """
     got = [(str(r["id"]), list(r["prompt_ids"])) for r in read_completions(completions)]
     want = [(str(p["id"]), list(p["prompt_ids"])) for p in read_prompts(prompts)]

@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from .. import options as options_mod
-from ..cache_reader import CacheReader
-from ..completions_file import read_completions, subset_text
-from ..errors import InputError
-from ..row_checksum import write_run_output
-from .evaluate import evaluate
-from .hidden_states import extract_hidden_states
+from dflash_eval.core import options as options_mod
+from dflash_eval.cache.reader import CacheReader
+from dflash_eval.data.completions import read_completions, subset_text
+from dflash_eval.core.errors import InputError
+from dflash_eval.row_checksum import write_run_output
+from dflash_eval.stages.evaluate import evaluate
+from dflash_eval.stages.hidden_states import extract_hidden_states
 
 STAGE = "kernel_parity"
 
@@ -71,8 +71,8 @@ def plan(device: str, dtype: str, target_dir) -> dict:
 
     ``a``/``b`` hold ``backend`` (``fla``/``torch``) and ``dtype`` (``bfloat16``/``float32``).
     """
-    from ..hybrid import fla_status, target_has_linear_attention
-    from ..runtime import dtype_name, resolve_device, resolve_dtype
+    from dflash_eval.target.hybrid import fla_status, target_has_linear_attention
+    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     dt = dtype_name(resolve_dtype(dtype, dev))

@@ -1,14 +1,14 @@
 """Stage ``merge_cache_shards`` (rule ``merge_cache_shards``, config ``cache.shards`` > 1): N shard caches -> one cache.
 
 The merged file links each sample to its shard (HDF5 external links; format:
-:mod:`dflash_eval.cache_format`, "Sharded caches"), so ``evaluate`` reads it as one cache.
+:mod:`dflash_eval.cache.format`, "Sharded caches"), so ``evaluate`` reads it as one cache.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ..cache_shards import merge_shards
+from dflash_eval.cache.shards import merge_shards
 
 log = logging.getLogger(__name__)
 

@@ -1,16 +1,16 @@
 """Stage ``prompts`` (rule ``prompts``): one prompt set -> chat-templated prompts (text + token ids) as JSONL.
 
-Sources, the row format and the deterministic subset rule: :mod:`dflash_eval.prompts`. Beside the
+Sources, the row format and the deterministic subset rule: :mod:`dflash_eval.data.prompts`. Beside the
 JSONL, ``<set>.meta.json`` records what was skipped and why (read by the report) and what the file was
-made from (:mod:`dflash_eval.provenance`, verified by the completions stage). Options: config
+made from (:mod:`dflash_eval.data.provenance`, verified by the completions stage). Options: config
 section ``prompt_set`` (each prompt set's own ``n`` / ``seed`` / ``max_prompt_tokens`` override it;
 the workflow passes the merged values) and ``generation.enable_thinking``.
 """
 
 from __future__ import annotations
 
-from ..prompts import SOURCES, build_prompt_set_with_meta, write_prompts
-from ..provenance import write_meta
+from dflash_eval.data.prompts import SOURCES, build_prompt_set_with_meta, write_prompts
+from dflash_eval.data.provenance import write_meta
 
 STAGE = "prompts"
 
@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/prompts/<set>.json): its sha256 "
                         "goes to the meta, where the completions stage compares it with the run's")
     p.add_argument("--out", required=True, help="prompts JSONL; its settings, sha256 and skip counts per reason go to "
-                                                "<name>.meta.json beside it (dflash_eval/provenance.py)")
+                                                "<name>.meta.json beside it (dflash_eval/data/provenance.py)")
 
 
 def main(args, opts) -> None:

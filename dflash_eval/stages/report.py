@@ -2,16 +2,16 @@
 
 Everything is rebuilt from the evaluate JSONs, the caches' attributes, the measured target costs
 and the extra sections (kernel parity, online validation); what the report holds and how it is
-rendered: :mod:`dflash_eval.reporting`.
+rendered: :mod:`dflash_eval.report.build`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import InputError, atomic_dir, atomic_path
-from ..output_digests import record_outputs
-from ..reporting import ReportData, build_figures, load_report_data, render_html, render_markdown
+from dflash_eval.core.errors import InputError, atomic_dir, atomic_path
+from dflash_eval.output_digests import record_outputs
+from dflash_eval.report.build import ReportData, build_figures, load_report_data, render_html, render_markdown
 
 
 def add_arguments(p) -> None:
@@ -73,8 +73,8 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
 
 def check_summary(summary_csv, table) -> None:
     """Refuse a ``tau.csv`` that is not what ``summary`` makes of the run's evaluate outputs and target costs:
-    ``table`` is that (the report's full table, :attr:`dflash_eval.reporting.ReportData.table`), compared cell by
-    cell (:func:`dflash_eval.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a
+    ``table`` is that (the report's full table, :attr:`dflash_eval.report.build.ReportData.table`), compared cell by
+    cell (:func:`dflash_eval.report.tau_table.check_table`). The report is rebuilt from the evaluate outputs, so a
     hand-edited (or stale) tau.csv used to disagree with it without a word (the fifth trial's F5; the tenth's F4 for
     the columns but tau). ``summary_csv`` None: not compared.
 
@@ -83,7 +83,7 @@ def check_summary(summary_csv, table) -> None:
     """
     if summary_csv is None:
         return
-    from ..tau_table import check_table
+    from dflash_eval.report.tau_table import check_table
 
     try:
         text = Path(summary_csv).read_text(encoding="utf-8")

@@ -1,14 +1,14 @@
 """Stage ``strip_drafter`` (rule ``strip_drafter``): a training checkpoint -> the folder the reference loads, after validating everything.
 
-Formats are detected and read by :mod:`dflash_eval.checkpoints`; this stage resolves the
+Formats are detected and read by :mod:`dflash_eval.drafter.checkpoints`; this stage resolves the
 drafter config, validates the weights against it (and against the target,
-:func:`dflash_eval.compat.check_compat`) and writes the stripped folder.
+:func:`dflash_eval.drafter.compat.check_compat`) and writes the stripped folder.
 
-Validation (each failure is an :class:`~dflash_eval.errors.InputError` naming the file, the
+Validation (each failure is an :class:`~dflash_eval.core.errors.InputError` naming the file, the
 key or field and the fix; nothing is written):
 
 * config: ``target_layer_ids`` / ``mask_token_id`` / ``block_size`` from ``dflash_config``
-  or the top level, never guessed (:class:`~dflash_eval.drafter_config.DrafterConfig`); a
+  or the top level, never guessed (:class:`~dflash_eval.drafter.config.DrafterConfig`); a
   field stored twice with different values (``dflash_config`` vs top level, ``dtype`` vs
   ``torch_dtype``, ``rope_theta`` / ``rope_parameters`` vs ``rope_scaling``) refused with
   both values named, settled only by ``--override``; unknown ``--override`` keys refused;
@@ -57,15 +57,15 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint, unread_step
-from ..compat import check_compat
-from ..drafter import DFlashDrafter, check_state_dict
-from ..drafter_config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
-from ..drafter_files import INFO_FIELD, file_checksums, info_sha256
-from ..errors import InputError, atomic_dir
-from ..io import read_json_object, sha256_file
-from ..runtime import dtype_name
-from ..speculators_format import drop_extra_tensors, is_speculators_config, to_zlab_config
+from dflash_eval.drafter.checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint, unread_step
+from dflash_eval.drafter.compat import check_compat
+from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
+from dflash_eval.drafter.config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from dflash_eval.drafter.files import INFO_FIELD, file_checksums, info_sha256
+from dflash_eval.core.errors import InputError, atomic_dir
+from dflash_eval.core.io import read_json_object, sha256_file
+from dflash_eval.core.runtime import dtype_name
+from dflash_eval.drafter.speculators import drop_extra_tensors, is_speculators_config, to_zlab_config
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def add_arguments(p) -> None:
                    help="checkpoint file or folder, format auto-detected: z-lab/HF folder (config.json + "
                         "model.safetensors, or sharded with model.safetensors.index.json), SpecForge epoch_E_step_S/ "
                         "or <run>-stepN/ (training_state.pt), torch .pt/.pth/.bin state dict (nested/prefixed), "
-                        "torch.distributed.checkpoint folder (.metadata + *.distcp); see dflash_eval/checkpoints.py")
+                        "torch.distributed.checkpoint folder (.metadata + *.distcp); see dflash_eval/drafter/checkpoints.py")
     p.add_argument("--target", default=None, help="target HF folder, to validate layer ids, fc width, mask token and "
                                                   "shared embed_tokens/lm_head copies")
     p.add_argument("--drafter-config", default=None,
@@ -194,14 +194,14 @@ def strip_checkpoint(
             ``embed_tokens``/``lm_head`` copies equal to its own. Without it the config's own
             ``num_target_layers`` / ``vocab_size`` bound the ids.
         drafter_config: config.json replacing the checkpoint's own (or supplying a missing one).
-        overrides: ``{field: value}``, keys from :data:`~dflash_eval.drafter_config.OVERRIDE_KEYS`
+        overrides: ``{field: value}``, keys from :data:`~dflash_eval.drafter.config.OVERRIDE_KEYS`
             (``target_layer_ids``, ``mask_token_id``, ``block_size``, ..., ``dtype``, ``rope_theta``):
             sets a field the config lacks, or settles one stored twice with different values.
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
         settings_record: the workflow's options record of the job; its sha256 goes into ``strip_info.json``
             ``settings_sha256`` (None: null), compared by ``evaluate --drafter-settings``
-            (:func:`dflash_eval.drafter_files.check_source`).
+            (:func:`dflash_eval.drafter.files.check_source`).
 
     Returns:
         ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
@@ -225,7 +225,7 @@ def strip_checkpoint(
         notes.append(f"dropped non-persistent rotary buffers {buffers}")
     _check_weights(ck, cfg, cfg_src, state, allow_fp16, notes)
     if target_dir is not None:
-        from ..target_spec import TargetSpec, load_embed_and_head
+        from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 
         spec = TargetSpec.read(target_dir)
         embed, head = load_embed_and_head(spec)

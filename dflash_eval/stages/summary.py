@@ -1,9 +1,9 @@
 """Stage ``summary`` (rule ``summary``): every evaluate output of the run -> ``tau.csv`` and ``tau.parquet``.
 
-The table's columns and their definitions: :mod:`dflash_eval.tau_table`. With the run's
+The table's columns and their definitions: :mod:`dflash_eval.report.tau_table`. With the run's
 ``target_costs.json`` (``--costs``; the rule passes it when ``target_costs.enabled``) the table also
 carries the report's speedup estimate per row and whether it is reliable
-(:func:`dflash_eval.costs.speedup_columns`); without it those columns are empty.
+(:func:`dflash_eval.target.costs.speedup_columns`); without it those columns are empty.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..costs import read_costs, with_speedups
-from ..drafter_files import read_strip_info
-from ..errors import InputError, atomic_path
-from ..io import sha256_file
-from ..output_digests import record_outputs
-from ..tau_table import summary_frame, table_csv, write_parquet
+from dflash_eval.target.costs import read_costs, with_speedups
+from dflash_eval.drafter.files import read_strip_info
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.core.io import sha256_file
+from dflash_eval.output_digests import record_outputs
+from dflash_eval.report.tau_table import summary_frame, table_csv, write_parquet
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def main(args, opts) -> None:
 
 def expected_inputs(settings: list[str], completions: list[str], caches: list[str] = (),
                     drafters: list[str] = ()) -> dict[str, dict]:
-    """What the run's files are, for :func:`dflash_eval.tau_table.check_eval_inputs`: ``{"sets": {prompt set:
+    """What the run's files are, for :func:`dflash_eval.report.tau_table.check_eval_inputs`: ``{"sets": {prompt set:
     {"settings_sha256", "completions_sha256", "header_sha256"}}, "checkpoints": {name: {"strip_info_sha256"}}}``,
     keyed by file stem (``<set>.json``, ``<set>.jsonl``, ``<set>.h5``) and folder name (``<ckpt>``); a kind with no
     file given is left out (not compared). ``header_sha256`` is the cache's file attribute (format 6; None
@@ -63,7 +63,7 @@ def expected_inputs(settings: list[str], completions: list[str], caches: list[st
 
     Raises:
         InputError: a cache that is not a readable HDF5 file; a ``strip_info.json`` that does not verify
-            (:func:`dflash_eval.drafter_files.read_strip_info`).
+            (:func:`dflash_eval.drafter.files.read_strip_info`).
     """
     sets: dict[str, dict] = {}
     for key, files in (("settings_sha256", settings), ("completions_sha256", completions)):
@@ -84,16 +84,16 @@ def check_paired_evals(evals: list[str], loaded: list[dict], drafters: list[str]
     ``validate_engine``), inside the workflow (:func:`dflash_eval.row_checksum.sealed_required`): each output
     (``loaded``, as read) lies where the workflow puts it, was made from ``completions``, the paired drafter's
     ``strip_info.json`` and (when given) the run's evaluate options record ``eval_settings``
-    (:func:`dflash_eval.tau_table.check_eval_inputs`, as summary checks them), and names the paired drafter's
+    (:func:`dflash_eval.report.tau_table.check_eval_inputs`, as summary checks them), and names the paired drafter's
     checkpoint. The eleventh trial: ckA's evaluate output copied over ckB's, validated by a targeted command,
     compared ckB decoded online with ckA's offline numbers (a false mismatch, exit 0).
 
     Raises:
-        InputError: ``(eval, <field>, ...)`` as :func:`dflash_eval.tau_table.check_eval_inputs`, or ``checkpoint``
+        InputError: ``(eval, <field>, ...)`` as :func:`dflash_eval.report.tau_table.check_eval_inputs`, or ``checkpoint``
             for an output paired with another checkpoint's drafter.
     """
-    from ..row_checksum import sealed_required
-    from ..tau_table import check_eval_inputs
+    from dflash_eval.row_checksum import sealed_required
+    from dflash_eval.report.tau_table import check_eval_inputs
 
     if not sealed_required():
         return
@@ -112,7 +112,7 @@ def _cache_header_sha256(path) -> str | None:
     try:
         with h5py.File(path, "r") as f:
             value = f.attrs.get("header_sha256")
-    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as err:  # dflash_eval.cache_reader.H5_DAMAGE
+    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as err:  # dflash_eval.cache.reader.H5_DAMAGE
         raise InputError(path, None, f"not a readable HDF5 cache ({err})",
                          "re-run its hidden_states job (snakemake -R hidden_states)") from None
     if isinstance(value, bytes):
@@ -127,15 +127,15 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
     Args:
         evals: evaluate outputs.
         out_csv, out_parquet: the two tables.
-        costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.costs.speedup_columns`)
+        costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.target.costs.speedup_columns`)
             are filled from it, else left empty.
         expected: what the run's options records, completions, caches and drafters are (:func:`expected_inputs`),
             or None.
         run_records: the run's target_costs options record (``[]`` / None: not compared).
 
     Raises:
-        InputError: an unreadable evaluate output (:func:`dflash_eval.tau_table.summary_frame`) or target costs
-            file (:func:`dflash_eval.costs.read_costs`).
+        InputError: an unreadable evaluate output (:func:`dflash_eval.report.tau_table.summary_frame`) or target costs
+            file (:func:`dflash_eval.target.costs.read_costs`).
     """
     df = summary_frame(evals, expected)
     df = with_speedups(df, read_costs(costs, run_records) if costs else None)

@@ -3,7 +3,7 @@
 On the run's own device at batch 1: one autoregressive decode step of the target, one verify
 forward of ``n`` tokens (``n`` = each drafter's block size, and ``budget + 1`` per DDTree budget,
 with a tree mask) and each drafter architecture's block pass. The report turns them into the
-speedup estimate of :mod:`dflash_eval.costs` (the cost model, its sources and the output format).
+speedup estimate of :mod:`dflash_eval.target.costs` (the cost model, its sources and the output format).
 Options: config section ``target_costs`` and ``target.linear_attn_backend``.
 """
 
@@ -22,18 +22,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import __version__
-from .. import options as options_mod
-from ..cost_stats import assess, isotonic, robust_s, spread
-from ..costs import FORMAT, FORMAT_VERSION, FORMULA
-from ..drafter import DFlashDrafter
-from ..drafter_config import DrafterConfig
-from ..drafter_files import RESTRIP_FIX, check_file, recorded_checksums
-from ..errors import InputError
-from ..row_checksum import sealed_required, write_run_output
-from ..runtime import dtype_name, resolve_device, resolve_dtype
-from ..target import load_target, target_info
-from ..target_spec import TargetSpec
+from dflash_eval import __version__
+from dflash_eval.core import options as options_mod
+from dflash_eval.target.cost_stats import assess, isotonic, robust_s, spread
+from dflash_eval.target.costs import FORMAT, FORMAT_VERSION, FORMULA
+from dflash_eval.drafter.model import DFlashDrafter
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.files import RESTRIP_FIX, check_file, recorded_checksums
+from dflash_eval.core.errors import InputError
+from dflash_eval.row_checksum import sealed_required, write_run_output
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.target.model import load_target, target_info
+from dflash_eval.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def add_arguments(p) -> None:
                    help="the workflow's options record of this job (results/<run>/options/target_costs/run.json): its "
                         "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
                         "the run's")
-    p.add_argument("--out", required=True, help="target_costs.json (layout: dflash_eval/costs.py)")
+    p.add_argument("--out", required=True, help="target_costs.json (layout: dflash_eval/target/costs.py)")
 
 
 def main(args, opts) -> None:
@@ -92,7 +92,7 @@ def _timed_interleaved(items: Sequence[tuple[Callable, Callable]], repeats: int,
     """Seconds of each ``run(setup())`` of ``items``, in rounds: every round times every item once.
 
     ``warmup`` untimed rounds first. Interleaving spreads a slow phase of a shared machine over all
-    shapes instead of one (:mod:`dflash_eval.cost_stats`). Returns one list of ``repeats`` times per item.
+    shapes instead of one (:mod:`dflash_eval.target.cost_stats`). Returns one list of ``repeats`` times per item.
     """
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     out: list[list[float]] = [[] for _ in items]
@@ -131,7 +131,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
             ``budgets`` (DDTree node budgets; each adds a verify forward of ``budget + 1`` tokens with a tree
             mask), ``context_tokens`` (KV-cache length before every timed forward), ``repeats`` (timed runs
             per measurement, interleaved across shapes; the minimum is reported, seconds, with
-            the spread and a non-decreasing fit of the verify costs: :mod:`dflash_eval.cost_stats`), ``warmup`` (untimed runs before them),
+            the spread and a non-decreasing fit of the verify costs: :mod:`dflash_eval.target.cost_stats`), ``warmup`` (untimed runs before them),
             ``device``, ``dtype``, ``linear_attn_backend`` (GDN kernel of hybrid targets).
         **overrides: option values, when ``opts`` is not given.
         seed: seed of the random token ids and drafter weights.
@@ -270,7 +270,7 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
 
 
 def _drafter_costs(drafter, embed, head, context_tokens, budgets, repeats, warmup, dev, dt) -> dict:
-    """Seconds (minimum of the runs, :mod:`dflash_eval.cost_stats`) of one block pass of ``drafter`` (chain), and with log-softmax + top-``budget`` (trees)."""
+    """Seconds (minimum of the runs, :mod:`dflash_eval.target.cost_stats`) of one block pass of ``drafter`` (chain), and with log-softmax + top-``budget`` (trees)."""
     cfg = drafter.cfg
     B = cfg.block_size
     K = len(cfg.target_layer_ids)

@@ -2,7 +2,7 @@
 
 Hashing reads every weight file (minutes for a 54 GB target), so the workflow does it once per
 target; every job that records the target's sha256 reads this record instead
-(:func:`dflash_eval.target_spec.weights_sha256`, keyed on the weight files' names, sizes and mtimes).
+(:func:`dflash_eval.target.spec.weights_sha256`, keyed on the weight files' names, sizes and mtimes).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 import time
 from pathlib import Path
 
-from ..errors import InputError, atomic_path
-from ..row_checksum import seal_document
-from ..target_spec import (FINGERPRINT_FORMAT, TENSOR_DIGEST, TargetSpec, as_spec, shared_tensors, tensor_sha256,
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.row_checksum import seal_document
+from dflash_eval.target.spec import (FINGERPRINT_FORMAT, TENSOR_DIGEST, TargetSpec, as_spec, shared_tensors, tensor_sha256,
                            weight_stats, weights_sha256)
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,8 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     Output JSON: ``format`` (``"dflash-eval/target-fingerprint"``), ``sha256``
     (:func:`weights_sha256`), ``files`` (``name``, ``size``, ``mtime_ns`` of each weight file,
     the key under which later jobs reuse the hash), ``target`` (folder), ``tensors_sha256`` (key ->
-    :func:`~dflash_eval.target_spec.tensor_sha256` of the embedding and LM head, verified whenever a
-    stage reads them through this record), ``tensors_digest`` (:data:`~dflash_eval.target_spec.TENSOR_DIGEST`:
+    :func:`~dflash_eval.target.spec.tensor_sha256` of the embedding and LM head, verified whenever a
+    stage reads them through this record), ``tensors_digest`` (:data:`~dflash_eval.target.spec.TENSOR_DIGEST`:
     how those were computed), ``seconds``.
 
     Raises:

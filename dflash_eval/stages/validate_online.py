@@ -1,11 +1,11 @@
 """Stage ``validate_online`` (rule ``validate_online``): true speculative decoding of a few prompts vs the offline replay.
 
 The online loop (target in the loop: chain and DDTree, greedy; the chain with dflash==0.1.0's
-speculative sampler at temperature > 0) is :func:`dflash_eval.online.spec_generate`; this stage runs
+speculative sampler at temperature > 0) is :func:`dflash_eval.replay.online.spec_generate`; this stage runs
 it on the first ``n_samples`` prompts of one prompt set for every selected drafter and compares per
 sample with that drafter's evaluate JSON: greedy runs step by step with the offline replay, sampled
 runs (``seeds`` of them per prompt and setting) with the offline expected tau of the setting.
-Options: config section ``validate_online`` (:mod:`dflash_eval.options`).
+Options: config section ``validate_online`` (:mod:`dflash_eval.core.options`).
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from pathlib import Path
 
 import torch
 
-from .. import options as options_mod
-from ..completions_file import read_completions
-from ..drafter import NONFINITE_FIX, load_drafter
-from ..errors import InputError
-from ..row_checksum import DOC_FIELD, write_run_output
-from ..generation import stop_token_ids
-from ..metrics import aggregate
-from ..online import check_target_supported, spec_generate
-from ..runtime import dtype_name, resolve_device, resolve_dtype
-from ..sampling import SamplingSetting
-from ..target import load_target
-from ..target_spec import TargetSpec, load_embed_and_head
-from ..tau_table import read_eval
-from .summary import check_paired_evals
+from dflash_eval.core import options as options_mod
+from dflash_eval.data.completions import read_completions
+from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
+from dflash_eval.core.errors import InputError
+from dflash_eval.row_checksum import DOC_FIELD, write_run_output
+from dflash_eval.serving.generation import stop_token_ids
+from dflash_eval.replay.metrics import aggregate
+from dflash_eval.replay.online import check_target_supported, spec_generate
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.replay.sampling import SamplingSetting
+from dflash_eval.target.model import load_target
+from dflash_eval.target.spec import TargetSpec, load_embed_and_head
+from dflash_eval.report.tau_table import read_eval
+from dflash_eval.stages.summary import check_paired_evals
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     prompt and seed one run of the chain with the speculative sampler (:func:`spec_generate` with
     ``sampling``); its context is the target's own trajectory as sampled online. Per sample the mean tau over
     the runs and its standard error (sd / sqrt(runs)) against the evaluation's expected tau of that sample,
-    which is the expectation given the *cached* completion (teacher-forced on it, :mod:`dflash_eval.expected`).
+    which is the expectation given the *cached* completion (teacher-forced on it, :mod:`dflash_eval.replay.expected`).
     The two share their mean over trajectories, not per sample, so the SE of the difference adds the spread
     of that expectation over trajectories, estimated from the expectation given each online run's own
     trajectory; that per-run expectation also gives a paired check (online tau minus it, 0 in expectation).
@@ -218,14 +218,14 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
 
 def _check_target(spec: TargetSpec, completions_path) -> str:
     """The target's weights sha256, verified through its fingerprint record (weights changed in place are refused:
-    :func:`dflash_eval.target_spec.weights_sha256`), and compared with the sha256 of the weights that generated the
+    :func:`dflash_eval.target.spec.weights_sha256`), and compared with the sha256 of the weights that generated the
     completions (their meta; a server's completions name none). The fifteenth trial: a target changed in place
     (its mtime put back) was run online against the cache of the intact one, and the validation said "ok".
 
     Raises:
         InputError: the weights changed in place, or are not those that generated the completions.
     """
-    from ..provenance import meta_path, read_meta
+    from dflash_eval.data.provenance import meta_path, read_meta
 
     sha = spec.weights_sha256()
     meta = meta_path(completions_path)
@@ -287,16 +287,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 @torch.inference_mode()
 def _expected_on_runs(target, drafter, embed, head, sequences: list[list[int]], prompt_len: int, max_new: int,
                       st: SamplingSetting, B: int) -> list[float | None]:
-    """evaluate's expected tau (:mod:`dflash_eval.expected`) given each online run's own trajectory.
+    """evaluate's expected tau (:mod:`dflash_eval.replay.expected`) given each online run's own trajectory.
 
     Each ``sequences[k]`` (prompt + the run's completion) goes through one target forward (the drafter's
     ``target_layer_ids`` states, the filtered p of every token) and the drafter's all-anchor pass, as
     evaluate does on a cached completion; ``None`` for a run without a verify step.
     """
-    from ..anchors import iter_anchor_drafts
-    from ..cache_format import CacheSample
-    from ..expected import response_expectations
-    from ..sampling import token_probs
+    from dflash_eval.replay.anchors import iter_anchor_drafts
+    from dflash_eval.cache.format import CacheSample
+    from dflash_eval.replay.expected import response_expectations
+    from dflash_eval.replay.sampling import token_probs
 
     layers = list(drafter.cfg.target_layer_ids)
     samples, p_tokens, keep = [], [], []
@@ -338,7 +338,7 @@ def _sampled_entry(target, drafter, embed, head, rows, stop_ids, ev: dict, st: S
       was one draw of, so ``diff_se = sqrt(tau_online_se^2 + var(expected_taus))`` is the SE of ``diff`` and
       ``diff_over_se = diff / diff_se``.
     * ``paired_diff``: mean over runs of ``tau - expected tau given that run's trajectory`` (0 in
-      expectation: the estimator given the trajectory is unbiased, :mod:`dflash_eval.sampling`), its
+      expectation: the estimator given the trajectory is unbiased, :mod:`dflash_eval.replay.sampling`), its
       ``paired_se`` and ``paired_over_se``.
 
     Macro over the samples with both sides (``n_compared``): the means of those fields, every SE as

@@ -1,0 +1,47 @@
+"""The disk-full error of the hidden_states stage: what is needed and what is free, in one unit.
+
+The writer refuses a batch when free space < the batch + :data:`HEADROOM` (``PartialCache.check_room``
+in :mod:`dflash_eval.cache.writer`); a real ``ENOSPC``/``EDQUOT``/``EFBIG`` can also come from HDF5.
+:func:`no_room_error` states, in MB (10^6 bytes), what the samples left need, what the file system
+reports free now, and so how much to free (or that the limit is a quota / file size limit, when the
+file system reports enough).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from dflash_eval.core.errors import InputError
+
+#: free space the writer keeps beyond a batch (HDF5 cannot recover from a failed write)
+HEADROOM = 64 << 20
+
+
+def no_room_error(path: Path, err: BaseException, committed: int, total: int, bytes_left: int) -> InputError:
+    """The :class:`InputError` for a cache write that ran out of room.
+
+    Args:
+        path: the partial cache file (kept; the rerun resumes from it).
+        err: the OSError/RuntimeError that said so (quoted).
+        committed, total: samples committed in the partial file, samples in all.
+        bytes_left: bytes the hidden states of the ``total - committed`` samples left take (as stored).
+    """
+    try:
+        free = shutil.disk_usage(Path(path).parent).free
+    except OSError:
+        free = None
+    need = bytes_left + HEADROOM
+    mb = lambda b: f"{b / 1e6:.0f} MB"  # noqa: E731
+    needs = f"the {total - committed} samples left need about {mb(bytes_left)} (+ {mb(HEADROOM)} of headroom)"
+    if free is None:
+        fix = f"{needs}; free that much space in {Path(path).parent} and rerun: the job resumes from the partial file"
+    elif free < need:
+        fix = (f"{needs} and {mb(free)} are free in {Path(path).parent}: free at least {mb(need - free)} more and "
+               "rerun: the job resumes from the partial file")
+    else:
+        fix = (f"{needs} and the file system reports {mb(free)} free in {Path(path).parent}, so a quota or a file "
+               "size limit (ulimit -f) stopped the write: raise it (or write elsewhere) and rerun: the job resumes "
+               "from the partial file")
+    return InputError(path, None, f"no room left to write the cache (disk, quota or file size limit: {err}); "
+                      f"{committed} of {total} samples are committed in this partial file and kept", fix)

@@ -1,0 +1,1 @@
+"""Prompt sets, completions (token ids) and where completions come from."""

@@ -1,0 +1,514 @@
+"""Drafter configuration: parse and validate a DFlash drafter ``config.json`` (HF Qwen3 layout + ``dflash_config``).
+
+Kept apart from :mod:`dflash_eval.drafter.model` so that the model file reads top to bottom
+against the paper. The fields and where they are read from follow the reference
+``z-lab/dflash`` (``dflash/model.py``, ``_draft_value``): ``block_size``,
+``mask_token_id`` and ``target_layer_ids`` come from ``dflash_config`` or from the top
+level (older checkpoints), and are never guessed.
+
+**Fields stored twice.** Several fields can sit in two places of one config
+(:func:`field_locations`): a ``dflash_config`` field and its top-level copy (dflash 0.1.0
+reads ``dflash_config`` first, z-lab HEAD reads ``block_size`` from the top level),
+``dtype`` and its older name ``torch_dtype``, ``rope_theta`` at the top level and inside
+``rope_parameters`` / ``rope_scaling``, and the two RoPE dicts themselves (transformers 5
+uses ``rope_scaling`` when both are present and drops ``rope_parameters``,
+``modeling_rope_utils.py`` ``convert_rope_params_to_dict``). When the copies agree nothing
+is said; when they differ the config is refused with both values named
+(:func:`check_duplicated_fields`) -- never a silent choice -- and ``--override FIELD=JSON``
+(workflow: the checkpoint entry's ``overrides``) settles it by writing the given value to
+every copy (recorded in ``strip_info.json`` notes). :data:`OVERRIDE_KEYS` are the only
+accepted override keys; any other key is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_eval.core.errors import InputError
+
+# Config keys of DFlash variants this implementation does not model. A checkpoint
+# carrying them would load "successfully" with the wrong maths, so refuse it.
+UNSUPPORTED_DFLASH_KEYS = ("attention_sink_bias",)
+# Variant switches (sglang / MiMo-style drafts) that change the maths only when set to a true value.
+UNSUPPORTED_DFLASH_SWITCHES = ("use_swa", "causal")
+# Target-only fields that must not leak into the drafter (speculators #613/#738).
+IGNORED_TARGET_FIELDS = ("partial_rotary_factor",)
+#: ``dflash_config`` fields the drafter reads; older checkpoints keep them at the top level
+DFLASH_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "final_logit_softcapping",
+                 "input_embedding_scale", "output_multiplier")
+#: DFlash 2 fields (``dflash==0.1.0`` ``DFlash2DraftModel``: the grouped dynamic causal conv and the
+#: candidate selector); all four or none, read from ``dflash_config`` or the top level like the above
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+#: the architecture name of each drafter variant (``config.json`` ``architectures``; vLLM and SGLang
+#: pick the DFlash 2 model class by it)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+#: the RoPE dicts of an HF config: transformers 5's name first, then the older one
+ROPE_DICTS = ("rope_parameters", "rope_scaling")
+#: keys ``--override`` / a checkpoint entry's ``overrides`` accept: the fields above, plus the
+#: other fields a config can hold twice (an override writes its value to every copy)
+OVERRIDE_KEYS = DFLASH_FIELDS + ("dtype", "rope_theta", "rope_parameters")
+
+
+def _norm(value: Any) -> Any:
+    """Comparable form of a config value: tuples as lists, ``torch.bfloat16`` as ``bfloat16``."""
+    if isinstance(value, tuple):
+        return [_norm(v) for v in value]
+    if isinstance(value, list):
+        return [_norm(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _norm(v) for k, v in value.items()}
+    if isinstance(value, str) and value.startswith("torch."):
+        return value[len("torch."):]
+    return value
+
+
+def _rope_dict(d: dict) -> dict:
+    """A RoPE dict without ``rope_theta`` (a field of its own), ``type`` spelled ``rope_type``."""
+    out = {k: _norm(v) for k, v in d.items() if k not in ("rope_theta", "type")}
+    if "type" in d and "rope_type" not in d:
+        out["rope_type"] = _norm(d["type"])
+    return out
+
+
+def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
+    """Every copy of each field a drafter config can hold twice: ``{field: [(location, value), ...]}``.
+
+    Fields: each of :data:`DFLASH_FIELDS` and :data:`DFLASH2_FIELDS` (``dflash_config.<f>`` and
+    top-level ``<f>``), ``dtype``
+    (``dtype``, ``torch_dtype``), ``rope_theta`` (top level, ``rope_parameters.rope_theta``,
+    ``rope_scaling.rope_theta``) and ``rope_parameters`` (the ``rope_parameters`` and
+    ``rope_scaling`` dicts without ``rope_theta``, ``type`` read as ``rope_type``; a dict naming
+    two different types in ``type`` and ``rope_type`` counts as two copies). Only copies that are
+    present are listed.
+    """
+    dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    out: dict[str, list[tuple[str, Any]]] = {}
+    for name in DFLASH_FIELDS + DFLASH2_FIELDS:
+        out[name] = [(loc, d[name]) for loc, d in ((f"dflash_config.{name}", dcfg), (name, cfg)) if name in d]
+    out["dtype"] = [(k, cfg[k]) for k in ("dtype", "torch_dtype") if k in cfg and cfg[k] is not None]
+    ropes = [(k, cfg[k]) for k in ROPE_DICTS if isinstance(cfg.get(k), dict)]
+    out["rope_theta"] = ([("rope_theta", cfg["rope_theta"])] if cfg.get("rope_theta") is not None else []) + [
+        (f"{k}.rope_theta", d["rope_theta"]) for k, d in ropes if d.get("rope_theta") is not None]
+    rope_copies = []
+    for k, d in ropes:
+        if "type" in d and "rope_type" in d and _norm(d["type"]) != _norm(d["rope_type"]):
+            # one dict naming two RoPE types: two readings of it, as different as two dicts
+            rope_copies.append((f"{k} (read by 'type')", {**_rope_dict(d), "rope_type": _norm(d["type"])}))
+            rope_copies.append((f"{k} (read by 'rope_type')", {**_rope_dict(d), "rope_type": _norm(d["rope_type"])}))
+        else:
+            rope_copies.append((k, _rope_dict(d)))
+    out["rope_parameters"] = rope_copies
+    return {k: v for k, v in out.items() if v}
+
+
+def check_duplicated_fields(cfg: dict, source: str) -> None:
+    """Refuse a config whose copies of one field (:func:`field_locations`) disagree.
+
+    Raises:
+        InputError: naming the field, every copy with its value, and the ``--override`` that settles it.
+    """
+    for name, copies in field_locations(cfg).items():
+        if len({json.dumps(_norm(v), sort_keys=True) for _, v in copies}) > 1:
+            values = ", ".join(f"{loc}={v!r}" for loc, v in copies)
+            fix = (f"set the right value with --override {name}=<JSON> (workflow: the checkpoint entry's "
+                   f"overrides: {{{name}: ...}}), which writes it to every copy, or correct the config file"
+                   if name in OVERRIDE_KEYS else "correct the config file (or pass a corrected one with "
+                   "--drafter-config; workflow: the checkpoint entry's drafter_config)")
+            raise InputError(
+                source, name,
+                f"stored twice with different values ({values}); dflash-eval does not guess which one the "
+                "drafter was trained with", fix,
+            )
+
+
+def check_override_keys(overrides: dict | None) -> None:
+    """Refuse override keys outside :data:`OVERRIDE_KEYS` (an unknown key must never be ignored).
+
+    Raises:
+        InputError: naming the key, the accepted keys and the closest one.
+    """
+    for name in overrides or {}:
+        if name not in OVERRIDE_KEYS:
+            close = difflib.get_close_matches(str(name), OVERRIDE_KEYS, n=1)
+            raise InputError(
+                None, f"override {name!r}",
+                f"unknown key (accepted: {', '.join(OVERRIDE_KEYS)})" + (f"; did you mean {close[0]!r}?" if close else ""),
+                "fix the key in the checkpoint entry's overrides (CLI: strip --override KEY=JSON)",
+            )
+
+
+def apply_overrides(cfg: dict, overrides: dict, source: str) -> list[str]:
+    """Write each override to every copy of its field in ``cfg`` (in place); returns notes.
+
+    A field with no copy yet is written to its main place (``dflash_config.<f>`` for
+    :data:`DFLASH_FIELDS`, the top level otherwise).
+
+    Raises:
+        InputError: a key outside :data:`OVERRIDE_KEYS` (with the closest accepted key), or a
+            ``rope_parameters`` value that is not an object.
+    """
+    check_override_keys(overrides)
+    notes: list[str] = []
+    locations = field_locations(cfg)
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name == "rope_parameters" and not isinstance(value, dict):
+            raise InputError(None, "override 'rope_parameters'", f"must be a JSON object, got {value!r}",
+                             'e.g. rope_parameters={"rope_type": "default"}')
+        stored = [(loc, v) for loc, v in locations.get(name, [])]
+        differing = [f"{loc}={v!r}" for loc, v in stored if _norm(v) != _norm(value)
+                     and not (name == "rope_parameters" and v == _rope_dict(value))]
+        if differing:
+            notes.append(f"override {name}={value!r} replaces the checkpoint's {', '.join(differing)}")
+        if name in DFLASH_FIELDS:
+            dcfg = cfg.setdefault("dflash_config", {})
+            dcfg[name] = copy.deepcopy(value)
+            if name in cfg:
+                cfg[name] = copy.deepcopy(value)
+        elif name == "dtype":
+            cfg["dtype"] = value
+            if "torch_dtype" in cfg:
+                cfg["torch_dtype"] = value
+        elif name == "rope_theta":
+            cfg["rope_theta"] = value
+            for k in ROPE_DICTS:
+                if isinstance(cfg.get(k), dict) and "rope_theta" in cfg[k]:
+                    cfg[k]["rope_theta"] = value
+        else:  # rope_parameters: one dict for both names; rope_theta stays its own field
+            present = [k for k in ROPE_DICTS if isinstance(cfg.get(k), dict)] or ["rope_parameters"]
+            for k in present:
+                theta = (cfg.get(k) or {}).get("rope_theta") if isinstance(cfg.get(k), dict) else None
+                cfg[k] = copy.deepcopy(value)
+                if theta is not None and "rope_theta" not in value:
+                    cfg[k]["rope_theta"] = theta
+    return notes
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters, read from an HF ``config.json`` (Qwen3 layout + ``dflash_config``).
+
+    ``block_size``, ``mask_token_id`` and ``target_layer_ids`` are read from
+    ``dflash_config`` or the top level (older checkpoints), as ``dflash==0.1.0``
+    ``_draft_value`` does; a field stored in both places with different values is
+    refused (module docstring). They are never recomputed.
+    The DFlash 2 fields (:data:`DFLASH2_FIELDS`) are read the same way; all four or none
+    (:attr:`variant`).
+    ``sliding_window`` is set only for configs with ``sliding_attention`` layers
+    (which require ``use_sliding_window: true``); ``is_causal`` is the optional
+    top-level override of every layer's causality (reference semantics).
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    is_causal: bool | None = None
+    #: DFlash 2 (:data:`DFLASH2_FIELDS`; None for DFlash 1): conv taps, channels per conv group,
+    #: rank of the selector's bilinear term, candidates per slot
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+    notes: list[str] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_dict(
+        cls,
+        cfg: dict,
+        source: str = "config.json",
+        overrides: dict | None = None,
+    ) -> "DrafterConfig":
+        """Parse and validate a drafter ``config.json`` dict (the argument is never modified).
+
+        Args:
+            cfg: the JSON object (HF Qwen3 config with ``dflash_config``).
+            source: file name used in error messages.
+            overrides: ``{field: value}`` with keys from :data:`OVERRIDE_KEYS`, e.g. a
+                ``target_layer_ids`` the file lacks; each value is written to every copy of
+                its field (noted when it replaces a stored value). ``raw`` holds the result.
+
+        Raises:
+            InputError: an unknown override key; a field stored twice with different values
+                (:func:`check_duplicated_fields`); a required field missing or malformed; or a
+                DFlash variant this project does not implement.
+        """
+        cfg = copy.deepcopy(cfg)
+        notes: list[str] = apply_overrides(cfg, dict(overrides or {}), source)
+        check_duplicated_fields(cfg, source)
+        check_finite_numbers(cfg, source)
+        dcfg = cfg.get("dflash_config") or {}
+
+        unsupported = [k for k in UNSUPPORTED_DFLASH_KEYS if k in dcfg or k in cfg]
+        unsupported += [k for k in UNSUPPORTED_DFLASH_SWITCHES if dcfg.get(k) or cfg.get(k)]
+        for key in unsupported:
+            raise InputError(
+                source, f"dflash_config.{key}",
+                "this is an attention-sink / SWA-variant drafter (sglang / MiMo style), which dflash-eval does "
+                "not implement",
+                "evaluate it with the engine it was trained for, or file an issue with the checkpoint layout",
+            )
+        for key in IGNORED_TARGET_FIELDS:
+            rp = cfg.get("rope_parameters") or {}
+            if key in cfg or (isinstance(rp, dict) and key in rp):
+                cfg.pop(key, None)
+                if isinstance(rp, dict):
+                    rp.pop(key, None)
+                notes.append(
+                    f"ignored target-only field '{key}' (the drafter uses full RoPE; speculators #613/#738)"
+                )
+
+        def pick(name: str, required: bool = True, default: Any = None):
+            # copies agree (check_duplicated_fields), so the order only picks where to look first
+            if name in dcfg:
+                return dcfg[name]
+            if name in cfg:
+                return cfg[name]
+            if required:
+                raise InputError(
+                    source, f"dflash_config.{name}",
+                    "missing (dflash-eval never guesses it: the build_target_layer_ids fallback "
+                    "loads wrong layers silently, z-lab/dflash #156)",
+                    f"add dflash_config.{name} to the checkpoint config, or set it in the checkpoint "
+                    f"entry of the workflow config (overrides: {{{name}: ...}}; CLI: strip --override {name}=...)",
+                )
+            return default
+
+        def need(name: str, default: Any = None) -> int:
+            value = cfg.get(name)
+            value = default if value is None else value
+            if value is None:
+                raise InputError(source, name, "missing", f"add '{name}' to the drafter config.json")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InputError(source, name, f"must be a positive integer, got {value!r}", f"fix '{name}'")
+            return value
+
+        def flag(name: str, default: bool = False) -> bool:
+            value = cfg.get(name, default)
+            if not isinstance(value, bool):  # bool("false") is True
+                raise InputError(source, name, f"must be true or false, got {value!r}", f"fix '{name}' (a JSON boolean)")
+            return value
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        n_layers = need("num_hidden_layers")
+        layer_types = list(cfg.get("layer_types") or implied_layer_types(cfg, n_layers, source, notes))
+        if len(layer_types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+            raise InputError(
+                source, "layer_types",
+                f"expected {n_layers} entries of 'full_attention'/'sliding_attention', got {layer_types}",
+                "fix layer_types or num_hidden_layers",
+            )
+        sliding = None
+        if "sliding_attention" in layer_types:
+            # transformers' Qwen3Config drops sliding_window unless use_sliding_window is true (so the
+            # reference then applies no window), while SpecForge refuses such a config: ambiguous, refuse.
+            if cfg.get("use_sliding_window") is not True:
+                raise InputError(
+                    source, "use_sliding_window",
+                    f"layer_types has sliding_attention but use_sliding_window is {cfg.get('use_sliding_window')!r} "
+                    "(the reference then applies no window; SpecForge refuses to train such a config)",
+                    "set use_sliding_window: true and sliding_window to the trained window, or make every "
+                    "layer full_attention (pass the corrected config with --drafter-config)",
+                )
+            sliding = need("sliding_window", QWEN3_SLIDING_WINDOW)
+        is_causal = cfg.get("is_causal")
+        if is_causal is not None and not isinstance(is_causal, bool):
+            raise InputError(source, "is_causal", f"must be true/false, got {is_causal!r}", "fix is_causal")
+        if is_causal is not None:
+            notes.append(f"is_causal={is_causal} applies to every layer (reference Qwen3DFlashAttention)")
+        tli = pick("target_layer_ids")
+        if not isinstance(tli, (list, tuple)) or not tli or not all(isinstance(i, int) and i >= 0 for i in tli):
+            raise InputError(source, "dflash_config.target_layer_ids", f"must be a non-empty list of layer indices, got {tli!r}", "fix the list")
+        block_size, mask_token_id = pick("block_size"), pick("mask_token_id")
+        for name, value, low in (("block_size", block_size, 2), ("mask_token_id", mask_token_id, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(source, f"dflash_config.{name}", f"must be an integer >= {low}, got {value!r}", f"fix {name}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise InputError(source, "hidden_act", f"'{act}' not supported (DFlash drafters use silu)", "use silu")
+        softcap = pick("final_logit_softcapping", required=False)
+        dflash2 = _dflash2_fields(cfg, dcfg, source, hidden, need("vocab_size"), block_size, notes)
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=need("num_key_value_heads", heads),
+            head_dim=need("head_dim", hidden // heads),
+            intermediate_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
+            target_layer_ids=[int(i) for i in tli],
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=flag("attention_bias"),
+            hidden_act=act,
+            layer_types=layer_types,
+            sliding_window=sliding,
+            input_embedding_scale=float(pick("input_embedding_scale", required=False, default=1.0)),
+            output_multiplier=float(pick("output_multiplier", required=False, default=1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            is_causal=is_causal,
+            **dflash2,
+            raw=cfg,
+            notes=notes,
+        )
+
+    @property
+    def variant(self) -> str:
+        """``'dflash2'`` when the DFlash 2 fields are set (conv + candidate selector), else ``'dflash'``."""
+        return "dflash2" if self.selector_top_k is not None else "dflash"
+
+    @property
+    def architecture(self) -> str:
+        """The ``architectures`` entry of this variant (:data:`ARCHITECTURES`)."""
+        return ARCHITECTURES[self.variant]
+
+    def rotary_config(self):
+        """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim); ``raw`` is not modified."""
+        from transformers import Qwen3Config
+
+        # deep copies: transformers writes into the RoPE dict it is given (rope_theta, rope_type), and
+        # raw is what strip writes out. The two RoPE dicts agree (check_duplicated_fields), so one is passed.
+        rope = next((self.raw[k] for k in ROPE_DICTS if isinstance(self.raw.get(k), dict)), None)
+        kw = {k: self.raw[k] for k in ("rope_theta", "max_position_embeddings") if self.raw.get(k) is not None}
+        if rope is not None:
+            kw["rope_parameters"] = copy.deepcopy(rope)
+        return Qwen3Config(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            **kw,
+        )
+
+
+#: transformers ``Qwen3Config`` defaults of ``sliding_window`` and ``max_window_layers`` (what a config without them
+#: gets when the reference builds it)
+QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
+
+
+def implied_layer_types(cfg: dict, n_layers: int, source: str, notes: list[str]) -> list[str]:
+    """The ``layer_types`` of a config that gives none, as transformers ``Qwen3Config`` derives them (what the
+    z-lab reference's ``from_pretrained`` builds): with ``use_sliding_window: true``, layers from
+    ``max_window_layers`` (default 28) on use the ``sliding_window`` (default 4096); else all full attention.
+    Noted when any layer slides (the thirteenth trial's A7: such a config was evaluated with full attention while
+    the reference windows it).
+
+    Raises:
+        InputError: ``max_window_layers`` that is not a non-negative integer.
+    """
+    if cfg.get("use_sliding_window") is not True or cfg.get("sliding_window", QWEN3_SLIDING_WINDOW) is None:
+        return ["full_attention"] * n_layers
+    first = cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InputError(source, "max_window_layers", f"must be a non-negative integer, got {first!r}",
+                         "fix max_window_layers (or give layer_types)")
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    if "sliding_attention" in types:
+        notes.append(f"layer_types not given: {types} from use_sliding_window, max_window_layers {first} and "
+                     f"sliding_window {cfg.get('sliding_window', QWEN3_SLIDING_WINDOW)}, as transformers Qwen3Config "
+                     "derives them (the reference's drafter)")
+    return types
+
+
+#: float fields that must be positive where set (a zero or negative one breaks the norm, RoPE, the softcap or
+#: turns the embedding / logits scale to nothing or upside down)
+POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "final_logit_softcapping", "input_embedding_scale",
+                   "output_multiplier")
+
+
+def check_finite_numbers(cfg: dict, source: str) -> None:
+    """Refuse a NaN or infinite number anywhere in a drafter config (Python's ``json`` reads ``NaN`` and
+    ``Infinity``), and a :data:`POSITIVE_FLOATS` field that is not positive, naming the field: such a config
+    builds a drafter whose every draft is rejected (the thirteenth trial: ``rms_norm_eps: NaN`` gave tau 1.0,
+    exit 0, like NaN weights, which are refused where loaded).
+
+    Raises:
+        InputError: ``(source, field path, ...)``.
+    """
+    from dflash_eval.core.io import non_finite_entry
+
+    where = non_finite_entry(cfg)
+    if where:
+        raise InputError(source, where, "not a finite number (NaN or infinity): no trained drafter has one",
+                         "restore the value the training run saved (or give it with strip --override / the "
+                         "checkpoint entry's overrides)")
+    for copy_ in (cfg, cfg.get("dflash_config") or {}, cfg.get("rope_parameters") or {}):
+        for name in POSITIVE_FLOATS:
+            v = copy_.get(name) if isinstance(copy_, dict) else None
+            if v is None or (name == "final_logit_softcapping" and v == 0):  # unset; a softcap of 0: none
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise InputError(source, name, f"must be a positive number, got {v!r}", f"restore the trained {name}")
+
+
+def _dflash2_fields(cfg: dict, dcfg: dict, source: str, hidden: int, vocab: int, block_size: int,
+                    notes: list[str]) -> dict:
+    """The DFlash 2 fields of a config (``{}`` for DFlash 1), validated; appends notes.
+
+    All four :data:`DFLASH2_FIELDS` or none: the reference ``DFlash2DraftModel`` and vLLM's
+    ``qwen3_dflash2`` need every one. ``conv_group_size`` must divide ``hidden_size`` (the conv's
+    groups) and ``selector_top_k`` be at most ``vocab_size``. ``architectures`` naming
+    ``DFlash2DraftModel`` without the fields is refused; the fields under another architecture are
+    noted (the stripped config names ``DFlash2DraftModel``, which vLLM and SGLang dispatch on).
+
+    Raises:
+        InputError: a partial set (naming the missing fields), a value that is not a positive integer,
+            a group size not dividing the hidden size, top-K above the vocabulary, or the
+            architecture without the fields.
+    """
+    present = {k: (dcfg[k] if k in dcfg else cfg[k]) for k in DFLASH2_FIELDS if k in dcfg or k in cfg}
+    archs = cfg.get("architectures") or []
+    if not present:
+        if ARCHITECTURES["dflash2"] in archs:
+            raise InputError(source, "dflash_config.conv_kernel_size",
+                             f"architectures names {ARCHITECTURES['dflash2']} but none of {list(DFLASH2_FIELDS)} "
+                             "is set (the conv and the selector cannot be built)",
+                             "add the DFlash 2 fields to dflash_config (as the training run saved them)")
+        return {}
+    missing = [k for k in DFLASH2_FIELDS if k not in present]
+    if missing:
+        raise InputError(source, f"dflash_config.{missing[0]}",
+                         f"a DFlash 2 config needs all of {list(DFLASH2_FIELDS)}; {missing} missing "
+                         f"(present: {present})",
+                         "add the missing fields to dflash_config as the training run saved them "
+                         "(reference dflash==0.1.0 DFlash2DraftModel reads all four)")
+    for k, v in present.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(source, f"dflash_config.{k}", f"must be a positive integer, got {v!r}", f"fix {k}")
+    if hidden % present["conv_group_size"]:
+        raise InputError(source, "dflash_config.conv_group_size",
+                         f"{present['conv_group_size']} does not divide hidden_size {hidden} (channels per conv group)",
+                         "fix conv_group_size or hidden_size")
+    if present["selector_top_k"] > vocab:
+        raise InputError(source, "dflash_config.selector_top_k",
+                         f"{present['selector_top_k']} candidates per slot exceed vocab_size {vocab}",
+                         "fix selector_top_k")
+    if present["conv_kernel_size"] > block_size:
+        notes.append(f"conv_kernel_size {present['conv_kernel_size']} > block_size {block_size}: taps past the "
+                     "block start read zeros (SpecForge and speculators refuse to train this)")
+    if archs and ARCHITECTURES["dflash2"] not in archs:
+        notes.append(f"architectures {archs} with the DFlash 2 fields: read as {ARCHITECTURES['dflash2']} "
+                     "(the stripped config.json names it)")
+    return dict(present)

@@ -1,0 +1,1 @@
+"""The tau table and the run's report (markdown, HTML, figures)."""

@@ -1,0 +1,600 @@
+"""The run's report, built: its data, tables, figures, markdown and HTML (written by :mod:`dflash_eval.stages.report`).
+
+Everything is recomputed from the per-sample acceptance lists of the evaluate JSONs
+(:func:`dflash_eval.report.tau_table.summary_frame`, :mod:`dflash_eval.replay.metrics`), the caches'
+attributes and the measured target costs -- the same data as ``tau.csv`` -- and rendered
+twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the page
+by a Jinja2 template, ``templates/report.html.j2``; no network access needed to view it)
+and as markdown for terminals and CI logs. ``--figures-dir`` also writes each figure as a
+PNG file, which Snakemake's own report (``snakemake --report``) shows.
+
+Contents, each adapting to what the data has:
+
+* tau against training step: one panel per method -- the DFlash chain and each DDTree
+  budget whose ``tau_ddtree_<budget>`` column the tau table has -- one line per prompt set;
+* the tau table: checkpoints in training order, per prompt set tau and its change against
+  the previous step, the best checkpoint per prompt set highlighted; DDTree budgets
+  side by side when present; the full tau.csv at the end;
+* the estimated decode speedup ``tau * t_decode / (t_verify(n) + t_draft)`` per checkpoint
+  and method, the best method per checkpoint, from costs measured on the run's own device
+  (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
+* acceptance-length histograms per checkpoint and prompt set;
+* per-slot conditional acceptance ``P(slot k accepted | slots < k accepted)`` of the chain
+  and tau by position in the response, when the tau table has them (``accept_slot_<k>``,
+  ``tau_pos_<lo>_<hi>`` columns, computed by :mod:`dflash_eval.replay.metrics`);
+* target agreement per prompt set: the share of completion tokens equal to the target's
+  teacher-forced argmax in the cache (sample attribute ``argmax_agreement``, pooled over
+  completion tokens);
+* provenance: target fingerprint, cached layer ids, kernels, versions, devices, dtypes,
+  the workflow config's hash, and the cost measurement's device.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from dflash_eval.core.io import read_json_object
+from dflash_eval.row_checksum import check_run_output
+from dflash_eval.report.tau_table import primary_histogram, primary_rows, sampled_sets_note, summary_frame
+
+SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
+
+CITATIONS = [
+    ("DFlash: Block Diffusion for Flash Speculative Decoding (Chen, Liang, Liu), arXiv:2602.06036",
+     "https://arxiv.org/abs/2602.06036"),
+    ("Accelerating Speculative Decoding with Block Diffusion Draft Trees (DDTree; Ringel, Romano), arXiv:2604.12989",
+     "https://arxiv.org/abs/2604.12989"),
+    ("liranringel/ddtree (reference code: budget = drafted nodes, verify of budget + 1 rows)",
+     "https://github.com/liranringel/ddtree"),
+    ("CaDDTree: Cost-Aware Diffusion Draft Trees, arXiv:2606.01813; ZhangShuai1230/CaDDTree cost_model.py "
+     "(throughput-optimal budget: max (1 + Phi(n)) / (C_d + C_v(n)))", "https://github.com/ZhangShuai1230/CaDDTree"),
+]
+
+
+# --------------------------------------------------------------------------- data
+
+@dataclass
+class ReportData:
+    """Everything the report shows; built by :func:`load_report_data`, rendered by the writers."""
+
+    frame: pd.DataFrame  #: the tau table at full precision (plus any tau_ddtree_<B> columns)
+    hists: dict  #: (checkpoint, prompt_set) -> (block_size, {k: verify steps})
+    slot_curves: dict  #: (checkpoint, prompt_set) -> {method: [p_1, ...]} (only where available)
+    positions: list  #: [(bin label, tau_pos column)] with data
+    agreement: pd.DataFrame  #: one row per prompt set
+    caches: dict  #: prompt_set -> cache attributes
+    costs: dict | None = None
+    speedups: pd.DataFrame | None = None
+    extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
+    config_sha256: str | None = None
+    run: str | None = None
+    prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
+    table: pd.DataFrame | None = None  #: tau.csv's rows and columns (every sampling setting, speedup columns)
+
+    @property
+    def checkpoints(self) -> list[str]:
+        from dflash_eval.report.figures import checkpoint_order
+
+        return checkpoint_order(self.frame)
+
+    @property
+    def prompt_sets(self) -> list[str]:
+        return sorted(self.frame["prompt_set"].unique())
+
+
+def slot_columns(frame: pd.DataFrame) -> list[tuple[int, str]]:
+    """``[(k, "accept_slot_<k>")]`` of the tau table, by slot."""
+    cols = [(int(c[len(SLOT_PREFIX):]), c) for c in frame.columns if c.startswith(SLOT_PREFIX) and c[len(SLOT_PREFIX):].isdigit()]
+    return sorted(cols)
+
+
+def position_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[("0-64", "tau_pos_0_64"), ...]``: position-bin columns holding any value, in table order."""
+    return [(c[len(POS_PREFIX):].replace("_", "-"), c) for c in frame.columns
+            if c.startswith(POS_PREFIX) and frame[c].notna().any()]
+
+
+def prompt_length_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[("0-128", "tau_prompt_0_128"), ...]``: prompt-length bins holding any response, in table order."""
+    return [(c[len(PROMPT_PREFIX):].replace("_", "-"), c) for c in frame.columns
+            if c.startswith(PROMPT_PREFIX) and frame[c].notna().any()]
+
+
+def prompt_length_table(frame: pd.DataFrame, cols: list[tuple[str, str]]) -> pd.DataFrame:
+    """Checkpoint, prompt set and ``"<tau> (<responses>)"`` per prompt-length bin (empty where none)."""
+    out = frame[["checkpoint", "prompt_set"]].copy()
+    for label, c in cols:
+        n = frame["n" + c[len("tau"):]] if "n" + c[len("tau"):] in frame else None
+        out[f"{label} tokens"] = [f"{t:.3f} ({int(k)})" if pd.notna(t) else ""
+                                  for t, k in zip(frame[c], n if n is not None else [0] * len(frame))]
+    return out
+
+
+def slot_curves(frame: pd.DataFrame) -> dict:
+    """``{(checkpoint, prompt_set): {"chain": [p_1, ..., p_m]}}`` from the ``accept_slot_<k>`` columns
+    (trailing empty slots of smaller block sizes dropped; rows without any value left out)."""
+    cols = slot_columns(frame)
+    out = {}
+    for r in frame.to_dict("records"):
+        ys = [float(r[c]) if pd.notna(r[c]) else math.nan for _, c in cols]
+        while ys and math.isnan(ys[-1]):
+            ys.pop()
+        if ys:
+            out[(r["checkpoint"], r["prompt_set"])] = {"chain": ys}
+    return out
+
+
+def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
+    from dflash_eval.cache.reader import CacheReader
+
+    rows, attrs = [], {}
+    for c in caches:
+        with CacheReader(c) as rd:
+            ps = str(rd.attrs.get("prompt_set") or Path(c).stem)
+            attrs[ps] = dict(rd.attrs)
+            agree, tokens = [], []
+            for i in range(len(rd)):
+                a = rd.sample_attrs(i)
+                agree.append(float(a["argmax_agreement"]))
+                tokens.append(a["length"] - int(a["prompt_len"]))
+        total = sum(tokens)
+        rows.append({
+            "prompt_set": ps,
+            "samples": len(agree),
+            "completion_tokens": total,
+            "agreement": sum(a * t for a, t in zip(agree, tokens)) / total if total else math.nan,
+            "lowest_sample": min(agree) if agree else math.nan,
+            "samples_below_1": sum(a < 1.0 for a in agree),
+        })
+    return pd.DataFrame(rows, columns=["prompt_set", "samples", "completion_tokens", "agreement", "lowest_sample",
+                                       "samples_below_1"]), attrs
+
+
+def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
+                     config_sha256: str | None = None, run: str | None = None,
+                     prompts_meta: list[str] | None = None, run_records: list[str] | None = None) -> ReportData:
+    """Collect the report's data from the run's files.
+
+    Args:
+        evals: evaluate JSONs (``results/<run>/eval/<ckpt>/<prompt_set>.json``).
+        caches: HDF5 caches (agreement and provenance).
+        costs: ``target_costs.json`` path, or None (no speedup section).
+        extra: JSON files with ``title`` + ``markdown`` (e.g. kernel parity).
+        config_sha256: hash of the workflow config (provenance).
+        run: run name (title).
+        prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.data.provenance.read_prompt_meta`),
+            shown as one section with the skip counts per reason.
+        run_records: the run's options records of its run-level stages (the workflow passes them): ``costs`` and
+            each ``extra`` file must be sealed and name their stage's (the eighth trial's S4, S5: another run's
+            target_costs.json or validate_online.json, or an edited one, went into the report); None: only the
+            seals are checked.
+
+    Raises:
+        InputError: unreadable inputs; a ``costs`` or ``extra`` file edited, or (with ``run_records``) not made
+            by this run's stage with its settings (:func:`dflash_eval.row_checksum.check_run_output`).
+    """
+    every = summary_frame(evals)
+    frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
+    hists, drafter_notes = {}, {}
+    for p in evals:
+        r = json.loads(Path(p).read_text())
+        hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), primary_histogram(r))
+        drafter_notes.update({f"- `{r['checkpoint']}`: {n}": None for n in r.get("drafter_notes") or []})  # once each
+    agreement, cache_attrs = _agreement(list(caches))
+    data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
+                      prompt_lengths=prompt_length_columns(frame),
+                      agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
+    from dflash_eval.target.costs import read_costs, speedup_frame, with_speedups
+
+    if costs:
+        data.costs = read_costs(costs, run_records)
+        data.speedups = speedup_frame(frame, data.costs)
+    data.table = with_speedups(every, data.costs)
+    if prompts_meta:
+        from dflash_eval.data.provenance import read_prompt_meta, skip_table_markdown
+
+        metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
+        data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
+                           "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
+                           + skip_table_markdown(metas)))
+    if every["sampling"].nunique() > 1:
+        data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
+    if drafter_notes:  # strip's notes that need a look: sliding layers derived from use_sliding_window, huge weights
+        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
+    for path in extra or []:
+        d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
+        check_run_output(path, d, run_records)
+        data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
+    return data
+
+
+# --------------------------------------------------------------------------- tables
+
+def sampling_section(every: pd.DataFrame) -> str:
+    """Markdown: tau per checkpoint x (prompt set, sampling setting), every row of tau.csv (the report's
+    other tables show each pair's first configured setting)."""
+    f = every.copy()
+    f["column"] = [c if t == s else f"{c} on {t} completions" for c, t, s in
+                   zip(f["prompt_set"] + " " + f["sampling"] + f["expected"].map({True: " (expected)", False: ""}),
+                       f["trajectory"], f["sampling"])]
+    piv = f.pivot_table(index="checkpoint", columns="column", values="tau", sort=False).reset_index()
+    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting. "
+            "*(expected)*: the expectation of the reference's speculative sampler given the cached "
+            "completions (docs/design.md, Acceptance at temperature > 0); *on T0 completions*: evaluated "
+            "with evaluate.cross_temperature on completions drawn at another temperature.\n\n" + _md_table(piv))
+
+
+def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
+    """Checkpoints (training order) x prompt sets of ``col``, with the change against the previous row.
+
+    Columns: ``checkpoint``, ``step``, then per prompt set ``(<set>, "tau")`` and ``(<set>, "Δ prev")``
+    as a two-level header; ``random_init`` appended when any checkpoint is random-init.
+    """
+    f = data.frame
+    order = data.checkpoints
+    piv = f.pivot_table(index="checkpoint", columns="prompt_set", values=col, dropna=False).reindex(order)
+    steps = f.drop_duplicates("checkpoint").set_index("checkpoint")["step"].reindex(order)
+    out = pd.DataFrame({("checkpoint", ""): order, ("step", ""): steps.to_numpy()})
+    for ps in data.prompt_sets:
+        v = piv[ps].to_numpy(dtype=float) if ps in piv else [math.nan] * len(order)
+        out[(ps, "tau")] = v
+        out[(ps, "Δ prev")] = pd.Series(v).diff().to_numpy()
+    if f["random_init"].any():
+        out[("random_init", "")] = f.drop_duplicates("checkpoint").set_index("checkpoint")["random_init"].reindex(order).to_numpy()
+    out.columns = pd.MultiIndex.from_tuples(out.columns)
+    return out
+
+
+def best_checkpoints(data: ReportData) -> pd.DataFrame:
+    """Per prompt set the checkpoint with the highest chain tau (ties: the earlier step)."""
+    f = data.frame.dropna(subset=["tau"])
+    rows = []
+    for ps, sub in f.groupby("prompt_set"):
+        r = sub.sort_values(["tau", "step"], ascending=[False, True], na_position="last").iloc[0]
+        rows.append({"prompt_set": ps, "checkpoint": r["checkpoint"], "step": r["step"], "tau": r["tau"]})
+    return pd.DataFrame(rows, columns=["prompt_set", "checkpoint", "step", "tau"])
+
+
+def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
+    """One prompt set: checkpoints x (chain, DDTree budgets) tau."""
+    from dflash_eval.report.figures import method_columns
+
+    f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
+    steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000 (the twelfth trial)
+    out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
+    for col, label in method_columns(data.frame):
+        out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
+    return out
+
+
+SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path. tau_oracle: a perfect "
+                 "selector over the same top-K candidates; tau_unary: the per-slot argmax of the same logits; "
+                 "topk_recall_slot_k: the target token is among slot k's candidates; pick_rate_slot_k: the "
+                 "selector picks it given the earlier picks were right. DDTree columns are NaN for these rows: "
+                 "no serving engine builds a tree over the selector's path (ddtree_applicable false).")
+
+
+def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """The DFlash 2 rows with their selector diagnostics (:mod:`dflash_eval.report.tau_table`), or None without any."""
+    if "tau_oracle" not in frame.columns or "variant" not in frame.columns or not (frame["variant"] == "dflash2").any():
+        return None
+    cols = ["checkpoint", "prompt_set", "tau", "tau_unary", "tau_oracle", "sel_accepted", "sel_oracle_accepted",
+            "sel_pick_rate", "sel_oracle_path_rate"]
+    cols += [c for c in frame.columns if c.startswith(("topk_recall_slot_", "pick_rate_slot_"))]
+    return frame.loc[frame["variant"] == "dflash2", cols].reset_index(drop=True)
+
+
+def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
+    """One prompt set: checkpoints x methods estimated speedup, plus the best method."""
+    s = data.speedups[data.speedups["prompt_set"] == prompt_set]
+    piv = s.pivot_table(index="checkpoint", columns="method", values="speedup", dropna=False).reindex(data.checkpoints)
+    methods = sorted(piv.columns, key=lambda m: (m != "chain", int(m.split("_")[-1]) if m != "chain" else 0))
+    out = pd.DataFrame({"checkpoint": data.checkpoints})
+    for m in methods:
+        out[m] = piv[m].to_numpy(dtype=float)
+    best = s[s["best"]].set_index("checkpoint")["method"].reindex(data.checkpoints)
+    out["best"] = best.fillna("").to_numpy()
+    return out
+
+
+def costs_table(costs: dict) -> pd.DataFrame:
+    """Measured costs (ms) and their ratio to one decode step."""
+    t_dec = costs["decode_s"]
+    rows = [{"quantity": "t_decode: decode step (1 token)", "ms": 1e3 * t_dec, "× t_decode": 1.0}]
+    for v in sorted(costs["verify"], key=lambda v: (v["n"], v["mask"])):
+        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v.get("fit_s", v["median_s"]),
+                     "× t_decode": v.get("fit_s", v["median_s"]) / t_dec})
+    seen = set()
+    for name, d in costs["drafters"].items():
+        if d["config_sha256"] in seen:
+            continue
+        seen.add(d["config_sha256"])
+        tag = f"drafter {d['config_sha256'][:8]} ({d['num_layers']} layers, block {d['block_size']})"
+        rows.append({"quantity": f"t_draft: {tag}, chain", "ms": 1e3 * d["draft_s"], "× t_decode": d["draft_s"] / t_dec})
+        for b, t in d.get("draft_tree_s", {}).items():
+            rows.append({"quantity": f"t_draft: {tag}, top-{b} per slot", "ms": 1e3 * t, "× t_decode": t / t_dec})
+    return pd.DataFrame(rows)
+
+
+def provenance(data: ReportData) -> pd.DataFrame:
+    """Field x prompt set: target fingerprint, layers, kernels, versions, devices, dtypes."""
+    fields = ["target_name", "target_sha256", "target_model_type", "num_target_layers", "target_layer_ids", "dtype",
+              "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
+              "causal_conv1d_version", "linear_attn_backend", "linear_attn_kernel", "image", "completions_sha256",
+              "n_samples", "created_at", "dflash_eval_version"]
+    cols = {}
+    for ps, a in data.caches.items():
+        vals = {}
+        for k in fields:
+            v = a.get(k)
+            if k == "linear_attn_kernel" and isinstance(v, str) and v.startswith("{"):
+                try:
+                    v = json.loads(v).get("backend", v)
+                except ValueError:
+                    pass
+            vals[f"cache: {k}"] = "" if v is None else str(v)
+        cols[ps] = vals
+    f = data.frame
+    run = {
+        "evaluate: device": ", ".join(sorted(map(str, f["device"].dropna().unique()))),
+        "evaluate: dtype": ", ".join(sorted(map(str, f["dtype"].dropna().unique()))),
+        "evaluate: block sizes": ", ".join(str(b) for b in sorted(f["block_size"].unique())),
+        "workflow config sha256": data.config_sha256 or "",
+    }
+    if data.costs:
+        c = data.costs
+        run.update({"costs: device": f"{c['device']} ({c['device_name']})", "costs: dtype": c["dtype"],
+                    "costs: target sha256": c["target"]["sha256"],
+                    "costs: torch / transformers": f"{c['torch_version']} / {c['transformers_version']}",
+                    "costs: measured at": c["measured_at"]})
+    import matplotlib
+
+    from dflash_eval import __version__
+
+    run["report: dflash-eval / pandas / matplotlib"] = f"{__version__} / {pd.__version__} / {matplotlib.__version__}"
+    table = pd.DataFrame(cols) if cols else pd.DataFrame()
+    run_rows = pd.DataFrame({ps: run for ps in (cols or {"run": None})})
+    return pd.concat([table, run_rows]) if len(table) else run_rows
+
+
+def _costs_mismatch(data: ReportData) -> str | None:
+    """The warnings of the speedup section: costs of another target; a noisy estimate (:mod:`dflash_eval.target.cost_stats`)."""
+    if not data.costs:
+        return None
+    from dflash_eval.target.cost_stats import assess
+
+    warnings = []
+    shas = {a.get("target_sha256") for a in data.caches.values()} - {None}
+    if shas and data.costs["target"]["sha256"] not in shas:
+        warnings.append(f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the "
+                        f"caches hold {sorted(s[:16] for s in shas)}: re-run target_costs")
+    verdict = assess(data.costs)
+    if not verdict["reliable"]:
+        warnings.append(f"unreliable estimate (estimate_reliable = False): the timings are too noisy for these "
+                        f"numbers to mean much ({'; '.join(verdict['reasons'])}; bound {verdict['bound']:.0%}). "
+                        "Re-run target_costs on a quiet machine, or with more target_costs.repeats")
+    return " — ".join(warnings) or None
+
+
+# --------------------------------------------------------------------------- markdown
+
+def _fmt(v, digits: int) -> str:
+    if isinstance(v, (bool,)) or v is pd.NA:
+        return "" if v is pd.NA else str(v)
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.{digits}f}"
+    return "" if pd.isna(v) else str(v)
+
+
+def _md_table(df: pd.DataFrame, digits: int = 3) -> str:
+    cols = [" ".join(str(x) for x in c if x) if isinstance(c, tuple) else str(c) for c in df.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for row in df.itertuples(index=False):
+        lines.append("| " + " | ".join(_fmt(v, digits) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def render_markdown(data: ReportData) -> str:
+    """``report.md``: the same numbers as the HTML, as markdown tables and text histograms."""
+    f = data.frame
+    parts = [f"# dflash-eval report{f': {data.run}' if data.run else ''}", ""]
+    if f["random_init"].any():
+        parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
+                  "pipeline runs. It is not a measurement of a drafter.", ""]
+    piv = f.assign(step=f["step"].astype("string").fillna("")).pivot_table(
+        index=["checkpoint", "step"], columns="prompt_set", values="tau").reset_index()
+    piv = piv.set_index("checkpoint").reindex(data.checkpoints).reset_index()
+    parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(piv), ""]
+    note = sampled_sets_note(f)
+    if note:
+        parts += [note, ""]
+    best = best_checkpoints(data)
+    parts += ["Best checkpoint per prompt set: " + "; ".join(
+        f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
+    from dflash_eval.target.costs import ddtree_budgets
+
+    if ddtree_budgets(f):
+        parts += ["## DDTree: tau per node budget", ""]
+        for ps in data.prompt_sets:
+            parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
+    sel = selector_table(f)
+    if sel is not None:
+        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), ""]
+    if data.speedups is not None and len(data.speedups):
+        from dflash_eval.target.costs import FORMULA, device_label
+
+        c = data.costs
+        parts += ["## Estimated decode speedup", "",
+                  f"**Estimate** from costs measured on **{device_label(c)}**, batch 1, context "
+                  f"{c['context_tokens']} tokens: `{FORMULA}` (DFlash arXiv:2602.06036; DDTree arXiv:2604.12989; "
+                  "CaDDTree arXiv:2606.01813). Not a measured end-to-end speedup.", ""]
+        warn = _costs_mismatch(data)
+        if warn:
+            parts += [f"> **Warning:** {warn}", ""]
+        for ps in data.prompt_sets:
+            parts += [f"### {ps}", "", _md_table(speedup_pivot(data, ps), 2), ""]
+    parts += ["## Full table", "", _md_table(f), ""]
+    parts += ["## Acceptance histograms", "",
+              "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
+    for ps in data.prompt_sets:
+        for ck in data.checkpoints:
+            if (ck, ps) not in data.hists:
+                continue
+            _, h = data.hists[(ck, ps)]
+            total = sum(h.values()) or 1
+            parts.append(f"- `{ck}` / `{ps}`: " + " ".join(f"{k}:{v / total:.2f}" for k, v in h.items() if v))
+    parts.append("")
+    if data.slot_curves:
+        parts += ["## Per-slot conditional acceptance", "",
+                  "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
+                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in slot_columns(f)]]), ""]
+    if data.positions:
+        parts += ["## Acceptance by position in the response", "",
+                  "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
+                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in data.positions]]), ""]
+    if data.prompt_lengths:
+        parts += ["## Acceptance by prompt length", "",
+                  "tau of the responses whose templated prompt has that many tokens (responses in brackets).", "",
+                  _md_table(prompt_length_table(f, data.prompt_lengths)), ""]
+    if len(data.agreement):
+        parts += ["## Target agreement", "",
+                  "Share of completion tokens equal to the target's teacher-forced argmax in the cache.", "",
+                  _md_table(data.agreement, 4), ""]
+    if data.caches:
+        parts += ["## Provenance", "", _md_table(provenance(data).reset_index(names="field"), 4), ""]
+    for title, md in data.extra:
+        parts += [f"## {title}", "", md, ""]
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- HTML
+
+_BEST = "background-color: #c8f0c8; font-weight: bold"
+
+
+def _styled(df: pd.DataFrame, digits: int = 4, table_id: str = "table"):
+    """A Styler with ``digits`` decimals, NaN as empty, no index; the table's id is ``T_<table_id>``."""
+    st = df.style.format(precision=digits, na_rep="", thousands=None, escape="html").hide(axis="index")
+    return st.set_uuid(table_id).set_table_attributes(f'class="data" data-table="{table_id}"')
+
+
+def _tau_table_html(data: ReportData) -> str:
+    piv = tau_pivot(data)
+    st = _styled(piv, table_id="tau-table")
+    tau_cols = [c for c in piv.columns if c[1] == "tau"]
+    delta_cols = [c for c in piv.columns if c[1] == "Δ prev"]
+    st = st.highlight_max(subset=tau_cols, axis=0, props=_BEST)
+    st = st.format("{:+.4f}", subset=delta_cols, na_rep="")
+    st = st.map(lambda v: "color: #1a7f1a" if v > 0 else ("color: #b00020" if v < 0 else ""), subset=delta_cols)
+    return st.to_html()
+
+
+def _row_best_html(df: pd.DataFrame, numeric: list[str], digits: int, table_id: str) -> str:
+    st = _styled(df, digits, table_id).highlight_max(subset=numeric, axis=1, props=_BEST)
+    return st.to_html()
+
+
+def _img(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
+    """``{file name: (caption, PNG bytes)}`` of every figure the data supports, in page order."""
+    from dflash_eval.report import figures as F
+
+    out = {}
+
+    def add(name, caption, fig):
+        out[name] = (caption, F.png(fig))
+
+    add("tau_vs_step.png", "tau against training step, one line per prompt set; one panel per method "
+        "(the DFlash chain, and each DDTree budget when the tau table has it).", F.tau_vs_step(data.frame))
+    if data.speedups is not None and len(data.speedups):
+        from dflash_eval.target.costs import device_label
+
+        label = device_label(data.costs)
+        add("speedup.png", f"Estimated decode speedup per checkpoint against tokens per verify forward; {label}.",
+            F.speedup_vs_budget(data.speedups, label))
+        add("verify_costs.png", f"Measured target forward time over one decode step; {label}.",
+            F.verify_costs(data.costs, label))
+    for ps in data.prompt_sets:
+        cks = [c for c in data.checkpoints if (c, ps) in data.hists]
+        add(f"hist_{_slug(ps)}.png", f"Acceptance-length histograms, {ps}: fraction of verify steps that committed "
+            "k tokens (accepted drafts + bonus).", F.histograms(ps, cks, data.hists))
+    for ps in data.prompt_sets:
+        cks = [c for c in data.checkpoints if (c, ps) in data.slot_curves]
+        if cks:
+            add(f"slots_{_slug(ps)}.png", f"Per-slot conditional acceptance, {ps}: P(draft slot k accepted | "
+                "slots 1..k-1 accepted), pooled over verify steps.", F.slot_curves(ps, cks, data.slot_curves))
+    if data.positions:
+        add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
+            "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
+    return out
+
+
+def _best_lines(data: ReportData) -> list[dict]:
+    """Best checkpoint per prompt set (chain tau) and, with costs, the fastest (checkpoint, method) estimate."""
+    lines = []
+    for r in best_checkpoints(data).itertuples():
+        line = {"prompt_set": r.prompt_set, "checkpoint": r.checkpoint, "tau": f"{r.tau:.4f}",
+                "step": "" if pd.isna(r.step) else str(int(r.step)), "speedup": ""}
+        if data.speedups is not None and len(data.speedups):
+            s = data.speedups[(data.speedups["prompt_set"] == r.prompt_set)].dropna(subset=["speedup"])
+            if len(s):
+                top = s.loc[s["speedup"].idxmax()]
+                line["speedup"] = f"{top['speedup']:.2f}× with {top['method']} on {top['checkpoint']}"
+        lines.append(line)
+    return lines
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
+    """``report.html``: one self-contained page (inline CSS, figures as data: URIs, no scripts)."""
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    from dflash_eval.target.costs import FORMULA, ddtree_budgets, device_label
+    from dflash_eval.report.figures import method_columns
+
+    f = data.frame
+    sections = {}
+    if ddtree_budgets(f):
+        sections["ddtree"] = {ps: _row_best_html(d := ddtree_pivot(data, ps), [c for c in d.columns if c not in ("checkpoint", "step")],
+                                                 4, f"ddtree-{_slug(ps)}") for ps in data.prompt_sets}
+    speed = None
+    if data.speedups is not None and len(data.speedups):
+        speed = {
+            "label": device_label(data.costs),
+            "costs": data.costs,
+            "formula": FORMULA,
+            "warning": _costs_mismatch(data),
+            "tables": {ps: _row_best_html(d := speedup_pivot(data, ps), [c for c in d.columns if c not in ("checkpoint", "best")],
+                                          2, f"speedup-{_slug(ps)}") for ps in data.prompt_sets},
+            "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
+        }
+    full = _styled(data.table if data.table is not None else f, 4, "tau-csv").to_html()
+    sel = selector_table(f)
+    env = Environment(loader=PackageLoader("dflash_eval", "templates"), autoescape=select_autoescape(["html", "j2"]))
+    return env.get_template("report.html.j2").render(
+        run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
+        methods=[label for _, label in method_columns(f)], prompt_sets=data.prompt_sets,
+        checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
+        ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
+        slots=bool(data.slot_curves), positions=bool(data.positions),
+        prompt_lengths=_styled(prompt_length_table(f, data.prompt_lengths), 3, "prompt-lengths").to_html()
+        if data.prompt_lengths else None,
+        agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
+        provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
+        extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
+        sampled_note=sampled_sets_note(f),
+        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None)

@@ -1,0 +1,221 @@
+"""The report's figures (matplotlib, no pyplot state: every function returns a new Figure).
+
+Each figure adapts to the data present: DDTree panels appear only when the tau table has
+``tau_ddtree_<budget>`` columns, per-slot and per-position curves only with ``accept_slot_<k>`` /
+``tau_pos_<lo>_<hi>`` columns,
+speedup figures only when target costs were measured. :func:`png` renders a figure to PNG
+bytes (embedded as base64 in ``report.html`` and written to ``figures/`` for Snakemake's
+report).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, ScalarFormatter
+
+from dflash_eval.target.costs import ddtree_budgets
+
+DPI = 100
+PANEL_W, PANEL_H = 4.2, 3.0
+
+
+def png(fig: Figure) -> bytes:
+    """PNG bytes of ``fig`` (no timestamp metadata, so equal figures give equal bytes)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata={"Software": None})
+    return buf.getvalue()
+
+
+def _grid(n: int, ncols: int = 4, sharey: bool = True, w: float = PANEL_W, h: float = PANEL_H):
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    fig = Figure(figsize=(w * ncols, h * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, sharey=sharey, squeeze=False).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def method_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[(column, label)]``: ``("tau", "chain (DFlash)")`` then one per DDTree budget present."""
+    return [("tau", "chain (DFlash)")] + [(f"tau_ddtree_{b}", f"DDTree, budget {b}") for b in ddtree_budgets(frame)]
+
+
+def checkpoint_order(frame: pd.DataFrame) -> list[str]:
+    """Checkpoints ordered by training step (unknown steps last), then name."""
+    first = frame.drop_duplicates("checkpoint").sort_values(["step", "checkpoint"], na_position="last")
+    return list(first["checkpoint"])
+
+
+def _x(frame: pd.DataFrame) -> tuple[pd.Series, str, list[str] | None]:
+    """x values: the training step when every row has one, else the checkpoint's rank (ticks = names)."""
+    if frame["step"].notna().all():
+        return frame["step"].astype(float), "training step", None
+    order = checkpoint_order(frame)
+    return frame["checkpoint"].map({c: i for i, c in enumerate(order)}).astype(float), "checkpoint", order
+
+
+def set_label(frame: pd.DataFrame, prompt_set: str) -> str:
+    """A prompt set's legend entry: its name, with its sampling label when its rows are not the greedy replay
+    (``sharegpt-t1 (T1_p0.95_k20)``); ``frame`` without a ``sampling`` column: the name."""
+    if "sampling" not in frame:
+        return prompt_set
+    labels = list(dict.fromkeys(frame.loc[frame["prompt_set"] == prompt_set, "sampling"]))
+    return prompt_set if labels in ([], ["T0"]) else f"{prompt_set} ({', '.join(labels)})"
+
+
+def tau_vs_step(frame: pd.DataFrame) -> Figure:
+    """tau against training step: one panel per method (chain, each DDTree budget), one line per prompt set."""
+    methods = method_columns(frame)
+    fig, axes = _grid(len(methods))
+    x, xlabel, ticks = _x(frame)
+    sets = sorted(frame["prompt_set"].unique())
+    for ax, (col, label) in zip(axes, methods):
+        for i, ps in enumerate(sets):
+            sel = (frame["prompt_set"] == ps).to_numpy()
+            pts = pd.DataFrame({"x": x[sel].to_numpy(), "y": frame.loc[sel, col].to_numpy(dtype=float)}).sort_values("x")
+            ax.plot(pts["x"], pts["y"], marker="o", color=f"C{i}", label=set_label(frame, ps))
+        ax.set_title(label)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if ticks is not None:
+            ax.set_xticks(range(len(ticks)), ticks, rotation=30, ha="right", fontsize=7)
+    axes[0].set_ylabel("tau (tokens per verify step)")
+    axes[0].legend(title="prompt set", fontsize=8)
+    fig.suptitle("Acceptance length tau against training step")
+    return fig
+
+
+def histograms(prompt_set: str, checkpoints: list[str], hists: dict) -> Figure:
+    """Acceptance-length histograms of one prompt set, one panel per checkpoint (training order).
+
+    ``hists[(checkpoint, prompt_set)] = (block_size, {k: verify steps that committed k tokens})``.
+    """
+    fig, axes = _grid(len(checkpoints), ncols=4, w=3.4, h=2.6)
+    for ax, ck in zip(axes, checkpoints):
+        B, h = hists[(ck, prompt_set)]
+        total = sum(h.values()) or 1
+        ks = list(range(1, B + 1))
+        ax.bar(ks, [h.get(k, 0) / total for k in ks], color="C0")
+        ax.set_title(ck, fontsize=8)
+        ax.set_xticks(ks if B <= 16 else ks[::max(1, B // 8)])
+        ax.set_xlabel("tokens committed per verify step")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("fraction of verify steps")
+    fig.suptitle(f"Acceptance-length histograms: {prompt_set}")
+    return fig
+
+
+def slot_curves(prompt_set: str, checkpoints: list[str], curves: dict) -> Figure:
+    """Per-slot conditional acceptance P(slot k accepted | slots < k accepted) of one prompt set.
+
+    ``curves[(checkpoint, prompt_set)] = {method: [p_1, p_2, ...]}``; one panel per method,
+    one line per checkpoint (colour = training order).
+    """
+    methods = sorted({m for ck in checkpoints for m in curves.get((ck, prompt_set), {})},
+                     key=lambda m: (m != "chain", len(m), m))
+    fig, axes = _grid(len(methods))
+    cmap = _cmap()
+    for ax, m in zip(axes, methods):
+        for i, ck in enumerate(checkpoints):
+            ys = curves.get((ck, prompt_set), {}).get(m)
+            if ys:
+                ax.plot(range(1, len(ys) + 1), ys, marker=".", color=cmap(0.85 * i / max(1, len(checkpoints) - 1)), label=ck)
+        ax.set_title(m)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("draft slot k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("P(slot k accepted | slots < k accepted)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Per-slot conditional acceptance: {prompt_set}")
+    return fig
+
+
+def position_tau(frame: pd.DataFrame, positions: list[tuple[str, str]]) -> Figure:
+    """Tokens per verify step by position bin of the anchor, one panel per prompt set, one line per checkpoint."""
+    sets = sorted(frame["prompt_set"].unique())
+    fig, axes = _grid(len(sets), ncols=3, w=4.6, h=3.2)
+    order = checkpoint_order(frame)
+    cmap = _cmap()
+    labels = [lab for lab, _ in positions]
+    for ax, ps in zip(axes, sets):
+        sub = frame[frame["prompt_set"] == ps].set_index("checkpoint")
+        for i, ck in enumerate(order):
+            if ck in sub.index:
+                ys = [float(sub.at[ck, c]) if pd.notna(sub.at[ck, c]) else math.nan for _, c in positions]
+                ax.plot(range(len(labels)), ys, marker="o", color=cmap(0.85 * i / max(1, len(order) - 1)), label=ck)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_xlabel("anchor position in the completion (tokens)")
+        ax.set_title(ps)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tokens per verify step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Acceptance by position in the response")
+    return fig
+
+
+def _log2_axis(ax) -> None:
+    """Log-2 x axis labelled with plain numbers (8, 16, 32 rather than 2^3 ...)."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+
+
+def _cmap():
+    from matplotlib import colormaps
+
+    return colormaps["viridis"]
+
+
+def speedup_vs_budget(speedups: pd.DataFrame, label: str) -> Figure:
+    """Estimated speedup against verify size n, one panel per prompt set, one line per checkpoint.
+
+    The chain is drawn as a square at n = block size, DDTree budgets as a line at n = budget + 1.
+    """
+    sets = sorted(speedups["prompt_set"].unique())
+    fig, axes = _grid(len(sets), ncols=3, w=4.6, h=3.3)
+    order = checkpoint_order(speedups)
+    cmap = _cmap()
+    for ax, ps in zip(axes, sets):
+        sub = speedups[speedups["prompt_set"] == ps]
+        for i, ck in enumerate(order):
+            c = cmap(0.85 * i / max(1, len(order) - 1))  # viridis without its pale yellow end
+            rows = sub[sub["checkpoint"] == ck]
+            tree = rows[rows["method"] != "chain"].sort_values("verify_tokens")
+            if len(tree):
+                ax.plot(tree["verify_tokens"], tree["speedup"], marker="o", color=c, label=ck)
+            chain = rows[rows["method"] == "chain"]
+            ax.plot(chain["verify_tokens"], chain["speedup"], marker="s", linestyle="none", color=c,
+                    markeredgecolor="black", label=None if len(tree) else ck)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        _log2_axis(ax)
+        ax.set_xlabel("tokens per verify forward n (square: chain)")
+        ax.set_title(ps)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("estimated speedup vs autoregressive")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Estimated decode speedup, {label}")
+    return fig
+
+
+def verify_costs(costs: dict, label: str) -> Figure:
+    """Measured verify-forward time over decode-step time against n (the device's cost curve)."""
+    fig = Figure(figsize=(5.5, 3.4), layout="constrained")
+    ax = fig.subplots()
+    t_dec = costs["decode_s"]
+    for i, mask in enumerate(("causal", "tree")):
+        pts = sorted((v["n"], v.get("fit_s", v["median_s"]) / t_dec) for v in costs["verify"] if v["mask"] == mask)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=f"{mask} mask")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    _log2_axis(ax)
+    ax.set_xlabel("tokens per verify forward n")
+    ax.set_ylabel("t_verify(n) / t_decode")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Target forward cost, {label}", fontsize=9)
+    return fig

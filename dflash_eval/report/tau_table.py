@@ -1,0 +1,514 @@
+"""The tau table (``tau.csv`` / ``tau.parquet``: its columns, documented here), rebuilt from the per-sample results of ``evaluate``.
+
+Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
+
+``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
+(checkpoint, prompt set, sampling setting of ``evaluate.sampling`` evaluated on that set: those at the
+temperature its completions were drawn at, every one with ``cross_temperature``;
+:func:`dflash_eval.workflow.sampling.evaluate_settings`), in the configured order of the settings, with columns
+
+======================  =====================================================================
+checkpoint              drafter name (the ``{ckpt}`` wildcard)
+step                    training step (checkpoint metadata or name), empty when unknown
+prompt_set              prompt set name
+sampling                the setting's label: ``T0`` (greedy) or e.g. ``T1_p0.95_k20``
+temperature, top_p,     the setting (dflash==0.1.0 ``_sampling_probs``: temperature, then top-k,
+top_k                   then top-p; top_p 1 and top_k 0 = off)
+expected                False: tau of the greedy replay (exact counts); True: the expectation of
+                        dflash==0.1.0's speculative sampler given the cached trajectories
+                        (``dflash_eval.replay.expected``): every count below is then an expected value
+trajectory              the label of the setting the cache's completions were drawn at; its
+                        temperature differs from ``sampling``'s only with
+                        ``evaluate.cross_temperature`` (top-p / top-k may differ)
+n_samples               responses with at least one verify step
+tau                     mean over responses of (mean over verify steps of a+1), bonus included,
+                        prefill token excluded (z-lab ``dflash/benchmark.py``)
+tau_tokens_per_step     committed tokens / verify steps, pooled over responses
+mean_accepted           tau - 1: accepted drafts per verify step (macro)
+block_size              B used in the replay
+n_skipped               responses with no verify step (prefill token ended them)
+verify_steps            total verify steps (= target forwards after prefill)
+committed_tokens        total tokens committed by verify steps
+random_init             True for randomly initialised (untrained) demo drafters
+device, dtype           where and in which precision the replay ran
+agreement_min           lowest per-sample target argmax agreement of the replayed samples: the
+                        fraction of a completion's tokens equal to the target's teacher-forced
+                        greedy token (1.0 = the completion is exactly the target's greedy output)
+agreement_mean          mean of the same (evaluate warns below ``evaluate.agreement_warn`` and
+                        refuses below ``evaluate.agreement_min``); empty for older caches
+tau_sglang              mean over responses of (completion tokens incl. the prefill token) /
+                        verify steps: SGLang's per-request ``spec_accept_length``
+tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at completion
+                        position ``lo <= pos < hi`` (bins ``metrics.POSITION_BINS``; ``hi`` =
+                        ``inf`` for the last); empty when no step falls there
+tau_prompt_<lo>_<hi>    tau (same convention) of the responses whose prompt is ``lo <= tokens <
+                        hi`` long (bins ``metrics.PROMPT_BINS``); empty when none is
+n_prompt_<lo>_<hi>      responses in that prompt-length bin
+accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
+                        largest B in the table; empty for rows with a smaller B or where
+                        slot k was never compared
+tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a node budget of B
+                        drafted nodes per verify step, one column per configured budget
+                        (``evaluate.ddtree_budgets``; :mod:`dflash_eval.replay.ddtree`); empty for
+                        rows evaluated without that budget; NaN where ``ddtree_applicable`` is
+                        False. At temperature > 0 the tree is verified against the sampled target
+                        as liranringel/ddtree does, which commits the cache's tokens: the greedy
+                        tree walk on the cache, the same value on every row of one cache
+variant                 the drafter's variant: ``dflash`` (DFlash 1) or ``dflash2`` (DFlash 2:
+                        grouped dynamic causal conv + candidate selector)
+ddtree_applicable       False for DFlash 2 rows: no serving engine builds a tree over the
+                        selector's path, so their ``tau_ddtree_<B>`` are NaN (never a tree over
+                        the per-slot marginals presented as DFlash 2's)
+tau_oracle              DFlash 2: tau (same convention) of a perfect selector choosing from the
+                        same top-K candidates, on its own trajectory; empty for DFlash 1
+tau_unary               DFlash 2: tau of the per-slot argmax of the same logits (the selector
+                        switched off); empty for DFlash 1
+sel_accepted            DFlash 2, over the selector chain's verify steps: accepted drafts per step
+sel_oracle_accepted     the same for a perfect selector on the same steps' candidates
+sel_pick_rate           pooled pick rate: accepted / (slots where the oracle path was open)
+sel_oracle_path_rate    share of steps where the selector accepted the whole oracle prefix
+topk_recall_slot_<k>    DFlash 2: P(slot k's target token is among its top-K candidates),
+                        k = 1..B-1 (:class:`dflash_eval.replay.metrics.SelectorStats`)
+pick_rate_slot_<k>      DFlash 2: P(the selector picks slot k's target token | it picked the
+                        earlier ones and the target token is a candidate)
+speedup_chain           the report's estimated decode speedup of the chain on this row's tau,
+                        ``tau * t_decode / (t_verify(B) + t_draft)`` from the run's
+                        ``target_costs.json`` (:func:`dflash_eval.target.costs.method_speedups`); empty
+                        when ``target_costs`` is disabled or a cost was not measured
+speedup_ddtree_<B>      the same for DDTree at node budget B (``tau_ddtree_<B>``, verify of B + 1
+                        tokens with a tree mask), one column per ``tau_ddtree_<B>`` column
+estimate_reliable       :func:`dflash_eval.target.cost_stats.assess` of the target costs: False when the
+                        timings were too noisy for the speedup columns to be trusted (the same on
+                        every row); empty when ``target_costs`` is disabled
+======================  =====================================================================
+
+The speedup and ``estimate_reliable`` columns are added by the ``summary`` stage
+(:func:`dflash_eval.target.costs.speedup_columns`, :func:`dflash_eval.stages.summary.write_summary`), after
+every other column, from the same function as the report's speedup table, so the two agree; the
+report rebuilds its frame from the evaluate outputs (:func:`summary_frame`) without them.
+
+The ``tau_oracle`` / ``tau_unary`` columns are recomputed from the per-sample chains of the
+evaluate JSON; the ``sel_*``, ``topk_recall_slot_*`` and ``pick_rate_slot_*`` columns are its
+``selector`` aggregate (:func:`dflash_eval.replay.metrics.selector_stats`). Rows without DFlash 2
+drafters have none of these columns filled.
+
+Sources and exact definitions of the three tau conventions (``tau``, ``tau_tokens_per_step``,
+``tau_sglang``) and of the per-slot / per-position columns: :mod:`dflash_eval.replay.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pandas as pd
+
+from dflash_eval.core.errors import InputError
+from dflash_eval.core.io import read_json_object
+from dflash_eval.row_checksum import check_document
+from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
+
+#: the settings of an evaluate output written before sampling settings existed: greedy only
+GREEDY_SETTING = {"label": "T0", "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "temperature", "top_p", "top_k", "expected", "trajectory",
+           "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
+           "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
+           "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
+    + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n") for label in position_bin_labels(PROMPT_BINS)]
+
+
+def slot_columns(max_block_size: int) -> list[str]:
+    """``accept_slot_1 .. accept_slot_<B-1>``: the per-slot columns after :data:`COLUMNS`."""
+    return [f"accept_slot_{k}" for k in range(1, max_block_size)]
+
+
+
+#: after the DDTree and slot columns: every table has them
+VARIANT_COLUMNS = ["variant", "ddtree_applicable"]
+#: then, in a table with a DFlash 2 row, :func:`selector_slot_columns` after these
+SELECTOR_COLUMNS = ["tau_oracle", "tau_unary", "sel_accepted", "sel_oracle_accepted", "sel_pick_rate",
+                    "sel_oracle_path_rate"]
+
+
+def selector_slot_columns(max_block_size: int) -> list[str]:
+    """``topk_recall_slot_1 .. _<B-1>`` then ``pick_rate_slot_1 .. _<B-1>`` (DFlash 2 selector diagnostics)."""
+    return [f"{kind}_slot_{k}" for kind in ("topk_recall", "pick_rate") for k in range(1, max_block_size)]
+
+
+def _nan(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _selector_columns(r: dict) -> dict:
+    """The DFlash 2 columns of one evaluate output (its per-sample oracle/unary chains, its ``selector`` aggregate)."""
+    B, sel = r["block_size"], r["selector"]
+    out = {"tau_oracle": aggregate([s["acceptance_lengths_oracle"] for s in r["samples"]], B).tau,
+           "tau_unary": aggregate([s["acceptance_lengths_unary"] for s in r["samples"]], B).tau,
+           "sel_accepted": _nan(sel["accepted"]), "sel_oracle_accepted": _nan(sel["oracle_accepted"]),
+           "sel_pick_rate": _nan(sel["pick_rate_all"]), "sel_oracle_path_rate": _nan(sel["oracle_path_rate"])}
+    for k, v in sel["topk_recall"].items():
+        out[f"topk_recall_slot_{k}"] = _nan(v)
+    for k, v in sel["pick_rate"].items():
+        out[f"pick_rate_slot_{k}"] = _nan(v)
+    return out
+
+
+#: ``tau.parquet``'s schema metadata key holding :func:`frame_sha256` of its table (written by :func:`write_parquet`)
+PARQUET_SEAL = b"dflash_eval.content_sha256"
+
+
+def frame_sha256(df: pd.DataFrame) -> str:
+    """sha256 (hex) of a tau table's column names, dtypes and values (``pandas.util.hash_pandas_object`` per
+    row, index left out): what a parquet round trip keeps exactly, and what any edit of a cell changes."""
+    import hashlib
+
+    h = hashlib.sha256(repr([(str(c), str(t)) for c, t in df.dtypes.items()]).encode())
+    h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_parquet(df: pd.DataFrame, path) -> None:
+    """Write ``df`` as parquet (pyarrow) with :func:`frame_sha256` under :data:`PARQUET_SEAL` in its schema metadata."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), PARQUET_SEAL: frame_sha256(df).encode()})
+    pq.write_table(table, path)
+
+
+def read_parquet(path) -> pd.DataFrame:
+    """A ``tau.parquet`` written by :func:`write_parquet`, verified against its seal (the seventh trial's U1: an
+    edited tau.parquet reached the trackers unchecked). One without the seal (an earlier version's, or rewritten
+    by another tool) is read with a warning by a direct call and refused inside the workflow
+    (:func:`dflash_eval.row_checksum.sealed_required`).
+
+    Raises:
+        InputError: unreadable; its values differ from the seal (edited after ``summary`` wrote it); no seal
+            inside the workflow.
+    """
+    import pyarrow.parquet as pq
+
+    from dflash_eval.row_checksum import sealed_required
+
+    fix = f"rebuild it: snakemake --forcerun {path} (or rerun `python -m dflash_eval summary`)"
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as err:
+        raise InputError(path, None, f"not a readable parquet file ({err})", fix) from None
+    df = table.to_pandas()
+    want = (table.schema.metadata or {}).get(PARQUET_SEAL)
+    if want is None:
+        if sealed_required():
+            raise InputError(path, PARQUET_SEAL.decode(), "missing, but inside the workflow every tau.parquet is "
+                             "written and sealed by the summary stage: it was rewritten after that stage (or by an "
+                             "earlier version)", fix)
+        log.warning("%s: no %s (written before it, or by another tool): read unverified", path, PARQUET_SEAL.decode())
+    elif frame_sha256(df) != want.decode():
+        raise InputError(path, PARQUET_SEAL.decode(), "its values do not match their checksum: a cell (or a row or "
+                         "column) changed after the summary stage wrote it", fix)
+    return df
+
+
+#: the columns that name a row of the tau table
+TABLE_KEY = ("checkpoint", "prompt_set", "sampling")
+#: how ``tau.csv`` writes floats (the summary stage; :func:`check_table` renders the same)
+CSV_FLOAT_FORMAT = "%.4f"
+
+
+def table_csv(df: pd.DataFrame) -> str:
+    """The text of ``tau.csv`` for the table ``df`` (what the summary stage writes)."""
+    return df.to_csv(index=False, float_format=CSV_FLOAT_FORMAT)
+
+
+def _cells(text: str, path) -> tuple[list[str], dict[tuple, dict[str, str]]]:
+    """Header and rows (by :data:`TABLE_KEY`) of a tau table's CSV text, every cell as its text."""
+    import csv
+    import io
+
+    reader = csv.DictReader(io.StringIO(text))
+    header = list(reader.fieldnames or [])
+    missing = [k for k in TABLE_KEY if k not in header]
+    if missing:
+        raise InputError(path, missing[0], "missing: not a tau table of this version",
+                         f"rebuild it from the evaluate outputs: snakemake --forcerun {path}")
+    return header, {tuple(row[k] for k in TABLE_KEY): row for row in reader}
+
+
+def _same_cell(got: str, want: str) -> bool:
+    """Two cells of a tau table as text: the same number to tau.csv's 4 decimals (a table saved again by another
+    tool may write 0.0 for 0.0000), else the same text."""
+    if got == want:
+        return True
+    try:
+        a, b = float(got), float(want)
+    except ValueError:
+        return False
+    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-4 + 1e-12 * abs(b)
+
+
+def check_table(table: pd.DataFrame | str, path, want: pd.DataFrame, skip=()) -> None:
+    """Refuse a tau table that is not what ``summary`` makes of the run's evaluate outputs (and target costs):
+    ``table`` (``tau.csv``'s text, or ``tau.parquet`` as read) compared cell by cell with ``want``
+    (:func:`summary_frame`, with :func:`dflash_eval.target.costs.with_speedups` for the speedup columns), both as
+    ``tau.csv`` writes them (:func:`table_csv`): other rows (checkpoint, prompt set, sampling: another run's table
+    copied in place, a stale one), other columns, or any cell edited beyond tau.csv's rounding (:func:`_same_cell`;
+    the tenth trial's F4: only tau and four more columns were compared, so an edited DDTree tau, speedup, step or agreement stayed in tau.csv with exit 0).
+    Used by ``report`` (tau.csv, every column) and ``trackers`` (tau.parquet, but the ``skip`` columns: the speedup
+    columns, which need target_costs.json; the eighth trial's S1, another run's validly sealed table logged to the
+    run's TensorBoard).
+
+    Raises:
+        InputError: ``(path, <column> | "rows" | "columns", ...)`` naming the row and both values.
+    """
+    name = Path(path).name
+    fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {path}"
+    got_cols, got = _cells(table if isinstance(table, str) else table_csv(table), path)
+    want_cols, wanted = _cells(table_csv(want), path)
+    if sorted(got) != sorted(wanted):
+        raise InputError(path, "rows", f"{len(got)} rows, the evaluate outputs give {len(wanted)} other (checkpoint, "
+                         f"prompt set, sampling) rows: {name} was edited, is stale or is another run's", fix)
+    cols = [c for c in want_cols if c not in skip]
+    lost = [c for c in cols if c not in got_cols] + [c for c in got_cols if c not in want_cols and c not in skip]
+    if lost:
+        raise InputError(path, "columns", f"{lost[0]!r} {'missing' if lost[0] in want_cols else 'not a column summary writes'}: "
+                         f"{name} was edited, is stale (an earlier version's) or is another run's", fix)
+    for key, row in wanted.items():
+        for col in cols:
+            if not _same_cell(got[key][col], row[col]):
+                raise InputError(path, col, f"{got[key][col] or '(empty)'} for {key[0]} on {key[1]} ({key[2]}), but "
+                                 f"summary makes {row[col] or '(empty)'} of the run's evaluate outputs"
+                                 f"{' and target costs' if col.startswith(('speedup_', 'estimate_')) else ''}: {name} "
+                                 "was edited after summary wrote it, or is another run's", fix)
+
+
+EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
+
+
+def read_eval(path) -> dict:
+    """One evaluate output (per-sample JSON).
+
+    Raises:
+        InputError: missing file, not JSON, or lacking ``EVAL_KEYS`` / per-sample ``acceptance_lengths``.
+    """
+    if not Path(path).is_file():
+        raise InputError(path, None, "evaluate output not found",
+                         "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
+    r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
+    if not check_document(path, r, "evaluate", "re-run its evaluate job (snakemake -R evaluate), or restore an intact "
+                          "copy"):
+        log.warning("%s: no content_sha256 (written before it): read unverified", path)
+    missing = [k for k in EVAL_KEYS if k not in r]
+    if not missing and (not isinstance(r["samples"], list)
+                        or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):
+        missing = ["samples[].acceptance_lengths"]
+    if missing:
+        raise InputError(path, missing[0], "missing: not an evaluate output of this version",
+                         "re-run its evaluate job (snakemake -R evaluate)")
+    return r
+
+
+#: what an evaluate output records of its inputs (:func:`dflash_eval.stages.evaluate.evaluate`) -> its field there,
+#: and what the run's file is (for messages)
+EVAL_INPUT_FIELDS = {
+    "settings_sha256": ("settings_sha256", "options record (evaluate settings)"),
+    "completions_sha256": ("cache.completions_sha256", "completions file"),
+    "header_sha256": ("cache.header_sha256", "hidden-state cache (its header checksum)"),
+    "strip_info_sha256": ("strip_info_sha256", "stripped drafter (its strip_info.json info_sha256)"),
+}
+
+
+def _eval_field(r: dict, dotted: str):
+    node = r
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
+    """Compare what an evaluate output records of its inputs with the run's files: ``expected`` =
+    ``{"sets": {prompt set: {"settings_sha256", "completions_sha256", "header_sha256"}}, "checkpoints": {name:
+    {"strip_info_sha256"}}}`` (:func:`dflash_eval.stages.summary.expected_inputs`; None or empty: nothing to
+    compare). The output's prompt set and checkpoint must be those of its place (``eval/<ckpt>/<set>.json``) and
+    the run's, and each recorded sha256 the one of the
+    run's options record, completions, cache header and stripped drafter (:data:`EVAL_INPUT_FIELDS`). An output
+    of another run, checkpoint, drafter, cache or settings copied in place (validly sealed) used to go into the
+    tau table without a word; so would one that cannot tell (written by an earlier version, or by evaluate
+    outside the workflow), so it is refused too. A None in ``expected`` (a cache before format 6 has no header
+    checksum, a drafter folder without strip_info.json) is not compared.
+
+    Raises:
+        InputError: ``(path, <field>, ...)`` naming the difference, or the field missing.
+    """
+    if not expected:
+        return
+    fix = "re-run its evaluate job (snakemake --forcerun <this file>, or -R evaluate for every one)"
+    place = Path(path)
+    for key, at in (("checkpoint", place.parent.name), ("prompt_set", place.stem)):  # eval/<ckpt>/<set>.json
+        if str(r[key]) != at:
+            raise InputError(path, key, f"{r[key]!r}, but the file lies where the workflow puts the output of {key} "
+                             f"{at!r}: "
+                             "another checkpoint's or prompt set's evaluate output copied (or swapped) in place", fix)
+    wants: dict = {}
+    for kind, key in (("sets", "prompt_set"), ("checkpoints", "checkpoint")):
+        known = expected.get(kind)
+        if known is None:
+            continue
+        if r[key] not in known:
+            raise InputError(path, key, f"{r[key]!r} is not one of the run's ({', '.join(sorted(map(str, known)))}): an "
+                             "evaluate output of another run or another file copied in place", fix)
+        wants.update(known[r[key]])
+    for key, want in wants.items():
+        field, what = EVAL_INPUT_FIELDS[key]
+        if want is None:
+            continue
+        found = _eval_field(r, field)
+        if found is None:
+            raise InputError(path, field, f"missing: an evaluate output of an earlier version, or made outside the "
+                             f"workflow, which cannot show that it was made from the run's {what}", fix)
+        if found != want:
+            raise InputError(path, field, f"{str(found)[:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
+                             "an evaluate output of other inputs (another run or checkpoint, copied in place; a file "
+                             "replaced after evaluate ran; or kept by --touch / --rerun-triggers after an option changed)",
+                             fix)
+
+
+def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:
+    """Rows of the tau table from evaluate outputs (see module docstring).
+
+    Every aggregate is recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the
+    per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
+    with the per-sample data it summarises.
+
+    ``expected``: what the run's files are (:func:`check_eval_inputs`), or None.
+
+    Raises:
+        InputError: an evaluate output is missing or malformed (:func:`read_eval`), of other inputs than
+            ``expected`` names (:func:`check_eval_inputs`), or two outputs are for the same (checkpoint, prompt set).
+    """
+    rows, budgets = [], set()
+    dflash2 = False
+    seen: dict[tuple, str] = {}
+    for path in evals:
+        r = read_eval(path)
+        check_eval_inputs(path, r, expected)
+        key = (r["checkpoint"], r["prompt_set"])
+        if key in seen:
+            raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",
+                             "pass each evaluate output once")
+        seen[key] = str(path)
+        lens = [s.get("prompt_len") for s in r["samples"]]
+        lens = lens if all(isinstance(x, int) for x in lens) else None
+        greedy = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"], lens)
+        agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
+        drawn = r.get("completion_sampling") or {"temperature": 0.0}
+        trajectory = _label(drawn)
+        applicable = bool(r.get("ddtree_applicable", True))
+        ddtree = {"variant": r.get("variant", "dflash"), "ddtree_applicable": applicable}
+        for b in r.get("ddtree_budgets", []):
+            budgets.add(int(b))
+            ddtree[f"tau_ddtree_{b}"] = math.nan if not applicable else aggregate(
+                [s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]], r["block_size"]).tau
+        if "selector" in r:
+            dflash2 = True
+            ddtree.update(_selector_columns(r))
+        for st in r.get("sampling_settings") or [GREEDY_SETTING]:
+            if float(st["temperature"]) == 0:
+                stats = greedy
+            else:
+                exp = (r.get("expected") or {}).get(st["label"])
+                if exp is None or len(exp.get("samples", [])) != len(r["samples"]):
+                    raise InputError(path, f"expected.{st['label']}", "missing or not one entry per sample",
+                                     "re-run its evaluate job (snakemake -R evaluate)")
+                # the fields of dflash_eval.replay.expected.ResponseExpectation.as_dict (read without torch)
+                resp = [SimpleNamespace(**x) if x is not None else None for x in exp["samples"]]
+                stats = aggregate_expected(resp, r["block_size"], lens)
+            rows.append({
+                "checkpoint": r["checkpoint"],
+                "step": r.get("step"),
+                "prompt_set": r["prompt_set"],
+                "sampling": st["label"],
+                "temperature": float(st["temperature"]),
+                "top_p": float(st.get("top_p", 1.0)),
+                "top_k": int(st.get("top_k", 0)),
+                "expected": float(st["temperature"]) > 0,
+                "trajectory": trajectory,
+                "n_samples": stats.n_samples,
+                "tau": stats.tau,
+                "tau_tokens_per_step": stats.tau_tokens_per_step,
+                "mean_accepted": stats.tau - 1.0,
+                "block_size": r["block_size"],
+                "n_skipped": stats.n_skipped,
+                "verify_steps": stats.verify_steps,
+                "committed_tokens": stats.committed_tokens,
+                "random_init": r.get("random_init", False),
+                "device": r.get("device"),
+                "dtype": r.get("dtype"),
+                "agreement_min": agree.min,
+                "agreement_mean": agree.mean,
+                "tau_sglang": stats.tau_sglang,
+                **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
+                **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
+                **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
+                **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
+                **ddtree,
+            })
+    max_block = max((r["block_size"] for r in rows), default=1)
+    extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
+    df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
+                      + extra)
+    df["step"] = df["step"].astype("Int64")
+    df["setting_order"] = df.groupby(["checkpoint", "prompt_set"]).cumcount()
+    df = df.sort_values(["prompt_set", "step", "checkpoint", "setting_order"], na_position="last", kind="stable")
+    return df.drop(columns="setting_order").reset_index(drop=True)
+
+
+def primary_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (checkpoint, prompt set): each pair's first configured sampling setting (the report's
+    per-pair tables; every setting is in the full table)."""
+    return frame.drop_duplicates(["checkpoint", "prompt_set"]).reset_index(drop=True)
+
+
+def primary_histogram(r: dict) -> dict:
+    """``{k: verify steps that committed k tokens}`` of an evaluate output at its first sampling setting (the
+    one :func:`~dflash_eval.report.tau_table.primary_rows` keeps): the greedy chain's counts, or at temperature > 0
+    the expected counts of the speculative sampler (``expected[<label>].histogram``, floats)."""
+    first = (r.get("sampling_settings") or [GREEDY_SETTING])[0]
+    exp = (r.get("expected") or {}).get(first["label"]) if float(first["temperature"]) > 0 else None
+    if exp and exp.get("histogram"):
+        return {int(k): float(v) for k, v in exp["histogram"].items()}
+    return aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram
+
+
+def sampled_sets_note(frame: pd.DataFrame) -> str | None:
+    """The sentence under the per-pair tables naming the prompt sets shown at a setting above temperature 0 (their
+    first evaluated setting, :func:`~dflash_eval.report.tau_table.primary_rows`), or None when every set is greedy."""
+    rows = frame[frame["expected"].astype(bool)].drop_duplicates("prompt_set")
+    if not len(rows):
+        return None
+    sets = ", ".join(f"{r.prompt_set} at {r.sampling}" + (f" (on {r.trajectory} completions)"
+                                                          if r.trajectory != r.sampling else "")
+                     for r in rows.itertuples())
+    return (f"Shown at temperature > 0: {sets}. Their tau, histograms and per-slot rates are the expected values of "
+            "the reference's speculative sampler given the cached completions (docs/design.md, Acceptance at "
+            "temperature > 0); their DDTree columns are DDTree verified against the sampled target as "
+            "liranringel/ddtree does, the greedy tree walk on those completions."
+            + (" The other prompt sets: the greedy replay." if frame["prompt_set"].nunique() > len(rows) else ""))
+
+
+def _label(setting: dict) -> str:
+    """:attr:`dflash_eval.replay.sampling.SamplingSetting.label` of a setting dict (no torch import here)."""
+    t = float(setting.get("temperature", 0))
+    if t == 0:
+        return "T0"
+    parts = [f"T{t:g}"]
+    if float(setting.get("top_p", 1.0)) < 1:
+        parts.append(f"p{float(setting['top_p']):g}")
+    if int(setting.get("top_k", 0) or 0):
+        parts.append(f"k{int(setting['top_k'])}")
+    return "_".join(parts)

@@ -1,0 +1,1 @@
+"""The tau table where trainers look: TensorBoard, W&B and MLflow."""
