@@ -40,7 +40,7 @@ CUDA_TAG = "localhost/dflash-eval-cuda:test"
 #: modules of the package check_image.py must import (all but the package itself and __main__)
 N_MODULES = len([p for p in (REPO / "dflash_eval").rglob("*.py")
                  if p.name != "__main__.py" and p != REPO / "dflash_eval" / "__init__.py"
-                 and p != REPO / "dflash_eval" / "vllm_connector.py"])  # imported by vLLM's own venv only
+                 and p != REPO / "dflash_eval" / "serving" / "vllm" / "connector.py"])  # imported by vLLM's own venv only
 
 
 # --------------------------------------------------------------------------- recipes
