@@ -1,5 +1,7 @@
-"""The package's shape, read from the source: no import circle, no module over 600 lines, one stage module
-per rule (named as the rule), rules that hold only rules, and one way an option travels (the schema).
+"""The package's shape, read from the source: folders in layers (no arrow back up, no circle), few modules at the
+top, no stage importing the parse-time layer, imports at the top of the file unless a reason is written beside
+them, no module over 600 lines, one stage module per rule (named as the rule), rules that hold only rules, and one
+way an option travels (the schema).
 
 The import graph includes imports inside functions (a deferred import still ties two modules together;
 hiding a circle behind one is how circles come back).
@@ -50,7 +52,7 @@ def import_graph() -> dict[str, set[str]]:
                     mod = node.module or ""
                 targets = [mod] + [f"{mod}.{a.name}" for a in node.names]  # `from . import options`
             for t in targets:
-                while t and t not in mods:  # `dflash_eval.cache_format.X` -> the module
+                while t and t not in mods:  # `dflash_eval.cache.format.X` -> the module
                     t = t.rpartition(".")[0]
                 if t and t != name and t.startswith("dflash_eval"):
                     graph[name].add(t)
@@ -90,9 +92,83 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+#: the package's folders, lowest first: a module may import its own folder and the folders before it, never one
+#: after it. ``workflow`` (parse time, torch-free) and ``stages`` (one module per rule) share a rank and never import
+#: each other; the top level (``cli``, ``watch``) drives them. ``dflash_eval`` itself holds only ``__version__``.
+LAYERS = [("dflash_eval",), ("core",), ("target",), ("replay",), ("data",), ("cache",), ("drafter",), ("serving",),
+          ("report",), ("trackers",), ("workflow", "stages"), ("top",)]
+MAX_TOP_MODULES = 12
+MAX_DEFERRED_IMPORTS = 40
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "dflash_eval"
+    return parts[1] if (PKG / parts[1]).is_dir() else "top"
+
+
+def _rank(folder: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if folder in names)
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` pairs that import a later layer, or the sibling of the same rank."""
+    out = []
+    for a, bs in graph.items():
+        for b in bs:
+            fa, fb = _folder(a), _folder(b)
+            if fa != fb and (_rank(fb) > _rank(fa) or (_rank(fb) == _rank(fa))):
+                out.append((a, b))
+    return sorted(out)
+
+
+def test_folders_are_layers_with_no_arrow_back_up():
+    graph = import_graph()
+    folders = {_folder(m) for m in graph}
+    assert folders <= {f for names in LAYERS for f in names}, folders
+    assert arrows_back_up(graph) == []
+    assert not any(b.startswith("dflash_eval.workflow") for a, bs in graph.items() if a.startswith("dflash_eval.stages")
+                   for b in bs)
+
+
+def test_the_layer_check_can_fail():
+    graph = {"dflash_eval.core.io": {"dflash_eval.replay.walk"}, "dflash_eval.stages.evaluate": {"dflash_eval.workflow.plan"},
+             "dflash_eval.replay.walk": {"dflash_eval.core.io"}}
+    assert arrows_back_up(graph) == [("dflash_eval.core.io", "dflash_eval.replay.walk"),
+                                     ("dflash_eval.stages.evaluate", "dflash_eval.workflow.plan")]
+
+
+def test_few_modules_at_the_top():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def deferred_imports() -> list[tuple[str, int, str]]:
+    """``(file, line, reason)`` of every import inside a function of the package; the reason is the comment on the
+    import's line (``# deferred: ...``), or '' when there is none."""
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                        text = lines[sub.lineno - 1]
+                        reason = text.partition("#")[2].strip() if "#" in text else ""
+                        out.append((str(path.relative_to(ROOT)), sub.lineno, reason))
+    return sorted(set(out))
+
+
+def test_imports_sit_at_the_top_unless_a_reason_is_given():
+    found = deferred_imports()
+    assert [f"{f}:{n}" for f, n, why in found if not why] == []
+    assert len(found) <= MAX_DEFERRED_IMPORTS, len(found)
+
+
 def test_import_graph_has_no_circle():
     graph = import_graph()
-    assert graph["dflash_eval.stages.evaluate"] >= {"dflash_eval.anchors", "dflash_eval.ddtree"}  # the reader works
+    assert graph["dflash_eval.stages.evaluate"] >= {"dflash_eval.replay.anchors", "dflash_eval.replay.ddtree"}  # the reader works
     assert circles(graph) == []
 
 
@@ -132,7 +208,7 @@ def test_each_rule_has_its_stage_module_and_calls_it():
 
 
 def test_rule_files_hold_only_rules():
-    """Parse-time checks and globals live in the plan (dflash_eval/plan.py) and rules/common.smk only."""
+    """Parse-time checks and globals live in the plan (dflash_eval/workflow/plan.py) and rules/common.smk only."""
     for f in sorted((ROOT / "rules").glob("*.smk")):
         if f.name == "common.smk":
             continue
@@ -150,7 +226,7 @@ def test_every_schema_option_of_a_stage_is_a_flag_and_a_field(stage):
     defaults; the rule passes every one of them."""
     import dataclasses
 
-    from dflash_eval import options
+    from dflash_eval.core import options
     from dflash_eval.cli import build_parser
 
     cmd = stage.replace("_", "-")
