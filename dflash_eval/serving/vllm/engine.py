@@ -233,7 +233,7 @@ def cpu_fix_dir(work_dir: str | Path) -> Path:
     """
     d = Path(work_dir) / "pyfix"
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(Path(__file__).with_name("vllm_sitecustomize.py"), d / "sitecustomize.py")
+    shutil.copyfile(Path(__file__).with_name("sitecustomize.py"), d / "sitecustomize.py")
     return d
 
 

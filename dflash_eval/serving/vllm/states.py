@@ -100,7 +100,7 @@ def connector_module_dir(work_dir: Path) -> Path:
     """
     d = Path(work_dir) / "pymod"
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(Path(__file__).with_name("vllm_connector.py"), d / f"{CPU_CONNECTOR_MODULE}.py")
+    shutil.copyfile(Path(__file__).with_name("connector.py"), d / f"{CPU_CONNECTOR_MODULE}.py")
     return d
 
 
