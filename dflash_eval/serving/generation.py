@@ -28,7 +28,7 @@ from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device,
 from dflash_eval.data.completions import STOP_EOS, STOP_LENGTH
 from dflash_eval.replay.sampling import generation_sampling
 from dflash_eval.serving.clients import CLIENTS, ServerError, VLLMServer, api_key_from_env
-from dflash_eval.target.model import decode_batch_size, gqa_sdpa, load_target, prefill_unpadded, target_info
+from dflash_eval.target import model as target_model  # its functions looked up at call time (tests replace the fast paths)
 from dflash_eval.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
@@ -299,8 +299,8 @@ class TransformersSource(CompletionSource):
                 raise ValueError("empty prompt")
             input_ids[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
             attn[b, P - len(p):] = 1
-        with gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
-            cache = prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
+        with target_model.gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
+            cache = target_model.prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
             if self.processors:
                 torch.manual_seed(seed)
             steps = DecodeSteps(B, self.max_new_tokens, self.log_every)  # last: it sees the final scores
@@ -521,12 +521,12 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         dev = resolve_device(opts.device)
         dt = resolve_dtype(opts.dtype, dev)
         spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
+        model, tok, kernel = target_model.load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
                                           devices=opts.devices, max_memory=opts.max_memory)
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
         longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
-        batch = opts.batch_size or decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
+        batch = opts.batch_size or target_model.decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
         src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch,
                                  sampling=dataclasses.asdict(opts.sampling))
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -535,7 +535,7 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
                         longest, max_pos)
         src._key = {"weights_sha256": spec.weights_sha256(), "linear_attn_kernel": kernel.backend}
         log.info("completions source: %s", json.dumps(src.describe()))
-        yield src, tok, target_info(model)["vocab_size"]
+        yield src, tok, target_model.target_info(model)["vocab_size"]
         return
 
     if not (target_dir / "config.json").is_file():
