@@ -47,12 +47,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from importlib import metadata
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_eval import __version__
 from dflash_eval.core.errors import InputError
+from dflash_eval.target.hybrid import causal_conv1d_status
+from dflash_eval.target.model import register_attention
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +67,15 @@ VARLEN_ATTENTION = "dflash_eval_varlen"
 
 
 def versions() -> dict:
-    from importlib import metadata
-
     def v(name):
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return "absent"
 
-    import transformers
-
-    from dflash_eval import __version__
-    from dflash_eval.target.hybrid import causal_conv1d_status
-
     return {
         "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "transformers_version": v("transformers"),
         "fla_version": v("fla-core") if v("fla-core") != "absent" else v("flash-linear-attention"),
         "causal_conv1d_version": v("causal-conv1d"),
         "causal_conv1d_kernel": causal_conv1d_status(),
@@ -185,7 +182,7 @@ def _segment_sdpa(q, k, v, cu_host: list[int], scale):
 
 def _flash_varlen(q, k, v, cu, max_len: int, scale):
     """PyTorch's varlen flash attention (CUDA), causal, across the signatures of torch 2.9-2.13."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # deferred: 2.5 s (torch._dynamo), absent before torch 2.9; --help stays free of it
 
     params = inspect.signature(varlen_attn).parameters
     kw = {}
@@ -225,16 +222,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     return out.unsqueeze(0), None
 
 
-def _register_varlen() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-
-
 @contextlib.contextmanager
 def _packed_attention(model, cu_host: list[int], device):
     """Route the model's attention through :func:`varlen_attention_forward` for one forward."""
-    _register_varlen()
+    register_attention(VARLEN_ATTENTION, varlen_attention_forward)
     cfg = model.config
     old = cfg._attn_implementation
     _PACK.update(cu=torch.tensor(cu_host, dtype=torch.int32).to(device, non_blocking=True), cu_host=cu_host,

@@ -29,8 +29,13 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 from dflash_eval.cache.format import FILE_DATASETS, HEADER_VERSION, IDENTITY_ATTRS, write_header
+from dflash_eval.cache.reader import CacheReader, open_h5_readonly
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.io import sha256_file
+from dflash_eval.data.completions import read_completions
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -73,12 +78,7 @@ def merge_shards(shards: list["str | Path"], completions_path: "str | Path", out
     Raises:
         InputError: a shard unfinished, outside ``out``'s folder, of other settings, or samples missing or twice.
     """
-    import h5py
-    import numpy as np
-
-    from dflash_eval.cache.reader import CacheReader, open_h5_readonly
-    from dflash_eval.data.completions import read_completions
-    from dflash_eval.core.io import sha256_file
+    import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
 
     out = Path(out)
     ids = [str(r["id"]) for r in read_completions(Path(completions_path))]

@@ -151,7 +151,7 @@ class PartialCache:
         """Start a new sidecar with the file attributes ``attrs`` (identity values included) and, format 6, their
         ``header`` / ``header_sha256`` (:func:`~dflash_eval.cache.format.write_header`; later runs rewrite only
         attributes outside it: ``extraction_runs``, ``n_samples``)."""
-        import h5py
+        import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
         f = h5_writable(self.path, create=True)
@@ -232,7 +232,7 @@ class PartialCache:
 
     def _salvage(self, f, reused: set[int]):
         """Rebuild the sidecar from its verified samples when its group index is damaged; the reopened file."""
-        import h5py
+        import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
 
         tmp = self.path.with_name(self.path.name + ".salvage")
         with h5py.File(tmp, "w", locking="best-effort") as g:

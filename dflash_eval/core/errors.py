@@ -21,10 +21,16 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks
+    fcntl = None
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +52,7 @@ class InputError(ValueError):
 
 def _lock(path: Path) -> int | None:
     """Open ``path`` and hold an exclusive ``flock`` on it; the fd (None where locks are unsupported)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
+    if fcntl is None:
         return None
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -79,8 +83,6 @@ def remove_stale_temps(dest: str | os.PathLike) -> list[Path]:
     Returns:
         the paths removed.
     """
-    import shutil
-
     dest = Path(dest)
     pattern = _temp_pattern(dest)
     removed = []
@@ -177,7 +179,7 @@ def atomic_path(dest: str | os.PathLike, suffix: str | None = None) -> Iterator[
     ``locking=False`` (HDF5 would take a conflicting ``flock``).
     """
     dest = Path(dest)
-    if dest.is_dir() and not dest.is_symlink():  # os.replace would fail with a bare IsADirectoryError (trial 12)
+    if dest.is_dir() and not dest.is_symlink():  # os.replace would fail with a bare IsADirectoryError
         raise InputError(dest, None, "a folder stands where this stage writes a file",
                          f"remove it (rm -r {dest}) and run the same command again")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -207,8 +209,6 @@ def atomic_dir(dest: str | os.PathLike) -> Iterator[Path]:
     An existing ``dest`` is replaced only after the new folder is complete. The folder is
     locked and stale ones are removed as in :func:`atomic_path`.
     """
-    import shutil
-
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(dest)

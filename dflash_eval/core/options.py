@@ -29,10 +29,11 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 from typing import Any
 
-from dflash_eval.core.schema import load_schema
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.schema import load_schema
 
 #: schema entries each stage reads (stage = Snakemake rule = ``dflash_eval/stages/<stage>.py``)
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -180,17 +181,13 @@ def validate(stage: str, values: dict, where: str = "options") -> None:
     Raises:
         InputError: naming the flag and the schema's complaint (e.g. ``--ddtree-budgets: [0] ...``).
     """
-    import jsonschema
-
     for path, dotted, node in _leaves(stage):
         value = _get(values, path, None)
         if value is None and node.get("default", 0) is not None:
             continue  # not given: the default applies
-        try:
-            jsonschema.validate(value, node)
-        except jsonschema.ValidationError as err:
-            raise InputError(None, flag_name(path), f"{value!r}: {err.message} (schema entry {dotted})",
-                             f"give a value the config schema allows for {dotted}: {node.get('description', '')}".rstrip(": ")) from None
+        if (problem := _schema_problem(value, node)) is not None:
+            raise InputError(None, flag_name(path), f"{value!r}: {problem} (schema entry {dotted})",
+                             f"give a value the config schema allows for {dotted}: {node.get('description', '')}".rstrip(": "))
 
 
 def make(stage: str, values: dict | None = None, **overrides):
@@ -247,14 +244,21 @@ def schema_type(dotted: str):
 def _parse_value(node: dict, dotted: str, text: str):
     """One flag's text -> value of the schema node's type (JSON for arrays/objects; ``1,2`` for integer arrays),
     checked against the node (argparse then names the flag in its error)."""
-    import jsonschema
-
     value = _convert(node, text)
+    if (problem := _schema_problem(value, node)) is not None:
+        raise argparse.ArgumentTypeError(f"{problem} ({dotted} in the config schema)")
+    return value
+
+
+def _schema_problem(value, node: dict) -> str | None:
+    """jsonschema's complaint about ``value`` against the schema ``node``; None when it conforms."""
+    import jsonschema  # deferred: 0.2 s, and building the parsers (--help) checks no value
+
     try:
         jsonschema.validate(value, node)
     except jsonschema.ValidationError as err:
-        raise argparse.ArgumentTypeError(f"{err.message} ({dotted} in the config schema)") from None
-    return value
+        return err.message
+    return None
 
 
 def _convert(node: dict, text: str):
@@ -311,8 +315,6 @@ def from_args(stage: str, args: argparse.Namespace):
     Raises:
         InputError: a value the schema refuses, naming the flag.
     """
-    import os
-
     runtime = json.loads(os.environ.get(RUNTIME_ENV) or "{}").get(stage, {})
     tree: dict = {}
     for path, _, node in _leaves(stage):

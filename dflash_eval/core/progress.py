@@ -13,6 +13,9 @@ import logging
 import sys
 import time
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 log = logging.getLogger(__name__)
 
 
@@ -29,8 +32,6 @@ class Progress(contextlib.AbstractContextManager):
 
     def __init__(self, total: int | None, desc: str, unit: str = "tok", log_every: float = 60.0,
                  logger: logging.Logger | None = None):
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True, file=sys.stderr,
                         disable=None, mininterval=0.5)
         self.total, self.desc, self.unit, self.log_every = total, desc, unit, log_every
@@ -39,8 +40,6 @@ class Progress(contextlib.AbstractContextManager):
         self.t0 = self.t_last = time.perf_counter()
         self._redirect = contextlib.ExitStack()
         if not self.bar.disable:
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
             self._redirect.enter_context(logging_redirect_tqdm())
 
     def update(self, n: int) -> None:

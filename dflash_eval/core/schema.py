@@ -11,6 +11,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from dflash_eval.core.yaml_strict import load_file
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
 
@@ -18,8 +19,6 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.y
 @functools.lru_cache(maxsize=1)
 def load_schema() -> dict:
     """The parsed JSON schema (dict); a key written twice in it is an error (:mod:`dflash_eval.core.yaml_strict`)."""
-    from dflash_eval.core.yaml_strict import load_file
-
     return load_file(SCHEMA_PATH)
 
 

@@ -22,6 +22,7 @@ import os
 import sys
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.schema import schema_default
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ def choose(requested: int | None = None, environ=None) -> tuple[int, str]:
     omp = env.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) >= 1:
         return int(omp), "OMP_NUM_THREADS"
-    from dflash_eval.core.schema import schema_default
-
     default = int(schema_default("torch_threads"))
     cores = available_cores()
     return min(default, cores), f"torch_threads default {default}, {cores} cores available to this process"

@@ -16,8 +16,8 @@ boot), as ``ps`` does, so a recycled pid is never mistaken for the owner, and th
 owner's pid namespace (``/proc/<pid>/ns/pid``). Where the owner cannot be seen when the job starts
 (no ``/proc``, a container with its own pid namespace), nothing is watched: a job is never stopped
 because the watchdog cannot see. An owner missing from the job's own pid namespace at the start is
-gone (killed while the job's Python was starting: the seventh trial's U5, a job that then ran to its
-end): the job stops at once.
+gone (killed while the job's Python was starting; unwatched, such a job would run to its end): the job
+stops at once.
 """
 
 from __future__ import annotations

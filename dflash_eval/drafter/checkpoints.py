@@ -69,24 +69,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object
+from dflash_eval.drafter.detect import (FORMATS, INDEX_FILE, LFS_POINTER, RESAVE, STATE_FILE, TORCH_SUFFIXES,
+                                        check_safetensors_size, detect_format, parse_step, trainer_state_step)
+from dflash_eval.drafter.detect import unread_step as unread_step  # re-exported: strip-drafter's notes
+from dflash_eval.drafter.speculators import is_speculators_config
 
 log = logging.getLogger(__name__)
 
-FORMATS = {
-    "hf-folder": "z-lab/HF folder: config.json + model.safetensors",
-    "hf-folder-sharded": "z-lab/HF folder: config.json + model.safetensors.index.json + shards",
-    "specforge-legacy": "SpecForge legacy epoch_E_step_S/: model.safetensors + config.json + training_state.pt",
-    "specforge": "SpecForge <run>-stepN/ with training_state.pt holding draft_state_dict",
-    "torch-dict": "torch .pt/.pth/.bin file holding a (nested, prefixed) state dict",
-    "dcp": "torch.distributed.checkpoint (FSDP/DCP) folder: .metadata + *.distcp",
-    "speculators": "vLLM speculators folder: config.json with speculators_model_type + model.safetensors",
-}
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-STATE_FILE = "training_state.pt"
-INDEX_FILE = "model.safetensors.index.json"
 NEST_KEYS = ("draft_state_dict", "draft_model", "model", "state_dict", "module")
 PREFIXES = ("_orig_mod.", "module.", "draft_model.", "model.")
 CONFIG_KEYS = ("draft_config", "config", "dflash_config_full")
@@ -103,16 +96,6 @@ IGNORABLE_BUFFERS = re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$
 PARAM_LEAF = re.compile(r"(^|\.)(weight|bias|base_kernel|predecessor_codebook|successor_codebook)$")
 #: DFlash 2 codebooks under their saved names (no ``.weight``; reference ``DFlash2DraftModel.from_pretrained``)
 CODEBOOK_KEYS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
-#: a step is a whole digit run: not followed by a letter or a decimal part (``step20k``, ``step1e5``, ``step_1.5k``
-#: are no step: the sixteenth trial's P5, their leading digits were taken as steps 20, 1 and 1)
-STEP_END = r"(?![A-Za-z0-9]|\.\d)"
-STEP_PATTERNS = (r"(?:global_step|step|iter|checkpoint)[_-]?(\d+)" + STEP_END, r"epoch_\d+_step_(\d+)" + STEP_END)
-#: a step-like word whose digits run on into a unit or decimal (:func:`unread_step`)
-UNREAD_STEP = r"(?:global_step|step|iter|checkpoint)[_-]?\d[\w.]*"
-RESAVE = "re-copy or re-save the checkpoint (the file is incomplete or corrupt)"
-LFS_POINTER = "version https://git-lfs.github.com/spec/"  #: first bytes of a Git LFS pointer file
-#: trainer-state JSON files whose ``global_step`` names an HF-style folder's step (speculators, HF Trainer)
-TRAINER_STATE_FILES = ("training_state.json", "trainer_state.json")
 #: torch files a trainer's checkpoint folder holds beside the weights (HF Trainer, SpecForge), not drafter weights
 TRAINER_SIDE_FILES = ("optimizer*.pt", "optimizer*.bin", "scheduler*.pt", "scaler*.pt", "training_args.bin",
                       "rng_state*.pth", STATE_FILE)
@@ -141,102 +124,9 @@ class LoadedCheckpoint:
     config_error: InputError | None = None
 
 
-def parse_step(name: str) -> int | None:
-    """Training step from a checkpoint name (``step1500``, ``global_step_400``, ``epoch_0_step_100``, ``-step900``,
-    ``step100.pt``); ``None`` when none, or when the digits run on into a unit or decimal (``step20k``,
-    ``step_1.5k``, ``step1e5``: :func:`unread_step` names it)."""
-    for pat in STEP_PATTERNS[::-1]:
-        m = re.search(pat, name)
-        if m:
-            return int(m.group(1))
-    return None
-
-
-def unread_step(name: str) -> str | None:
-    """The note for a name whose step-like word :func:`parse_step` does not read (``step20k``): strip records it,
-    so the report and ``strip_info.json`` say why the checkpoint has no step. ``None`` when the name has a step or
-    no step-like word."""
-    m = None if parse_step(name) is not None else re.search(UNREAD_STEP, name)
-    return (f"no training step: '{m.group(0)}' in the name {name!r} is not a whole number of steps (a unit or "
-            "decimal after the digits); name it with the number (e.g. step20000) or give the step in "
-            "trainer_state.json (global_step)") if m else None
-
-
-# --------------------------------------------------------------------------- detection
-def _unsupported(path: Path, what: str) -> InputError:
-    supported = "; ".join(f"{name} = {desc}" for name, desc in FORMATS.items())
-    return InputError(path, "format", f"{what} is not a supported drafter checkpoint (supported: {supported})",
-                      "point the checkpoint entry at one of these (a folder holding a .pt/.bin state dict: "
-                      "pass the file itself)")
-
-
-def detect_format(path) -> tuple[str, Path]:
-    """Name the format of ``path`` from file names alone (see the module table).
-
-    A ``training_state.pt`` path stands for its folder. Returns ``(format, path)`` with that
-    normalisation applied.
-
-    Raises:
-        InputError: the path does not exist, or matches no supported format (the message lists them).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(path, None, "checkpoint not found", "fix the path in the checkpoints section of the config")
-    if path.is_file() and path.name == STATE_FILE:
-        path = path.parent
-    if path.is_file():
-        if path.suffix in TORCH_SUFFIXES:
-            return "torch-dict", path
-        raise _unsupported(path, f"a '{path.suffix}' file")
-    has = {p.name for p in path.iterdir()}
-    if ".metadata" in has and any(n.endswith(".distcp") for n in has):
-        return "dcp", path
-    weights = "model.safetensors" in has or INDEX_FILE in has
-    if weights and STATE_FILE in has:
-        return "specforge-legacy", path
-    if INDEX_FILE in has:
-        return "hf-folder-sharded", path
-    if weights:
-        return "hf-folder", path
-    if STATE_FILE in has:
-        return "specforge", path
-    raise _unsupported(path, f"a folder holding {sorted(has)[:12]}")
-
-
 # --------------------------------------------------------------------------- shared readers
 def _read_json(path: Path, what: str) -> dict:
     return read_json_object(path, what, RESAVE)
-
-
-def _check_safetensors_size(path: Path, exact: bool = False) -> None:
-    """Check a safetensors header against the file size (reads the header only).
-
-    ``exact``: also refuse a file longer than its header says (a writer still going, or
-    a file being overwritten in place).
-
-    Raises:
-        InputError: truncated header (field ``header``), a tensor whose bytes extend past the end
-            of the file (field = that tensor's key), a Git LFS pointer, or an unreadable header.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        if fh.read(len(LFS_POINTER)) == LFS_POINTER.encode():
-            raise InputError(path, None, "a Git LFS pointer, not the weights (run 'git lfs pull' in its repository)", RESAVE)
-        fh.seek(0)
-        head = fh.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 0 or 8 + n > size:
-            raise InputError(path, "header", f"truncated: {size} bytes, the header alone needs {8 + max(n, 0)}", RESAVE)
-        try:
-            header = json.loads(fh.read(n))
-            ends = {k: 8 + n + int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
-        except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
-            raise InputError(path, "header", "not a safetensors header", RESAVE) from None
-    for key, end in sorted(ends.items(), key=lambda kv: kv[1]):
-        if end > size:
-            raise InputError(path, key, f"truncated: the tensor's data ends at byte {end}, the file has {size}", RESAVE)
-    if exact and size != max(ends.values(), default=8 + n):
-        raise InputError(path, None, f"{size} bytes, its header describes {max(ends.values(), default=8 + n)}", RESAVE)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -247,9 +137,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         InputError: truncated header (field ``header``), a tensor whose bytes extend past the end
             of the file (field = that tensor's key), or an otherwise unreadable file.
     """
-    from safetensors.torch import load_file
-
-    _check_safetensors_size(path)
+    check_safetensors_size(path)
     try:
         return load_file(str(path))
     except Exception as err:  # safetensors raises its own error type
@@ -263,7 +151,7 @@ def _read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], lis
         InputError: a shard listed in the index is missing, or a shard's keys disagree with the index.
     """
     index = folder / INDEX_FILE
-    # a torch state dict beside the safetensors weights (another step's export, the fifteenth trial) is not read:
+    # a torch state dict beside the safetensors weights (e.g. another step's export) is not read:
     # said in the notes (strip_info.json, the report), the trainer's own side files left out
     torch_files = sorted(p.name for p in folder.iterdir() if p.suffix in TORCH_SUFFIXES
                          and not any(fnmatch.fnmatch(p.name, pat) for pat in TRAINER_SIDE_FILES))
@@ -404,7 +292,7 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
         notes.append(f"the checkpoint stores step={meta['step']!r} and global_step={meta['global_step']!r}; "
                      "the step column uses 'step'")
     named = parse_step(step_name)
-    if isinstance(step, (int, float)) and named is not None and int(step) != named:  # the sixteenth trial's P17
+    if isinstance(step, (int, float)) and named is not None and int(step) != named:
         notes.append(f"the checkpoint stores step {int(step)}, its name {step_name!r} says {named}: the step column "
                      "uses the stored one")
     meta["step"] = int(step) if isinstance(step, (int, float)) else named
@@ -414,26 +302,7 @@ def _from_torch_dict(obj: Any, path: Path, fmt: str, step_name: str) -> LoadedCh
 
 
 # --------------------------------------------------------------------------- one loader per format
-def trainer_state_step(folder: Path) -> tuple[int | None, str | None]:
-    """``(global_step, file)`` from the trainer-state JSON a checkpoint folder may hold:
-    speculators' ``training_state.json`` (``{epoch, local_step, global_step}``,
-    vllm-project/speculators ``src/speculators/train/trainer.py``) or the HF Trainer's
-    ``trainer_state.json`` (``global_step``); ``(None, None)`` when neither gives an int."""
-    for name in TRAINER_STATE_FILES:
-        f = folder / name
-        if f.is_file():
-            try:
-                step = json.loads(f.read_text()).get("global_step")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(step, int) and not isinstance(step, bool):
-                return step, name
-    return None, None
-
-
 def _load_hf_folder(path: Path, fmt: str = "hf-folder") -> LoadedCheckpoint:
-    from dflash_eval.drafter.speculators import is_speculators_config
-
     state, notes = _read_safetensors_folder(path)
     cfg_file = path / "config.json"
     cfg = _read_json(cfg_file, "drafter config") if cfg_file.is_file() else None
@@ -501,11 +370,9 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
 
 
 def _load_dcp(path: Path) -> LoadedCheckpoint:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    import torch.distributed.checkpoint as dcp  # deferred: imports torch._dynamo, which --help must not (tests/test_startup.py)
 
-    class SafeReader(FileSystemReader):
+    class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             file = path / ".metadata"
             try:
@@ -518,7 +385,7 @@ def _load_dcp(path: Path) -> LoadedCheckpoint:
             except Exception as err:
                 raise InputError(file, None, f"unreadable DCP metadata: {err}", RESAVE) from None
             if getattr(md, "storage_meta", None) is None:
-                md.storage_meta = StorageMeta()
+                md.storage_meta = dcp.metadata.StorageMeta()
             md.storage_meta.load_id = self.load_id
             return md
 
@@ -528,7 +395,7 @@ def _load_dcp(path: Path) -> LoadedCheckpoint:
     keys, skipped = set(), []
     for fqn, item in md.state_dict_metadata.items():
         leaf = planner.get(fqn, (fqn,))[-1]
-        if isinstance(item, TensorStorageMetadata) and PARAM_LEAF.search(str(leaf)):
+        if isinstance(item, dcp.metadata.TensorStorageMetadata) and PARAM_LEAF.search(str(leaf)):
             keys.add(fqn)
         else:
             skipped.append(fqn)
@@ -538,7 +405,7 @@ def _load_dcp(path: Path) -> LoadedCheckpoint:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is unavailable ... single process": intended
         try:
-            obj = _load_state_dict_from_keys(keys, storage_reader=reader)
+            obj = dcp.state_dict_loader._load_state_dict_from_keys(keys, storage_reader=reader)
         except Exception as err:
             raise InputError(path, None, f"cannot read the DCP shards: {err}", RESAVE) from None
     state, nest = _find_state_dict(obj, path)

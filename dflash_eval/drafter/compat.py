@@ -9,8 +9,9 @@ it). Every stage that pairs a drafter with a target or a cache calls
 
 from __future__ import annotations
 
-from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.replay.metrics import agreement
 
 
 def check_compat(
@@ -149,8 +150,6 @@ def check_agreement(values, sample_ids, cache_path, warn_below: float, refuse_be
     Raises:
         InputError: the mean agreement is below ``refuse_below`` and ``allow_low_agreement`` is False.
     """
-    from dflash_eval.replay.metrics import agreement
-
     stats = agreement(values)
     low = [(sid, v) for sid, v in zip(sample_ids, values) if v is not None and v < refuse_below]
     refused = stats.mean < refuse_below

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.io import non_finite_entry
 
 # Config keys of DFlash variants this implementation does not model. A checkpoint
 # carrying them would load "successfully" with the wrong maths, so refuse it.
@@ -386,15 +387,13 @@ class DrafterConfig:
 
     def rotary_config(self):
         """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim); ``raw`` is not modified."""
-        from transformers import Qwen3Config
-
         # deep copies: transformers writes into the RoPE dict it is given (rope_theta, rope_type), and
         # raw is what strip writes out. The two RoPE dicts agree (check_duplicated_fields), so one is passed.
         rope = next((self.raw[k] for k in ROPE_DICTS if isinstance(self.raw.get(k), dict)), None)
         kw = {k: self.raw[k] for k in ("rope_theta", "max_position_embeddings") if self.raw.get(k) is not None}
         if rope is not None:
             kw["rope_parameters"] = copy.deepcopy(rope)
-        return Qwen3Config(
+        return qwen3_config(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
@@ -408,12 +407,19 @@ class DrafterConfig:
 QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
 
 
+def qwen3_config(**fields):
+    """transformers' ``Qwen3Config(**fields)``: the config class of the drafter's layers upstream."""
+    from transformers import Qwen3Config  # deferred: DrafterConfig and the drafter build transformers-free (tests/test_startup.py)
+
+    return Qwen3Config(**fields)
+
+
 def implied_layer_types(cfg: dict, n_layers: int, source: str, notes: list[str]) -> list[str]:
     """The ``layer_types`` of a config that gives none, as transformers ``Qwen3Config`` derives them (what the
     z-lab reference's ``from_pretrained`` builds): with ``use_sliding_window: true``, layers from
     ``max_window_layers`` (default 28) on use the ``sliding_window`` (default 4096); else all full attention.
-    Noted when any layer slides (the thirteenth trial's A7: such a config was evaluated with full attention while
-    the reference windows it).
+    Noted when any layer slides: the reference windows such a config, and reading it as full attention would
+    evaluate another drafter.
 
     Raises:
         InputError: ``max_window_layers`` that is not a non-negative integer.
@@ -441,14 +447,12 @@ POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta", "final_logit_softcapping", "inp
 def check_finite_numbers(cfg: dict, source: str) -> None:
     """Refuse a NaN or infinite number anywhere in a drafter config (Python's ``json`` reads ``NaN`` and
     ``Infinity``), and a :data:`POSITIVE_FLOATS` field that is not positive, naming the field: such a config
-    builds a drafter whose every draft is rejected (the thirteenth trial: ``rms_norm_eps: NaN`` gave tau 1.0,
-    exit 0, like NaN weights, which are refused where loaded).
+    builds a drafter whose every draft is rejected (``rms_norm_eps: NaN`` gives tau 1.0 and exit 0, like NaN
+    weights, which are refused where loaded).
 
     Raises:
         InputError: ``(source, field path, ...)``.
     """
-    from dflash_eval.core.io import non_finite_entry
-
     where = non_finite_entry(cfg)
     if where:
         raise InputError(source, where, "not a finite number (NaN or infinity): no trained drafter has one",

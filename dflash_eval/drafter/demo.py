@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.spec import TargetSpec, as_spec
 
 log = logging.getLogger(__name__)

@@ -65,13 +65,13 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
     conf = cfg.rotary_config()
     kind = conf.rope_parameters["rope_type"]
     if kind in ("dynamic", "longrope") or partial:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding  # deferred: 3 s, for these RoPE kinds only (tests/test_startup.py)
 
         return Qwen3RotaryEmbedding(conf)
     if kind == "default":
         base, dim = conf.rope_parameters["rope_theta"], conf.head_dim
         return RotaryEmbedding(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim)), 1.0)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # deferred: scaled RoPE only; the default builds transformers-free
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](conf, None)
     return RotaryEmbedding(inv_freq, scaling)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.config import qwen3_config
 
 #: speculators model types read here and the z-lab architecture each becomes
 MODEL_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -113,10 +114,8 @@ def to_zlab_config(cfg: dict, source) -> tuple[dict, list[str]]:
 
 def _filled_transformer_fields(tl: dict, notes: list[str]) -> dict:
     """``transformer_layer_config`` with the :data:`FILLED_FIELDS` (and RoPE) it omits taken from ``Qwen3Config``."""
-    from transformers import Qwen3Config
-
     out = {k: v for k, v in tl.items() if k not in ("architectures", "auto_map")}
-    ref = Qwen3Config(**{k: v for k, v in tl.items() if k not in ("model_type", "architectures", "auto_map")})
+    ref = qwen3_config(**{k: v for k, v in tl.items() if k not in ("model_type", "architectures", "auto_map")})
     filled = []
     for key in FILLED_FIELDS:
         if key not in out and getattr(ref, key, None) is not None:

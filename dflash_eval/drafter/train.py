@@ -34,11 +34,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
-from dflash_eval.drafter.model import DFlashDrafter
-from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.cache.extract import capture_layers, pad_right
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.runtime import resolve_device
+from dflash_eval.data.completions import read_completions
+from dflash_eval.data.prompts import build_prompt_set, write_prompts
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from dflash_eval.drafter.model import DFlashDrafter
+from dflash_eval.target.model import load_target
+from dflash_eval.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +174,6 @@ def train(
     Returns:
         the checkpoint paths written (early/middle/... and final).
     """
-    from dflash_eval.data.completions import read_completions
-    from dflash_eval.core.runtime import resolve_device
-    from dflash_eval.target.model import load_target
-    from dflash_eval.target.spec import TargetSpec
-
     dev = resolve_device(device)
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
@@ -297,8 +297,6 @@ def build_train_prompts(tokenizer_dir, out, holdout_n: int = 128, seed: int = 0,
     Returns:
         ``{"n_train", "n_holdout", "holdout_ids"}``; writes the training prompts JSONL to ``out``.
     """
-    from dflash_eval.data.prompts import build_prompt_set, write_prompts
-
     held = build_prompt_set("sharegpt", tokenizer_dir, n=holdout_n, seed=seed, max_prompt_tokens=eval_max_prompt_tokens,
                             enable_thinking=enable_thinking)
     held_ids = {r["id"] for r in held}

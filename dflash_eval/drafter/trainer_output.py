@@ -10,7 +10,7 @@ temporary name, speculators' ``interrupted`` save, or a trainer's log folder (:d
 A candidate is **complete** (:func:`inspect`) when all of these hold; otherwise the reason is
 reported and the entry is looked at again on the next poll:
 
-1. :func:`dflash_eval.drafter.checkpoints.detect_format` recognises it (a folder without weights yet is not
+1. :func:`dflash_eval.drafter.detect.detect_format` recognises it (a folder without weights yet is not
    a checkpoint yet);
 2. no temporary file inside (``*.tmp``: SpecForge saves ``training_state.pt.tmp`` and renames it,
    specforge/training/checkpoint.py ``_atomic_save``; ``*.partial``, ``*.incomplete``);
@@ -22,12 +22,12 @@ reported and the entry is looked at again on the next poll:
    renamed into place once written (and required by the format). z-lab publishes finished HF
    folders (no marker);
 4. every weights file is whole: each safetensors file exactly as long as its header says
-   (:func:`dflash_eval.drafter.checkpoints._check_safetensors_size`, the check strip makes, here exact),
+   (:func:`dflash_eval.drafter.detect.check_safetensors_size`, the check strip makes, here exact),
    every shard of an index present, each ``.pt`` / ``.pth`` / ``.bin`` a readable zip archive
    (``torch.save``'s format: its central directory is written last);
 5. nothing in it changed for ``settle_s`` seconds (newest mtime).
 
-Step: the name's (:func:`dflash_eval.drafter.checkpoints.parse_step`), else the ``global_step`` of the
+Step: the name's (:func:`dflash_eval.drafter.detect.parse_step`), else the ``global_step`` of the
 folder's ``training_state.json`` / ``trainer_state.json``. The checkpoint name (the workflow's
 ``{ckpt}``) is the entry's name (file stem), with ``-step<N>`` appended when only such a JSON file
 gives the step: speculators rewrites its ``<epoch>/`` folder at each mid-epoch save, and each
@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.detect import (INDEX_FILE, STATE_FILE, check_safetensors_size, detect_format, parse_step,
+                                        trainer_state_step)
 
 #: folder names trainers use for logs beside their checkpoints (SpecForge runs/, swanlog/; W&B, MLflow)
 NOT_CHECKPOINTS = ("runs", "logs", "wandb", "swanlog", "mlruns", "tensorboard", "interrupted")
@@ -105,15 +107,11 @@ def signature(path: Path) -> list:
 
 
 def _json_step(folder: Path) -> int | None:
-    from dflash_eval.drafter.checkpoints import trainer_state_step
-
     return trainer_state_step(folder)[0] if folder.is_dir() else None
 
 
 def checkpoint_name(path: Path, step: int | None) -> str:
     """The workflow name of a candidate (see the module docstring)."""
-    from dflash_eval.drafter.checkpoints import parse_step
-
     base = path.name if path.is_dir() else path.stem
     base = NAME_OK.sub("_", base)
     if parse_step(base) is None and step is not None:
@@ -123,8 +121,6 @@ def checkpoint_name(path: Path, step: int | None) -> str:
 
 def _weights_problem(path: Path, fmt: str) -> str | None:
     """Why a weights file of the checkpoint is not whole yet (None when all are)."""
-    from dflash_eval.drafter.checkpoints import INDEX_FILE, STATE_FILE, _check_safetensors_size
-
     folder = path if path.is_dir() else None
     files: list[Path] = []
     if folder is not None:
@@ -148,7 +144,7 @@ def _weights_problem(path: Path, fmt: str) -> str | None:
     for f in files:
         if f.suffix == ".safetensors":
             try:
-                _check_safetensors_size(f, exact=True)
+                check_safetensors_size(f, exact=True)
             except InputError as err:
                 return f"{f.name}: {err.problem}"
         elif f.suffix in (".pt", ".pth", ".bin"):
@@ -178,8 +174,6 @@ def _marker_problem(path: Path) -> str | None:
 
 def identify(path: str | Path) -> tuple[str, int | None]:
     """``(workflow name, step)`` of a candidate from its name and trainer-state JSON (cheap: no weights read)."""
-    from dflash_eval.drafter.checkpoints import parse_step
-
     path = Path(path)
     step = parse_step(path.name if path.is_dir() else path.stem)
     if step is None:
@@ -189,8 +183,6 @@ def identify(path: str | Path) -> tuple[str, int | None]:
 
 def inspect(path: str | Path, settle_s: float = 30.0, now: float | None = None) -> Candidate:
     """Whether ``path`` is a complete checkpoint (module docstring, rules 1-5), its step and name."""
-    from dflash_eval.drafter.checkpoints import detect_format
-
     path = Path(path)
     now = time.time() if now is None else now
     name, step = identify(path)

@@ -19,8 +19,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dflash_eval.replay.layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
 from dflash_eval.core.runtime import free_memory_bytes
+from dflash_eval.replay.expected import chain_survival, selector_survival
+from dflash_eval.replay.layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
+from dflash_eval.replay.sampling import token_probs_topk
 
 __all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree read them here
 
@@ -438,8 +440,6 @@ def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_
     argmax ``[C, B-1]``, whether each slot's target token is a candidate ``[C, B-1]`` bool, and per
     sampling setting of ``p_rows`` ``P(a >= k | x)`` ``[C, B]``: the selector teacher-forced on the cached
     tokens (each slot scored after the cached token before it, :func:`dflash_eval.replay.expected.selector_survival`)."""
-    from dflash_eval.replay.expected import selector_survival
-
     C, B = h.shape[0], h.shape[1]
     dev = h.device
     surv = {st.label: torch.empty((C, B), dtype=torch.float64, device=dev) for st, _ in p_rows}
@@ -472,9 +472,6 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
     """Greedy drafts ``[C, B-1]`` (-1 = not computed), with K top-K log-probs/ids ``[C, B-1, K]``, and per
     sampling setting of ``p_rows`` (``(setting, [C, B-1] p of each slot's cached token)``) ``P(a >= k | x)``
     ``[C, B]``."""
-    from dflash_eval.replay.expected import chain_survival
-    from dflash_eval.replay.sampling import token_probs_topk
-
     C = h.shape[0]
     dev = h.device
     greedy = torch.full((C, B - 1), -1, dtype=torch.long, device=dev)

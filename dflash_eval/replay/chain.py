@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_eval.core.runtime import free_memory_bytes
 from dflash_eval.replay.anchors import block_forward, context_bytes_per_token, replay_batched
 from dflash_eval.replay.metrics import sample_tau
-from dflash_eval.core.runtime import free_memory_bytes
 
 SLOT_CHUNK = 4  # sequential replay: LM-head slots evaluated per pass while drafts keep matching
 REPLAY_MODES = ("batched", "sequential")

@@ -52,8 +52,8 @@ from typing import Sequence
 
 import torch
 
-from dflash_eval.replay.anchors import chain_walk, is_dflash2, iter_anchor_drafts
 from dflash_eval.core.errors import InputError
+from dflash_eval.replay.anchors import chain_walk, is_dflash2, iter_anchor_drafts
 
 
 @dataclass

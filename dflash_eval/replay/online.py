@@ -41,12 +41,13 @@ recurrent state / window handling that a mask alone does not give.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from dflash_eval.replay.ddtree import DraftTree, build_tree
 from dflash_eval.core.errors import InputError
+from dflash_eval.replay.ddtree import DraftTree, build_tree
 from dflash_eval.replay.sampling import SamplingSetting, filtered_probs, rejection_sample
 
 
@@ -76,14 +77,24 @@ def check_target_supported(model, where="target") -> None:
                          "disable validate_online for this target (the offline replay does not depend on it)")
 
 
-def keep_kv_rows(cache, start: int, rows: torch.Tensor) -> None:
-    """Keep cache positions ``< start`` plus the verify rows ``rows`` (indices after ``start``), in order."""
-    from transformers.cache_utils import DynamicLayer
+def _dynamic_layers(cache) -> list:
+    """The cache's layers, each a plain transformers ``DynamicLayer`` (keys/values tensors that can be cut).
+
+    Raises:
+        InputError: another kind of layer (sliding-window, linear-attention, quantized caches).
+    """
+    from transformers.cache_utils import DynamicLayer  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise InputError("target", "cache", f"unsupported KV cache layer {type(layer).__name__}",
                              "use a full-attention target for online validation")
+    return cache.layers
+
+
+def keep_kv_rows(cache, start: int, rows: torch.Tensor) -> None:
+    """Keep cache positions ``< start`` plus the verify rows ``rows`` (indices after ``start``), in order."""
+    for layer in _dynamic_layers(cache):
         keep = torch.cat([torch.arange(start, device=layer.keys.device), start + rows.to(layer.keys.device)])
         layer.keys = layer.keys.index_select(-2, keep)
         layer.values = layer.values.index_select(-2, keep)
@@ -92,12 +103,7 @@ def keep_kv_rows(cache, start: int, rows: torch.Tensor) -> None:
 def crop_kv(cache, length: int) -> None:
     """Keep the first ``length`` cache positions: :func:`keep_kv_rows` when the kept verify rows are a prefix
     ``0 .. n-1``, as views instead of a gathered copy of every layer's keys/values each step (same values)."""
-    from transformers.cache_utils import DynamicLayer
-
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            raise InputError("target", "cache", f"unsupported KV cache layer {type(layer).__name__}",
-                             "use a full-attention target for online validation")
+    for layer in _dynamic_layers(cache):
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
 
@@ -163,9 +169,7 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         InputError: DDTree with a DFlash 2 drafter; temperature > 0 with DDTree (the offline side,
             ``evaluate``, has no expected tau there either).
     """
-    import time
-
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     t0 = time.perf_counter()
     cfg = drafter.cfg

@@ -213,7 +213,8 @@ def _filtered(logits, temperature, top_p, top_k):
 
 
 def hf_logits_processor(setting: SamplingSetting):
-    """A transformers ``LogitsProcessor`` that makes ``generate(do_sample=True)`` draw from :func:`filtered_probs`.
+    """A logits processor (called as transformers' ``LogitsProcessor``) that makes ``generate(do_sample=True)`` draw
+    from :func:`filtered_probs`.
 
     It returns ``log(filtered_probs(scores))`` (``-inf`` outside the kept tokens), whose softmax is the
     reference's filtered distribution; generate's own temperature / top-k / top-p warpers must be off
@@ -224,12 +225,10 @@ def hf_logits_processor(setting: SamplingSetting):
     Raises:
         ValueError: a greedy setting (temperature 0 is ``do_sample=False``).
     """
-    from transformers import LogitsProcessor
-
     if setting.greedy:
         raise ValueError("temperature 0 is greedy decoding (do_sample=False), not a sampling filter")
 
-    class ReferenceFilter(LogitsProcessor):
+    class ReferenceFilter:  # generate() calls each processor as processor(input_ids, scores), like DecodeSteps
         def __call__(self, input_ids, scores):
             return filtered_probs(scores, setting.temperature, setting.top_p, setting.top_k).log().to(scores.dtype)
 

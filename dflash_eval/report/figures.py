@@ -14,6 +14,7 @@ import io
 import math
 
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
@@ -166,8 +167,6 @@ def _log2_axis(ax) -> None:
 
 
 def _cmap():
-    from matplotlib import colormaps
-
     return colormaps["viridis"]
 
 

@@ -149,7 +149,8 @@ class ServerClient:
 
     def __init__(self, url: str, model: str = "", api_key: str | None = None, timeout_s: float = 600.0,
                  retries: int = 8, concurrency: int = 8, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
-        import httpx
+        import httpx  # deferred: 0.3 s, and every --help imports this module (cli.py: ServerError)
+        import tenacity  # deferred: 0.05 s, and every --help imports this module (cli.py: ServerError)
 
         self.url = normalize_url(url)
         self.model = model or ""
@@ -165,6 +166,16 @@ class ServerClient:
         #: retried failures by kind ("HTTP 500", "ConnectError", ...), for the log and tests
         self.retry_counts: dict[str, int] = {}
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+        self._retryable = (httpx.TransportError, _RetryableStatus)
+        #: the retry policy; each request iterates a copy (its own attempt count and backoff)
+        self._retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.retries + 1),
+            wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
+                                                  jitter=self.backoff_s),
+            retry=(tenacity.retry_if_exception_type(self._retryable)
+                   & tenacity.retry_if_exception(lambda _: not self._closed.is_set())),
+            sleep=self._closed.wait,  # a backoff ends early when the client is closed
+            before_sleep=self._count_retry, reraise=True)
 
     def close(self) -> None:
         """Close the connections; a request in flight in another thread then fails at once (no retry)."""
@@ -196,24 +207,13 @@ class ServerClient:
             ServerUnavailable: connection errors / retryable statuses on every attempt.
             ServerError: another HTTP error status, or a body that is not JSON.
         """
-        import httpx
-        import tenacity
-
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.retries + 1),
-            wait=tenacity.wait_exponential_jitter(multiplier=self.backoff_s, max=self.max_backoff_s,
-                                                  jitter=self.backoff_s),
-            retry=(tenacity.retry_if_exception_type((httpx.TransportError, _RetryableStatus))
-                   & tenacity.retry_if_exception(lambda _: not self._closed.is_set())),
-            sleep=self._closed.wait,  # a backoff ends early when the client is closed
-            before_sleep=self._count_retry, reraise=True)
         try:
-            for attempt in retrying:
+            for attempt in self._retrying.copy():
                 with attempt:
                     r = self._http.request(method, path, json=body)
                     if r.status_code in RETRY_STATUS:
                         raise _RetryableStatus(r.status_code, r.text)
-        except (httpx.TransportError, _RetryableStatus) as err:
+        except self._retryable as err:
             if self._closed.is_set():
                 raise ServerUnavailable(f"{method} {self.url}{path}: the client was closed while the request was in "
                                         f"flight ({type(err).__name__}: {err})") from None
@@ -494,7 +494,7 @@ class VLLMServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def start(self) -> "VLLMServer":
-        import httpx
+        import httpx  # deferred: 0.3 s, and every --help imports this module (cli.py: ServerError)
 
         self._check_python()
         logging.getLogger("httpx").setLevel(logging.WARNING)

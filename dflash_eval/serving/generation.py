@@ -17,15 +17,19 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from dflash_eval.data.completions import STOP_EOS, STOP_LENGTH
 from dflash_eval.core.errors import InputError
-from dflash_eval.core.runtime import dtype_name, length_batches
+from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device, resolve_dtype
+from dflash_eval.data.completions import STOP_EOS, STOP_LENGTH
 from dflash_eval.replay.sampling import generation_sampling
+from dflash_eval.serving.clients import CLIENTS, ServerError, VLLMServer, api_key_from_env
+from dflash_eval.target import model as target_model  # its functions looked up at call time (tests replace the fast paths)
+from dflash_eval.target.spec import TargetSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,13 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def load_tokenizer(target_dir: str | Path):
+    """The target folder's tokenizer (``AutoTokenizer.from_pretrained``)."""
+    from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py)
+
+    return AutoTokenizer.from_pretrained(str(target_dir))
+
+
 def stop_token_ids(target_dir: str | Path, tokenizer=None) -> tuple[list[int], dict[str, list[int]]]:
     """Every end-of-generation id the target declares anywhere, in this order (duplicates dropped).
 
@@ -84,9 +95,7 @@ def stop_token_ids(target_dir: str | Path, tokenizer=None) -> tuple[list[int], d
     """
     target_dir = Path(target_dir)
     if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        tokenizer = load_tokenizer(target_dir)
     cfg = _read_json(target_dir / "config.json")
     by_source = {
         "generation_config.json": _eos_list(_read_json(target_dir / "generation_config.json").get("eos_token_id")),
@@ -250,7 +259,7 @@ class TransformersSource(CompletionSource):
 
     def __init__(self, model, tokenizer, max_new_tokens: int, target_dir: str | Path | None = None,
                  stop_ids: Sequence[int] | None = None, batch_size: int = 16, sampling: dict | None = None):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # deferred: --help stays transformers-free (tests/test_startup.py)
 
         self.model = model
         self.tokenizer = tokenizer
@@ -290,18 +299,14 @@ class TransformersSource(CompletionSource):
                 raise ValueError("empty prompt")
             input_ids[b, P - len(p):] = torch.tensor(list(p), dtype=torch.long)
             attn[b, P - len(p):] = 1
-        from dflash_eval.target.model import gqa_sdpa, prefill_unpadded
-
-        with gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
-            cache = prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
+        with target_model.gqa_sdpa(self.model):  # grouped KV heads read in place, not copied per step (bit-identical)
+            cache = target_model.prefill_unpadded(self.model, prompt_ids_batch, P, P + self.max_new_tokens)  # CPU: no prefill on pads
             if self.processors:
                 torch.manual_seed(seed)
-            from transformers import LogitsProcessorList
-
             steps = DecodeSteps(B, self.max_new_tokens, self.log_every)  # last: it sees the final scores
             out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
                                       past_key_values=cache, generation_config=self.gen_config,
-                                      logits_processor=LogitsProcessorList([*self.processors, steps]))
+                                      logits_processor=[*self.processors, steps])  # generate() merges a plain list
         new = out[:, P:].cpu().tolist()
         return [cut_at_eos(row, self.stop_ids, self.max_new_tokens) for row in new]
 
@@ -315,10 +320,8 @@ class TransformersSource(CompletionSource):
             emit([(i, ids, stop, {}) for i, (ids, stop) in zip(batch, outs) if i in todo])
 
     def provenance(self) -> dict:
-        import transformers
-
         p = next(self.model.parameters())
-        return {"source": "transformers", "transformers": transformers.__version__, "torch": torch.__version__,
+        return {"source": "transformers", "transformers": metadata.version("transformers"), "torch": torch.__version__,
                 "device": str(p.device), "dtype": dtype_name(p.dtype), "stop_ids": self.stop_ids,
                 **({"sampling": self.sampling} if self.processors else {})}
 
@@ -387,8 +390,6 @@ class ServerSource(CompletionSource):
             ServerError: ids that do not end at a stop id of the target while shorter than
                 ``max_new_tokens``, or that run past a stop id (the server ignored the stop ids sent).
         """
-        from dflash_eval.serving.clients import ServerError
-
         stops = set(self.stop_ids)
         extra: dict = {}
         ids = c.ids
@@ -510,8 +511,6 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         InputError: no server for a server source, a served model shorter than the longest prompt +
             ``max_new_tokens``, a server with another tokenizer.
     """
-    from dflash_eval.core.runtime import resolve_device, resolve_dtype
-
     source, max_new_tokens = opts.source, opts.max_new_tokens
     if server_log and (source == "transformers" or opts.serve != "vllm"):
         # the rule declares this log for every source: say why it holds no server output
@@ -519,18 +518,15 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
         Path(server_log).write_text(f"no server started by this job (generation.source: {source}, "
                                     f"generation.serve: {opts.serve or 'none'})\n")
     if source == "transformers":
-        from dflash_eval.target.model import decode_batch_size, load_target, target_info
-        from dflash_eval.target.spec import TargetSpec
-
         dev = resolve_device(opts.device)
         dt = resolve_dtype(opts.dtype, dev)
         spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
-        model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
+        model, tok, kernel = target_model.load_target(spec, device=dev, dtype=dt, backend=opts.linear_attn_backend,
                                           devices=opts.devices, max_memory=opts.max_memory)
         if kernel.backend != "none":
             log.info("linear-attention kernel: %s", kernel.backend)
         longest = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
-        batch = opts.batch_size or decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
+        batch = opts.batch_size or target_model.decode_batch_size(model, longest - max_new_tokens, max_new_tokens)  # logged there
         src = TransformersSource(model, tok, max_new_tokens, target_dir=target_dir, batch_size=batch,
                                  sampling=dataclasses.asdict(opts.sampling))
         max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -539,17 +535,13 @@ def open_source(opts, target_dir: Path, rows: list[dict], server_log: str | None
                         longest, max_pos)
         src._key = {"weights_sha256": spec.weights_sha256(), "linear_attn_kernel": kernel.backend}
         log.info("completions source: %s", json.dumps(src.describe()))
-        yield src, tok, target_info(model)["vocab_size"]
+        yield src, tok, target_model.target_info(model)["vocab_size"]
         return
-
-    from transformers import AutoTokenizer
-
-    from dflash_eval.serving.clients import CLIENTS, VLLMServer, api_key_from_env
 
     if not (target_dir / "config.json").is_file():
         raise InputError(target_dir, "config.json", "not an HF model folder (no config.json)",
                          "point target.path at the served model's HF folder (config + tokenizer)")
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    tok = load_tokenizer(target_dir)
     cfg = _read_json(target_dir / "config.json")
     vocab = int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or len(tok))
     stop_ids = stop_token_ids(target_dir, tok)[0]

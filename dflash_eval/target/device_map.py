@@ -33,6 +33,8 @@ import logging
 import re
 from dataclasses import dataclass
 
+import torch
+
 from dflash_eval.core.errors import InputError
 from dflash_eval.target.spec import TargetSpec
 
@@ -103,8 +105,8 @@ class DevicePlan:
 
 def meta_model(spec: TargetSpec, dtype):
     """The target's module tree on the meta device (shapes only, nothing allocated or read), in ``dtype``."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from accelerate import init_empty_weights  # deferred: accelerate costs 0.13 s after torch, at every stage's start; only a split target needs it
+    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     try:
         cfg = AutoConfig.from_pretrained(str(spec.path))
@@ -138,11 +140,9 @@ def plan_device_map(spec: TargetSpec, dtype, free: "dict[int, int] | None" = Non
         InputError: no GPU visible, ``devices`` above the visible count, ``max_memory`` naming a GPU
             that is not visible or giving no size, or the target does not fit the budgets.
     """
-    from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map
+    from accelerate.utils import compute_module_sizes, get_balanced_memory, infer_auto_device_map  # deferred: accelerate costs 0.13 s after torch, at every stage's start; only a split target needs it
 
     if free is None:
-        import torch
-
         free = {i: int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count())}
     if not free:
         raise InputError("config", "target.devices", "no GPU visible", "run on a GPU host, or set the device to cpu")

@@ -87,9 +87,9 @@ def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
         InputError: not a GGUF file (bad magic / unsupported version).
     """
     try:
-        from transformers.integrations.gguf import read_gguf_metadata
+        from transformers.integrations.gguf import read_gguf_metadata  # deferred: --help stays transformers-free (tests/test_startup.py)
     except ImportError:  # older transformers: use the gguf library
-        from gguf import GGUFReader
+        from gguf import GGUFReader  # deferred: optional dependency (the gguf extra), read only by an old transformers
 
         reader = GGUFReader(str(gguf_path))
         return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")
@@ -159,7 +159,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         InputError: file missing, not a GGUF file, or an architecture transformers cannot load from GGUF.
         RuntimeError: the loaded model still holds quantized (non-bf16) weights.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+    from transformers import (  # deferred: --help stays transformers-free (tests/test_startup.py)
+        AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig, __version__ as transformers_version)
 
     gguf_path = Path(gguf_path).resolve()
     out_dir = Path(out_dir)
@@ -212,9 +213,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     for key, value in (("eos_token_id", eos_id), ("bos_token_id", gen.bos_token_id), ("pad_token_id", pad_id)):
         if value is not None:
             setattr(model.config, key, value)
-
-    import transformers
-
     provenance = {
         "source": "gguf",
         "gguf_file": name,
@@ -227,7 +225,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         "tokenizer_fixes": {k: {"transformers": v[0], "gguf": v[1]} for k, v in fixed.items()},
         "dtype": "bfloat16",
         "dequantize": True,
-        "transformers_version": transformers.__version__,
+        "transformers_version": transformers_version,
         "torch_version": torch.__version__,
         "gguf_version": importlib.metadata.version("gguf"),
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

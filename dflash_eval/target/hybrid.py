@@ -323,10 +323,8 @@ def check_bound_kernel(model, binding: KernelBinding) -> KernelBinding:
         return binding
     mods = modeling_modules(model)
     if not mods:
-        import transformers
-
         raise InputError(None, "target", f"{type(model).__name__} has linear-attention layers but its modeling code "
-                         f"has no module-level {GDN_FUNCTIONS['chunk_rule']} (transformers {transformers.__version__})",
+                         f"has no module-level {GDN_FUNCTIONS['chunk_rule']} (transformers {_dist_version('transformers')})",
                          "use transformers 5.17 (pinned in envs/requirements.txt and the container)")
     functions = {}
     for m in mods:

@@ -15,8 +15,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dflash_eval.target.device_map import plan_device_map
+import torch
+import torch.nn.functional as F
+
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.runtime import MEMORY_FRACTION, dtype_name, resolve_device, resolve_dtype
+from dflash_eval.target.device_map import plan_device_map
 from dflash_eval.target.hybrid import bind_linear_attention, check_bound_kernel
 from dflash_eval.target.spec import NOT_A_TARGET_FIX, TargetSpec, as_spec
 
@@ -53,9 +57,7 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     Raises:
         InputError: missing folder / config / weights, transformers cannot load it, or an impossible kernel request.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     spec = as_spec(target)
     if not list(spec.path.glob("*.safetensors")) and not list(spec.path.glob("*.bin")):
@@ -84,8 +86,6 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
 
 
 def _cuda_count() -> int:
-    import torch
-
     return torch.cuda.device_count()
 
 
@@ -105,16 +105,21 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
     ``tests/test_completions.py``). Shapes as in transformers: ``query [b, Hq, q, D]``, ``key/value
     [b, Hkv, k, D]`` -> ``([b, q, Hq, D], None)``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     if getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    import torch.nn.functional as F
-
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=False, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention(name: str, fn) -> None:
+    """Register ``fn`` as the transformers attention implementation ``name`` (a model's ``config._attn_implementation``)."""
+    from transformers import AttentionInterface  # deferred: --help stays transformers-free (tests/test_startup.py)
+
+    AttentionInterface.register(name, fn)
 
 
 @contextlib.contextmanager
@@ -123,15 +128,14 @@ def gqa_sdpa(model):
 
     Only for models whose attention is ``sdpa``; others are left as they are.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     cfg = model.config
     old = cfg._attn_implementation
     if old != "sdpa":
         yield
         return
-    AttentionInterface.register(GQA_SDPA, sdpa_gqa_attention)
+    register_attention(GQA_SDPA, sdpa_gqa_attention)
     AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     cfg._attn_implementation = GQA_SDPA
     try:
@@ -141,8 +145,8 @@ def gqa_sdpa(model):
 
 
 @functools.lru_cache(maxsize=None)
-def _preallocated_layer_class():
-    """A transformers ``DynamicLayer`` whose keys/values are views of buffers sized once.
+def _preallocated_layer_class(dynamic_layer: type):
+    """A subclass of transformers' ``DynamicLayer`` (``dynamic_layer``) whose keys/values are views of buffers sized once.
 
     ``DynamicLayer.update`` concatenates the whole cache with each new token (``torch.cat``): for
     the demo's batch-16 CPU decoding that copy was a fifth of a decode step. This layer writes the
@@ -150,9 +154,7 @@ def _preallocated_layer_class():
     returns views of its first ``n`` positions; past the capacity it concatenates as before. The
     attention reads the same values in the same order (same tokens: ``tests/test_generate_fast_paths.py``).
     """
-    from transformers.cache_utils import DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
+    class PreallocatedLayer(dynamic_layer):
         def reserve(self, capacity: int) -> None:
             n = self.keys.shape[-2]
             kbuf = self.keys.new_empty((*self.keys.shape[:-2], capacity, self.keys.shape[-1]))
@@ -199,8 +201,7 @@ def prefill_unpadded(model, prompts, width: int, capacity: int = 0):
         is cheaper than B separate ones; no prompt longer than one token; caches other than plain
         attention layers, e.g. hybrid linear-attention or sliding-window targets).
     """
-    import torch
-    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicCache, DynamicLayer  # deferred: --help stays transformers-free (tests/test_startup.py)
 
     dev = next(model.parameters()).device
     if dev.type != "cpu" or width < 2:
@@ -227,7 +228,7 @@ def prefill_unpadded(model, prompts, width: int, capacity: int = 0):
                 values[b, :, width - 1 - n:] = c.layers[li].values[0]
         batch.update(keys, values, li)
     if capacity > width - 1:
-        layer_class = _preallocated_layer_class()
+        layer_class = _preallocated_layer_class(DynamicLayer)
         for layer in batch.layers:
             layer.__class__ = layer_class  # same state, in-place update()
             layer.reserve(capacity)
@@ -290,15 +291,11 @@ def decode_batch_size(model, prompt_len: int, max_new_tokens: int, total_memory:
     Returns:
         the batch size (>= 1).
     """
-    import torch
-
     p = next(model.parameters())
     if total_memory is None:
         if p.device.type != "cuda":
             return CPU_DECODE_BATCH
         total_memory = torch.cuda.get_device_properties(p.device).total_memory
-    from dflash_eval.core.runtime import MEMORY_FRACTION
-
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

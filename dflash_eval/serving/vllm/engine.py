@@ -39,12 +39,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import platform
 import re
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+import torch
+
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.replay.metrics import aggregate
+from dflash_eval.serving.clients import OpenAIClient, ServerError, VLLMServer, _neutral_sampling
+from dflash_eval.serving.generation import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +152,6 @@ def run_requests(client, rows: Sequence[dict], max_new_tokens: int, stop_ids: Se
     ``rows``: prompts or completions rows (``id``, ``prompt_ids``). Sampling is pinned as in
     :meth:`dflash_eval.serving.clients.OpenAIClient.complete`.
     """
-    from dflash_eval.serving.clients import ServerError, _neutral_sampling
-
     def one(row) -> EngineRequest:
         body = {"model": client.model or None, "prompt": [int(t) for t in row["prompt_ids"]],
                 "max_tokens": int(max_new_tokens), "n": 1, "stream": False, "return_token_ids": True,
@@ -203,8 +211,6 @@ def per_position(lengths: Sequence[Sequence[int]], block_size: int) -> dict:
         ``k = 1..B-1``; unconditional over every verify step (vLLM's ``accepted_per_pos / drafts``
         on converted counts), conditional as :attr:`dflash_eval.replay.metrics.AcceptanceStats.slot_acceptance`.
     """
-    from dflash_eval.replay.metrics import aggregate
-
     steps = [n for r in lengths for n in r]
     stats = aggregate(lengths, block_size)
     return {"unconditional": {k: sum(n > k for n in steps) / len(steps) if steps else float("nan")
@@ -225,8 +231,6 @@ def cpu_fix_dir(work_dir: str | Path) -> Path:
     On the ``PYTHONPATH`` of a CPU vLLM server it fixes the grouped ``rms_norm`` of vLLM's DFlash drafter
     (see that module); nothing else of dflash-eval is importable from it.
     """
-    import shutil
-
     d = Path(work_dir) / "pyfix"
     d.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(__file__).with_name("sitecustomize.py"), d / "sitecustomize.py")
@@ -235,8 +239,6 @@ def cpu_fix_dir(work_dir: str | Path) -> Path:
 
 def server_env(env: dict, work_dir: str | Path, cpu_fix: bool) -> dict:
     """The server's environment: ``env`` plus, with ``cpu_fix``, :func:`cpu_fix_dir` first on ``PYTHONPATH``."""
-    import os
-
     out = dict(env)
     if cpu_fix:
         out["PYTHONPATH"] = os.pathsep.join(p for p in (str(cpu_fix_dir(work_dir)), out.get("PYTHONPATH", "")) if p)
@@ -273,8 +275,6 @@ def compare(rows: Sequence[dict], offline: dict, requests: Sequence[EngineReques
         ``engine`` also ``mean_acceptance_length_raw`` (vLLM's 1 + accepted / drafts on its own counts)
         and ``per_position_raw``.
     """
-    from dflash_eval.replay.metrics import aggregate
-
     by_id = {str(r["id"]): r for r in rows}
     off = {str(s["id"]): s["acceptance_lengths"] for s in offline["samples"]}
     out, kinds = [], {k: 0 for k in DIVERGENCES}
@@ -375,11 +375,7 @@ class EngineOptions:
 
 def device_label(cuda: bool) -> str:
     """What the engine ran on, for the report: the GPU name(s), else the CPU model."""
-    import platform
-
     if cuda:
-        import torch
-
         n = torch.cuda.device_count()
         return f"{n} x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
     name = platform.processor() or platform.machine()
@@ -390,8 +386,6 @@ def device_label(cuda: bool) -> str:
                 break
     except OSError:
         pass
-    import os
-
     return f"CPU: {name} ({os.cpu_count()} cores)"
 
 
@@ -406,12 +400,6 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
     Raises:
         InputError / ServerUnavailable: as :class:`dflash_eval.serving.clients.VLLMServer`; ServerError from requests.
     """
-    import torch
-
-    from dflash_eval.serving.generation import stop_token_ids
-    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
-    from dflash_eval.serving.clients import OpenAIClient, VLLMServer
-
     cuda = torch.cuda.is_available()
     dt = dtype_name(resolve_dtype(opts.dtype, resolve_device("cuda" if cuda else "cpu")))
     fix = opts.cpu_fix == "on" or (opts.cpu_fix == "auto" and not cuda)

@@ -44,18 +44,27 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
+from dflash_eval.cache.extract import check_layers, versions
 from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, completions_sampling, to_storage
 from dflash_eval.cache.reader import open_h5_readonly
 from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
+from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError, partial_path, reused_sidecar_note
 from dflash_eval.core.io import sha256_file
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.data.completions import read_completions
+from dflash_eval.serving.clients import OpenAIClient, VLLMServer, api_key_from_env
+from dflash_eval.target.spec import TargetSpec, _key_locations
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +133,6 @@ def read_dump(path: Path, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
     Raises:
         InputError: the file never appeared, or is not a readable safetensors dump.
     """
-    from safetensors.torch import load_file
-
     lock = Path(str(path) + ".lock")
     t0 = time.perf_counter()
     while not path.exists() and not lock.exists():
@@ -224,10 +231,6 @@ def final_norm(spec):
     Raises:
         InputError: another model type, or no norm weight found.
     """
-    from safetensors import safe_open
-
-    from dflash_eval.target.spec import _key_locations
-
     if spec.model_type not in PLAIN_RMSNORM_TYPES:
         raise InputError("config", "cache.target_layer_ids",
                          f"the last decoder layer ({spec.num_layers - 1}) needs the final norm, which vLLM does not "
@@ -266,8 +269,6 @@ def check_hybrid_fix(python: str, env: dict | None = None) -> None:
     Raises:
         InputError: the connector has no such method.
     """
-    import subprocess
-
     try:
         p = subprocess.run([python, "-c", _HYBRID_PROBE], capture_output=True, text=True,
                            env={**os.environ, **(env or {})})
@@ -334,13 +335,6 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
             partial cache of other settings or engine, no room on the disk.
         ServerUnavailable / ServerError: the server failed (what was committed stays for the rerun).
     """
-    from dflash_eval.core import options as options_mod
-    from dflash_eval.data.completions import read_completions
-    from dflash_eval.cache.extract import check_layers, versions
-    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
-    from dflash_eval.serving.clients import OpenAIClient, VLLMServer, api_key_from_env
-    from dflash_eval.target.spec import TargetSpec
-
     opts = opts if opts is not None else options_mod.make("hidden_states", **overrides)
     opt, dtype = opts.vllm, opts.dtype
     t_start = time.perf_counter()
