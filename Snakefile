@@ -51,9 +51,6 @@ rule all:
 # or error) needs none of them.
 onsuccess:
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
-    forget_owner()
-    if MAIN_PROCESS and rewrite_allowed(sys.argv):  # fields known only now (a converted target's chat template)
-        complete_records(PLAN)
     # what the trackers left out (a checkpoint without a step, two at one step, W&B points lost with their
     # folders): on the console, not only in the job log, when this run logged (dflash_eval/trackers/log.py)
     for _note in trackers_run_warnings(PLAN, STARTED):
@@ -63,19 +60,9 @@ onsuccess:
         logger.warning(f"dflash-eval: {_note}")
 
 
-# The running Snakemake is recorded, so that a lock it leaves when killed is recognised as stale
-# (dflash_eval/workflow_guard.py); the record goes when the run ends.
-onstart:
-    if MAIN_PROCESS:
-        record_owner(sys.argv)
-
-
 onerror:
     # Snakemake knows which jobs finished: the done links are not needed (a forced rerun of hidden_states
     # would adopt them instead of recomputing); only a killed Snakemake leaves them
     remove_done_links(PLAN.caches() + PLAN.shard_caches())
-    forget_owner()
-    if MAIN_PROCESS and rewrite_allowed(sys.argv):
-        complete_records(PLAN)
     for _note in failed_checks(PLAN.validate_online_outputs() + PLAN.validate_engine_outputs(), STARTED):
         logger.warning(f"dflash-eval: {_note}")  # a validation that did not pass, also when a later job failed

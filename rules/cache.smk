@@ -18,12 +18,10 @@
 rule hidden_states:
     input:
         unpack(target_model_files),
-        record=options_record("hidden_states", "prompt_set"),
         fingerprint=TARGET.fingerprint,
         completions="results/{run}/completions/{prompt_set}.jsonl",
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
         completions_meta="results/{run}/completions/{prompt_set}.meta.json",
-        completions_record=options_record("completions", "prompt_set"),
     output:
         "results/{run}/cache/{prompt_set}.h5",
     log:
@@ -45,7 +43,6 @@ rule hidden_states:
     shell:
         "python -m dflash_eval hidden-states --target {params.target:q}"
         " --completions {input.completions:q} --prompts {input.prompts:q} --layer-ids {params.layer_ids}"
-        " --completions-settings {input.completions_record:q}"
         " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
         " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"
 
@@ -61,12 +58,10 @@ if PLAN.cache_shards > 1:
     rule hidden_states_shard:
         input:
             unpack(target_model_files),
-            record=options_record("hidden_states", "prompt_set"),
             fingerprint=TARGET.fingerprint,
             completions="results/{run}/completions/{prompt_set}.jsonl",
             prompts="results/{run}/prompts/{prompt_set}.jsonl",
             completions_meta="results/{run}/completions/{prompt_set}.meta.json",
-            completions_record=options_record("completions", "prompt_set"),
         output:
             "results/{run}/cache/{prompt_set}.shard{shard}.h5",
         log:
@@ -90,7 +85,6 @@ if PLAN.cache_shards > 1:
         shell:
             "python -m dflash_eval hidden-states-shard --target {params.target:q}"
             " --completions {input.completions:q} --prompts {input.prompts:q} --layer-ids {params.layer_ids}"
-            " --completions-settings {input.completions_record:q}"
             " --shard {wildcards.shard}/{params.shards}"
             " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
             " --out {output:q} > {log:q} 2>&1"

@@ -5,6 +5,7 @@
 # Everything here runs at parse time and only looks at the file system; no model code
 # is imported, so dry-runs and --lint work without torch.
 
+import json
 import os
 import re
 import shlex
@@ -22,25 +23,15 @@ if (Path(workflow.basedir) / "dflash_eval" / "workflow" / "plan.py").is_file():
     sys.path.insert(0, workflow.basedir)  # a checkout: plan and CLI come from this commit
 from dflash_eval.workflow.config import describe_validation_error, integral_numbers
 from dflash_eval.core.io import non_finite_entry
-from dflash_eval.core.errors import InputError, remove_done_links, reused_sidecar_note, sidecars
+from dflash_eval.core.errors import (InputError, failed_checks, remove_done_links, reused_sidecar_note, sidecars,
+                                snakemake_lock_note)
 from dflash_eval.core.gpu_pool import POOL_ENV as GPU_POOL_ENV
-from dflash_eval.job_records import (complete_records, demo_record_path, params_trigger_off, pending_note, plans_only, record_path,
-                                     rewrite_allowed, run_level_records, target_record_path, touches,
-                                     lost_target_outputs, write_planned_evaluations, write_records)
 from dflash_eval.core.options import RUNTIME_ENV
-from dflash_eval.row_checksum import SEALED_ENV
-from dflash_eval.output_digests import failed_checks
 from dflash_eval.trackers.log import run_warnings as trackers_run_warnings
 from dflash_eval.workflow.plan import build_plan
-from dflash_eval.workflow_guard import (
-    check_config_files,
-    forget_owner,
-    owner_export,
-    record_owner,
-    release_stale_lock,
-    metadata_gone,
-    rerun_incomplete_argv,
-)
+from dflash_eval.data.provenance import stale_table_note
+from dflash_eval.core.watchdog import owner_export
+from dflash_eval.core.yaml_strict import check_config_files
 
 def _shown(path):
     """A config file as the user would type it: relative to the working directory when inside it."""
@@ -62,24 +53,12 @@ CONFIG_FILES = (
     or "the config"
 )
 
-# The main Snakemake process (not a cluster job's): a lock left by a killed run is released when its
-# owner is provably gone, else explained (dflash_eval/workflow_guard.py).
+# The main Snakemake process (not a cluster job's): it names itself to the jobs' watchdog and says how
+# to clear a lock a killed run left (Snakemake itself only says "Directory cannot be locked").
 MAIN_PROCESS = workflow.exec_mode == ExecMode.DEFAULT
 STARTED = time.time()  # outputs newer than this were made by this run (onsuccess: the trackers' warnings)
 if MAIN_PROCESS:
-    _lock_note, _released = release_stale_lock(sys.argv)
-    _again = rerun_incomplete_argv(sys.argv) if _released else None
-    if _again:
-        # the dead run's unfinished jobs are the outputs Snakemake marks incomplete: the same command
-        # goes on as with --rerun-incomplete (set in every profile and make demo); the lock is gone already
-        logger.warning(f"dflash-eval: {_lock_note}; going on with --rerun-incomplete to rerun the jobs it left unfinished")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(_again[0], _again)
-    elif _released:
-        _lock_note += ("; this run reruns the jobs it left unfinished (--rerun-incomplete)"
-                       if {"--rerun-incomplete", "--ri"} & set(sys.argv) else
-                       "; the jobs it left unfinished are rerun only with --rerun-incomplete")
+    _lock_note = snakemake_lock_note()
     if _lock_note:
         logger.warning(f"dflash-eval: {_lock_note}")
 
@@ -103,7 +82,7 @@ if _non_finite:
         f"config ({CONFIG_FILES}): {_non_finite}: not a finite number (.nan / .inf). Fix: give a finite value; "
         "config/schemas/config.schema.yaml describes every option, its type and its default."
     )
-integral_numbers(config)  # `n: 4.0` is `n: 4` (one options record: nothing reruns)
+integral_numbers(config)  # `n: 4.0` is `n: 4` (the same params: nothing reruns)
 try:
     PLAN = build_plan(config)
 except InputError as err:
@@ -111,44 +90,13 @@ except InputError as err:
         f"config ({CONFIG_FILES}): {err.field}: {err.problem}. Fix: {err.fix}"
     )
 
-if MAIN_PROCESS and not touches(sys.argv):  # summary's input: rewritten when the planned evaluations change
-    _lost, _replaced = write_planned_evaluations(PLAN, move=not plans_only(sys.argv))  # (rerun without metadata); --touch would mark summary up to date over it
-    if _lost:  # renewed: Snakemake would not remake them under an up-to-date tau.csv
-        logger.warning(f"dflash-eval: {len(_lost)} output(s) that tau.csv, the report or trackers.json stand on are gone "
-                       f"({', '.join(_lost[:3])}{', ...' if len(_lost) > 3 else ''}): they are made again, and "
-                       "summary, report and trackers rerun")
-    if _replaced:  # final outputs no later job reads: their stage's digest (dflash_eval/output_digests.py)
-        logger.warning(f"dflash-eval: {', '.join(_replaced)}: not what its stage wrote (edited, or another run's "
-                       "copied in place, or its digest is gone): " + (
-                           "this command runs no job (a dry run, --report, ...), so it shows them as they are; the "
-                           "same command without that option remakes them" if plans_only(sys.argv) else
-                           "summary, report and trackers rerun to make the run's own again (an edited sealed file: "
-                           "moved to <file>.rejected and made again)"))
-    _target_gone = lost_target_outputs(PLAN)
-    if _target_gone:  # left as they are: remaking them is target work (a cache may have been deleted to free disk)
-        logger.warning(f"dflash-eval: {', '.join(_target_gone)} gone while tau.csv is there: not remade for its own sake "
-                       "(target work); tau.csv and the report stand on the evaluate outputs, which name the cache and "
-                       "completions they were made from; a job that needs them (a new checkpoint, a changed input or "
-                       "option upstream) remakes them first, or remake them now: snakemake <that file>" + (
-                           "; the target's fingerprint record is among them: remaking it hashes the target's weights "
-                           "again and, as a new input, reruns the target work after it (completions, hidden_states), "
-                           "e.g. after an interrupted --forcerun target_fingerprint" if PLAN.target.fingerprint in _target_gone
-                           else ""))
 if MAIN_PROCESS:
-    # each job group's options record (dflash_eval/job_records.py): a changed option reruns its jobs by
-    # mtime, also without .snakemake/metadata; kept as they are under --rerun-triggers without params
-    # and by commands that run no job (-n: checking a changed config, then reverting it, reruns nothing)
-    _records = write_records(PLAN, rewrite=rewrite_allowed(sys.argv), config_files=[str(f) for f in workflow.configfiles])
-    for _why in _records.remade:  # a shared resource made by an earlier version, perhaps with other options
-        logger.warning(f"dflash-eval: created {_why}: it is made again, and what uses it reruns")
-    if _records.changed and not rewrite_allowed(sys.argv):  # left as they are: say so, dry run or not
-        _dry = plans_only(sys.argv) and not params_trigger_off(sys.argv)  # -n with --rerun-triggers: its own text
-        logger.warning(f"dflash-eval: {pending_note(_records.changed, dry_run=_dry, touch=touches(sys.argv))}")
     for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)
         logger.warning(f"dflash-eval: {reused_sidecar_note(_side.with_suffix(''), None)}")
-    _gone = metadata_gone(PLAN.run_path(), records_created=_records.fresh)
-    if _gone:
-        logger.warning(f"dflash-eval: {_gone}")
+    if not any(Path(".snakemake", "metadata").glob("*")):  # copied results: the params trigger sees no change
+        _stale = stale_table_note(PLAN.run_path(), json.loads(PLAN.expected_settings()))
+        if _stale:
+            logger.warning(f"dflash-eval: {_stale}")
 
 RUN = PLAN.run
 PROMPT_SETS = PLAN.prompt_sets
@@ -173,7 +121,6 @@ if config["generation"]["endpoint"].get("api_key"):
 # start time) for the jobs' watchdog (dflash_eval/core/watchdog.py), in the main process only.
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
-    parts.append(f"export {SEALED_ENV}=1;")  # its prompts/completions files are sealed: unsealed ones are refused
     parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
     if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/core/gpu_pool.py)
         parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
@@ -230,12 +177,6 @@ def target_all_files(wildcards):
 def target_dir(wildcards):
     """The target HF folder passed as --target (its files are the declared inputs)."""
     return TARGET.dir
-
-
-def options_record(stage, by=None):
-    """Input function: the options record of ``stage`` (dflash_eval/job_records.py) for the job's
-    ``by`` wildcard (prompt_set, ckpt), or the run's."""
-    return lambda wildcards: record_path(wildcards.run, stage, getattr(wildcards, by) if by else "run")
 
 
 def output_dir(wildcards, output):

@@ -14,11 +14,9 @@ rule completions:
         unpack(lambda wildcards: PLAN.completions_inputs()),
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
         prompts_meta="results/{run}/prompts/{prompt_set}.meta.json",
-        record=options_record("completions", "prompt_set"),
-        prompts_record=options_record("prompts", "prompt_set"),
     output:
         completions="results/{run}/completions/{prompt_set}.jsonl",
-        meta="results/{run}/completions/{prompt_set}.meta.json",  # sha256 of it + of the record (hidden_states checks)
+        meta="results/{run}/completions/{prompt_set}.meta.json",  # the target's sha256 (hidden_states checks) + provenance
     log:
         main="logs/completions/{run}/{prompt_set}.log",
         server="logs/completions/{run}/{prompt_set}.vllm.log",
@@ -39,6 +37,6 @@ rule completions:
         fingerprint=PLAN.completions_fingerprint_arg(),
     shell:
         "python -m dflash_eval completions --target {params.target:q}"
-        " --prompts {input.prompts:q} --prompts-settings {input.prompts_record:q} {params.options}"
-        " {params.fingerprint} --server-log {log.server:q} --settings {input.record:q}"
+        " --prompts {input.prompts:q} {params.options}"
+        " {params.fingerprint} --server-log {log.server:q}"
         " --out {output.completions:q} > {log.main:q} 2>&1"

@@ -8,7 +8,6 @@
 rule target_costs:
     input:
         unpack(lambda wildcards: PLAN.target_costs_inputs(wildcards.run)),
-        record=options_record("target_costs"),
         fingerprint=TARGET.fingerprint,
     output:
         "results/{run}/target_costs.json",
@@ -26,8 +25,9 @@ rule target_costs:
     params:
         target=target_dir,
         options=PLAN.stage_flags("target_costs"),
+        threads=PLAN.target_costs_threads,  # the timings depend on them: a params value, so a change reruns the job
     shell:
         "python -m dflash_eval target-costs --target {params.target:q}"
         " --drafter-config {input.drafter_configs:q} {params.options}"
         " --target-fingerprint {input.fingerprint:q}"
-        " --settings {input.record:q} --out {output:q} > {log:q} 2>&1"
+        " --out {output:q} > {log:q} 2>&1"

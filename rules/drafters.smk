@@ -5,7 +5,6 @@
 rule strip_drafter:
     input:
         unpack(lambda wildcards: PLAN.strip_inputs(wildcards.ckpt)),
-        record=options_record("strip_drafter", "ckpt"),
     output:
         weights="results/{run}/drafters/{ckpt}/model.safetensors",
         config="results/{run}/drafters/{ckpt}/config.json",
@@ -26,13 +25,12 @@ rule strip_drafter:
     shell:
         "python -m dflash_eval strip-drafter --checkpoint {params.checkpoint:q}"
         " --target {params.target:q} {params.extra}"
-        " --settings {input.record:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        " --out-dir {params.out_dir:q} > {log:q} 2>&1"
 
 
 rule demo_checkpoint:
     input:
         unpack(lambda wildcards: PLAN.demo_inputs(wildcards.name)),
-        record=lambda wildcards: demo_record_path(wildcards.name),
     output:
         "resources/demo/checkpoints/{name}.pt",
     log:

@@ -9,7 +9,6 @@
 rule engine_parity:
     input:
         unpack(target_model_files),
-        record=options_record("engine_parity"),
         fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{PLAN.engine_parity_prompt_set}.jsonl",
         cache=f"results/{{run}}/cache/{PLAN.engine_parity_prompt_set}.h5",
@@ -44,5 +43,5 @@ rule engine_parity:
         "python -m dflash_eval engine-parity --target {params.target:q}"
         " --completions {input.completions:q} --cache {input.cache:q} --layer-ids {params.layer_ids}"
         " --drafter {params.drafters} --target-fingerprint {input.fingerprint:q}"
-        " {params.options} --server-log {log.server:q} --settings {input.record:q} --out {output:q}"
+        " {params.options} --server-log {log.server:q} --out {output:q}"
         " > {log.main:q} 2>&1"

@@ -9,7 +9,6 @@
 rule kernel_parity:
     input:
         unpack(target_model_files),
-        record=options_record("kernel_parity"),
         fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{PLAN.kernel_parity_prompt_set}.jsonl",
         drafters=expand(
@@ -42,4 +41,4 @@ rule kernel_parity:
         "python -m dflash_eval kernel-parity --target {params.target:q}"
         " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --drafter {params.drafters} --target-fingerprint {input.fingerprint:q}"
-        " {params.options} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"
+        " {params.options} --out {output:q} > {log:q} 2>&1"

@@ -1,12 +1,10 @@
 # Prompt set -> chat-templated prompts (text + token ids) as JSONL, and <set>.meta.json beside it
-# (what was skipped and why, read by the report; the sha256 of the file, its tokenizer and the job's
-# options record, checked by completions: dflash_eval/data/provenance.py).
+# (what was skipped and why, read by the report, and the provenance block: dflash_eval/data/provenance.py).
 
 
 rule prompts:
     input:
         unpack(lambda wildcards: PLAN.prompts_inputs(wildcards.prompt_set)),
-        record=options_record("prompts", "prompt_set"),
     output:
         prompts="results/{run}/prompts/{prompt_set}.jsonl",
         meta="results/{run}/prompts/{prompt_set}.meta.json",  # skip counts per reason (report)
@@ -23,5 +21,5 @@ rule prompts:
         tokenizer=target_dir,
     shell:
         "python -m dflash_eval prompts --source {params.source} {params.path}"
-        " --tokenizer {params.tokenizer:q} {params.options} --settings {input.record:q}"
+        " --tokenizer {params.tokenizer:q} {params.options}"
         " --out {output.prompts:q} > {log:q} 2>&1"

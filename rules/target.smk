@@ -10,7 +10,6 @@ if TARGET.from_gguf:
     rule target_from_gguf:
         input:
             lambda wildcards: PLAN.gguf_input(),
-            record=target_record_path(PLAN.target_name),
         output:
             config=TARGET.config[0],
             weights=TARGET.weights[0],

@@ -7,11 +7,6 @@
 rule trackers:
     input:
         table="results/{run}/tau.parquet",
-        evals=lambda wildcards: PLAN.evaluations(wildcards.run),  # the table must be what summary makes of them
-        costs=PLAN.target_costs_outputs(),  # and of the target costs (its speedup columns)
-        run_records=lambda wildcards: run_level_records(PLAN, wildcards.run, ("target_costs",)),  # costs must name it
-        record=options_record("trackers"),
-        planned=lambda wildcards: [PLAN.planned_evaluations()] if wildcards.run == PLAN.run else [],  # outputs remade
     output:
         "results/{run}/trackers.json",
     log:
@@ -21,7 +16,6 @@ rule trackers:
         "../envs/cpu.yaml"
     params:
         options=lambda wildcards: PLAN.stage_flags("trackers"),
-        args=lambda wildcards, input: PLAN.summary_args(input.get("costs", []), input.get("run_records", [])),
     shell:
         "python -m dflash_eval trackers --table {input.table:q} --run={wildcards.run:q}"
-        " --evals {input.evals:q} {params.args} {params.options} --out {output:q} > {log:q} 2>&1"
+        " {params.options} --out {output:q} > {log:q} 2>&1"

@@ -10,9 +10,6 @@
 rule validate_engine:
     input:
         unpack(target_model_files),
-        record=options_record("validate_engine"),
-        # the evaluate outputs must name it (and their completions and drafters), as summary checks
-        eval_record=lambda wildcards: record_path(wildcards.run, "evaluate", PLAN.validate_engine_prompt_set),
         completions=f"results/{{run}}/completions/{PLAN.validate_engine_prompt_set}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",
@@ -53,4 +50,4 @@ rule validate_engine:
         "python -m dflash_eval validate-engine --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} {params.costs} --work-dir {params.work} {params.options}"
-        " --eval-settings {input.eval_record:q} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"
+        " --out {output:q} > {log:q} 2>&1"

@@ -10,10 +10,7 @@
 rule validate_online:
     input:
         unpack(target_model_files),
-        record=options_record("validate_online"),
         fingerprint=TARGET.fingerprint,
-        # the evaluate outputs must name it (and their completions and drafters), as summary checks
-        eval_record=lambda wildcards: record_path(wildcards.run, "evaluate", PLAN.validate_online_prompt_set),
         completions=f"results/{{run}}/completions/{PLAN.validate_online_prompt_set}.jsonl",
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",
@@ -49,4 +46,4 @@ rule validate_online:
         "python -m dflash_eval validate-online --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} --target-fingerprint {input.fingerprint:q} {params.options}"
-        " --eval-settings {input.eval_record:q} --settings {input.record:q} --out {output:q} > {log:q} 2>&1"
+        " --out {output:q} > {log:q} 2>&1"

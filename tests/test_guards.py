@@ -151,7 +151,7 @@ def test_watchdog_stops_a_job_whose_owner_is_gone():
 
 
 def test_watchdog_stops_a_job_whose_owner_died_before_it_started():
-    """The seventh trial's U5: Snakemake SIGKILLed while a job's Python was starting; the watchdog, finding the owner
+    """Snakemake SIGKILLed while a job's Python was starting; the watchdog, finding the owner
     gone at its start, took it for one it cannot see (a container) and watched nothing, so the job ran to its end.
     An owner of the job's own pid namespace that is gone stops the job at once; one named in another namespace
     (a container's view) is still not watched, and tokens of an earlier version (two parts) still work."""
@@ -163,18 +163,6 @@ def test_watchdog_stops_a_job_whose_owner_died_before_it_started():
         assert watchdog.start({watchdog.OWNER_ENV: f"{pid}:{ticks}"}) is None  # an earlier version's token
         wait_stopped(lambda: watchdog.start({watchdog.OWNER_ENV: token}, interval_s=30))
     """) < 1
-
-
-def test_rerun_incomplete_argv_adds_the_flag_once_and_only_to_snakemake_command_lines():
-    from dflash_eval.workflow_guard import rerun_incomplete_argv
-
-    main = str(Path("/venv/lib/python3.11/site-packages/snakemake/__main__.py"))
-    assert rerun_incomplete_argv([main, "--cores", "1", "--resources", "gpu=1"]) == [
-        sys.executable, "-m", "snakemake", "--cores", "1", "--resources", "gpu=1", "--rerun-incomplete"]
-    assert rerun_incomplete_argv(["/venv/bin/snakemake", "all"]) == [
-        sys.executable, "/venv/bin/snakemake", "all", "--rerun-incomplete"]
-    assert rerun_incomplete_argv([main, "--ri"]) is None and rerun_incomplete_argv([main, "--rerun-incomplete"]) is None
-    assert rerun_incomplete_argv(["/usr/bin/python", "my_driver.py"]) is None and rerun_incomplete_argv([]) is None
 
 
 def test_a_non_finite_number_in_the_config_is_named():
@@ -189,8 +177,7 @@ def test_a_non_finite_number_in_the_config_is_named():
 
 
 def test_an_integral_float_in_the_config_is_the_integer():
-    """The tenth trial: `prompt_set.n: 4.0` (valid: JSON Schema's integer) changed the options record of a run made
-    with `n: 4` and redid its target work. Floats the schema types integer are made ints; numbers stay as given."""
+    """`prompt_set.n: 4.0` (valid: JSON Schema's integer) must give the params of `n: 4` (nothing reruns). Floats the schema types integer are made ints; numbers stay as given."""
     from dflash_eval.workflow.config import integral_numbers
 
     cfg = {"prompt_set": {"n": 4.0}, "generation": {"max_new_tokens": 48.0, "sampling": {"temperature": 1.0}},
@@ -205,23 +192,23 @@ def test_an_integral_float_in_the_config_is_the_integer():
     assert integral_numbers({"prompt_set": {"n": 4.5}})["prompt_set"]["n"] == 4.5  # left to the schema to refuse
 
 
-def test_results_without_snakemake_metadata_are_named(tmp_path):
-    """Snakemake reruns a job for a changed option only from .snakemake/metadata: without it, say so."""
-    from dflash_eval.workflow_guard import metadata_gone
+def test_a_lock_left_behind_is_explained_with_its_fix(tmp_path):
+    """A Snakemake killed with SIGKILL leaves its lock: the parse names it and the fix (--unlock, then the same
+    command with --rerun-incomplete); the lock itself is left alone (another Snakemake may hold it)."""
+    from dflash_eval.core.errors import snakemake_lock_note
 
-    run = tmp_path / "results" / "r"
-    assert metadata_gone(run, tmp_path) is None  # nothing made yet
-    run.mkdir(parents=True)
-    (run / "tau.csv").write_text("checkpoint\n")
-    assert "(.snakemake/metadata) are gone" in metadata_gone(run, tmp_path)
-    (tmp_path / ".snakemake" / "metadata").mkdir(parents=True)
-    (tmp_path / ".snakemake" / "metadata" / "cmVzdWx0cw==").write_text("{}")
-    assert metadata_gone(run, tmp_path) is None
+    assert snakemake_lock_note(tmp_path) is None
+    locks = tmp_path / ".snakemake" / "locks"
+    locks.mkdir(parents=True)
+    (locks / "0.input.lock").write_text("x")
+    note = snakemake_lock_note(tmp_path)
+    assert "snakemake --unlock" in note and "--rerun-incomplete" in note
+    assert (locks / "0.input.lock").exists()
 
 
 def test_one_checkpoint_under_several_names_is_named_at_parse_time(tmp_path, monkeypatch, caplog):
-    """The seventh trial's U4: the same file listed as ckA, as ckL through `..` and as ckS through a symbolic link
-    was stripped and evaluated once per name without a word. Allowed (comparing a checkpoint with itself can be
+    """The same file listed as ckA, as ckL through `..` and as ckS through a symbolic link is stripped and
+    evaluated once per name. Allowed (comparing a checkpoint with itself can be
     meant), but the parse warns, naming the names and the file; a copy (other files) is not named."""
     import os
     import shutil
@@ -233,7 +220,7 @@ def test_one_checkpoint_under_several_names_is_named_at_parse_time(tmp_path, mon
     ck = tmp_path / "ckpts" / "ckA.pt"
     ck.write_bytes(b"x")
     (tmp_path / "ckpts" / "link.pt").symlink_to("ckA.pt")
-    os.link(ck, tmp_path / "hard.pt")  # the eighth trial's U2: a hard link is the same file too
+    os.link(ck, tmp_path / "hard.pt")  # a hard link is the same file too
     shutil.copy(ck, tmp_path / "ckpts" / "copy.pt")
     entries = [{"name": "ckA", "path": "ckpts/ckA.pt"}, {"name": "ckL", "path": "ckpts/../ckpts/./ckA.pt"},
                {"name": "ckS", "path": "ckpts/link.pt"}, {"name": "ckC", "path": "ckpts/copy.pt"},

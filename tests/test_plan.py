@@ -60,17 +60,17 @@ def test_checkpoint_table_glob_list_demo(tmp_path, monkeypatch):
     ({"glob": "ck/bad name.pt"}, "checkpoints.glob (ck/bad name.pt)", "may only contain"),
     ({"demo": [{"name": "d", "step": 0, "drafter": "missing-folder"}]}, "checkpoints.demo[0] (d).drafter", "not a folder"),
     ({}, "checkpoints", "no checkpoint configured"),
-    # the fifteenth trial: a FIFO passed the parse and strip failed with a raw NotADirectoryError
+    # a FIFO passed the parse and strip failed with a raw NotADirectoryError
     ({"list": [{"name": "f", "path": "ck/fifo"}]}, "checkpoints.list[0] (f).path", "neither a regular file nor a folder"),
     ({"glob": "ck/fi*"}, "checkpoints.glob", "neither a regular file nor a folder"),
     ({"list": [{"name": "a", "path": "ck/x.pt", "drafter_config": "ck"}]}, "checkpoints.list[0] (a).drafter_config",
      "is not a regular file"),
     ({"list": [{"name": "l", "path": "ck/loop1"}]}, "checkpoints.list[0] (l).path", "a symbolic link that loops"),
-    # the sixteenth trial's P4: the run's own stripped folder as a checkpoint (a cyclic strip job)
+    # the run's own stripped folder as a checkpoint (a cyclic strip job)
     ({"list": [{"name": "a", "path": "results/r/drafters/a"}]}, "checkpoints.list[0] (a).path",
      "'results/r/drafters/a' is inside results/r/, which this run writes"),
     ({"glob": "results/r/drafters/*"}, "checkpoints.glob (results/r/drafters/a)", "is inside results/r/"),
-    # the sixteenth trial's P20: the weights file given for its folder passed the parse; strip refused it
+    # the weights file given for its folder passed the parse; strip refused it
     ({"list": [{"name": "w", "path": "ck/model.safetensors"}]}, "checkpoints.list[0] (w).path",
      "is a file strip cannot read alone"),
 ])
@@ -230,9 +230,9 @@ def test_schema_override_keys_are_the_packages():
      "the closest known option to 'temprature' is 'temperature'"),
     ({"prompt_sets": {"s": {"source": "sharegpt", "sampling": {"top_p": 0}}}}, "prompt_sets.s.sampling.top_p",
      "0 is less than or equal to the minimum of 0"),
-    # the seventh trial's U3: a name the schema's pattern refuses reads what a name may hold, not the regex
+    # a name the schema's pattern refuses reads what a name may hold, not the regex
     ({"run": ".."}, "run", "'..': a name becomes a folder or file name, so it may only contain letters, digits"),
-    # the sixteenth trial's P15: a TensorBoard run_name of ../../../../x wrote outside results/
+    # a TensorBoard run_name of ../../../../x wrote outside results/
     ({"trackers": {"tensorboard": {"run_name": "../../x"}}}, "trackers.tensorboard.run_name",
      "'../../x': a name becomes a folder or file name, so it may only contain letters"),
     ({"checkpoints": {"list": [{"name": "ck A", "path": "a.pt"}]}}, "checkpoints.list[0].name",
@@ -313,10 +313,7 @@ def test_target_costs_and_report_args():
     assert len(sha) == 64 and sha == plan.Plan(json.loads(json.dumps(cfg)), "r", [], p.target, {}, []).config_sha256
     assert p.report_args() == f"--config-sha256 {sha}"
     assert p.report_args(["k p.json"], ["c.json"]) == f"--extra 'k p.json' --costs c.json --config-sha256 {sha}"
-    from dflash_eval.job_records import run_level_records  # the records run-level outputs must name
-
-    assert run_level_records(p, "r", ("target_costs",)) == ["results/r/options/target_costs/run.json"]
-    assert p.summary_args(["c.json"], ["a b.json"]) == "--costs c.json --run-settings 'a b.json'"
+    assert p.summary_args(["c.json"]) == "--costs c.json"
     assert p.summary_args() == ""
     cfg["target_costs"] = {**tc, "enabled": False}
     assert p.target_costs_outputs() == [] and p.config_sha256 != sha
@@ -434,7 +431,7 @@ def test_validate_online_on_a_greedy_set_warns_that_it_runs_greedy_only():
 
 
 def test_a_checkpoint_path_has_one_spelling(tmp_path, monkeypatch):
-    """The sixteenth trial's P22: `ck/` for `ck` (or `ck//x`, `./ck`) changed the strip record and reran its jobs."""
+    """`ck/` for `ck` (or `ck//x`, `./ck`) is one checkpoint path: one spelling in the params, nothing reruns."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")

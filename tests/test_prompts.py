@@ -185,7 +185,7 @@ def test_sharegpt_both_role_vocabularies_and_system_turns(tmp_path, tok_dir):
                          "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert (meta["available"], meta["written"], meta["skipped"]) == (5, 5, dict(skipped))
     out = write_prompts(rows, tmp_path / "ps" / "share.jsonl")
-    assert write_meta(out, meta, file_key="prompts_sha256", tokenizer_dir=tok_dir) == meta_path(out) == tmp_path / "ps" / "share.meta.json"
+    assert write_meta(out, meta) == meta_path(out) == tmp_path / "ps" / "share.meta.json"
     assert {k: v for k, v in read_prompt_meta(out).items() if k in meta} == meta
     assert len(read_prompts(out)) == 5  # the prompts file itself holds only rows
     table = skip_table_markdown({"share": meta})
@@ -353,7 +353,7 @@ def test_read_prompts_errors(tmp_path):
 
 
 def test_a_jsonl_file_with_a_byte_order_mark_is_named_as_such(tmp_path):
-    """The sixteenth trial: a UTF-8 BOM (PowerShell, Notepad) read "malformed JSON ... Fix: write one JSON object per
+    """A UTF-8 BOM (PowerShell, Notepad) read "malformed JSON ... Fix: write one JSON object per
     line", a fix that does not help."""
     p = tmp_path / "bom.jsonl"
     p.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "hi"}\n')

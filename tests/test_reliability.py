@@ -229,7 +229,7 @@ def test_nan_weights_fail_load_drafter_naming_the_tensor(pipeline, tmp_path):
 
 
 def test_weights_that_overflow_in_the_forward_pass_are_refused_by_evaluate(pipeline, tmp_path):
-    """The thirteenth trial's A8: finite weights that overflow in the drafter's forward pass (3e38 in one MLP
+    """Finite weights that overflow in the drafter's forward pass (3e38 in one MLP
     projection, as a diverged run leaves) passed the weights check and drafted garbage: tau 1.0, exit 0. evaluate
     refuses a drafter whose drafted states are not finite, naming the folder."""
     from safetensors.torch import load_file, save_file
@@ -246,59 +246,6 @@ def test_weights_that_overflow_in_the_forward_pass_are_refused_by_evaluate(pipel
     assert Path(err.value.file) == bad / "model.safetensors" and "not finite (NaN or inf) in its forward pass" in (
         err.value.problem) and "earlier checkpoint" in err.value.fix
     assert not (tmp_path / "overflow.json").exists() and not (d / "overflow.json").exists()
-
-
-def test_strip_records_checksums_and_load_drafter_verifies_them(pipeline, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from dflash_eval.drafter.model import load_drafter
-    from dflash_eval.drafter.files import file_checksums
-    from dflash_eval.stages.strip_drafter import strip_checkpoint
-
-    out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
-    info = json.loads((out / "strip_info.json").read_text())
-    assert info["sha256"] == file_checksums(out) and set(info["sha256"]) == {"model.safetensors", "config.json"}
-    load_drafter(out)  # intact: verified and loaded
-    # a changed weight (still finite, a valid file): only the checksum sees it
-    state = load_file(str(out / "model.safetensors"))
-    key = sorted(state)[0]
-    state[key] = state[key] * 1.5
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(InputError) as err:
-        load_drafter(out)
-    assert Path(err.value.file) == out / "model.safetensors" and "strip_info.json" in err.value.problem
-    assert "strip it again" in err.value.fix
-    # config.json edited after strip
-    out2 = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped2", target_dir=pipeline["target_dir"])
-    cfg = json.loads((out2 / "config.json").read_text())
-    cfg["rms_norm_eps"] = 1e-3
-    (out2 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(InputError) as err:
-        load_drafter(out2)
-    assert Path(err.value.file) == out2 / "config.json"
-    # a strip_info.json without the records is refused (tests/test_integrity.py)
-
-
-def test_an_edited_step_in_strip_info_fails_evaluate(pipeline, tmp_path):
-    """strip_info.json's own fields (the step that labels the tau table's row) are under its info_sha256."""
-    from dflash_eval.drafter.files import info_sha256, read_strip_info
-    from dflash_eval.stages.strip_drafter import strip_checkpoint
-
-    out = strip_checkpoint(pipeline["dir"] / "drafter", tmp_path / "stripped", target_dir=pipeline["target_dir"])
-    info = json.loads((out / "strip_info.json").read_text())
-    assert list(info)[-1] == "info_sha256" and info["info_sha256"] == info_sha256(info)
-    assert read_strip_info(out) == info
-    info["step"] = 5000  # was None: the row would be plotted at step 5000
-    (out / "strip_info.json").write_text(json.dumps(info, indent=2))
-    with pytest.raises(InputError) as err:
-        _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")
-    e = err.value
-    assert Path(e.file) == out / "strip_info.json" and e.field == "info_sha256" and "step" in e.problem
-    assert "strip it again" in e.fix and not (pipeline["dir"] / "step.json").exists()
-    del info["info_sha256"]  # without the field: refused too (tests/test_integrity.py)
-    (out / "strip_info.json").write_text(json.dumps(info, indent=2))
-    with pytest.raises(InputError, match="info_sha256: missing"):
-        _evaluate(pipeline, pipeline["dir"] / "c.h5", drafter=out, out="step.json")
 
 
 def test_prompt_beyond_max_positions_is_refused(pipeline, tmp_path):
@@ -402,7 +349,7 @@ def test_verified_samples_hands_samples_out_and_raises_a_bad_one_on_leaving(tmp_
           "so a quota or a file size limit (ulimit -f) stopped the write"),
 ])
 def test_disk_full_message_says_needed_and_free_consistently(tmp_path, monkeypatch, free_mb, want):
-    """The case the trial found: '71 MB free, the next batch needs 6 MB + 64 MB' then 'free 0.01 GB'."""
+    """The case: '71 MB free, the next batch needs 6 MB + 64 MB' then 'free 0.01 GB'."""
     import errno
     import shutil as _shutil
 
@@ -491,44 +438,3 @@ def test_session_end_check_finds_leftover_threads_and_children():
     assert conftest.leftovers(baseline, grace_s=2) == ([], [])
 
 
-def test_completions_rows_are_verified_when_read(pipeline, tmp_path, caplog):
-    from dflash_eval.data.completions import read_completions
-    from dflash_eval.row_checksum import ids_sha256, row_sha256
-
-    src = pipeline["dir"] / "c.jsonl"
-    rows = [json.loads(line) for line in src.read_text().splitlines()]
-    assert all(r["ids_sha256"] == ids_sha256(r["prompt_ids"], r["completion_ids"]) for r in rows)
-    assert all(r["row_sha256"] == row_sha256(r) and list(r)[-1] == "row_sha256" for r in rows)
-    assert len(read_completions(src)) == 3
-    edited = [dict(r) for r in rows]
-    edited[1]["completion_ids"] = edited[1]["completion_ids"][:-2] + [7, edited[1]["completion_ids"][-1]]
-    bad = tmp_path / "edited.jsonl"
-    bad.write_text("".join(json.dumps(r) + "\n" for r in edited))
-    with pytest.raises(InputError) as err:
-        read_completions(bad)
-    assert err.value.field == "line 2: ids_sha256" and repr(rows[1]["id"]) in err.value.problem
-    # a field other than the ids (max_new_tokens bounds every verify step of the replay; generation holds
-    # the sampling settings): the row checksum
-    for key, value in (("max_new_tokens", rows[2]["max_new_tokens"] + 8), ("generation", {"source": "openai"})):
-        edited = [dict(r) for r in rows]
-        edited[2][key] = value
-        bad.write_text("".join(json.dumps(r) + "\n" for r in edited))
-        with pytest.raises(InputError) as err:
-            read_completions(bad)
-        e = err.value
-        assert Path(e.file) == bad and e.field == "line 3: row_sha256" and repr(rows[2]["id"]) in e.problem
-        assert key in e.problem and "regenerate the completions" in e.fix
-    old = tmp_path / "old.jsonl"  # written before the checksums: read, one warning
-    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("ids_sha256", "row_sha256")}) + "\n"
-                           for r in rows))
-    with caplog.at_level("WARNING"):
-        assert [r["id"] for r in read_completions(old)] == [r["id"] for r in rows]
-    assert "3 of 3 rows carry no ids_sha256" in caplog.text
-    caplog.clear()
-    ids_only = tmp_path / "ids_only.jsonl"  # written before row_sha256: ids verified, the rest not (one warning)
-    ids_only.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "row_sha256"}) + "\n" for r in rows))
-    with caplog.at_level("WARNING"):
-        assert [r["id"] for r in read_completions(ids_only)] == [r["id"] for r in rows]
-    assert [m for m in caplog.messages if "row_sha256" in m] == [
-        f"{ids_only}: 3 of 3 rows carry no row_sha256 (written before it): their ids are verified, their other "
-        "fields (stop_reason, max_new_tokens, generation, text) read unverified"]

@@ -68,114 +68,105 @@ def test_tau_by_prompt_length_bins(tmp_path):
     assert pd.isna(old["tau_prompt_0_128"]) and old["n_prompt_0_128"] == 0
 
 
-def test_tau_parquet_is_sealed_and_verified(tmp_path, monkeypatch, caplog):
-    """The seventh trial's U1: tau.parquet (what the trackers log) edited after summary reached TensorBoard
-    unchecked. summary seals it (schema metadata); read_parquet refuses an edit, and inside the workflow a
-    file without the seal (rewritten by pandas, which drops it)."""
+def _with_settings(path, **options):
+    """An evaluate output ``path`` with the provenance block evaluate writes, made with the evaluate ``options``."""
+    from dflash_eval.core import options as options_mod
+    from dflash_eval.data.provenance import stage_block
+
+    r = json.loads(Path(path).read_text())
+    r["provenance"] = stage_block("evaluate", options_mod.make("evaluate", **options))
+    Path(path).write_text(json.dumps(r))
+    return path
+
+
+def _expected(prompt_sets, **options) -> dict:
+    """What rule summary passes (--expected-settings) for a config whose evaluate section holds ``options``."""
+    from dflash_eval.data.provenance import settings_of
+
+    return {"evaluate": {p: settings_of("evaluate", {"ddtree_budgets": [], **options}) for p in prompt_sets}}
+
+
+def test_summary_refuses_outputs_of_other_settings_naming_the_fix(tmp_path):
+    """Results copied without .snakemake/ (Snakemake's params trigger then sees no change), then an option changed:
+    an evaluate output made with the old value is refused at summary, naming the file, the option, both values and
+    the fix; outputs of this config's settings pass, and the tables record them (tau.provenance.json, parquet)."""
     import pyarrow.parquet as pq
     import pytest
 
     from dflash_eval.core.errors import InputError
-    from dflash_eval.row_checksum import SEALED_ENV
-    from dflash_eval.report.tau_table import PARQUET_SEAL, read_parquet
-    from dflash_eval.trackers.log import read_table
+    from dflash_eval.report.tau_table import PARQUET_PROVENANCE
 
-    evals = [_eval(tmp_path, "step100", "humaneval", 100, [[3, 1], [1, 1, 1, 1]]),
-             _eval(tmp_path, "final", "humaneval", None, [[2, 2]])]
-    path = tmp_path / "tau.parquet"
-    df = write_summary(evals, tmp_path / "tau.csv", path)
-    assert read_parquet(path).equals(df) and read_table(path).equals(df)  # a round trip keeps the seal's values
-    table = pq.read_table(path)
-    assert len(table.schema.metadata[PARQUET_SEAL]) == 64
-    edited = table.to_pandas()
-    edited.loc[0, "tau"] = 1.9782
-    import pyarrow as pa
+    old = _with_settings(_eval(tmp_path, "ckA", "humaneval", 100, [[3, 1]]), ddtree_budgets=[], max_samples=4)
+    new = _with_settings(_eval(tmp_path, "ckB", "humaneval", 200, [[2, 2]]), ddtree_budgets=[], max_samples=8)
+    expected = _expected(["humaneval"], max_samples=8)
+    with pytest.raises(InputError) as err:
+        write_summary([old, new], tmp_path / "tau.csv", tmp_path / "tau.parquet", expected=expected)
+    assert Path(err.value.file) == Path(old) and err.value.field == "provenance.settings.evaluate.max_samples"
+    assert "evaluate.max_samples = 4, but the config now gives 8" in err.value.problem
+    assert "snakemake --forcerun evaluate" in err.value.fix and not (tmp_path / "tau.csv").exists()
+    bare = _eval(tmp_path, "ckC", "humaneval", 300, [[2, 2]])  # no provenance block: an earlier version's output
+    with pytest.raises(InputError, match="records no evaluate settings"):
+        write_summary([bare], tmp_path / "tau.csv", tmp_path / "tau.parquet", expected=expected)
 
-    pq.write_table(pa.Table.from_pandas(edited, preserve_index=False).replace_schema_metadata(
-        table.schema.metadata), tmp_path / "edited.parquet")  # the edit with the old seal kept
-    for bad in (tmp_path / "edited.parquet",):
-        with pytest.raises(InputError) as err:
-            read_table(bad)
-        assert Path(err.value.file) == bad and err.value.field == "dflash_eval.content_sha256"
-        assert "changed after the summary stage wrote it" in err.value.problem and "--forcerun" in err.value.fix
-    edited.to_parquet(tmp_path / "pandas.parquet", index=False)  # rewritten by pandas: no seal
-    monkeypatch.delenv(SEALED_ENV, raising=False)
-    with caplog.at_level("WARNING", logger="dflash_eval"):
-        assert read_table(tmp_path / "pandas.parquet").loc[0, "tau"] == 1.9782  # a direct call: with a warning
-    assert any("read unverified" in m and "pandas.parquet" in m for m in caplog.messages)
-    monkeypatch.setenv(SEALED_ENV, "1")
-    with pytest.raises(InputError, match="inside the workflow every tau.parquet is written and sealed"):
-        read_table(tmp_path / "pandas.parquet")
-    assert read_table(path).equals(df)
+    write_summary([new], tmp_path / "tau.csv", tmp_path / "tau.parquet", expected=expected,
+                  out_provenance=tmp_path / "tau.provenance.json")
+    prov = json.loads((tmp_path / "tau.provenance.json").read_text())
+    assert prov["settings"] == expected and prov["stage"] == "summary" and list(prov["inputs_sha256"]) == [new]
+    assert set(prov["dflash_eval"]) == {"version", "commit", "dirty"} and "python" in prov["packages"]
+    meta = pq.read_table(tmp_path / "tau.parquet").schema.metadata[PARQUET_PROVENANCE]
+    assert json.loads(meta) == prov
+    write_summary([old], tmp_path / "x.csv", tmp_path / "x.parquet")  # a direct call without settings: not compared
 
 
-def test_trackers_refuse_a_table_that_is_not_the_runs(tmp_path, monkeypatch):
-    """The eighth trial's S1: another run's tau.parquet (validly sealed) copied over the run's was logged to the
-    run's TensorBoard, exit 0. The trackers stage compares the table with the run's evaluate outputs (as report
-    does tau.csv): another run's rows, or an edited tau, log nothing."""
+def test_the_workflow_passes_the_configs_settings_to_summary():
+    """Rule summary's params.expected is the settings each evaluate job records: the same options, parsed back from
+    the flags the rule passes, give the same values (so an unchanged config is never refused)."""
     import argparse
+    import shlex
 
-    import pytest
+    import yaml
 
-    from dflash_eval.core.errors import InputError
-    from dflash_eval.stages import trackers as stage
+    from dflash_eval.core import options
+    from dflash_eval.workflow.plan import build_plan
+    from dflash_eval.data.provenance import settings_of
 
-    mine = [_eval(tmp_path, "ckA", "humaneval", 788, [[3, 1], [1, 1, 1, 1]]),
-            _eval(tmp_path, "ckB", "humaneval", 3507, [[2, 2]])]
-    (tmp_path / "other").mkdir()
-    theirs = [_eval(tmp_path / "other", "ckX", "humaneval", 2000, [[1, 1]])]
-    write_summary(mine, tmp_path / "tau.csv", tmp_path / "tau.parquet")
-    write_summary(theirs, tmp_path / "x.csv", tmp_path / "x.parquet")
-    monkeypatch.chdir(tmp_path)
-    cfg = {"tensorboard": {"enabled": True}}
+    repo = Path(__file__).resolve().parents[1]
+    rule = (repo / "rules" / "evaluate.smk").read_text()
+    assert "expected=PLAN.expected_settings()" in rule and "--expected-settings {params.expected:q}" in rule
+    from snakemake.utils import validate
 
-    def run(table, evals):
-        args = argparse.Namespace(table=str(table), run="r", out=str(tmp_path / "trackers.json"), evals=evals,
-                                  costs=None, run_settings=None)
-        stage.main(args, cfg)
-        return json.loads((tmp_path / "trackers.json").read_text())
+    cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    cfg["evaluate"] = {"ddtree_budgets": [2, 8], "cross_temperature": True,
+                       "sampling": [{"temperature": 0.0}, {"temperature": 0.7, "top_p": 0.9}]}
+    validate(cfg, str(repo / "config" / "schemas" / "config.schema.yaml"))
+    import os
 
-    with pytest.raises(InputError) as err:
-        run(tmp_path / "x.parquet", mine)
-    assert err.value.field == "rows" and "x.parquet was edited, is stale or is another run's" in err.value.problem
-    assert "--forcerun" in err.value.fix and not (tmp_path / "results").exists()  # nothing logged
-    edited = pd.read_csv(tmp_path / "tau.csv")
-    edited.loc[0, "tau"] += 0.25
-    edited.to_csv(tmp_path / "edited.csv", index=False)
-    with pytest.raises(InputError) as err:
-        run(tmp_path / "edited.csv", mine)
-    assert err.value.field == "tau" and "but summary makes 1.5000 of the run's evaluate outputs: edited.csv was edited" \
-        in err.value.problem
-    from dflash_eval.target.costs import with_speedups
-    from dflash_eval.report.tau_table import check_table, summary_frame
+    cwd = os.getcwd()
+    os.chdir(repo)
+    try:
+        plan = build_plan(cfg)
+    finally:
+        os.chdir(cwd)
+    expected = json.loads(plan.expected_settings())
+    for stage, keys in expected.items():
+        for key, want in keys.items():
+            parser = argparse.ArgumentParser()
+            options.add_flags(parser, stage)
+            args = parser.parse_args(shlex.split(plan.stage_flags(stage, None if key == "run" else key)))
+            assert settings_of(stage, options.from_args(stage, args)) == want, (stage, key)
 
-    want = with_speedups(summary_frame(mine), None)
-    check_table((tmp_path / "tau.csv").read_text(), "tau.csv", want)  # as summary wrote it
-    pd.read_csv(tmp_path / "tau.csv").to_csv(tmp_path / "saved.csv", index=False)  # saved again: 0.0 for 0.0000
-    check_table((tmp_path / "saved.csv").read_text(), "saved.csv", want)  # the same values: accepted
-    # the tenth trial's F5: another run's tau.parquet of the same evaluate outputs but other target costs (its
-    # speedup columns) was logged; with the run's target_costs.json (the workflow passes it) every cell is compared
-    from test_report import fake_costs
 
-    ours, other = (tmp_path / "ours").mkdir() or tmp_path / "ours", (tmp_path / "other2").mkdir() or tmp_path / "other2"
-    for folder, decode_s in ((ours, 0.010), (other, 0.012)):
-        c = json.loads(Path(fake_costs(folder)).read_text())
-        c["decode_s"] = decode_s
-        c["drafters"] = {k: {**c["drafters"]["early"], "block_size": 8} for k in ("ckA", "ckB")}
-        c["verify"].append({"n": 8, "mask": "causal", "median_s": 0.018})  # block size 8
-        (folder / "target_costs.json").write_text(json.dumps(c))
-        write_summary(mine, folder / "tau.csv", folder / "tau.parquet", costs=str(folder / "target_costs.json"))
-    args = argparse.Namespace(table=str(other / "tau.parquet"), run="r-other", out=str(tmp_path / "t.json"), evals=mine,
-                              costs=str(ours / "target_costs.json"), run_settings=None)
-    with pytest.raises(InputError) as err:
-        stage.main(args, cfg)
-    assert err.value.field == "speedup_chain" and "of the run's evaluate outputs and target costs" in err.value.problem
-    assert pd.read_parquet(ours / "tau.parquet")["speedup_chain"].notna().all()
-    args.costs, args.run = None, "r-other"  # without the costs (target_costs disabled): speedups not compared
-    stage.main(args, cfg)
-    args.table, args.costs, args.run = str(ours / "tau.parquet"), str(ours / "target_costs.json"), "r-ours"
-    stage.main(args, cfg)
-    assert run(tmp_path / "tau.parquet", mine)["tensorboard"]["logged"] > 0
-    rule = (Path(__file__).resolve().parents[1] / "rules" / "trackers.smk").read_text()
-    assert "--evals {input.evals:q}" in rule  # the workflow always compares
-    assert "costs=PLAN.target_costs_outputs()" in rule and "PLAN.summary_args(input.get(\"costs\", [])" in rule
+def test_a_table_of_other_settings_is_named_at_parse_time(tmp_path):
+    """Without .snakemake/metadata an option changed reruns nothing at all, not even summary: the parse compares
+    tau.provenance.json with the config and names the option and the fix."""
+    from dflash_eval.data.provenance import stale_table_note
+
+    new = _with_settings(_eval(tmp_path, "ckB", "humaneval", 200, [[2, 2]]), ddtree_budgets=[], max_samples=8)
+    write_summary([new], tmp_path / "tau.csv", tmp_path / "tau.parquet", expected=_expected(["humaneval"], max_samples=8),
+                  out_provenance=tmp_path / "tau.provenance.json")
+    assert stale_table_note(tmp_path, _expected(["humaneval"], max_samples=8)) is None
+    assert stale_table_note(tmp_path, _expected(["humaneval", "chat"], max_samples=8)) is None  # a new set: it runs
+    note = stale_table_note(tmp_path, _expected(["humaneval"], max_samples=2))
+    assert "provenance.settings.evaluate.max_samples" in note and "= 8, but the config now gives 2" in note
+    assert "snakemake --forcerun evaluate" in note
+    assert stale_table_note(tmp_path / "none", _expected(["humaneval"])) is None

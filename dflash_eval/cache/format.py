@@ -47,9 +47,7 @@ a killed run's sidecar must resume with its header intact). The reader checks bo
 (:meth:`~dflash_eval.cache.reader.CacheReader._check_header`): an edited, added or deleted attribute is refused
 naming it with both values, and so is a missing ``header`` / ``header_sha256``. A ``format_version`` below what the
 file holds (a ``header``, or samples with ``meta``) is refused as an edit of ``format_version``. Formats 1 to 5 have
-no ``header``: a direct CLI call reads their file attributes unverified (the log says so once per file); a workflow
-job refuses them (there every cache is written by this version's hidden_states stage, so an older format is a
-cache of an earlier version or one whose header was removed: :func:`dflash_eval.row_checksum.sealed_required`).
+no ``header``: their file attributes are read unverified (the log says so once per file).
 
 The per-sample values known before the target runs are file-level arrays written once when the
 file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
@@ -82,6 +80,7 @@ strings are stored as JSON strings):
 - ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
   ``dflash_eval_version``: the writer's packages.
 - ``causal_conv1d_kernel``: whether the causal-conv1d kernels imported (below).
+- ``provenance``: JSON, the provenance block of the hidden_states job (:mod:`dflash_eval.data.provenance`; the HF source)
 - ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
   (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
   ``DFLASH_EVAL_*`` variables.
@@ -185,7 +184,7 @@ FILE_ATTRS = (
     "storage", "device", "device_name", "torch_version", "transformers_version", "fla_version",
     "causal_conv1d_version", "causal_conv1d_kernel", "dflash_eval_version", "linear_attn_kernel", "linear_attn_backend", "layer_types",
     "image", "env", "batching", "padding_side", "batch_tokens", "completions_sha256", "prompt_set", "created_at",
-    "extraction_runs", "n_samples", "completion_sampling", "header", "header_sha256",
+    "extraction_runs", "n_samples", "completion_sampling", "provenance", "header", "header_sha256",
 )
 #: ``completion_sampling`` of greedy completions (and of caches before format 4)
 GREEDY_COMPLETIONS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}

@@ -17,11 +17,10 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, META_FIELDS, META_VERSION, READABLE_VERSIONS,
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION, READABLE_VERSIONS,
                            SAMPLE_DATASETS, CacheSample, from_storage, header_problem, py_value,
                            sample_sha256)
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import sealed_required
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
 
 log = logging.getLogger(__name__)
@@ -66,15 +65,13 @@ class CacheReader:
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
     The file attributes of a format-6 file are verified on open (:meth:`_check_header`); those of older
-    formats are read unverified (the log says so once per reader), except inside the workflow
-    (:func:`dflash_eval.row_checksum.sealed_required`), where every cache is written by this version's
-    hidden_states stage: there an older format is refused.
+    formats are read unverified (the log says so once per reader).
 
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
             unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), ``n_samples`` or the group
             count differing from ``sample_ids`` (edited), its ``format_version``
-            edited down (:meth:`_check_downgrade`), a format before 6 inside the workflow, or (format 6) a file attribute differs from the checksummed
+            edited down (:meth:`_check_downgrade`), or (format 6) a file attribute differs from the checksummed
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
@@ -108,12 +105,6 @@ class CacheReader:
         self._check_downgrade(version)
         if version >= HEADER_VERSION:
             self._check_header()
-        elif self.verify_reads and sealed_required():
-            raise InputError(self.path, "format_version", f"{version}: a cache of format {version} has its file "
-                             f"attributes (target_layer_ids, hidden_size, target_sha256, ...) under no checksum, and "
-                             f"inside the workflow every cache is written by its hidden_states stage at format "
-                             f"{FORMAT_VERSION}: it was made by an earlier version, or its header was removed",
-                             HEADER_FIX)
         elif self.verify_reads:
             log.warning("%s: cache format %d: its file attributes (target_layer_ids, hidden_size, dtype, "
                         "target_sha256, completion_sampling, ...) are under no checksum (format %d covers them), so "

@@ -18,6 +18,7 @@ write of the same output removes every unlocked one (:func:`remove_stale_temps`)
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -282,3 +283,53 @@ def _umask() -> int:
     os.umask(mask)
     return mask
 
+
+#: Snakemake's lock folder (in the working directory)
+SNAKEMAKE_LOCKS = Path(".snakemake", "locks")
+
+
+def snakemake_lock_note(workdir: str | os.PathLike = ".") -> str | None:
+    """What to tell the user at parse time when the working directory holds Snakemake's lock, else None.
+
+    A Snakemake killed with SIGKILL (or by the host) leaves its lock behind, and the next run stops with
+    Snakemake's "Directory cannot be locked"; the lock is not removed here (another Snakemake may be running).
+    """
+    if not any(Path(workdir, SNAKEMAKE_LOCKS).glob("*.lock")):
+        return None
+    return ("the working directory holds a Snakemake lock (.snakemake/locks/). If no other Snakemake runs here (a "
+            "killed Snakemake leaves its lock behind), run `snakemake --unlock` once, then your command again: with "
+            "--rerun-incomplete (set in every profile and make demo) it reruns the jobs the killed run left "
+            "unfinished, and those resume from their .partial files")
+
+
+def failed_checks(paths: Iterable[str], since: float) -> list[str]:
+    """One line per check that did not pass in the validation outputs among ``paths`` (``validate_online.json``,
+    ``validate_engine.json``) written at or after ``since`` (seconds since the epoch): an entry with ``"ok": false``
+    (greedy online vs offline steps, engine vs offline tau) or ``"within_goal": false`` (sampled online vs offline
+    tau), named by checkpoint and mode. The Snakefile's ``onsuccess`` / ``onerror`` print them, so a validation that failed
+    is not only an "ok: no" row in the report."""
+    lines: list[str] = []
+
+    def walk(node, where: tuple, path: str) -> None:
+        if isinstance(node, list):
+            for value in node:
+                walk(value, where, path)
+        elif isinstance(node, dict):
+            where = where + (str(node["checkpoint"]),) if "checkpoint" in node else where
+            if node.get("ok") is False or node.get("within_goal") is False:
+                lines.append(f"{path}: {' '.join(where) or 'run'}: " + (
+                    "sampled online tau differs from offline beyond the goal" if node.get("within_goal") is False
+                    else "did not pass") + " (see the report)")
+            for key, value in node.items():
+                if key not in ("samples", "requests", "per_position"):
+                    walk(value, where if key in ("checkpoints", "modes", "sampling") else where + (key,), path)
+
+    for path in paths:
+        try:
+            if os.path.getmtime(path) < since:
+                continue
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        walk(doc, (), str(path))
+    return lines

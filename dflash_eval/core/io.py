@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import IO, Iterator
 
-from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.core.errors import InputError
 
 
 def sha256_file(path: str | Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
@@ -110,7 +110,7 @@ def iter_jsonl(fh: IO[str], path: str | Path, fix: str = "write one JSON object 
             return
         except UnicodeDecodeError:
             raise not_utf8(path) from None
-        if lineno == 1 and line.startswith("\ufeff"):  # the sixteenth trial: the fix named was "one JSON object per line"
+        if lineno == 1 and line.startswith("\ufeff"):  # the fix named was "one JSON object per line"
             raise InputError(path, "line 1", "starts with a UTF-8 byte-order mark (BOM, written by some Windows "
                              "editors)", "save the file as UTF-8 without BOM, e.g. sed -i '1s/^\\xEF\\xBB\\xBF//' <file>")
         if not line.strip():
@@ -142,61 +142,6 @@ def read_json_object(path: str | Path, what: str, fix: str = "fix the file") -> 
     if not isinstance(obj, dict):
         raise InputError(path, None, f"{what} is a JSON {type(obj).__name__}, not an object", fix)
     return obj
-
-
-def write_text_if_changed(path: str | Path, text: str) -> bool:
-    """Write ``text`` to ``path`` (UTF-8, temp file + rename, folders made) unless it holds exactly that
-    already, so its mtime changes only with its content; True if written."""
-    path = Path(path)
-    try:
-        if path.read_text(encoding="utf-8") == text:
-            return False
-    except (OSError, UnicodeDecodeError):
-        pass
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
-    return True
-
-
-#: files up to this size are stamped by their sha256 (content), larger ones by size and mtime (:func:`file_stamps`)
-STAMP_HASH_BYTES = 16 << 20
-
-
-def file_stamps(path: str | Path, ctime: bool = False) -> list[dict]:
-    """What a file (or each regular file directly in a folder, sorted) is: ``[{"file", "bytes", "sha256"}]`` for a
-    file of at most :data:`STAMP_HASH_BYTES` (a prompts file, a config, a small drafter: their content),
-    ``[{"file", "bytes", "mtime_ns"}]`` for a larger one (multi-GB checkpoints are not read at parse time), with
-    ``ctime_ns`` too when ``ctime`` (a checkpoint's files: the strip record). The kernel sets a file's ctime at
-    every change of its bytes and at every rename, and no tool can set it back (``touch``, ``cp -p``, ``rsync -a``
-    set mtime only), so two checkpoints of one size and one mtime swapped with ``mv`` (the seventh trial's S3:
-    equal mtimes come from reproducible archives, the Nix store, copy tools with a fixed time) are seen. Its cost:
-    a ``chmod``, or a copy that keeps times (``cp -a``, ``rsync -a``, ``tar x``), reruns that checkpoint's strip and
-    evaluate jobs (minutes); the target's files (whose jobs take hours on a large target) are stamped without it.
-    ``file`` is the path after resolving symbolic links (relative to the working directory when inside it, so a
-    moved project keeps its stamps). Options records (:mod:`dflash_eval.job_records`) hold them, so a checkpoint
-    whose link now points elsewhere, or whose bytes were replaced by a copy that kept another file's time (``cp -p``,
-    ``rsync -a``, ``tar x``: an older mtime, which Snakemake's mtime check does not see; the fifth trial's F2: even
-    one within the same second), reruns or is refused. Only a large file rewritten with its size and its
-    nanosecond mtime put back is not seen, and with ``ctime`` not even that. A missing path gives ``[]`` (its absence is reported where it is read).
-    """
-    import os
-
-    p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p] if p.is_file() else []
-    cwd = Path.cwd().resolve()
-    out = []
-    for f in files:
-        real = f.resolve()
-        st = real.stat()
-        stamp = {"file": os.path.relpath(real, cwd) if real.is_relative_to(cwd) else str(real), "bytes": st.st_size}
-        if st.st_size <= STAMP_HASH_BYTES:
-            stamp["sha256"] = sha256_file(real).hexdigest()
-        else:
-            stamp["mtime_ns"] = st.st_mtime_ns
-            if ctime:
-                stamp["ctime_ns"] = st.st_ctime_ns
-        out.append(stamp)
-    return out
 
 
 def non_finite_entry(config, where: str = "") -> str | None:

@@ -144,3 +144,11 @@ def start(environ=None, interval_s: float = 1.0) -> Watchdog | None:
     dog.thread.start()
     log.debug("watching the workflow's process %s", token)
     return dog
+
+
+def owner_export(main_process: bool) -> str:
+    """The shell-prefix words naming this (main Snakemake) process for the jobs' watchdog; ``""`` in cluster jobs
+    (they re-read the Snakefile in their own Snakemake; SLURM ends its jobs itself)."""
+    import shlex
+
+    return f"export {OWNER_ENV}={shlex.quote(owner_token())};" if main_process else ""

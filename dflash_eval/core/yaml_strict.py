@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable, Sequence
 
 import yaml
 
@@ -97,3 +98,66 @@ def load_file(path: str | os.PathLike):
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(path, None, f"cannot read it ({err})", "check the path and that it is UTF-8 text") from None
     return loads(text, path)
+
+
+# --------------------------------------------------------------------------- the workflow's config files
+def profile_files(argv: Sequence[str], environ=None, snakefile_dir: str | os.PathLike = ".") -> list[Path]:
+    """The profile config files a Snakemake command line uses (``--profile``, ``--workflow-profile``,
+    ``$SNAKEMAKE_PROFILE``, and ``profiles/default`` next to the Snakefile when no workflow profile is given),
+    resolved as Snakemake resolves them (``snakemake.cli.get_profile_dir``). Missing ones are left out."""
+    from snakemake.cli import get_profile_dir
+
+    env = os.environ if environ is None else environ
+    profiles, workflow_profile = [], None
+    args = list(argv)
+    for i, word in enumerate(args):
+        for flag in ("--profile", "--workflow-profile"):
+            value = None
+            if word == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif word.startswith(flag + "="):
+                value = word[len(flag) + 1:]
+            if value is None:
+                continue
+            if flag == "--profile":
+                profiles.append(value)
+            else:
+                workflow_profile = value
+    if not profiles and env.get("SNAKEMAKE_PROFILE"):
+        profiles.append(env["SNAKEMAKE_PROFILE"])
+    files = []
+    for p in profiles:
+        if p != "none":
+            found = get_profile_dir(p)
+            if found:
+                files.append(Path(found[1]))
+    if workflow_profile != "none":
+        candidates = [Path(workflow_profile)] if workflow_profile else [Path(snakefile_dir, "profiles", "default")]
+        for c in candidates:
+            if c.is_file():
+                files.append(c)
+            elif c.is_dir():
+                found = get_profile_dir(str(c))
+                if found:
+                    files.append(Path(found[1]))
+    return files
+
+
+def check_yaml_files(files: Iterable[str | os.PathLike]) -> None:
+    """Re-read each YAML file strictly (:func:`dflash_eval.core.yaml_strict.load_file`).
+
+    Raises:
+        InputError: a key defined twice in one mapping (both lines named), or a file that is not YAML.
+    """
+    for f in files:
+        if Path(f).is_file():
+            load_file(f)
+
+
+def check_config_files(files: Iterable[str | os.PathLike], argv: Sequence[str], snakefile_dir) -> None:
+    """:func:`check_yaml_files` of the config files and the profile files in use (:func:`profile_files`).
+
+    Raises:
+        InputError: see :func:`check_yaml_files`.
+    """
+    check_yaml_files(list(files) + profile_files(argv, snakefile_dir=snakefile_dir))

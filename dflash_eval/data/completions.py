@@ -8,10 +8,7 @@ Output JSONL, one row per prompt, in the prompts file's order::
      "text": str,                    # tokenizer.decode(completion_ids), special tokens kept
      "stop_reason": "eos" | "length",
      "max_new_tokens": int,
-     "generation": {...},            # provenance, the same in every row (below)
-     "row_index": int, "n_rows": int,  # the row's place in the file: 0-based, and the number of rows
-     "ids_sha256": str,              # sha256 of the row's ids (dflash_eval/row_checksum.py), verified when read
-     "row_sha256": str}              # sha256 of the whole row but itself (the same module), verified when read
+     "generation": {...}}            # provenance, the same in every row (below)
 
 ``completion_ids`` are what the target produced (greedy argmax), not a
 re-tokenization of ``text``: the hidden-state cache and the replay condition on
@@ -54,7 +51,6 @@ from typing import Sequence
 
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.io import iter_jsonl
-from dflash_eval.row_checksum import COUNT, FIELD, INDEX, ROW_FIELD, check_places, check_row, check_uniform, sealed_required
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +108,6 @@ class PartialCompletions:
                     raise InputError(self.path, "key", "partial completions from an interrupted run with other settings: "
                                      + _key_diff(header.get("key") or {}, self.key),
                                      f"delete {self.path} to start over, or rerun with the settings it was made with")
-                failed = []
                 for n, line in enumerate(lines[1:], 2):
                     try:
                         row = json.loads(line)
@@ -120,17 +115,7 @@ class PartialCompletions:
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise InputError(self.path, f"line {n}", "not a completions row",
                                          f"delete {self.path} to start over") from None
-                    try:  # the stage seals every row it appends: one that fails (or lacks) its checksums is redone
-                        sealed = check_row(self.path, n, row) == "row"
-                    except (InputError, KeyError, TypeError, ValueError):
-                        sealed = False
-                    if not sealed:
-                        failed.append(rid)
-                        continue
                     done.setdefault(rid, line)
-                if failed:
-                    log.warning("%s: %d row(s) fail their checksums (edited or damaged since they were written: %s): "
-                                "generated again", self.path, len(failed), ", ".join(map(repr, failed[:5])))
         if not self.path.exists():
             with atomic_path(self.path) as tmp:
                 tmp.write_text(json.dumps({"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION, "key": self.key})
@@ -176,40 +161,25 @@ def _key_diff(old: dict, new: dict, prefix: str = "") -> str:
 
 
 def subset_text(rows: Sequence[dict]) -> str:
-    """JSONL of ``rows`` (a slice of :func:`read_completions`, so verified) as a completions file of their
-    own: each row resealed with its new place (``row_index``, ``n_rows``; :func:`dflash_eval.row_checksum.seal_row`),
-    so :func:`read_completions` accepts the subset (the stages that check a few samples write one)."""
-    from dflash_eval.row_checksum import seal_row
-
-    drop = (FIELD, ROW_FIELD)
-    return "".join(json.dumps(seal_row({**{k: v for k, v in r.items() if k not in drop}, INDEX: i, COUNT: len(rows)}),
-                              ensure_ascii=False) + "\n" for i, r in enumerate(rows))
+    """JSONL of ``rows`` (a slice of :func:`read_completions`) as a completions file of their own (the stages
+    that check a few samples write one)."""
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
-#: the fix of a completions file changed after the completions stage wrote it
-FIX = ("regenerate the completions (snakemake -R completions, or delete the file and rerun), or restore an "
-       "intact copy")
+#: the fix of a bad completions file
+FIX = "regenerate the completions (snakemake -R completions, or delete the file and rerun)"
 
 
-def read_completions(path: str | Path, require_sealed: bool | None = None) -> list[dict]:
+def read_completions(path: str | Path) -> list[dict]:
     """Parse the completions JSONL (InputError with the line number on malformed lines).
 
-    Each row's ``ids_sha256`` and ``row_sha256`` are verified, then each row's place (``row_index`` /
-    ``n_rows``: :func:`~dflash_eval.row_checksum.check_places`) and that ids are unique; rows without
-    them (files written before they existed) are read, with one warning per file and what is unverified,
-    unless ``require_sealed`` (default: inside the workflow, :func:`dflash_eval.row_checksum.sealed_required`:
-    its completions files are always the completions stage's, which seals every row).
-
     Raises:
-        InputError: missing file, malformed line, missing field, empty prompt, ids or another field not
-            matching the row's checksums, some rows with checksums or places and others without, a row
-            deleted, added or moved, a duplicate id, no rows, rows without checksums with ``require_sealed``.
+        InputError: missing file, malformed line, missing field, empty prompt, a duplicate id, no rows.
     """
     path = Path(path)
     if not path.exists():
         raise InputError(path, None, "completions file not found", "run the completions rule first")
-    rows, lines = [], []
-    unverified = ids_only = 0
+    rows = []
     seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as fh:
         for n, r in iter_jsonl(fh, path, fix="regenerate the completions"):
@@ -218,31 +188,11 @@ def read_completions(path: str | Path, require_sealed: bool | None = None) -> li
                     raise InputError(path, f"line {n}: {k}", "missing", "regenerate the completions")
             if not r["prompt_ids"]:
                 raise InputError(path, f"line {n}: prompt_ids", "empty prompt", "drop the sample")
-            covered = check_row(path, n, r)
-            unverified += covered is None
-            ids_only += covered == "ids"
             if str(r["id"]) in seen:
                 raise InputError(path, f"line {n}: id", f"duplicate id {r['id']!r} (first on line {seen[str(r['id'])]}): "
                                  "the completions stage writes each prompt once", FIX)
             seen[str(r["id"])] = n
             rows.append(r)
-            lines.append(n)
-    numbered = list(zip(lines, rows))
-    check_uniform(path, numbered, (FIELD, ROW_FIELD), FIX)
-    if not check_places(path, numbered, FIX) and rows and ROW_FIELD in rows[0]:
-        log.warning("%s: its rows carry no %s/%s (written before them): a deleted or moved row would not be noticed",
-                    path, INDEX, COUNT)
-    if (unverified or ids_only) and sealed_required(require_sealed):
-        raise InputError(path, f"line {lines[0]}: {FIELD if unverified else ROW_FIELD}", "its rows carry no row checksum, "
-                         "but inside the workflow every completions file is written (and sealed) by its completions "
-                         "stage: it was rewritten after that stage, or by a version from before the checksums", FIX)
-    if unverified:
-        log.warning("%s: %d of %d rows carry no ids_sha256 (written before row checksums): read unverified",
-                    path, unverified, len(rows))
-    if ids_only:
-        log.warning("%s: %d of %d rows carry no row_sha256 (written before it): their ids are verified, their other "
-                    "fields (stop_reason, max_new_tokens, generation, text) read unverified", path, ids_only, len(rows))
     if not rows:
         raise InputError(path, None, "no samples", "check the prompt set and completions stage")
     return rows
-

@@ -45,7 +45,6 @@ from typing import Any
 from dflash_eval.data.benchmarks import HUMANEVAL_TEMPLATE
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.io import iter_jsonl, packaged_file, read_text
-from dflash_eval.row_checksum import COUNT, INDEX, ROW_FIELD, check_places, check_sealed, check_uniform, seal, sealed_required
 
 log = logging.getLogger(__name__)
 
@@ -477,10 +476,7 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
 # --------------------------------------------------------------------------- JSONL I/O
 
 def write_prompts(rows: list[dict], out: str | Path) -> Path:
-    """Write prompt rows as JSONL (UTF-8, one object per line), atomically.
-
-    Each row carries its place (``row_index``, ``n_rows``) and, last, ``row_sha256`` over the rest
-    (:mod:`dflash_eval.row_checksum`), which :func:`read_prompts` verifies. The prompts stage writes
+    """Write prompt rows as JSONL (UTF-8, one object per line), atomically. The prompts stage writes
     ``<set>.meta.json`` beside it (:func:`dflash_eval.data.provenance.write_meta`); that is a sidecar, not
     a first JSONL line, so that every line stays a prompt row for its readers.
 
@@ -490,48 +486,27 @@ def write_prompts(rows: list[dict], out: str | Path) -> Path:
     out = Path(out)
     with atomic_path(out) as tmp:
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(seal({**{k: r[k] for k in ROW_FIELDS}, INDEX: i, COUNT: len(rows)}),
-                                     ensure_ascii=False) + "\n" for i, r in enumerate(rows))
+            fh.writelines(json.dumps({k: r[k] for k in ROW_FIELDS}, ensure_ascii=False) + "\n" for r in rows)
     log.info("wrote %d prompts -> %s", len(rows), out)
     return out
 
 
-#: the fix of a prompts file changed after the prompts stage wrote it
-PROMPTS_FIX = "regenerate it with the 'prompts' stage (snakemake -R prompts), or restore an intact copy"
-
-
-def read_prompts(path: str | Path, require_sealed: bool | None = None) -> list[dict]:
+def read_prompts(path: str | Path) -> list[dict]:
     """Read a prompts JSONL written by :func:`write_prompts`.
-
-    Args:
-        path: the prompts JSONL.
-        require_sealed: refuse a file whose rows carry no ``row_sha256`` (default: inside the workflow,
-            :func:`dflash_eval.row_checksum.sealed_required`: its prompts file is always the prompts
-            stage's, which seals every row, so an unsealed one was rewritten).
 
     Returns:
         list of row dicts (fields ``id``, ``source``, ``prompt``, ``text``, ``prompt_ids``).
 
-    Rows written by :func:`write_prompts` carry ``row_sha256`` and their place (``row_index`` /
-    ``n_rows``), verified here and dropped from the returned rows; a file without them (written by
-    hand, or before them) is read with one warning, or refused with ``require_sealed``.
-
     Raises:
         InputError: missing file, malformed line, a missing field or empty ``prompt_ids`` (names the line),
-            a row not matching its ``row_sha256``, some rows sealed and others not, a row deleted, added
-            or moved (:func:`dflash_eval.row_checksum.check_places`), no rows, unsealed rows with
-            ``require_sealed``.
+            no rows.
     """
     path = Path(path)
     if not path.is_file():
         raise InputError(path, "--prompts", "prompts file not found", "run the 'prompts' stage first")
-    rows, numbered = [], []
+    rows = []
     with open(path, encoding="utf-8") as fh:
         for lineno, obj in iter_jsonl(fh, path):
-            check_sealed(path, lineno, obj, f"prompt {obj.get('id')!r}: its fields do not match the row checksum "
-                         "(one of them changed, or a field was added or removed, after the prompts stage wrote it)",
-                         PROMPTS_FIX)
-            numbered.append((lineno, obj))
             for key in ROW_FIELDS:
                 if key not in obj:
                     raise InputError(path, f"line {lineno}: {key}", "missing field", "regenerate with the 'prompts' stage")
@@ -543,13 +518,4 @@ def read_prompts(path: str | Path, require_sealed: bool | None = None) -> list[d
             rows.append(obj)
     if not rows:
         raise InputError(path, "(file)", "no prompts", "regenerate with the 'prompts' stage")
-    check_uniform(path, numbered, (ROW_FIELD,), PROMPTS_FIX)
-    check_places(path, numbered, PROMPTS_FIX)
-    if ROW_FIELD not in rows[0] and sealed_required(require_sealed):
-        raise InputError(path, f"line {numbered[0][0]}: {ROW_FIELD}", "its rows carry no row checksum, but the "
-                         "workflow's prompts file is always written (and sealed) by the prompts stage: it was rewritten "
-                         "after that stage", PROMPTS_FIX)
-    if ROW_FIELD not in rows[0]:
-        log.warning("%s: its rows carry no %s (not written by the prompts stage, or before it sealed rows): read "
-                    "unverified", path, ROW_FIELD)
-    return [{k: v for k, v in r.items() if k not in (INDEX, COUNT, ROW_FIELD)} for r in rows]  # the rows as written
+    return [{k: r[k] for k in ROW_FIELDS} for r in rows]

@@ -1,107 +1,193 @@
-"""``<name>.meta.json`` beside a prompts or completions file: what its stage made it from, verified by the next stage.
+"""One provenance block per output: what made it, and the check ``summary`` makes with it.
 
-The prompts stage writes ``prompts/<set>.meta.json``, the completions stage ``completions/<set>.meta.json``::
+Every output a user reads or copies records, under ``"provenance"`` (an evaluate output, the run-level JSON
+outputs, ``<set>.meta.json`` beside a prompts or completions file, ``tau.provenance.json`` beside
+``tau.csv`` / ``tau.parquet`` and in the parquet's schema metadata) or as the HDF5 attribute ``provenance``
+of a cache (:func:`block`)::
 
-    {...,                  # prompts: the subset rule's settings and skip counts (the report's table)
-     "prompts_sha256" | "completions_sha256",   # sha256 of the file's bytes
-     "tokenizer_sha256",   # prompts only: the tokenizer files it templated and tokenized with (tokenizer_sha256())
-     "target_sha256",      # completions only: the weights that generated them (null for a server's)
-     "settings_sha256",    # sha256 of the workflow's options record of the job (dflash_eval.job_records), or null
-     "content_sha256"}     # over all of the above (dflash_eval.row_checksum.seal_document)
+    {"stage": "evaluate",
+     "dflash_eval": {"version": "0.1.0", "commit": "<git sha1>" | null, "dirty": false | null},
+     "settings": {"evaluate": {"ddtree_budgets": [2], "max_samples": 0, ...}},   # settings_of(stage, options)
+     "inputs_sha256": {"target": "...", "drafter_weights": "...", "completions": "..."},
+     "packages": {"python": "3.11.9", "torch": "2.13.0", "transformers": "...", "h5py": "...", ...}}
 
-Every row of those files is sealed on its own (``row_sha256`` with its place), which catches an edited,
-moved or deleted row; but a whole file of *other settings* (another seed, ``n``, tokenizer or
-``max_new_tokens``) copied over the run's is sealed just as validly. The meta binds the file to the
-settings the workflow planned: the next stage (``completions`` for prompts, ``hidden_states`` for
-completions; the workflow passes ``--prompts-settings`` / ``--completions-settings``) compares the
-sha256 with the file it reads, its tokenizer and the job's options record (:func:`check_provenance`).
-Copying a meta along with its file does not help: its ``settings_sha256`` is the other run's.
+``settings`` holds the stage's options that can change its output (the schema's ``x-rerun: false`` ones,
+timeouts and retries, are left out), keyed by option path (``vllm.max_model_len``). Snakemake reruns a job
+whose options changed (its ``params`` trigger) from ``.snakemake/metadata``; results copied without that
+folder lose it. ``summary`` therefore compares the settings each evaluate output (and ``target_costs.json``)
+records with the current config's (:func:`check_settings`, the rule's ``params.expected``) and refuses to
+combine outputs of other settings, naming the file, the option, both values and the fix.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import functools
 import json
-import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from dflash_eval.core.errors import InputError, atomic_path
-from dflash_eval.core.io import read_json_object, sha256_file
-from dflash_eval.job_records import record_sha256
-from dflash_eval.workflow.plan import TOKENIZER_FILES
-from dflash_eval.row_checksum import check_document, seal_document
+from dflash_eval.core.io import read_json_object
 
-log = logging.getLogger(__name__)
-
-#: the settings of each stage that its options record holds (named in the settings_sha256 error)
-SETTINGS_NAMED = {"prompts": "seed, n, source, max_prompt_tokens, tokenizer folder",
-                  "completions": "max_new_tokens, sampling, source, target folder"}
+#: the key of the block in a JSON output (and the HDF5 attribute of a cache)
+KEY = "provenance"
+#: the distributions whose versions a block records (those installed)
+PACKAGES = ("torch", "transformers", "safetensors", "h5py", "numpy", "pandas", "pyarrow", "fla-core",
+            "flash-linear-attention", "vllm", "snakemake")
 
 
-def meta_path(prompts_path: str | Path) -> Path:
-    """The metadata file beside a prompts JSONL: ``<name>.meta.json`` (``set.jsonl`` -> ``set.meta.json``)."""
-    p = Path(prompts_path)
-    return p.with_name(p.stem + ".meta.json")
+@functools.lru_cache(maxsize=1)
+def code_version() -> dict:
+    """dflash-eval's ``version``, and the ``commit`` and ``dirty`` flag of the git checkout it runs from (both
+    None outside a checkout, or without git)."""
+    from dflash_eval import __version__
+
+    root = Path(__file__).resolve().parents[1]
+    commit = dirty = None
+    if (root / ".git").exists():
+        try:
+            commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    timeout=10, check=True).stdout.strip() or None
+            status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                     "dflash_eval", "rules", "Snakefile"], capture_output=True, text=True, timeout=10,
+                                    check=True).stdout
+            dirty = bool(status.strip())
+        except (OSError, subprocess.SubprocessError):
+            commit = dirty = None
+    return {"version": __version__, "commit": commit, "dirty": dirty}
 
 
-def tokenizer_sha256(tokenizer_dir: str | Path) -> str:
-    """sha256 over the tokenizer files of a target folder (those of :data:`dflash_eval.workflow.plan.TOKENIZER_FILES`
-    that exist, in that order, each as ``name NUL bytes NUL``): what the prompts were templated with."""
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        f = Path(tokenizer_dir) / name
-        if f.is_file():
-            h.update(name.encode() + b"\0")
-            sha256_file(f, h)
-            h.update(b"\0")
-    return h.hexdigest()
+@functools.lru_cache(maxsize=1)
+def package_versions() -> dict:
+    """``{"python": ..., <distribution>: version}`` of :data:`PACKAGES` that are installed (no import)."""
+    from importlib import metadata
 
-
-def fix_of(stage: str) -> str:
-    """The fix of a file or meta of ``stage`` that does not match: make both again."""
-    return f"regenerate it with the '{stage}' stage (snakemake -R {stage}), or restore the run's own copies"
-
-
-def write_meta(path: str | Path, meta: dict, *, file_key: str, tokenizer_dir: str | Path | None = None,
-               settings_record: str | Path | None = None) -> Path:
-    """Write :func:`meta_path` of a file just written: ``meta`` with the sha256 of the module docstring (the
-    file's under ``file_key``; the tokenizer's with ``tokenizer_dir``; the record's), sealed, atomically.
-
-    Args:
-        path: the prompts or completions JSONL (already written).
-        meta: what else to record (prompts: the subset rule's settings and skip counts).
-        file_key: ``prompts_sha256`` or ``completions_sha256``.
-        tokenizer_dir: the target folder whose tokenizer made the rows (prompts).
-        settings_record: the workflow's options record of the job (``settings_sha256``; None off the workflow).
-
-    Returns:
-        the meta file's path.
-    """
-    doc = {**meta, file_key: sha256_file(path).hexdigest(),
-           "settings_sha256": record_sha256(settings_record) if settings_record else None}
-    if tokenizer_dir is not None:
-        doc["tokenizer_sha256"] = tokenizer_sha256(tokenizer_dir)
-    out = meta_path(path)
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(seal_document(doc), indent=1), encoding="utf-8")
+    out = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
     return out
 
 
-def read_meta(path: str | Path, stage: str) -> dict:
-    """A meta :func:`write_meta` stored (or the ``.meta.json`` path itself), verified against its
-    ``content_sha256`` (one written before the seal is read with a warning).
+def settings_of(stage: str, options) -> dict:
+    """``{option path: value}`` of ``stage``'s options that can change its output (not ``x-rerun: false``), from its
+    typed options (:func:`dflash_eval.core.options.make`) or the nested dict :meth:`dflash_eval.workflow.plan.Plan.stage_options`
+    gives, as JSON has them (what a job records and what summary compares)."""
+    from dflash_eval.core.options import _get, _leaves
+
+    tree = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+    out = {}
+    for path, _, node in _leaves(stage):
+        if node.get("x-rerun") is False:
+            continue
+        out[".".join(path)] = _get(tree, path, node.get("default"))
+    return json.loads(json.dumps(out, default=str))
+
+
+def block(stage: str, settings: dict | None = None, inputs: dict | None = None) -> dict:
+    """The provenance block of one output (module docstring).
+
+    Args:
+        stage: the stage that writes the output.
+        settings: ``{stage: settings_of(...)}`` of the options it ran with.
+        inputs: ``{name: sha256}`` of the inputs that identify it (None values are kept: not known).
+    """
+    return {"stage": stage, "dflash_eval": code_version(), "settings": settings or {},
+            "inputs_sha256": dict(inputs or {}), "packages": package_versions()}
+
+
+def stage_block(stage: str, opts, inputs: dict | None = None) -> dict:
+    """:func:`block` of ``stage`` run with the typed options ``opts``."""
+    return block(stage, {stage: settings_of(stage, opts)} if opts is not None else {}, inputs)
+
+
+def write_json(out, doc: dict, **dumps) -> dict:
+    """Write a JSON output atomically (``dumps``: :func:`json.dumps` keywords, e.g. ``default=float``); returns
+    the document as written (JSON's types)."""
+    plain = json.loads(json.dumps(doc, default=dumps.pop("default", None)))
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(plain, indent=1, **dumps) + "\n", encoding="utf-8")
+    return plain
+
+
+def check_settings(path, prov: dict | None, expected: dict, key: str, stage: str, fix: str) -> None:
+    """Refuse an output whose provenance block (``prov``) records other ``stage`` settings than ``expected``
+    (``{stage: {key: settings}}``, :meth:`dflash_eval.workflow.plan.Plan.expected_settings`; ``key``: the prompt set, or
+    ``"run"``). Nothing to compare when ``expected`` has no entry for ``stage`` / ``key``.
 
     Raises:
-        InputError: missing or malformed file, content changed after ``stage`` wrote it.
+        InputError: ``(path, "provenance.settings.<stage>.<option>", ...)`` naming both values and ``fix``; or
+            ``(path, "provenance", ...)`` when the output records no block (written by an earlier version).
+    """
+    want = (expected.get(stage) or {}).get(key)
+    if want is None:
+        return
+    got = ((prov or {}).get("settings") or {}).get(stage)
+    if got is None:
+        raise InputError(path, KEY, f"records no {stage} settings (written by an earlier version or by hand), so it "
+                         f"cannot show that it was made with this config's", fix)
+    for option in sorted(set(want) | set(got)):
+        if option not in got or option not in want or got[option] != want[option]:
+            made = json.dumps(got[option]) if option in got else "(not recorded)"
+            now = json.dumps(want[option]) if option in want else "(not an option now)"
+            raise InputError(path, f"{KEY}.settings.{stage}.{option}", f"made with {stage}.{option} = {made}, but "
+                             f"the config now gives {now} (results copied without .snakemake/, whose records let "
+                             "Snakemake rerun a job whose options changed)", fix)
+
+
+def stale_table_note(run_dir: str | os.PathLike, expected: dict) -> str | None:
+    """What to tell the user at parse time when ``<run_dir>/tau.provenance.json`` records other settings than
+    ``expected`` (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), else None. The workflow asks only where
+    ``.snakemake/metadata`` is gone: Snakemake then reruns nothing for a changed option, not even summary."""
+    path = Path(run_dir, "tau.provenance.json")
+    try:
+        made = (json.loads(path.read_text(encoding="utf-8")).get("settings") or {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    for stage, by_key in sorted(expected.items()):
+        for key in sorted(by_key):
+            recorded = (made.get(stage) or {}).get(key)
+            try:
+                check_settings(path, {"settings": {stage: recorded}} if recorded is not None else None, expected,
+                               key, stage, "")
+            except InputError as err:
+                if recorded is None:
+                    continue
+                return (f"{path}: {err.field}: {err.problem}; Snakemake reruns nothing for it here, so run "
+                        f"`snakemake --forcerun {stage}` (with your options)")
+    return None
+
+
+# ---- <name>.meta.json beside a prompts or completions file
+def meta_path(path: str | os.PathLike) -> Path:
+    """The metadata file beside a prompts / completions JSONL: ``<name>.meta.json`` (``set.jsonl`` -> ``set.meta.json``)."""
+    p = Path(path)
+    return p.with_name(p.stem + ".meta.json")
+
+
+def write_meta(path: str | os.PathLike, meta: dict, prov: dict | None = None) -> Path:
+    """Write :func:`meta_path` of a file just written: ``meta`` and its provenance block ``prov``, atomically."""
+    out = meta_path(path)
+    write_json(out, {**meta, **({KEY: prov} if prov is not None else {})})
+    return out
+
+
+def read_meta(path: str | os.PathLike, stage: str) -> dict:
+    """A meta :func:`write_meta` stored (or the ``.meta.json`` path itself).
+
+    Raises:
+        InputError: missing or not a JSON object.
     """
     p = Path(path) if str(path).endswith(".meta.json") else meta_path(path)
-    meta = read_json_object(p, f"{stage} metadata", fix_of(stage))
-    if not check_document(p, meta, stage, fix_of(stage)):
-        log.warning("%s: no content_sha256 (written before it): read unverified", p)
-    return meta
+    return read_json_object(p, f"{stage} metadata", f"regenerate it with the '{stage}' stage (snakemake -R {stage})")
 
 
-def read_prompt_meta(path: str | Path) -> dict:
+def read_prompt_meta(path: str | os.PathLike) -> dict:
     """The prompts stage's meta (:func:`read_meta`), with its ``skipped`` table (the report's).
 
     Raises:
@@ -110,64 +196,7 @@ def read_prompt_meta(path: str | Path) -> dict:
     p = Path(path) if str(path).endswith(".meta.json") else meta_path(path)
     meta = read_meta(p, "prompts")
     if not isinstance(meta.get("skipped"), dict):
-        raise InputError(p, "skipped", "missing", fix_of("prompts"))
-    return meta
-
-
-def check_provenance(path: str | Path, file_sha256: str, *, stage: str, file_key: str,
-                     tokenizer_dir: str | Path | None = None, settings_record: str | Path | None = None,
-                     target_sha256: str | None = None) -> dict | None:
-    """Check that a prompts or completions file is the one its meta describes, made with this tokenizer
-    (``tokenizer_dir``) and, with ``settings_record``, with the settings the workflow planned.
-
-    Args:
-        path: the file being read.
-        file_sha256: its sha256 (hex), computed by the caller while reading it anyway.
-        stage: the stage that wrote it (``prompts``, ``completions``): named in the errors and their fix.
-        file_key: the meta's key of the file's sha256 (``prompts_sha256``, ``completions_sha256``).
-        tokenizer_dir: the target folder of the reading stage (prompts: compared with ``tokenizer_sha256``).
-        settings_record: the workflow's options record of the writing job; then the meta must exist, be
-            sealed and name it. Without it a missing meta is accepted (files written by hand or by the
-            stage's functions alone) and the settings are not compared.
-        target_sha256: the reading stage's target weights sha256 (completions: compared with the meta's
-            ``target_sha256``, the weights that generated them, when both are known: a server's are not).
-
-    Returns:
-        the meta, or None when there is none (and no ``settings_record``).
-
-    Raises:
-        InputError: naming the meta file and its field: no meta or an unsealed one (with ``settings_record``),
-            a meta changed after the stage, or a file / tokenizer / settings sha256 that differs.
-    """
-    mp, fix = meta_path(path), fix_of(stage)
-    if not mp.is_file():
-        if settings_record:
-            raise InputError(mp, None, f"the metadata of {path} is missing, so the file cannot be traced to "
-                             f"the run's {stage} settings", fix)
-        return None
-    meta = read_meta(mp, stage)
-    if settings_record and "content_sha256" not in meta:  # the workflow's stages always seal it
-        raise InputError(mp, "content_sha256", f"missing, but the workflow's {stage} stage always seals its metadata: "
-                         "it was rewritten after that stage (or by an earlier version)", fix)
-    expected = {file_key: (file_sha256, f"the bytes of {path}: the {stage} file was replaced or "
-                           "changed after the stage wrote this metadata")}
-    if tokenizer_dir is not None:
-        expected["tokenizer_sha256"] = (tokenizer_sha256(tokenizer_dir), f"the tokenizer files of {tokenizer_dir}: "
-                                        "the prompts were templated and tokenized with another tokenizer")
-    if target_sha256 is not None and meta.get("target_sha256") is not None:
-        expected["target_sha256"] = (target_sha256, "the weights of the target this stage reads: the completions "
-                                     "were generated by another model (target.path changed under the same target.name)")
-    if settings_record:
-        expected["settings_sha256"] = (record_sha256(settings_record), f"the run's {stage} settings "
-                                       f"({settings_record}): the file and its metadata come from a run with "
-                                       f"other settings ({SETTINGS_NAMED.get(stage, 'options')})")
-    for key, (want, what) in expected.items():
-        if key not in meta:
-            if settings_record:
-                raise InputError(mp, key, f"missing (written before the {stage} stage recorded it)", fix)
-            continue
-        if meta[key] != want:
-            raise InputError(mp, key, f"{str(meta[key])[:16]}... does not match {what}", fix)
+        raise InputError(p, "skipped", "missing", "regenerate it with the 'prompts' stage (snakemake -R prompts)")
     return meta
 
 

@@ -42,7 +42,6 @@ from pathlib import Path
 import pandas as pd
 
 from dflash_eval.core.io import read_json_object
-from dflash_eval.row_checksum import check_run_output
 from dflash_eval.report.tau_table import primary_histogram, primary_rows, sampled_sets_note, summary_frame
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
@@ -76,6 +75,7 @@ class ReportData:
     extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
     config_sha256: str | None = None
     run: str | None = None
+    provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
     prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
     table: pd.DataFrame | None = None  #: tau.csv's rows and columns (every sampling setting, speedup columns)
 
@@ -160,7 +160,7 @@ def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
 
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
                      config_sha256: str | None = None, run: str | None = None,
-                     prompts_meta: list[str] | None = None, run_records: list[str] | None = None) -> ReportData:
+                     prompts_meta: list[str] | None = None, provenance=None) -> ReportData:
     """Collect the report's data from the run's files.
 
     Args:
@@ -172,15 +172,10 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         run: run name (title).
         prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.data.provenance.read_prompt_meta`),
             shown as one section with the skip counts per reason.
-        run_records: the run's options records of its run-level stages (the workflow passes them): ``costs`` and
-            each ``extra`` file must be sealed and name their stage's (the eighth trial's S4, S5: another run's
-            target_costs.json or validate_online.json, or an edited one, went into the report); None: only the
-            seals are checked.
+        provenance: ``tau.provenance.json`` (summary's block): the commit and the settings under provenance.
 
     Raises:
-        InputError: unreadable inputs; a ``costs`` or ``extra`` file edited, or (with ``run_records``) not made
-            by this run's stage with its settings (:func:`dflash_eval.row_checksum.check_run_output`).
-    """
+        InputError: unreadable inputs."""
     every = summary_frame(evals)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists, drafter_notes = {}, {}
@@ -190,12 +185,12 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         drafter_notes.update({f"- `{r['checkpoint']}`: {n}": None for n in r.get("drafter_notes") or []})  # once each
     agreement, cache_attrs = _agreement(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
-                      prompt_lengths=prompt_length_columns(frame),
-                      agreement=agreement, caches=cache_attrs, config_sha256=config_sha256, run=run)
+                      prompt_lengths=prompt_length_columns(frame), agreement=agreement, caches=cache_attrs,
+                      config_sha256=config_sha256, run=run, provenance=read_json_object(provenance, "provenance",
+                                                                                         "rerun summary") if provenance else None)
     from dflash_eval.target.costs import read_costs, speedup_frame, with_speedups
-
     if costs:
-        data.costs = read_costs(costs, run_records)
+        data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
@@ -211,7 +206,6 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
     for path in extra or []:
         d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
-        check_run_output(path, d, run_records)
         data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
     return data
 
@@ -268,7 +262,7 @@ def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     from dflash_eval.report.figures import method_columns
 
     f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
-    steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000 (the twelfth trial)
+    steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000
     out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
     for col, label in method_columns(data.frame):
         out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
@@ -349,6 +343,12 @@ def provenance(data: ReportData) -> pd.DataFrame:
         "evaluate: block sizes": ", ".join(str(b) for b in sorted(f["block_size"].unique())),
         "workflow config sha256": data.config_sha256 or "",
     }
+    code = (data.provenance or {}).get("dflash_eval") or {}
+    if code:  # tau.provenance.json: the commit (and below the settings) the table was made with
+        run["dflash-eval commit"] = f"{code.get('commit') or 'no git checkout'}{' (dirty)' if code.get('dirty') else ''}"
+    for stage, by_key in sorted(((data.provenance or {}).get("settings") or {}).items()):
+        run.update({f"settings: {stage}" + ("" if key == "run" else f" [{key}]"): ", ".join(
+            f"{k}={json.dumps(v)}" for k, v in sorted(values.items())) for key, values in sorted(by_key.items())})
     if data.costs:
         c = data.costs
         run.update({"costs: device": f"{c['device']} ({c['device_name']})", "costs: dtype": c["dtype"],

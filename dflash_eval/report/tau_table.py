@@ -106,8 +106,8 @@ from types import SimpleNamespace
 import pandas as pd
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.data.provenance import check_settings
 from dflash_eval.core.io import read_json_object
-from dflash_eval.row_checksum import check_document
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 
 #: the settings of an evaluate output written before sampling settings existed: greedy only
@@ -158,61 +158,38 @@ def _selector_columns(r: dict) -> dict:
     return out
 
 
-#: ``tau.parquet``'s schema metadata key holding :func:`frame_sha256` of its table (written by :func:`write_parquet`)
-PARQUET_SEAL = b"dflash_eval.content_sha256"
+#: ``tau.parquet``'s schema metadata key holding the provenance block of the table (``tau.provenance.json``)
+PARQUET_PROVENANCE = b"dflash_eval.data.provenance"
 
 
-def frame_sha256(df: pd.DataFrame) -> str:
-    """sha256 (hex) of a tau table's column names, dtypes and values (``pandas.util.hash_pandas_object`` per
-    row, index left out): what a parquet round trip keeps exactly, and what any edit of a cell changes."""
-    import hashlib
+def write_parquet(df: pd.DataFrame, path, provenance: dict | None = None) -> None:
+    """Write ``df`` as parquet (pyarrow), with ``provenance`` (JSON) under :data:`PARQUET_PROVENANCE` in its schema
+    metadata."""
+    import json
 
-    h = hashlib.sha256(repr([(str(c), str(t)) for c, t in df.dtypes.items()]).encode())
-    h.update(pd.util.hash_pandas_object(df, index=False).to_numpy().tobytes())
-    return h.hexdigest()
-
-
-def write_parquet(df: pd.DataFrame, path) -> None:
-    """Write ``df`` as parquet (pyarrow) with :func:`frame_sha256` under :data:`PARQUET_SEAL` in its schema metadata."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pandas(df, preserve_index=False)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), PARQUET_SEAL: frame_sha256(df).encode()})
+    if provenance is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               PARQUET_PROVENANCE: json.dumps(provenance, sort_keys=True).encode()})
     pq.write_table(table, path)
 
 
 def read_parquet(path) -> pd.DataFrame:
-    """A ``tau.parquet`` written by :func:`write_parquet`, verified against its seal (the seventh trial's U1: an
-    edited tau.parquet reached the trackers unchecked). One without the seal (an earlier version's, or rewritten
-    by another tool) is read with a warning by a direct call and refused inside the workflow
-    (:func:`dflash_eval.row_checksum.sealed_required`).
+    """A ``tau.parquet`` written by :func:`write_parquet`.
 
     Raises:
-        InputError: unreadable; its values differ from the seal (edited after ``summary`` wrote it); no seal
-            inside the workflow.
+        InputError: unreadable.
     """
     import pyarrow.parquet as pq
 
-    from dflash_eval.row_checksum import sealed_required
-
-    fix = f"rebuild it: snakemake --forcerun {path} (or rerun `python -m dflash_eval summary`)"
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path).to_pandas()
     except (OSError, ValueError) as err:
-        raise InputError(path, None, f"not a readable parquet file ({err})", fix) from None
-    df = table.to_pandas()
-    want = (table.schema.metadata or {}).get(PARQUET_SEAL)
-    if want is None:
-        if sealed_required():
-            raise InputError(path, PARQUET_SEAL.decode(), "missing, but inside the workflow every tau.parquet is "
-                             "written and sealed by the summary stage: it was rewritten after that stage (or by an "
-                             "earlier version)", fix)
-        log.warning("%s: no %s (written before it, or by another tool): read unverified", path, PARQUET_SEAL.decode())
-    elif frame_sha256(df) != want.decode():
-        raise InputError(path, PARQUET_SEAL.decode(), "its values do not match their checksum: a cell (or a row or "
-                         "column) changed after the summary stage wrote it", fix)
-    return df
+        raise InputError(path, None, f"not a readable parquet file ({err})",
+                         f"rebuild it: snakemake --forcerun {path} (or rerun `python -m dflash_eval summary`)") from None
 
 
 #: the columns that name a row of the tau table
@@ -224,67 +201,6 @@ CSV_FLOAT_FORMAT = "%.4f"
 def table_csv(df: pd.DataFrame) -> str:
     """The text of ``tau.csv`` for the table ``df`` (what the summary stage writes)."""
     return df.to_csv(index=False, float_format=CSV_FLOAT_FORMAT)
-
-
-def _cells(text: str, path) -> tuple[list[str], dict[tuple, dict[str, str]]]:
-    """Header and rows (by :data:`TABLE_KEY`) of a tau table's CSV text, every cell as its text."""
-    import csv
-    import io
-
-    reader = csv.DictReader(io.StringIO(text))
-    header = list(reader.fieldnames or [])
-    missing = [k for k in TABLE_KEY if k not in header]
-    if missing:
-        raise InputError(path, missing[0], "missing: not a tau table of this version",
-                         f"rebuild it from the evaluate outputs: snakemake --forcerun {path}")
-    return header, {tuple(row[k] for k in TABLE_KEY): row for row in reader}
-
-
-def _same_cell(got: str, want: str) -> bool:
-    """Two cells of a tau table as text: the same number to tau.csv's 4 decimals (a table saved again by another
-    tool may write 0.0 for 0.0000), else the same text."""
-    if got == want:
-        return True
-    try:
-        a, b = float(got), float(want)
-    except ValueError:
-        return False
-    return (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-4 + 1e-12 * abs(b)
-
-
-def check_table(table: pd.DataFrame | str, path, want: pd.DataFrame, skip=()) -> None:
-    """Refuse a tau table that is not what ``summary`` makes of the run's evaluate outputs (and target costs):
-    ``table`` (``tau.csv``'s text, or ``tau.parquet`` as read) compared cell by cell with ``want``
-    (:func:`summary_frame`, with :func:`dflash_eval.target.costs.with_speedups` for the speedup columns), both as
-    ``tau.csv`` writes them (:func:`table_csv`): other rows (checkpoint, prompt set, sampling: another run's table
-    copied in place, a stale one), other columns, or any cell edited beyond tau.csv's rounding (:func:`_same_cell`;
-    the tenth trial's F4: only tau and four more columns were compared, so an edited DDTree tau, speedup, step or agreement stayed in tau.csv with exit 0).
-    Used by ``report`` (tau.csv, every column) and ``trackers`` (tau.parquet, but the ``skip`` columns: the speedup
-    columns, which need target_costs.json; the eighth trial's S1, another run's validly sealed table logged to the
-    run's TensorBoard).
-
-    Raises:
-        InputError: ``(path, <column> | "rows" | "columns", ...)`` naming the row and both values.
-    """
-    name = Path(path).name
-    fix = f"rebuild it from the evaluate outputs: snakemake --forcerun {path}"
-    got_cols, got = _cells(table if isinstance(table, str) else table_csv(table), path)
-    want_cols, wanted = _cells(table_csv(want), path)
-    if sorted(got) != sorted(wanted):
-        raise InputError(path, "rows", f"{len(got)} rows, the evaluate outputs give {len(wanted)} other (checkpoint, "
-                         f"prompt set, sampling) rows: {name} was edited, is stale or is another run's", fix)
-    cols = [c for c in want_cols if c not in skip]
-    lost = [c for c in cols if c not in got_cols] + [c for c in got_cols if c not in want_cols and c not in skip]
-    if lost:
-        raise InputError(path, "columns", f"{lost[0]!r} {'missing' if lost[0] in want_cols else 'not a column summary writes'}: "
-                         f"{name} was edited, is stale (an earlier version's) or is another run's", fix)
-    for key, row in wanted.items():
-        for col in cols:
-            if not _same_cell(got[key][col], row[col]):
-                raise InputError(path, col, f"{got[key][col] or '(empty)'} for {key[0]} on {key[1]} ({key[2]}), but "
-                                 f"summary makes {row[col] or '(empty)'} of the run's evaluate outputs"
-                                 f"{' and target costs' if col.startswith(('speedup_', 'estimate_')) else ''}: {name} "
-                                 "was edited after summary wrote it, or is another run's", fix)
 
 
 EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
@@ -300,9 +216,6 @@ def read_eval(path) -> dict:
         raise InputError(path, None, "evaluate output not found",
                          "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
     r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
-    if not check_document(path, r, "evaluate", "re-run its evaluate job (snakemake -R evaluate), or restore an intact "
-                          "copy"):
-        log.warning("%s: no content_sha256 (written before it): read unverified", path)
     missing = [k for k in EVAL_KEYS if k not in r]
     if not missing and (not isinstance(r["samples"], list)
                         or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):
@@ -313,90 +226,28 @@ def read_eval(path) -> dict:
     return r
 
 
-#: what an evaluate output records of its inputs (:func:`dflash_eval.stages.evaluate.evaluate`) -> its field there,
-#: and what the run's file is (for messages)
-EVAL_INPUT_FIELDS = {
-    "settings_sha256": ("settings_sha256", "options record (evaluate settings)"),
-    "completions_sha256": ("cache.completions_sha256", "completions file"),
-    "header_sha256": ("cache.header_sha256", "hidden-state cache (its header checksum)"),
-    "strip_info_sha256": ("strip_info_sha256", "stripped drafter (its strip_info.json info_sha256)"),
-}
-
-
-def _eval_field(r: dict, dotted: str):
-    node = r
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def check_eval_inputs(path, r: dict, expected: dict | None) -> None:
-    """Compare what an evaluate output records of its inputs with the run's files: ``expected`` =
-    ``{"sets": {prompt set: {"settings_sha256", "completions_sha256", "header_sha256"}}, "checkpoints": {name:
-    {"strip_info_sha256"}}}`` (:func:`dflash_eval.stages.summary.expected_inputs`; None or empty: nothing to
-    compare). The output's prompt set and checkpoint must be those of its place (``eval/<ckpt>/<set>.json``) and
-    the run's, and each recorded sha256 the one of the
-    run's options record, completions, cache header and stripped drafter (:data:`EVAL_INPUT_FIELDS`). An output
-    of another run, checkpoint, drafter, cache or settings copied in place (validly sealed) used to go into the
-    tau table without a word; so would one that cannot tell (written by an earlier version, or by evaluate
-    outside the workflow), so it is refused too. A None in ``expected`` (a cache before format 6 has no header
-    checksum, a drafter folder without strip_info.json) is not compared.
-
-    Raises:
-        InputError: ``(path, <field>, ...)`` naming the difference, or the field missing.
-    """
-    if not expected:
-        return
-    fix = "re-run its evaluate job (snakemake --forcerun <this file>, or -R evaluate for every one)"
-    place = Path(path)
-    for key, at in (("checkpoint", place.parent.name), ("prompt_set", place.stem)):  # eval/<ckpt>/<set>.json
-        if str(r[key]) != at:
-            raise InputError(path, key, f"{r[key]!r}, but the file lies where the workflow puts the output of {key} "
-                             f"{at!r}: "
-                             "another checkpoint's or prompt set's evaluate output copied (or swapped) in place", fix)
-    wants: dict = {}
-    for kind, key in (("sets", "prompt_set"), ("checkpoints", "checkpoint")):
-        known = expected.get(kind)
-        if known is None:
-            continue
-        if r[key] not in known:
-            raise InputError(path, key, f"{r[key]!r} is not one of the run's ({', '.join(sorted(map(str, known)))}): an "
-                             "evaluate output of another run or another file copied in place", fix)
-        wants.update(known[r[key]])
-    for key, want in wants.items():
-        field, what = EVAL_INPUT_FIELDS[key]
-        if want is None:
-            continue
-        found = _eval_field(r, field)
-        if found is None:
-            raise InputError(path, field, f"missing: an evaluate output of an earlier version, or made outside the "
-                             f"workflow, which cannot show that it was made from the run's {what}", fix)
-        if found != want:
-            raise InputError(path, field, f"{str(found)[:16]}... is not the sha256 of the run's {what} ({want[:16]}...): "
-                             "an evaluate output of other inputs (another run or checkpoint, copied in place; a file "
-                             "replaced after evaluate ran; or kept by --touch / --rerun-triggers after an option changed)",
-                             fix)
-
-
-def summary_frame(evals: list[str], expected: dict[str, dict] | None = None) -> pd.DataFrame:
+def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFrame:
     """Rows of the tau table from evaluate outputs (see module docstring).
 
     Every aggregate is recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the
     per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
     with the per-sample data it summarises.
 
-    ``expected``: what the run's files are (:func:`check_eval_inputs`), or None.
+    ``expected``: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
+    each output's provenance block (:func:`dflash_eval.data.provenance.check_settings`); None: not compared.
 
     Raises:
-        InputError: an evaluate output is missing or malformed (:func:`read_eval`), of other inputs than
-            ``expected`` names (:func:`check_eval_inputs`), or two outputs are for the same (checkpoint, prompt set).
+        InputError: an evaluate output is missing or malformed (:func:`read_eval`), made with other settings than
+            ``expected`` gives, or two outputs are for the same (checkpoint, prompt set).
     """
     rows, budgets = [], set()
     dflash2 = False
     seen: dict[tuple, str] = {}
     for path in evals:
         r = read_eval(path)
-        check_eval_inputs(path, r, expected)
+        if expected:
+            check_settings(path, r.get("provenance"), expected, str(r["prompt_set"]), "evaluate",
+                           f"rerun the evaluate jobs with this config: snakemake --forcerun evaluate (or delete {path})")
         key = (r["checkpoint"], r["prompt_set"])
         if key in seen:
             raise InputError(path, "checkpoint/prompt_set", f"{key} is also the pair of {seen[key]}",

@@ -20,10 +20,9 @@ from dflash_eval.core.errors import InputError
 from dflash_eval.serving.generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
 from dflash_eval.core.io import sha256_file
 from dflash_eval.core.progress import Progress
-from dflash_eval.row_checksum import seal_row
 from dflash_eval.target.spec import TargetSpec
 from dflash_eval.data.prompts import read_prompts
-from dflash_eval.data.provenance import check_provenance, write_meta
+from dflash_eval.data.provenance import stage_block, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -34,31 +33,22 @@ def add_arguments(p) -> None:
     """Files of the stage (its options come from the config schema)."""
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--prompts", required=True, help="prompts JSONL from the 'prompts' stage")
-    p.add_argument("--prompts-settings", default=None, metavar="JSON",
-                   help="the workflow's options record of the prompts job (results/<run>/options/prompts/<set>.json): "
-                        "the prompts' <set>.meta.json must name it, so a prompts file of other settings is refused "
-                        "(without it, a meta present is still checked against the file and the tokenizer)")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
     p.add_argument("--server-log", default=None,
                    help="log file of the served vLLM (default: <out>.vllm.log); when the job starts no server, a given "
                         "file gets one line saying so (the workflow declares it for every source)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/completions/<set>.json): its "
-                        "sha256 goes to <set>.meta.json beside the output, where hidden_states compares it")
-    p.add_argument("--out", required=True, help="completions JSONL; <name>.meta.json beside it records its sha256 and "
-                                                "the job's options record (dflash_eval/data/provenance.py)")
+    p.add_argument("--out", required=True, help="completions JSONL; <name>.meta.json beside it records the target's "
+                                                "sha256 and the provenance block (dflash_eval/data/provenance.py)")
 
 
 def main(args, opts) -> None:
     generate_completions(args.target, args.prompts, args.out, opts, server_log=args.server_log,
-                         target_fingerprint=args.target_fingerprint, prompts_settings=args.prompts_settings,
-                         settings=args.settings)
+                         target_fingerprint=args.target_fingerprint)
 
 
 def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: str | Path, opts=None, *,
                          server_log: str | None = None, target_fingerprint: str | Path | None = None,
-                         prompts_settings: str | Path | None = None, settings: str | Path | None = None,
                          **overrides) -> Path:
     """Greedy (``generation.sampling`` at temperature > 0: seeded sampled) completions of every prompt in a prompts JSONL (format and resume: :mod:`dflash_eval.data.completions`).
 
@@ -81,10 +71,6 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
         server_log: the served vLLM's log (default ``<out>.vllm.log`` when vLLM is started here).
         target_fingerprint: a ``target-fingerprint`` record (:func:`dflash_eval.target.spec.write_fingerprint`),
             so the weights are not hashed again.
-        prompts_settings: the workflow's options record of the prompts job: ``<set>.meta.json`` must name it
-            (:func:`dflash_eval.data.provenance.check_provenance`).
-        settings: the workflow's options record of this job: its sha256 goes to ``<out name>.meta.json``
-            (:func:`dflash_eval.data.provenance.write_meta`; written with every output), where hidden_states compares it.
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -92,7 +78,6 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
 
     Raises:
         InputError: a bad option, bad prompts file or target folder, prompt ids outside the vocabulary,
-            a prompts file that its meta does not describe (replaced, another tokenizer, other settings),
             a prompt + ``max_new_tokens`` beyond the target's ``max_position_embeddings`` (unless
             ``allow_beyond_max_positions``: :func:`dflash_eval.target.context_limit.check_context_limit`),
             a partial file from other settings, a server with another tokenizer or a too short max
@@ -105,8 +90,6 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     prompts_path, out, target_dir = Path(prompts_path), Path(out), Path(target_dir)
     rows = read_prompts(prompts_path)
     prompts_sha256 = sha256_file(prompts_path).hexdigest()
-    check_provenance(prompts_path, prompts_sha256, stage="prompts", file_key="prompts_sha256", tokenizer_dir=target_dir,
-                     settings_record=prompts_settings)
     ids_seen: set[str] = set()
     for k, r in enumerate(rows):
         if str(r["id"]) in ids_seen:
@@ -157,11 +140,9 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                 lines, toks = [], 0
                 for i, ids, stop, extra in results:
                     r = rows[i]
-                    row = seal_row({"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
-                                    "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
-                                    "max_new_tokens": max_new_tokens, "generation": provenance,
-                                    **extra, "row_index": i, "n_rows": len(rows)})
-                    # ids_sha256 + row_sha256 over it all, the row's place included: read_completions verifies them
+                    row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
+                           "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
+                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra}
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)
@@ -215,7 +196,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
     weights = (TargetSpec.read(target_dir, fingerprint_file=target_fingerprint).weights_sha256()
                if target_fingerprint else None)
     write_meta(out, {"n_rows": len(rows), "max_new_tokens": max_new_tokens, "target_sha256": weights},
-               file_key="completions_sha256", settings_record=settings)
+               stage_block(STAGE, opts, {"target": weights, "prompts": prompts_sha256,
+                                         "completions": sha256_file(out).hexdigest()}))
     log.info("wrote %d completions -> %s", len(rows), out)
     return out
 

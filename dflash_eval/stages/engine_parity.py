@@ -39,7 +39,7 @@ from dflash_eval.core import options as options_mod
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.data.completions import read_completions, subset_text
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import write_run_output
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.stages.evaluate import evaluate
 from dflash_eval.stages.hidden_states import extract_cache
 from dflash_eval.stages.kernel_parity import Parity
@@ -63,16 +63,12 @@ def add_arguments(p) -> None:
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
     p.add_argument("--server-log", default=None,
                    help="the job-owned vLLM server's log, when the other source is vllm (default <out>.vllm.log)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/engine_parity/run.json): its "
-                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
-                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     engine_parity(args.target, args.completions, args.cache, args.layer_ids, args.out, opts, drafters=args.drafter,
-                  target_fingerprint=args.target_fingerprint, server_log=args.server_log, settings_record=args.settings)
+                  target_fingerprint=args.target_fingerprint, server_log=args.server_log)
 
 
 def other_source(source: str) -> str:
@@ -180,7 +176,7 @@ def _provenance(attrs: dict) -> dict:
 
 
 def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int], out, opts=None, *, drafters=(),
-                  target_fingerprint=None, server_log=None, settings_record=None, **overrides) -> dict:
+                  target_fingerprint=None, server_log=None, **overrides) -> dict:
     """Extract ``n_samples`` completions with the other source, compare with the run's cache, replay drafters on both.
 
     Args:
@@ -226,7 +222,7 @@ def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int]
     with tempfile.TemporaryDirectory(prefix=".engine_parity.", dir=out.parent) as tmp:
         tmp = Path(tmp)
         sub = tmp / f"{completions_path.stem}.jsonl"  # same stem: the cache's prompt_set attribute
-        sub.write_text(subset_text(rows), encoding="utf-8")  # resealed with the rows' new places
+        sub.write_text(subset_text(rows), encoding="utf-8")
         t0 = time.perf_counter()
         made = extract_cache(target_dir, sub, tmp / f"{other}.h5", layer_ids, extraction_options(opts, other),
                              target_fingerprint=target_fingerprint, server_log=server_log or f"{out}.vllm.log")
@@ -251,7 +247,8 @@ def engine_parity(target_dir, completions_path, cache_path, layer_ids: list[int]
             # is what this report shows, not a refusal
             result["drafters"].append(drafter_parity(Path(d).name, ev["hf"], ev["vllm"]))
     result["markdown"] = _markdown(result)
-    result.update(write_run_output(out, result, "engine_parity", settings_record))
+    result["provenance"] = stage_block(STAGE, opts)
+    result.update(write_json(out, result))
     for line in result["markdown"].splitlines():
         log.info("%s", line)
     return result

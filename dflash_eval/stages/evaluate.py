@@ -28,14 +28,13 @@ from dflash_eval.cache.reader import CacheReader
 from dflash_eval.drafter.compat import check_agreement, check_cache_target, check_compat
 from dflash_eval.replay.ddtree import replay_with_trees, walk_budgets
 from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
-from dflash_eval.drafter.files import check_source, read_strip_info
-from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.drafter.files import read_strip_info
+from dflash_eval.core.errors import InputError
 from dflash_eval.replay.expected import response_expectations, target_token_probs
-from dflash_eval.core.io import sha256_file
 from dflash_eval.replay.metrics import aggregate, aggregate_expected, selector_stats
 from dflash_eval.core.progress import Progress
 from dflash_eval.replay.chain import SampleResult, replay
-from dflash_eval.row_checksum import ids_sha256, seal_document
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
 from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.replay.selector import walks
@@ -59,35 +58,18 @@ def add_arguments(p) -> None:
                    help="evaluate even if the cache's linear-attention kernel differs from the drafter's training backend")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
-    p.add_argument("--completions", default=None, metavar="JSONL",
-                   help="the completions file the cache must have been extracted from (the workflow passes the run's): "
-                        "a cache whose completions_sha256 differs is refused")
-    p.add_argument("--checkpoint-source", default=None, metavar="PATH",
-                   help="the checkpoint the drafter folder was stripped from (the workflow passes it): a folder whose "
-                        "strip_info.json names another source is refused")
-    p.add_argument("--drafter-settings", default=None, metavar="JSON",
-                   help="the run's strip options record of the checkpoint (results/<run>/options/strip_drafter/<ckpt>"
-                        ".json, with its files' stamps): a folder whose strip_info.json settings_sha256 is not its sha256 "
-                        "(stripped from other bytes at the same path, or with other options) is refused")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/evaluate/<set>.json): its "
-                        "sha256 goes into the output (settings_sha256), where summary compares it with the run's")
     p.add_argument("--out", required=True, help="per-sample results JSON")
 
 
 def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
-             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
-             checkpoint_source=args.checkpoint_source, completions=args.completions,
-             settings_record=args.settings, drafter_settings=args.drafter_settings)
+             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
-             checkpoint_source: str | None = None, completions: str | Path | None = None,
-             settings_record: str | Path | None = None, drafter_settings: str | Path | None = None,
              **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
@@ -110,12 +92,6 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         checkpoint_name, prompt_set: row labels (default: the drafter folder name, the cache file stem).
         allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
-        checkpoint_source: the checkpoint the folder must have been stripped from
-            (:func:`dflash_eval.drafter.files.check_source`; None: not checked).
-        drafter_settings: the run's strip options record of the checkpoint, whose sha256 the folder's
-            ``strip_info.json`` ``settings_sha256`` must be (with ``checkpoint_source``; None: not checked).
-        completions: the completions JSONL the cache must have been extracted from (its sha256 against the
-            cache's ``completions_sha256``, which the format-6 header covers; None: not checked).
         **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
 
     Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
@@ -123,9 +99,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     ``argmax_agreement``), the :class:`~dflash_eval.replay.metrics.AcceptanceStats` fields (``tau`` macro,
     ``tau_tokens_per_step`` micro, ``tau_sglang``, ``histogram``, ``slot_acceptance`` /
     ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``);
-    provenance (``step``, ``random_init``, ``device``, ``dtype``, ``cache``; ``drafter_verified``: the
-    drafter folder's ``strip_info.json`` was there and its checksums matched, False for a folder
-    without one, whose weights are read unverified); ``argmax_agreement``
+    what it ran with (``step``, ``random_init``, ``device``, ``dtype``, ``cache``); ``argmax_agreement``
     (:func:`~dflash_eval.drafter.compat.check_agreement`) and ``target_check``
     (:func:`~dflash_eval.drafter.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
@@ -146,48 +120,40 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
     sampled cache. DFlash 2 at temperature > 0: the selector's own sampled path, q on its candidates
     (:func:`dflash_eval.replay.expected.selector_survival`); its selector diagnostics are those of the greedy path.
-    ``settings_sha256``: the sha256 of ``settings_record`` (the workflow's options record of the job), and
-    ``cache.completions_sha256``: the completions the cache was extracted from, ``cache.header_sha256``: the
-    cache's header checksum (format 6: it covers the target, layer ids, dtype, completions and creation time, so
-    another extraction has another), ``strip_info_sha256``: the drafter folder's ``strip_info.json``
-    ``info_sha256`` (it covers the sha256 of the weights and config); summary compares all four with the run's
-    (:func:`dflash_eval.report.tau_table.check_eval_inputs`).
+    ``provenance``: the block of :mod:`dflash_eval.data.provenance` (the evaluate settings, which summary compares
+    with the config's; the sha256 of the target, the drafter's weights, the completions and the cache header).
 
     Raises:
         InputError: drafter/cache/target mismatch (layer ids not cached, hidden size, vocab, mask
             token, kernel backend); a cache of another target (unless ``allow_foreign_cache``);
             greedy completions that are not the target's greedy output (mean agreement below
             ``agreement_min``, unless ``allow_low_agreement``; sampled completions are not checked); an option the schema refuses; a block
-            size of 1; a drafter folder stripped from another checkpoint than ``checkpoint_source``; a
-            cache extracted from other completions than ``completions``; nothing to replay (no sample with a verify step); a sampling setting the cache
+            size of 1; nothing to replay (no sample with a verify step); a sampling setting the cache
             cannot serve (:func:`sampling_settings`).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
-    if checkpoint_source is not None:
-        check_source(Path(drafter_dir), checkpoint_source, drafter_settings)
     if block_size is not None and block_size < 2:
         raise InputError(None, "--block-size", f"must be >= 2 (or 0 = the drafter's), got {block_size}",
                          "a block holds the last committed token and at least one mask")
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
-        rows = None
-        if completions is not None:
-            rows = _check_completions(inputs.reader, inputs.cache_path, Path(completions))
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = [st for st in settings if not st.greedy]
         expectations: dict[str, list] = {st.label: [] for st in sampled}
-        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations, rows)
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
         if walked:
             _add_selector(result, walked, B, inputs.n)
         _add_sampling(result, inputs.reader.attrs, settings, expectations, B, opts)
     finally:
         inputs.reader.close()
-    result["settings_sha256"] = sha256_file(settings_record).hexdigest() if settings_record else None  # summary checks
-    result = seal_document(result)  # content_sha256, verified by every reader (tau_table.read_eval)
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(result, indent=1))
+    strip_info = read_strip_info(inputs.drafter_dir)
+    result["provenance"] = stage_block(STAGE, opts, {
+        "target": result["cache"]["target_sha256"],
+        "drafter_weights": (strip_info.get("sha256") or {}).get("model.safetensors"),
+        "completions": result["cache"]["completions_sha256"], "cache_header": result["cache"]["header_sha256"]})
+    write_json(out, result)
     log.info("evaluate %s on %s: tau %.4f over %d samples (%d verify steps, %.1f s, %.0f tok/s, %s %s, %s replay)",
              result["checkpoint"], result["prompt_set"], result["tau"], result["n_samples"], result["verify_steps"],
              elapsed, n_comp / max(elapsed, 1e-9), result["device"], result["dtype"], opts.replay)
@@ -256,11 +222,8 @@ def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatc
                          "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
 
 
-def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, rows: dict | None = None):
+def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees.
-
-    ``rows``: ``{sample id: (prompt_len, ids_sha256)}`` of the completions (:func:`_check_completions`): each
-    sample read is compared with its row (:func:`_check_sample_ids`), None: not compared.
 
     With ``sampled`` settings (temperature > 0; DFlash 1) the chain, every DDTree budget and every setting's
     expectation come from one all-anchor pass (:func:`_sampled_pass`); ``expectations[label]`` gets
@@ -301,8 +264,6 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, ro
                              "...: weights that overflow (a diverged checkpoint; finite weights can) or a config value "
                              "that breaks a norm; every draft would be rejected (tau 1.0)", NONFINITE_FIX)
         for s, rec in zip(samples, recs):
-            if rows is not None:
-                _check_sample_ids(inputs.cache_path, s, rows)
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
         bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
@@ -428,60 +389,6 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
         log.info("expected tau at %s (given the cached trajectories): %.4f", label, stats.tau)
 
 
-def _check_completions(reader: CacheReader, cache_path, completions: Path) -> dict[str, tuple[int, str]]:
-    """Refuse a cache extracted from another completions file than ``completions`` (a cache of another prompt
-    set, run or config copied in its place: its own checksums intact), or whose sample ids are not its rows'
-    ids, each once; returns ``{id: (prompt_len, ids_sha256)}`` of its verified rows, which each sample read is
-    compared with (:func:`_check_sample_ids`).
-
-    Raises:
-        InputError: ``(cache, "completions_sha256" | "sample_ids", ...)``; a bad completions file
-            (:func:`dflash_eval.data.completions.read_completions`).
-    """
-    from dflash_eval.data.completions import read_completions
-
-    sha = sha256_file(completions).hexdigest()
-    fix = (f"if {completions} is intact (snakemake -R hidden_states checks its rows), extract the cache again "
-           "(snakemake -R hidden_states); otherwise restore this run's files")
-    if reader.attrs.get("completions_sha256") != sha:
-        raise InputError(cache_path, "completions_sha256", f"extracted from completions with sha256 "
-                         f"{str(reader.attrs.get('completions_sha256'))[:16]}…, but {completions} has {sha[:16]}…: a "
-                         "cache of another prompt set, run or config, or a completions file changed since the cache "
-                         "was extracted", fix)
-    # the verified rows' ids checksum only (dflash_eval.row_checksum.ids_sha256): O(rows) memory at any length
-    rows = {str(r["id"]): (len(r["prompt_ids"]), ids_sha256(r["prompt_ids"], r["completion_ids"]))
-            for r in read_completions(completions)}
-    if sorted(reader.sample_ids) != sorted(rows):
-        extra = sorted(set(reader.sample_ids) - set(rows)) or sorted({i for i in reader.sample_ids
-                                                                      if reader.sample_ids.count(i) > 1})
-        missing = sorted(set(rows) - set(reader.sample_ids))
-        raise InputError(cache_path, "sample_ids", f"{len(reader)} samples for {len(rows)} rows of {completions}"
-                         f"{'; not rows, or twice: ' + ', '.join(extra[:3]) if extra else ''}"
-                         f"{'; rows without a sample: ' + ', '.join(missing[:3]) if missing else ''}: samples were "
-                         "added to, removed from or moved within the file after extraction", fix)
-    return rows
-
-
-def _check_sample_ids(cache_path, s, rows: dict[str, tuple[int, str]]) -> None:
-    """Refuse a cache sample whose id is not a completions row's, or whose token ids or prompt length are not
-    that row's: each sample's checksum covers its own bytes only, so a sample of another cache moved into the
-    file (with the file-level arrays made to match) passed every other check (the fourth trial's finding 6).
-
-    Raises:
-        InputError: ``(cache, "samples/<index>", ...)`` naming the sample.
-    """
-    row = rows.get(str(s.sample_id))
-    ids = s.input_ids.tolist() if row is not None else None
-    what = ("is not a row of the completions it was extracted from" if row is None
-            else f"has prompt_len {s.prompt_len}, its completions row {row[0]}" if int(s.prompt_len) != row[0]
-            else "holds other token ids than its completions row" if ids_sha256(ids[: row[0]], ids[row[0]:]) != row[1]
-            else None)
-    if what:
-        raise InputError(cache_path, f"samples/{s.index:06d}", f"sample {s.sample_id!r} {what}: a sample of another "
-                         "cache moved into this file, or the file edited after extraction",
-                         "extract the cache again (snakemake -R hidden_states), or restore this run's cache")
-
-
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:
     """The output JSON (see :func:`evaluate`)."""
     reader, n = inputs.reader, inputs.n
@@ -492,7 +399,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         raise InputError(inputs.cache_path, "samples", f"none of the {n} samples has a verify step (every response "
                          "ended at its first token), so tau is undefined", "check the completions (max_new_tokens, "
                          "stop tokens) of this prompt set")
-    strip_info = read_strip_info(inputs.drafter_dir)  # verified (info_sha256): its step labels the row
+    strip_info = read_strip_info(inputs.drafter_dir)  # its step labels the row
     result = {
         "checkpoint": checkpoint_name or inputs.drafter_dir.name,
         "prompt_set": prompt_set or Path(inputs.cache_path).stem,
@@ -500,9 +407,6 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         **stats.as_dict(),
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
-        "drafter_verified": bool(strip_info),  # load_drafter checked the files against it (or raised)
-        # the drafter folder's strip_info.json (its info_sha256 covers the weights' and config's sha256): summary checks
-        "strip_info_sha256": strip_info.get("info_sha256"),
         # what strip noted that needs a look (layer types derived, large weights, ...): the report lists them
         "drafter_notes": [n for n in strip_info.get("notes") or [] if not str(n).endswith(SHARED_EQUAL_NOTE)],
         "device": str(inputs.device),
@@ -510,7 +414,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         "replay": opts.replay,
         "cache": {"path": inputs.cache_path, "dtype": a.get("dtype"), "target_sha256": a.get("target_sha256"),
                   "linear_attn_kernel": a.get("linear_attn_kernel"), "completions_sha256": a.get("completions_sha256"),
-                  "header_sha256": a.get("header_sha256")},  # the cache file's header (format 6): summary checks
+                  "header_sha256": a.get("header_sha256")},
         "argmax_agreement": inputs.agreement,
         "target_check": inputs.target_check,
         "elapsed_s": round(elapsed, 3),

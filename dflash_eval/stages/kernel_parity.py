@@ -36,7 +36,7 @@ from dflash_eval.core import options as options_mod
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.data.completions import read_completions, subset_text
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import write_run_output
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.stages.evaluate import evaluate
 from dflash_eval.stages.hidden_states import extract_hidden_states
 
@@ -53,16 +53,12 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", nargs="*", default=[], help="stripped drafter folders replayed on both caches")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/kernel_parity/run.json): its "
-                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
-                        "the run's")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     kernel_parity(args.target, args.completions, args.layer_ids, args.out, opts, drafters=args.drafter,
-                  target_fingerprint=args.target_fingerprint, settings_record=args.settings)
+                  target_fingerprint=args.target_fingerprint)
 
 
 
@@ -147,7 +143,7 @@ def layer_stats(reader_a, reader_b, layer_ids: list[int]) -> tuple[list[dict], f
 
 
 def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=None, *, drafters=(),
-                  target_fingerprint=None, settings_record=None, **overrides) -> dict:
+                  target_fingerprint=None, **overrides) -> dict:
     """Extract ``n_samples`` completions with two backends, compare per layer, replay drafters on both.
 
     Args:
@@ -173,7 +169,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
                     "layers": [], "drafters": [], "extractions": {}}
     if p["a"] is None:
         result["markdown"] = f"Skipped: {p['note']}."
-        _write(out, result, settings_record)
+        _write(out, result, opts)
         return result
     rows = read_completions(Path(completions_path))[:n_samples]
     label = {k: f"{p[k]['backend']} {p[k]['dtype']}" for k in ("a", "b")}
@@ -181,7 +177,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
     with tempfile.TemporaryDirectory(prefix=".kernel_parity.", dir=Path(out).parent) as tmp:
         tmp = Path(tmp)
         sub = tmp / f"{Path(completions_path).stem}.jsonl"
-        sub.write_text(subset_text(rows), encoding="utf-8")  # resealed with the rows' new places
+        sub.write_text(subset_text(rows), encoding="utf-8")
         caches = {}
         for k in ("a", "b"):
             t0 = time.perf_counter()
@@ -211,7 +207,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
             result["drafters"].append({"checkpoint": Path(d).name, "tau_a": taus["a"], "tau_b": taus["b"]})
     result["title"] = f"Linear-attention kernel parity: A = {label['a']}, B = {label['b']}"
     result["markdown"] = _markdown(result, label)
-    _write(out, result, settings_record)
+    _write(out, result, opts)
     for line in result["markdown"].splitlines():
         log.info("%s", line)
     return result
@@ -239,5 +235,6 @@ def _markdown(r: dict, label: dict) -> str:
     return "\n".join(lines)
 
 
-def _write(out, result: dict, settings_record=None) -> None:
-    result.update(write_run_output(out, result, "kernel_parity", settings_record))
+def _write(out, result: dict, opts=None) -> None:
+    result["provenance"] = stage_block(STAGE, opts)
+    result.update(write_json(out, result))

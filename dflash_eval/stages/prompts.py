@@ -1,8 +1,8 @@
 """Stage ``prompts`` (rule ``prompts``): one prompt set -> chat-templated prompts (text + token ids) as JSONL.
 
 Sources, the row format and the deterministic subset rule: :mod:`dflash_eval.data.prompts`. Beside the
-JSONL, ``<set>.meta.json`` records what was skipped and why (read by the report) and what the file was
-made from (:mod:`dflash_eval.data.provenance`, verified by the completions stage). Options: config
+JSONL, ``<set>.meta.json`` records what was skipped and why (read by the report) and its provenance
+block (:mod:`dflash_eval.data.provenance`). Options: config
 section ``prompt_set`` (each prompt set's own ``n`` / ``seed`` / ``max_prompt_tokens`` override it;
 the workflow passes the merged values) and ``generation.enable_thinking``.
 """
@@ -10,7 +10,8 @@ the workflow passes the merged values) and ``generation.enable_thinking``.
 from __future__ import annotations
 
 from dflash_eval.data.prompts import SOURCES, build_prompt_set_with_meta, write_prompts
-from dflash_eval.data.provenance import write_meta
+from dflash_eval.core.io import sha256_file
+from dflash_eval.data.provenance import stage_block, write_meta
 
 STAGE = "prompts"
 
@@ -22,10 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--turn1-completions", default=None,
                    help="--source mt-bench-turn2: completions JSONL of the mt-bench set whose answers open the second turns")
     p.add_argument("--tokenizer", required=True, help="target folder holding the tokenizer and chat template")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/prompts/<set>.json): its sha256 "
-                        "goes to the meta, where the completions stage compares it with the run's")
-    p.add_argument("--out", required=True, help="prompts JSONL; its settings, sha256 and skip counts per reason go to "
+    p.add_argument("--out", required=True, help="prompts JSONL; its provenance and skip counts per reason go to "
                                                 "<name>.meta.json beside it (dflash_eval/data/provenance.py)")
 
 
@@ -34,5 +32,5 @@ def main(args, opts) -> None:
                                             path=args.path, enable_thinking=opts.enable_thinking,
                                             max_prompt_tokens=opts.max_prompt_tokens,
                                             turn1_completions=args.turn1_completions)
-    write_meta(write_prompts(rows, args.out), meta, file_key="prompts_sha256", tokenizer_dir=args.tokenizer,
-               settings_record=args.settings)
+    out = write_prompts(rows, args.out)
+    write_meta(out, meta, stage_block(STAGE, opts, {"prompts": sha256_file(out).hexdigest()}))

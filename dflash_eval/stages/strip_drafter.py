@@ -39,10 +39,9 @@ Output of :func:`strip_checkpoint` (what the reference loads, z-lab/dflash ``dfl
     <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.* (DFlash 2:
                                    also layers.*.{attention,mlp}_conv.*, candidate_selector.* with
                                    the codebooks under their saved names, without .weight)
-    <out_dir>/strip_info.json      provenance: source path, format, step, dropped keys, notes, and
-                                   sha256 of model.safetensors and config.json (verified by load_drafter),
-                                   then info_sha256 over the file's other fields (verified by
-                                   drafter_files.read_strip_info: the step in tau.csv comes from here)
+    <out_dir>/strip_info.json      source path, format, step (the tau table's), dropped keys, notes,
+                                   sha256 of model.safetensors and config.json, and the provenance
+                                   block (dflash_eval/data/provenance.py)
 
 No optimizer state and no shared target tensors are kept; the drafter always uses the
 target's own ``embed_tokens`` and ``lm_head``.
@@ -61,13 +60,15 @@ from dflash_eval.drafter.checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KE
 from dflash_eval.drafter.compat import check_compat
 from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
 from dflash_eval.drafter.config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
-from dflash_eval.drafter.files import INFO_FIELD, file_checksums, info_sha256
+from dflash_eval.drafter.files import file_checksums
+from dflash_eval.data.provenance import block
 from dflash_eval.core.errors import InputError, atomic_dir
-from dflash_eval.core.io import read_json_object, sha256_file
+from dflash_eval.core.io import read_json_object
 from dflash_eval.core.runtime import dtype_name
 from dflash_eval.drafter.speculators import drop_extra_tensors, is_speculators_config, to_zlab_config
 
 log = logging.getLogger(__name__)
+
 
 
 def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[DrafterConfig, str, list[str]]:
@@ -100,7 +101,7 @@ def _resolve_config(ck: LoadedCheckpoint, drafter_config, overrides) -> tuple[Dr
 
 
 #: |value| above which a drafter weight is named in a note: trained bf16 drafters stay far below it (norm weights
-#: of order 1-100), while weights that overflow the forward pass (the thirteenth trial's 3e38 / 1e30) are above
+#: of order 1-100), while weights that overflow the forward pass (3e38 / 1e30 seen in diverged runs) are above
 HUGE_WEIGHT = 1e4
 
 
@@ -153,10 +154,6 @@ def add_arguments(p) -> None:
     p.add_argument("--allow-shared-mismatch", action="store_true",
                    help="accept embed_tokens/lm_head copies that differ from the target's")
     p.add_argument("--out-dir", required=True, help="output folder (replaced atomically; untouched on any error)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of the job (results/<run>/options/strip_drafter/<ckpt>.json: "
-                        "the entry's arguments and its files' stamps): its sha256 goes into strip_info.json "
-                        "(settings_sha256), which evaluate compares with the run's (--drafter-settings)")
 
 
 def main(args, opts) -> None:
@@ -170,8 +167,7 @@ def main(args, opts) -> None:
         if not key:
             raise InputError(None, "--override", f"expected KEY=JSON, got {item!r}", "e.g. --override target_layer_ids=[1,9,17]")
     strip_checkpoint(args.checkpoint, args.out_dir, target_dir=args.target, drafter_config=args.drafter_config,
-                     overrides=overrides, allow_fp16=args.allow_fp16, allow_shared_mismatch=args.allow_shared_mismatch,
-                     settings_record=args.settings)
+                     overrides=overrides, allow_fp16=args.allow_fp16, allow_shared_mismatch=args.allow_shared_mismatch)
 
 
 def strip_checkpoint(
@@ -182,7 +178,6 @@ def strip_checkpoint(
     overrides: dict | None = None,
     allow_fp16: bool = False,
     allow_shared_mismatch: bool = False,
-    settings_record=None,
 ) -> Path:
     """Checkpoint -> ``out_dir`` with ``config.json``, bf16 ``model.safetensors``, ``strip_info.json``.
 
@@ -199,9 +194,6 @@ def strip_checkpoint(
             sets a field the config lacks, or settles one stored twice with different values.
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
-        settings_record: the workflow's options record of the job; its sha256 goes into ``strip_info.json``
-            ``settings_sha256`` (None: null), compared by ``evaluate --drafter-settings``
-            (:func:`dflash_eval.drafter.files.check_source`).
 
     Returns:
         ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
@@ -235,7 +227,7 @@ def strip_checkpoint(
         notes += check_compat(cfg, cfg_src)
         if shared:
             notes.append(f"dropped shared tensors {sorted(shared)} without comparison (no target given)")
-    if ck.meta.get("step") is None:  # a name like step20k: say why there is no step (the sixteenth trial's P5)
+    if ck.meta.get("step") is None:  # a name like step20k: say why there is no step
         src = Path(checkpoint)
         notes += [n for n in [unread_step(src.name if src.is_dir() else src.stem)] if n]
     fmt = ck.format + ("+shared" if shared else "")
@@ -266,16 +258,17 @@ def strip_checkpoint(
         "dropped_shared": sorted(shared),
         "source_dtypes": sorted({dtype_name(v.dtype) for v in state.values()}),
         "notes": notes,
-        # the workflow's options record of this strip (the checkpoint's files' stamps): evaluate compares it
-        "settings_sha256": sha256_file(settings_record).hexdigest() if settings_record else None,
     }
     for note in notes:  # an equal shared copy dropped is the expected case (INFO); the rest need a look
         log.log(logging.INFO if note.endswith(SHARED_EQUAL_NOTE) else logging.WARNING, "%s: %s", ck.path, note)
     with atomic_dir(out_dir) as tmp:
         save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_out, indent=2, sort_keys=True))
-        info["sha256"] = file_checksums(tmp)  # load_drafter verifies them
-        info[INFO_FIELD] = info_sha256(info)  # and read_strip_info the file's own fields (step, ...)
+        info["sha256"] = file_checksums(tmp)
+        info["provenance"] = block("strip_drafter", {"strip_drafter": {"overrides": overrides or {}, "allow_fp16": allow_fp16,
+                                               "allow_shared_mismatch": allow_shared_mismatch,
+                                               "drafter_config": str(drafter_config) if drafter_config else None}},
+                                   {"drafter_weights": info["sha256"]["model.safetensors"]})
         (tmp / "strip_info.json").write_text(json.dumps(info, indent=2))
     log.info("stripped %s (format %s, step %s) -> %s: %d tensors, %.1f MB bf16", ck.path, fmt, info["step"], out_dir,
              len(out_state), sum(v.numel() for v in out_state.values()) * 2 / 1e6)

@@ -28,9 +28,8 @@ from dflash_eval.target.cost_stats import assess, isotonic, robust_s, spread
 from dflash_eval.target.costs import FORMAT, FORMAT_VERSION, FORMULA
 from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.drafter.config import DrafterConfig
-from dflash_eval.drafter.files import RESTRIP_FIX, check_file, recorded_checksums
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import sealed_required, write_run_output
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
 from dflash_eval.target.model import load_target, target_info
 from dflash_eval.target.spec import TargetSpec
@@ -48,16 +47,11 @@ def add_arguments(p) -> None:
                         "on shapes only)")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/target_costs/run.json): its "
-                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
-                        "the run's")
     p.add_argument("--out", required=True, help="target_costs.json (layout: dflash_eval/target/costs.py)")
 
 
 def main(args, opts) -> None:
-    measure_target_costs(args.target, args.drafter_config, args.out, opts, target_fingerprint=args.target_fingerprint,
-                         settings_record=args.settings)
+    measure_target_costs(args.target, args.drafter_config, args.out, opts, target_fingerprint=args.target_fingerprint)
 
 
 def device_name(dev) -> str:
@@ -119,7 +113,7 @@ def _tree_mask(n: int, past: int, dtype, dev):
 
 
 def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike], out, opts=None, *, seed: int = 0,
-                         target_fingerprint=None, settings_record=None, **overrides) -> dict:
+                         target_fingerprint=None, **overrides) -> dict:
     """Time the target's decode step, its verify forwards and each drafter architecture's block pass.
 
     Args:
@@ -161,13 +155,6 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
             raw = json.loads(data)
         except (OSError, ValueError) as err:
             raise InputError(path, None, f"cannot read the drafter config ({err})", "run the strip_drafter rule first") from None
-        # a stripped folder's config is verified as evaluate verifies it (the thirteenth trial: an edited block_size
-        # with its mtime put back was timed, and tau.csv got the speedup of another block size)
-        recorded = recorded_checksums(path.parent)
-        if not recorded and sealed_required():
-            raise InputError(path.parent / "strip_info.json", None, "missing, but the run's strip job writes it: the "
-                             "drafter config cannot be verified", RESTRIP_FIX)
-        check_file(path.parent, path.name, data, recorded)
         cfg = DrafterConfig.from_dict(raw, source=str(path))
         sha = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
         by_hash.setdefault(sha, cfg)
@@ -264,7 +251,8 @@ def measure_target_costs(target_dir, drafter_configs: Sequence[str | os.PathLike
     if not verdict["reliable"]:
         log.warning("the speedup estimate is unreliable (spread bound %.0f%%): %s", 100 * verdict["bound"],
                     "; ".join(verdict["reasons"]))
-    result = write_run_output(out, result, "target_costs", settings_record)  # verified by costs.read_costs
+    result["provenance"] = stage_block(STAGE, opts, {"target": result["target"]["sha256"]})
+    result = write_json(out, result)
     log.info("target costs on %s (%s, %s) -> %s", result["device_name"], result["device"], result["dtype"], out)
     return result
 

@@ -23,9 +23,8 @@ from pathlib import Path
 from dflash_eval.core import options as options_mod
 from dflash_eval.data.completions import read_completions
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import DOC_FIELD, write_run_output
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.report.tau_table import read_eval
-from dflash_eval.stages.summary import check_paired_evals
 from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 
 log = logging.getLogger(__name__)
@@ -45,21 +44,12 @@ def add_arguments(p) -> None:
     p.add_argument("--target-costs", default=None, help="target_costs.json: the cost-model speedup beside the measured one")
     p.add_argument("--work-dir", default=None, help="scratch folder for the servers' logs and helper modules "
                                                     "(default: beside --out)")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/validate_engine/run.json): its "
-                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
-                        "the run's")
-    p.add_argument("--eval-settings", default=None, metavar="JSON",
-                   help="the run's evaluate options record of this prompt set (results/<run>/options/evaluate/<set>.json): "
-                        "inside the workflow each evaluate output must name it, its completions and its drafter, as "
-                        "summary checks (the workflow passes it)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
 
 
 def main(args, opts) -> None:
     validate_engine(args.target, args.completions, args.drafter, args.evals, args.out, opts,
-                    target_costs=args.target_costs, work_dir=args.work_dir, settings_record=args.settings,
-                    eval_settings=args.eval_settings)
+                    target_costs=args.target_costs, work_dir=args.work_dir)
 
 
 def _engine_options(opts) -> EngineOptions:
@@ -80,7 +70,7 @@ def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) 
 
 
 def validate_engine(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None, *,
-                    target_costs=None, work_dir=None, settings_record=None, eval_settings=None,
+                    target_costs=None, work_dir=None,
                     **overrides) -> dict:
     """vLLM's acceptance and speed for every drafter next to the offline replay of the same samples.
 
@@ -101,8 +91,6 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
-    ``eval_settings``: the run's evaluate options record of the prompt set; inside the workflow every evaluate
-    output must name it, its completions and its paired drafter (:func:`dflash_eval.stages.summary.check_paired_evals`).
 
     Raises:
         InputError: drafters/evals of different lengths, an evaluation without one of the samples.
@@ -117,8 +105,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     out = Path(out)
     work = Path(work_dir) if work_dir else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
-    loaded = [read_eval(e) for e in evals]  # sealed: verified before any server starts (the tenth trial)
-    check_paired_evals(evals, loaded, drafters, completions_path, eval_settings)  # as summary does
+    loaded = [read_eval(e) for e in evals]  # read before any server starts
     rows = read_completions(Path(completions_path))[: opts.n_samples]
     max_new = max(int(r["max_new_tokens"]) for r in rows)
     costs = read_costs(target_costs) if target_costs else None
@@ -165,8 +152,8 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         result["checkpoints"].append(entry)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["markdown"] = _markdown(result)
-    result.update(write_run_output(out, result, "validate_engine", settings_record, default=float,
-                                   inputs={e: ev.get(DOC_FIELD) for e, ev in zip(evals, loaded)}))
+    result["provenance"] = stage_block(STAGE, opts)
+    result.update(write_json(out, result, default=float))
     return result
 
 

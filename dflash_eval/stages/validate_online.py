@@ -20,7 +20,7 @@ from dflash_eval.core import options as options_mod
 from dflash_eval.data.completions import read_completions
 from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import DOC_FIELD, write_run_output
+from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.serving.generation import stop_token_ids
 from dflash_eval.replay.metrics import aggregate
 from dflash_eval.replay.online import check_target_supported, spec_generate
@@ -29,7 +29,6 @@ from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.target.model import load_target
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 from dflash_eval.report.tau_table import read_eval
-from dflash_eval.stages.summary import check_paired_evals
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +44,6 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", nargs="+", required=True, help="stripped drafter folders")
     p.add_argument("--evals", nargs="+", required=True,
                    help="evaluate JSONs of those drafters on this prompt set, in the order of --drafter")
-    p.add_argument("--settings", default=None, metavar="JSON",
-                   help="the workflow's options record of this job (results/<run>/options/validate_online/run.json): its "
-                        "sha256 goes into the output (settings_sha256), where the stages reading it compare it with "
-                        "the run's")
-    p.add_argument("--eval-settings", default=None, metavar="JSON",
-                   help="the run's evaluate options record of this prompt set (results/<run>/options/evaluate/<set>.json): "
-                        "inside the workflow each evaluate output must name it, its completions and its drafter, as "
-                        "summary checks (the workflow passes it)")
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="the target's fingerprint record (resources/targets/<name>.fingerprint.json): the target's "
                         "weights sha256 is verified through it and compared with the completions' (the workflow "
@@ -62,8 +53,8 @@ def add_arguments(p) -> None:
 
 
 def main(args, opts) -> None:
-    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts, settings_record=args.settings,
-                    eval_settings=args.eval_settings, target_fingerprint=args.target_fingerprint)
+    validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts,
+                    target_fingerprint=args.target_fingerprint)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -75,7 +66,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def validate_online(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None,
-                    settings_record=None, eval_settings=None, target_fingerprint=None, **overrides) -> dict:
+                    target_fingerprint=None, **overrides) -> dict:
     """Online speculative decoding of the first ``n_samples`` prompts vs the offline replay of the same samples.
 
     Per drafter (paired with its evaluate JSON on the same prompt set) and per mode (``chain``, and
@@ -123,9 +114,6 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             available, else cpu/float32).
         **overrides: option values, when ``opts`` is not given.
 
-    ``eval_settings``: the run's evaluate options record of the prompt set; inside the workflow every evaluate
-    output must name it, its completions and its paired drafter (:func:`dflash_eval.stages.summary.check_paired_evals`).
-
     Raises:
         InputError: ``n_samples < 1``, drafters/evals of different lengths, an evaluation without the budget
             or without one of the samples, or an unsupported (hybrid / sliding-window) target; a
@@ -137,8 +125,7 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
         raise InputError(None, "--drafter/--evals", f"{len(drafters)} drafters but {len(evals)} evaluations",
                          "pass one evaluate JSON per drafter, in the same order")
     asked = _asked_settings(opts.sampling)
-    loaded = [read_eval(e) for e in evals]  # sealed: verified (an edited one compared with online decoding: trial 10)
-    check_paired_evals(evals, loaded, drafters, completions_path, eval_settings)  # as summary does
+    loaded = [read_eval(e) for e in evals]
     # checked before the target is loaded: a refused setting costs no target load
     settings_of = [_settings_for(ev, e, asked) for ev, e in zip(loaded, evals)]
     dev = resolve_device(opts.device)
@@ -211,16 +198,16 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
                      _f(m["tau_offline"]), _f(m["diff"], "+.4f"), _f(m["diff_over_se"], "+.2f"))
         result["checkpoints"].append(entry)
     result["markdown"] = _markdown(result)
-    result.update(write_run_output(out, result, "validate_online", settings_record,
-                                   inputs={e: ev.get(DOC_FIELD) for e, ev in zip(evals, loaded)}))
+    result["provenance"] = stage_block(STAGE, opts, {"target": target_sha, **{
+        str(e): (ev.get("provenance") or {}).get("inputs_sha256", {}).get("drafter_weights") for e, ev in zip(evals, loaded)}})
+    result.update(write_json(out, result))
     return result
 
 
 def _check_target(spec: TargetSpec, completions_path) -> str:
     """The target's weights sha256, verified through its fingerprint record (weights changed in place are refused:
     :func:`dflash_eval.target.spec.weights_sha256`), and compared with the sha256 of the weights that generated the
-    completions (their meta; a server's completions name none). The fifteenth trial: a target changed in place
-    (its mtime put back) was run online against the cache of the intact one, and the validation said "ok".
+    completions (their meta; a server's completions name none).
 
     Raises:
         InputError: the weights changed in place, or are not those that generated the completions.

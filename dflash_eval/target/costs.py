@@ -66,7 +66,6 @@ from pathlib import Path
 
 from dflash_eval.target.cost_stats import assess
 from dflash_eval.core.errors import InputError
-from dflash_eval.row_checksum import check_run_output
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +79,16 @@ FORMULA = "tau * t_decode / (t_verify(n) + t_draft)"
 
 # --------------------------------------------------------------------------- estimate
 
-def read_costs(path, records=None) -> dict:
-    """Load a ``target_costs.json``, verified (:func:`dflash_eval.row_checksum.check_run_output`).
+def read_costs(path, expected: dict | None = None) -> dict:
+    """Load a ``target_costs.json``.
 
     Args:
-        records: the run's options records of its run-level stages (the workflow passes them), or None.
+        expected: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`; summary passes
+            them): the file's provenance block must record its ``target_costs`` entry; None: not compared.
 
     Raises:
-        InputError: unreadable, or not a dflash-eval target-costs file of this version; edited; with ``records``,
-            made with other target_costs settings than the run's (another run's file) or by an earlier version.
+        InputError: unreadable, or not a dflash-eval target-costs file of this version; made with other
+            target_costs settings than ``expected`` gives.
     """
     path = Path(path)
     try:
@@ -98,10 +98,11 @@ def read_costs(path, records=None) -> dict:
     if data.get("format") != FORMAT or data.get("format_version") not in READABLE_VERSIONS:
         raise InputError(path, "format", f"expected {FORMAT} v{FORMAT_VERSION}, got {data.get('format')} "
                          f"v{data.get('format_version')}", "re-run the target_costs rule")
-    # sealed; with ``records`` (the workflow's), also the run's target_costs settings (the eighth trial's S4:
-    # another run's file, of another context length, filled the speedup columns)
-    check_run_output(path, data, records, "re-run the target_costs rule (snakemake -R target_costs), or restore an "
-                     "intact copy", stage="target_costs")
+    if expected:
+        from dflash_eval.data.provenance import check_settings
+
+        check_settings(path, data.get("provenance"), expected, "run", "target_costs",
+                       "rerun it with this config: snakemake --forcerun target_costs")
     return data
 
 

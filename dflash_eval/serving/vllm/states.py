@@ -65,6 +65,7 @@ from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
 from dflash_eval.data.completions import read_completions
 from dflash_eval.serving.clients import OpenAIClient, VLLMServer, api_key_from_env
 from dflash_eval.target.spec import TargetSpec, _key_locations
+from dflash_eval.data.provenance import block, settings_of
 
 log = logging.getLogger(__name__)
 
@@ -426,7 +427,10 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
                               "layer_types": json.dumps(list(spec.layer_types)), "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
                               "env": {}, "padding_side": "none", "prompt_set": completions_path.stem,
                               "completion_sampling": json.dumps(completions_sampling(rows)),
-                              "engine_launch": json.dumps(launch), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                              "engine_launch": json.dumps(launch), "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "provenance": json.dumps(block("hidden_states", {"hidden_states": {
+                                  **settings_of("hidden_states", opts), "layer_ids": list(layer_ids)}}, {
+                                  "target": identity["target_sha256"], "completions": identity["completions_sha256"]}))})
             todo = [i for i in range(len(seqs)) if i not in done]
             log.info("%s: %d samples; %d verified in the partial file and kept, %d to fetch from vLLM %s at %s",
                      out, len(seqs), len(done), len(todo), info.version, client.url)
