@@ -34,6 +34,7 @@ past ``watch.until_step`` or one matching ``watch.final_checkpoint`` (a name or 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -45,10 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from snakemake.utils import validate
 
 from dflash_eval.core.errors import InputError, atomic_path
-from dflash_eval.drafter.trainer_output import Candidate, candidates, identify, inspect, matches, same_files
+from dflash_eval.core.schema import SCHEMA_PATH
 from dflash_eval.core.yaml_strict import load_file as load_yaml
+from dflash_eval.drafter.trainer_output import Candidate, candidates, identify, inspect, matches, same_files
+from dflash_eval.trackers.log import log_table
+from dflash_eval.workflow.config import describe_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +78,6 @@ def load_config(configfiles: list[str | Path], workdir: str | Path = ".") -> dic
     Raises:
         InputError: a missing or unreadable file, or a config the schema refuses (entry named).
     """
-    from snakemake.utils import validate
-
-    from dflash_eval.core.schema import SCHEMA_PATH
-
-    from dflash_eval.workflow.config import describe_validation_error
-
     cfg: dict = {}
     files = [Path(workdir) / DEFAULT_CONFIG] if (Path(workdir) / DEFAULT_CONFIG).is_file() else []
     for f in files + [Path(f) for f in configfiles]:
@@ -170,8 +169,6 @@ class Watcher:
         Raises:
             InputError: another watch holds it.
         """
-        import fcntl
-
         self.state.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.state / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -259,8 +256,6 @@ class Watcher:
     def line(self, cand: Candidate, df) -> str:
         """``watch: step S NAME: tau <set> <tau> [<set>@<sampling label> <tau>] ... | best <set> <tau> (step S), ...``
         (best over the first configured sampling setting)."""
-        import pandas as pd
-
         rows = df[df["checkpoint"] == cand.name]
         step = rows["step"].dropna()
         step = int(step.iloc[0]) if len(step) else cand.step
@@ -272,14 +267,13 @@ class Watcher:
             df = df[~df.duplicated(["checkpoint", "prompt_set"])]
         best = []
         for ps, g in df.dropna(subset=["tau"]).groupby("prompt_set"):
-            b = g.loc[g["tau"].idxmax()]
-            best.append(f"{ps} {b['tau']:.3f} ({f'step {int(b.step)}' if pd.notna(b.step) else b.checkpoint})")
+            i = g["tau"].idxmax()
+            b = g.loc[i]
+            best.append(f"{ps} {b['tau']:.3f} ({f'step {int(b.step)}' if g['step'].notna()[i] else b.checkpoint})")
         return f"watch: step {step if step is not None else '?'} {cand.name}: tau {taus} | best {', '.join(best)}"
 
     def evaluate(self, cand: Candidate) -> bool:
         """Evaluate one checkpoint, log the table to the trackers, print its line, record it done."""
-        from dflash_eval.trackers.log import log_table
-
         log.info("evaluating %s (step %s)", cand.path, cand.step)
         rc, logf = self.snakemake(cand)
         if not cand.path.exists():
@@ -304,7 +298,7 @@ class Watcher:
 
     def table(self, also: str | None = None):
         """Tau table of every evaluated checkpoint (and ``also``), written to ``results/<run>/watch/tau.*``."""
-        from dflash_eval.stages.summary import write_summary
+        from dflash_eval.stages.summary import write_summary  # deferred: pandas; watch --help stays pandas-free (tests/test_startup.py)
 
         names = list(self.done()) + ([also] if also else [])
         evals = [t for n in dict.fromkeys(names) for t in self.targets(n) if os.path.isfile(t)]

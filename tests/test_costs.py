@@ -147,7 +147,7 @@ def test_costs_are_minima_interleaved_and_monotone(llama, tmp_path, monkeypatch)
 def test_costs_timed_at_another_block_size_are_refused_not_used():
     """The costs of a drafter timed at another block size than it was evaluated at (an edited config) gave the
     chain a speedup from another verify width and draft time; refused, naming the checkpoint."""
-    from dflash_eval.target.costs import method_speedups
+    from dflash_eval.report.tau_table import method_speedups
 
     costs = {"verify": [{"n": 8, "mask": "causal", "median_s": 2.0}, {"n": 4, "mask": "causal", "median_s": 1.5}],
              "decode_s": 1.0, "drafters": {"ck": {"block_size": 4, "draft_s": 0.5, "draft_tree_s": {}}},

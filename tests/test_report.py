@@ -18,7 +18,8 @@ from dflash_eval.report import build as R
 from dflash_eval.stages.report import write_report
 from dflash_eval.cache.format import FORMAT, FORMAT_VERSION
 from dflash_eval.cache.writer import write_cache
-from dflash_eval.target.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup, speedup_frame, with_speedups
+from dflash_eval.report.tau_table import speedup_frame, with_speedups
+from dflash_eval.target.costs import FORMAT as COSTS_FORMAT, FORMAT_VERSION as COSTS_VERSION, speedup
 
 
 def write_eval(tmp_path, ckpt, ps, step, samples, block=4, **extra):

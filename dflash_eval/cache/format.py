@@ -338,6 +338,13 @@ def py_value(v):
     return v
 
 
+def h5py_module():
+    """h5py, imported on first use (the one place): every stage's ``--help`` imports the cache modules."""
+    import h5py  # deferred: every --help imports the cache modules and stays h5py-free (tests/test_startup.py)
+
+    return h5py
+
+
 def h5_writable(path: "str | os.PathLike", create: bool):
     """Open (or create) an HDF5 file for writing with HDF5's sieve buffer off.
 
@@ -346,9 +353,8 @@ def h5_writable(path: "str | os.PathLike", create: bool):
     releases a dataset handle (where it can only print the error and HDF5's state is left broken).
     File locking is best-effort (on where the file system has locks).
     """
-    import h5py
-    from h5py import h5f, h5p
-
+    h5py = h5py_module()
+    h5f, h5p = h5py.h5f, h5py.h5p
     fapl = h5p.create(h5p.FILE_ACCESS)
     fapl.set_libver_bounds(h5f.LIBVER_EARLIEST, h5f.LIBVER_LATEST)  # h5py's default
     fapl.set_file_locking(True, True)

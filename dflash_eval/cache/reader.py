@@ -11,17 +11,18 @@ import contextlib
 import errno
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION, READABLE_VERSIONS,
-                           SAMPLE_DATASETS, CacheSample, from_storage, header_problem, py_value,
-                           sample_sha256)
-from dflash_eval.core.errors import InputError
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION,
+                                      READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
+                                      header_problem, py_value, sample_sha256)
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
+from dflash_eval.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,8 @@ def open_h5_readonly(path: Path):
         InputError: the file is not HDF5 (no signature), is damaged (truncated, bad header: the
             HDF5 reason is quoted), or cannot be read (permissions).
     """
-    import h5py
-
     try:
-        return h5py.File(path, "r", locking=False)
+        return h5py_module().File(path, "r", locking=False)
     except OSError as err:
         text = str(err)
         if isinstance(err, PermissionError) or err.errno == errno.EACCES:
@@ -296,7 +295,6 @@ class CacheReader:
         if not self.verify_reads:
             yield [self._build(self._read_raw(i, layer_ids)) for i in indices]
             return
-        from concurrent.futures import ThreadPoolExecutor
 
         pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cache-verify")
         checks = []

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_eval.cache.format import FILE_DATASETS, HEADER_VERSION, IDENTITY_ATTRS, write_header
+from dflash_eval.cache.format import FILE_DATASETS, HEADER_VERSION, IDENTITY_ATTRS, h5py_module, write_header
 from dflash_eval.cache.reader import CacheReader, open_h5_readonly
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import sha256_file
@@ -78,7 +78,7 @@ def merge_shards(shards: list["str | Path"], completions_path: "str | Path", out
     Raises:
         InputError: a shard unfinished, outside ``out``'s folder, of other settings, or samples missing or twice.
     """
-    import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
+    h5py = h5py_module()
 
     out = Path(out)
     ids = [str(r["id"]) for r in read_completions(Path(completions_path))]

@@ -24,9 +24,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS, META_VERSION,
-                           argmax_agreement, attr_value, h5_writable, py_value, sample_meta_json, sample_sha256,
-                           header_problem, to_storage, write_header)
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS,
+                                      META_VERSION, argmax_agreement, attr_value, h5_writable, h5py_module,
+                                      header_problem, py_value, sample_meta_json, sample_sha256, to_storage,
+                                      write_header)
 from dflash_eval.cache.reader import verify_group
 from dflash_eval.core.errors import InputError, partial_path
 
@@ -151,7 +152,7 @@ class PartialCache:
         """Start a new sidecar with the file attributes ``attrs`` (identity values included) and, format 6, their
         ``header`` / ``header_sha256`` (:func:`~dflash_eval.cache.format.write_header`; later runs rewrite only
         attributes outside it: ``extraction_runs``, ``n_samples``)."""
-        import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
+        h5py = h5py_module()
 
         self.out.parent.mkdir(parents=True, exist_ok=True)
         f = h5_writable(self.path, create=True)
@@ -232,7 +233,7 @@ class PartialCache:
 
     def _salvage(self, f, reused: set[int]):
         """Rebuild the sidecar from its verified samples when its group index is damaged; the reopened file."""
-        import h5py  # deferred: --help stays h5py-free (tests/test_startup.py)
+        h5py = h5py_module()
 
         tmp = self.path.with_name(self.path.name + ".salvage")
         with h5py.File(tmp, "w", locking="best-effort") as g:

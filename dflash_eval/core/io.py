@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.metadata
 import json
+import math
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -67,8 +69,6 @@ def not_utf8(path: str | Path, fix: str = UTF8_FIX) -> InputError:
     The file is re-read in binary (through gzip for ``.gz``) to locate the byte; a text stream's
     own ``UnicodeDecodeError`` only knows the offset in the chunk it was decoding.
     """
-    import gzip
-
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as fh:
@@ -150,8 +150,6 @@ def non_finite_entry(config, where: str = "") -> str | None:
     JSON Schema's ``minimum`` / ``maximum`` cannot refuse them (every comparison with NaN is false), so
     the workflow checks them after validation: no option of the schema takes a non-finite number. Drafter
     configs too (:func:`dflash_eval.drafter.config.check_finite_numbers`: Python's ``json`` reads ``NaN``)."""
-    import math
-
     if isinstance(config, float) and not math.isfinite(config):
         return where or "(config)"
     items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()

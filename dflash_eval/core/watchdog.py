@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -149,6 +150,4 @@ def start(environ=None, interval_s: float = 1.0) -> Watchdog | None:
 def owner_export(main_process: bool) -> str:
     """The shell-prefix words naming this (main Snakemake) process for the jobs' watchdog; ``""`` in cluster jobs
     (they re-read the Snakefile in their own Snakemake; SLURM ends its jobs itself)."""
-    import shlex
-
     return f"export {OWNER_ENV}={shlex.quote(owner_token())};" if main_process else ""

@@ -105,7 +105,7 @@ def profile_files(argv: Sequence[str], environ=None, snakefile_dir: str | os.Pat
     """The profile config files a Snakemake command line uses (``--profile``, ``--workflow-profile``,
     ``$SNAKEMAKE_PROFILE``, and ``profiles/default`` next to the Snakefile when no workflow profile is given),
     resolved as Snakemake resolves them (``snakemake.cli.get_profile_dir``). Missing ones are left out."""
-    from snakemake.cli import get_profile_dir
+    from snakemake.cli import get_profile_dir  # deferred: 1 s, and every --help imports this module (core.schema)
 
     env = os.environ if environ is None else environ
     profiles, workflow_profile = [], None

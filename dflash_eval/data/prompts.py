@@ -42,9 +42,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_eval.data.benchmarks import HUMANEVAL_TEMPLATE
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.io import iter_jsonl, packaged_file, read_text
+from dflash_eval.data.benchmarks import HUMANEVAL_TEMPLATE, check_thinking, load_benchmark, mt_bench_turn2_items
+from dflash_eval.data.completions import read_completions
 
 log = logging.getLogger(__name__)
 
@@ -331,14 +332,12 @@ def load_source(source: str, path: str | Path | None = None, skipped: Counter | 
     if source == "file":
         return load_file(path)
     if source in ("gsm8k", "math500", "mbpp", "mt-bench", "alpaca"):
-        from dflash_eval.data.benchmarks import load_benchmark
-
         return load_benchmark(source, path)
     raise InputError(None, "prompt_sets.<name>.source", f"unknown source {source!r}", f"use one of {list(SOURCES)}")
 
 
 def _load_tokenizer(tokenizer_dir: str | Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: 2 s; prompts --help stays transformers-free (tests/test_startup.py)
 
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():
@@ -416,7 +415,6 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
     """
     if n < 0 or max_prompt_tokens < 0:
         raise InputError(None, "prompt_set.n" if n < 0 else "prompt_set.max_prompt_tokens", "must be >= 0", "use 0 for 'no limit'")
-    from dflash_eval.data.benchmarks import check_thinking, mt_bench_turn2_items
 
     tok = _load_tokenizer(tokenizer_dir)
     check_thinking(tok, enable_thinking)
@@ -426,7 +424,6 @@ def build_prompt_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, s
         if not turn1_completions:
             raise InputError(None, "prompt_sets.<name>.turn1", "source 'mt-bench-turn2' needs the first turn's completions",
                              "name the mt-bench prompt set whose answers open the second turn")
-        from dflash_eval.data.completions import read_completions
 
         items = mt_bench_turn2_items(read_completions(turn1_completions), tok, path, turn1_completions)
     else:

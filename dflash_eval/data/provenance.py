@@ -27,10 +27,14 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
+from dflash_eval import __version__
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.io import read_json_object
+from dflash_eval.core.options import _get, _leaves
+from dflash_eval.data.prompts import SKIP_REASONS
 
 #: the key of the block in a JSON output (and the HDF5 attribute of a cache)
 KEY = "provenance"
@@ -43,8 +47,6 @@ PACKAGES = ("torch", "transformers", "safetensors", "h5py", "numpy", "pandas", "
 def code_version() -> dict:
     """dflash-eval's ``version``, and the ``commit`` and ``dirty`` flag of the git checkout it runs from (both
     None outside a checkout, or without git)."""
-    from dflash_eval import __version__
-
     root = Path(__file__).resolve().parents[1]
     commit = dirty = None
     if (root / ".git").exists():
@@ -63,8 +65,6 @@ def code_version() -> dict:
 @functools.lru_cache(maxsize=1)
 def package_versions() -> dict:
     """``{"python": ..., <distribution>: version}`` of :data:`PACKAGES` that are installed (no import)."""
-    from importlib import metadata
-
     out = {"python": sys.version.split()[0]}
     for name in PACKAGES:
         try:
@@ -78,8 +78,6 @@ def settings_of(stage: str, options) -> dict:
     """``{option path: value}`` of ``stage``'s options that can change its output (not ``x-rerun: false``), from its
     typed options (:func:`dflash_eval.core.options.make`) or the nested dict :meth:`dflash_eval.workflow.plan.Plan.stage_options`
     gives, as JSON has them (what a job records and what summary compares)."""
-    from dflash_eval.core.options import _get, _leaves
-
     tree = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
     out = {}
     for path, _, node in _leaves(stage):
@@ -202,8 +200,6 @@ def read_prompt_meta(path: str | os.PathLike) -> dict:
 
 def skip_table_markdown(metas: dict[str, dict]) -> str:
     """Markdown table of the skip counts of several prompt sets (``{prompt set: meta}``), for the report."""
-    from dflash_eval.data.prompts import SKIP_REASONS
-
     codes = sorted({k for m in metas.values() for k in m["skipped"]})
     head = ["prompt set", "source", "available", "written"] + [SKIP_REASONS.get(c, c) for c in codes]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

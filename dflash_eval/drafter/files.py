@@ -14,6 +14,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load
+
 from dflash_eval.core.errors import InputError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,10 +67,6 @@ def read_drafter_weights(folder: Path) -> dict[str, torch.Tensor]:
     Raises:
         InputError: the weights file missing or not safetensors; a tensor holding NaN or Inf (naming it).
     """
-    import torch
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
     folder = Path(folder)
     weights = folder / "model.safetensors"
     try:

@@ -81,15 +81,18 @@ its ``nn.Embedding``), so here they are plain parameters under the saved names.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.files import read_drafter_weights
 from dflash_eval.drafter.rope import rotary_embedding
 
 log = logging.getLogger(__name__)
@@ -542,11 +545,6 @@ def load_drafter(
         InputError: missing/unexpected keys or shape mismatches (all listed), a bad config, a file not
             matching its sha256 in ``strip_info.json``, or a NaN/Inf tensor (named).
     """
-    import json
-    from pathlib import Path
-
-    from dflash_eval.drafter.files import read_drafter_weights
-
     folder = Path(folder)
     cfg_path = folder / "config.json"
     try:

@@ -37,12 +37,19 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
+from jinja2 import Environment, PackageLoader, select_autoescape
 
+from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
-from dflash_eval.report.tau_table import primary_histogram, primary_rows, sampled_sets_note, summary_frame
+from dflash_eval.data.provenance import read_prompt_meta, skip_table_markdown
+from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
+                                          sampled_sets_note, speedup_frame, summary_frame, with_speedups)
+from dflash_eval.target.cost_stats import assess
+from dflash_eval.target.costs import FORMULA, ddtree_budgets, device_label, read_costs
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
 
@@ -81,8 +88,6 @@ class ReportData:
 
     @property
     def checkpoints(self) -> list[str]:
-        from dflash_eval.report.figures import checkpoint_order
-
         return checkpoint_order(self.frame)
 
     @property
@@ -133,7 +138,7 @@ def slot_curves(frame: pd.DataFrame) -> dict:
 
 
 def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
-    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.cache.reader import CacheReader  # deferred: torch, only when the report reads caches (agreement)
 
     rows, attrs = [], {}
     for c in caches:
@@ -188,14 +193,11 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
                       prompt_lengths=prompt_length_columns(frame), agreement=agreement, caches=cache_attrs,
                       config_sha256=config_sha256, run=run, provenance=read_json_object(provenance, "provenance",
                                                                                          "rerun summary") if provenance else None)
-    from dflash_eval.target.costs import read_costs, speedup_frame, with_speedups
     if costs:
         data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
-        from dflash_eval.data.provenance import read_prompt_meta, skip_table_markdown
-
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
         data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
                            "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
@@ -259,8 +261,6 @@ def best_checkpoints(data: ReportData) -> pd.DataFrame:
 
 def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     """One prompt set: checkpoints x (chain, DDTree budgets) tau."""
-    from dflash_eval.report.figures import method_columns
-
     f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
     steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000
     out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
@@ -355,11 +355,8 @@ def provenance(data: ReportData) -> pd.DataFrame:
                     "costs: target sha256": c["target"]["sha256"],
                     "costs: torch / transformers": f"{c['torch_version']} / {c['transformers_version']}",
                     "costs: measured at": c["measured_at"]})
-    import matplotlib
-
-    from dflash_eval import __version__
-
-    run["report: dflash-eval / pandas / matplotlib"] = f"{__version__} / {pd.__version__} / {matplotlib.__version__}"
+    run["report: dflash-eval / pandas / matplotlib"] = (f"{__version__} / {pd.__version__} / "
+                                                       f"{metadata.version('matplotlib')}")
     table = pd.DataFrame(cols) if cols else pd.DataFrame()
     run_rows = pd.DataFrame({ps: run for ps in (cols or {"run": None})})
     return pd.concat([table, run_rows]) if len(table) else run_rows
@@ -369,7 +366,6 @@ def _costs_mismatch(data: ReportData) -> str | None:
     """The warnings of the speedup section: costs of another target; a noisy estimate (:mod:`dflash_eval.target.cost_stats`)."""
     if not data.costs:
         return None
-    from dflash_eval.target.cost_stats import assess
 
     warnings = []
     shas = {a.get("target_sha256") for a in data.caches.values()} - {None}
@@ -419,7 +415,6 @@ def render_markdown(data: ReportData) -> str:
     best = best_checkpoints(data)
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
-    from dflash_eval.target.costs import ddtree_budgets
 
     if ddtree_budgets(f):
         parts += ["## DDTree: tau per node budget", ""]
@@ -429,8 +424,6 @@ def render_markdown(data: ReportData) -> str:
     if sel is not None:
         parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), ""]
     if data.speedups is not None and len(data.speedups):
-        from dflash_eval.target.costs import FORMULA, device_label
-
         c = data.costs
         parts += ["## Estimated decode speedup", "",
                   f"**Estimate** from costs measured on **{device_label(c)}**, batch 1, context "
@@ -508,7 +501,7 @@ def _img(png: bytes) -> str:
 
 def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     """``{file name: (caption, PNG bytes)}`` of every figure the data supports, in page order."""
-    from dflash_eval.report import figures as F
+    from dflash_eval.report import figures as F  # deferred: matplotlib (1 s); report --help stays matplotlib-free (tests/test_startup.py)
 
     out = {}
 
@@ -518,8 +511,6 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     add("tau_vs_step.png", "tau against training step, one line per prompt set; one panel per method "
         "(the DFlash chain, and each DDTree budget when the tau table has it).", F.tau_vs_step(data.frame))
     if data.speedups is not None and len(data.speedups):
-        from dflash_eval.target.costs import device_label
-
         label = device_label(data.costs)
         add("speedup.png", f"Estimated decode speedup per checkpoint against tokens per verify forward; {label}.",
             F.speedup_vs_budget(data.speedups, label))
@@ -561,11 +552,6 @@ def _slug(name: str) -> str:
 
 def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
     """``report.html``: one self-contained page (inline CSS, figures as data: URIs, no scripts)."""
-    from jinja2 import Environment, PackageLoader, select_autoescape
-
-    from dflash_eval.target.costs import FORMULA, ddtree_budgets, device_label
-    from dflash_eval.report.figures import method_columns
-
     f = data.frame
     sections = {}
     if ddtree_budgets(f):

@@ -18,7 +18,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-from dflash_eval.target.costs import ddtree_budgets
+from dflash_eval.report.tau_table import checkpoint_order, method_columns
 
 DPI = 100
 PANEL_W, PANEL_H = 4.2, 3.0
@@ -39,17 +39,6 @@ def _grid(n: int, ncols: int = 4, sharey: bool = True, w: float = PANEL_W, h: fl
     for ax in axes[n:]:
         ax.set_visible(False)
     return fig, axes[:n]
-
-
-def method_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
-    """``[(column, label)]``: ``("tau", "chain (DFlash)")`` then one per DDTree budget present."""
-    return [("tau", "chain (DFlash)")] + [(f"tau_ddtree_{b}", f"DDTree, budget {b}") for b in ddtree_budgets(frame)]
-
-
-def checkpoint_order(frame: pd.DataFrame) -> list[str]:
-    """Checkpoints ordered by training step (unknown steps last), then name."""
-    first = frame.drop_duplicates("checkpoint").sort_values(["step", "checkpoint"], na_position="last")
-    return list(first["checkpoint"])
 
 
 def _x(frame: pd.DataFrame) -> tuple[pd.Series, str, list[str] | None]:

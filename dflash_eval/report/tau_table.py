@@ -73,7 +73,7 @@ pick_rate_slot_<k>      DFlash 2: P(the selector picks slot k's target token | i
                         earlier ones and the target token is a candidate)
 speedup_chain           the report's estimated decode speedup of the chain on this row's tau,
                         ``tau * t_decode / (t_verify(B) + t_draft)`` from the run's
-                        ``target_costs.json`` (:func:`dflash_eval.target.costs.method_speedups`); empty
+                        ``target_costs.json`` (:func:`method_speedups`); empty
                         when ``target_costs`` is disabled or a cost was not measured
 speedup_ddtree_<B>      the same for DDTree at node budget B (``tau_ddtree_<B>``, verify of B + 1
                         tokens with a tree mask), one column per ``tau_ddtree_<B>`` column
@@ -83,7 +83,7 @@ estimate_reliable       :func:`dflash_eval.target.cost_stats.assess` of the targ
 ======================  =====================================================================
 
 The speedup and ``estimate_reliable`` columns are added by the ``summary`` stage
-(:func:`dflash_eval.target.costs.speedup_columns`, :func:`dflash_eval.stages.summary.write_summary`), after
+(:func:`speedup_columns`, :func:`dflash_eval.stages.summary.write_summary`), after
 every other column, from the same function as the report's speedup table, so the two agree; the
 report rebuilds its frame from the evaluate outputs (:func:`summary_frame`) without them.
 
@@ -98,17 +98,22 @@ Sources and exact definitions of the three tau conventions (``tau``, ``tau_token
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.data.provenance import check_settings
 from dflash_eval.core.io import read_json_object
+from dflash_eval.data.provenance import check_settings
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
+from dflash_eval.target.cost_stats import assess
+from dflash_eval.target.costs import ddtree_budgets, speedup
 
 #: the settings of an evaluate output written before sampling settings existed: greedy only
 GREEDY_SETTING = {"label": "T0", "temperature": 0.0, "top_p": 1.0, "top_k": 0}
@@ -165,11 +170,6 @@ PARQUET_PROVENANCE = b"dflash_eval.data.provenance"
 def write_parquet(df: pd.DataFrame, path, provenance: dict | None = None) -> None:
     """Write ``df`` as parquet (pyarrow), with ``provenance`` (JSON) under :data:`PARQUET_PROVENANCE` in its schema
     metadata."""
-    import json
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     table = pa.Table.from_pandas(df, preserve_index=False)
     if provenance is not None:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}),
@@ -183,13 +183,16 @@ def read_parquet(path) -> pd.DataFrame:
     Raises:
         InputError: unreadable.
     """
-    import pyarrow.parquet as pq
-
     try:
         return pq.read_table(path).to_pandas()
     except (OSError, ValueError) as err:
         raise InputError(path, None, f"not a readable parquet file ({err})",
                          f"rebuild it: snakemake --forcerun {path} (or rerun `python -m dflash_eval summary`)") from None
+
+
+def read_table_file(path) -> pd.DataFrame:
+    """A ``tau.parquet`` (:func:`read_parquet`) or ``tau.csv``."""
+    return read_parquet(path) if Path(path).suffix == ".parquet" else pd.read_csv(path)
 
 
 #: the columns that name a row of the tau table
@@ -363,3 +366,111 @@ def _label(setting: dict) -> str:
     if int(setting.get("top_k", 0) or 0):
         parts.append(f"k{int(setting['top_k'])}")
     return "_".join(parts)
+
+
+def method_speedups(r: dict, costs: dict, budgets: list[int]) -> list[dict]:
+    """The estimate of every method of one tau-table row (the one place the report and ``tau.csv`` get it).
+
+    Args:
+        r: a tau-table row (``checkpoint``, ``block_size``, ``tau``, ``tau_ddtree_<budget>`` per budget).
+        costs: :func:`dflash_eval.target.costs.read_costs` output.
+        budgets: the DDTree budgets of the table (:func:`dflash_eval.target.costs.ddtree_budgets`).
+
+    Returns:
+        one dict per method, chain first: ``method`` (``chain`` or ``ddtree_<budget>``), ``budget`` (nodes;
+        None for the chain), ``verify_tokens`` (n: the block size, or budget + 1), ``tau``, ``t_verify_s``,
+        ``t_draft_s``, ``t_decode_s`` (seconds; NaN where not measured) and ``speedup`` (:func:`dflash_eval.target.costs.speedup`).
+    """
+    verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
+    t_dec = float(costs["decode_s"])
+    d = costs["drafters"].get(r["checkpoint"], {})
+    if d.get("block_size") is not None and int(d["block_size"]) != int(r["block_size"]):
+        raise InputError(costs.get("output") or "target_costs.json", f"drafters.{r['checkpoint']}.block_size",
+                         f"{d['block_size']}, but {r['checkpoint']} was evaluated at block size {r['block_size']}: the "
+                         "costs were timed from another drafter config", "rerun target_costs (snakemake --forcerun "
+                         "target_costs) after the run's strip_drafter jobs")
+    methods = [("chain", None, int(r["block_size"]), "causal", r["tau"], d.get("draft_s"))]
+    for b in budgets:
+        methods.append((f"ddtree_{b}", b, b + 1, "tree", r.get(f"tau_ddtree_{b}"), d.get("draft_tree_s", {}).get(str(b))))
+    out = []
+    for method, b, n, mask, tau, t_draft in methods:
+        t_ver = verify.get((n, mask), math.nan)
+        t_draft = math.nan if t_draft is None else float(t_draft)
+        tau = float(tau) if tau is not None and pd.notna(tau) else math.nan
+        out.append({"method": method, "budget": b, "verify_tokens": n, "tau": tau, "t_verify_s": t_ver,
+                    "t_draft_s": t_draft, "t_decode_s": t_dec, "speedup": speedup(tau, t_dec, t_ver, t_draft)})
+    return out
+
+
+def speedup_frame(frame, costs: dict):
+    """Estimated speedup per (checkpoint, prompt set, method).
+
+    Args:
+        frame: the tau table (:func:`summary_frame`): ``checkpoint``, ``step``,
+            ``prompt_set``, ``block_size``, ``tau`` and any ``tau_ddtree_<budget>`` columns.
+        costs: :func:`dflash_eval.target.costs.read_costs` output.
+
+    Returns:
+        DataFrame with ``checkpoint, step, prompt_set, method`` (``chain`` or ``ddtree_<budget>``),
+        ``budget`` (nodes; NA for the chain), ``verify_tokens`` (n), ``tau``, ``t_verify_s``,
+        ``t_draft_s``, ``t_decode_s``, ``speedup`` (NaN where a cost was not measured) and
+        ``estimate_reliable`` (:func:`dflash_eval.target.cost_stats.assess`: the same for every row) and ``best``
+        (True on the fastest method per checkpoint and prompt set).
+    """
+    reliable = assess(costs)["reliable"]
+    budgets = ddtree_budgets(frame)
+    rows = [{"checkpoint": r["checkpoint"], "step": r["step"], "prompt_set": r["prompt_set"], **m,
+             "estimate_reliable": reliable}
+            for r in frame.to_dict("records") for m in method_speedups(r, costs, budgets)]
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df["budget"] = df["budget"].astype("Int64")
+    key = ["checkpoint", "prompt_set"]
+    best = df.dropna(subset=["speedup"]).groupby(key)["speedup"].idxmax()
+    df["best"] = df.index.isin(best.values)
+    return df
+
+
+def speedup_columns(frame, costs: dict | None):
+    """The tau table's speedup columns (:mod:`dflash_eval.report.tau_table`), aligned with ``frame``'s rows.
+
+    Args:
+        frame: the tau table (every row, every sampling setting).
+        costs: :func:`dflash_eval.target.costs.read_costs` output, or None (``target_costs`` disabled: the columns are empty).
+
+    Returns:
+        DataFrame with ``speedup_chain``, ``speedup_ddtree_<budget>`` per budget of the table (the
+        report's estimate, :func:`method_speedups`, on the row's own tau; NaN where a cost was not
+        measured or the tau is NaN) and ``estimate_reliable`` (nullable bool: :func:`dflash_eval.target.cost_stats.assess`
+        of the costs, the same on every row; NA without costs).
+    """
+    budgets = ddtree_budgets(frame)
+    names = ["speedup_chain"] + [f"speedup_ddtree_{b}" for b in budgets]
+    if costs is None:
+        out = pd.DataFrame({n: math.nan for n in names}, index=frame.index)
+        out["estimate_reliable"] = pd.array([pd.NA] * len(frame), dtype="boolean")
+        return out
+    reliable = bool(assess(costs)["reliable"])
+    rows = [{f"speedup_{m['method']}": m["speedup"] for m in method_speedups(r, costs, budgets)}
+            for r in frame.to_dict("records")]
+    out = pd.DataFrame(rows, index=frame.index, columns=names, dtype=float)
+    out["estimate_reliable"] = pd.array([reliable] * len(frame), dtype="boolean")
+    return out
+
+
+def with_speedups(frame, costs: dict | None):
+    """``frame`` (the tau table, :func:`dflash_eval.report.tau_table.summary_frame`) with :func:`speedup_columns`
+    appended: the content of ``tau.csv``, for the summary stage and the report's full table."""
+    return pd.concat([frame, speedup_columns(frame, costs)], axis=1)
+
+
+def method_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """``[(column, label)]``: ``("tau", "chain (DFlash)")`` then one per DDTree budget present."""
+    return [("tau", "chain (DFlash)")] + [(f"tau_ddtree_{b}", f"DDTree, budget {b}") for b in ddtree_budgets(frame)]
+
+
+def checkpoint_order(frame: pd.DataFrame) -> list[str]:
+    """Checkpoints ordered by training step (unknown steps last), then name."""
+    first = frame.drop_duplicates("checkpoint").sort_values(["step", "checkpoint"], na_position="last")
+    return list(first["checkpoint"])

@@ -7,16 +7,18 @@ Each ``checkpoints.demo`` entry wraps a committed stripped drafter (the trained 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
-from dflash_eval.drafter.model import DFlashDrafter
-from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.options import schema_type
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
@@ -62,17 +64,13 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
     Raises:
         InputError: neither ``drafter_dir`` nor ``random_init``.
     """
-    import json
-
-    from safetensors.torch import load_file
-
     spec = TargetSpec.read(target_dir)
     if drafter_dir:
         cfg_dict = json.loads((Path(drafter_dir) / "config.json").read_text())
         model = DFlashDrafter(DrafterConfig.from_dict(cfg_dict, source=str(drafter_dir)))
         model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=True)
     elif random_init:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py); --random-init only
 
         try:
             mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))

@@ -10,6 +10,7 @@ Options: config section ``cache`` and ``target.linear_attn_backend`` (:mod:`dfla
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -20,21 +21,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_eval.core import options as options_mod
+from dflash_eval.cache.disk_room import no_room_error
+from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
 from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, completions_sampling, is_no_space
 from dflash_eval.cache.shards import parse_shard, shard_plan
 from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
-from dflash_eval.data.completions import FIX as COMPLETIONS_FIX
-from dflash_eval.data.completions import read_completions
-from dflash_eval.cache.disk_room import no_room_error
+from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError, reused_sidecar_note
-from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
-from dflash_eval.target.hybrid import bind_linear_attention
 from dflash_eval.core.io import sha256_file
 from dflash_eval.core.progress import Progress
-from dflash_eval.data.prompts import read_prompts
-from dflash_eval.data.provenance import settings_of, stage_block
 from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device, resolve_dtype
+from dflash_eval.data.completions import FIX as COMPLETIONS_FIX
+from dflash_eval.data.completions import read_completions
+from dflash_eval.data.prompts import read_prompts
+from dflash_eval.data.provenance import meta_path, read_meta, settings_of, stage_block
+from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
+from dflash_eval.target.hybrid import bind_linear_attention
 from dflash_eval.target.model import load_target, target_info
 from dflash_eval.target.spec import TargetSpec
 
@@ -45,8 +47,6 @@ STAGE = "hidden_states"
 
 def _layer_ids(text: str) -> list[int]:
     """Comma-separated 0-based decoder layers: at least one, none negative."""
-    import argparse
-
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
@@ -101,8 +101,6 @@ def check_completions_target(completions, target_sha256: str | None) -> None:
     Raises:
         InputError: ``(<set>.meta.json, "target_sha256", ...)`` naming both.
     """
-    from dflash_eval.data.provenance import meta_path, read_meta
-
     meta = meta_path(completions)
     made = read_meta(meta, "completions").get("target_sha256") if meta.is_file() else None
     if target_sha256 is not None and made is not None and made != target_sha256:
@@ -124,7 +122,6 @@ def extract_cache(target_dir, completions_path, out, layer_ids: list[int], opts,
         InputError: ``shard`` with source ``vllm`` (one server per prompt set), and what the source raises.
     """
     if opts.source == "vllm":  # a vLLM server in extract mode (dflash_eval.serving.vllm.states)
-        from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
 
         if shard is not None:
             raise InputError("config", "cache.shards", "shards split the HF forward, but cache.source is 'vllm'",

@@ -32,13 +32,15 @@ from pathlib import Path
 
 import torch
 
-from dflash_eval.core import options as options_mod
 from dflash_eval.cache.reader import CacheReader
-from dflash_eval.data.completions import read_completions, subset_text
+from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.data.completions import read_completions, subset_text
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.stages.evaluate import evaluate
 from dflash_eval.stages.hidden_states import extract_hidden_states
+from dflash_eval.target.hybrid import fla_status, target_has_linear_attention
 
 STAGE = "kernel_parity"
 
@@ -67,9 +69,6 @@ def plan(device: str, dtype: str, target_dir) -> dict:
 
     ``a``/``b`` hold ``backend`` (``fla``/``torch``) and ``dtype`` (``bfloat16``/``float32``).
     """
-    from dflash_eval.target.hybrid import fla_status, target_has_linear_attention
-    from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
-
     dev = resolve_device(device)
     dt = dtype_name(resolve_dtype(dtype, dev))
     if not target_has_linear_attention(target_dir):

@@ -55,17 +55,20 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
-from dflash_eval.drafter.checkpoints import IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint, load_checkpoint, unread_step
-from dflash_eval.drafter.compat import check_compat
-from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
-from dflash_eval.drafter.config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
-from dflash_eval.drafter.files import file_checksums
-from dflash_eval.data.provenance import block
 from dflash_eval.core.errors import InputError, atomic_dir
 from dflash_eval.core.io import read_json_object
 from dflash_eval.core.runtime import dtype_name
+from dflash_eval.data.provenance import block
+from dflash_eval.drafter.checkpoints import (IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint,
+                                             load_checkpoint, unread_step)
+from dflash_eval.drafter.compat import check_compat
+from dflash_eval.drafter.config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from dflash_eval.drafter.files import file_checksums
+from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
 from dflash_eval.drafter.speculators import drop_extra_tensors, is_speculators_config, to_zlab_config
+from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +205,6 @@ def strip_checkpoint(
     Raises:
         InputError: with the file, key and fix, for every validation failure; nothing is written.
     """
-    from safetensors.torch import save_file
-
     check_override_keys(overrides)  # before reading a possibly large checkpoint
     ck = load_checkpoint(checkpoint)
     cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)
@@ -217,8 +218,6 @@ def strip_checkpoint(
         notes.append(f"dropped non-persistent rotary buffers {buffers}")
     _check_weights(ck, cfg, cfg_src, state, allow_fp16, notes)
     if target_dir is not None:
-        from dflash_eval.target.spec import TargetSpec, load_embed_and_head
-
         spec = TargetSpec.read(target_dir)
         embed, head = load_embed_and_head(spec)
         notes += check_compat(cfg, cfg_src, target=spec, embed_rows=embed.shape[0])

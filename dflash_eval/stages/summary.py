@@ -3,7 +3,7 @@
 The table's columns and their definitions: :mod:`dflash_eval.report.tau_table`. With the run's
 ``target_costs.json`` (``--costs``; the rule passes it when ``target_costs.enabled``) the table also
 carries the report's speedup estimate per row and whether it is reliable
-(:func:`dflash_eval.target.costs.speedup_columns`); without it those columns are empty.
+(:func:`dflash_eval.report.tau_table.speedup_columns`); without it those columns are empty.
 
 In the workflow the rule passes the settings the config gives (``--expected-settings``): an evaluate output
 or target costs file whose provenance block records other settings is refused, naming the file, the option,
@@ -13,17 +13,16 @@ own provenance block goes to ``tau.provenance.json`` and into ``tau.parquet``'s 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pandas as pd
 
-import json
-
-from dflash_eval.target.costs import read_costs, with_speedups
 from dflash_eval.core.errors import atomic_path
 from dflash_eval.core.io import sha256_file
-from dflash_eval.data.provenance import block, write_json
-from dflash_eval.report.tau_table import summary_frame, table_csv, write_parquet
+from dflash_eval.data.provenance import block, check_settings, write_json
+from dflash_eval.report.tau_table import summary_frame, table_csv, with_speedups, write_parquet
+from dflash_eval.target.costs import read_costs
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
     Args:
         evals: evaluate outputs.
         out_csv, out_parquet: the two tables.
-        costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.target.costs.speedup_columns`)
+        costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.report.tau_table.speedup_columns`)
             are filled from it, else left empty.
         expected: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
             the provenance block of every evaluate output and of ``costs``; None: not compared.
@@ -66,7 +65,11 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
             file (:func:`dflash_eval.target.costs.read_costs`); one made with other settings than ``expected`` gives.
     """
     df = summary_frame(evals, expected)
-    df = with_speedups(df, read_costs(costs, expected) if costs else None)
+    cost_data = read_costs(costs) if costs else None
+    if cost_data is not None and expected:
+        check_settings(costs, cost_data.get("provenance"), expected, "run", "target_costs",
+                       "rerun it with this config: snakemake --forcerun target_costs")
+    df = with_speedups(df, cost_data)
     settings = {stage: by_key for stage, by_key in (expected or {}).items()}
     inputs = {str(e): sha256_file(e).hexdigest() for e in [*evals, *([costs] if costs else [])]}
     prov = block("summary", settings, inputs)

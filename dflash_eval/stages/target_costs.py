@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -24,13 +25,13 @@ import torch
 
 from dflash_eval import __version__
 from dflash_eval.core import options as options_mod
+from dflash_eval.core.errors import InputError
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.data.provenance import stage_block, write_json
+from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.cost_stats import assess, isotonic, robust_s, spread
 from dflash_eval.target.costs import FORMAT, FORMAT_VERSION, FORMULA
-from dflash_eval.drafter.model import DFlashDrafter
-from dflash_eval.drafter.config import DrafterConfig
-from dflash_eval.core.errors import InputError
-from dflash_eval.data.provenance import stage_block, write_json
-from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
 from dflash_eval.target.model import load_target, target_info
 from dflash_eval.target.spec import TargetSpec
 
@@ -289,7 +290,5 @@ def _drafter_costs(drafter, embed, head, context_tokens, budgets, repeats, warmu
 
 
 def _transformers_version() -> str:
-    """transformers' version (imported here, not at module import: ``target-costs --help`` stays light)."""
-    import transformers
-
-    return transformers.__version__
+    """transformers' version (from its metadata: ``target-costs --help`` stays transformers-free)."""
+    return metadata.version("transformers")

@@ -44,10 +44,10 @@ def write_fingerprint(target_dir: "str | Path | TargetSpec", out: str | Path) ->
     """
     spec = as_spec(target_dir)
     files = spec.weight_files()
-    before = weight_stats(files, ctime=True)
+    before = weight_stats(files)
     t0 = time.perf_counter()
     sha = weights_sha256(spec.path)
-    if weight_stats(files, ctime=True) != before:
+    if weight_stats(files) != before:
         raise InputError(spec.path, "model.safetensors", "the weight files changed while they were hashed",
                          "rerun when nothing writes to the target folder")
     tensors = {k: tensor_sha256(t) for k, t in shared_tensors(spec).items()}  # hashed again as the stages read them

@@ -21,11 +21,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from dflash_eval.core import options as options_mod
-from dflash_eval.data.completions import read_completions
 from dflash_eval.core.errors import InputError
+from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.report.tau_table import read_eval
 from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
+from dflash_eval.target.costs import device_label as costs_device
+from dflash_eval.target.costs import read_costs, speedup
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,6 @@ def _engine_options(opts) -> EngineOptions:
 
 
 def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) -> float:
-    from dflash_eval.target.costs import speedup
-
     if not costs:
         return math.nan
     verify = {(int(v["n"]), v["mask"]): float(v["median_s"]) for v in costs["verify"]}
@@ -95,8 +95,6 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     Raises:
         InputError: drafters/evals of different lengths, an evaluation without one of the samples.
     """
-    from dflash_eval.target.costs import device_label as costs_device, read_costs
-
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if len(drafters) != len(evals):
         raise InputError(None, "--drafter/--evals", f"{len(drafters)} drafters but {len(evals)} evaluations",

@@ -12,23 +12,27 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
 
+from dflash_eval.cache.format import CacheSample
 from dflash_eval.core import options as options_mod
-from dflash_eval.data.completions import read_completions
-from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
 from dflash_eval.core.errors import InputError
-from dflash_eval.data.provenance import stage_block, write_json
-from dflash_eval.serving.generation import stop_token_ids
+from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
+from dflash_eval.data.completions import read_completions
+from dflash_eval.data.provenance import meta_path, read_meta, stage_block, write_json
+from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
+from dflash_eval.replay.anchors import iter_anchor_drafts
+from dflash_eval.replay.expected import response_expectations
 from dflash_eval.replay.metrics import aggregate
 from dflash_eval.replay.online import check_target_supported, spec_generate
-from dflash_eval.core.runtime import dtype_name, resolve_device, resolve_dtype
-from dflash_eval.replay.sampling import SamplingSetting
+from dflash_eval.replay.sampling import SamplingSetting, token_probs
+from dflash_eval.report.tau_table import read_eval
+from dflash_eval.serving.generation import stop_token_ids
 from dflash_eval.target.model import load_target
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
-from dflash_eval.report.tau_table import read_eval
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +216,6 @@ def _check_target(spec: TargetSpec, completions_path) -> str:
     Raises:
         InputError: the weights changed in place, or are not those that generated the completions.
     """
-    from dflash_eval.data.provenance import meta_path, read_meta
-
     sha = spec.weights_sha256()
     meta = meta_path(completions_path)
     made = read_meta(meta, "completions").get("target_sha256") if meta.is_file() else None
@@ -280,11 +282,6 @@ def _expected_on_runs(target, drafter, embed, head, sequences: list[list[int]], 
     ``target_layer_ids`` states, the filtered p of every token) and the drafter's all-anchor pass, as
     evaluate does on a cached completion; ``None`` for a run without a verify step.
     """
-    from dflash_eval.replay.anchors import iter_anchor_drafts
-    from dflash_eval.cache.format import CacheSample
-    from dflash_eval.replay.expected import response_expectations
-    from dflash_eval.replay.sampling import token_probs
-
     layers = list(drafter.cfg.target_layer_ids)
     samples, p_tokens, keep = [], [], []
     for k, seq in enumerate(sequences):
@@ -332,8 +329,6 @@ def _sampled_entry(target, drafter, embed, head, rows, stop_ids, ev: dict, st: S
     ``sqrt(sum se_i^2) / n`` (independent samples), ``within_goal`` (``|rel_diff| <= SAMPLED_GOAL``), and
     ``seconds`` (online runs and the expectations on their trajectories).
     """
-    import time
-
     expected = {s["id"]: e for s, e in zip(ev["samples"], ev["expected"][st.label]["samples"])}
     B = int(ev.get("block_size") or drafter.cfg.block_size)
     samples, t0 = [], time.perf_counter()

@@ -64,7 +64,6 @@ import logging
 import math
 from pathlib import Path
 
-from dflash_eval.target.cost_stats import assess
 from dflash_eval.core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -79,16 +78,11 @@ FORMULA = "tau * t_decode / (t_verify(n) + t_draft)"
 
 # --------------------------------------------------------------------------- estimate
 
-def read_costs(path, expected: dict | None = None) -> dict:
-    """Load a ``target_costs.json``.
-
-    Args:
-        expected: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`; summary passes
-            them): the file's provenance block must record its ``target_costs`` entry; None: not compared.
+def read_costs(path) -> dict:
+    """Load a ``target_costs.json`` (summary compares its provenance block with the config's settings).
 
     Raises:
-        InputError: unreadable, or not a dflash-eval target-costs file of this version; made with other
-            target_costs settings than ``expected`` gives.
+        InputError: unreadable, or not a dflash-eval target-costs file of this version.
     """
     path = Path(path)
     try:
@@ -98,11 +92,6 @@ def read_costs(path, expected: dict | None = None) -> dict:
     if data.get("format") != FORMAT or data.get("format_version") not in READABLE_VERSIONS:
         raise InputError(path, "format", f"expected {FORMAT} v{FORMAT_VERSION}, got {data.get('format')} "
                          f"v{data.get('format_version')}", "re-run the target_costs rule")
-    if expected:
-        from dflash_eval.data.provenance import check_settings
-
-        check_settings(path, data.get("provenance"), expected, "run", "target_costs",
-                       "rerun it with this config: snakemake --forcerun target_costs")
     return data
 
 
@@ -117,111 +106,6 @@ def ddtree_budgets(frame) -> list[int]:
     """Budgets of the ``tau_ddtree_<budget>`` columns of a tau table, ascending (``[]`` when none)."""
     return sorted(int(c[len("tau_ddtree_"):]) for c in frame.columns
                   if c.startswith("tau_ddtree_") and c[len("tau_ddtree_"):].isdigit())
-
-
-def method_speedups(r: dict, costs: dict, budgets: list[int]) -> list[dict]:
-    """The estimate of every method of one tau-table row (the one place the report and ``tau.csv`` get it).
-
-    Args:
-        r: a tau-table row (``checkpoint``, ``block_size``, ``tau``, ``tau_ddtree_<budget>`` per budget).
-        costs: :func:`read_costs` output.
-        budgets: the DDTree budgets of the table (:func:`ddtree_budgets`).
-
-    Returns:
-        one dict per method, chain first: ``method`` (``chain`` or ``ddtree_<budget>``), ``budget`` (nodes;
-        None for the chain), ``verify_tokens`` (n: the block size, or budget + 1), ``tau``, ``t_verify_s``,
-        ``t_draft_s``, ``t_decode_s`` (seconds; NaN where not measured) and ``speedup`` (:func:`speedup`).
-    """
-    import pandas as pd
-
-    verify = {(int(v["n"]), v["mask"]): float(v.get("fit_s", v["median_s"])) for v in costs["verify"]}
-    t_dec = float(costs["decode_s"])
-    d = costs["drafters"].get(r["checkpoint"], {})
-    if d.get("block_size") is not None and int(d["block_size"]) != int(r["block_size"]):
-        raise InputError(costs.get("output") or "target_costs.json", f"drafters.{r['checkpoint']}.block_size",
-                         f"{d['block_size']}, but {r['checkpoint']} was evaluated at block size {r['block_size']}: the "
-                         "costs were timed from another drafter config", "rerun target_costs (snakemake --forcerun "
-                         "target_costs) after the run's strip_drafter jobs")
-    methods = [("chain", None, int(r["block_size"]), "causal", r["tau"], d.get("draft_s"))]
-    for b in budgets:
-        methods.append((f"ddtree_{b}", b, b + 1, "tree", r.get(f"tau_ddtree_{b}"), d.get("draft_tree_s", {}).get(str(b))))
-    out = []
-    for method, b, n, mask, tau, t_draft in methods:
-        t_ver = verify.get((n, mask), math.nan)
-        t_draft = math.nan if t_draft is None else float(t_draft)
-        tau = float(tau) if tau is not None and pd.notna(tau) else math.nan
-        out.append({"method": method, "budget": b, "verify_tokens": n, "tau": tau, "t_verify_s": t_ver,
-                    "t_draft_s": t_draft, "t_decode_s": t_dec, "speedup": speedup(tau, t_dec, t_ver, t_draft)})
-    return out
-
-
-def speedup_frame(frame, costs: dict):
-    """Estimated speedup per (checkpoint, prompt set, method).
-
-    Args:
-        frame: the tau table (:func:`dflash_eval.report.tau_table.summary_frame`): ``checkpoint``, ``step``,
-            ``prompt_set``, ``block_size``, ``tau`` and any ``tau_ddtree_<budget>`` columns.
-        costs: :func:`read_costs` output.
-
-    Returns:
-        DataFrame with ``checkpoint, step, prompt_set, method`` (``chain`` or ``ddtree_<budget>``),
-        ``budget`` (nodes; NA for the chain), ``verify_tokens`` (n), ``tau``, ``t_verify_s``,
-        ``t_draft_s``, ``t_decode_s``, ``speedup`` (NaN where a cost was not measured) and
-        ``estimate_reliable`` (:func:`dflash_eval.target.cost_stats.assess`: the same for every row) and ``best``
-        (True on the fastest method per checkpoint and prompt set).
-    """
-    import pandas as pd
-
-    reliable = assess(costs)["reliable"]
-    budgets = ddtree_budgets(frame)
-    rows = [{"checkpoint": r["checkpoint"], "step": r["step"], "prompt_set": r["prompt_set"], **m,
-             "estimate_reliable": reliable}
-            for r in frame.to_dict("records") for m in method_speedups(r, costs, budgets)]
-    df = pd.DataFrame(rows)
-    if df.empty:
-        return df
-    df["budget"] = df["budget"].astype("Int64")
-    key = ["checkpoint", "prompt_set"]
-    best = df.dropna(subset=["speedup"]).groupby(key)["speedup"].idxmax()
-    df["best"] = df.index.isin(best.values)
-    return df
-
-
-def speedup_columns(frame, costs: dict | None):
-    """The tau table's speedup columns (:mod:`dflash_eval.report.tau_table`), aligned with ``frame``'s rows.
-
-    Args:
-        frame: the tau table (every row, every sampling setting).
-        costs: :func:`read_costs` output, or None (``target_costs`` disabled: the columns are empty).
-
-    Returns:
-        DataFrame with ``speedup_chain``, ``speedup_ddtree_<budget>`` per budget of the table (the
-        report's estimate, :func:`method_speedups`, on the row's own tau; NaN where a cost was not
-        measured or the tau is NaN) and ``estimate_reliable`` (nullable bool: :func:`dflash_eval.target.cost_stats.assess`
-        of the costs, the same on every row; NA without costs).
-    """
-    import pandas as pd
-
-    budgets = ddtree_budgets(frame)
-    names = ["speedup_chain"] + [f"speedup_ddtree_{b}" for b in budgets]
-    if costs is None:
-        out = pd.DataFrame({n: math.nan for n in names}, index=frame.index)
-        out["estimate_reliable"] = pd.array([pd.NA] * len(frame), dtype="boolean")
-        return out
-    reliable = bool(assess(costs)["reliable"])
-    rows = [{f"speedup_{m['method']}": m["speedup"] for m in method_speedups(r, costs, budgets)}
-            for r in frame.to_dict("records")]
-    out = pd.DataFrame(rows, index=frame.index, columns=names, dtype=float)
-    out["estimate_reliable"] = pd.array([reliable] * len(frame), dtype="boolean")
-    return out
-
-
-def with_speedups(frame, costs: dict | None):
-    """``frame`` (the tau table, :func:`dflash_eval.report.tau_table.summary_frame`) with :func:`speedup_columns`
-    appended: the content of ``tau.csv``, for the summary stage and the report's full table."""
-    import pandas as pd
-
-    return pd.concat([frame, speedup_columns(frame, costs)], axis=1)
 
 
 def device_label(costs: dict) -> str:

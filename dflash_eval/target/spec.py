@@ -21,8 +21,11 @@ import hashlib
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from safetensors import safe_open
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object, sha256_file
@@ -121,20 +124,9 @@ def weight_files(target_dir: str | Path) -> list[Path]:
 FINGERPRINT_FORMAT = "dflash-eval/target-fingerprint"
 
 
-def weight_stats(files: list[Path], ctime: bool = False) -> list[dict]:
-    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on; with ``ctime`` also
-    ``ctime_ns``, which the kernel sets at every change of the bytes and no tool sets back (see
-    :func:`weights_sha256`)."""
-    out = []
-    for f in files:
-        st = f.stat()
-        out.append({"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                    **({"ctime_ns": st.st_ctime_ns} if ctime else {})})
-    return out
-
-
-def _without_ctime(stats) -> list:
-    return [{k: v for k, v in d.items() if k != "ctime_ns"} if isinstance(d, dict) else d for d in stats or []]
+def weight_stats(files: list[Path]) -> list[dict]:
+    """Name, size and mtime (ns) of each weight file: what a fingerprint record is keyed on."""
+    return [{"name": f.name, "size": (st := f.stat()).st_size, "mtime_ns": st.st_mtime_ns} for f in files]
 
 
 def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | None = None) -> str:
@@ -145,33 +137,22 @@ def weights_sha256(target_dir: "str | Path | TargetSpec", record: str | Path | N
     (rule ``target_fingerprint`` -> :func:`write_fingerprint`) and every job passes the record
     here: when the record's files (names, sizes, mtimes) equal the folder's, its sha256 is
     returned without reading the weights; otherwise (weights replaced since, unreadable record)
-    the weights are hashed again, with a warning. A record that holds the files' ctimes (this version's) and
-    differs from the folder only by a ctime is checked by hashing again (:func:`_rehash_in_place`).
+    the weights are hashed again, with a warning.
 
     Raises:
-        InputError: no ``*.safetensors`` files; weights changed in place with their size and mtime kept.
+        InputError: no ``*.safetensors`` files.
     """
     files = weight_files(target_dir.path if isinstance(target_dir, TargetSpec) else target_dir)
     if record is not None:
-        stale, match = False, False
         try:
             rec = json.loads(Path(record).read_text(encoding="utf-8"))
-            now = weight_stats(files, ctime=True)
-            if rec.get("format") == FINGERPRINT_FORMAT and _without_ctime(rec.get("files")) == _without_ctime(now):
-                if all("ctime_ns" not in d or d == n for d, n in zip(rec["files"], now)):  # (no ctime: older record)
-                    match = True
-                else:
-                    stale = True
-            else:
-                log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them "
-                            "again", record)
+            if rec.get("format") == FINGERPRINT_FORMAT and rec.get("files") == weight_stats(files):
+                log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
+                return str(rec["sha256"])
+            log.warning("%s does not match the weight files now in the folder (replaced since?): hashing them again",
+                        record)
         except (OSError, ValueError, KeyError, AttributeError) as err:
             log.warning("fingerprint record %s unreadable (%s): hashing the weights", record, err)
-        if match:
-            log.info("target weights sha256 %s from %s (file sizes and mtimes match)", rec["sha256"][:16], record)
-            return str(rec["sha256"])
-        if stale:
-            return _rehash_in_place(files, rec, record, now)
     return _hash_files(files)
 
 
@@ -184,42 +165,16 @@ def _hash_files(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _rehash_in_place(files: list[Path], rec: dict, record, now: list[dict]) -> str:
-    """The weights' sizes and mtimes match the fingerprint record but a ctime does not: the bytes may have been
-    rewritten in place with the mtime put back (``touch -r``, a time-keeping copy, bit rot repaired badly).
-    Hash them again: the same sha256 (a ``chmod``, a re-copy) updates the record's ctimes in place (its mtime
-    kept, so nothing reruns); another is refused.
+def _torch():
+    """torch, imported on first use (the one place): the plan (parse time) and target-fingerprint --help import this
+    module."""
+    import torch  # deferred: the workflow's parse and target-fingerprint --help stay torch-free (tests/test_startup.py)
 
-    Raises:
-        InputError: the weights differ from the fingerprinted ones.
-    """
-    sha = _hash_files(files)
-    if sha != rec["sha256"]:
-        changed = [n["name"] for d, n in zip(rec["files"], now) if d != n]
-        raise InputError(Path(files[0]).parent / changed[0], None, f"changed in place since the target was fingerprinted "
-                         f"({record}): size and mtime kept, but its bytes hash to {sha[:16]}..., not the recorded "
-                         f"{str(rec['sha256'])[:16]}...", "restore the target's weights; if the change is intended, "
-                         "make the target work again: snakemake --forcerun target_fingerprint")
-    log.warning("target weight files' ctime changed since %s (a chmod or a copy): same sha256, record updated", record)
-    import os
-
-    from dflash_eval.core.errors import atomic_path
-
-    try:
-        st = Path(record).stat()
-        with atomic_path(record) as tmp:
-            tmp.write_text(json.dumps({**rec, "files": now}, indent=1) + "\n", encoding="utf-8")
-        os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))  # no change for Snakemake: nothing reruns
-    except OSError as err:  # a read-only record (a container's mount): hashed again next time, still verified
-        log.warning("could not update %s (%s)", record, err)
-    return sha
-
+    return torch
 
 
 def _key_locations(spec: TargetSpec) -> dict[str, Path]:
     """tensor key -> safetensors file holding it (from the shard index, else from the file headers)."""
-    from safetensors import safe_open
-
     target_dir = spec.path
     index = target_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -273,8 +228,7 @@ def shared_tensors(target: "str | Path | TargetSpec") -> dict:
 
 def _read_shared(spec: TargetSpec):
     """``(embed, head, {key: tensor})`` as documented in :func:`load_embed_and_head`."""
-    import torch
-    from safetensors import safe_open
+    torch = _torch()
 
     target_dir = spec.path
     where = _key_locations(spec)
@@ -332,8 +286,7 @@ def tensor_sha256(t, threads: int | None = None) -> str:
     (``bench/verify_cost.py``). The value differs from ``sha256sum`` of the bytes; records say which
     scheme they hold (:data:`TENSOR_DIGEST`).
     """
-    import torch
-    from concurrent.futures import ThreadPoolExecutor
+    torch = _torch()
 
     buf = t.contiguous().view(torch.uint8).numpy().reshape(-1)
     chunks = [buf[i:i + TENSOR_CHUNK] for i in range(0, max(buf.size, 1), TENSOR_CHUNK)]
@@ -348,7 +301,7 @@ def tensor_sha256(t, threads: int | None = None) -> str:
 
 def tensor_sha256_plain(t) -> str:
     """Hex sha256 of a tensor's bytes as stored, one stream (the records written before :data:`TENSOR_DIGEST`)."""
-    import torch
+    torch = _torch()
 
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
 

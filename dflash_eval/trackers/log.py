@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Iterable
 
 from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.core.io import read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +85,12 @@ def read_table(path: str | Path):
         InputError: missing file, an unreadable parquet file (:func:`dflash_eval.report.tau_table.read_parquet`),
             or no ``checkpoint`` / ``step`` / ``prompt_set`` column.
     """
-    import pandas as pd
-
     path = Path(path)
     if not path.is_file():
         raise InputError(path, None, "tau table not found", "run the summary stage first (results/<run>/tau.parquet)")
-    if path.suffix == ".parquet":
-        from dflash_eval.report.tau_table import read_parquet
+    from dflash_eval.report.tau_table import read_table_file  # deferred: pandas; this module is parse time and trackers --help stays pandas-free
 
-        df = read_parquet(path)
-    else:
-        df = pd.read_csv(path)
+    df = read_table_file(path)
     for col in ("checkpoint", "step", "prompt_set"):
         if col not in df.columns:
             raise InputError(path, col, "missing column: not a tau table", "pass results/<run>/tau.parquet or tau.csv")
@@ -108,12 +104,10 @@ def table_points(df, prefix: str = "dflash_eval", notes: list[str] | None = None
     (step, tag): the first by checkpoint name is kept. Both are warned about (the log) and, with ``notes``,
     appended there (:func:`log_table` puts them in ``trackers.json``, the workflow prints them at its end).
     """
-    import pandas as pd
-
     notes = [] if notes is None else notes
     cols = [c for c in df.columns if str(c).startswith(METRIC_PREFIXES)]
     points: dict[tuple[int, str], Point] = {}
-    no_step = sorted({str(c) for c, s in zip(df["checkpoint"], df["step"]) if pd.isna(s)})
+    no_step = sorted({str(c) for c, s in zip(df["checkpoint"], df["step"].isna()) if s})
     if no_step:
         notes.append(f"trackers: no training step known for {', '.join(no_step)}: not logged (a step comes from the "
                      "checkpoint's own 'step' / 'global_step', its folder's trainer_state.json / training_state.json, "
@@ -126,13 +120,12 @@ def table_points(df, prefix: str = "dflash_eval", notes: list[str] | None = None
                                for ps, lab, f in zip(df["prompt_set"], df["sampling"], first)])
     else:
         df = df.assign(tag_scope=df["prompt_set"].astype(str))
-    for row in df.sort_values(["checkpoint", "prompt_set"], kind="stable").itertuples(index=False):
+    df = df[df["step"].notna()].sort_values(["checkpoint", "prompt_set"], kind="stable")
+    for row, missing in zip(df.itertuples(index=False), df[cols].isna().itertuples(index=False)):
         rec = row._asdict()
-        if pd.isna(rec["step"]):
-            continue
-        for col in cols:
+        for col, gone in zip(cols, missing):
             v = rec.get(col)
-            if v is None or pd.isna(v):
+            if v is None or gone:
                 continue
             key = (int(rec["step"]), f"{prefix}/{rec['tag_scope']}/{col}")
             if key in points:
@@ -190,6 +183,16 @@ def _by_step(points: Iterable[Point]) -> dict[int, list[Point]]:
 
 
 # --------------------------------------------------------------------------- TensorBoard
+def _tensorboard():
+    """``(DecodeError, event_pb2, summary_pb2, errors, pywrap_tensorflow, RecordWriter)`` of tensorboard."""
+    from google.protobuf.message import DecodeError  # deferred: optional package (tensorboard); parse-time module
+    from tensorboard.compat.proto import event_pb2, summary_pb2  # deferred: optional package (tensorboard)
+    from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow  # deferred: optional package (tensorboard)
+    from tensorboard.summary.writer.record_writer import RecordWriter  # deferred: optional package (tensorboard)
+
+    return DecodeError, event_pb2, summary_pb2, errors, pywrap_tensorflow, RecordWriter
+
+
 def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
     """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (float32 values, the
     last file's where a pair repeats), read with tensorboard's record reader, whose CRC32C checks are errors here:
@@ -199,15 +202,12 @@ def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
     Raises:
         InputError: a damaged or truncated event file (a record failing its checksum, or not an Event).
     """
-    from google.protobuf.message import DecodeError
-    from tensorboard.compat.proto import event_pb2
-    from tensorboard.compat.tensorflow_stub import errors as tb_errors
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+    DecodeError, event_pb2, _, tb_errors, pywrap_tensorflow, _ = _tensorboard()
 
     run_dir = Path(run_dir)
     have = {}
     for f in sorted(run_dir.glob(f"events.out.tfevents.*{TB_SUFFIX}")) if run_dir.is_dir() else ():
-        reader = PyRecordReader_New(str(f))
+        reader = pywrap_tensorflow.PyRecordReader_New(str(f))
         try:
             while True:
                 try:
@@ -245,8 +245,7 @@ def write_tensorboard(points: list[Point], run_dir: str | Path) -> dict:
         InputError: a point on disk with another value (:func:`check_unchanged`); a damaged event file
             (:func:`tensorboard_logged`).
     """
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.summary.writer.record_writer import RecordWriter
+    _, event_pb2, summary_pb2, _, _, RecordWriter = _tensorboard()
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -294,8 +293,6 @@ def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
             ledger would read as "nothing logged", and every point would go to that run again);
             the ledger of another W&B run or project copied in place.
     """
-    from dflash_eval.core.io import read_json_object
-
     fix = f"restore {path}, or log to a new run (trackers.wandb.run_id)"
     if not path.is_file():
         runs = sorted(wandb_dir.glob(f"*run-*-{glob.escape(run_id)}")) if wandb_dir.is_dir() else []
@@ -332,7 +329,7 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         InputError: a point the ledger lists with another value (:func:`check_unchanged`); a missing or edited
             ledger (:func:`_read_ledger`).
     """
-    import wandb
+    import wandb  # deferred: optional package (wandb); parse-time module
 
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
@@ -405,16 +402,14 @@ def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
     uri = cfg.get("tracking_uri") or default_mlflow_uri(run)
     if uri.startswith("file:") or "://" not in uri:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: the file store is opt-in
-    from mlflow.entities import Metric
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+    import mlflow  # deferred: optional package (mlflow), after MLFLOW_ALLOW_FILE_STORE is set; parse-time module
 
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
     run_id = cfg.get("run_id")
     if run_id:
         try:
             client.get_run(run_id)
-        except MlflowException as err:
+        except mlflow.exceptions.MlflowException as err:
             raise InputError(uri, "trackers.mlflow.run_id", f"run {run_id!r} not found ({err.message})",
                              "give the id of a run in that store, or leave run_id empty") from None
     else:
@@ -434,7 +429,7 @@ def log_mlflow(points: list[Point], cfg: dict, run: str) -> dict:
                     "trackers.mlflow.run_id")
     new = [p for p in points if p.step not in have.get(p.tag, set())]
     now = int(time.time() * 1000)
-    metrics = [Metric(p.tag, p.value, now, p.step) for p in new]
+    metrics = [mlflow.entities.Metric(p.tag, p.value, now, p.step) for p in new]
     for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
         client.log_batch(run_id, metrics=metrics[i:i + 1000])
     log.info("mlflow (%s, run %s): %d new points, %d already logged", uri, run_id, len(new), len(points) - len(new))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object
+from dflash_eval.drafter.compat import check_compat
+from dflash_eval.drafter.config import DrafterConfig
 
 #: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
@@ -329,9 +331,6 @@ def check_checkpoint_configs(checkpoints: dict[str, dict], layers: list[int], ta
     Raises:
         InputError: naming the checkpoint entry, the drafter config file and the problem.
     """
-    from dflash_eval.drafter.compat import check_compat
-    from dflash_eval.drafter.config import DrafterConfig
-
     for name, row in checkpoints.items():
         cfg_file = checkpoint_config_file(row)
         if not cfg_file or not os.path.isfile(cfg_file):

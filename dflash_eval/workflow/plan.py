@@ -14,31 +14,26 @@ worse, being satisfied silently by outputs of an earlier run.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import shlex
 from dataclasses import dataclass, field
 
-from dflash_eval.workflow.checkpoints import (
-    cache_layer_ids,
-    check_checkpoint_configs,
-    checkpoint_table,
-    demo_args,
-    check_names,
-    strip_args,
-)
 from dflash_eval.core.errors import InputError
-from dflash_eval.workflow.sampling import (
-    setting_key,
-    check_sampling_settings,
-    evaluate_settings,
-    greedy_only_note,
-    needs_final_hidden,
-    set_sampling,
-)
+from dflash_eval.core.io import distribution_files
+from dflash_eval.core.options import runtime_env, section_values, to_flags
+from dflash_eval.data.provenance import settings_of
+from dflash_eval.target.spec import TargetSpec
+from dflash_eval.trackers.log import enabled
+from dflash_eval.workflow.checkpoints import (cache_layer_ids, check_checkpoint_configs, check_names,
+                                              checkpoint_table, demo_args, strip_args)
+from dflash_eval.workflow.sampling import (check_sampling_settings, evaluate_settings, greedy_only_note,
+                                           needs_final_hidden, set_sampling, setting_key)
 
 #: tokenizer files of an HF folder that are inputs of the prompts/completions jobs (when present)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -75,15 +70,10 @@ def resolve_target(target_cfg: dict) -> TargetFiles:
     name = target_cfg["name"]
     if spec.startswith("pkg:") or spec.lower().endswith(".gguf"):
         if spec.startswith("pkg:"):
-            from dflash_eval.core.io import distribution_files
-
             dist = spec[len("pkg:"):].strip()
             try:
                 files = distribution_files(dist)
             except InputError as err:
-                import difflib
-                import importlib.metadata
-
                 names = {d.metadata["Name"] for d in importlib.metadata.distributions() if d.metadata["Name"]}
                 close = difflib.get_close_matches(dist, sorted(names), n=1)
                 fix = f"did you mean 'pkg:{close[0]}'? Otherwise {err.fix}" if close else err.fix
@@ -125,8 +115,6 @@ def fingerprint_path(name: str) -> str:
 def target_spec_if_known(target: TargetFiles):
     """The target's :class:`~dflash_eval.target.spec.TargetSpec` when its config.json exists (HF folder, or a
     GGUF already converted), else None (checks that need it then run inside the jobs)."""
-    from dflash_eval.target.spec import TargetSpec
-
     return TargetSpec.read(target.dir) if os.path.isfile(os.path.join(target.dir, "config.json")) else None
 
 
@@ -263,7 +251,6 @@ class Plan:
 
     def gguf_input(self) -> list[str]:
         """The .gguf of target_from_gguf; for 'pkg:<wheel>' the installed one's (a new version: converted again)."""
-        from dflash_eval.core.io import distribution_files
         spec = self.target.gguf or ""
         return sorted(str(p) for rel, p in distribution_files(spec[4:].strip()) if rel.lower().endswith(".gguf"))[:1] \
             if spec.startswith("pkg:") else [spec]
@@ -299,8 +286,6 @@ class Plan:
 
     def trackers_outputs(self) -> list[str]:
         """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
-        from dflash_eval.trackers.log import enabled
-
         return [self.run_path("trackers.json")] if enabled(self.config.get("trackers")) else []
 
     def strip_inputs(self, ckpt: str) -> dict:
@@ -375,8 +360,6 @@ class Plan:
         ``target_costs``: ``budgets`` with every ``evaluate.ddtree_budgets`` budget added;
         ``hidden_states`` with ``cache.source: hf``: the ``cache.vllm`` options at their defaults (not used).
         """
-        from dflash_eval.core.options import section_values
-
         values = section_values(stage, self.config)
         if stage == "prompts" and prompt_set is not None:
             values.update({k: v for k, v in self.config["prompt_sets"][prompt_set].items() if k in values})
@@ -400,14 +383,10 @@ class Plan:
         """Shell-quoted CLI flags of ``stage``'s options (:meth:`stage_options`) that can change outputs: a rule's
         ``params``, so editing one reruns the jobs. The ``x-rerun: false`` ones (timeouts, retries) travel in
         :meth:`runtime_env` instead."""
-        from dflash_eval.core.options import to_flags
-
         return " ".join(shlex.quote(w) for w in to_flags(stage, self.stage_options(stage, prompt_set), rerun=True))
 
     def runtime_env(self) -> str:
         """``DFLASH_EVAL_RUNTIME_OPTIONS`` for the jobs' environment (:func:`dflash_eval.core.options.runtime_env`)."""
-        from dflash_eval.core.options import runtime_env
-
         return runtime_env(self.config)
 
     # ---- optional rules: kernel_parity, engine_parity, validate_online and validate_engine (checked in build_plan)
@@ -523,7 +502,6 @@ class Plan:
 
     def expected_settings(self) -> str:
         """Rule summary's params: JSON ``{"evaluate": {set: settings}, "target_costs": {"run": settings}}`` (settings_of)."""
-        from dflash_eval.data.provenance import settings_of
         out: dict = {"evaluate": {p: settings_of("evaluate", self.stage_options("evaluate", p)) for p in self.prompt_sets}}
         if self.target_costs_outputs():
             out["target_costs"] = {"run": settings_of("target_costs", self.stage_options("target_costs"))}

@@ -13,6 +13,7 @@ evaluated above temperature 0 store the target's final normed hidden state (:fun
 from __future__ import annotations
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.schema import schema_default
 
 
 def set_sampling(config: dict, prompt_set: str) -> dict:
@@ -22,8 +23,6 @@ def set_sampling(config: dict, prompt_set: str) -> dict:
     Returns:
         ``{"temperature": float, "top_p": float, "top_k": int, "seed": int}`` (temperature 0 = greedy).
     """
-    from dflash_eval.core.schema import schema_default
-
     out = {k: schema_default(f"generation.sampling.{k}") for k in ("temperature", "top_p", "top_k", "seed")}
     out.update((config.get("generation") or {}).get("sampling") or {})
     out.update(((config.get("prompt_sets") or {}).get(prompt_set) or {}).get("sampling") or {})
