@@ -1,6 +1,6 @@
 # dflash-eval developer entry points. Everything installs into ./.venv.
 #   make demo   - set up, run the demo workflow on CPU, print the tau table (results/demo/tau.csv), write results/demo/report.html
-#   make test   - set up, run the test suite (everything, ~20 min)
+#   make test   - set up, run the test suite (everything; times: docs/testing.md)
 #   make test-fast - the developer loop (<= 3 min on 2 cores): the suite without the slow end-to-end runs and the
 #                 vLLM, SLURM, container and browser tests (pytest markers, pyproject.toml)
 #   make lint   - snakemake --lint (+ snakefmt --check when installed)

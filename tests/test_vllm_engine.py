@@ -22,7 +22,7 @@ import textwrap
 import pytest
 
 from test_vllm import VLLM_PYTHON
-from test_vllm_states import DRAFTER, ENV, build_smol
+from test_vllm_states import DRAFTER, ENV
 
 pytestmark = [
     pytest.mark.slow,
@@ -33,8 +33,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    return build_smol(tmp_path_factory.mktemp("vllm-engine"))
+def smol(vllm_smol):
+    return vllm_smol  # tests/conftest.py: built once per session, shared with test_vllm.py and test_vllm_states.py
 
 
 KERNEL = textwrap.dedent("""

