@@ -34,7 +34,7 @@ functions with the most own time in each), to show where the stage's extra time 
 
     python3 bench/completions_gpu.py --ablate --batches 16 --static-batches ""
 
-CPU smoke run (tiny model, float32; what ``tests/test_bench_smoke.py`` runs)::
+CPU smoke run (tiny model, float32; what ``tests/bench/test_bench_smoke.py`` runs)::
 
     .venv/bin/python bench/completions_gpu.py --smoke
 """

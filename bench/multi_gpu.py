@@ -19,7 +19,7 @@ the one-GPU cache's bit for bit; then the two-shard wall time over the one-job w
 
     python3 bench/multi_gpu.py                      # 2 GPUs; llama-3b shape, about 2-3 min on two H200
     python3 bench/multi_gpu.py --shape llama-8b --max-memory '{"0": "9GiB"}'
-    .venv/bin/python bench/multi_gpu.py --smoke     # CPU, tiny target: checks this script (tests/test_multi_gpu_bench.py)
+    .venv/bin/python bench/multi_gpu.py --smoke     # CPU, tiny target: checks this script (tests/bench/test_multi_gpu_bench.py)
 
 With one GPU the split and two-shard runs are skipped (said so in the output). On CPU (``--smoke``)
 the split run loads the target on the CPU as one device and the shard jobs take fake pool devices:

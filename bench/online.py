@@ -19,7 +19,7 @@ The reference package: installed by ``make venv`` here; on the GPU host carry th
     python3 bench/online.py                   # SmolLM2-shaped target, 6 samples x 160 tokens, < 1 min
     python3 bench/online.py --target big      # the 2B llama
 
-CPU smoke run (tiny model; what ``tests/test_bench_smoke.py`` runs)::
+CPU smoke run (tiny model; what ``tests/bench/test_bench_smoke.py`` runs)::
 
     .venv/bin/python bench/online.py --smoke
 """

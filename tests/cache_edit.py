@@ -2,8 +2,8 @@
 
 Format 5 puts every per-sample value under the sample's checksum, and format 6 every file attribute under
 ``header_sha256``, so a test that wants another value (a low ``argmax_agreement``) or an older format must rewrite
-the checksum too; an edit without it is what the reader refuses (tests/test_reliability.py,
-tests/test_cache_header.py).
+the checksum too; an edit without it is what the reader refuses (tests/cache/test_reliability.py,
+tests/cache/test_cache_header.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def downgrade(path: Path, version: int) -> None:
 
 def set_file_attrs(path: Path, **values) -> None:
     """Set file attributes and (format 6) rewrite ``header`` / ``header_sha256`` over them, as a writer of those
-    values would have (an edit without it is what the reader refuses: tests/test_cache_header.py)."""
+    values would have (an edit without it is what the reader refuses: tests/cache/test_cache_header.py)."""
     with h5py.File(path, "r+") as f:
         f.attrs.update(values)
         if int(f.attrs["format_version"]) >= HEADER_VERSION:

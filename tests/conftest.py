@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
+# The tests mirror the package's folders (tests/<folder>/test_*.py). The shared helpers (tiny.py, hand_tau.py, ...)
+# sit here, and a few test modules reuse another's helpers (``from test_workflow import smk``): both are importable
+# by name from any folder.
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path[1:1] = [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and d.name not in ("fixtures", "__pycache__")]
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +38,7 @@ def smollm2(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_smol(smollm2, tmp_path_factory):
-    """The real-vLLM modules' inputs (tests/test_vllm.py, test_vllm_states.py, test_vllm_engine.py), built once:
+    """The real-vLLM modules' inputs (tests/serving/test_vllm.py, test_vllm_states.py, test_vllm_engine.py), built once:
     ``(root, target, completions, hf_cache)``; see ``test_vllm_states.build_smol``."""
     from test_vllm_states import build_smol
 

@@ -1,4 +1,4 @@
-"""Compare two runs of the tiny workflow (tests/test_workflow.py ``make_tiny_workdir``): the
+"""Compare two runs of the tiny workflow (tests/workflow/test_workflow.py ``make_tiny_workdir``): the
 reference local run and a run elsewhere (SLURM, a container) must give the same numbers."""
 
 from __future__ import annotations

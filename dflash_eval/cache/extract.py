@@ -31,7 +31,7 @@ with exactly the samples it had.
 Numerics: packed and padded forwards give the same states up to rounding, not bit-for-bit: the
 matrix multiplications run with M = N instead of M = b x L rows (BLAS / cuBLAS may pick other
 kernels and blockings) and attention runs in another kernel (varlen flash instead of SDPA with
-a mask). Measured on CPU in float32 (``tests/test_cache.py::test_packed_matches_padded``): max abs
+a mask). Measured on CPU in float32 (``tests/cache/test_cache.py::test_packed_matches_padded``): max abs
 difference ~1e-6 relative to the states' scale, identical argmax. A cache records its mode
 (attribute ``batching``) and a partial cache is only continued in the same mode, so a resumed
 cache is bit-identical to an uninterrupted one.

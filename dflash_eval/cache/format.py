@@ -340,7 +340,7 @@ def py_value(v):
 
 def h5py_module():
     """h5py, imported on first use (the one place): every stage's ``--help`` imports the cache modules."""
-    import h5py  # deferred: every --help imports the cache modules and stays h5py-free (tests/test_startup.py)
+    import h5py  # deferred: every --help imports the cache modules and stays h5py-free (tests/core/test_startup.py)
 
     return h5py
 

@@ -40,7 +40,7 @@ def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: 
 
     Returns:
         ``(hex digest, finite)``: the digest equals ``sample_sha256(input_ids, target_argmax, hidden, meta)``
-        (``tests/test_reliability.py``); ``finite`` is False when any value is inf or NaN (bf16: exponent bits
+        (``tests/cache/test_reliability.py``); ``finite`` is False when any value is inf or NaN (bf16: exponent bits
         all ones, as :func:`first_non_finite`).
     """
     h = hashlib.sha256()

@@ -134,7 +134,7 @@ def read_rows(path: str | Path) -> list[dict]:
                          "export the set with datasets (Dataset.to_json / to_parquet) and name the file in "
                          "prompt_sets.<name>.path")
     if path.suffix == ".parquet":
-        import pandas as pd  # deferred: 0.4 s, .parquet only; prompts --help stays pandas-free (tests/test_startup.py)
+        import pandas as pd  # deferred: 0.4 s, .parquet only; prompts --help stays pandas-free (tests/core/test_startup.py)
 
         try:
             df = pd.read_parquet(path)

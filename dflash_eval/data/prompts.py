@@ -337,7 +337,7 @@ def load_source(source: str, path: str | Path | None = None, skipped: Counter | 
 
 
 def _load_tokenizer(tokenizer_dir: str | Path):
-    from transformers import AutoTokenizer  # deferred: 2 s; prompts --help stays transformers-free (tests/test_startup.py)
+    from transformers import AutoTokenizer  # deferred: 2 s; prompts --help stays transformers-free (tests/core/test_startup.py)
 
     tokenizer_dir = Path(tokenizer_dir)
     if not tokenizer_dir.is_dir():

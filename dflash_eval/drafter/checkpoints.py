@@ -370,7 +370,7 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
 
 
 def _load_dcp(path: Path) -> LoadedCheckpoint:
-    import torch.distributed.checkpoint as dcp  # deferred: imports torch._dynamo, which --help must not (tests/test_startup.py)
+    import torch.distributed.checkpoint as dcp  # deferred: imports torch._dynamo, which --help must not (tests/core/test_startup.py)
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):

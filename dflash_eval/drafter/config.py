@@ -409,7 +409,7 @@ QWEN3_SLIDING_WINDOW, QWEN3_MAX_WINDOW_LAYERS = 4096, 28
 
 def qwen3_config(**fields):
     """transformers' ``Qwen3Config(**fields)``: the config class of the drafter's layers upstream."""
-    from transformers import Qwen3Config  # deferred: DrafterConfig and the drafter build transformers-free (tests/test_startup.py)
+    from transformers import Qwen3Config  # deferred: DrafterConfig and the drafter build transformers-free (tests/core/test_startup.py)
 
     return Qwen3Config(**fields)
 

@@ -3,7 +3,7 @@
 Importing ``transformers.models.qwen3.modeling_qwen3`` for ``Qwen3RotaryEmbedding`` alone cost
 every drafter stage several seconds of start-up (``bench/startup.py``). :class:`RotaryEmbedding`
 performs the same operations in the same dtypes as transformers' ``Qwen3RotaryEmbedding.forward``;
-:func:`rotary_embedding` builds it from the drafter config (``tests/test_replay.py`` compares the
+:func:`rotary_embedding` builds it from the drafter config (``tests/replay/test_replay.py`` compares the
 cos/sin with transformers' module bit for bit, for default, linear, yarn and dynamic RoPE).
 """
 
@@ -49,7 +49,7 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
 
     The default RoPE of an explicit ``rope_theta`` (top level or in the RoPE dict) needs no transformers
     import: ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)``, scaling 1 (transformers
-    ``Qwen3RotaryEmbedding.compute_default_rope_parameters``); ``tests/test_replay.py`` checks the
+    ``Qwen3RotaryEmbedding.compute_default_rope_parameters``); ``tests/replay/test_replay.py`` checks the
     cos/sin against transformers' module bit for bit. ``inv_freq`` is computed on the CPU even under a
     ``torch.device("meta")`` context (strip-drafter's key check): a meta ``arange`` imports ``torch._dynamo``
     (3 s), and the buffer is not part of the state dict.
@@ -65,7 +65,7 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
     conf = cfg.rotary_config()
     kind = conf.rope_parameters["rope_type"]
     if kind in ("dynamic", "longrope") or partial:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding  # deferred: 3 s, for these RoPE kinds only (tests/test_startup.py)
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding  # deferred: 3 s, for these RoPE kinds only (tests/core/test_startup.py)
 
         return Qwen3RotaryEmbedding(conf)
     if kind == "default":

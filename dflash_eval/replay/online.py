@@ -83,7 +83,7 @@ def _dynamic_layers(cache) -> list:
     Raises:
         InputError: another kind of layer (sliding-window, linear-attention, quantized caches).
     """
-    from transformers.cache_utils import DynamicLayer  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers.cache_utils import DynamicLayer  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
@@ -169,7 +169,7 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         InputError: DDTree with a DFlash 2 drafter; temperature > 0 with DDTree (the offline side,
             ``evaluate``, has no expected tau there either).
     """
-    from transformers import DynamicCache  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import DynamicCache  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     t0 = time.perf_counter()
     cfg = drafter.cfg

@@ -36,7 +36,7 @@ block) and the step commits ``min(a + 1, T - 1 - t)`` tokens (:func:`produced_pr
   So ``E[tau | x]`` by the walk DP below is the online expectation given that the response is x, and
   its mean over drawn trajectories estimates the online tau with no bias. It also has less variance
   than the online runs, since the sampler's own randomness is averaged out
-  (``tests/test_sampling_online.py``). DFlash 2: ``q_i(x_{t+i})`` is the selector's probability of
+  (``tests/replay/test_sampling_online.py``). DFlash 2: ``q_i(x_{t+i})`` is the selector's probability of
   the token given the trajectory's previous token as predecessor (:func:`selector_path_probs`).
   Needed per slot: p and q of one token.
 * **Teacher-forced ``1 - TV`` (SpecForge's probabilistic tau,** ``specforge/algorithms/common/
@@ -126,7 +126,7 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     (``torch.topk``: which of equal values at the cut survive is its choice, as in the reference);
     softmax; with ``top_p < 1`` sort descending (``torch.sort``) and keep each token whose preceding
     cumulative mass is ``< top_p`` (so at least the first), renormalise over the kept ones. Equal to
-    ``dflash.model._sampling_probs`` bit for bit (``tests/test_sampling.py``).
+    ``dflash.model._sampling_probs`` bit for bit (``tests/replay/test_sampling.py``).
 
     Raises:
         InputError: a setting the reference refuses (:func:`check_sampling`).

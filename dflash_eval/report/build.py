@@ -501,7 +501,7 @@ def _img(png: bytes) -> str:
 
 def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     """``{file name: (caption, PNG bytes)}`` of every figure the data supports, in page order."""
-    from dflash_eval.report import figures as F  # deferred: matplotlib (1 s); report --help stays matplotlib-free (tests/test_startup.py)
+    from dflash_eval.report import figures as F  # deferred: matplotlib (1 s); report --help stays matplotlib-free (tests/core/test_startup.py)
 
     out = {}
 

@@ -65,7 +65,7 @@ def _read_json(path: Path) -> dict:
 
 def load_tokenizer(target_dir: str | Path):
     """The target folder's tokenizer (``AutoTokenizer.from_pretrained``)."""
-    from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     return AutoTokenizer.from_pretrained(str(target_dir))
 
@@ -244,7 +244,7 @@ class TransformersSource(CompletionSource):
     alone, without padding (:func:`dflash_eval.target.model.prefill_unpadded`), and
     grouped KV heads are read in place rather than copied every step
     (:func:`dflash_eval.target.model.gqa_sdpa`): 3x less CPU time for the demo's
-    SmolLM2 completions, same tokens (``tests/test_generate_fast_paths.py``).
+    SmolLM2 completions, same tokens (``tests/serving/test_generate_fast_paths.py``).
 
     Args:
         model: loaded causal LM (eval mode, on its device).
@@ -259,7 +259,7 @@ class TransformersSource(CompletionSource):
 
     def __init__(self, model, tokenizer, max_new_tokens: int, target_dir: str | Path | None = None,
                  stop_ids: Sequence[int] | None = None, batch_size: int = 16, sampling: dict | None = None):
-        from transformers import GenerationConfig  # deferred: --help stays transformers-free (tests/test_startup.py)
+        from transformers import GenerationConfig  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
         self.model = model
         self.tokenizer = tokenizer

@@ -70,7 +70,7 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
         model = DFlashDrafter(DrafterConfig.from_dict(cfg_dict, source=str(drafter_dir)))
         model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=True)
     elif random_init:
-        from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py); --random-init only
+        from transformers import AutoTokenizer  # deferred: --help stays transformers-free (tests/core/test_startup.py); --random-init only
 
         try:
             mask = pick_mask_token(AutoTokenizer.from_pretrained(str(spec.path)))

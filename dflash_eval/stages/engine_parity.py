@@ -19,7 +19,7 @@ layers, ``final_hidden``, dtype and batching, and ``cache.vllm`` for the vLLM si
   tau.csv) and its difference.
 
 HF is the reference of ``rel_l2`` and of every difference, whichever source the run uses. In float32 on
-CPU the two sources agree to rounding (rel-L2 ~1e-6 per layer, the same tau: ``tests/test_vllm_states.py``);
+CPU the two sources agree to rounding (rel-L2 ~1e-6 per layer, the same tau: ``tests/serving/test_vllm_states.py``);
 anything larger is what this stage exists to show. Output: JSON with ``title`` and ``markdown`` (picked up
 by ``report --extra``) and the numbers.
 """

@@ -311,7 +311,7 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     cuda = dev.type == "cuda"
     total = {"n": len(cache.done), "of": len(cache.meta)}
     # tqdm bar of committed tokens on a terminal; off a terminal the INFO line per commit below is the
-    # progress (tests/test_extract_resume.py reads it), so the bar logs none of its own.
+    # progress (tests/cache/test_extract_resume.py reads it), so the bar logs none of its own.
     bar = Progress(sum(len(seqs[i]) for b in todo for i in b if i not in cache.done), "hidden states",
                    logger=log, log_every=float("inf"))
 

@@ -106,7 +106,7 @@ class DevicePlan:
 def meta_model(spec: TargetSpec, dtype):
     """The target's module tree on the meta device (shapes only, nothing allocated or read), in ``dtype``."""
     from accelerate import init_empty_weights  # deferred: accelerate costs 0.13 s after torch, at every stage's start; only a split target needs it
-    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import AutoConfig, AutoModelForCausalLM  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     try:
         cfg = AutoConfig.from_pretrained(str(spec.path))

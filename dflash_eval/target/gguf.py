@@ -87,7 +87,7 @@ def _gguf_metadata(gguf_path: Path) -> dict[str, Any]:
         InputError: not a GGUF file (bad magic / unsupported version).
     """
     try:
-        from transformers.integrations.gguf import read_gguf_metadata  # deferred: --help stays transformers-free (tests/test_startup.py)
+        from transformers.integrations.gguf import read_gguf_metadata  # deferred: --help stays transformers-free (tests/core/test_startup.py)
     except ImportError:  # older transformers: use the gguf library
         from gguf import GGUFReader  # deferred: optional dependency (the gguf extra), read only by an old transformers
 
@@ -159,7 +159,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         InputError: file missing, not a GGUF file, or an architecture transformers cannot load from GGUF.
         RuntimeError: the loaded model still holds quantized (non-bf16) weights.
     """
-    from transformers import (  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import (  # deferred: --help stays transformers-free (tests/core/test_startup.py)
         AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig, __version__ as transformers_version)
 
     gguf_path = Path(gguf_path).resolve()

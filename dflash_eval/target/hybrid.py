@@ -59,7 +59,7 @@ sample alone vs right-padded in a batch with longer samples, per stored layer):
   kernel with a padding mask than without one, so bf16 rounding differs.
 
 A leak through padding or packing would be O(1), so these are rounding only;
-``tests/test_hybrid.py`` asserts rel-L2 < 1e-5 in float32. On GPU (bf16, fla)
+``tests/target/test_hybrid.py`` asserts rel-L2 < 1e-5 in float32. On GPU (bf16, fla)
 the whole model is not batch-invariant at the ~0.1-1 % level (cuBLAS algorithm
 choice, reference §6); ``bench/gpu_hybrid_parity.py`` measures it.
 """

@@ -57,7 +57,7 @@ def load_target(target: "str | Path | TargetSpec", device="auto", dtype="auto", 
     Raises:
         InputError: missing folder / config / weights, transformers cannot load it, or an impossible kernel request.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     spec = as_spec(target)
     if not list(spec.path.glob("*.safetensors")) and not list(spec.path.glob("*.bin")):
@@ -102,10 +102,10 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
     ``use_gqa_in_sdpa`` passes ``enable_gqa`` only without a mask): on CPU that copy was half of a
     decode step of SmolLM2 (9 query / 3 KV heads) at batch 16. ``scaled_dot_product_attention(...,
     enable_gqa=True)`` reads the shared heads in place and gives bit-identical outputs (checked in
-    ``tests/test_completions.py``). Shapes as in transformers: ``query [b, Hq, q, D]``, ``key/value
+    ``tests/data/test_completions.py``). Shapes as in transformers: ``query [b, Hq, q, D]``, ``key/value
     [b, Hkv, k, D]`` -> ``([b, q, Hq, D], None)``.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     if getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -117,7 +117,7 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout: float
 
 def register_attention(name: str, fn) -> None:
     """Register ``fn`` as the transformers attention implementation ``name`` (a model's ``config._attn_implementation``)."""
-    from transformers import AttentionInterface  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers import AttentionInterface  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     AttentionInterface.register(name, fn)
 
@@ -128,7 +128,7 @@ def gqa_sdpa(model):
 
     Only for models whose attention is ``sdpa``; others are left as they are.
     """
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     cfg = model.config
     old = cfg._attn_implementation
@@ -152,7 +152,7 @@ def _preallocated_layer_class(dynamic_layer: type):
     the demo's batch-16 CPU decoding that copy was a fifth of a decode step. This layer writes the
     new keys/values into a buffer of ``capacity`` positions (set by :func:`prefill_unpadded`) and
     returns views of its first ``n`` positions; past the capacity it concatenates as before. The
-    attention reads the same values in the same order (same tokens: ``tests/test_generate_fast_paths.py``).
+    attention reads the same values in the same order (same tokens: ``tests/serving/test_generate_fast_paths.py``).
     """
     class PreallocatedLayer(dynamic_layer):
         def reserve(self, capacity: int) -> None:
@@ -201,7 +201,7 @@ def prefill_unpadded(model, prompts, width: int, capacity: int = 0):
         is cheaper than B separate ones; no prompt longer than one token; caches other than plain
         attention layers, e.g. hybrid linear-attention or sliding-window targets).
     """
-    from transformers.cache_utils import DynamicCache, DynamicLayer  # deferred: --help stays transformers-free (tests/test_startup.py)
+    from transformers.cache_utils import DynamicCache, DynamicLayer  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     dev = next(model.parameters()).device
     if dev.type != "cpu" or width < 2:

@@ -168,7 +168,7 @@ def _hash_files(files: list[Path]) -> str:
 def _torch():
     """torch, imported on first use (the one place): the plan (parse time) and target-fingerprint --help import this
     module."""
-    import torch  # deferred: the workflow's parse and target-fingerprint --help stay torch-free (tests/test_startup.py)
+    import torch  # deferred: the workflow's parse and target-fingerprint --help stay torch-free (tests/core/test_startup.py)
 
     return torch
 

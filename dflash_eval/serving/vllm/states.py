@@ -31,7 +31,7 @@ written; CPU hosts load :mod:`dflash_eval.serving.vllm.connector`) or a user's s
 the same flags (``url``; ``storage_dir`` = where its dumps are readable from this job).
 
 Numerics: vLLM's kernels, not transformers': in float32 on CPU the states equal the HF cache's
-to a relative L2 of ~1e-6 per layer (``tests/test_vllm_states.py``); a resumed cache is not
+to a relative L2 of ~1e-6 per layer (``tests/serving/test_vllm_states.py``); a resumed cache is not
 bit-identical to an uninterrupted one (the server batches requests as they come).
 """
 
