@@ -150,22 +150,6 @@ def test_an_edited_header_is_refused(work, tmp_path):
         CacheReader(bad)
 
 
-def test_a_format_version_downgrade_is_refused_as_such(work, tmp_path):
-    bad = _copy(work, tmp_path)
-    with h5py.File(bad, "r+") as f:
-        f.attrs["format_version"] = 5
-    with pytest.raises(InputError, match="format_version says 5 but the file carries a format-6 header: the "
-                                         "attribute was edited"):
-        CacheReader(bad)
-    with h5py.File(bad, "r+") as f:  # header removed too: the samples' meta still shows format 5
-        f.attrs["format_version"] = 4
-        del f.attrs["header"], f.attrs["header_sha256"]
-    with pytest.raises(InputError) as err:
-        CacheReader(bad)
-    assert err.value.field == "format_version" and "checksum" not in err.value.problem
-    assert "format_version says 4 but its samples carry format-5 meta: the attribute was edited" in str(err.value)
-
-
 def test_a_format_5_cache_still_reads_with_a_log_line(tmp_path, caplog):
     x = torch.arange(4 * 2 * 8, dtype=torch.float32).reshape(4, 2, 8)
     path = tmp_path / "v5.h5"

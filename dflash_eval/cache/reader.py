@@ -69,8 +69,7 @@ class CacheReader:
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
             unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), ``n_samples`` or the group
-            count differing from ``sample_ids`` (edited), its ``format_version``
-            edited down (:meth:`_check_downgrade`), or (format 6) a file attribute differs from the checksummed
+            count differing from ``sample_ids``, or (format 6) a file attribute differs from the checksummed
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
@@ -101,7 +100,6 @@ class CacheReader:
         if version not in READABLE_VERSIONS:
             raise InputError(self.path, "format_version", f"{version} is not one of {READABLE_VERSIONS}",
                              "re-extract the cache with this version")
-        self._check_downgrade(version)
         if version >= HEADER_VERSION:
             self._check_header()
         elif self.verify_reads:
@@ -130,28 +128,6 @@ class CacheReader:
                         "(format %d covers them), so they are read unverified; re-extract the cache "
                         "(snakemake -R hidden_states) to have them verified", self.path, version,
                         ", ".join(META_FIELDS), META_VERSION)
-
-    def _check_downgrade(self, version: int) -> None:
-        """Refuse a ``format_version`` below the features the file holds (format 6's ``header``, the
-        samples' format-5 ``meta``): read as the older format, the edit would disable their checks.
-
-        Raises:
-            InputError: ``format_version`` says less than the file's contents show.
-        """
-        a = self._f.attrs
-        found = None
-        if version < HEADER_VERSION and "header" in a:
-            found = (HEADER_VERSION, "the file carries a format-6 header")
-        elif version < META_VERSION:
-            try:
-                first = next(iter(self._f["samples"]), None) if "samples" in self._f else None
-                if first is not None and "meta" in self._f["samples"][first].attrs:
-                    found = (META_VERSION, f"its samples carry format-{META_VERSION} meta")
-            except (KeyError, OSError):  # a merged cache whose shards are gone: reported as missing samples later
-                pass
-        if found:
-            raise InputError(self.path, "format_version", f"format_version says {version} but {found[1]}: the "
-                             f"attribute was edited (format {found[0]} or later wrote the file)", HEADER_FIX)
 
     def _check_header(self) -> None:
         """Format 6: ``header_sha256`` matches ``header``, and every covered file attribute equals its value there.
@@ -407,7 +383,6 @@ class CacheReader:
         return [self.layer_ids.index(i) for i in layer_ids]
 
 
-#: the fix of an edited file attribute (format 6) or ``format_version``
 #: what h5py raises for bytes of a damaged structure (object headers, heaps, datatype messages)
 H5_DAMAGE = (OSError, KeyError, RuntimeError, ValueError, TypeError)
 
