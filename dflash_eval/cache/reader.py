@@ -111,9 +111,7 @@ class CacheReader:
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
-        # format >= 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
-        self._per_sample = ({k: self._f[k][()] for k in FILE_DATASETS if k in self._f}
-                            if "prompt_len" in self._f else None)
+        self._per_sample = {k: self._f[k][()] for k in FILE_DATASETS if k in self._f}  # read once
         self._checked: set[int] = set()  # format 5: samples whose arrays were compared with their meta
         n_groups = len(self._f["samples"]) if "samples" in self._f else 0
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
@@ -200,10 +198,8 @@ class CacheReader:
         """
         g = self._f[f"samples/{i:06d}"]
         length = int(g["input_ids"].shape[0])
-        if self._per_sample is None:  # format 1/2: group attributes
-            return {**{k: py_value(v) for k, v in g.attrs.items()}, "length": length}
         self._values_checked(i)
-        v = self._array_values(i, length)  # format >= 3: the file-level arrays
+        v = self._array_values(i, length)
         agree = v["argmax_agreement"]
         return {**v, "completion_len": length - v["prompt_len"], "argmax_agreement": None if np.isnan(agree) else agree,
                 "sha256": py_value(g.attrs.get("sha256")), "length": length}
@@ -211,15 +207,13 @@ class CacheReader:
     def argmax_agreement(self, i: int) -> float | None:
         """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
 
-        Format >= 3: the file-level array (format 5: compared with the sample's ``meta`` first, as in
-        :meth:`sample_attrs`); 1/2: the group attribute.
+        The file-level array (format 5: compared with the sample's ``meta`` first, as in :meth:`sample_attrs`).
         """
-        if self._per_sample is not None and "argmax_agreement" in self._per_sample:
-            self._values_checked(i)
-            v = float(self._per_sample["argmax_agreement"][i])
-            return None if np.isnan(v) else v
-        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
-        return None if v is None else float(v)
+        if "argmax_agreement" not in self._per_sample:
+            return None
+        self._values_checked(i)
+        v = float(self._per_sample["argmax_agreement"][i])
+        return None if np.isnan(v) else v
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError).
@@ -302,9 +296,8 @@ class CacheReader:
         idx = None if layer_ids is None else self.layer_index(layer_ids)
         try:
             g = self._f[f"samples/{i:06d}"]
-            sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
             attrs = g.attrs
-            return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+            return _Raw(i, g, idx, self.sample_ids[i], g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
                         py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
         except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
             raise damaged(self.path, f"samples/{i:06d}", err) from None
@@ -319,18 +312,11 @@ class CacheReader:
 
     def _build(self, raw: "_Raw") -> CacheSample:
         i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
-        hidden_ds = g["hidden"]
-        per = self._per_sample
-        logical = (py_value(hidden_ds.attrs["logical_dtype"]) if per is None
-                   else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
+        logical = "bfloat16" if g["hidden"].dtype == np.uint16 else "float32"
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
-        if per is not None:
-            v = self._array_values(i, len(raw.input_ids))
-            agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
-        else:  # format 1/2: group attributes
-            v = {k: py_value(g.attrs.get(k)) for k in ("prompt_len", "stop_reason", "max_new_tokens")}
-            agree = None if g.attrs.get("argmax_agreement") is None else float(g.attrs["argmax_agreement"])
+        v = self._array_values(i, len(raw.input_ids))
+        agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
         return CacheSample(
             index=i,
             sample_id=raw.sample_id,
@@ -344,16 +330,13 @@ class CacheReader:
         )
 
     def verify(self, indices: Sequence[int] | None = None) -> list[int]:
-        """Recompute the per-sample ``sha256`` (format >= 2) of ``indices`` (default: all); format 5 also
+        """Recompute the per-sample ``sha256`` of ``indices`` (default: all); format 5 also
         compares the file-level arrays with each sample's ``meta``.
 
         Returns:
             the indices whose stored bytes do not match their checksum, or (format 5) whose array
             entries differ from their ``meta`` (empty = intact).
-            Format-1 files carry no checksums: nothing to compare, ``[]``.
         """
-        if self.format_version < 2:
-            return []
         bad = []
         for i in (range(len(self)) if indices is None else indices):
             try:
