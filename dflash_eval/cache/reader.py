@@ -18,8 +18,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION,
-                                      READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
                                       header_problem, py_value, sample_sha256)
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
 from dflash_eval.core.errors import InputError
@@ -58,13 +57,11 @@ class CacheReader:
     """Read-only access to a cache file (open lazily in each process; h5py handles do not survive fork).
 
     ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, per-sample values,
-    finite states). A cache of a format before 5 has its per-sample values outside the checksum: it is
-    read, and the log says so once per reader.
+    finite states).
 
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
-    The file attributes of a format-6 file are verified on open (:meth:`_check_header`); those of older
-    formats are read unverified (the log says so once per reader).
+    The file attributes are verified on open (:meth:`_check_header`).
 
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
@@ -100,19 +97,13 @@ class CacheReader:
         if version not in READABLE_VERSIONS:
             raise InputError(self.path, "format_version", f"{version} is not one of {READABLE_VERSIONS}",
                              "re-extract the cache with this version")
-        if version >= HEADER_VERSION:
-            self._check_header()
-        elif self.verify_reads:
-            log.warning("%s: cache format %d: its file attributes (target_layer_ids, hidden_size, dtype, "
-                        "target_sha256, completion_sampling, ...) are under no checksum (format %d covers them), so "
-                        "they are read unverified; re-extract the cache (snakemake -R hidden_states) to have them "
-                        "verified", self.path, version, HEADER_VERSION)
+        self._check_header()
         self.format_version = version
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
         self._per_sample = {k: self._f[k][()] for k in FILE_DATASETS if k in self._f}  # read once
-        self._checked: set[int] = set()  # format 5: samples whose arrays were compared with their meta
+        self._checked: set[int] = set()  # samples whose arrays were compared with their meta
         n_groups = len(self._f["samples"]) if "samples" in self._f else 0
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
             raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
@@ -121,11 +112,6 @@ class CacheReader:
             raise InputError(self.path, "n_samples", f"n_samples is {self.attrs['n_samples']} and samples/ holds "
                              f"{n_groups} groups, but the file lists {len(self.sample_ids)} sample_ids (the writer "
                              "makes all three equal): the file was edited or damaged", HEADER_FIX)
-        if version < META_VERSION and self.verify_reads:
-            log.warning("%s: cache format %d: its per-sample values (%s) are outside the per-sample checksums "
-                        "(format %d covers them), so they are read unverified; re-extract the cache "
-                        "(snakemake -R hidden_states) to have them verified", self.path, version,
-                        ", ".join(META_FIELDS), META_VERSION)
 
     def _check_header(self) -> None:
         """Format 6: ``header_sha256`` matches ``header``, and every covered file attribute equals its value there.
@@ -138,24 +124,15 @@ class CacheReader:
         if problem:
             raise InputError(self.path, problem[0], problem[1], HEADER_FIX)
 
-    @property
-    def meta_verified(self) -> bool:
-        """Whether the per-sample values are under the checksum (format >= 5; see :mod:`dflash_eval.cache.format`)."""
-        return self.format_version >= META_VERSION
-
     def _array_values(self, i: int, length: int | None = None) -> dict:
-        """Sample ``i``'s entries of the file-level arrays (format >= 3), keyed as ``meta``."""
+        """Sample ``i``'s entries of the file-level arrays, keyed as ``meta``."""
         per = self._per_sample
-        P = int(per["prompt_len"][i])
-        comp = (int(per["completion_len"][i]) if "completion_len" in per
-                else (length if length is not None else self.length(i)) - P)
-        agree = float(per["argmax_agreement"][i]) if "argmax_agreement" in per else float("nan")
-        return {"sample_id": self.sample_ids[i], "prompt_len": P, "completion_len": comp,
-                "stop_reason": str(py_value(per["stop_reason"][i])), "max_new_tokens": int(per["max_new_tokens"][i]),
-                "argmax_agreement": agree}
+        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
+                "completion_len": int(per["completion_len"][i]), "stop_reason": str(py_value(per["stop_reason"][i])),
+                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": float(per["argmax_agreement"][i])}
 
     def _compare_meta(self, i: int, meta: str | None, raw: "_Raw | None" = None, hashed: bool = False) -> None:
-        """Format 5: the file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array).
+        """The file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array).
 
         On a mismatch the sample's checksum decides which copy changed (unless ``hashed``: it passed already):
         a ``meta`` that fails it is reported as a checksum error, else the array is named.
@@ -169,9 +146,9 @@ class CacheReader:
         self._checked.add(i)
 
     def _values_checked(self, i: int) -> None:
-        """Format 5, before a value of sample ``i`` is handed out without reading its arrays: compare the
+        """Before a value of sample ``i`` is handed out without reading its arrays: compare the
         file-level arrays with the group's ``meta`` (no hash: the checksum is verified when the sample is read)."""
-        if self.meta_verified and self.verify_reads and i not in self._checked:
+        if self.verify_reads and i not in self._checked:
             self._compare_meta(i, py_value(self._f[f"samples/{i:06d}"].attrs.get("meta")))
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -209,8 +186,6 @@ class CacheReader:
 
         The file-level array (format 5: compared with the sample's ``meta`` first, as in :meth:`sample_attrs`).
         """
-        if "argmax_agreement" not in self._per_sample:
-            return None
         self._values_checked(i)
         v = float(self._per_sample["argmax_agreement"][i])
         return None if np.isnan(v) else v
@@ -274,11 +249,10 @@ class CacheReader:
                 raw = self._read_raw(i, layer_ids)
                 raws.append(raw)
                 checks.append(pool.submit(self._check_raw, raw, False))  # hash + finite scan, in a thread
-                if self.meta_verified:
-                    try:
-                        self._compare_meta(raw.i, raw.meta, raw)
-                    except InputError as err:  # an earlier sample's failure comes first
-                        raise _first_failure(checks[:-1]) or err from None
+                try:
+                    self._compare_meta(raw.i, raw.meta, raw)
+                except InputError as err:  # an earlier sample's failure comes first
+                    raise _first_failure(checks[:-1]) or err from None
             try:
                 yield [self._build(r) for r in raws]
             except BaseException as err:
@@ -298,7 +272,7 @@ class CacheReader:
             g = self._f[f"samples/{i:06d}"]
             attrs = g.attrs
             return _Raw(i, g, idx, self.sample_ids[i], g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
+                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")))
         except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
             raise damaged(self.path, f"samples/{i:06d}", err) from None
 
@@ -307,7 +281,7 @@ class CacheReader:
         format 5) the arrays against ``meta``, which is authentic once the checksum passed."""
         check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
                           self.layer_ids, self.format_version, raw.meta)
-        if compare and self.meta_verified:
+        if compare:
             self._compare_meta(raw.i, raw.meta, raw, hashed=True)
 
     def _build(self, raw: "_Raw") -> CacheSample:
@@ -345,7 +319,7 @@ class CacheReader:
                 bad.append(i)
                 continue
             ok = verify_group(g) is not None
-            if ok and self.meta_verified:
+            if ok:
                 try:
                     check_sample_values(self.path, i, parse_meta(self.path, i, py_value(g.attrs.get("meta"))),
                                         self._array_values(i))
