@@ -20,7 +20,6 @@ rule hidden_states:
         unpack(target_model_files),
         fingerprint=TARGET.fingerprint,
         completions="results/{run}/completions/{prompt_set}.jsonl",
-        prompts="results/{run}/prompts/{prompt_set}.jsonl",
         completions_meta="results/{run}/completions/{prompt_set}.meta.json",
     output:
         "results/{run}/cache/{prompt_set}.h5",
@@ -42,7 +41,7 @@ rule hidden_states:
         options=lambda wildcards: PLAN.stage_flags("hidden_states", wildcards.prompt_set),
     shell:
         "python -m dflash_eval hidden-states --target {params.target:q}"
-        " --completions {input.completions:q} --prompts {input.prompts:q} --layer-ids {params.layer_ids}"
+        " --completions {input.completions:q} --layer-ids {params.layer_ids}"
         " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
         " --server-log {log.server:q} --out {output:q} > {log.main:q} 2>&1"
 
@@ -60,8 +59,7 @@ if PLAN.cache_shards > 1:
             unpack(target_model_files),
             fingerprint=TARGET.fingerprint,
             completions="results/{run}/completions/{prompt_set}.jsonl",
-            prompts="results/{run}/prompts/{prompt_set}.jsonl",
-            completions_meta="results/{run}/completions/{prompt_set}.meta.json",
+                completions_meta="results/{run}/completions/{prompt_set}.meta.json",
         output:
             "results/{run}/cache/{prompt_set}.shard{shard}.h5",
         log:
@@ -84,7 +82,7 @@ if PLAN.cache_shards > 1:
             options=lambda wildcards: PLAN.stage_flags("hidden_states", wildcards.prompt_set),
         shell:
             "python -m dflash_eval hidden-states-shard --target {params.target:q}"
-            " --completions {input.completions:q} --prompts {input.prompts:q} --layer-ids {params.layer_ids}"
+            " --completions {input.completions:q} --layer-ids {params.layer_ids}"
             " --shard {wildcards.shard}/{params.shards}"
             " --target-fingerprint {input.fingerprint:q} --keep-partial {params.options}"
             " --out {output:q} > {log:q} 2>&1"

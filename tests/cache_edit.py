@@ -41,21 +41,6 @@ def set_agreement(path: Path, values) -> None:
                 _reseal(f, i, _meta_of(f, i))
 
 
-def downgrade(path: Path, version: int) -> None:
-    """Make a format-6 cache the cache format ``version`` (3, 4 or 5) would have written: no ``header`` /
-    ``header_sha256``, and below 5 no ``meta``, checksums over the three datasets only (the caller removes
-    other attributes the older format lacked)."""
-    with h5py.File(path, "r+") as f:
-        f.attrs["format_version"] = version
-        for key in ("header", "header_sha256"):
-            if key in f.attrs:
-                del f.attrs[key]
-        if version >= META_VERSION:
-            return
-        for i in range(len(f["sample_ids"])):
-            _reseal(f, i, None)
-
-
 def set_file_attrs(path: Path, **values) -> None:
     """Set file attributes and (format 6) rewrite ``header`` / ``header_sha256`` over them, as a writer of those
     values would have (an edit without it is what the reader refuses: tests/cache/test_cache_header.py)."""

@@ -35,8 +35,6 @@ arrays and ``meta`` when it reads a sample, and that the file-level arrays hold 
 (:meth:`~dflash_eval.cache.reader.CacheReader.sample`); the accessors that read no arrays
 (``sample_attrs``, ``argmax_agreement``) compare the arrays with ``meta`` (no hash). An edited
 ``prompt_len`` (or any other array entry) is refused naming the file, the field and the sample.
-Formats 3 and 4 have no ``meta`` and their checksum covers the three datasets only: their per-sample
-values are read unverified (the reader says so once per file in the log); 1 and 2 likewise.
 
 Every file attribute a stage uses is covered too (format 6): ``header`` holds them as canonical JSON and
 ``header_sha256`` its checksum (:func:`write_header`), written whenever a covered attribute is (the file's
@@ -45,24 +43,17 @@ creation, a shard merge). Covered: every file attribute but :data:`UNCOVERED_ATT
 ``extraction_runs`` (rewritten at every commit of every run) and ``n_samples`` (written when the last sample is:
 a killed run's sidecar must resume with its header intact). The reader checks both when it opens a format-6 file
 (:meth:`~dflash_eval.cache.reader.CacheReader._check_header`): an edited, added or deleted attribute is refused
-naming it with both values, and so is a missing ``header`` / ``header_sha256``. A ``format_version`` below what the
-file holds (a ``header``, or samples with ``meta``) is refused as an edit of ``format_version``. Formats 1 to 5 have
-no ``header``: their file attributes are read unverified (the log says so once per file).
+naming it with both values, and so is a missing ``header`` / ``header_sha256``.
 
 The per-sample values known before the target runs are file-level arrays written once when the
 file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
-datasets and two attributes (format 2 kept ``sample_id``, ``prompt_len``, ``completion_len``,
-``stop_reason``, ``max_new_tokens``, ``argmax_agreement`` as attributes of each group and
-``logical_dtype`` on each ``hidden``: about 2x the HDF5 calls per sample; readers accept both).
+datasets and two attributes.
 
 File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
 strings are stored as JSON strings):
 
-- ``format``, ``format_version``: see above. Readers accept versions 1 to 6 (5: no ``header``, so the file
-  attributes are under no checksum; 4: also no per-sample ``meta``,
-  so the per-sample values are not under the checksum; 3: also no ``completion_sampling``, read as greedy completions; 2: per-sample values as group attributes, see
-  above; 1 also had no per-sample ``sha256`` / ``completion_len`` and no ``batching`` /
-  ``extraction_runs``).
+- ``format``, ``format_version``: see above. Readers accept version 6 only; a file of an earlier version
+  is refused (re-extract it).
 - ``completion_sampling``: JSON ``{"temperature", "top_p", "top_k", "seed"}`` of how the completions were
   drawn (the completions file's ``generation.sampling`` provenance; ``{"temperature": 0.0, "top_p": 1.0,
   "top_k": 0, "seed": null}`` = greedy, the only kind before format 4). Evaluating a sampling setting at
@@ -170,7 +161,7 @@ import torch
 
 FORMAT = "dflash-eval/hidden-state-cache"
 FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+READABLE_VERSIONS = (6,)
 #: the first format whose per-sample checksum covers the sample's per-sample values (its ``meta`` attribute)
 META_VERSION = 5
 #: the first format whose file attributes are under a checksum (the ``header`` attribute)

@@ -18,8 +18,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, HEADER_VERSION, META_FIELDS, META_VERSION,
-                                      READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
                                       header_problem, py_value, sample_sha256)
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
 from dflash_eval.core.errors import InputError
@@ -58,19 +57,16 @@ class CacheReader:
     """Read-only access to a cache file (open lazily in each process; h5py handles do not survive fork).
 
     ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, per-sample values,
-    finite states). A cache of a format before 5 has its per-sample values outside the checksum: it is
-    read, and the log says so once per reader.
+    finite states).
 
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
-    The file attributes of a format-6 file are verified on open (:meth:`_check_header`); those of older
-    formats are read unverified (the log says so once per reader).
+    The file attributes are verified on open (:meth:`_check_header`).
 
     Raises:
         InputError: the file is missing, damaged, not a dflash-eval cache, of another format version,
             unfinished (no ``n_samples``, or fewer sample groups than ``sample_ids``), ``n_samples`` or the group
-            count differing from ``sample_ids`` (edited), its ``format_version``
-            edited down (:meth:`_check_downgrade`), or (format 6) a file attribute differs from the checksummed
+            count differing from ``sample_ids``, or (format 6) a file attribute differs from the checksummed
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
@@ -101,22 +97,13 @@ class CacheReader:
         if version not in READABLE_VERSIONS:
             raise InputError(self.path, "format_version", f"{version} is not one of {READABLE_VERSIONS}",
                              "re-extract the cache with this version")
-        self._check_downgrade(version)
-        if version >= HEADER_VERSION:
-            self._check_header()
-        elif self.verify_reads:
-            log.warning("%s: cache format %d: its file attributes (target_layer_ids, hidden_size, dtype, "
-                        "target_sha256, completion_sampling, ...) are under no checksum (format %d covers them), so "
-                        "they are read unverified; re-extract the cache (snakemake -R hidden_states) to have them "
-                        "verified", self.path, version, HEADER_VERSION)
+        self._check_header()
         self.format_version = version
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
-        # format >= 3: per-sample values in file-level arrays, read once (format 1/2: group attributes)
-        self._per_sample = ({k: self._f[k][()] for k in FILE_DATASETS if k in self._f}
-                            if "prompt_len" in self._f else None)
-        self._checked: set[int] = set()  # format 5: samples whose arrays were compared with their meta
+        self._per_sample = {k: self._f[k][()] for k in FILE_DATASETS if k in self._f}  # read once
+        self._checked: set[int] = set()  # samples whose arrays were compared with their meta
         n_groups = len(self._f["samples"]) if "samples" in self._f else 0
         if "n_samples" not in self.attrs or n_groups < len(self.sample_ids):
             raise InputError(self.path, "n_samples", f"unfinished cache: {n_groups} of {len(self.sample_ids)} samples",
@@ -125,33 +112,6 @@ class CacheReader:
             raise InputError(self.path, "n_samples", f"n_samples is {self.attrs['n_samples']} and samples/ holds "
                              f"{n_groups} groups, but the file lists {len(self.sample_ids)} sample_ids (the writer "
                              "makes all three equal): the file was edited or damaged", HEADER_FIX)
-        if version < META_VERSION and self.verify_reads:
-            log.warning("%s: cache format %d: its per-sample values (%s) are outside the per-sample checksums "
-                        "(format %d covers them), so they are read unverified; re-extract the cache "
-                        "(snakemake -R hidden_states) to have them verified", self.path, version,
-                        ", ".join(META_FIELDS), META_VERSION)
-
-    def _check_downgrade(self, version: int) -> None:
-        """Refuse a ``format_version`` below the features the file holds (format 6's ``header``, the
-        samples' format-5 ``meta``): read as the older format, the edit would disable their checks.
-
-        Raises:
-            InputError: ``format_version`` says less than the file's contents show.
-        """
-        a = self._f.attrs
-        found = None
-        if version < HEADER_VERSION and "header" in a:
-            found = (HEADER_VERSION, "the file carries a format-6 header")
-        elif version < META_VERSION:
-            try:
-                first = next(iter(self._f["samples"]), None) if "samples" in self._f else None
-                if first is not None and "meta" in self._f["samples"][first].attrs:
-                    found = (META_VERSION, f"its samples carry format-{META_VERSION} meta")
-            except (KeyError, OSError):  # a merged cache whose shards are gone: reported as missing samples later
-                pass
-        if found:
-            raise InputError(self.path, "format_version", f"format_version says {version} but {found[1]}: the "
-                             f"attribute was edited (format {found[0]} or later wrote the file)", HEADER_FIX)
 
     def _check_header(self) -> None:
         """Format 6: ``header_sha256`` matches ``header``, and every covered file attribute equals its value there.
@@ -164,24 +124,15 @@ class CacheReader:
         if problem:
             raise InputError(self.path, problem[0], problem[1], HEADER_FIX)
 
-    @property
-    def meta_verified(self) -> bool:
-        """Whether the per-sample values are under the checksum (format >= 5; see :mod:`dflash_eval.cache.format`)."""
-        return self.format_version >= META_VERSION
-
     def _array_values(self, i: int, length: int | None = None) -> dict:
-        """Sample ``i``'s entries of the file-level arrays (format >= 3), keyed as ``meta``."""
+        """Sample ``i``'s entries of the file-level arrays, keyed as ``meta``."""
         per = self._per_sample
-        P = int(per["prompt_len"][i])
-        comp = (int(per["completion_len"][i]) if "completion_len" in per
-                else (length if length is not None else self.length(i)) - P)
-        agree = float(per["argmax_agreement"][i]) if "argmax_agreement" in per else float("nan")
-        return {"sample_id": self.sample_ids[i], "prompt_len": P, "completion_len": comp,
-                "stop_reason": str(py_value(per["stop_reason"][i])), "max_new_tokens": int(per["max_new_tokens"][i]),
-                "argmax_agreement": agree}
+        return {"sample_id": self.sample_ids[i], "prompt_len": int(per["prompt_len"][i]),
+                "completion_len": int(per["completion_len"][i]), "stop_reason": str(py_value(per["stop_reason"][i])),
+                "max_new_tokens": int(per["max_new_tokens"][i]), "argmax_agreement": float(per["argmax_agreement"][i])}
 
     def _compare_meta(self, i: int, meta: str | None, raw: "_Raw | None" = None, hashed: bool = False) -> None:
-        """Format 5: the file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array).
+        """The file-level arrays of sample ``i`` against its ``meta`` (InputError naming the array).
 
         On a mismatch the sample's checksum decides which copy changed (unless ``hashed``: it passed already):
         a ``meta`` that fails it is reported as a checksum error, else the array is named.
@@ -195,9 +146,9 @@ class CacheReader:
         self._checked.add(i)
 
     def _values_checked(self, i: int) -> None:
-        """Format 5, before a value of sample ``i`` is handed out without reading its arrays: compare the
+        """Before a value of sample ``i`` is handed out without reading its arrays: compare the
         file-level arrays with the group's ``meta`` (no hash: the checksum is verified when the sample is read)."""
-        if self.meta_verified and self.verify_reads and i not in self._checked:
+        if self.verify_reads and i not in self._checked:
             self._compare_meta(i, py_value(self._f[f"samples/{i:06d}"].attrs.get("meta")))
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -224,10 +175,8 @@ class CacheReader:
         """
         g = self._f[f"samples/{i:06d}"]
         length = int(g["input_ids"].shape[0])
-        if self._per_sample is None:  # format 1/2: group attributes
-            return {**{k: py_value(v) for k, v in g.attrs.items()}, "length": length}
         self._values_checked(i)
-        v = self._array_values(i, length)  # format >= 3: the file-level arrays
+        v = self._array_values(i, length)
         agree = v["argmax_agreement"]
         return {**v, "completion_len": length - v["prompt_len"], "argmax_agreement": None if np.isnan(agree) else agree,
                 "sha256": py_value(g.attrs.get("sha256")), "length": length}
@@ -235,15 +184,11 @@ class CacheReader:
     def argmax_agreement(self, i: int) -> float | None:
         """Sample ``i``'s ``argmax_agreement`` (None when not recorded), without reading its states.
 
-        Format >= 3: the file-level array (format 5: compared with the sample's ``meta`` first, as in
-        :meth:`sample_attrs`); 1/2: the group attribute.
+        The file-level array (format 5: compared with the sample's ``meta`` first, as in :meth:`sample_attrs`).
         """
-        if self._per_sample is not None and "argmax_agreement" in self._per_sample:
-            self._values_checked(i)
-            v = float(self._per_sample["argmax_agreement"][i])
-            return None if np.isnan(v) else v
-        v = self._f[f"samples/{i:06d}"].attrs.get("argmax_agreement")
-        return None if v is None else float(v)
+        self._values_checked(i)
+        v = float(self._per_sample["argmax_agreement"][i])
+        return None if np.isnan(v) else v
 
     def sample(self, i: int, layer_ids: list[int] | None = None) -> CacheSample:
         """Sample ``i``; ``layer_ids`` selects and orders layers (must be stored, else InputError).
@@ -304,11 +249,10 @@ class CacheReader:
                 raw = self._read_raw(i, layer_ids)
                 raws.append(raw)
                 checks.append(pool.submit(self._check_raw, raw, False))  # hash + finite scan, in a thread
-                if self.meta_verified:
-                    try:
-                        self._compare_meta(raw.i, raw.meta, raw)
-                    except InputError as err:  # an earlier sample's failure comes first
-                        raise _first_failure(checks[:-1]) or err from None
+                try:
+                    self._compare_meta(raw.i, raw.meta, raw)
+                except InputError as err:  # an earlier sample's failure comes first
+                    raise _first_failure(checks[:-1]) or err from None
             try:
                 yield [self._build(r) for r in raws]
             except BaseException as err:
@@ -326,10 +270,9 @@ class CacheReader:
         idx = None if layer_ids is None else self.layer_index(layer_ids)
         try:
             g = self._f[f"samples/{i:06d}"]
-            sample_id = self.sample_ids[i] if self._per_sample is not None else str(py_value(g.attrs["sample_id"]))
             attrs = g.attrs
-            return _Raw(i, g, idx, sample_id, g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")) if self.meta_verified else None)
+            return _Raw(i, g, idx, self.sample_ids[i], g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
+                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")))
         except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
             raise damaged(self.path, f"samples/{i:06d}", err) from None
 
@@ -338,23 +281,16 @@ class CacheReader:
         format 5) the arrays against ``meta``, which is authentic once the checksum passed."""
         check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
                           self.layer_ids, self.format_version, raw.meta)
-        if compare and self.meta_verified:
+        if compare:
             self._compare_meta(raw.i, raw.meta, raw, hashed=True)
 
     def _build(self, raw: "_Raw") -> CacheSample:
         i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
-        hidden_ds = g["hidden"]
-        per = self._per_sample
-        logical = (py_value(hidden_ds.attrs["logical_dtype"]) if per is None
-                   else "bfloat16" if hidden_ds.dtype == np.uint16 else "float32")
+        logical = "bfloat16" if g["hidden"].dtype == np.uint16 else "float32"
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
-        if per is not None:
-            v = self._array_values(i, len(raw.input_ids))
-            agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
-        else:  # format 1/2: group attributes
-            v = {k: py_value(g.attrs.get(k)) for k in ("prompt_len", "stop_reason", "max_new_tokens")}
-            agree = None if g.attrs.get("argmax_agreement") is None else float(g.attrs["argmax_agreement"])
+        v = self._array_values(i, len(raw.input_ids))
+        agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
         return CacheSample(
             index=i,
             sample_id=raw.sample_id,
@@ -368,16 +304,13 @@ class CacheReader:
         )
 
     def verify(self, indices: Sequence[int] | None = None) -> list[int]:
-        """Recompute the per-sample ``sha256`` (format >= 2) of ``indices`` (default: all); format 5 also
+        """Recompute the per-sample ``sha256`` of ``indices`` (default: all); format 5 also
         compares the file-level arrays with each sample's ``meta``.
 
         Returns:
             the indices whose stored bytes do not match their checksum, or (format 5) whose array
             entries differ from their ``meta`` (empty = intact).
-            Format-1 files carry no checksums: nothing to compare, ``[]``.
         """
-        if self.format_version < 2:
-            return []
         bad = []
         for i in (range(len(self)) if indices is None else indices):
             try:
@@ -386,7 +319,7 @@ class CacheReader:
                 bad.append(i)
                 continue
             ok = verify_group(g) is not None
-            if ok and self.meta_verified:
+            if ok:
                 try:
                     check_sample_values(self.path, i, parse_meta(self.path, i, py_value(g.attrs.get("meta"))),
                                         self._array_values(i))
@@ -407,7 +340,6 @@ class CacheReader:
         return [self.layer_ids.index(i) for i in layer_ids]
 
 
-#: the fix of an edited file attribute (format 6) or ``format_version``
 #: what h5py raises for bytes of a damaged structure (object headers, heaps, datatype messages)
 H5_DAMAGE = (OSError, KeyError, RuntimeError, ValueError, TypeError)
 

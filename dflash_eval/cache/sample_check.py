@@ -100,7 +100,7 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
     Args:
         path: the cache file (named in the error).
         i: the sample's index (group ``samples/<i:06d>``); sample_id: its id.
-        stored_sha: the group's ``sha256`` attribute (format >= 2; format 1 stores none: not compared).
+        stored_sha: the group's ``sha256`` attribute.
         input_ids, target_argmax: ``[T]`` int32 as stored; hidden: ``[T, K, H]`` uint16 or float32 as stored.
         layer_ids: the file's ``target_layer_ids`` (the ``K`` axis), to name the layer.
         format_version: the file's ``format_version``.
@@ -108,23 +108,21 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
 
     Raises:
         InputError: ``(path, "samples/<i:06d>", ...)`` for a checksum mismatch, a missing checksum
-            (format >= 2) or ``meta`` (format >= 5), or a non-finite hidden state (naming token and target layer).
+            or ``meta`` (format >= 5), or a non-finite hidden state (naming token and target layer).
     """
     field = f"samples/{i:06d}"
     if format_version >= META_VERSION and meta is None:
         raise InputError(path, field, f"sample {sample_id!r} has no meta attribute (every sample of format "
                          f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
-    if format_version >= 2:
-        if not stored_sha:
-            raise InputError(path, field, f"sample {sample_id!r} has no sha256 attribute (every sample of format "
-                             f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
+    if not stored_sha:
+        raise InputError(path, field, f"sample {sample_id!r} has no sha256 attribute (every sample of format "
+                         f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
     got, finite = checksum_and_scan(input_ids, target_argmax, hidden,
                                     meta if format_version >= META_VERSION else None)
-    if format_version >= 2:
-        if got != stored_sha:
-            what = "its bytes and per-sample values (meta)" if format_version >= META_VERSION else "its bytes"
-            raise InputError(path, field, f"sample {sample_id!r}: {what} do not match their checksum (sha256 "
-                             f"{got[:12]}... read, {stored_sha[:12]}... stored)", REEXTRACT_FIX)
+    if got != stored_sha:
+        what = "its bytes and per-sample values (meta)" if format_version >= META_VERSION else "its bytes"
+        raise InputError(path, field, f"sample {sample_id!r}: {what} do not match their checksum (sha256 "
+                         f"{got[:12]}... read, {stored_sha[:12]}... stored)", REEXTRACT_FIX)
     where = None if finite else first_non_finite(hidden)  # locate it only when there is one
     if where is not None:
         t, k = where

@@ -327,8 +327,8 @@ class DecoderLayer(nn.Module):
 
 
 #: the fix of a drafter whose drafted states are not finite (:meth:`DFlashDrafter.take_nonfinite`)
-NONFINITE_FIX = ("evaluate an earlier checkpoint (this one likely diverged: check its training loss); if its "
-                 "config.json was edited, restore the values the training run saved")
+NONFINITE_FIX = ("evaluate an earlier checkpoint (this one likely diverged: check its training loss), or restore "
+                 "the config.json values the training run saved")
 
 
 class DFlashDrafter(nn.Module):
@@ -355,8 +355,7 @@ class DFlashDrafter(nn.Module):
 
         :meth:`logits` only accumulates a device flag (no host sync per call); a caller asks once per batch. A
         drafter whose weights overflow in its forward pass (finite weights, a diverged checkpoint), or a config
-        value that breaks a norm, drafts argmax garbage, which gives tau 1.0 without an error (the thirteenth
-        trial's A8); ``evaluate`` and ``validate_online`` refuse it (:class:`dflash_eval.core.errors.InputError`)."""
+        value that breaks a norm, drafts argmax garbage, which gives tau 1.0 without an error; ``evaluate`` and ``validate_online`` refuse it (:class:`dflash_eval.core.errors.InputError`)."""
         bad, self._nonfinite = self._nonfinite, None
         return bool(bad) if bad is not None else False
 

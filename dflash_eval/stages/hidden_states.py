@@ -31,9 +31,7 @@ from dflash_eval.core.errors import InputError, reused_sidecar_note
 from dflash_eval.core.io import sha256_file
 from dflash_eval.core.progress import Progress
 from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device, resolve_dtype
-from dflash_eval.data.completions import FIX as COMPLETIONS_FIX
 from dflash_eval.data.completions import read_completions
-from dflash_eval.data.prompts import read_prompts
 from dflash_eval.data.provenance import meta_path, read_meta, settings_of, stage_block
 from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
 from dflash_eval.target.hybrid import bind_linear_attention
@@ -61,9 +59,6 @@ def _layer_ids(text: str) -> list[int]:
 def add_arguments(p) -> None:
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--completions", required=True, help="completions JSONL of the prompt set")
-    p.add_argument("--prompts", default=None, metavar="JSONL",
-                   help="the prompts file the completions must have been generated from (the workflow passes the "
-                        "run's): completions of other prompts (another set, run or config) are refused")
     p.add_argument("--layer-ids", type=_layer_ids, required=True,
                    help="comma-separated 0-based target decoder layers to store (HF hidden_states[i+1]); the union "
                         "of every configured drafter's dflash_config.target_layer_ids")
@@ -86,8 +81,6 @@ def main(args, opts) -> None:
     weights = (TargetSpec.read(args.target, fingerprint_file=args.target_fingerprint).weights_sha256()
                if args.target_fingerprint else None)  # from the record: not hashed again
     check_completions_target(args.completions, weights)
-    if args.prompts:
-        check_generated_from(args.completions, args.prompts)
     extract_cache(args.target, args.completions, args.out, args.layer_ids, opts,
                   target_fingerprint=args.target_fingerprint, keep_partial=args.keep_partial,
                   server_log=args.server_log, shard=args.shard)
@@ -372,23 +365,3 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}
 
-
-def check_generated_from(completions: str | Path, prompts: str | Path) -> None:
-    """Refuse a completions file that was not generated from ``prompts``: the completions stage writes one
-    row per prompt, in the prompts file's order, with its id and prompt ids, so a file of another prompt set,
-    run or config (its own checksums intact) copied in its place differs in one of them.
-
-    Raises:
-        InputError: ``(completions, "line <n>: prompt_ids", ...)`` naming the first row that differs, or the
-            row counts; as :func:`~dflash_eval.data.completions.read_completions` / :func:`~dflash_eval.data.prompts.read_prompts`.
-    """
-    got = [(str(r["id"]), list(r["prompt_ids"])) for r in read_completions(completions)]
-    want = [(str(p["id"]), list(p["prompt_ids"])) for p in read_prompts(prompts)]
-    if got == want:
-        return
-    k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    what = (f"row {k + 1} is {got[k][0]!r}, prompt {k + 1} of {prompts} is {want[k][0]!r}"
-            + (" with other prompt ids" if got[k][0] == want[k][0] else "")) if k < min(len(got), len(want)) else \
-        f"{len(got)} rows for {len(want)} prompts"
-    raise InputError(completions, f"line {k + 1}: prompt_ids", f"not generated from {prompts} ({what}): completions "
-                     "of another prompt set, run or config", COMPLETIONS_FIX)

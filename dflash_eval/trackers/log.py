@@ -145,8 +145,7 @@ def check_unchanged(points: Iterable[Point], have: dict[tuple[int, str], float],
     """Refuse points whose (step, tag) the tracker run holds with another value.
 
     Args:
-        have: ``{(step, tag): value}`` the run holds (the last one written per pair); a pair of unknown value
-            (an older W&B ledger) is absent.
+        have: ``{(step, tag): value}`` the run holds (the last one written per pair).
         where: the tracker run (folder, ledger or store URI) for the message.
         new_run: the config field that names another run (the fix).
 
@@ -195,9 +194,8 @@ def _tensorboard():
 
 def tensorboard_logged(run_dir: str | Path) -> dict[tuple[int, str], float]:
     """``{(step, tag): value}`` of every scalar in the dflash-eval event files of ``run_dir`` (float32 values, the
-    last file's where a pair repeats), read with tensorboard's record reader, whose CRC32C checks are errors here:
-    TensorBoard's own loader stops at a damaged record without a word, so a damaged file read as "nothing
-    logged" and its points were logged again with other values.
+    last file's where a pair repeats), read with tensorboard's record reader, whose CRC32C checks are errors here
+    (TensorBoard's own loader stops at a damaged record silently, which would read as "nothing logged").
 
     Raises:
         InputError: a damaged or truncated event file (a record failing its checksum, or not an Event).
@@ -283,15 +281,12 @@ def _with_files(out: dict, run_dir: Path) -> dict:
 
 
 # --------------------------------------------------------------------------- W&B
-def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
-                 project: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
-    """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}`` (absent in a ledger
-    of an earlier version: those values are unknown), its ``run_id`` / ``project`` checked against the run logged to.
+def _read_ledger(path: Path, wandb_dir: Path, run_id: str) -> tuple[dict[str, list[str]], dict[tuple[int, str], float]]:
+    """The ledger's ``logged`` ({step: [tags]}) and its ``values`` as ``{(step, tag): value}``.
 
     Raises:
         InputError: an unreadable ledger; no ledger while ``wandb_dir`` holds runs of ``run_id`` (a deleted
-            ledger would read as "nothing logged", and every point would go to that run again);
-            the ledger of another W&B run or project copied in place.
+            ledger would read as "nothing logged", and every point would go to that run again).
     """
     fix = f"restore {path}, or log to a new run (trackers.wandb.run_id)"
     if not path.is_file():
@@ -303,12 +298,6 @@ def _read_ledger(path: Path, wandb_dir: Path, run_id: str,
                              "W&B server) to log afresh")
         return {}, {}
     led = read_json_object(path, "W&B ledger", fix)
-    for field, want in (("run_id", run_id), ("project", project)):
-        if field in led and led[field] != want:
-            raise InputError(path, field, f"{led[field]!r}, but this ledger is of W&B {field.replace('_', ' ')} "
-                             f"{want!r}: another run's ledger copied in place (its points would be taken as logged "
-                             "here, or logged a second time)", "delete it and restore the run's own ledger, or log to "
-                             "a new run (trackers.wandb.run_id)")
     values = {(int(step), str(tag)): float(v) for step, tags in (led.get("values") or {}).items()
               for tag, v in tags.items()}
     return {str(k): list(v) for k, v in (led.get("logged") or {}).items()}, values
@@ -326,15 +315,14 @@ def log_wandb(points: list[Point], cfg: dict, run: str, record_dir: str | Path, 
         ``{"run_id", "mode", "dir", "logged", "already"}`` (points sent now / skipped as already logged).
 
     Raises:
-        InputError: a point the ledger lists with another value (:func:`check_unchanged`); a missing or edited
-            ledger (:func:`_read_ledger`).
+        InputError: a point the ledger lists with another value (:func:`check_unchanged`); a missing ledger
+            (:func:`_read_ledger`).
     """
     import wandb  # deferred: optional package (wandb); parse-time module
 
     run_id = cfg.get("run_id") or f"dflash-eval-{run}"
     ledger_path = Path(record_dir) / f"wandb-{run_id}.json"
-    done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id,
-                                cfg.get("project") or "dflash-eval")
+    done, values = _read_ledger(ledger_path, Path(cfg.get("dir") or os.path.join("results", run)) / "wandb", run_id)
     check_unchanged(points, values, ledger_path, "trackers.wandb.run_id")
     new = [p for p in points if p.tag not in set(done.get(str(p.step), ()))]
     out = {"run_id": run_id, "mode": cfg.get("mode", "offline"), "dir": cfg.get("dir") or os.path.join("results", run),

@@ -128,14 +128,11 @@ def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
     outputs = os.path.realpath(os.path.join("results", run)) + os.sep if run else None
     for name, row in table.items():
         if outputs and row.get("kind") != "demo" and os.path.realpath(row["path"]).startswith(outputs):
-            # the sixteenth trial's P4: its own stripped folder as a checkpoint: a cyclic strip job, then an error
-            # whose fix could not work
             raise InputError("config", f"{origin[name]}.path" if row["kind"] == "list" else origin[name],
                              f"{row['path']!r} is inside results/{run}/, which this run writes (a stripped drafter "
                              "of this run as a checkpoint would be its own strip job's input and output)",
                              "point at the original checkpoint, or copy the folder out of results/<run>/ first")
         if row.get("kind") != "demo" and os.path.isfile(row["path"]) and not row["path"].endswith(CHECKPOINT_FILES):
-            # the sixteenth trial's P20: model.safetensors given for its folder passed the parse, strip refused it
             where = f"{origin[name]}.path" if row["kind"] == "list" else origin[name]
             raise InputError("config", where, f"{row['path']!r} is a file strip cannot read alone (a checkpoint file "
                              f"is a torch state dict, {', '.join(CHECKPOINT_FILES)}; safetensors weights are read "
@@ -149,8 +146,7 @@ def checkpoint_table(ckpt_cfg: dict, run: str | None = None) -> dict[str, dict]:
 
 def spelled(path: str) -> str:
     """One spelling of a path: repeated and trailing ``/`` and ``./`` segments dropped (``..`` kept: through a
-    symbolic link it is not the parent). The sixteenth trial's P22: ``ck/`` for ``ck`` changed the strip record and
-    reran its jobs."""
+    symbolic link it is not the parent), so ``ck/`` and ``ck`` are one checkpoint."""
     parts = [p for p in path.split("/") if p not in ("", ".")]
     out = ("/" if path.startswith("/") else "") + "/".join(parts)
     return out or ("/" if path.startswith("/") else ".")
@@ -159,7 +155,7 @@ def spelled(path: str) -> str:
 def _path_problem(path: str, folder_ok: bool) -> str | None:
     """Why a configured checkpoint path cannot be read (``None``: it can): missing, a broken or looping symbolic
     link, or neither a regular file nor (with ``folder_ok``) a folder: a FIFO, socket or device would pass the
-    parse and fail in a job with a raw traceback (the fifteenth trial: a FIFO as checkpoint path)."""
+    parse and fail in a job with a raw traceback."""
     try:
         os.stat(path)
     except OSError as e:
@@ -175,8 +171,8 @@ def _path_problem(path: str, folder_ok: bool) -> str | None:
 
 def same_files_note(table: dict[str, dict]) -> str | None:
     """Warn (and return the note) when checkpoints of several names are the same files (a path through ``..``, a
-    symbolic link, a hard link, a second entry: compared by device and inode): each name is stripped and evaluated on its own, a duplicate row in tau.csv
-    (the seventh trial's U4). Not an error: comparing a checkpoint with itself under two names can be meant."""
+    symbolic link, a hard link, a second entry: compared by device and inode): each name is stripped and evaluated on its own, a duplicate row in tau.csv.
+    Not an error: comparing a checkpoint with itself under two names can be meant."""
     by_files: dict[tuple, list[str]] = {}
     shown: dict[tuple, str] = {}
     for name, row in sorted(table.items()):

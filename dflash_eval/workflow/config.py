@@ -53,7 +53,7 @@ def describe_validation_error(err) -> tuple[str, str]:
 def integral_numbers(config: Any, node: dict | None = None) -> Any:
     """``config`` with each float the schema types ``integer`` (JSON Schema accepts ``4.0`` there) made an int, in
     place (dicts and lists), and returned: ``n: 4.0`` and ``n: 4`` are one setting, so they give the same options
-    record and rerun nothing (the tenth trial: ``prompt_set.n: 4.0`` redid the run's target work)."""
+    record and rerun nothing."""
     node = load_schema() if node is None else node
     kind = node.get("type")
     kinds = kind if isinstance(kind, list) else [kind]

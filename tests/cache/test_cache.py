@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_eval.cache.format import FILE_ATTRS, from_storage, to_storage
+from dflash_eval.cache.format import FILE_ATTRS, from_storage, to_storage, write_header
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.cache.writer import write_cache
 from dflash_eval.cache.extract import run_target
@@ -21,7 +21,7 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     x[0, 0, :4] = torch.tensor([float("inf"), -0.0, 1e-40, float("nan")]).to(torch.bfloat16)
     arr, logical = to_storage(x)
     assert arr.dtype == np.uint16 and logical == "bfloat16"
-    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 1, "target_layer_ids": [1, 2, 5],
+    attrs = {"format": "dflash-eval/hidden-state-cache", "format_version": 6, "target_layer_ids": [1, 2, 5],
              "hidden_size": 16, "num_target_layers": 6}
     sample = {"sample_id": "HumanEval/0", "input_ids": list(range(37)), "prompt_len": 10, "hidden": x,
               "target_argmax": np.arange(37), "stop_reason": "eos", "max_new_tokens": 64, "argmax_agreement": 1.0}
@@ -48,7 +48,7 @@ def test_failed_write_leaves_nothing(tmp_path):
         raise RuntimeError("GPU fell off")
 
     with pytest.raises(RuntimeError):
-        write_cache(tmp_path / "c.h5", {"format": "dflash-eval/hidden-state-cache", "format_version": 1,
+        write_cache(tmp_path / "c.h5", {"format": "dflash-eval/hidden-state-cache", "format_version": 6,
                                          "target_layer_ids": [0]}, boom())
     assert list(tmp_path.iterdir()) == []
 
@@ -152,7 +152,7 @@ def test_packing_support():
 # --------------------------------------------------------------------------- reader: locks, damage, checksums
 def _small_cache(path):
     x = torch.randn(5, 2, 8).to(torch.bfloat16)
-    write_cache(path, {"format": "dflash-eval/hidden-state-cache", "format_version": 2, "target_layer_ids": [0, 1]},
+    write_cache(path, {"format": "dflash-eval/hidden-state-cache", "format_version": 6, "target_layer_ids": [0, 1]},
                 [{"sample_id": f"s{i}", "input_ids": [1, 2, 3, 4, 5], "prompt_len": 2, "hidden": x * i,
                   "target_argmax": [2, 3, 4, 5, 6], "stop_reason": "eos", "max_new_tokens": 8} for i in range(3)])
     return path
@@ -184,9 +184,10 @@ def test_reader_ignores_locks_and_names_damage(tmp_path):
     with pytest.raises(InputError, match="not an HDF5 file"):
         CacheReader(tmp_path / "n.h5")
     with h5py.File(tmp_path / "u.h5", "w") as f:  # an unfinished cache (a partial renamed by hand)
-        f.attrs.update({"format": "dflash-eval/hidden-state-cache", "format_version": 2, "target_layer_ids": [0]})
+        f.attrs.update({"format": "dflash-eval/hidden-state-cache", "format_version": 6, "target_layer_ids": [0]})
         f["sample_ids"] = np.array(["a", "b"], dtype=object).astype(h5py.string_dtype())
         f.create_group("samples")
+        write_header(f.attrs)
     with pytest.raises(InputError, match="unfinished cache: 0 of 2 samples") as err:
         CacheReader(tmp_path / "u.h5")
     assert "delete" not in err.value.fix
@@ -259,16 +260,18 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
 def test_resume_salvages_a_partial_whose_group_index_is_damaged(tmp_path, caplog):
     """A sample group whose object header never reached the disk (a kill between metadata writes): it
     cannot be opened nor unlinked, so the verified samples are copied to a fresh file and the rest recomputed."""
-    from dflash_eval.cache.format import IDENTITY_ATTRS, sample_sha256
+    from dflash_eval.cache.format import IDENTITY_ATTRS, sample_meta_json, sample_sha256
     from dflash_eval.cache.writer import PartialCache, SampleMeta
 
     meta = [SampleMeta(f"s{i}", np.arange(5, dtype=np.int32) + i, 2, "eos", 8) for i in range(4)]
-    identity = {k: 1 for k in IDENTITY_ATTRS} | {"format": "dflash-eval/hidden-state-cache", "target_layer_ids": [0]}
+    identity = {k: 1 for k in IDENTITY_ATTRS} | {"format": "dflash-eval/hidden-state-cache", "format_version": 6,
+                                                "target_layer_ids": [0]}
     arrays = [(np.full((5, 1, 4), i, dtype=np.float32), np.arange(5, dtype=np.int32)) for i in range(4)]
 
     def write(cache, i):
         h, a = arrays[i]
-        cache.write_sample(i, h, "float32", a, sample_sha256(meta[i].input_ids, a, h), 1.0)
+        m = sample_meta_json(f"s{i}", 2, 3, "eos", 8, 1.0)
+        cache.write_sample(i, h, "float32", a, sample_sha256(meta[i].input_ids, a, h, m), 1.0)
 
     cache = PartialCache(tmp_path / "c.h5", identity, meta)
     cache.create({})

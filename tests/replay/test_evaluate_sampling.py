@@ -18,12 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-import h5py
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache_edit import downgrade  # noqa: E402
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.core.errors import InputError  # noqa: E402
@@ -161,16 +159,6 @@ def test_refusals_name_the_fix(run):
         _evaluate(run, "final.h5", "x.json", sampling=[T1])
     with pytest.raises(InputError, match="cache.final_hidden"):
         _evaluate(run, "plain.h5", "x.json", sampling=[T1], cross_temperature=True)
-    # an old (format 3) cache still evaluates greedy
-    old = run["dir"] / "old.h5"
-    old.write_bytes((run["dir"] / "plain.h5").read_bytes())
-    downgrade(old, 3)
-    with h5py.File(old, "a") as f:
-        del f.attrs["completion_sampling"]
-    r = _evaluate(run, "old.h5", "old.json")
-    assert r["completion_sampling"]["temperature"] == 0.0 and r["tau"] >= 1.0
-    with pytest.raises(InputError, match="final normed hidden state"):
-        _evaluate(run, "old.h5", "x.json", sampling=[T1], cross_temperature=True)
 
 
 def test_plan_matches_each_setting_to_the_sets_drawn_at_its_temperature():

@@ -287,13 +287,6 @@ def test_wandb_ledger_missing_beside_its_runs_is_refused(tmp_path, monkeypatch):
         log_table(table(200), cfg, "demo")
     assert Path(err.value.file).resolve() == ledger and "holds 1 local run folder(s) of W&B run 'dflash-eval-demo'" in (
         err.value.problem) and "trackers.wandb.run_id" in err.value.fix
-    # the ledger of another W&B run or project: its points would be taken as logged here
-    for field, value in (("run_id", "dflash-eval-other"), ("project", "elsewhere")):
-        ledger.write_text(json.dumps({**json.loads(saved), field: value}))
-        with pytest.raises(InputError) as err:
-            log_table(table(200), cfg, "demo")
-        assert err.value.field == field and f"{value!r}, but this ledger is of W&B" in err.value.problem, field
-        assert "another run's ledger copied in place" in err.value.problem
     ledger.write_text(saved)
     assert log_table(table(200), cfg, "demo")["wandb"]["logged"] == 8
     # the offline run folders removed (synced, or lost): said, not silently taken as logged

@@ -233,7 +233,7 @@ def test_cache_reading_example_runs(tmp_path):
     assert example_path in code
     x = (torch.arange(5 * 2 * 8, dtype=torch.float32).reshape(5, 2, 8) / 7).to(torch.bfloat16)
     cache = tmp_path / "c.h5"
-    write_cache(cache, {"format": "dflash-eval/hidden-state-cache", "format_version": 5,
+    write_cache(cache, {"format": "dflash-eval/hidden-state-cache", "format_version": 6,
                         "target_layer_ids": [3, 7], "dtype": "bfloat16"},
                 [{"sample_id": "s0", "input_ids": [5, 6, 7, 8, 9], "prompt_len": 2, "hidden": x,
                   "target_argmax": [6, 7, 8, 9, 1], "stop_reason": "eos", "max_new_tokens": 8}])
