@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cache_edit import downgrade  # noqa: E402
 =======
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 >>>>>>> trim:tests/test_reliability.py
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
