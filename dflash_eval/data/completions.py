@@ -1,44 +1,12 @@
 """The completions file of a prompt set (token ids, never re-tokenized text): format, resumable writer, reader.
 
-Output JSONL, one row per prompt, in the prompts file's order::
+JSONL, one row per prompt in the prompts file's order: ``id``, ``prompt_ids``, ``completion_ids`` (the
+target's ids up to and including the first stop id: the cache and the replay condition on exactly
+these), ``text``, ``stop_reason``, ``max_new_tokens``, ``generation`` (provenance). Written by
+:mod:`dflash_eval.stages.completions`, resumable through a ``.<out name>.partial`` sidecar.
 
-    {"id": str,
-     "prompt_ids": [int, ...],       # copied from the prompts file
-     "completion_ids": [int, ...],   # generated ids up to and including the first stop id; no padding
-     "text": str,                    # tokenizer.decode(completion_ids), special tokens kept
-     "stop_reason": "eos" | "length",
-     "max_new_tokens": int,
-     "generation": {...}}            # provenance, the same in every row (below)
-
-``completion_ids`` are what the target produced (greedy argmax), not a
-re-tokenization of ``text``: the hidden-state cache and the replay condition on
-exactly these ids. ``generation`` records ``source`` (``transformers`` | ``openai``
-| ``sglang``), ``stop_ids`` (the end-of-generation ids used, see
-:func:`dflash_eval.serving.generation.stop_token_ids`) and the source's identity: library versions, dtype and
-device for ``transformers``; ``engine``, ``model`` (the served model id) and
-``server_version`` for servers, plus the launch settings when the workflow
-started the server (``generation.serve: vllm``). Timings go to the log only, so a
-rerun with the same inputs writes the same bytes. Rows re-tokenized from a
-server's text (``generation.allow_retokenize``) carry ``"retokenized": true`` and
-``"retokenize_mismatch"`` (the re-tokenized length differs from the number of
-tokens the server generated).
-
-Written by the ``completions`` stage (:mod:`dflash_eval.stages.completions`) from a source of
-:mod:`dflash_eval.serving.generation`; read by the stages that run the target over the completions.
-
-Resume (append-only): completions are appended as they finish to a sidecar file
-``.<out name>.partial`` next to the output (first line: a key of everything that
-shapes the output; then one row per line, flushed and fsynced). The sidecar is not
-a declared Snakemake output, so Snakemake's clean-up of failed jobs leaves it
-alone. A rerun of a killed job (SIGKILL, SIGTERM, node loss, server crash) keeps
-the rows already there, generates only the missing prompts, writes the output in
-the prompts' order (temp file + rename) and deletes the sidecar: every prompt
-exactly once, and the same bytes as an uninterrupted run (the transformers source
-regenerates whole batches, so batch composition and thus numerics are the same).
-A sidecar whose key differs from this run's (other prompts, target, stop ids,
-limits, server, dtype...) is refused with the differences named.
+Row format and resume: docs/outputs.md, "The completions file".
 """
-
 from __future__ import annotations
 
 import contextlib

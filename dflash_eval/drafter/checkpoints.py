@@ -1,59 +1,12 @@
 """Drafter checkpoints: detect the format, read, validate, strip to a z-lab DFlash folder.
 
-Supported inputs. :func:`detect_format` picks the format from the path alone. The name is
-logged and stored as ``format`` in ``strip_info.json``, with ``+shared`` appended when
-target tensors were dropped (last row).
+:func:`detect_format` picks the format from the path alone (``hf-folder``, ``hf-folder-sharded``,
+``specforge-legacy``, ``specforge``, ``torch-dict``, ``speculators``, ``dcp``; ``+shared`` when target
+tensors were dropped); the name goes into ``strip_info.json``. Validation and the stripped output:
+:mod:`dflash_eval.stages.strip_drafter`.
 
-=====================  ==================================================  ==============================  ========================
-format                 what to pass: layout                                drafter config                  step
-=====================  ==================================================  ==============================  ========================
-``hf-folder``          folder: ``config.json`` + ``model.safetensors``     its ``config.json``             ``global_step`` of
-                       (z-lab release, HF ``save_pretrained``,                                             ``training_state.json``
-                       speculators ``<epoch>/``, HF Trainer                                                / ``trainer_state.json``,
-                       ``checkpoint-N/``)                                                                  else the folder name
-``hf-folder-sharded``  folder: ``config.json`` +                           its ``config.json``             as ``hf-folder``
-                       ``model.safetensors.index.json`` + every shard its
-                       ``weight_map`` lists
-``specforge-legacy``   ``epoch_E_step_S/`` (or its                         its ``config.json``             ``global_step`` of
-                       ``training_state.pt``): ``model.safetensors`` (or                                   ``training_state.pt``,
-                       sharded) + ``config.json`` + ``training_state.pt``                                  else the name
-``specforge``          ``<run>-stepN/`` (or its ``training_state.pt``)     ``config.json`` of the step     ``global_step``, else
-                       with ``training_state.pt`` =                        folder, then of the run folder  the name
-                       ``{"draft_state_dict": ..., "global_step": ...}``;
-                       no safetensors
-``torch-dict``         ``.pt`` / ``.pth`` / ``.bin`` file: a dict with     its ``draft_config`` /          ``step`` /
-                       the state dict at the top or under                  ``config`` entry, else          ``global_step``, else
-                       ``draft_state_dict``, ``draft_model``, ``model``,   ``config.json`` beside the      the file name
-                       ``state_dict`` or ``module``; key prefixes          file
-                       ``_orig_mod.``, ``module.``, ``draft_model.``,
-                       ``model.`` are removed
-``speculators``        folder as ``hf-folder`` (or sharded) whose          its ``config.json``, read as    folder name
-                       ``config.json`` names ``speculators_model_type``    the z-lab layout
-                       (vLLM speculators ``dflash`` / ``dflash2``)         (:mod:`.speculators_format`)
-``dcp``                folder: ``torch.distributed.checkpoint`` (FSDP /    ``config.json`` in the folder,  folder name
-                       DCP), ``.metadata`` + ``__R_S.distcp``; only        then in its parent
-                       parameter tensors (leaf ``weight`` / ``bias`` /
-                       DFlash 2's ``base_kernel`` / ``*_codebook``) are
-                       read, never optimizer state
-(any of the above)     also holding target tensors (``embed_tokens``,      as above                        as above
-                       ``lm_head``, ``verifier_lm_head``, ...): compared
-                       with the target's own, then dropped
-=====================  ==================================================  ==============================  ========================
-
-DFlash 2 drafters come in each of these layouts (SpecForge's and speculators' DFlash 2 exports use
-the reference's tensor names). Their codebooks are saved without ``.weight``
-(``candidate_selector.{predecessor,successor}_codebook``, as ``DFlash2DraftModel.from_pretrained``
-expects); a state dict of the reference's in-memory module (``nn.Embedding``, ``...codebook.weight``)
-is renamed to the saved names with a note (:func:`saved_codebook_names`).
-
-``--drafter-config`` (the workflow entry's ``drafter_config``) replaces the config of every
-format (noted when it differs from the checkpoint's own). ``--override KEY=JSON`` (the
-entry's ``overrides``) sets ``dflash_config`` fields such as ``target_layer_ids``. Anything
-else is refused with an error listing these formats.
-
-Validation and the stripped output: :mod:`dflash_eval.stages.strip_drafter`.
+Formats (layout, config and step of each, DFlash 2 codebook names, overrides): docs/checkpoint-formats.md, "Supported inputs".
 """
-
 from __future__ import annotations
 
 import argparse

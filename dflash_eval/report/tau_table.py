@@ -1,101 +1,12 @@
-"""The tau table (``tau.csv`` / ``tau.parquet``: its columns, documented here), rebuilt from the per-sample results of ``evaluate``.
+"""The tau table (``tau.csv`` / ``tau.parquet``), rebuilt from the per-sample results of ``evaluate``.
 
-Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report.
+Written by the ``summary`` stage (:mod:`dflash_eval.stages.summary`), read back by the report. One row
+per (checkpoint, prompt set, sampling setting); the speedup and ``estimate_reliable`` columns are added
+last by :func:`speedup_columns`, from the same function as the report's speedup table. Tau conventions
+and their sources: :mod:`dflash_eval.replay.metrics`.
 
-``tau.csv`` / ``tau.parquet`` (the output contract other tools read): one row per
-(checkpoint, prompt set, sampling setting of ``evaluate.sampling`` evaluated on that set: those at the
-temperature its completions were drawn at, every one with ``cross_temperature``;
-:func:`dflash_eval.workflow.sampling.evaluate_settings`), in the configured order of the settings, with columns
-
-======================  =====================================================================
-checkpoint              drafter name (the ``{ckpt}`` wildcard)
-step                    training step (checkpoint metadata or name), empty when unknown
-prompt_set              prompt set name
-sampling                the setting's label: ``T0`` (greedy) or e.g. ``T1_p0.95_k20``
-temperature, top_p,     the setting (dflash==0.1.0 ``_sampling_probs``: temperature, then top-k,
-top_k                   then top-p; top_p 1 and top_k 0 = off)
-expected                False: tau of the greedy replay (exact counts); True: the expectation of
-                        dflash==0.1.0's speculative sampler given the cached trajectories
-                        (``dflash_eval.replay.expected``): every count below is then an expected value
-trajectory              the label of the setting the cache's completions were drawn at; its
-                        temperature differs from ``sampling``'s only with
-                        ``evaluate.cross_temperature`` (top-p / top-k may differ)
-n_samples               responses with at least one verify step
-tau                     mean over responses of (mean over verify steps of a+1), bonus included,
-                        prefill token excluded (z-lab ``dflash/benchmark.py``)
-tau_tokens_per_step     committed tokens / verify steps, pooled over responses
-mean_accepted           tau - 1: accepted drafts per verify step (macro)
-block_size              B used in the replay
-n_skipped               responses with no verify step (prefill token ended them)
-verify_steps            total verify steps (= target forwards after prefill)
-committed_tokens        total tokens committed by verify steps
-random_init             True for randomly initialised (untrained) demo drafters
-device, dtype           where and in which precision the replay ran
-agreement_min           lowest per-sample target argmax agreement of the replayed samples: the
-                        fraction of a completion's tokens equal to the target's teacher-forced
-                        greedy token (1.0 = the completion is exactly the target's greedy output)
-agreement_mean          mean of the same (evaluate warns below ``evaluate.agreement_warn`` and
-                        refuses below ``evaluate.agreement_min``); empty for older caches
-tau_sglang              mean over responses of (completion tokens incl. the prefill token) /
-                        verify steps: SGLang's per-request ``spec_accept_length``
-tau_pos_<lo>_<hi>       tokens per verify step over the steps whose anchor is at completion
-                        position ``lo <= pos < hi`` (bins ``metrics.POSITION_BINS``; ``hi`` =
-                        ``inf`` for the last); empty when no step falls there
-tau_prompt_<lo>_<hi>    tau (same convention) of the responses whose prompt is ``lo <= tokens <
-                        hi`` long (bins ``metrics.PROMPT_BINS``); empty when none is
-n_prompt_<lo>_<hi>      responses in that prompt-length bin
-accept_slot_<k>         P(draft slot k accepted | slots 1..k-1 accepted), k = 1..B-1 for the
-                        largest B in the table; empty for rows with a smaller B or where
-                        slot k was never compared
-tau_ddtree_<B>          tau (same convention) of greedy DDTree decoding with a node budget of B
-                        drafted nodes per verify step, one column per configured budget
-                        (``evaluate.ddtree_budgets``; :mod:`dflash_eval.replay.ddtree`); empty for
-                        rows evaluated without that budget; NaN where ``ddtree_applicable`` is
-                        False. At temperature > 0 the tree is verified against the sampled target
-                        as liranringel/ddtree does, which commits the cache's tokens: the greedy
-                        tree walk on the cache, the same value on every row of one cache
-variant                 the drafter's variant: ``dflash`` (DFlash 1) or ``dflash2`` (DFlash 2:
-                        grouped dynamic causal conv + candidate selector)
-ddtree_applicable       False for DFlash 2 rows: no serving engine builds a tree over the
-                        selector's path, so their ``tau_ddtree_<B>`` are NaN (never a tree over
-                        the per-slot marginals presented as DFlash 2's)
-tau_oracle              DFlash 2: tau (same convention) of a perfect selector choosing from the
-                        same top-K candidates, on its own trajectory; empty for DFlash 1
-tau_unary               DFlash 2: tau of the per-slot argmax of the same logits (the selector
-                        switched off); empty for DFlash 1
-sel_accepted            DFlash 2, over the selector chain's verify steps: accepted drafts per step
-sel_oracle_accepted     the same for a perfect selector on the same steps' candidates
-sel_pick_rate           pooled pick rate: accepted / (slots where the oracle path was open)
-sel_oracle_path_rate    share of steps where the selector accepted the whole oracle prefix
-topk_recall_slot_<k>    DFlash 2: P(slot k's target token is among its top-K candidates),
-                        k = 1..B-1 (:class:`dflash_eval.replay.metrics.SelectorStats`)
-pick_rate_slot_<k>      DFlash 2: P(the selector picks slot k's target token | it picked the
-                        earlier ones and the target token is a candidate)
-speedup_chain           the report's estimated decode speedup of the chain on this row's tau,
-                        ``tau * t_decode / (t_verify(B) + t_draft)`` from the run's
-                        ``target_costs.json`` (:func:`method_speedups`); empty
-                        when ``target_costs`` is disabled or a cost was not measured
-speedup_ddtree_<B>      the same for DDTree at node budget B (``tau_ddtree_<B>``, verify of B + 1
-                        tokens with a tree mask), one column per ``tau_ddtree_<B>`` column
-estimate_reliable       :func:`dflash_eval.target.cost_stats.assess` of the target costs: False when the
-                        timings were too noisy for the speedup columns to be trusted (the same on
-                        every row); empty when ``target_costs`` is disabled
-======================  =====================================================================
-
-The speedup and ``estimate_reliable`` columns are added by the ``summary`` stage
-(:func:`speedup_columns`, :func:`dflash_eval.stages.summary.write_summary`), after
-every other column, from the same function as the report's speedup table, so the two agree; the
-report rebuilds its frame from the evaluate outputs (:func:`summary_frame`) without them.
-
-The ``tau_oracle`` / ``tau_unary`` columns are recomputed from the per-sample chains of the
-evaluate JSON; the ``sel_*``, ``topk_recall_slot_*`` and ``pick_rate_slot_*`` columns are its
-``selector`` aggregate (:func:`dflash_eval.replay.metrics.selector_stats`). Rows without DFlash 2
-drafters have none of these columns filled.
-
-Sources and exact definitions of the three tau conventions (``tau``, ``tau_tokens_per_step``,
-``tau_sglang``) and of the per-slot / per-position columns: :mod:`dflash_eval.replay.metrics`.
+Columns (every one, with its definition): docs/outputs.md, "Every column of the tau table".
 """
-
 from __future__ import annotations
 
 import json

@@ -2,51 +2,12 @@
 
 Formats are detected and read by :mod:`dflash_eval.drafter.checkpoints`; this stage resolves the
 drafter config, validates the weights against it (and against the target,
-:func:`dflash_eval.drafter.compat.check_compat`) and writes the stripped folder.
+:func:`dflash_eval.drafter.compat.check_compat`) and writes the stripped folder that z-lab/dflash
+``dflash/model.py`` ``DFlashDraftModel.from_pretrained`` loads. Each failure is an
+:class:`~dflash_eval.core.errors.InputError`; nothing is written.
 
-Validation (each failure is an :class:`~dflash_eval.core.errors.InputError` naming the file, the
-key or field and the fix; nothing is written):
-
-* config: ``target_layer_ids`` / ``mask_token_id`` / ``block_size`` from ``dflash_config``
-  or the top level, never guessed (:class:`~dflash_eval.drafter.config.DrafterConfig`); a
-  field stored twice with different values (``dflash_config`` vs top level, ``dtype`` vs
-  ``torch_dtype``, ``rope_theta`` / ``rope_parameters`` vs ``rope_scaling``) refused with
-  both values named, settled only by ``--override``; unknown ``--override`` keys refused;
-  every required field present; ``partial_rotary_factor`` ignored with a note. The input
-  config is never modified: the written ``config.json`` is the input with the overrides
-  applied, the three ``dflash_config`` fields written to both places (DFlash 2: its four
-  fields and any embedding / logit transform also into ``dflash_config``, the only place vLLM's
-  ``qwen3_dflash2`` reads them; ``architectures: ["DFlash2DraftModel"]``), ``num_target_layers``
-  added from the target when absent (the reference's ``DFlashDraftModel`` needs it to load) and
-  ``dtype`` / ``torch_dtype`` set to ``bfloat16`` (the stored weights);
-* ``fc.in_features == len(target_layer_ids) * hidden_size``; layer ids < the target's
-  layer count (``num_target_layers`` of the config when no target is given);
-  ``mask_token_id`` a row of the target embedding (``vocab_size`` without a target);
-* the exact key set: missing, unexpected and mis-shaped keys, all listed; no key twice
-  after prefix stripping; finite floating-point weights; fp16 refused unless
-  ``allow_fp16`` (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991);
-* files: truncated safetensors (the first tensor past the end is named), a shard listed
-  in the index but missing, a ``.pt`` that is not a dict, a pickle needing classes
-  (everything is loaded with ``torch.load(weights_only=True)``; DCP metadata with a
-  restricted unpickler), no state dict found.
-
-Output of :func:`strip_checkpoint` (what the reference loads, z-lab/dflash ``dflash/model.py`` ``DFlashDraftModel.from_pretrained``)::
-
-    <out_dir>/config.json          HF Qwen3-style config with dflash_config
-                                   {target_layer_ids, mask_token_id, block_size} (DFlash 2: also
-                                   conv_kernel_size, conv_group_size, selector_rank, selector_top_k;
-                                   architectures ["DFlash2DraftModel"])
-    <out_dir>/model.safetensors    bf16 drafter body only: fc, hidden_norm, norm, layers.* (DFlash 2:
-                                   also layers.*.{attention,mlp}_conv.*, candidate_selector.* with
-                                   the codebooks under their saved names, without .weight)
-    <out_dir>/strip_info.json      source path, format, step (the tau table's), dropped keys, notes,
-                                   sha256 of model.safetensors and config.json, and the provenance
-                                   block (dflash_eval/data/provenance.py)
-
-No optimizer state and no shared target tensors are kept; the drafter always uses the
-target's own ``embed_tokens`` and ``lm_head``.
+Every check and the output folder: docs/checkpoint-formats.md, "Validation in detail, and the stripped folder".
 """
-
 from __future__ import annotations
 
 import copy

@@ -1,69 +1,13 @@
 """Linear-attention (Gated DeltaNet, GDN) kernel binding for hybrid targets (Qwen3.5/3.6, Qwen3-Next).
 
-Why this module exists (kernel dispatch: transformers ``models/qwen3_5/modeling_qwen3_5.py``;
-fla-vs-torch differences: measured with ``bench/gpu_hybrid_parity.py``, README): a drafter trained
-on hidden states extracted with flash-linear-attention (fla) on GPU sees states
-that differ by ~1-3 % relative L2 per layer from those of transformers'
-pure-torch GDN fallback, and that can wreck acceptance. So the cache must say
-which kernel produced it, and the pipeline must pick it on purpose.
+fla and transformers' pure-torch GDN give states ~1-3 % apart (rel-L2 per layer), so the cache must
+say which kernel produced it: :func:`bind_linear_attention` resolves the backend (``auto`` = fla on
+CUDA when importable, else torch) before the target loads; :func:`check_bound_kernel` forces it on
+every modeling module (transformers ``models/qwen3_5/modeling_qwen3_5.py`` dispatchers), refuses a
+mismatch and returns the cache attribute ``linear_attn_kernel``. Batches are right-padded, never packed.
 
-How transformers 5.17 binds the kernels (verified in the installed sources
-``transformers/integrations/hub_kernels.py::use_kernel_func_from_hub_with_fallback``
-and ``models/{qwen3_5,qwen3_5_moe,qwen3_next}/modeling_*.py``):
-
-* Four module-level functions of the modeling module are *dispatchers*, built
-  once at import: ``torch_chunk_gated_delta_rule`` and
-  ``torch_recurrent_gated_delta_rule`` (fla's ``chunk_gated_delta_rule`` /
-  ``fused_recurrent_gated_delta_rule`` when ``import fla`` works, else the torch
-  body), ``causal_conv1d_fn`` and ``causal_conv1d_update`` (the
-  ``causal_conv1d`` package when importable, else torch ``F.conv1d``). The
-  bound callable is the closure variable ``implementation`` of the dispatcher;
-  the torch body is its ``__wrapped__`` (``functools.wraps``).
-* There is no device check: with fla installed a CPU forward crashes (Triton
-  cannot take CPU tensors; measured here with fla-core 0.6.0 + triton 3.6 on a
-  CPU host: ``RuntimeError: 0 active drivers``).
-* ``GatedDeltaNet.forward`` looks these names up as module globals at call
-  time, so rebinding the globals switches the kernel of already-built models.
-  The gated RMSNorm inside GDN is always torch ``*RMSNormGated`` unless
-  ``use_kernels=True`` (never used here); it is recorded anyway.
-
-What this module does: :func:`bind_linear_attention` resolves the configured
-backend (``auto`` = fla on CUDA when importable, else torch) and refuses
-impossible requests (``fla`` on CPU, ``fla`` not importable) before the target
-loads; :func:`check_bound_kernel` then forces that backend on every modeling
-module of the loaded model (torch: the ``__wrapped__`` bodies behind a guard
-that refuses ``cu_seqlens``; fla: transformers' original import-time
-dispatchers), reads back what is bound, refuses a mismatch, and returns the
-description that goes into the cache attribute ``linear_attn_kernel``.
-
-Batching (why the cache uses right padding, never packing): the torch GDN
-functions ignore ``cu_seqlens`` (``**kwargs``), so packed sequences would leak
-recurrent state into each other; the torch binding installed here raises
-instead. With right padding every real position's causal context (causal conv,
-causal chunked recurrence, causal attention) is unchanged; transformers also
-zeroes padded inputs of GDN layers (``apply_mask_to_padding_states``, 2-D mask
-from ``masking_utils.create_recurrent_attention_mask``), which only affects the
-padded tail.
-
-Measured batch invariance (CPU, torch path, transformers 5.17, torch 2.13; a
-sample alone vs right-padded in a batch with longer samples, per stored layer):
-
-* tiny Qwen3.5 and Qwen3-Next (``tests/tiny_hybrid.py``: 4 layers, hidden 64;
-  37 tokens next to 150 and 90): float32 bitwise identical in the three GDN
-  layers, rel-L2 <= 4e-8 (max-abs 7e-7, values ~3) in the last (attention)
-  layer; bfloat16 bitwise identical everywhere.
-* 8-layer Qwen3.5 at hidden 512 (GDN 4/8 heads x 64; 137 tokens next to 300,
-  211 and 64): float32 rel-L2 <= 2.7e-7 per layer (max-abs 5e-6, values ~4);
-  bfloat16 bitwise identical through GDN layers 0-2, then rel-L2 up to 1.4e-3
-  (max-abs 0.04) from the first full-attention layer on: SDPA takes another
-  kernel with a padding mask than without one, so bf16 rounding differs.
-
-A leak through padding or packing would be O(1), so these are rounding only;
-``tests/target/test_hybrid.py`` asserts rel-L2 < 1e-5 in float32. On GPU (bf16, fla)
-the whole model is not batch-invariant at the ~0.1-1 % level (cuBLAS algorithm
-choice, reference §6); ``bench/gpu_hybrid_parity.py`` measures it.
+Dispatch details, batching and measured batch invariance: docs/targets.md, "How transformers binds the GDN kernels".
 """
-
 from __future__ import annotations
 
 import functools

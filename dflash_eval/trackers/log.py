@@ -1,49 +1,11 @@
 """Tau where trainers look: the tau table logged to TensorBoard, W&B and MLflow at each checkpoint's step.
 
-Input: the tau table (``tau.csv`` / ``tau.parquet``, :mod:`dflash_eval.summary`). Every row with a
-known training ``step`` gives one point per metric column, tagged ``<prefix>/<prompt set>/<column>``
-(``prefix`` default ``dflash_eval``), e.g. ``dflash_eval/humaneval/tau``,
-``dflash_eval/humaneval/tau_ddtree_64``, ``dflash_eval/humaneval/accept_slot_3``. The metric
-columns are every column whose name starts with one of :data:`METRIC_PREFIXES`: chain ``tau``,
-``tau_tokens_per_step``, ``tau_sglang``, each ``tau_ddtree_<B>``, the position and prompt-length bins
-``tau_pos_*`` / ``tau_prompt_*``, any ``tau_*`` column a later version adds (sampling settings), and
-the per-slot acceptance ``accept_slot_<k>``. With several sampling settings (``evaluate.sampling``;
-one table row per setting), the first configured setting keeps these tags and every other setting's
-row is tagged ``<prefix>/<prompt set>/<sampling label>/<column>``, e.g.
-``dflash_eval/humaneval/T1_p0.95_k20/tau``. Empty cells are not logged; rows without a step are
-skipped with a warning (name the step in the checkpoint, see :mod:`dflash_eval.drafter.checkpoints`).
+Every tau-table row with a known ``step`` gives one point per metric column (:data:`METRIC_PREFIXES`),
+tagged ``<prefix>/<prompt set>/<column>`` (other sampling settings: ``.../<sampling label>/<column>``).
+Each (step, tag) is sent once; a changed value is refused (:func:`check_unchanged`).
 
-Each tracker is optional, off by default, and used through its own client library (pinned in
-``envs/requirements-trackers.txt``); the config section is ``trackers`` (schema). Logging the same
-table again, or a table with more checkpoints, never duplicates a point: each tracker receives each
-(step, tag) pair once, and what it already holds is not sent again. A tracker run holds one value
-per (step, tag), so a value that changed after a re-evaluation (new code, new settings) is refused before anything is sent
-(:func:`check_unchanged`: an error naming the tracker, the step, the tag and both values); log to a
-new run (TensorBoard ``run_name``, W&B ``run_id``, MLflow ``experiment`` or ``run_id``) to see the new
-values beside the old ones.
-
-- **TensorBoard** (tensorboard's own record writer and event protos): the run folder
-  ``<dir>/<run_name>/`` gets one new event file per logging that adds points, holding only the
-  (step, tag) pairs its dflash-eval event files lack (read back with tensorboard's reader). Each
-  file is written complete under a name TensorBoard ignores and renamed into place with a name
-  that sorts after the earlier ones, so a TensorBoard already running picks it up and shows
-  each point once (a rewritten or deleted file would be missed or doubled by its reloader).
-- **W&B** (``wandb``; ``mode: offline`` by default, files under ``<dir>/wandb/``, upload later
-  with ``wandb sync``): the run ``run_id`` (default ``dflash-eval-<run>``) is resumed
-  (``resume="allow"``), so setting ``run_id`` to the training run's id and ``mode: online``
-  attaches tau to the training run itself. Points are logged against their own x axis
-  ``<prefix>/step`` (``define_metric(step_metric=...)``), not W&B's ``_step``, so checkpoint steps
-  need not exceed the trainer's last logged step. An online run cannot be read back offline,
-  so a ledger (``results/<run>/trackers/wandb-<run_id>.json``, written after the run is
-  finished) lists the (step, tag) pairs already sent.
-- **MLflow** (``mlflow`` client, ``MlflowClient.log_batch``; default store: the file store
-  ``results/<run>/mlruns``, opened with ``MLFLOW_ALLOW_FILE_STORE=true``, which MLflow 3 asks for
-  since that store is in maintenance mode; any ``tracking_uri`` works, e.g. ``sqlite:///mlflow.db``
-  or a server): the run is ``run_id`` when given (e.g. the training run), else the run of the
-  experiment tagged ``dflash_eval.run = <run>`` (created once). The store itself says which steps
-  a metric has (``get_metric_history``): only missing (step, tag) pairs are logged.
+Tags, deduplication and each tracker: docs/trainers.md, "Tags, no duplicate points, and each tracker in detail".
 """
-
 from __future__ import annotations
 
 import glob

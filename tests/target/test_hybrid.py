@@ -96,7 +96,7 @@ def test_vlm_checkpoint_loads_text_only_and_matches(tmp_path):
 def test_right_padding_is_batch_invariant(kind):
     """Same sample alone vs right-padded next to longer ones.
 
-    Measured (float32, this CPU, see hybrid.py docstring): rel-L2 <= 4e-8 on these tiny models,
+    Measured (float32, this CPU, see docs/targets.md): rel-L2 <= 4e-8 on these tiny models,
     <= 3e-7 on an 8-layer hidden-512 one. A state leak through padding or packing would be O(1);
     1e-5 leaves room for BLAS blocking differences on other CPUs.
     """
