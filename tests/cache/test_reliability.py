@@ -26,12 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-<<<<<<< HEAD:tests/cache/test_reliability.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cache_edit import downgrade  # noqa: E402
-=======
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
->>>>>>> trim:tests/test_reliability.py
 from tiny import make_random_drafter, make_tiny_target  # noqa: E402
 
 from dflash_eval.cache.reader import CacheReader  # noqa: E402
