@@ -157,7 +157,8 @@ def stale_table_note(run_dir: str | os.PathLike, expected: dict) -> str | None:
                 if recorded is None:
                     continue
                 return (f"{path}: {err.field}: {err.problem}; Snakemake reruns nothing for it here, so run "
-                        f"`snakemake --forcerun {stage}` (with your options)")
+                        f"`snakemake --forcerun {stage}` (with your options; trackers that logged the old values refuse the "
+                        "new ones: log to a new run, e.g. trackers.tensorboard.run_name)")
     return None
 
 
