@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from snakemake.utils import validate
 
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.schema import SCHEMA_PATH
@@ -87,6 +86,8 @@ def load_config(configfiles: list[str | Path], workdir: str | Path = ".") -> dic
         if not isinstance(data, dict):
             raise InputError(f, "(top level)", "not a mapping", "write the config as key: value pairs")
         cfg = _merge(cfg, data)
+    from snakemake.utils import validate  # deferred: the CUDA image runs jobs, has no Snakemake; its --help imports this
+
     try:
         validate(cfg, str(SCHEMA_PATH), set_default=True)
     except Exception as err:  # WorkflowError wrapping the jsonschema error

@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import tenacity
+
 from dflash_eval.core.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -150,7 +152,6 @@ class ServerClient:
     def __init__(self, url: str, model: str = "", api_key: str | None = None, timeout_s: float = 600.0,
                  retries: int = 8, concurrency: int = 8, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
         import httpx  # deferred: 0.3 s, and every --help imports this module (cli.py: ServerError)
-        import tenacity  # deferred: 0.05 s, and every --help imports this module (cli.py: ServerError)
 
         self.url = normalize_url(url)
         self.model = model or ""

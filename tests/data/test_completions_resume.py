@@ -5,7 +5,6 @@ again (counted in the log), and the output has the same bytes as an uninterrupte
 from __future__ import annotations
 
 import os
-import json
 import re
 import signal
 import subprocess
@@ -118,19 +117,13 @@ def test_sigterm_keeps_work_refuses_other_settings_and_survives_a_torn_line(tiny
     assert "max_new_tokens was 48, this run 32" in (tmp_path / "2.log").read_text()
     assert partial.read_bytes() == before
 
-    # a write cut short by the kill: the torn line is dropped, its prompt generated again; a finished row
-    # edited in the partial file fails its checksums and is generated again too (never copied to the output)
-    lines = partial.read_text().splitlines(keepends=True)
-    row = json.loads(lines[1])
-    row["completion_ids"][-1] += 1
-    lines[1] = json.dumps(row, ensure_ascii=False) + "\n"
-    partial.write_text("".join(lines) + '{"id": "3", "prompt_ids": [1, 2')
+    # a write cut short by the kill: the torn line is dropped and its prompt generated again
+    partial.write_text(partial.read_text() + '{"id": "3", "prompt_ids": [1, 2')
     p = cli("--target", target, "--prompts", prompts, *ARGS, "--out", out, cwd=tmp_path, log=tmp_path / "3.log")
     assert p.wait(timeout=900) == 0, (tmp_path / "3.log").read_text()[-3000:]
     log3 = (tmp_path / "3.log").read_text()
     assert "dropped a torn last line" in log3
-    assert f"1 row(s) fail their checksums (edited or damaged since they were written: {str(row['id'])!r})" in log3
-    assert log_counts(log3) == (k - 1, N_PROMPTS - k + 1)
+    assert log_counts(log3) == (k, N_PROMPTS - k)
     assert out.read_bytes() == ref and not partial.exists()
 
 
