@@ -74,6 +74,7 @@ def _ours(tiny, ids, setting, seed):
                          sampling=SamplingSetting(**setting), generator=g)
 
 
+@pytest.mark.slow  # 20-90 s each on 2 cores: make test / CI, not the developer loop
 @pytest.mark.parametrize("setting", [T1, TLOW], ids=["T1_p0.95_k20", "T0.05_p0.95_k20"])
 def test_online_sampler_draws_what_the_reference_draws(tiny, setting, monkeypatch):
     import dflash.model as ref
@@ -144,6 +145,7 @@ def _validate(tiny, d, out, **kw):
                            device="cpu", dtype="float32", ddtree_budget=0, **kw)
 
 
+@pytest.mark.slow  # 20-90 s each on 2 cores: make test / CI, not the developer loop
 def test_validate_online_sampled_vs_offline_expected(tiny, staged):
     from dflash_eval.data.completions import read_completions
 
@@ -226,6 +228,7 @@ def drafter2(tiny):
     return write_dflash2(tiny["dir"] / "dflash2", codebook_scale=0.5, seed=3)
 
 
+@pytest.mark.slow  # 20-90 s each on 2 cores: make test / CI, not the developer loop
 @pytest.mark.parametrize("setting", [T1, TLOW], ids=["T1_p0.95_k20", "T0.05_p0.95_k20"])
 def test_dflash2_online_sampler_draws_what_the_reference_draws(tiny, drafter2, setting, monkeypatch):
     """DFlash 2: the selector's sampled path and the rejection sampler on its candidates, run for run the
@@ -251,6 +254,7 @@ def test_dflash2_online_sampler_draws_what_the_reference_draws(tiny, drafter2, s
     assert max(steps) >= 2 and min(steps) == 1
 
 
+@pytest.mark.slow  # 20-90 s each on 2 cores: make test / CI, not the developer loop
 def test_dflash2_validate_online_sampled_vs_offline_expected(tiny, staged, drafter2):
     """evaluate's expected tau of a DFlash 2 drafter at T > 0 (the selector teacher-forced on the cached tokens)
     against its online speculative sampler over seeds; and the selector matters (its path is not the unary one)."""

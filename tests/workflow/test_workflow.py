@@ -701,20 +701,18 @@ def test_rerun_only_changed_checkpoints(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_a_failed_run_leaves_no_finished_cache_for_a_forced_rerun_to_adopt(tiny_run, tmp_path):
-    """A run that failed elsewhere (here a damaged drafter) kept each finished cache's
+    """A run that failed elsewhere (here a damaged drafter config) kept each finished cache's
     sidecar link (<cache>.h5.partial), and a later `-R hidden_states` (to recompute after a code change)
     adopted it: the old states, with exit 0. onerror now drops the links, as onsuccess does (only a killed
     Snakemake needs them)."""
     wd = _copy_run(tiny_run, tmp_path / "wf")
-    drafter = wd / "results/tiny/drafters/step100/model.safetensors"
-    data = bytearray(drafter.read_bytes())
-    data[-100] ^= 1
-    st = drafter.stat()
-    drafter.write_bytes(bytes(data))
-    os.utime(drafter, ns=(st.st_atime_ns, st.st_mtime_ns))
+    config = wd / "results/tiny/drafters/step100/config.json"
+    st = config.stat()
+    config.write_text("{damaged")
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns))  # no rerun of strip_drafter: evaluate fails on it
     target = "results/tiny/eval/step100/set_a.json"
     proc = smk(wd, "--workflow-profile", str(CI_PROFILE), "-R", "hidden_states", "--until", target, check=False)
-    assert proc.returncode != 0 and "strip_info.json" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "config.json" in proc.stdout + proc.stderr
     assert (wd / "results/tiny/cache/set_a.h5").exists()  # the hidden_states job itself finished
     assert not list((wd / "results/tiny/cache").glob("*.partial")), list((wd / "results/tiny/cache").iterdir())
 
