@@ -139,7 +139,7 @@ def test_hf_folder_round_trip(tmp_path, cfg, shards, dtype):
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_torch_file_beside_safetensors_weights_is_named_not_read(tmp_path, cfg, shards):
-    """The fifteenth trial: a folder with model.safetensors (step 788) and another step's .pt used the safetensors
+    """a folder with model.safetensors (step 788) and another step's .pt used the safetensors
     with no word; the trainer's own side files (optimizer.pt, rng_state.pth, ...) are no news and not named."""
     src = random_state(cfg, seed=2)
     folder = write_hf(tmp_path / "step_40", cfg, src, shards=shards)
@@ -158,7 +158,7 @@ def test_a_torch_file_beside_safetensors_weights_is_named_not_read(tmp_path, cfg
 @pytest.mark.parametrize("name, step", [
     ("step1500", 1500), ("global_step_400", 400), ("epoch_0_step_100", 100), ("run-step900", 900), ("step100.pt", 100),
     ("checkpoint-3000", 3000), ("step_100_ema", 100), ("dflash-smollm2-b8-step3507", 3507), ("ckpt", None),
-    # the sixteenth trial's P5: the leading digits were taken (20, 10, 1, 1, 2): no step, and strip says why
+    # the leading digits were taken (20, 10, 1, 1, 2): no step, and strip says why
     ("run1-step20k", None), ("step-10k", None), ("step_1.5k", None), ("step1e5", None), ("step-2e19", None)])
 def test_step_from_the_name_is_a_whole_number_or_none(name, step):
     from dflash_eval.drafter.checkpoints import parse_step, unread_step
@@ -219,7 +219,7 @@ def test_torch_dict_round_trip(tmp_path, cfg, state, container, prefix, name):
 
 
 def test_a_stored_step_other_than_the_names_is_noted(tmp_path, cfg, state):
-    """The sixteenth trial's P17: step3507.pt storing step 100 (a resumed run's local step) said nothing."""
+    """step3507.pt storing step 100 (a resumed run's local step) said nothing."""
     path = write_torch(tmp_path, cfg, state, "model", "", "step3507.pt")
     torch.save({**torch.load(path, weights_only=False), "step": 100}, path)
     info = json.loads((strip_checkpoint(path, tmp_path / "out") / "strip_info.json").read_text())
@@ -286,7 +286,7 @@ def test_partial_rotary_factor_ignored_with_note(tmp_path, cfg, state):
     ("attention_bias", "false", "attention_bias", "must be true or false, got 'false'"),
 ])
 def test_non_finite_or_non_positive_config_numbers_are_refused(tmp_path, cfg, state, field, value, where, problem):
-    """The thirteenth trial's A1: ``"rms_norm_eps": NaN`` in a checkpoint's config.json (Python's json reads it)
+    """``"rms_norm_eps": NaN`` in a checkpoint's config.json (Python's json reads it)
     built a drafter whose every draft was rejected: tau 1.0, exit 0. Refused by name, at strip and wherever a
     config is read (a stripped folder's config edited after strip too)."""
     write_hf(tmp_path / "d", dict(cfg, **{field: value}), state)
@@ -676,7 +676,7 @@ def test_two_different_embedded_configs_are_refused(tmp_path, cfg, state):
 
 
 def test_a_drafter_config_of_another_vocabulary_is_noted(cfg):
-    """The thirteenth trial's A3: a drafter config whose vocab_size is not the target's passed without a word (the
+    """a drafter config whose vocab_size is not the target's passed without a word (the
     drafter drafts with the target's embedding and head, so it runs; the config may be another target's)."""
     from pathlib import Path as P
 
@@ -694,7 +694,7 @@ def test_a_drafter_config_of_another_vocabulary_is_noted(cfg):
 
 
 def test_huge_finite_weights_are_named_in_the_strip_notes(tmp_path, cfg, state):
-    """The thirteenth trial: norm.weight 1e30 (finite) passed strip without a word; a weight far above a trained
+    """norm.weight 1e30 (finite) passed strip without a word; a weight far above a trained
     drafter's is named in strip_info.json's notes (and the job log); a trained one is not."""
     big = {k: v.clone() for k, v in state.items()}
     big["norm.weight"][0] = 1e30

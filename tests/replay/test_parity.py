@@ -42,7 +42,7 @@ CONFIGS = {"full": tiny_config(sliding=False, layers=3, window=WINDOW, block_siz
            "sliding-noncausal": dict(tiny_config(sliding=True, layers=3, window=WINDOW // 2, block_size=B), is_causal=False),
            "full-causal": dict(tiny_config(sliding=False, layers=3, block_size=B), is_causal=True),
            # no layer_types: transformers' Qwen3Config derives them (layers >= max_window_layers slide; the
-           # thirteenth trial's A7: evaluated with full attention while the reference windows them)
+           # evaluated with full attention while the reference windows them)
            "sliding-implied": dict(tiny_config(sliding=False, layers=3, block_size=B), use_sliding_window=True,
                                    sliding_window=WINDOW, max_window_layers=1)}
 
