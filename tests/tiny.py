@@ -128,3 +128,30 @@ def make_random_drafter(out_dir: str | Path, target_dir: str | Path, layer_ids: 
     (out_dir / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, str(out_dir / "model.safetensors"))
     return cfg, drafter
+
+
+#: three short chat-shaped prompts (token ids of the tiny tokenizer) shared by the tiny pipelines
+TINY_PROMPTS = [[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]]
+
+
+def make_tiny_pipeline(d: str | Path, layer_ids: list[int], block_size: int, max_new_tokens: int,
+                       prompt_ids: list[list[int]] = TINY_PROMPTS) -> dict:
+    """The tiny target (llama, 4 layers, hidden 64, seed 0), a random drafter for it in ``d/drafter``,
+    ``d/prompts.jsonl`` and their greedy float32 completions ``d/c.jsonl`` (the caches are the caller's).
+
+    Returns:
+        ``{"dir": d, "target_dir": d/target}``.
+    """
+    import json
+
+    from dflash_eval.stages.completions import generate_completions
+
+    d = Path(d)
+    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
+    make_random_drafter(d / "drafter", target_dir, layer_ids, block_size=block_size)
+    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p}
+               for i, p in enumerate(prompt_ids)]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    generate_completions(target_dir, d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=max_new_tokens,
+                         batch_size=len(prompts), device="cpu", dtype="float32")
+    return {"dir": d, "target_dir": target_dir}

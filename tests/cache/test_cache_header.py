@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_random_drafter, make_tiny_target  # noqa: E402
+from tiny import make_tiny_pipeline  # noqa: E402
 
 from dflash_eval.cache.format import FORMAT_VERSION, UNCOVERED_ATTRS  # noqa: E402
 from dflash_eval.cache.reader import CacheReader  # noqa: E402
@@ -35,19 +35,10 @@ LAYERS = [1, 3]
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """A tiny target, a random drafter for it, 4 prompts, their completions and cache."""
-
-    from dflash_eval.stages.completions import generate_completions
-
-    d = tmp_path_factory.mktemp("header")
-    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg, drafter = make_random_drafter(d / "drafter", target_dir, LAYERS, block_size=4)
-    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": [1, 40 + i, 41, 2, 1, 50]}
-               for i in range(4)]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    generate_completions(target_dir, d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=12, batch_size=4,
-                         device="cpu", dtype="float32")
-    _extract(d, "c.h5")
-    return {"dir": d, "target_dir": target_dir}
+    p = make_tiny_pipeline(tmp_path_factory.mktemp("header"), LAYERS, block_size=4, max_new_tokens=12,
+                           prompt_ids=[[1, 40 + i, 41, 2, 1, 50] for i in range(4)])
+    _extract(p["dir"], "c.h5")
+    return p
 
 
 def _extract(d: Path, out: str, **kw) -> Path:

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_random_drafter, make_tiny_target  # noqa: E402
+from tiny import make_tiny_pipeline  # noqa: E402
 
 from dflash_eval.cache.reader import CacheReader  # noqa: E402
 from dflash_eval.cache.writer import write_cache  # noqa: E402
@@ -39,20 +39,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """A tiny target, a random drafter folder (stripped layout), 3 prompts, their completions and cache."""
-
-    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
-    d = tmp_path_factory.mktemp("reliability")
-    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg, drafter = make_random_drafter(d / "drafter", target_dir, [1, 3], block_size=4)
-    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
-               enumerate([[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]])]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    generate_completions(target_dir, d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=16, batch_size=3,
-                         device="cpu", dtype="float32")
-    extract_hidden_states(target_dir, d / "c.jsonl", d / "c.h5", layer_ids=[1, 3], device="cpu", dtype="float32")
-    return {"dir": d, "target_dir": target_dir}
+    p = make_tiny_pipeline(tmp_path_factory.mktemp("reliability"), [1, 3], block_size=4, max_new_tokens=16)
+    extract_hidden_states(p["target_dir"], p["dir"] / "c.jsonl", p["dir"] / "c.h5", layer_ids=[1, 3], device="cpu",
+                          dtype="float32")
+    return p
 
 
 def _evaluate(p, cache, drafter=None, out="ev.json"):

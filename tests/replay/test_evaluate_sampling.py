@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_random_drafter, make_tiny_target  # noqa: E402
+from tiny import make_tiny_pipeline  # noqa: E402
 
 from dflash_eval.core.errors import InputError  # noqa: E402
 
@@ -31,23 +31,15 @@ T1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-
-    from dflash_eval.stages.completions import generate_completions
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
-    d = tmp_path_factory.mktemp("sampling_eval")
-    target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg, drafter = make_random_drafter(d / "drafter", target_dir, [1, 2], block_size=4)
-    prompts = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p} for i, p in
-               enumerate([[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]])]
-    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    generate_completions(target_dir, d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=20, batch_size=3,
-                         device="cpu", dtype="float32")
+    p = make_tiny_pipeline(tmp_path_factory.mktemp("sampling_eval"), [1, 2], block_size=4, max_new_tokens=20)
+    d, target_dir = p["dir"], p["target_dir"]
     extract_hidden_states(target_dir, d / "c.jsonl", d / "final.h5", layer_ids=[1, 2], device="cpu",
                           dtype="float32", final_hidden=True)
     extract_hidden_states(target_dir, d / "c.jsonl", d / "plain.h5", layer_ids=[1, 2], device="cpu",
                           dtype="float32")
-    return {"dir": d, "target_dir": target_dir}
+    return p
 
 
 def _evaluate(run, cache, out, **kw):
