@@ -34,7 +34,7 @@ from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device,
 from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import meta_path, read_meta, settings_of, stage_block
 from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
-from dflash_eval.target.hybrid import bind_linear_attention
+from dflash_eval.target.hybrid import ENV_NOT_RECORDED, bind_linear_attention
 from dflash_eval.target.model import load_target, target_info
 from dflash_eval.target.spec import TargetSpec
 
@@ -254,7 +254,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                     "layer_types": json.dumps(info.get("layer_types", [])),
                     "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
                     "env": {k: v for k, v in os.environ.items()
-                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
+                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))
+                            and k not in ENV_NOT_RECORDED},
                     "padding_side": "none" if packed else "right",
                     "prompt_set": completions_path.stem,
                     "completion_sampling": json.dumps(completions_sampling(rows)),
