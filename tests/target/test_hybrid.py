@@ -323,3 +323,20 @@ def test_parity_counts_zero_states_of_pad_tokens_as_equal():
     par.add(a, b)
     r1 = par.rows([0, 1, 3])[1]
     assert r1["cos_min"] == 0.0 and r1["cos_min_at"] == [0, 3] and r1["zero_one_side"] == 1
+
+
+def test_kernel_parity_loads_the_target_once_when_both_sides_share_a_dtype(target, completions, tmp_path, monkeypatch):
+    """fla vs torch (one dtype): one model, the kernel rebound between the two extractions; here torch vs torch in
+    float32, which must give identical caches (rel-L2 0, cosine 1) from that one load."""
+    from dflash_eval.stages import kernel_parity as kp
+
+    same = {"a": {"backend": "torch", "dtype": "float32"}, "b": {"backend": "torch", "dtype": "float32"},
+            "fla_available": False, "note": "torch vs torch"}
+    monkeypatch.setattr(kp, "plan", lambda *a: same)
+    loads = []
+    real = kp.load_target
+    monkeypatch.setattr(kp, "load_target", lambda *a, **k: loads.append(1) or real(*a, **k))
+    r = kp.kernel_parity(target, completions, [0, 3], tmp_path / "kp.json", n_samples=2, device="cpu")
+    assert loads == [1] and r["model_loads"] == 1
+    assert all(x["rel_l2"] == 0 and x["max_abs"] == 0 and x["cos_min"] > 1 - 1e-12 for x in r["layers"])
+    assert r["argmax_agreement"] == 1.0 and "loaded once for both" in r["markdown"]
