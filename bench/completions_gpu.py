@@ -1,23 +1,28 @@
 #!/usr/bin/env python
 """Completions on the GPU: the stage's HF source beside a plain ``model.generate`` loop, same prompts, same batches.
 
-A SmolLM2-135M-shaped target with random weights (``transformers.LlamaConfig`` from its config.json:
-no hub access), random prompt ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new``
-new tokens, greedy. For every batch size in ``--batches`` (``auto`` = what the stage picks with
-``generation.batch_size: 0``, :func:`dflash_eval.target.model.decode_batch_size`) the same
-``--n-batches`` length-sorted batches (:func:`dflash_eval.core.runtime.length_batches`) run through:
+``--target``: a SmolLM2-135M-shaped llama (default), a Llama-3-8B-shaped llama (``llama-8b``) or an
+8.16B Qwen3.5-style hybrid (``hybrid-7b``: 3 Gated DeltaNet : 1 attention, ``tests/tiny_hybrid.py``
+``HYBRID_7B``; fla kernels on CUDA as a user's ``generate`` gets them, transformers' torch path on the
+CPU), random weights built on the device from a transformers config (no hub access), random prompt
+ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new`` new tokens, greedy. For every batch
+size in ``--batches`` (``auto`` = what the stage picks with ``generation.batch_size: 0``,
+:func:`dflash_eval.target.model.decode_batch_size`) the same ``--n-batches`` length-sorted batches
+(:func:`dflash_eval.core.runtime.length_batches`) run through:
 
 - ``stage``: :class:`dflash_eval.serving.generation.TransformersSource` (what ``python -m dflash_eval
-  completions`` runs: fresh greedy GenerationConfig, explicit attention mask, grouped-KV SDPA,
-  decode-step streamer);
-- ``stage, plain sdpa``: the same without :func:`dflash_eval.target.model.gqa_sdpa` (transformers' own
-  ``sdpa`` attention, KV heads repeated), to show what that helper costs or saves on CUDA;
+  completions`` runs: fresh greedy GenerationConfig, explicit attention mask, decode-step progress hook;
+  on the CPU grouped-KV SDPA and unpadded prefill);
+- ``stage, gqa sdpa`` (CUDA) / ``stage, plain sdpa`` (CPU): the stage with the other choice of
+  :func:`dflash_eval.target.model.gqa_sdpa` (``GQA_SDPA_DEVICES``), to show what it costs or saves;
 - ``generate``: the loop a user writes, ``model.generate(ids, attention_mask, max_new_tokens,
   do_sample=False)`` with the default dynamic cache;
 - ``generate static``: the same with ``cache_implementation="static"`` (transformers compiles the
   decode step for a static cache on CUDA; the first batch, which compiles, is timed apart), for the
   batch sizes in ``--static-batches``.
 
+The first call (CUDA context, kernel loading; a hybrid's first fla use: Triton compile and autotune) is
+timed and printed apart, and each variant's figure is its second call at the shape (``--rounds 2``).
 Printed per batch size and variant: generated tokens per second (tokens up to and including the
 stop id, as the stage counts them; the time covers the whole ``generate`` calls), the ratio of the
 stage to the plain loop (goal >= 1.0x at every batch size), the share of rows whose token ids equal
@@ -33,6 +38,11 @@ too; the stage itself; each timed, then the stage and the plain loop under ``cPr
 functions with the most own time in each), to show where the stage's extra time per decode step goes::
 
     python3 bench/completions_gpu.py --ablate --batches 16 --static-batches ""
+
+At a user's scale (issue #43; ``bench/hybrid_gpu.sh`` runs it with ``--target llama-8b`` too)::
+
+    python3 bench/completions_gpu.py --target hybrid-7b --batches 64 --n-batches 1 --max-new 256 \
+        --prompt-min 64 --prompt-max 512 --static-batches ""
 
 CPU smoke run (tiny model, float32; what ``tests/bench/test_bench_smoke.py`` runs)::
 

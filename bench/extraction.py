@@ -21,6 +21,13 @@ synthetic completions and the same stored layers, one run prints:
 Useful FLOPs per sample of T tokens: 2 x (parameters without the input embedding, LM head included) x T
 plus the causal attention scores, 2 x n_layers x hidden x T^2 (padding not counted, for either side).
 
+``--models hybrid-7b,llama-8b``: the user-scale pair (issue #43): an 8.16B Qwen3.5-style hybrid (3 Gated
+DeltaNet : 1 attention; right-padded batches in the stage, fla kernels on CUDA on both sides) and an 8.03B
+llama, 160 samples of 128-1200 tokens, the loop at batch 24 (~32k padded tokens). The plain loop's first call
+(the first fla use: Triton compile + autotune) is timed apart; ``--stage-runs 2`` reports the stage's first
+run (its own process, the bench's Triton cache directory empty at the bench's start) apart and takes the
+second as the figure. ``bench/hybrid_gpu.sh`` runs both.
+
 CPU smoke test (tiny models, float32, a minute here): ``.venv/bin/python bench/extraction.py --smoke``
 On one H200 (torch 2.11, transformers 5.17, h5py; no network), from the repository root:
 
