@@ -68,8 +68,8 @@ step() {  # step SECONDS NAME COMMAND...
   timeout "$lim" "$@" > "$OUT/$name.txt" 2>&1
   say "end $name: exit $?"
 }
-step 140 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
-step 190 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
+step 160 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
+step 180 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH/hybrid-7b"
 step 80 completions_llama $PY bench/completions_gpu.py --target llama-8b "${C[@]}" --out "$OUT/completions_llama.json"
 step 110 extraction_llama $PY bench/extraction.py --models llama-8b "${E[@]}" --out-dir "$SCRATCH"
