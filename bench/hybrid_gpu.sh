@@ -7,8 +7,8 @@
 #   bash bench/hybrid_gpu.sh            # GPU host, from the repository root; figures under $OUT
 #   bash bench/hybrid_gpu.sh --smoke    # CPU: tiny models, torch kernels (checks the script; tests/bench)
 #
-# Packages the GPU host may lack (fla, h5py, safetensors, tenacity, jsonschema) are installed from wheels in the
-# git-ignored .whl/ (flat folder: fla_core, flash_linear_attention, h5py, safetensors, tenacity, jsonschema,
+# Packages the GPU host may lack (fla, einops, h5py, safetensors, tenacity, jsonschema) are installed from wheels in the
+# git-ignored .whl/ (flat folder: einops, fla_core, flash_linear_attention, h5py, safetensors, tenacity, jsonschema,
 # jsonschema_specifications, referencing, rpds_py, attrs) into a folder put on PYTHONPATH, only those that do not
 # import. Writes under $OUT (default: a temporary folder): completions_{hybrid,llama}.{txt,json},
 # extraction_{hybrid,llama}.txt, env.txt, and summary.txt (every ratio line); then hybrid_gpu.tgz of them all.
@@ -32,6 +32,7 @@ want() {  # want MODULE WHEEL-PREFIX...: the wheels when MODULE does not import
   fi
 }
 if [ "$SMOKE" = 0 ]; then
+  want einops einops
   want fla fla_core flash_linear_attention
   want h5py h5py
   want safetensors safetensors
@@ -39,7 +40,7 @@ if [ "$SMOKE" = 0 ]; then
   want jsonschema jsonschema jsonschema_specifications referencing rpds_py attrs
   if [ ${#need[@]} -gt 0 ]; then
     say "installing into $DEPS: ${need[*]}"
-    $PY -m pip install -q --no-deps --no-index --target "$DEPS" "${need[@]}" 2>&1 | tail -3 >&2
+    $PY -m pip install -q --no-deps --no-index --target "$DEPS" "${need[@]}" 2>&1 | tail -3 | tee -a "$OUT/env.txt" >&2
   fi
 fi
 export PYTHONPATH="$PWD:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
