@@ -10,8 +10,9 @@
 # Packages the GPU host may lack (fla, einops, h5py, safetensors, tenacity, jsonschema) are installed from wheels in the
 # git-ignored .whl/ (flat folder: einops, fla_core, flash_linear_attention, h5py, safetensors, tenacity, jsonschema,
 # jsonschema_specifications, referencing, rpds_py, attrs) into a folder put on PYTHONPATH, only those that do not
-# import. Writes under $OUT (default: a temporary folder): completions_{hybrid,llama}.{txt,json},
-# extraction_{hybrid,llama}.txt, env.txt, and summary.txt (every ratio line); then hybrid_gpu.tgz of them all.
+# import. Writes under $OUT (default: a temporary folder) completions_{hybrid,llama}.{txt,json},
+# extraction_{hybrid,llama}.txt, env.txt and summary.txt (every figure line); at the end the first seven go into
+# hybrid_gpu.tgz (so $OUT holds summary.txt and hybrid_gpu.tgz; cut short, the seven files stay as they are).
 set -uo pipefail
 SMOKE=0
 [ "${1:-}" = "--smoke" ] && SMOKE=1
@@ -81,4 +82,6 @@ grep -h -E "^device|first call|first run|ratio|^batch|^  stage|^  generate|dflas
   > "$OUT/summary.txt" 2>/dev/null
 cat "$OUT/summary.txt"
 say "done"
-(cd "$OUT" && tar czf hybrid_gpu.tgz --exclude hybrid_gpu.tgz ./*)
+# one archive of everything beside the summary (what comes back from a GPU host is counted in files)
+(cd "$OUT" && tar czf hybrid_gpu.tgz --exclude hybrid_gpu.tgz --exclude summary.txt ./* \
+  && rm -f completions_*.txt completions_*.json extraction_*.txt env.txt)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,9 @@ def test_hybrid_gpu_driver_smoke(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.count("ratio stage / generate") == 2 and summary.count("ratio dflash-eval / loop") == 2
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hybrid_gpu.tgz", "summary.txt"]
+    with tarfile.open(tmp_path / "hybrid_gpu.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
     (row,) = json.loads((tmp_path / "completions_hybrid.json").read_text())
     assert row["batch"] == 4 and set(row["variants"]) == {"stage", "stage, plain sdpa", "generate"}
     assert {v["same_ids_as_stage"] for v in row["variants"].values()} == {1.0}  # float32: same ids everywhere
@@ -73,4 +77,3 @@ def test_hybrid_gpu_driver_smoke(tmp_path):
     hyb = (tmp_path / "extraction_hybrid.txt").read_text()
     assert "right-padded" in hyb and "stage, first run" in hyb and "argmax agreement 1.0000" in hyb
     assert "linear-attention kernel: torch" in (tmp_path / "completions_hybrid.txt").read_text()
-    assert (tmp_path / "hybrid_gpu.tgz").stat().st_size > 0
