@@ -109,7 +109,8 @@ def build_model(target: str, smoke: bool, dev, dt):
                 conf._attn_implementation = "sdpa"
                 model = Qwen3_5ForCausalLM(conf).to(dt).eval()
             else:
-                conf = LlamaConfig(**kw, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD, initializer_range=0.2,
+                conf = LlamaConfig(**kw, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+                                   initializer_range=0.2 if target == "smol" else 0.02,  # 8B at 0.2: bf16 overflow
                                    attn_implementation="sdpa")
                 model = LlamaForCausalLM(conf).to(dt).eval()
     finally:
