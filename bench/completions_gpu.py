@@ -1,23 +1,28 @@
 #!/usr/bin/env python
 """Completions on the GPU: the stage's HF source beside a plain ``model.generate`` loop, same prompts, same batches.
 
-A SmolLM2-135M-shaped target with random weights (``transformers.LlamaConfig`` from its config.json:
-no hub access), random prompt ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new``
-new tokens, greedy. For every batch size in ``--batches`` (``auto`` = what the stage picks with
-``generation.batch_size: 0``, :func:`dflash_eval.target.model.decode_batch_size`) the same
-``--n-batches`` length-sorted batches (:func:`dflash_eval.core.runtime.length_batches`) run through:
+``--target``: a SmolLM2-135M-shaped llama (default), a Llama-3-8B-shaped llama (``llama-8b``) or an
+8.16B Qwen3.5-style hybrid (``hybrid-7b``: 3 Gated DeltaNet : 1 attention, ``tests/tiny_hybrid.py``
+``HYBRID_7B``; fla kernels on CUDA as a user's ``generate`` gets them, transformers' torch path on the
+CPU), random weights built on the device from a transformers config (no hub access), random prompt
+ids of ``--prompt-min``..``--prompt-max`` tokens, ``--max-new`` new tokens, greedy. For every batch
+size in ``--batches`` (``auto`` = what the stage picks with ``generation.batch_size: 0``,
+:func:`dflash_eval.target.model.decode_batch_size`) the same ``--n-batches`` length-sorted batches
+(:func:`dflash_eval.core.runtime.length_batches`) run through:
 
 - ``stage``: :class:`dflash_eval.serving.generation.TransformersSource` (what ``python -m dflash_eval
-  completions`` runs: fresh greedy GenerationConfig, explicit attention mask, grouped-KV SDPA,
-  decode-step streamer);
-- ``stage, plain sdpa``: the same without :func:`dflash_eval.target.model.gqa_sdpa` (transformers' own
-  ``sdpa`` attention, KV heads repeated), to show what that helper costs or saves on CUDA;
+  completions`` runs: fresh greedy GenerationConfig, explicit attention mask, decode-step progress hook;
+  on the CPU grouped-KV SDPA and unpadded prefill);
+- ``stage, gqa sdpa`` (CUDA) / ``stage, plain sdpa`` (CPU): the stage with the other choice of
+  :func:`dflash_eval.target.model.gqa_sdpa` (``GQA_SDPA_DEVICES``), to show what it costs or saves;
 - ``generate``: the loop a user writes, ``model.generate(ids, attention_mask, max_new_tokens,
   do_sample=False)`` with the default dynamic cache;
 - ``generate static``: the same with ``cache_implementation="static"`` (transformers compiles the
   decode step for a static cache on CUDA; the first batch, which compiles, is timed apart), for the
   batch sizes in ``--static-batches``.
 
+The first call (CUDA context, kernel loading; a hybrid's first fla use: Triton compile and autotune) is
+timed and printed apart, and each variant's figure is its second call at the shape (``--rounds 2``).
 Printed per batch size and variant: generated tokens per second (tokens up to and including the
 stop id, as the stage counts them; the time covers the whole ``generate`` calls), the ratio of the
 stage to the plain loop (goal >= 1.0x at every batch size), the share of rows whose token ids equal
@@ -33,6 +38,11 @@ too; the stage itself; each timed, then the stage and the plain loop under ``cPr
 functions with the most own time in each), to show where the stage's extra time per decode step goes::
 
     python3 bench/completions_gpu.py --ablate --batches 16 --static-batches ""
+
+At a user's scale (issue #43; ``bench/hybrid_gpu.sh`` runs it with ``--target llama-8b`` too)::
+
+    python3 bench/completions_gpu.py --target hybrid-7b --batches 64 --n-batches 1 --max-new 256 \
+        --prompt-min 64 --prompt-max 512 --static-batches ""
 
 CPU smoke run (tiny model, float32; what ``tests/bench/test_bench_smoke.py`` runs)::
 
@@ -51,7 +61,7 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
@@ -60,6 +70,8 @@ print = functools.partial(print, flush=True)  # noqa: A001
 from dflash_eval.target import model as target_mod  # noqa: E402
 from dflash_eval.serving.generation import TransformersSource, cut_at_eos  # noqa: E402
 from dflash_eval.core.runtime import length_batches, resolve_device, resolve_dtype  # noqa: E402
+from dflash_eval.target import hybrid  # noqa: E402
+import tiny_hybrid as th  # noqa: E402
 
 #: HuggingFaceTB/SmolLM2-135M-Instruct config.json (architecture only)
 SMOL = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -69,6 +81,46 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
             tie_word_embeddings=True)
 EOS, PAD = 2, 0
+#: --target -> (what it is, config kwargs on the GPU, on the CPU smoke run)
+TARGETS = {
+    "smol": ("SmolLM2-135M-shaped llama", SMOL, TINY),
+    "llama-8b": ("Llama-3-8B-shaped llama", th.LLAMA_8B, TINY),
+    "hybrid-7b": ("Qwen3.5-style hybrid (3 Gated DeltaNet : 1 attention)", th.HYBRID_7B, {}),
+}
+
+
+def build_model(target: str, smoke: bool, dev, dt):
+    """The random-init target on ``dev`` in ``dt`` (built there: an 8B model never sits in float32 on the host).
+
+    Hybrids get the GDN kernel a user's ``generate`` gets: fla on CUDA when it imports (transformers binds it at
+    import), else transformers' torch path (``dflash_eval.target.hybrid.force_backend``). Returns ``(model, kernel)``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM
+
+    _, big, small = TARGETS[target]
+    kw = small if smoke else big
+    old = torch.get_default_dtype()
+    torch.manual_seed(0)
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(dev):
+            if target.startswith("hybrid"):
+                conf = th.qwen35_text_config(**kw, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD)
+                conf._attn_implementation = "sdpa"
+                model = Qwen3_5ForCausalLM(conf).to(dt).eval()
+            else:
+                conf = LlamaConfig(**kw, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+                                   initializer_range=0.2 if target == "smol" else 0.02,  # 8B at 0.2: bf16 overflow
+                                   attn_implementation="sdpa")
+                model = LlamaForCausalLM(conf).to(dt).eval()
+    finally:
+        torch.set_default_dtype(old)
+    kernel = "none"
+    if target.startswith("hybrid"):
+        kernel = "fla" if dev.type == "cuda" and hybrid.fla_status()[0] else "torch"
+        for m in hybrid.modeling_modules(model):
+            hybrid.force_backend(m, kernel)
+    return model, kernel
 
 
 def sync(dev):
@@ -156,6 +208,9 @@ def ablate(model, tok, b, args, conf, dev) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (checks the script)")
+    ap.add_argument("--target", default="smol", choices=list(TARGETS),
+                    help="random target: SmolLM2-135M-shaped llama, Llama-3-8B-shaped llama, or an 8.2B Qwen3.5-style "
+                         "hybrid (fla kernels on CUDA)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--batches", default="16,64,256,auto", help="batch sizes; auto = the stage's memory-sized one")
     ap.add_argument("--n-batches", type=int, default=2, help="batches timed per batch size")
@@ -172,17 +227,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.device, args.batches, args.static_batches, args.max_new = "cpu", "2,4,auto", "", 6
+        args.device, args.static_batches, args.max_new = "cpu", "", 6
+        args.batches = "2,4,auto" if args.batches == ap.get_default("batches") else args.batches
         args.prompt_min, args.prompt_max = 4, 12
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     dev = resolve_device(args.device)
     dt = resolve_dtype("auto", dev)
-    torch.manual_seed(0)
-    conf = LlamaConfig(**(TINY if args.smoke else SMOL), bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
-                       initializer_range=0.2, attn_implementation="sdpa")
-    with torch.device(dev):
-        model = LlamaForCausalLM(conf).to(dt).eval()
+    t_build = time.perf_counter()
+    model, kernel = build_model(args.target, args.smoke, dev, dt)
+    sync(dev)
+    t_build = time.perf_counter() - t_build
+    conf = model.config
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = EOS, PAD
     tok = types.SimpleNamespace(pad_token_id=PAD)
     gen = torch.Generator().manual_seed(1)
@@ -193,10 +247,10 @@ def main(argv=None) -> int:
     static = {int(b) for b in args.static_batches.split(",") if b}
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"device {name}, {str(dt)[6:]}, torch {torch.__version__}; target: random "
-          f"{'tiny' if args.smoke else 'SmolLM2-135M-shaped'} llama ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-          f"parameters); prompts {args.prompt_min}-{args.prompt_max} tokens, {args.max_new} new tokens; "
-          f"memory-sized batch (auto) = {auto}")
-    plain_sdpa = contextlib.nullcontext
+          f"{'tiny ' if args.smoke else ''}{TARGETS[args.target][0]} ({sum(p.numel() for p in model.parameters()) / 1e6:,.0f}M "
+          f"parameters, built on the device in {t_build:.1f} s; linear-attention kernel: {kernel}); prompts "
+          f"{args.prompt_min}-{args.prompt_max} tokens, {args.max_new} new tokens; memory-sized batch (auto) = {auto}")
+    OTHER = "stage, gqa sdpa" if dev.type == "cuda" else "stage, plain sdpa"
     if args.ablate:
         ablate(model, tok, sizes[0], args, conf, dev)
     results = []
@@ -206,8 +260,14 @@ def main(argv=None) -> int:
         lens = torch.randint(args.prompt_min, args.prompt_max + 1, (n,), generator=gen).tolist()
         prompts = [torch.randint(3, conf.vocab_size, (L,), generator=gen).tolist() for L in lens]
         batches = length_batches(lens, max_items=b)
-        if first:  # warm-up (CUDA context, kernels) on a small batch, not timed
+        if first:  # warm-up (CUDA context, kernels; a hybrid's first fla use compiles them), timed apart
+            sync(dev)
+            t0 = time.perf_counter()
             plain_generate(model, prompts[:2], 4, dev)
+            sync(dev)
+            print(f"first call (2 prompts, 4 new tokens: CUDA context, kernel loading"
+                  f"{', Triton compile + autotune of the fla kernels' if kernel == 'fla' else ''}): "
+                  f"{time.perf_counter() - t0:.1f} s; not in any figure")
             first = False
         row = {"batch": b, "auto": b == auto, "variants": {}}
         outs = {}
@@ -222,7 +282,7 @@ def main(argv=None) -> int:
             outs[label] = got
             prev = row["variants"].get(label)
             runs = (prev["runs_s"] if prev else []) + [secs]
-            best = min(runs)
+            best = min(runs[1:]) if len(runs) > 1 else runs[0]  # warm: the first call at this shape apart
             row["variants"][label] = {"seconds": best, "runs_s": runs, "tokens": toks, "tok_s": toks / best}
             print(f"  .. batch {b}: {label}: {toks} tokens in {secs:.2f} s")
 
@@ -242,14 +302,14 @@ def main(argv=None) -> int:
 
         for _ in range(max(1, args.rounds)):  # interleaved rounds, the minimum of each variant
             timed("stage", stage)
-            orig = target_mod.gqa_sdpa
-            target_mod.gqa_sdpa = lambda model: plain_sdpa()  # the stage without its grouped-KV helper
+            orig = target_mod.GQA_SDPA_DEVICES
+            target_mod.GQA_SDPA_DEVICES = (*orig, "cuda") if dev.type == "cuda" else ()  # the stage's other choice
             try:
-                timed("stage, plain sdpa", stage)
+                timed(OTHER, stage)
             finally:
-                target_mod.gqa_sdpa = orig
+                target_mod.GQA_SDPA_DEVICES = orig
             timed("generate", loop)
-        if b in static and dev.type == "cuda":
+        if b in static and dev.type == "cuda" and not args.target.startswith("hybrid"):
             bt0 = batches[0]
             sync(dev)
             t0 = time.perf_counter()
@@ -264,10 +324,12 @@ def main(argv=None) -> int:
             same = sum(a == c for a, c in zip(outs[label], ref)) / n
             v["same_ids_as_stage"] = same
             print(f"  {label:18s}: {v['tok_s']:10,.0f} tok/s  ({v['tokens']} tokens, {v['seconds']:.2f} s)  "
-                  f"{v['tok_s'] / base:5.2f}x generate  rows with the stage's ids {100 * same:5.1f} %")
+                  f"{v['tok_s'] / base:5.2f}x generate  rows with the stage's ids {100 * same:5.1f} %  "
+                  f"[calls: {', '.join(f'{x:.2f}' for x in v['runs_s'])} s; the first at this shape timed apart]")
         if "static_first_batch_s" in row:
             print(f"  (generate static: its first batch, compiling, took {row['static_first_batch_s']:.1f} s; not in the figure)")
-        print(f"  ratio stage / generate: {row['variants']['stage']['tok_s'] / base:.2f}x (goal >= 1.0x)")
+        print(f"  ratio stage / generate ({args.target}, batch {b}, warm): "
+              f"{row['variants']['stage']['tok_s'] / base:.2f}x (goal >= 1.0x)")
         results.append(row)
     s16 = next((r for r in results if r["batch"] == 16), None)
     sa = next((r for r in results if r["auto"]), None)

@@ -122,6 +122,9 @@ if config["generation"]["endpoint"].get("api_key"):
 def _shell_prefix():
     parts = ["set -euo pipefail;", f"export {RUNTIME_ENV}={shlex.quote(PLAN.runtime_env())};"]
     parts.append(owner_export(MAIN_PROCESS))  # the jobs' watchdog: stop when this Snakemake is gone
+    # One Triton cache per run, shared by its jobs (unless the user set one): the first job that runs fla's
+    # kernels compiles and autotunes them (fla caches the autotune results there too), the others read them.
+    parts.append(f'export TRITON_CACHE_DIR="${{TRITON_CACHE_DIR:-$PWD/{PLAN.run_path(".triton")}}}";')
     if config["gpu_pool"]:  # local multi-GPU hosts: each GPU job takes its own GPU(s) (dflash_eval/core/gpu_pool.py)
         parts.append(f"export {GPU_POOL_ENV}={shlex.quote(config['gpu_pool'])};")
     methods = workflow.deployment_settings.deployment_method

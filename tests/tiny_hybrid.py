@@ -102,3 +102,22 @@ def write_completions(path, n: int, seed: int = 0, prompt_len=(6, 20), completio
                      "max_new_tokens": c})
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
+
+
+#: the GPU benches' user-scale hybrid (bench/completions_gpu.py, bench/extraction.py): a Qwen3.5-9B-like layout
+#: (hidden 4096, 32 layers, 3 GDN : 1 gated attention, GDN 16 QK / 32 V heads x 128, attention 16 / 4 heads x 256,
+#: FFN 12288) with a 151,936-token vocabulary: 8.16B parameters, random init
+HYBRID_7B = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+#: the llama beside it (Llama-3-8B layout: hidden 4096, 32 layers, 32 / 8 heads, FFN 14336, vocab 128256): 8.03B
+LLAMA_8B = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+}

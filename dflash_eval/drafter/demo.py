@@ -5,7 +5,7 @@ Training checkpoints are written in the layout real trainers use and that
 
     {"step": int, "random_init": bool, "draft_config": {...drafter config.json...},
      "model": {drafter keys (bf16)..., "embed_tokens.weight", "lm_head.weight"},  # copies of the target's
-     "optimizer": AdamW state dict, "train_loss": float (trainer only)}
+     "optimizer": AdamW state dict (not in random-init demo checkpoints), "train_loss": float (trainer only)}
 
 The target copies exercise the strip stage's shared-tensor comparison; the optimizer state
 makes the files realistic in size and nesting.
@@ -116,7 +116,8 @@ def save_training_checkpoint(path, model: DFlashDrafter, draft_config: dict, opt
     """Write a training checkpoint (layout: module docstring) atomically; weights as bf16 on CPU.
 
     Args:
-        model: the drafter; ``draft_config``: its config dict; ``optimizer_state``: ``optimizer.state_dict()``.
+        model: the drafter; ``draft_config``: its config dict; ``optimizer_state``: ``optimizer.state_dict()``
+            (``None``: no ``optimizer`` key).
         embed, head: the target's ``[V, H]`` embedding and LM head (stored as copies).
         step: training step; ``random_init``: True for untrained demo drafters; ``extra``: more top-level keys.
     """
@@ -124,7 +125,7 @@ def save_training_checkpoint(path, model: DFlashDrafter, draft_config: dict, opt
     state["embed_tokens.weight"] = embed.detach().cpu().clone()
     state["lm_head.weight"] = head.detach().cpu().clone()
     ckpt = {"step": int(step), "random_init": bool(random_init), "draft_config": draft_config, "model": state,
-            "optimizer": optimizer_state, **extra}
+            **({"optimizer": optimizer_state} if optimizer_state is not None else {}), **extra}
     with atomic_path(path) as tmp:
         torch.save(ckpt, tmp)
     return Path(path)

@@ -58,8 +58,10 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
     Either wraps a committed stripped drafter (``drafter_dir``: the trained demo drafters) or
     random-initialises one (``random_init``; labelled so in the checkpoint and every table; its
     mask token follows :func:`pick_mask_token`, as the trainer's; ``variant`` ``'dflash2'``: a DFlash 2
-    drafter, :func:`~dflash_eval.drafter.demo.drafter_config_for_target`). The optimizer state is AdamW's
-    layout with zero moments (a realistic file without a training step).
+    drafter, :func:`~dflash_eval.drafter.demo.drafter_config_for_target`). A wrapped drafter gets an optimizer
+    state in AdamW's layout with zero moments (a realistic file without a training step); a random-init one is
+    written without it (the drafter and the target's embedding / LM head copies only: at a real drafter's size the
+    float32 moments were ~9 GB of a ~12 GB file).
 
     Raises:
         InputError: neither ``drafter_dir`` nor ``random_init``.
@@ -84,10 +86,13 @@ def write_demo_checkpoint(target_dir, out, drafter_dir=None, random_init=False, 
     else:
         raise InputError(None, "checkpoints.demo", "entry has neither drafter nor random_init", "set one of them")
     model = model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for p in model.parameters():
-        opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                        "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+    opt_state = None
+    if drafter_dir:  # a random-init drafter is written alone: float32 moments would be 4x its bf16 weights
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                            "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+        opt_state = opt.state_dict()
     embed, head = load_embed_and_head(spec)
-    return save_training_checkpoint(out, model, cfg_dict, opt.state_dict(), embed, head, step,
+    return save_training_checkpoint(out, model, cfg_dict, opt_state, embed, head, step,
                                     random_init=bool(random_init and not drafter_dir))

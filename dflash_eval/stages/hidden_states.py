@@ -34,7 +34,7 @@ from dflash_eval.core.runtime import dtype_name, length_batches, resolve_device,
 from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import meta_path, read_meta, settings_of, stage_block
 from dflash_eval.serving.vllm.states import extract_hidden_states_vllm
-from dflash_eval.target.hybrid import bind_linear_attention
+from dflash_eval.target.hybrid import ENV_NOT_RECORDED, bind_linear_attention
 from dflash_eval.target.model import load_target, target_info
 from dflash_eval.target.spec import TargetSpec
 
@@ -146,7 +146,8 @@ class _HostBuffers:
 
 
 def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int], opts=None, *,
-                          target_fingerprint=None, keep_partial: bool = False, shard=None, **overrides) -> Path:
+                          target_fingerprint=None, keep_partial: bool = False, shard=None, loaded=None,
+                          **overrides) -> Path:
     """Run the target over every completion and write the cache (format, memory, resume: :mod:`dflash_eval.cache.format`).
 
     Args:
@@ -168,6 +169,9 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache.format`).
         shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache.shards.shard_plan`); ``out`` then holds
             those samples, in the completions file's order.
+        loaded: ``(model, tokenizer, KernelBinding)`` of :func:`dflash_eval.target.model.load_target` for this
+            target, device, dtype and backend, used instead of loading it again (the ``kernel_parity`` stage
+            extracts the same samples twice with one model, rebinding the kernel in between).
         **overrides: option values, when ``opts`` is not given.
 
     Returns:
@@ -235,8 +239,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         if done and not todo:
             log.warning(reused_sidecar_note(out, len(done)))
         if todo:
-            model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
-                                              devices=opts.devices, max_memory=opts.max_memory)
+            model, tok, kernel = loaded or load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
+                                                        devices=opts.devices, max_memory=opts.max_memory)
             pad_id = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
             info = target_info(model)
             check_layers(layer_ids, info["num_hidden_layers"], target_dir)
@@ -254,7 +258,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                     "layer_types": json.dumps(info.get("layer_types", [])),
                     "image": os.environ.get("DFLASH_EVAL_IMAGE", ""),
                     "env": {k: v for k, v in os.environ.items()
-                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))},
+                            if k.startswith(("FLA_", "TRITON_", "CUDA_VISIBLE", "USE_HUB_KERNELS", "DFLASH_EVAL_"))
+                            and k not in ENV_NOT_RECORDED},
                     "padding_side": "none" if packed else "right",
                     "prompt_set": completions_path.stem,
                     "completion_sampling": json.dumps(completions_sampling(rows)),

@@ -40,7 +40,9 @@ from dflash_eval.data.completions import read_completions, subset_text
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.stages.evaluate import evaluate
 from dflash_eval.stages.hidden_states import extract_hidden_states
-from dflash_eval.target.hybrid import fla_status, target_has_linear_attention
+from dflash_eval.target.hybrid import bind_linear_attention, check_bound_kernel, fla_status, target_has_linear_attention
+from dflash_eval.target.model import load_target
+from dflash_eval.target.spec import TargetSpec
 
 STAGE = "kernel_parity"
 
@@ -90,14 +92,28 @@ class Parity:
 
     :meth:`add` takes one sample's ``[T, K, H]`` tensors (any float dtype/device); :meth:`rows`
     gives per layer ``cos_mean`` / ``cos_min`` (per-token cosine), ``rel_l2`` = ``||A-B|| / ||B||``
-    over all tokens and ``max_abs`` = ``max |A-B|``.
+    over all tokens, ``max_abs`` = ``max |A-B|``, ``zero_tokens`` (tokens whose state is exactly zero
+    in A and in B: their cosine is undefined and counted as 1, the states being equal),
+    ``zero_one_side`` (exactly zero in one of them only: cosine 0, a real difference) and
+    ``cos_min_at`` (``[sample index, position]`` of the lowest cosine).
+
+    Exactly-zero states are real: a token equal to the pad id has an all-zero embedding when the
+    embedding's ``padding_idx`` row is zero (random-init targets; transformers' ``nn.Embedding(...,
+    pad_token_id)``), and every Gated DeltaNet layer maps it to zero again (its output is
+    gated-RMS-normed by ``silu(z)``, ``z`` a projection of the token's own input, and the MLP of a zero
+    input is zero), up to the first full-attention layer. Counted as cosine 0 they read as
+    "orthogonal states" (``cos_min 0.0``).
     """
 
     def __init__(self, n_layers: int):
         z = lambda: torch.zeros(n_layers, dtype=torch.float64)  # noqa: E731
         self.d2, self.r2, self.max_abs, self.cos_sum = z(), z(), z(), z()
         self.cos_min = torch.full((n_layers,), float("inf"), dtype=torch.float64)
+        self.cos_min_at = [[-1, -1] for _ in range(n_layers)]
+        self.zero_both = torch.zeros(n_layers, dtype=torch.long)
+        self.zero_one = torch.zeros(n_layers, dtype=torch.long)
         self.n_tok = 0
+        self.n_samples = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         if a.shape != b.shape:
@@ -108,13 +124,25 @@ class Parity:
         self.r2 += b.pow(2).sum((0, 2))
         self.max_abs = torch.maximum(self.max_abs, diff.abs().amax((0, 2)))
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-30)  # [T, K]
+        za, zb = (a == 0).all(-1), (b == 0).all(-1)  # [T, K]
+        both = za & zb
+        cos = torch.where(both, torch.ones_like(cos), cos)  # equal (zero) states
+        self.zero_both += both.sum(0)
+        self.zero_one += (za ^ zb).sum(0)
         self.cos_sum += cos.sum(0)
-        self.cos_min = torch.minimum(self.cos_min, cos.amin(0))
+        low, pos = cos.min(0)
+        for k in range(cos.shape[1]):
+            if low[k] < self.cos_min[k]:
+                self.cos_min[k] = low[k]
+                self.cos_min_at[k] = [self.n_samples, int(pos[k])]
         self.n_tok += a.shape[0]
+        self.n_samples += 1
 
     def rows(self, layer_ids: list[int]) -> list[dict]:
         return [{"layer": lid, "cos_mean": float(self.cos_sum[k] / self.n_tok), "cos_min": float(self.cos_min[k]),
-                 "rel_l2": float((self.d2[k] / self.r2[k]).sqrt()), "max_abs": float(self.max_abs[k])}
+                 "cos_min_at": self.cos_min_at[k], "rel_l2": float((self.d2[k] / self.r2[k]).sqrt()),
+                 "max_abs": float(self.max_abs[k]), "zero_tokens": int(self.zero_both[k]),
+                 "zero_one_side": int(self.zero_one[k])}
                 for k, lid in enumerate(layer_ids)]
 
 
@@ -178,12 +206,29 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
         sub = tmp / f"{Path(completions_path).stem}.jsonl"
         sub.write_text(subset_text(rows), encoding="utf-8")
         caches = {}
+        shared = None
+        t_load = 0.0
+        if p["a"]["dtype"] == p["b"]["dtype"]:  # fla vs torch: one model, the kernel rebound between the two
+            t0 = time.perf_counter()
+            spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
+            dev = resolve_device(device)
+            model, tok, _ = load_target(spec, device=dev, dtype=resolve_dtype(p["a"]["dtype"], dev),
+                                        backend=p["a"]["backend"], devices=opts.devices, max_memory=opts.max_memory)
+            shared = (spec, dev, model, tok)
+            t_load = time.perf_counter() - t0
+            result["model_loads"] = 1
+            result["load_seconds"] = round(t_load, 3)
         for k in ("a", "b"):
             t0 = time.perf_counter()
+            loaded = None
+            if shared:
+                spec, dev, model, tok = shared
+                loaded = (model, tok, check_bound_kernel(model, bind_linear_attention(p[k]["backend"], dev, spec)))
             caches[k] = extract_hidden_states(target_dir, sub, tmp / f"{k}.h5", layer_ids,
                                               batch_tokens=opts.batch_tokens, device=device, dtype=p[k]["dtype"],
                                               linear_attn_backend=p[k]["backend"], devices=opts.devices,
-                                              max_memory=opts.max_memory, target_fingerprint=target_fingerprint)
+                                              max_memory=opts.max_memory, target_fingerprint=target_fingerprint,
+                                              loaded=loaded)
             secs = time.perf_counter() - t0
             n_tok = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in rows)
             with CacheReader(caches[k]) as rd:
@@ -195,6 +240,7 @@ def kernel_parity(target_dir, completions_path, layer_ids: list[int], out, opts=
         for r in stats:
             r["type"] = types[r["layer"]] if r["layer"] < len(types) else "?"
         result.update(layers=stats, argmax_agreement=agree, n_samples=len(rows), n_tokens=n_tok)
+        shared = loaded = model = tok = None  # the target's memory, before the drafters' replays
         for d in drafters:
             taus = {}
             for k in ("a", "b"):
@@ -222,10 +268,19 @@ def _markdown(r: dict, label: dict) -> str:
     for k in ("a", "b"):
         e = r["extractions"][k]
         lines.append(f"- **{k.upper()}** = {label[k]}: chunk rule `{', '.join(chunk[k])}`; "
-                     f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s (including model load)")
+                     f"{e['seconds']:.1f} s, {e['tokens_per_s']:.0f} tok/s "
+                     + (f"(the model loaded once for both, {r['load_seconds']:.1f} s, not included)"
+                        if r.get("model_loads") == 1 else "(including model load)"))
     lines += ["", "| layer | type | cos mean | cos min | rel-L2 | max abs |", "|---:|---|---:|---:|---:|---:|"]
     lines += [f"| {s['layer']} | {s['type']} | {s['cos_mean']:.6f} | {s['cos_min']:.6f} | {s['rel_l2']:.2e} | "
               f"{s['max_abs']:.2e} |" for s in r["layers"]]
+    zero = sum(s.get("zero_tokens", 0) for s in r["layers"])
+    one = sum(s.get("zero_one_side", 0) for s in r["layers"])
+    if zero or one:
+        lines += ["", f"{zero} token state(s) over the stored layers are exactly zero in both A and B (cosine counted "
+                  "as 1): tokens equal to the pad id whose embedding row is zero, which Gated DeltaNet layers keep at "
+                  "zero up to the first attention layer (random-init targets)"
+                  + (f"; {one} are zero in one cache only (cosine 0: a real difference)" if one else "") + "."]
     lines += ["", f"Target teacher-forced argmax agreement A vs B: {r['argmax_agreement']:.4f}."]
     if r["drafters"]:
         lines += ["", "| drafter | tau on A | tau on B | A - B |", "|---|---:|---:|---:|"]

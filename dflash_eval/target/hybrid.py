@@ -47,6 +47,9 @@ KERNEL_PACKAGES = {
 }
 #: environment variables recorded with the binding (prefixes)
 ENV_PREFIXES = ("FLA_", "TRITON_", "USE_HUB_KERNELS", "DFLASH_EVAL_")
+#: ... except where caches live: they change no kernel choice, and the workflow sets TRITON_CACHE_DIR per run
+#: (rules/common.smk), a machine path
+ENV_NOT_RECORDED = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR")
 
 # modeling-module name -> {key: transformers' original dispatcher}, captured before the first rebinding
 _ORIGINAL: dict[str, dict[str, object]] = {}
@@ -98,7 +101,7 @@ def kernel_versions() -> dict[str, str]:
 
 def kernel_env() -> dict[str, str]:
     """Environment variables that change kernel choice (``FLA_FLASH_QLA``, ``FLA_DISABLE_BACKEND_DISPATCH`` ...)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in ENV_NOT_RECORDED}
 
 
 def fla_status() -> tuple[bool, str]:

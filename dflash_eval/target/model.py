@@ -122,17 +122,25 @@ def register_attention(name: str, fn) -> None:
     AttentionInterface.register(name, fn)
 
 
+#: device types on which :func:`gqa_sdpa` swaps the attention in. Not CUDA: there SDPA with a mask and
+#: ``enable_gqa`` has no fused kernel (flash takes no mask, memory-efficient no grouped heads: ``bench/sdpa_gqa.py``)
+#: and falls back to the math kernel, which copies the heads too and upcasts to float32; transformers' own ``sdpa``
+#: (heads copied, memory-efficient kernel) is what a user's ``generate`` runs (``bench/completions_gpu.py``)
+GQA_SDPA_DEVICES = ("cpu",)
+
+
 @contextlib.contextmanager
 def gqa_sdpa(model):
     """Run ``model`` with :func:`sdpa_gqa_attention` (masks built as for ``sdpa``) inside the block.
 
-    Only for models whose attention is ``sdpa``; others are left as they are.
+    Only for models whose attention is ``sdpa`` and whose parameters sit on a device type in
+    :data:`GQA_SDPA_DEVICES` (the CPU); others are left as they are.
     """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
     cfg = model.config
     old = cfg._attn_implementation
-    if old != "sdpa":
+    if old != "sdpa" or next(model.parameters()).device.type not in GQA_SDPA_DEVICES:
         yield
         return
     register_attention(GQA_SDPA, sdpa_gqa_attention)
@@ -205,6 +213,9 @@ def prefill_unpadded(model, prompts, width: int, capacity: int = 0):
 
     dev = next(model.parameters()).device
     if dev.type != "cpu" or width < 2:
+        return None
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):  # hybrid / sliding-window caches: not spliced (below)
         return None
     parts = []
     for p in prompts:

@@ -8,8 +8,10 @@ or acceptance between the loops compared, identical tau across the replay's layo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -53,3 +55,25 @@ def test_extraction_smoke():
     out = bench("extraction.py", "--models", "llama-1.66b")
     assert "forward only" in out and "ratio dflash-eval / forward-only ceiling" in out
     assert "argmax agreement 1.0000" in out
+
+
+
+def test_hybrid_gpu_driver_smoke(tmp_path):
+    """bench/hybrid_gpu.sh --smoke: the four runs the GPU host makes (completions and extraction, tiny hybrid with
+    torch GDN kernels and tiny llama), their files and the ratio summary."""
+    env = {**os.environ, "OUT": str(tmp_path), "PY": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "bench" / "hybrid_gpu.sh"), "--smoke"], capture_output=True, text=True,
+                          cwd=REPO, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.count("ratio stage / generate") == 2 and summary.count("ratio dflash-eval / loop") == 2
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["hybrid_gpu.tgz", "summary.txt"]
+    with tarfile.open(tmp_path / "hybrid_gpu.tgz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    (row,) = json.loads((tmp_path / "completions_hybrid.json").read_text())
+    assert row["batch"] == 4 and set(row["variants"]) == {"stage", "stage, plain sdpa", "generate"}
+    assert {v["same_ids_as_stage"] for v in row["variants"].values()} == {1.0}  # float32: same ids everywhere
+    assert all(len(v["runs_s"]) == 2 for v in row["variants"].values())  # the warm figure + the first call apart
+    hyb = (tmp_path / "extraction_hybrid.txt").read_text()
+    assert "right-padded" in hyb and "stage, first run" in hyb and "argmax agreement 1.0000" in hyb
+    assert "linear-attention kernel: torch" in (tmp_path / "completions_hybrid.txt").read_text()

@@ -66,6 +66,9 @@ def test_random_init_demo_drafter_uses_an_unused_special_mask_token(tiny, tmp_pa
     tok = AutoTokenizer.from_pretrained(str(tiny / "target"))
     assert mask == pick_mask_token(tok) == tok.convert_tokens_to_ids("<|im_start|>")  # ids 0, 2, 3: bos/eos/pad
     assert mask != len(tok) - 1 and tok.added_tokens_decoder[mask].special
+    ckpt = torch.load(out, weights_only=True)
+    assert "optimizer" not in ckpt and ckpt["random_init"] is True  # a random-init drafter is written alone
+    assert {"embed_tokens.weight", "lm_head.weight"} <= set(ckpt["model"])  # with the target copies strip compares
 
 
 def test_anchors_stay_in_the_completion():

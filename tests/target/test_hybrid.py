@@ -299,3 +299,44 @@ def test_whole_pipeline_through_the_cli(kind, tmp_path):
     report = (d / "report.md").read_text()
     assert "## Linear-attention kernel parity: A = torch bfloat16, B = torch float32" in report
     assert re.search(r"cache: linear_attn_kernel\s*\|\s*torch\s*\|", report), report  # provenance table
+
+
+def test_parity_counts_zero_states_of_pad_tokens_as_equal():
+    """A token equal to the pad id (zero embedding row) has exactly zero states at every Gated DeltaNet layer in
+    both backends' runs; the per-token cosine there is undefined and must not read as 0 ("orthogonal")."""
+    from dflash_eval.stages.kernel_parity import Parity
+
+    model = th.build_model()  # pad_token_id 0: embedding row 0 is zero (nn.Embedding padding_idx)
+    ids = torch.tensor([[5, 7, 0, 9, 11, 0, 13]])
+    with torch.no_grad():
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    a = torch.stack([hs[i + 1][0] for i in (0, 1, 3)], dim=1)  # [T, K, H]: layers 0, 1 (GDN), 3 (attention)
+    assert (a[[2, 5]][:, :2] == 0).all() and (a[[2, 5]][:, 2] != 0).any(-1).all()
+    b = a.to(torch.bfloat16).float()  # the other side: same zeros, rounded elsewhere
+    par = Parity(3)
+    par.add(a, b)
+    rows = par.rows([0, 1, 3])
+    assert [r["zero_tokens"] for r in rows] == [2, 2, 0] and all(r["zero_one_side"] == 0 for r in rows)
+    assert all(r["cos_min"] > 0.999 for r in rows)  # was 0.0 at layers 0 and 1
+    b[3, 1] = 0  # one side only: a real difference, cosine 0, found where it is
+    par = Parity(3)
+    par.add(a, b)
+    r1 = par.rows([0, 1, 3])[1]
+    assert r1["cos_min"] == 0.0 and r1["cos_min_at"] == [0, 3] and r1["zero_one_side"] == 1
+
+
+def test_kernel_parity_loads_the_target_once_when_both_sides_share_a_dtype(target, completions, tmp_path, monkeypatch):
+    """fla vs torch (one dtype): one model, the kernel rebound between the two extractions; here torch vs torch in
+    float32, which must give identical caches (rel-L2 0, cosine 1) from that one load."""
+    from dflash_eval.stages import kernel_parity as kp
+
+    same = {"a": {"backend": "torch", "dtype": "float32"}, "b": {"backend": "torch", "dtype": "float32"},
+            "fla_available": False, "note": "torch vs torch"}
+    monkeypatch.setattr(kp, "plan", lambda *a: same)
+    loads = []
+    real = kp.load_target
+    monkeypatch.setattr(kp, "load_target", lambda *a, **k: loads.append(1) or real(*a, **k))
+    r = kp.kernel_parity(target, completions, [0, 3], tmp_path / "kp.json", n_samples=2, device="cpu")
+    assert loads == [1] and r["model_loads"] == 1
+    assert all(x["rel_l2"] == 0 and x["max_abs"] == 0 and x["cos_min"] > 1 - 1e-12 for x in r["layers"])
+    assert r["argmax_agreement"] == 1.0 and "loaded once for both" in r["markdown"]
