@@ -12,8 +12,8 @@ size in ``--batches`` (``auto`` = what the stage picks with ``generation.batch_s
 
 - ``stage``: :class:`dflash_eval.serving.generation.TransformersSource` (what ``python -m dflash_eval
   completions`` runs: fresh greedy GenerationConfig, explicit attention mask, decode-step progress hook;
-  on the CPU grouped-KV SDPA and unpadded prefill);
-- ``stage, gqa sdpa`` (CUDA) / ``stage, plain sdpa`` (CPU): the stage with the other choice of
+  grouped-KV SDPA; on the CPU unpadded prefill);
+- ``stage, plain sdpa``: the stage without
   :func:`dflash_eval.target.model.gqa_sdpa` (``GQA_SDPA_DEVICES``), to show what it costs or saves;
 - ``generate``: the loop a user writes, ``model.generate(ids, attention_mask, max_new_tokens,
   do_sample=False)`` with the default dynamic cache;
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
           f"{'tiny ' if args.smoke else ''}{TARGETS[args.target][0]} ({sum(p.numel() for p in model.parameters()) / 1e6:,.0f}M "
           f"parameters, built on the device in {t_build:.1f} s; linear-attention kernel: {kernel}); prompts "
           f"{args.prompt_min}-{args.prompt_max} tokens, {args.max_new} new tokens; memory-sized batch (auto) = {auto}")
-    OTHER = "stage, gqa sdpa" if dev.type == "cuda" else "stage, plain sdpa"
+    OTHER = "stage, plain sdpa"
     if args.ablate:
         ablate(model, tok, sizes[0], args, conf, dev)
     results = []
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
         for _ in range(max(1, args.rounds)):  # interleaved rounds, the minimum of each variant
             timed("stage", stage)
             orig = target_mod.GQA_SDPA_DEVICES
-            target_mod.GQA_SDPA_DEVICES = (*orig, "cuda") if dev.type == "cuda" else ()  # the stage's other choice
+            target_mod.GQA_SDPA_DEVICES = ()  # the stage without its grouped-KV SDPA
             try:
                 timed(OTHER, stage)
             finally:

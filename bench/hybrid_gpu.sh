@@ -58,7 +58,7 @@ if [ "$SMOKE" = 1 ]; then
   E=(--smoke --no-rss --no-ceiling)
   SCRATCH=$(mktemp -d)
 else
-  C=(--batches 64 --n-batches 1 --rounds 2 --max-new 256 --prompt-min 64 --prompt-max 512 --static-batches "")
+  C=(--batches 32 --n-batches 1 --rounds 2 --max-new 128 --prompt-min 64 --prompt-max 512 --static-batches "")
   E=(--no-rss --no-ceiling)
   SCRATCH=/tmp/dflash-hybrid-bench
   avail=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
@@ -70,10 +70,10 @@ step() {  # step SECONDS NAME COMMAND...
   timeout "$lim" "$@" > "$OUT/$name.txt" 2>&1
   say "end $name: exit $?"
 }
-step 160 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
-step 180 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
+step 170 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
+step 220 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH/hybrid-7b"
-step 80 completions_llama $PY bench/completions_gpu.py --target llama-8b "${C[@]}" --out "$OUT/completions_llama.json"
+step 90 completions_llama $PY bench/completions_gpu.py --target llama-8b "${C[@]}" --out "$OUT/completions_llama.json"
 step 110 extraction_llama $PY bench/extraction.py --models llama-8b "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH"
 

@@ -122,11 +122,10 @@ def register_attention(name: str, fn) -> None:
     AttentionInterface.register(name, fn)
 
 
-#: device types on which :func:`gqa_sdpa` swaps the attention in. Not CUDA: there SDPA with a mask and
-#: ``enable_gqa`` has no fused kernel (flash takes no mask, memory-efficient no grouped heads: ``bench/sdpa_gqa.py``)
-#: and falls back to the math kernel, which copies the heads too and upcasts to float32; transformers' own ``sdpa``
-#: (heads copied, memory-efficient kernel) is what a user's ``generate`` runs (``bench/completions_gpu.py``)
-GQA_SDPA_DEVICES = ("cpu",)
+#: device types on which :func:`gqa_sdpa` swaps the attention in (``bench/completions_gpu.py`` prints the stage
+#: with and without it: one H100, warm, batch 32, 128 new tokens: 1.30x on an 8B llama, 1.00x on an 8B hybrid;
+#: 3x less CPU time on the CPU)
+GQA_SDPA_DEVICES = ("cpu", "cuda")
 
 
 @contextlib.contextmanager
@@ -134,7 +133,7 @@ def gqa_sdpa(model):
     """Run ``model`` with :func:`sdpa_gqa_attention` (masks built as for ``sdpa``) inside the block.
 
     Only for models whose attention is ``sdpa`` and whose parameters sit on a device type in
-    :data:`GQA_SDPA_DEVICES` (the CPU); others are left as they are.
+    :data:`GQA_SDPA_DEVICES`; others are left as they are.
     """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # deferred: --help stays transformers-free (tests/core/test_startup.py)
 
