@@ -103,6 +103,7 @@ class TrainConfig:
     gamma: float | None = None
     max_steps: int = 1000
     time_budget_s: float = 0.0  # 0 = no limit; else stop (and save) when exceeded
+    max_wall_s: float = 0.0  # 0 = none; else stop (and save) when exceeded, without steering the lr schedule
     save_steps: list[int] = field(default_factory=list)  # extra checkpoints
     save_fracs: list[float] = field(default_factory=list)  # extra checkpoints at fractions of max_steps/budget
     log_every: int = 50
@@ -383,7 +384,7 @@ def train(
             logf.flush()
             log.info("step %d loss %.4f tau_proxy %.3f acc1 %.3f%s %.0fs", step, loss_val, stats["tau_proxy"],
                      stats["acc"][0], "".join(f" {k} {stats[k]:.3f}" for k in DFLASH2_LOG_KEYS if k in stats), elapsed)
-        over_budget = cfg.time_budget_s and elapsed >= cfg.time_budget_s
+        over_budget = (cfg.time_budget_s and elapsed >= cfg.time_budget_s) or (cfg.max_wall_s and elapsed >= cfg.max_wall_s)
         due = step in save_steps
         while budget_marks and elapsed >= budget_marks[0] * cfg.time_budget_s:
             budget_marks.pop(0)
@@ -393,7 +394,7 @@ def train(
                                                   step, train_loss=loss_val))
             log.info("saved %s (step %d, loss %.4f)", saved[-1], step, loss_val)
         if over_budget:
-            log.info("time budget %.0f s reached at step %d", cfg.time_budget_s, step)
+            log.info("time limit %.0f s reached at step %d", min(x for x in (cfg.time_budget_s, cfg.max_wall_s) if x), step)
             break
     logf.close()
     return saved
@@ -443,6 +444,9 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
     p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="stop and save when exceeded (seconds; 0 = none)")
+    p.add_argument("--max-wall-s", type=float, default=0.0,
+                   help="safety stop: stop and save when exceeded (seconds; 0 = none); unlike --time-budget-s it does "
+                        "not set the lr schedule, so runs with the same --max-steps share it")
     p.add_argument("--save-steps", type=_ints, default=[], help="comma-separated extra checkpoint steps")
     p.add_argument("--save-fracs", type=lambda t: [float(x) for x in t.split(",") if x], default=[],
                    help="extra checkpoints at these fractions of the time budget (or of max-steps without one)")
@@ -479,7 +483,7 @@ def main(args, opts) -> None:
         target_layer_ids=args.layer_ids, mask_token_id=args.mask_token_id, seqs_per_step=args.seqs_per_step,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, max_steps=args.max_steps,
         time_budget_s=args.time_budget_s, save_steps=args.save_steps, save_fracs=args.save_fracs, seed=args.seed,
-        log_every=args.log_every,
+        log_every=args.log_every, max_wall_s=args.max_wall_s,
         init_from=args.init_from, variant=args.variant, conv_kernel_size=args.conv_kernel_size,
         conv_group_size=args.conv_group_size, selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
         selector_loss_alpha=args.selector_loss_alpha), device=args.device)
