@@ -111,19 +111,24 @@ train_all() {
   done
   for p in "${pids[@]}"; do wait "$p" || { tail -n 30 "$W"/run-*/train.log; exit 3; }; done
   stamp "training done"
+  # one background job per checkpoint (strip, then both sets): process start-up dominates these small jobs
+  pids=()
   for v in $VARIANTS; do
     tail -n 3 "$W/run-$v/train.log"
     for ck in "$W/run-$v"/step*.pt; do
       local step name
       step=$(basename "$ck" .pt); step=${step#step}
       if [ "$v" = dflash ]; then name=dflash-smollm2-b$BLOCK-step$step; else name=dflash2-smollm2-b$BLOCK-step$step; fi
-      run $PY -m dflash_eval strip-drafter --checkpoint "$ck" --target "$W_TARGET" --out-dir "$W/drafters/$v/$name"
-      for s in humaneval sharegpt; do
-        run $PY -m dflash_eval evaluate --drafter "$W/drafters/$v/$name" --cache "$W/eval/cache/$s.h5" \
-            --target "$W_TARGET" --device "$DEV" --batch-size 32 --out "$W/evals/$name/$s.json"
-      done
+      mkdir -p "$W/evals/$name"
+      ( run $PY -m dflash_eval strip-drafter --checkpoint "$ck" --target "$W_TARGET" --out-dir "$W/drafters/$v/$name"
+        for s in humaneval sharegpt; do
+          run $PY -m dflash_eval evaluate --drafter "$W/drafters/$v/$name" --cache "$W/eval/cache/$s.h5" \
+              --target "$W_TARGET" --device "$DEV" --batch-size 32 --out "$W/evals/$name/$s.json"
+        done ) > "$W/evals/$name/log" 2>&1 &
+      pids+=($!)
     done
   done
+  for p in "${pids[@]}"; do wait "$p" || { tail -n 20 "$W"/evals/*/log; exit 4; }; done
   $PY -m dflash_eval summary --evals "$W"/evals/*/*.json --out-csv "$W/gpu_tau.csv" --out-parquet "$W/gpu_tau.parquet"
   cat "$W/gpu_tau.csv"
   stamp "evaluated"
