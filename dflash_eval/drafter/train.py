@@ -175,13 +175,15 @@ def block_states(drafter, embed, hidden, ids, anchors, block_size):
     return h[:, 1:], block_pos, row_seq
 
 
-def block_loss(drafter, embed, head, hidden, ids, lens, anchors, valid, block_size, gamma, selector_alpha=1.0):
+def block_loss(drafter, embed, head, hidden, ids, lens, anchors, valid, block_size, gamma, selector_alpha=1.0,
+               selector_stats=True):
     """Weighted same-position CE over all blocks (logits of :func:`block_logits`); DFlash 2 adds the selector's.
 
     Args:
         hidden: ``[b, L, K*H]`` target states; ids ``[b, L]``; lens ``[b]``;
         anchors/valid: ``[b, A]`` from :func:`sample_anchors`; selector_alpha: weight of the selector
-        loss (DFlash 2 only, :func:`selector_loss`).
+        loss (DFlash 2 only, :func:`selector_loss`); selector_stats: DFlash 2, compute the selector's metrics
+        (the trainer asks only at its logging steps: they walk the selector path).
 
     Returns:
         ``(loss, stats)`` with per-slot teacher-forced accuracy ``acc`` (unary argmax) and the cumprod-based
@@ -207,9 +209,10 @@ def block_loss(drafter, embed, head, hidden, ids, lens, anchors, valid, block_si
         stats = {"acc": acc, "tau_proxy": _accept_proxy(correct, mask)}
     if drafter.candidate_selector is not None:
         sel, sel_stats = selector_loss(drafter.candidate_selector, h, logits, ids[row_seq, block_pos[:, 0]], labels,
-                                       wm)
-        stats.update(sel_stats, unary_loss=float(loss.detach()), tau_proxy_unary=stats["tau_proxy"],
-                     tau_proxy=sel_stats["tau_proxy"])
+                                       wm, selector_stats)
+        if selector_stats:
+            stats.update(sel_stats, unary_loss=float(loss.detach()), tau_proxy_unary=stats["tau_proxy"],
+                         tau_proxy=sel_stats["tau_proxy"])
         loss = loss + selector_alpha * sel
     return loss, stats
 
@@ -222,7 +225,7 @@ def _accept_proxy(correct: torch.Tensor, mask: torch.Tensor) -> float:
     return float((accept.sum(-1)[rows].float() + 1).mean()) if rows.any() else float("nan")
 
 
-def selector_loss(selector, hidden, logits, anchor_ids, labels, weights):
+def selector_loss(selector, hidden, logits, anchor_ids, labels, weights, with_stats: bool = True):
     """DFlash 2 selector objective on the teacher-forced path over the drafter's top-K (module docstring).
 
     Args:
@@ -231,6 +234,7 @@ def selector_loss(selector, hidden, logits, anchor_ids, labels, weights):
         anchor_ids: ``[N]`` int64, the anchor token of each block (slot 1's predecessor).
         labels: ``[N, S]`` int64, the data token of each slot (slot ``k``'s predecessor is ``labels[:, k-2]``).
         weights: ``[N, S]`` float, slot weight times the scored-slot mask (0 = unscored).
+        with_stats: False: only the loss (``stats`` empty).
 
     Returns:
         ``(loss, stats)``: the weighted mean K-way CE (scalar, normalised by the weight sum as the unary loss),
@@ -251,6 +255,8 @@ def selector_loss(selector, hidden, logits, anchor_ids, labels, weights):
     scores = selector.teacher_forced_scores(hidden, logits, predecessors, train_cand)
     ce = F.cross_entropy(scores.reshape(-1, K), target.reshape(-1), reduction="none").view_as(weights)
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    if not with_stats:
+        return loss, {}
     with torch.no_grad():
         n = mask.float().sum().clamp(min=1)
         strict = selector.teacher_forced_scores(hidden, logits, predecessors, cand)
@@ -366,8 +372,9 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr_at(step, time.perf_counter() - t0)
         with torch.autocast(dev.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+            logged = step + 1 == 1 or (step + 1) % cfg.log_every == 0
             loss, stats = block_loss(drafter, embed, head, hidden, ids, lens, anchors.to(dev), valid.to(dev),
-                                     cfg.block_size, gamma, cfg.selector_loss_alpha)
+                                     cfg.block_size, gamma, cfg.selector_loss_alpha, selector_stats=logged)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
