@@ -299,32 +299,14 @@ class CandidateSelector(nn.Module):
             prev = path[:, j] if predecessors is None else predecessors[:, j]
         return Selection(path, cand, scores, probs)
 
-    def teacher_forced_scores(
-        self,
-        hidden: torch.Tensor,
-        logits: torch.Tensor,
-        predecessors: torch.Tensor,
-        candidates: torch.Tensor,
-    ) -> torch.Tensor:
-        """Scores of given candidates at every slot at once, each slot after a given predecessor (training).
-
-        The same score as :meth:`forward` (``logit(c) + <predecessor_codebook[prev] * hidden_projection(h_j),
-        successor_codebook[c]>``, float32), for all slots in one pass since the predecessors are known: the
-        teacher-forced path of the selector objective (speculators PR #1006
-        ``src/speculators/models/dflash2/metrics.py`` ``compute_selector_loss``; SpecForge PR #772).
-
-        Args:
-            hidden: ``[N, S, H]`` drafter states of the drafted slots.
-            logits: ``[N, S, V]`` their logits.
-            predecessors: ``[N, S]`` int64, the token before each slot (the anchor for the first slot).
-            candidates: ``[N, S, K]`` int64 token ids to score (any K, any order).
-
-        Returns:
-            ``[N, S, K]`` float32 scores, differentiable in the selector's parameters, ``hidden`` and ``logits``.
-        """
-        unary = logits.gather(-1, candidates).float()
+    def teacher_forced_scores(self, hidden, logits, predecessors, candidates) -> torch.Tensor:
+        """:meth:`forward`'s float32 scores ``[N, S, K]`` of ``candidates`` ``[N, S, K]`` at every slot at once, slot
+        ``j`` after ``predecessors[:, j]`` ``[N, S]`` (the anchor first); ``hidden`` ``[N, S, H]``, ``logits``
+        ``[N, S, V]``; differentiable. The selector loss's teacher-forced path (speculators PR #1006
+        ``models/dflash2/metrics.py`` ``compute_selector_loss``; SpecForge PR #772)."""
         gate = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()
-        return unary + torch.einsum("nsr,nskr->nsk", gate, self.successor_codebook[candidates].float())
+        return logits.gather(-1, candidates).float() + torch.einsum("nsr,nskr->nsk", gate,
+                                                                     self.successor_codebook[candidates].float())
 
 
 class DecoderLayer(nn.Module):
