@@ -111,6 +111,21 @@ def random_init_(model: DFlashDrafter) -> DFlashDrafter:
     return model
 
 
+def identity_convs_(model: DFlashDrafter) -> DFlashDrafter:
+    """Set every DFlash 2 conv to the identity in place (no-op for DFlash 1): ``base_kernel[:, 0] = 1``, the
+    other taps and ``kernel_projection`` zero, so a fresh DFlash 2 drafter starts as its DFlash 1 backbone
+    (speculators PR #1006, ``src/speculators/models/dflash2/model_definitions.py``
+    ``GroupedDynamicCausalConv.reset_parameters``)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.base_kernel.zero_()
+                    conv.base_kernel[:, 0] = 1.0
+                    conv.kernel_projection.weight.zero_()
+    return model
+
+
 def save_training_checkpoint(path, model: DFlashDrafter, draft_config: dict, optimizer_state: dict, embed: torch.Tensor,
                              head: torch.Tensor, step: int, random_init: bool = False, **extra) -> Path:
     """Write a training checkpoint (layout: module docstring) atomically; weights as bf16 on CPU.

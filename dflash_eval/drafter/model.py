@@ -299,6 +299,15 @@ class CandidateSelector(nn.Module):
             prev = path[:, j] if predecessors is None else predecessors[:, j]
         return Selection(path, cand, scores, probs)
 
+    def teacher_forced_scores(self, hidden, logits, predecessors, candidates) -> torch.Tensor:
+        """:meth:`forward`'s float32 scores ``[N, S, K]`` of ``candidates`` ``[N, S, K]`` at every slot at once, slot
+        ``j`` after ``predecessors[:, j]`` ``[N, S]`` (the anchor first); ``hidden`` ``[N, S, H]``, ``logits``
+        ``[N, S, V]``; differentiable. The selector loss's teacher-forced path (speculators PR #1006
+        ``models/dflash2/metrics.py`` ``compute_selector_loss``; SpecForge PR #772)."""
+        gate = self.predecessor_codebook[predecessors].float() * self.hidden_projection(hidden).float()
+        return logits.gather(-1, candidates).float() + torch.einsum("nsr,nskr->nsk", gate,
+                                                                     self.successor_codebook[candidates].float())
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_idx: int):

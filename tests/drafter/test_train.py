@@ -156,3 +156,130 @@ def test_trainer_and_replay_build_the_same_blocks_and_logits():
             assert torch.allclose(trainer[r], hand, atol=1e-5), (a, (trainer[r] - hand).abs().max())
             assert torch.allclose(replay, hand, atol=1e-5), (a, (replay - hand).abs().max())
             assert hand.abs().max() > 0.9 * cap  # the cap is active: without it the values would differ
+
+
+# --------------------------------------------------------------------------- DFlash 2
+def tiny_dflash2_config(vocab: int = 5, hidden: int = 2, top_k: int = 2) -> dict:
+    return {"hidden_size": hidden, "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+            "head_dim": hidden, "intermediate_size": 4, "vocab_size": vocab,
+            "dflash_config": {"target_layer_ids": [0], "mask_token_id": 0, "block_size": 3, "conv_kernel_size": 1,
+                              "conv_group_size": 1, "selector_rank": 1, "selector_top_k": top_k}}
+
+
+def hand_selector():
+    """vocab 5, hidden 2, rank 1, top-2; h = (1, 0), (2, 0) -> projections 1, 2."""
+    from dflash_eval.drafter.model import CandidateSelector, DrafterConfig
+
+    sel = CandidateSelector(DrafterConfig.from_dict(tiny_dflash2_config()))
+    with torch.no_grad():
+        sel.hidden_projection.weight[:] = torch.tensor([[1.0, 0.0]])
+        sel.predecessor_codebook[:] = torch.tensor([[-1.0], [1.0], [0.0], [1.0], [0.5]])
+        sel.successor_codebook[:] = torch.tensor([[0.0], [1.0], [0.5], [0.0], [2.0]])
+    return sel
+
+
+def test_selector_loss_matches_hand_computation():
+    """Anchor 3, labels (1, 4). Slot 1 after 3 (gate 1): candidates 0, 1 scored 3 + 0, 2.5 + 1; the label is
+    candidate 1. Slot 2 after the label 1 (gate 2): candidates 2, 3, the label 4 missing, so it replaces 3 in the
+    loss: scored 2 + 2 x 0.5 = 3 and -3 + 2 x 2 = 1, class 1. Metrics on the strict candidates: recall 1/2; the
+    teacher-forced pick at slot 2 is 2 (3 vs 1.8 for 3): accuracy 1/2; the self-conditioned path (1, 2) accepts 1
+    draft, as does the oracle (slot 2's label is no candidate)."""
+    from dflash_eval.drafter.train import selector_loss
+
+    sel = hand_selector()
+    hidden = torch.tensor([[[1.0, 0.0], [2.0, 0.0]]], requires_grad=True)
+    logits = torch.tensor([[[3.0, 2.5, 0.0, -1.0, -2.0], [0.0, 1.0, 2.0, 1.8, -3.0]]], requires_grad=True)
+    weights = torch.tensor([[1.0, 0.5]])
+    loss, stats = selector_loss(sel, hidden, logits, torch.tensor([3]), torch.tensor([[1, 4]]), weights)
+    ce1, ce2 = math.log(1 + math.exp(-0.5)), math.log(1 + math.exp(2.0))
+    assert loss.item() == pytest.approx((ce1 + 0.5 * ce2) / 1.5, rel=1e-6)
+    assert stats == {"selector_loss": pytest.approx(loss.item()), "candidate_recall_at_k": 0.5, "selector_acc": 0.5,
+                     "tau_proxy": 2.0, "tau_proxy_oracle": 2.0}
+    loss.backward()
+    # the selector loss reaches the codebooks, the projection and the backbone (its states and logits)
+    assert sel.predecessor_codebook.grad[[3, 1]].abs().min() > 0 and sel.predecessor_codebook.grad[[0, 2, 4]].eq(0).all()
+    assert sel.successor_codebook.grad[[0, 1, 2, 4]].abs().min() > 0 and sel.successor_codebook.grad[3].eq(0).all()
+    assert hidden.grad[..., 0].abs().min() > 0 and logits.grad[0, 1, [2, 4]].abs().min() > 0
+    # an unscored slot (weight 0) drops out of the loss and the rates
+    loss1, stats1 = selector_loss(sel, hidden, logits, torch.tensor([3]), torch.tensor([[1, 4]]), torch.tensor([[1.0, 0.0]]))
+    assert loss1.item() == pytest.approx(ce1, rel=1e-6)
+    assert (stats1["candidate_recall_at_k"], stats1["selector_acc"], stats1["tau_proxy"]) == (1.0, 1.0, 2.0)
+
+
+def test_teacher_forced_scores_equal_the_selector_walk():
+    """The trainer's all-slots scores equal the selector's slot-by-slot walk given the same predecessors."""
+    from dflash_eval.drafter.model import CandidateSelector, DrafterConfig
+
+    torch.manual_seed(0)
+    sel = CandidateSelector(DrafterConfig.from_dict(tiny_dflash2_config(vocab=40, hidden=8, top_k=5)))
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.normal_()
+    hidden, logits = torch.randn(3, 4, 8), torch.randn(3, 4, 40)
+    anchors, tokens = torch.randint(0, 40, (3,)), torch.randint(0, 40, (3, 4))
+    walk = sel(hidden, logits, anchors, predecessors=tokens)  # slot j scored after tokens[:, j-1], the anchor first
+    prev = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
+    assert torch.allclose(sel.teacher_forced_scores(hidden, logits, prev, walk.candidates), walk.scores, atol=1e-5)
+    assert not torch.allclose(sel.teacher_forced_scores(hidden, logits, tokens, walk.candidates), walk.scores, atol=1e-2)
+
+
+def test_identity_convs_make_dflash2_its_dflash1_backbone():
+    """A DFlash 2 drafter with :func:`identity_convs_` (the trainer's init) drafts the states of the DFlash 1 drafter
+    with the same backbone weights; random convs do not."""
+    from dflash_eval.drafter.demo import identity_convs_
+    from dflash_eval.drafter.model import DFlashDrafter, DrafterConfig
+    from fixtures.drafters import randomize_, tiny_config, tiny_config2
+
+    d2 = randomize_(DFlashDrafter(DrafterConfig.from_dict(tiny_config2())), seed=0).eval()
+    d1 = DFlashDrafter(DrafterConfig.from_dict(tiny_config())).eval()
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if "conv" not in k and "selector" not in k})
+    gen = torch.Generator().manual_seed(1)
+    ctx, emb = torch.randn(1, 12, 3 * 64, generator=gen), torch.randn(1, 8, 64, generator=gen)
+    pos = torch.arange(12)[None]
+
+    def states(d):
+        with torch.no_grad():
+            return d(emb, torch.arange(12, 20)[None], d.context_kv(ctx, pos), pos, pos < 12)
+
+    assert (states(d2) - states(d1)).abs().max() > 1e-2
+    identity_convs_(d2)
+    assert torch.allclose(states(d2), states(d1), atol=1e-5)
+
+
+def test_cpu_smoke_run_dflash2(tiny):
+    """``--variant dflash2``: the checkpoint holds a DFlash 2 drafter (config fields, conv and selector tensors) and
+    every step's log line has the selector metrics, rates in [0, 1] and the proxies ordered unary/selector <= oracle."""
+    cfg = TrainConfig(block_size=4, num_layers=1, target_layer_ids=[0, 2], mask_token_id=383, seqs_per_step=4,
+                      anchors=4, max_steps=3, seed=3, log_every=1, variant="dflash2", conv_group_size=16,
+                      selector_rank=4, selector_top_k=8)
+    saved = train(tiny / "target", tiny / "data.jsonl", tiny / "d2", cfg, device="cpu")
+    ck = torch.load(saved[-1], weights_only=True)
+    dc = ck["draft_config"]["dflash_config"]
+    assert ck["draft_config"]["architectures"] == ["DFlash2DraftModel"]
+    assert (dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_rank"], dc["selector_top_k"]) == (2, 16, 4, 8)
+    assert ck["model"]["candidate_selector.predecessor_codebook"].shape == (384, 4)
+    assert ck["model"]["layers.0.mlp_conv.base_kernel"].shape == (2, 2, 64)
+    log = [json.loads(line) for line in (tiny / "d2" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    for r in log:
+        assert 0 <= r["candidate_recall_at_k"] <= 1 and 0 <= r["selector_acc"] <= 1
+        assert max(r["tau_proxy"], r["tau_proxy_unary"]) <= r["tau_proxy_oracle"] + 1e-9
+        assert r["loss"] == pytest.approx(r["unary_loss"] + r["selector_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--selector-rank", "0"], "must be >= 1"),
+    (["--conv-group-size", "24"], "24 does not divide hidden_size 64"),
+])
+def test_dflash2_flags_refused(tiny, tmp_path, flags, problem):
+    import argparse
+
+    from dflash_eval.drafter import train as train_mod
+
+    p = argparse.ArgumentParser()
+    train_mod.add_arguments(p)
+    args = p.parse_args(["--target", str(tiny / "target"), "--data", str(tiny / "data.jsonl"), "--out-dir",
+                         str(tmp_path), "--variant", "dflash2", "--device", "cpu", "--max-steps", "1", *flags])
+    with pytest.raises(InputError) as exc:
+        train_mod.main(args, None)
+    assert problem in exc.value.problem

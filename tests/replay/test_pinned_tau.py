@@ -1,4 +1,6 @@
-"""Pinned chain and DDTree tau of a drafter that accepts drafts, through the workflow, hand-checked.
+"""Pinned chain and DDTree tau of a drafter that accepts drafts, through the workflow, hand-checked; the same for
+its DFlash 2 sibling (chain tau, the oracle and unary chains and the selector diagnostics), checked against the
+reference's online loop.
 
 The random-init drafters of the tiny workflow never have a draft accepted (tau = 1 exactly), so a replay
 that always rejects passes every other end-to-end test. The tiny *trained* drafter
@@ -25,18 +27,34 @@ reverted):
     ``walk_budgets`` ``min(min(d + 1, depth limit) + 1, tokens left)``, and the all-anchor pass
     (``dflash_eval.replay.chain._group_drafts``) counts the accepted prefix one slot past the first mismatch
     (``acc = min(acc + 1, limit)``).
+
+The DFlash 2 sibling (``tests/fixtures/trained_drafter2/step35``, ``make_trained_drafter.py --dflash2``: trained by
+``dflash-eval train --variant dflash2``) is evaluated by the same stage commands (``trained2``). Its checks:
+the stripped folder loads strictly into the reference ``dflash==0.1.0`` ``DFlash2DraftModel``, whose own online loop
+(``dflash_generate``, float32, the tiny target verifying) commits the cached completions with the same tokens per
+verify step as the offline replay; and the pins below (selector chain, oracle and unary chains, selector
+diagnostics). The selector changes accepted drafts on these responses (its tau differs from the unary chain's),
+so a replay that drops it fails. Mutations these tests were checked against (by hand, each failed, reverted):
+the all-anchor pass drafts the per-slot argmax instead of the selector's path
+(``dflash_eval.replay.anchors._selector_head``: ``path[r] = lg.argmax(-1)``); the selector scores every slot after
+the anchor (``CandidateSelector.forward``: ``prev`` never advances); the oracle counts the candidate hits
+instead of their leading run (``_group_drafts``: ``hit.long().sum(-1)``); the selector's verify steps read the
+in-candidate flags one slot late (``dflash_eval.replay.selector.walks``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import torch
 
 import hand_tau
 from test_workflow import CI_PROFILE, REPO, TRAINED_DRAFTER, dflash_eval_argv, make_tiny_workdir, shell_commands, smk
@@ -131,13 +149,17 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-def test_trained_drafter_without_snakemake(tmp_path):
-    """The same check on the stage commands the workflow would run for the ``trained`` checkpoint alone
-    (target fingerprint, prompts, completions, hidden states, strip, evaluate: the shell commands of
-    ``snakemake -n -p``), run in one Python process with the workflow's 2 torch threads."""
-    trained = {"list": [{"name": "trained", "path": "trained/step300"}]}
-    wd = make_tiny_workdir(tmp_path / "wf", random_checkpoints=False, checkpoints=trained)
-    targets = [f"results/tiny/eval/trained/{ps}.json" for ps in PINNED]
+TRAINED_DRAFTER2 = REPO / "tests" / "fixtures" / "trained_drafter2" / "step35"
+
+
+def run_stages(wd: Path, name: str, path: str) -> Path:
+    """The stage commands the workflow would run for one ``checkpoints.list`` entry alone (target fingerprint,
+    prompts, completions, hidden states, strip, evaluate: the shell commands of ``snakemake -n -p``), run in one
+    Python process with the workflow's 2 torch threads, in a tiny workflow folder made in ``wd``; that folder."""
+    wd = make_tiny_workdir(wd, random_checkpoints=False, checkpoints={"list": [{"name": name, "path": path}]})
+    if name == "trained2":
+        shutil.copytree(TRAINED_DRAFTER2, wd / path)
+    targets = [f"results/tiny/eval/{name}/{ps}.json" for ps in PINNED]
     out = smk(wd, "-n", "-p", "--workflow-profile", str(CI_PROFILE), *targets).stdout
     for line in out.splitlines():  # Snakemake creates the output and log folders of a job
         key, _, paths = line.strip().partition(": ")
@@ -152,4 +174,108 @@ def test_trained_drafter_without_snakemake(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], cwd=wd, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    check_trained(wd, with_table=False)
+    return wd
+
+
+def test_trained_drafter_without_snakemake(tmp_path):
+    """:func:`check_trained` on the stage commands of :func:`run_stages` for the ``trained`` checkpoint."""
+    check_trained(run_stages(tmp_path / "wf", "trained", "trained/step300"), with_table=False)
+
+
+# --------------------------------------------------------------------------- the DFlash 2 sibling
+#: DFlash 2 sibling, per prompt set and sample id: (selector chain, oracle chain, unary chain), tokens per verify step
+PINNED2 = {
+    "set_a": {
+        "a2": ([1, 1, 2, 2, 1, 2, 1, 1, 2, 2, 2, 2, 3, 1],
+               [1, 1, 2, 2, 1, 2, 1, 1, 2, 2, 2, 2, 3, 1],
+               [1, 1, 2, 2, 1, 2, 1, 1, 2, 2, 2, 2, 3, 1]),
+        "a0": ([1, 2, 2, 2, 1, 2, 3, 1, 1, 2, 1, 2, 1, 2],
+               [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+               [1, 2, 2, 2, 1, 2, 2, 1, 1, 1, 2, 1, 2, 1, 2]),
+        "a1": ([1, 1, 2, 2, 1, 3, 1, 2, 2, 2, 2, 1, 2, 1],
+               [1, 1, 2, 2, 1, 3, 1, 2, 2, 2, 2, 1, 2, 1],
+               [1, 1, 2, 2, 1, 3, 1, 2, 2, 2, 1, 2, 2, 1]),
+        "a3": ([1, 2, 4, 1, 2, 1, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1],
+               [1, 2, 4, 1, 3, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1],
+               [1, 2, 4, 1, 2, 1, 1, 2, 1, 2, 1, 1, 1, 1, 1, 1]),
+    },
+    "set_b": {
+        "b0": ([1, 2, 2, 1, 1, 2, 1, 2, 1, 4, 2, 2, 1, 1],
+               [1, 2, 2, 1, 1, 2, 1, 2, 1, 4, 2, 2, 1, 1],
+               [1, 2, 2, 1, 1, 2, 1, 2, 1, 3, 2, 1, 2, 1, 1]),
+        "b2": ([2, 2, 3, 2, 2, 3, 2, 2, 2, 2, 1],
+               [2, 2, 3, 2, 2, 3, 2, 2, 2, 2, 1],
+               [2, 2, 3, 2, 2, 3, 2, 2, 2, 2, 1]),
+    },
+}
+#: its selector diagnostics per prompt set (``dflash_eval.replay.metrics.selector_stats`` of the selector chain's
+#: verify steps): counts, and the rates as exact fractions of them
+PINNED2_SELECTOR = {
+    "set_a": {"steps": 58, "accepted": Fraction(37, 58), "oracle_accepted": Fraction(41, 58), "pick_rate_all": Fraction(37, 41), "oracle_path_rate": Fraction(27, 29),
+              "topk_recall": {"1": Fraction(35, 58), "2": Fraction(7, 55), "3": Fraction(8, 53)}, "recall_compared": {"1": 58, "2": 55, "3": 53},
+              "pick_rate": {"1": Fraction(32, 35), "2": Fraction(4, 5), "3": Fraction(1, 1)}, "pick_compared": {"1": 35, "2": 5, "3": 1}},
+    "set_b": {"steps": 25, "accepted": Fraction(22, 25), "oracle_accepted": Fraction(22, 25), "pick_rate_all": Fraction(1, 1), "oracle_path_rate": Fraction(1, 1),
+              "topk_recall": {"1": Fraction(18, 25), "2": Fraction(4, 23), "3": Fraction(3, 22)}, "recall_compared": {"1": 25, "2": 23, "3": 22},
+              "pick_rate": {"1": Fraction(1, 1), "2": Fraction(1, 1), "3": Fraction(1, 1)}, "pick_compared": {"1": 18, "2": 3, "3": 1}},
+}
+
+
+def _floats(pins: dict) -> dict:
+    """``pins`` with every Fraction as the float the replay computes (a ratio of two ints, correctly rounded)."""
+    return {k: _floats(v) if isinstance(v, dict) else float(v) if isinstance(v, Fraction) else v for k, v in pins.items()}
+
+
+def _tau2(ps: str, k: int) -> Fraction:
+    """Reference tau (mean over responses of the per-response mean) of chain ``k`` (0 selector, 1 oracle, 2 unary)."""
+    lists = [v[k] for v in PINNED2[ps].values()]
+    return sum(Fraction(sum(x), len(x)) for x in lists) / len(lists)
+
+
+def test_dflash2_pins_are_consistent():
+    """Every chain commits the whole response (23 tokens); the oracle chain is at least the selector's; the selector
+    changes accepted drafts (its chain differs from the unary one in some response of each set, and its tau too);
+    the diagnostics count the selector chain's verify steps."""
+    for ps, samples in PINNED2.items():
+        assert all(sum(x) == 23 for v in samples.values() for x in v)
+        assert _tau2(ps, 1) >= _tau2(ps, 0) and _tau2(ps, 0) != _tau2(ps, 2) and _tau2(ps, 0) > Fraction(3, 2)
+        assert any(v[0] != v[2] for v in samples.values())
+        sel = PINNED2_SELECTOR[ps]
+        assert sel["steps"] == sel["recall_compared"]["1"] == sum(len(v[0]) for v in samples.values())
+        assert sel["accepted"] <= sel["oracle_accepted"] and sel["pick_compared"]["1"] <= sel["steps"]
+    assert _tau2("set_a", 1) > _tau2("set_a", 0)  # the oracle chain goes further than the selector's somewhere
+    assert PINNED2_SELECTOR["set_a"]["pick_rate"]["1"] < 1 and PINNED2_SELECTOR["set_a"]["topk_recall"]["2"] < 1
+
+
+@pytest.mark.slow
+def test_trained_dflash2_drafter_without_snakemake(tmp_path, monkeypatch):
+    """The DFlash 2 sibling through the stage commands (:func:`run_stages`): strict load of the stripped folder into
+    the reference, its online loop == the offline replay per step, and the pins (about 30 s: slow)."""
+    import dflash.model as dflash_model
+    from transformers import AutoModelForCausalLM
+
+    stage_run = run_stages(tmp_path / "wf", "trained2", "trained2/step35")
+    res = stage_run / "results" / "tiny"
+    folder = res / "drafters" / "trained2"
+    assert (folder / "model.safetensors").read_bytes() == (TRAINED_DRAFTER2 / "model.safetensors").read_bytes()
+    ref, info = dflash_model.DFlash2DraftModel.from_pretrained(folder, output_loading_info=True)
+    assert {k: list(v) for k, v in info.items() if v} == {}  # no missing / unexpected / mismatched keys
+    ref = ref.float().eval()
+    target = AutoModelForCausalLM.from_pretrained(stage_run / "tiny_target", dtype=torch.float32).eval()
+    monkeypatch.setattr(dflash_model, "_cuda_time", time.perf_counter)  # CPU run
+    for ps in PINNED:
+        ev = json.loads((res / "eval" / "trained2" / f"{ps}.json").read_text())
+        chains = {s["id"]: (s["acceptance_lengths"], s["acceptance_lengths_oracle"], s["acceptance_lengths_unary"])
+                  for s in ev["samples"]}
+        assert chains == PINNED2[ps], (ps, chains)
+        assert ev["selector"] == _floats(PINNED2_SELECTOR[ps]), (ps, ev["selector"])
+        for k, key in enumerate(("tau", "tau_oracle", "tau_unary")):
+            assert ev[key] == pytest.approx(float(_tau2(ps, k)), rel=1e-12, abs=0), (ps, key)
+        rows = [json.loads(line) for line in (res / "completions" / f"{ps}.jsonl").read_text().splitlines()]
+        assert [r["id"] for r in rows] == list(chains)
+        for r in rows:
+            prompt = torch.tensor([r["prompt_ids"]])
+            with torch.no_grad():
+                online = dflash_model.dflash_generate(ref, target, prompt, len(r["completion_ids"]), None,
+                                                      return_stats=True)
+            assert online.output_ids[0].tolist() == r["prompt_ids"] + r["completion_ids"], r["id"]  # outputs agree
+            assert online.acceptance_lengths == chains[r["id"]][0], r["id"]
