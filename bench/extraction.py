@@ -315,6 +315,102 @@ def parity(cache: Path, loop_npz: Path, n: int) -> tuple[float, float]:
     return worst, agree / max(total, 1)
 
 
+def kernel_parity_timing(name: str, target: Path, comp: Path, layers: list[int], device: str, batch_tokens: int,
+                         n: int, work: Path) -> dict:
+    """Time the ``kernel_parity`` stage against the two extractions it stands for, in this process, warm.
+
+    (a) :func:`dflash_eval.stages.kernel_parity.kernel_parity` on the ``n`` samples of ``comp`` (no drafters);
+    (b) :func:`dflash_eval.stages.hidden_states.extract_hidden_states` of the same samples with the stage's two
+    plans (:func:`dflash_eval.stages.kernel_parity.plan`: fla and torch in bf16 on CUDA with fla; on the CPU
+    torch bf16 and torch float32, fla having GPU kernels only). The first ``kernel_parity`` call (the process's
+    first fla use: Triton compile + autotune, CUDA warm-up) is timed apart; then each side once, warm.
+    Model load is counted the same on both sides, two ways: whole calls (each call loads the target itself:
+    the stage once when both plans share a dtype, each extraction once), and, when the stage shares one model,
+    load excluded (the stage's own ``load_seconds`` subtracted; the extractions given a model loaded once,
+    the kernel rebound between them as the stage does). The weights' sha256 is computed once beforehand
+    (``target_fingerprint`` record, as the workflow passes it) and passed to every call.
+
+    Returns:
+        ``{"first_s", "kp_s", "kp_load_s", "x_s" {"a", "b"} (whole calls, seconds), "x_loaded_s" {"a", "b"} or
+        None, "load_s", "plan", "ratio_whole", "ratio_no_load" (or None)}``; seconds are wall-clock (CUDA synced).
+    """
+    from dflash_eval.core.runtime import resolve_device, resolve_dtype
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+    from dflash_eval.stages.kernel_parity import kernel_parity, plan
+    from dflash_eval.stages.target_fingerprint import write_fingerprint
+    from dflash_eval.target.hybrid import bind_linear_attention, check_bound_kernel
+    from dflash_eval.target.model import load_target
+    from dflash_eval.target.spec import TargetSpec
+
+    fp = write_fingerprint(target, work / "target_fingerprint.json")
+    p = plan(device, "auto", target)
+    if p["a"] is None:
+        raise SystemExit(f"{name}: {p['note']}")
+    kw = {"n_samples": n, "batch_tokens": batch_tokens, "device": device, "dtype": "auto", "target_fingerprint": str(fp)}
+
+    def timed(f, *args, **kwargs):
+        sync(device)
+        t0 = time.perf_counter()
+        r = f(*args, **kwargs)
+        sync(device)
+        return r, time.perf_counter() - t0
+
+    _, first = timed(kernel_parity, target, comp, layers, work / "kp_first.json", **kw)
+    kp, kp_s = timed(kernel_parity, target, comp, layers, work / "kp.json", **kw)
+    x_s = {}
+    for k in ("a", "b"):
+        out = work / f"x_{k}.h5"
+        _, x_s[k] = timed(extract_hidden_states, target, comp, out, layers, batch_tokens=batch_tokens, device=device,
+                          dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"], target_fingerprint=str(fp))
+        out.unlink()
+    res = {"first_s": first, "kp_s": kp_s, "kp_load_s": kp.get("load_seconds"), "x_s": x_s, "x_loaded_s": None,
+           "load_s": None, "plan": p, "argmax_agreement": kp["argmax_agreement"], "n_tokens": kp["n_tokens"],
+           "ratio_whole": kp_s / (x_s["a"] + x_s["b"]), "ratio_no_load": None}
+    if kp.get("model_loads") == 1:  # one model, the kernel rebound: the stage's own path, load excluded
+        dev = resolve_device(device)
+
+        def load():
+            spec = TargetSpec.read(target, fingerprint_file=fp)
+            return spec, load_target(spec, device=dev, dtype=resolve_dtype(p["a"]["dtype"], dev),
+                                     backend=p["a"]["backend"])
+        (spec, (model, tok, _)), res["load_s"] = timed(load)
+        xl = {}
+        for k in ("a", "b"):
+            out = work / f"xl_{k}.h5"
+            binding = check_bound_kernel(model, bind_linear_attention(p[k]["backend"], dev, spec))
+            _, xl[k] = timed(extract_hidden_states, target, comp, out, layers, batch_tokens=batch_tokens,
+                             device=device, dtype=p[k]["dtype"], linear_attn_backend=p[k]["backend"],
+                             target_fingerprint=str(fp), loaded=(model, tok, binding))
+            out.unlink()
+        del model, tok
+        res["x_loaded_s"] = xl
+        res["ratio_no_load"] = (kp_s - kp["load_seconds"]) / (xl["a"] + xl["b"])
+    label = {k: f"{p[k]['backend']} {p[k]['dtype']}" for k in ("a", "b")}
+    print(f"  kernel_parity plan: A = {label['a']}, B = {label['b']} ({p['note']})")
+    warm = ("CUDA warm-up" if device.startswith("cuda") else "warm-up") + (
+        "; the process's first fla use: Triton compile + autotune" if p["fla_available"] else "")
+    print(f"  kernel_parity, first call ({warm}): {first:.2f} s, not in the figures")
+    print(f"  kernel_parity (no drafters), warm: {kp_s:.2f} s whole call"
+          + (f" (its one model load {kp['load_seconds']:.2f} s)" if kp.get("model_loads") == 1 else
+             " (each of its two extractions loads the target)")
+          + f"; {kp['n_tokens']:,} tokens, argmax agreement A vs B {kp['argmax_agreement']:.4f}")
+    print(f"  extraction {label['a']} / {label['b']}, warm, whole calls (each loads the target): "
+          f"{x_s['a']:.2f} s / {x_s['b']:.2f} s")
+    print(f"  ratio kernel_parity / (fla + torch extraction) ({name}, {n} samples, warm): {res['ratio_whole']:.2f}x "
+          "(goal <= 1.0x) [whole calls in one process, model load included on both sides: each call loads the target "
+          + ("itself, the stage once, each extraction once]" if kp.get("model_loads") == 1 else
+             "itself, the stage once per extraction (two dtypes), each extraction once]"))
+    if res["ratio_no_load"] is not None:
+        print(f"  extraction {label['a']} / {label['b']}, warm, the model loaded once ({res['load_s']:.2f} s) and the "
+              f"kernel rebound: {xl['a']:.2f} s / {xl['b']:.2f} s")
+        print(f"  ratio kernel_parity / (fla + torch extraction) ({name}, {n} samples, warm): "
+              f"{res['ratio_no_load']:.2f}x (goal <= 1.0x) [model load excluded on both sides]")
+    if not p["fla_available"]:
+        print("  NOTE: fla unavailable here: the 'fla' side is torch bfloat16, the 'torch' side torch float32 "
+              "(the stage's own fallback)")
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models and data, float32 on CPU (checks the script)")
@@ -334,6 +430,10 @@ def main() -> None:
     ap.add_argument("--final-hidden", action="store_true",
                     help="the stage also stores the final normed hidden state (cache.final_hidden, for T > 0) and the "
                          "plain loop keeps it too (HF's last hidden_states entry, layer N-1): the stronger loop")
+    ap.add_argument("--kernel-parity", type=int, nargs="?", const=4, default=None, metavar="N",
+                    help="only time the kernel_parity stage (no drafters) on N synthetic samples (default 4) against "
+                         "extracting them with each of its two kernels, in this process, warm; the bench's other "
+                         "runs are skipped")
     ap.add_argument("--child-loop", nargs=9, metavar="ARG", help=argparse.SUPPRESS)
     ap.add_argument("--child-stage", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
@@ -359,8 +459,11 @@ def main() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "CPU"
-    rate = gemm_rate(dev, getattr(torch, dtype))
-    print(f"device {dev} ({name}), {dtype}; dense GEMM rate measured here: {rate:.3f} TFLOP/s; torch {torch.__version__}")
+    if a.kernel_parity is not None and a.kernel_parity < 1:
+        ap.error("--kernel-parity N needs N >= 1")
+    rate = gemm_rate(dev, getattr(torch, dtype)) if a.kernel_parity is None else None  # not needed for that timing
+    print(f"device {dev} ({name}), {dtype}; " + (f"dense GEMM rate measured here: {rate:.3f} TFLOP/s; " if rate else "")
+          + f"torch {torch.__version__}")
     print(f"outputs under {root}" + (" (smoke test: tiny models, numbers say nothing about speed)" if a.smoke else ""))
     # one Triton cache directory for the whole bench run, empty at its start (what the workflow sets per run):
     # the first process that runs fla's kernels compiles and autotunes them, the next ones read the results
@@ -374,6 +477,15 @@ def main() -> None:
         final_id = mc["num_hidden_layers"] - 1
         loop_layers = sorted(set(layers) | {final_id}) if a.final_hidden else layers  # what the cache stores
         comp = work / "completions.jsonl"
+        if a.kernel_parity is not None:
+            lengths = write_completions(comp, a.kernel_parity, lo, hi, mc["vocab_size"])
+            print(f"\n{model}: random init {info['kind']} (built and saved in {info['build_s']:.1f} s), "
+                  f"{mc['num_hidden_layers']} layers ({info['attn_layers']} full attention), hidden {mc['hidden_size']}; "
+                  f"kernel_parity timing on {a.kernel_parity} samples, {sum(lengths):,} tokens ({lo}-{hi} per sample), "
+                  f"stored layers {layers}, batch_tokens {batch_tokens}")
+            kernel_parity_timing(model, target, comp, layers, dev, batch_tokens, a.kernel_parity, work)
+            shutil.rmtree(work, ignore_errors=True)
+            continue
         lengths = write_completions(comp, n, lo, hi, mc["vocab_size"])
         flops = useful_flops(info, lengths)
         print(f"\n{model}: random init {info['kind']} ({(info['dense_params'] + mc['vocab_size'] * mc['hidden_size']) / 1e9:.2f}B "

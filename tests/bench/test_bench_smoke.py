@@ -57,6 +57,49 @@ def test_extraction_smoke():
     assert "argmax agreement 1.0000" in out
 
 
+def test_extraction_kernel_parity_smoke(tmp_path):
+    """--kernel-parity N: only the kernel_parity timing runs (no loop, ceiling or RSS runs); on the CPU the stage's
+    fallback plan (torch bf16 vs torch fp32, two model loads), said so, and the ratio line with its load counting."""
+    out = bench("extraction.py", "--models", "hybrid-7b", "--kernel-parity", "2", "--no-rss", "--out-dir", str(tmp_path))
+    assert "plain HF loop" not in out and "forward only" not in out and "GEMM" not in out
+    assert "kernel_parity timing on 2 samples" in out and "first call (warm-up)" in out
+    assert "A = torch bfloat16, B = torch float32" in out and "NOTE: fla unavailable here" in out
+    (line,) = [x for x in out.splitlines() if "ratio kernel_parity / (fla + torch extraction)" in x]
+    assert "(hybrid-7b, 2 samples, warm): " in line and "(goal <= 1.0x)" in line
+    assert "model load included on both sides" in line and "the stage once per extraction (two dtypes)" in line
+    assert "model load excluded" not in out  # two dtypes: the stage loads per extraction, nothing to exclude
+    assert not (tmp_path / "hybrid-7b").exists()
+
+
+def test_extraction_kernel_parity_shared_model(tmp_path, monkeypatch, capsys):
+    """The GPU plan's path (one model, the kernel rebound) run on the CPU: the stage's plan patched to torch float32
+    on both sides, so the stage loads once and the bench also prints the load-excluded ratio; identical kernels and
+    dtypes give identical states (rel-L2 0, argmax agreement 1)."""
+    import importlib.util
+
+    import dflash_eval.stages.kernel_parity as kp_mod
+
+    spec = importlib.util.spec_from_file_location("bench_extraction", REPO / "bench" / "extraction.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    same = {"backend": "torch", "dtype": "float32"}
+    monkeypatch.setattr(kp_mod, "plan", lambda *a: {"a": same, "b": dict(same), "fla_available": False, "note": "test"})
+    target = tmp_path / "target"
+    info = ex.build_target(target, "TINY_HYBRID")
+    comp = tmp_path / "completions.jsonl"
+    lengths = ex.write_completions(comp, 2, 16, 60, info["cfg"]["vocab_size"])
+    res = ex.kernel_parity_timing("tiny", target, comp, [1, 3], "cpu", 512, 2, tmp_path)
+    out = capsys.readouterr().out
+    assert res["kp_load_s"] > 0 and res["load_s"] > 0 and set(res["x_loaded_s"]) == {"a", "b"}
+    assert res["ratio_no_load"] == pytest.approx((res["kp_s"] - res["kp_load_s"]) / sum(res["x_loaded_s"].values()))
+    assert res["ratio_whole"] == pytest.approx(res["kp_s"] / sum(res["x_s"].values()))
+    assert res["n_tokens"] == sum(lengths) and res["argmax_agreement"] == 1.0
+    layers = json.loads((tmp_path / "kp.json").read_text())["layers"]
+    assert [r["layer"] for r in layers] == [1, 3] and all(r["rel_l2"] == 0.0 for r in layers)
+    assert "[model load excluded on both sides]" in out and "the stage once, each extraction once]" in out
+    assert out.count("ratio kernel_parity / (fla + torch extraction) (tiny, 2 samples, warm)") == 2
+
+
 
 def test_hybrid_gpu_driver_smoke(tmp_path):
     """bench/hybrid_gpu.sh --smoke: the four runs the GPU host makes (completions and extraction, tiny hybrid with
