@@ -28,6 +28,12 @@ llama, 96 samples of 128-1200 tokens, the loop at batch 24 (~32k padded tokens).
 run (its own process, the bench's Triton cache directory empty at the bench's start) apart and takes the
 second as the figure. ``bench/hybrid_gpu.sh`` runs both.
 
+``--kernel-parity N``: only the ``kernel_parity`` stage (no drafters) on N samples against extracting them with
+each of its two kernels (fla and torch on CUDA), in this process, warm; the ratio with model load included on
+both sides (whole calls) and, when the stage loads one model for both, excluded on both sides
+(:func:`kernel_parity_timing`). On one GPU:
+``python3 bench/extraction.py --models hybrid-7b --kernel-parity 4 --no-rss --no-ceiling --out-dir /dev/shm/kp``.
+
 CPU smoke test (tiny models, float32, a minute here): ``.venv/bin/python bench/extraction.py --smoke``
 On one H200 (torch 2.11, transformers 5.17, h5py; no network), from the repository root:
 
