@@ -18,6 +18,27 @@ from dflash_eval.core.errors import InputError
 HEADROOM = 64 << 20
 
 
+def bytes_per_token(storage: str, n_layers: int, hidden_size: int) -> int:
+    """Bytes one token takes in a cache (torch-free: the workflow plan sizes caches at parse time).
+
+    Args:
+        storage: ``"bfloat16"`` (2 bytes a value), ``"float32"`` (4) or ``"fp8"`` (1, plus a float32 scale per
+            token and layer: ``cache.storage: fp8``, :func:`dflash_eval.cache.format.quantize_fp8`).
+        n_layers, hidden_size: ``K`` stored layers of ``H`` values.
+
+    Returns:
+        the hidden states' bytes plus the token's ``input_ids`` and ``target_argmax`` (int32 each); HDF5's own
+        overhead (object headers, about 2 KB per sample) is not counted.
+
+    Raises:
+        ValueError: another storage name.
+    """
+    per_value = {"bfloat16": 2, "float32": 4, "fp8": 1}.get(storage)
+    if per_value is None:
+        raise ValueError(f"unknown cache storage {storage!r} (bfloat16, float32 or fp8)")
+    return n_layers * hidden_size * per_value + (4 * n_layers if storage == "fp8" else 0) + 8
+
+
 def no_room_error(path: Path, err: BaseException, committed: int, total: int, bytes_left: int) -> InputError:
     """The :class:`InputError` for a cache write that ran out of room.
 

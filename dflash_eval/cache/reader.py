@@ -18,8 +18,9 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
-                                      header_problem, py_value, sample_sha256)
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, SCALE_DATASET, STORAGE_FP8,
+                                      STORAGES, CacheSample, dequantize_fp8, from_storage, h5py_module, header_problem,
+                                      py_value, sample_sha256)
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
 from dflash_eval.core.errors import InputError
 
@@ -101,6 +102,13 @@ class CacheReader:
         self.format_version = version
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
+        storage = self.attrs.get("storage")
+        if storage is not None and storage not in STORAGES:
+            raise InputError(self.path, "storage", f"{str(storage)[:80]!r} is not a storage this version reads "
+                             f"({' / '.join(map(repr, STORAGES))})", "read it with the dflash-eval that wrote it, "
+                             "or re-extract it")
+        #: float8_e4m3fn states with a per-token scale (``cache.storage: fp8``), dequantised on read
+        self.fp8 = storage == STORAGE_FP8
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
         self._per_sample = {k: self._f[k][()] for k in FILE_DATASETS if k in self._f}  # read once
         self._checked: set[int] = set()  # samples whose arrays were compared with their meta
@@ -272,7 +280,8 @@ class CacheReader:
             g = self._f[f"samples/{i:06d}"]
             attrs = g.attrs
             return _Raw(i, g, idx, self.sample_ids[i], g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")))
+                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")),
+                        g[SCALE_DATASET][()] if self.fp8 else None)
         except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
             raise damaged(self.path, f"samples/{i:06d}", err) from None
 
@@ -280,15 +289,19 @@ class CacheReader:
         """The checks of one sample as read: checksum (and ``meta``), finite states, then (``compare``,
         format 5) the arrays against ``meta``, which is authentic once the checksum passed."""
         check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
-                          self.layer_ids, self.format_version, raw.meta)
+                          self.layer_ids, self.format_version, raw.meta, raw.scale)
         if compare:
             self._compare_meta(raw.i, raw.meta, raw, hashed=True)
 
     def _build(self, raw: "_Raw") -> CacheSample:
-        i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
-        logical = "bfloat16" if g["hidden"].dtype == np.uint16 else "float32"
+        i, idx, arr, scale = raw.i, raw.idx, raw.hidden, raw.scale
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
+            scale = None if scale is None else scale[:, idx]
+        if self.fp8:
+            hidden = dequantize_fp8(arr, scale, str(self.attrs.get("dtype", "float32")))
+        else:
+            hidden = from_storage(arr, "bfloat16" if arr.dtype == np.uint16 else "float32")
         v = self._array_values(i, len(raw.input_ids))
         agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
         return CacheSample(
@@ -296,7 +309,7 @@ class CacheReader:
             sample_id=raw.sample_id,
             input_ids=torch.from_numpy(raw.input_ids.astype(np.int64)),
             prompt_len=int(v["prompt_len"]),
-            hidden=from_storage(arr, logical),
+            hidden=hidden,
             target_argmax=torch.from_numpy(raw.target_argmax.astype(np.int64)),
             stop_reason=str(v["stop_reason"]),
             max_new_tokens=int(v["max_new_tokens"]),
@@ -365,6 +378,7 @@ class _Raw(NamedTuple):
     target_argmax: np.ndarray
     sha256: str | None
     meta: str | None  # format 5
+    scale: np.ndarray | None = None  # FP8 caches: hidden_scale [T, K] float32
 
 
 def _first_failure(futures) -> BaseException | None:
@@ -385,7 +399,8 @@ def verify_group(g) -> str | None:
         if not stored or any(name not in g for name in SAMPLE_DATASETS):
             return None
         meta = py_value(g.attrs["meta"]) if "meta" in g.attrs else None
-        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta)
+        scale = g[SCALE_DATASET][()] if g["hidden"].dtype == np.uint8 else None  # FP8: required, under the checksum
+        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta, scale)
     except (OSError, KeyError, ValueError, RuntimeError):  # unreadable pieces of a killed run
         return None
     return stored if got == stored else None

@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS,
-                                      META_VERSION, argmax_agreement, attr_value, h5_writable, h5py_module,
-                                      header_problem, py_value, sample_meta_json, sample_sha256, to_storage,
-                                      write_header)
+                                      META_VERSION, SCALE_DATASET, STORAGE_FP8, argmax_agreement, attr_value,
+                                      h5_writable, h5py_module, header_problem, py_value, quantize_fp8,
+                                      sample_meta_json, sample_sha256, to_storage, write_header)
 from dflash_eval.cache.reader import verify_group
 from dflash_eval.core.errors import InputError, partial_path
 
@@ -267,8 +267,10 @@ class PartialCache:
             m.sample_id, m.prompt_len, len(m.input_ids) - m.prompt_len, m.stop_reason, m.max_new_tokens, argmax_agreement)
 
     def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
-                     sha256: str | None, argmax_agreement: float | None, meta: str | None = None) -> None:
-        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32).
+                     sha256: str | None, argmax_agreement: float | None, meta: str | None = None,
+                     scale: np.ndarray | None = None) -> None:
+        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32; FP8 caches:
+        ``hidden`` uint8 float8_e4m3fn bits and ``scale`` its ``hidden_scale [T, K]`` float32).
 
         ``logical_dtype`` must be the file's ``dtype`` (kept for callers; format 3 stores it once).
         ``argmax_agreement=None``: already written by :meth:`write_agreement`. ``meta`` (format 5: the string
@@ -283,7 +285,7 @@ class PartialCache:
                 raise ValueError(f"sample {i}: format {self.format_version} needs its meta (or its argmax_agreement)")
             meta = self.sample_meta(i, argmax_agreement)
         try:
-            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement, meta)
+            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement, meta, scale)
             if sha256 is not None:
                 self._seal(i, sha256)
         except BaseException:
@@ -298,7 +300,7 @@ class PartialCache:
             self._detach()
             raise
 
-    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement, meta) -> None:
+    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement, meta, scale=None) -> None:
         m = self.meta[i]
         grp = self._f["samples"]
         name = f"{i:06d}"
@@ -309,6 +311,8 @@ class PartialCache:
         g = grp.create_group(name)
         g.create_dataset("input_ids", data=m.input_ids)
         g.create_dataset("hidden", data=hidden)
+        if scale is not None:
+            g.create_dataset(SCALE_DATASET, data=np.ascontiguousarray(scale, dtype=np.float32))
         g.create_dataset("target_argmax", data=target_argmax)
         if meta is not None:
             g.attrs["meta"] = meta
@@ -420,6 +424,8 @@ class Batch:
     ready: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
     held: tuple[int, int] | None = None  #: (samples, tokens) of states this batch keeps in host memory
+    #: FP8 caches: each sample's ``hidden_scale [T, K]`` float32, in ``samples``' order (``hidden`` is then uint8)
+    scales: list[np.ndarray] | None = None
 
     def held_counts(self) -> tuple[int, int]:
         return self.held or (len(self.samples), sum(len(a) for _, _, a in self.samples))
@@ -514,20 +520,22 @@ class StreamingWriter:
         t1 = time.perf_counter()
         tm["wait"] += t1 - t0
         meta = self.cache.meta
-        self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
+        scales = batch.scales or [None] * len(batch.samples)
+        self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples)
+                              + sum(0 if s is None else s.nbytes for s in scales) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
         agree = [argmax_agreement(meta[i].input_ids, meta[i].prompt_len, a) for (i, _, _), a in zip(batch.samples, argmax32)]
         metas = [self.cache.sample_meta(i, a) for (i, _, _), a in zip(batch.samples, agree)]  # hashed with the arrays
         # hashes run in the pool (hashlib and HDF5's dataset writes release the GIL) while this thread
         # writes the groups; each checksum is added once its group is written
-        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k])
+        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k], scales[k])
                 for k, (_, h, _) in enumerate(batch.samples)]
         t2 = time.perf_counter()
         try:
             self.cache.write_agreement([i for i, _, _ in batch.samples], agree)
             for k, (i, hidden, _) in enumerate(batch.samples):
-                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None, metas[k])
+                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None, metas[k], scales[k])
             t3 = time.perf_counter()
             tm["write"] += t3 - t2
             for k, (i, _, _) in enumerate(batch.samples):
@@ -570,7 +578,9 @@ def write_cache(out: str | os.PathLike, attrs: dict, samples) -> int:
         attrs: file attributes (see ``FILE_ATTRS``); lists/dicts are stored as JSON where h5py cannot.
         samples: iterable of dicts with ``sample_id``, ``input_ids`` ([T] ints), ``prompt_len``,
             ``hidden`` (torch ``[T, K, H]`` bf16 or float32), ``target_argmax`` ([T]), ``stop_reason``,
-            ``max_new_tokens``. Materialised first (sample ids are written before the groups).
+            ``max_new_tokens``. Materialised first (sample ids are written before the groups). With
+            ``attrs["storage"]`` :data:`~dflash_eval.cache.format.STORAGE_FP8` the states are stored as FP8
+            (:func:`~dflash_eval.cache.format.quantize_fp8`; ``attrs["dtype"]`` is what the reader dequantises to).
 
     Returns:
         number of samples written. On an exception nothing is left behind (the sidecar is removed).
@@ -585,11 +595,16 @@ def write_cache(out: str | os.PathLike, attrs: dict, samples) -> int:
     try:
         writer = StreamingWriter(cache, hash_threads=1)
         try:
+            fp8 = attrs.get("storage") == STORAGE_FP8
             for i, s in enumerate(samples):
-                arr, logical = to_storage(s["hidden"])
+                if fp8:
+                    q, scale = quantize_fp8(s["hidden"])
+                    arr, logical, scales = q.cpu().numpy(), "float8_e4m3fn", [scale.cpu().numpy()]
+                else:
+                    (arr, logical), scales = to_storage(s["hidden"]), None
                 writer.reserve()
                 writer.hold(1, len(arr))
-                writer.submit(Batch([(i, arr, np.asarray(s["target_argmax"]))], logical))
+                writer.submit(Batch([(i, arr, np.asarray(s["target_argmax"]))], logical, scales=scales))
         finally:
             writer.close()
         cache.finish()
