@@ -103,7 +103,7 @@ class CacheReader:
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
         storage = self.attrs.get("storage")
-        if storage is not None and storage not in STORAGES:
+        if isinstance(storage, str) and storage not in STORAGES:
             raise InputError(self.path, "storage", f"{str(storage)[:80]!r} is not a storage this version reads "
                              f"({' / '.join(map(repr, STORAGES))})", "read it with the dflash-eval that wrote it, "
                              "or re-extract it")

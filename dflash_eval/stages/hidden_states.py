@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_eval.cache.disk_room import no_room_error
+from dflash_eval.cache.disk_room import bytes_per_token, no_room_error
 from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
-from dflash_eval.cache.disk_room import bytes_per_token
 from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
                                       completions_sampling, is_no_space, quantize_fp8)
 from dflash_eval.cache.shards import parse_shard, shard_plan

@@ -523,7 +523,7 @@ def _run(cache: PartialCache, fetch: _Fetcher, seqs, meta, todo: list[int], dt_n
                     raise InputError(None, "cache.dtype", f"sample {meta[i].sample_id}: {logical} states in a "
                                      f"{dt_name} cache (the server changed?)", "rerun against the same server")
                 scales = None
-                if fp8:  # cache.storage: fp8 (the same quantisation as the HF source's)
+                if cache.identity.get("storage") == STORAGE_FP8:  # cache.storage: fp8 (the same quantisation as the HF source's)
                     q, scale = quantize_fp8(hs)
                     arr, logical, scales = q.numpy(), "float8_e4m3fn", [scale.numpy()]
                 writer.reserve()
