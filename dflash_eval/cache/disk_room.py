@@ -66,3 +66,32 @@ def no_room_error(path: Path, err: BaseException, committed: int, total: int, by
                "from the partial file")
     return InputError(path, None, f"no room left to write the cache (disk, quota or file size limit: {err}); "
                       f"{committed} of {total} samples are committed in this partial file and kept", fix)
+
+
+#: the options that shrink a cache (named by every "cannot fit" error)
+SHRINK_FIX = ("cache.storage: fp8 (about half of bf16, a quarter of float32: docs/cache-format.md), fewer stored "
+              "layers (cache.target_layer_ids), fewer prompts (prompt_set.n) or generation.max_new_tokens")
+
+
+def check_free_space(path: Path, need: int, samples: int, storage: str) -> None:
+    """Refuse to start writing a cache that cannot fit: before the ``hidden_states`` job loads its target.
+
+    Args:
+        path: the cache file (its folder's file system is measured; it may not exist yet).
+        need: bytes the samples left to compute take as stored (:func:`bytes_per_token` x their tokens).
+        samples: how many samples that is (named in the error).
+        storage: the cache's storage name (:func:`bytes_per_token`), named in the error.
+
+    Raises:
+        InputError: ``(path, "cache", ...)`` when free space < ``need`` + :data:`HEADROOM`, naming both and the
+            options that shrink the cache (``cache.disk_check: warn`` skips this check).
+    """
+    folder = Path(path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free >= need + HEADROOM:
+        return
+    raise InputError(path, "cache", f"the {samples} samples left need {need / 1e6:.0f} MB as stored ({storage}) + "
+                     f"{HEADROOM / 1e6:.0f} MB of headroom, and {free / 1e6:.0f} MB are free in {folder}",
+                     f"free {(need + HEADROOM - free) / 1e6:.0f} MB there, or shrink the cache: {SHRINK_FIX} "
+                     "(or cache.disk_check: warn when the free space reported is not what you may write)")

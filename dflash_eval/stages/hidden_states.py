@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_eval.cache.disk_room import bytes_per_token, no_room_error
+from dflash_eval.cache.disk_room import bytes_per_token, check_free_space, no_room_error
 from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
 from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
                                       completions_sampling, is_no_space, quantize_fp8)
@@ -182,6 +182,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         InputError: layer id out of range or duplicated; empty or malformed completions file; a dtype
             other than bfloat16/float32; a partial cache written with other settings, or in use; the disk
             (or quota) full while writing (what was committed stays in the partial for the rerun).
+        InputError: the samples left cannot fit in the free space of ``out``'s folder (``cache.disk_check:
+            refuse``, checked before the target loads).
         Interrupted: SIGTERM/SIGINT (the batches already on the host are written and committed first).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
@@ -208,6 +210,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     if dt not in (torch.bfloat16, torch.float32):
         raise InputError("config", "cache.dtype", f"{dtype_name(dt)} cannot be stored in the cache", "use bfloat16 or float32")
     fp8 = getattr(opts, "storage", "dtype") == "fp8"
+    storage = "fp8" if fp8 else dtype_name(dt)  # bytes_per_token's name
     binding = bind_linear_attention(linear_attn_backend, dev, spec)
     can_pack, why = packing_support(spec)
     packed = packing == "auto" and can_pack
@@ -240,6 +243,9 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                  out, len(seqs), len(batches), len(done), n_todo, len(todo))
         if done and not todo:
             log.warning(reused_sidecar_note(out, len(done)))
+        if todo and spec.hidden_size and getattr(opts, "disk_check", "refuse") == "refuse":
+            check_free_space(cache.path, _bytes_needed(seqs, done, len(layer_ids), spec.hidden_size, storage), n_todo,
+                             storage)  # before the target loads: the token counts are exact here
         if todo:
             model, tok, kernel = load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
                                               devices=opts.devices, max_memory=opts.max_memory)
@@ -287,8 +293,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         cache.close()
         if is_no_space(err):
             raise no_room_error(cache.path, err, len(cache.done), len(seqs),
-                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size,
-                                              "fp8" if fp8 else dtype_name(dt))) from err
+                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, storage)) from err
         raise
     except BaseException:
         cache.close()
