@@ -189,8 +189,9 @@ def disk_lines(plan, sizes: list[CacheSize], free: int) -> list[str]:
     """What the run's caches need beside the free space, one line per prompt set and a total (printed at parse time)."""
     storage, why = storage_name(plan.config["cache"])
     H, _ = target_shape(plan)
-    lines = [f"hidden-state caches ({storage}: {why}; {len(plan.cache_layer_ids)} stored layers of hidden size "
-             f"{H or 'unknown'}), free in {plan.run_path()}: {_size(free)}"]
+    head = (f"hidden-state caches ({storage}: {why}; {len(plan.cache_layer_ids)} stored layers of hidden size "
+            f"{H or 'unknown'}), free in {plan.run_path()}: {_size(free)}")
+    lines = [head]
     for s in sizes:
         need = None if s.bytes is None else max(0, s.bytes - s.written)
         tok = "" if s.tokens is None else f", {s.tokens} tokens"
