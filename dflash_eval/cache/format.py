@@ -130,19 +130,27 @@ def fp8_values() -> np.ndarray:
     return _FP8_VALUES
 
 
-def dequantize_fp8(q: np.ndarray, scale: np.ndarray, logical_dtype: str) -> torch.Tensor:
+def dequantize_fp8(q: np.ndarray, scale: np.ndarray, logical_dtype: str,
+                   device: torch.device | None = None) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8` up to its rounding: ``value(q) * scale`` in ``logical_dtype``.
 
     Args:
         q: ``[T, K, H]`` uint8 (float8_e4m3fn bits, as stored); scale: ``[T, K]`` float32.
         logical_dtype: ``"bfloat16"`` or ``"float32"`` (the cache's ``dtype``: what the target computed in).
+        device: None or ``cpu``: on the CPU (a 256-entry table look-up, numpy's ``take``: faster there than
+            torch's float8 cast); else the bytes are copied to ``device`` and dequantised there (torch's cast).
 
     Returns:
-        ``[T, K, H]`` tensor of ``logical_dtype`` (CPU).
+        ``[T, K, H]`` tensor of ``logical_dtype`` on the CPU or ``device``.
     """
-    out = torch.from_numpy(fp8_values()[q])  # a table look-up: one pass, no float8 arithmetic on the CPU
-    out.mul_(torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))[..., None])
-    return out.to(torch.bfloat16) if logical_dtype == "bfloat16" else out
+    dt = torch.bfloat16 if logical_dtype == "bfloat16" else torch.float32
+    s = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))[..., None]
+    if device is not None and torch.device(device).type != "cpu":
+        qd = torch.from_numpy(np.ascontiguousarray(q)).to(device, non_blocking=True)
+        return (qd.view(torch.float8_e4m3fn).float() * s.to(device, non_blocking=True)).to(dt)
+    out = torch.from_numpy(np.take(fp8_values(), q))
+    out.mul_(s)
+    return out.to(dt) if dt != torch.float32 else out
 
 
 def from_storage(arr: np.ndarray, logical_dtype: str) -> torch.Tensor:

@@ -60,6 +60,10 @@ class CacheReader:
     ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, per-sample values,
     finite states).
 
+    FP8 caches (``storage`` :data:`~dflash_eval.cache.format.STORAGE_FP8`) are dequantised after the checks see
+    the stored bytes (:func:`~dflash_eval.cache.format.dequantize_fp8`), to the cache's ``dtype``; on the CPU, or
+    on ``dequant_device`` (a CUDA device: the sample's ``hidden`` is then returned on it).
+
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
     The file attributes are verified on open (:meth:`_check_header`).
@@ -71,9 +75,12 @@ class CacheReader:
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, verify: bool = True, dequant_device: str | torch.device | None = None):
         self.path = Path(path)
         self.verify_reads = verify  # False only for measurements (bench/verify_cost.py) and raw-bit tests
+        #: FP8 caches: where the states are dequantised (None: on the CPU; a CUDA device: the samples' ``hidden``
+        #: is returned there, the stored bytes cross to it, half of bf16's)
+        self.dequant_device = None if dequant_device is None else torch.device(dequant_device)
         if not self.path.exists():
             raise InputError(self.path, None, "cache file not found", "run the hidden_states rule first")
         self._f = open_h5_readonly(self.path)
@@ -252,17 +259,19 @@ class CacheReader:
         pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cache-verify")
         checks = []
         try:
-            raws = []
+            raws, built = [], []
             for i in indices:
                 raw = self._read_raw(i, layer_ids)
                 raws.append(raw)
                 checks.append(pool.submit(self._check_raw, raw, False))  # hash + finite scan, in a thread
+                if self.fp8:  # the dequantisation is a pass over the states too: in the threads, beside the checks
+                    built.append(pool.submit(self._build, raw))
                 try:
                     self._compare_meta(raw.i, raw.meta, raw)
                 except InputError as err:  # an earlier sample's failure comes first
                     raise _first_failure(checks[:-1]) or err from None
             try:
-                yield [self._build(r) for r in raws]
+                yield [b.result() for b in built] if self.fp8 else [self._build(r) for r in raws]
             except BaseException as err:
                 bad = _first_failure(checks)
                 if bad is not None:
@@ -299,7 +308,7 @@ class CacheReader:
             arr = arr[:, idx]
             scale = None if scale is None else scale[:, idx]
         if self.fp8:
-            hidden = dequantize_fp8(arr, scale, str(self.attrs.get("dtype", "float32")))
+            hidden = dequantize_fp8(arr, scale, str(self.attrs.get("dtype", "float32")), self.dequant_device)
         else:
             hidden = from_storage(arr, "bfloat16" if arr.dtype == np.uint16 else "float32")
         v = self._array_values(i, len(raw.input_ids))
