@@ -9,6 +9,7 @@ file system reports enough).
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,15 @@ from dflash_eval.core.errors import InputError
 
 #: free space the writer keeps beyond a batch (HDF5 cannot recover from a failed write)
 HEADROOM = 64 << 20
+
+
+def require_room(folder: Path, nbytes: int) -> None:
+    """Raise ``OSError(ENOSPC)`` when the file system of ``folder`` has less free space than ``nbytes`` plus
+    :data:`HEADROOM` (the writer's check before each batch: :meth:`dflash_eval.cache.writer.PartialCache.check_room`)."""
+    free = shutil.disk_usage(folder).free
+    if free < nbytes + HEADROOM:
+        raise OSError(errno.ENOSPC, f"No space left on device: {free / 1e6:.0f} MB free, the next batch needs "
+                      f"{nbytes / 1e6:.0f} MB + {HEADROOM / 1e6:.0f} MB of headroom", str(folder))
 
 
 def bytes_per_token(storage: str, n_layers: int, hidden_size: int) -> int:

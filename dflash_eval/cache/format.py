@@ -119,6 +119,15 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(torch.uint8), scale
 
 
+def stored_form(x: torch.Tensor, fp8: bool) -> tuple[np.ndarray, str, np.ndarray | None]:
+    """States ``[T, K, H]`` as a cache stores them: ``(hidden, logical dtype, hidden_scale)``; with ``fp8``
+    (:func:`quantize_fp8`) ``("uint8 bits", "float8_e4m3fn", [T, K] float32)``, else :func:`to_storage`'s and None."""
+    if not fp8:
+        return (*to_storage(x), None)
+    q, scale = quantize_fp8(x)
+    return q.cpu().numpy(), "float8_e4m3fn", scale.cpu().numpy()
+
+
 _FP8_VALUES: np.ndarray | None = None
 
 

@@ -6,8 +6,8 @@ CPU; ``fp8_parity.reference`` may name bfloat16 instead), as kernel_parity does 
 written by the real extraction (:func:`dflash_eval.stages.hidden_states.extract_hidden_states`, one with
 ``storage: fp8``), compared per stored layer (:func:`dflash_eval.stages.kernel_parity.layer_stats`: cosine,
 rel-L2, max abs, over every token), and every configured drafter is replayed on both
-(:func:`dflash_eval.stages.evaluate.evaluate`), its tau on each and the difference reported, with each
-cache's bytes per token. Output: JSON with ``title`` and ``markdown`` (``report --extra``) and the numbers.
+(:func:`dflash_eval.stages.evaluate.evaluate`, greedy chain), its tau on each and the difference reported, with
+each cache's bytes per token. Output: JSON with ``title`` and ``markdown`` (``report --extra``) and the numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from dflash_eval.cache.disk_room import bytes_per_token
-from dflash_eval.cache.format import STORAGE_BF16, h5py_module, py_value, sample_sha256, to_storage, write_header
+from dflash_eval.cache.format import (SCALE_DATASET, STORAGE_BF16, STORAGE_F32, STORAGE_FP8, h5py_module, py_value,
+                                      quantize_fp8, sample_sha256, to_storage, write_header)
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError
@@ -98,7 +99,7 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
                   "fp8": extract_hidden_states(target_dir, sub, tmp / "fp8.h5", layer_ids, dtype=run_dtype,
                                                storage="fp8", **common)}
         if ref_dtype != run_dtype:  # float32 states rounded to bf16: a bf16 cache of the same forward
-            caches["reference"] = bf16_copy(caches["reference"], tmp / "reference.h5")
+            caches["reference"] = restored_copy(caches["reference"], tmp / "reference.h5", "bfloat16")
         with CacheReader(caches["fp8"]) as ra, CacheReader(caches["reference"]) as rb:
             stored = [int(i) for i in rb.layer_ids]
             stats, agree, n_tok = layer_stats(ra, rb, stored)
@@ -107,8 +108,9 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
                       bytes_per_token={"reference": bytes_per_token(ref_dtype, len(stored), H),
                                        "fp8": bytes_per_token("fp8", len(stored), H)})
         for d in drafters:
+            # the chain's tau (no DDTree budgets: the chain is what the states decide first, and it is cheap)
             taus = {k: evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=opts.device,
-                                allow_low_agreement=True)["tau"] for k in ("reference", "fp8")}
+                                allow_low_agreement=True, ddtree_budgets=[])["tau"] for k in ("reference", "fp8")}
             result["drafters"].append({"checkpoint": Path(d).name, "tau_reference": taus["reference"],
                                        "tau_fp8": taus["fp8"], "tau_diff": taus["fp8"] - taus["reference"]})
     result["markdown"] = markdown(result)
@@ -119,32 +121,68 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
     return result
 
 
-def bf16_copy(src: Path, dst: Path) -> Path:
-    """A float32 cache ``src`` as a bfloat16 one at ``dst``: every sample's states rounded to bf16 (torch's
-    round-to-nearest-even cast), its checksum, ``dtype`` / ``storage`` and the header rewritten."""
-    shutil.copyfile(src, dst)
-    with h5py_module().File(dst, "r+") as f:
-        if f.attrs["dtype"] != "float32":
+def restored_copy(src: Path, dst: Path, storage: str) -> Path:
+    """A float32 cache ``src`` stored otherwise at ``dst``: every sample's states rounded to bf16 (``storage``
+    ``"bfloat16"``: torch's round-to-nearest-even cast; ``dtype`` becomes bfloat16) or quantised to FP8
+    (``"fp8"``: :func:`~dflash_eval.cache.format.quantize_fp8`, what ``cache.storage: fp8`` stores of the same
+    float32 states), its checksum, ``storage`` and the header rewritten. The file is a copy (repacked: HDF5
+    does not return the space of the replaced datasets).
+
+    Raises:
+        ValueError: ``src`` is not a float32 cache, or another storage name.
+    """
+    if storage not in ("bfloat16", "fp8"):
+        raise ValueError(f"storage {storage!r}: bfloat16 or fp8")
+    h5py = h5py_module()
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    with h5py.File(tmp, "r+") as f:
+        if f.attrs["dtype"] != "float32" or f.attrs["storage"] != STORAGE_F32:
             raise ValueError(f"{src}: dtype {f.attrs['dtype']}, not float32")
         for name in f["samples"]:
             g = f["samples"][name]
-            bits, _ = to_storage(torch.from_numpy(g["hidden"][()]).to(torch.bfloat16))
+            x = torch.from_numpy(g["hidden"][()])
             del g["hidden"]
-            g.create_dataset("hidden", data=bits)
-            g.attrs["sha256"] = sample_sha256(g["input_ids"][()], g["target_argmax"][()], bits,
-                                              py_value(g.attrs.get("meta")))
-        f.attrs["dtype"], f.attrs["storage"] = "bfloat16", STORAGE_BF16
+            if storage == "fp8":
+                q, scale = quantize_fp8(x)
+                q, scale = q.numpy(), scale.numpy()
+                g.create_dataset("hidden", data=q)
+                g.create_dataset(SCALE_DATASET, data=scale)
+                g.attrs["sha256"] = sample_sha256(g["input_ids"][()], g["target_argmax"][()], q,
+                                                  py_value(g.attrs.get("meta")), scale)
+            else:
+                bits, _ = to_storage(x.to(torch.bfloat16))
+                g.create_dataset("hidden", data=bits)
+                g.attrs["sha256"] = sample_sha256(g["input_ids"][()], g["target_argmax"][()], bits,
+                                                  py_value(g.attrs.get("meta")))
+        if storage == "fp8":
+            f.attrs["storage"] = STORAGE_FP8
+        else:
+            f.attrs["dtype"], f.attrs["storage"] = "bfloat16", STORAGE_BF16
         write_header(f.attrs)
+    _repack(tmp, dst)
+    tmp.unlink(missing_ok=True)
     return dst
+
+
+def _repack(src: Path, dst: Path) -> None:
+    """Copy every object and attribute of ``src`` into a new file ``dst`` (what h5repack does: no unused space)."""
+    h5py = h5py_module()
+    with h5py.File(src, "r") as a, h5py.File(dst, "w") as b:
+        for k, v in a.attrs.items():
+            b.attrs[k] = v
+        for name in a:
+            a.copy(a[name], b, name=name)
 
 
 def markdown(r: dict) -> str:
     """The report section of one prompt set's :func:`fp8_parity` result."""
     b = r["bytes_per_token"]
-    lines = [f"Prompt set `{r['prompt_set']}`, first {r['n_samples']} samples ({r['n_tokens']} tokens): the FP8 "
-             f"cache (float8_e4m3fn, one scale per token and layer) against a {r['reference']} cache of the same "
-             f"completions; {b['fp8']} vs {b['reference']} bytes per token ({b['reference'] / b['fp8']:.2f}x "
-             "smaller). Per stored layer over every token; rel-L2 = ||FP8 - ref|| / ||ref||.", "",
+    head = (f"Prompt set `{r['prompt_set']}`, first {r['n_samples']} samples ({r['n_tokens']} tokens): the FP8 "
+            f"cache (float8_e4m3fn, one scale per token and layer) against a {r['reference']} cache of the same "
+            f"completions; {b['fp8']} vs {b['reference']} bytes per token ({b['reference'] / b['fp8']:.2f}x "
+            "smaller). Per stored layer over every token; rel-L2 = ||FP8 - ref|| / ||ref||.")
+    lines = [head, "",
              "| layer | cos mean | cos min | rel-L2 | max abs |", "|---:|---:|---:|---:|---:|"]
     lines += [f"| {s['layer']} | {s['cos_mean']:.6f} | {s['cos_min']:.6f} | {s['rel_l2']:.2e} | {s['max_abs']:.2e} |"
               for s in r["layers"]]

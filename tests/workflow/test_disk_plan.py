@@ -74,9 +74,20 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     (wd / "fp8.yaml").write_text("cache: {storage: fp8}\n")  # FP8 fits where float32 did not
     fp8 = 4 * 150 * bytes_per_token("fp8", K, H)
     assert need / fp8 > 3.9
-    ok = smk(wd, "-n", "--configfile", "config/demo.yaml", "fp8.yaml", env=_env(tmp_path, fp8 + (80 << 20)))
-    assert "a real run stops here" not in ok.stdout + ok.stderr
-    assert f"humaneval: {fp8 / 1e6:.1f} MB to write" in ok.stdout + ok.stderr
+    ok = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "fp8.yaml", env=_env(tmp_path, fp8 + (80 << 20)))
+    out = ok.stdout + ok.stderr
+    assert "a real run stops here" not in out and f"humaneval: {fp8 / 1e6:.1f} MB to write" in out
+    # an FP8 run's report gets one fp8_parity section per prompt set, each job a command the CLI accepts
+    from dflash_eval.cli import build_parser
+    from test_workflow import dflash_eval_argv, job_counts, shell_commands
+
+    assert job_counts(out)["fp8_parity"] == 3 and job_counts(out)["hidden_states"] == 3
+    parity = [dflash_eval_argv(c) for c in shell_commands(out) if " fp8-parity " in c]
+    args = [build_parser().parse_args(a) for a in parity]
+    assert sorted(Path(a.out).name for a in args) == ["humaneval.json", "sharegpt-t1.json", "sharegpt.json"]
+    assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 3 for a in args)
+    hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
+    assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
 
 
 def test_gguf_header_gives_the_demo_targets_shape():

@@ -56,7 +56,7 @@ from safetensors.torch import load_file
 
 from dflash_eval.cache.extract import check_layers, versions
 from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
-                                      completions_sampling, quantize_fp8, to_storage)
+                                      completions_sampling, stored_form)
 from dflash_eval.cache.reader import open_h5_readonly
 from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from dflash_eval.core import options as options_mod
@@ -518,17 +518,14 @@ def _run(cache: PartialCache, fetch: _Fetcher, seqs, meta, todo: list[int], dt_n
             finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
             for fut in finished:
                 i, hs, argmax = fut.result()
-                arr, logical = to_storage(hs)
-                if logical != dt_name:
+                fp8 = cache.identity.get("storage") == STORAGE_FP8  # cache.storage: fp8, quantised as the HF source
+                arr, logical, scale = stored_form(hs, fp8)
+                if logical != (dt_name if not fp8 else "float8_e4m3fn"):
                     raise InputError(None, "cache.dtype", f"sample {meta[i].sample_id}: {logical} states in a "
                                      f"{dt_name} cache (the server changed?)", "rerun against the same server")
-                scales = None
-                if cache.identity.get("storage") == STORAGE_FP8:  # cache.storage: fp8 (the same quantisation as the HF source's)
-                    q, scale = quantize_fp8(hs)
-                    arr, logical, scales = q.numpy(), "float8_e4m3fn", [scale.numpy()]
                 writer.reserve()
                 writer.hold(1, len(arr))
-                writer.submit(Batch([(i, arr, argmax)], logical, scales=scales))
+                writer.submit(Batch([(i, arr, argmax)], logical, scales=None if scale is None else [scale]))
                 tokens += len(arr)
     except BaseException:
         # requests in flight are abandoned (their threads end when the server answers or is stopped);
