@@ -108,3 +108,18 @@ def test_an_unknown_storage_is_refused(tmp_path):
     path = _write(tmp_path / "c.h5", _states(8, 1, 16), "float16 bits")
     with pytest.raises(InputError, match="not a storage this version reads"):
         CacheReader(path)
+
+
+def test_the_documented_h5py_reader_of_fp8_samples_runs(tmp_path):
+    """The FP8 h5py example of docs/cache-format.md (no torch) gives what CacheReader gives."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cache-format.md").read_text(encoding="utf-8")
+    (code,) = [c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "E4M3" in c]
+    x = _states(40, 3, 64)
+    path = _write(tmp_path / "fp8.h5", x, STORAGE_FP8)
+    scope: dict = {}
+    exec(compile(code.replace("results/demo/cache/humaneval.h5", str(path)), "docs/cache-format.md", "exec"), scope)
+    with CacheReader(path) as rd:
+        np.testing.assert_allclose(scope["hidden"], rd.sample(0).hidden.numpy(), rtol=1e-6, atol=0)
