@@ -157,8 +157,9 @@ def dequantize_fp8(q: np.ndarray, scale: np.ndarray, logical_dtype: str,
     if device is not None and torch.device(device).type != "cpu":
         qd = torch.from_numpy(np.ascontiguousarray(q)).to(device, non_blocking=True)
         return (qd.view(torch.float8_e4m3fn).float() * s.to(device, non_blocking=True)).to(dt)
-    out = torch.from_numpy(np.take(fp8_values(), q))
-    out.mul_(s)
+    out = np.take(fp8_values(), q)
+    np.multiply(out, np.asarray(scale, dtype=np.float32)[..., None], out=out)  # numpy's broadcast: ~2x torch's here
+    out = torch.from_numpy(out)
     return out.to(dt) if dt != torch.float32 else out
 
 

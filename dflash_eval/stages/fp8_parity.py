@@ -65,7 +65,9 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
         out: JSON path (keys ``title``, ``markdown``, ``prompt_set``, ``reference`` (its dtype), ``layers``
             (:func:`~dflash_eval.stages.kernel_parity.layer_stats` rows: FP8 = A, reference = B),
             ``argmax_agreement``, ``n_samples``, ``n_tokens``, ``bytes_per_token`` (``{"reference", "fp8"}``),
-            ``drafters`` (``checkpoint``, ``tau_reference``, ``tau_fp8``, ``tau_diff`` = fp8 - reference)).
+            ``drafters`` (``checkpoint``, ``tau_reference``, ``tau_fp8``, ``tau_diff`` = fp8 - reference, per sample
+            ``steps_reference`` / ``steps_fp8`` (verify steps of the chain), ``samples_changed`` (samples whose
+            acceptance lengths differ))).
         opts: the stage's options (config ``fp8_parity``: ``n_samples`` >= 1, ``reference`` (``dtype`` = the
             run's ``cache.dtype``, or ``bfloat16``); and ``cache``, ``target.*`` as for the hidden_states stage).
         drafters: stripped drafter folders to replay on both caches.
@@ -109,10 +111,15 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
                                        "fp8": bytes_per_token("fp8", len(stored), H)})
         for d in drafters:
             # the chain's tau (no DDTree budgets: the chain is what the states decide first, and it is cheap)
-            taus = {k: evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=opts.device,
-                                allow_low_agreement=True, ddtree_budgets=[])["tau"] for k in ("reference", "fp8")}
-            result["drafters"].append({"checkpoint": Path(d).name, "tau_reference": taus["reference"],
-                                       "tau_fp8": taus["fp8"], "tau_diff": taus["fp8"] - taus["reference"]})
+            ev = {k: evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=opts.device,
+                              allow_low_agreement=True, ddtree_budgets=[]) for k in ("reference", "fp8")}
+            steps = {k: [int(x["steps"]) for x in ev[k]["samples"]] for k in ev}
+            result["drafters"].append({
+                "checkpoint": Path(d).name, "tau_reference": ev["reference"]["tau"], "tau_fp8": ev["fp8"]["tau"],
+                "tau_diff": ev["fp8"]["tau"] - ev["reference"]["tau"], "steps_reference": steps["reference"],
+                "steps_fp8": steps["fp8"], "samples_changed": sum(
+                    a["acceptance_lengths"] != b["acceptance_lengths"]
+                    for a, b in zip(ev["reference"]["samples"], ev["fp8"]["samples"]))})
     result["markdown"] = markdown(result)
     result["provenance"] = stage_block(STAGE, opts)
     result.update(write_json(out, result))
@@ -188,8 +195,8 @@ def markdown(r: dict) -> str:
               for s in r["layers"]]
     lines += ["", f"Target teacher-forced argmax in both caches (same forward): agreement {r['argmax_agreement']:.4f}."]
     if r["drafters"]:
-        lines += ["", f"| drafter | tau on {r['reference']} | tau on FP8 | FP8 - {r['reference']} |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {d['checkpoint']} | {d['tau_reference']:.4f} | {d['tau_fp8']:.4f} | {d['tau_diff']:+.4f} |"
-                  for d in r["drafters"]]
+        lines += ["", f"| drafter | tau on {r['reference']} | tau on FP8 | FP8 - {r['reference']} | samples changed |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {d['checkpoint']} | {d['tau_reference']:.4f} | {d['tau_fp8']:.4f} | {d['tau_diff']:+.4f} | "
+                  f"{d['samples_changed']} of {r['n_samples']} |" for d in r["drafters"]]
     return "\n".join(lines)
