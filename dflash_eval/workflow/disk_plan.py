@@ -217,11 +217,13 @@ def disk_problem(plan, sizes: list[CacheSize], free: int) -> InputError | None:
     need = sum(max(0, s.bytes - s.written) for s in counted)
     if not counted or need + HEADROOM <= free:
         return None
-    storage, _ = storage_name(plan.config["cache"])
+    storage, why = storage_name(plan.config["cache"])
     each = ", ".join(f"{s.prompt_set} {_size(max(0, s.bytes - s.written))} ({s.basis})" for s in counted)
     shrink = ("cache.storage: fp8 (about half of bf16, a quarter of float32: docs/cache-format.md)"
               if storage != "fp8" else "")
-    fixes = [f for f in (shrink, f"fewer stored layers (cache.target_layer_ids: {len(plan.cache_layer_ids)} now)",
+    guessed = ("set cache.dtype: bfloat16 if the jobs run on GPUs (this host has none, so float32 was assumed)"
+               if why.endswith("no CUDA device here") else "")
+    fixes = [f for f in (guessed, shrink, f"fewer stored layers (cache.target_layer_ids: {len(plan.cache_layer_ids)} now)",
                          "fewer prompts (prompt_set.n) or generation.max_new_tokens",
                          f"free {_size(need + HEADROOM - free)} in {plan.run_path()}",
                          "or cache.disk_check: warn (the hidden_states job still checks its own cache)") if f]
