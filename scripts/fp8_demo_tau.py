@@ -48,14 +48,15 @@ def main(argv=None) -> list[dict]:
     for name in a.sets.split(","):
         source, sampling = SETS[name]
         t0 = time.perf_counter()
-        comp = wd / f"{name}.n{a.n}.m{a.max_new_tokens}.jsonl"
+        comp = wd / f"n{a.n}.m{a.max_new_tokens}" / f"{name}.jsonl"  # its stem names the set in the report
+        comp.parent.mkdir(exist_ok=True)
         if not comp.is_file():
             prompts, _ = build_prompt_set_with_meta(source=source, tokenizer_dir=target, n=a.n, seed=0,
                                                     max_prompt_tokens=1024)
-            generate_completions(target, write_prompts(prompts, wd / f"{name}.prompts.jsonl"), comp, device="cpu",
+            generate_completions(target, write_prompts(prompts, comp.with_suffix(".prompts")), comp, device="cpu",
                                  max_new_tokens=a.max_new_tokens, batch_size=min(a.n, 16),
                                  sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, **sampling})
-        r = fp8_parity(target, comp, LAYERS, wd / f"{name}.fp8_parity.json", drafters=drafters, n_samples=a.n,
+        r = fp8_parity(target, comp, LAYERS, comp.with_suffix(".fp8_parity.json"), drafters=drafters, n_samples=a.n,
                        device="cpu", reference="bfloat16")
         row = {"set": name, "n_samples": r["n_samples"], "n_tokens": r["n_tokens"],
                "rel_l2": [round(s["rel_l2"], 5) for s in r["layers"]], "bytes_per_token": r["bytes_per_token"],
