@@ -48,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("stages.evaluate", "offline speculative-decoding replay -> per-sample acceptance (greedy; expected tau at T > 0)"),
     "kernel-parity": ("stages.kernel_parity", "extract a few samples with fla and with torch linear-attention kernels; "
                                               "per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
+    "fp8-parity": ("stages.fp8_parity", "cache.storage: fp8: a few samples of a prompt set extracted in FP8 and in "
+                                        "the run's dtype; per-layer cos / rel-L2 / max-abs and tau per drafter on each"),
     "engine-parity": ("stages.engine_parity", ("extract a few samples with the other hidden-state source (vLLM / HF) "
                                                "than the run's; per-layer and per-sample parity and tau per drafter "
                                                "on each")),

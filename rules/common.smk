@@ -29,6 +29,7 @@ from dflash_eval.core.gpu_pool import POOL_ENV as GPU_POOL_ENV
 from dflash_eval.core.options import RUNTIME_ENV
 from dflash_eval.trackers.log import run_warnings as trackers_run_warnings
 from dflash_eval.workflow.plan import build_plan
+from dflash_eval.workflow.disk_plan import disk_lines, disk_problem, free_bytes, planned_caches
 from dflash_eval.data.provenance import stale_table_note
 from dflash_eval.core.watchdog import owner_export
 from dflash_eval.core.yaml_strict import check_config_files
@@ -89,6 +90,23 @@ except InputError as err:
     raise WorkflowError(
         f"config ({CONFIG_FILES}): {err.field}: {err.problem}. Fix: {err.fix}"
     )
+
+# The disk the caches need beside the free space, before anything runs (dry runs too); a real run whose caches
+# cannot fit stops here, before any job (cache.disk_check; dflash_eval/workflow/disk_plan.py).
+if MAIN_PROCESS:
+    _sizes = planned_caches(PLAN)
+    _free = free_bytes(PLAN.run_path())
+    for _line in disk_lines(PLAN, _sizes, _free):
+        logger.info(f"dflash-eval: {_line}")
+    _disk = disk_problem(PLAN, _sizes, _free)
+    # workflow.dryrun is not set yet while the Snakefile is parsed; the output settings are
+    _dry = bool(getattr(workflow.output_settings, "dryrun", False) or workflow.dryrun)
+    if _disk is not None:
+        _text = f"config ({CONFIG_FILES}): {_disk.field}: {_disk.problem}. Fix: {_disk.fix}"
+        if _dry or config["cache"]["disk_check"] != "refuse":
+            logger.warning(f"dflash-eval: {_text}" + (" (a real run stops here)" if _dry else ""))
+        else:
+            raise WorkflowError(_text)
 
 if MAIN_PROCESS:
     for _side in sidecars(PLAN.caches() + PLAN.shard_caches()):  # what a killed Snakemake left (Snakefile onerror)

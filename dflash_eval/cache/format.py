@@ -3,7 +3,9 @@
 One file per (target, prompt set), ``format = "dflash-eval/hidden-state-cache"``, ``format_version = 6``
 (readers accept 6 only). The target runs once over each sample's prompt + completion token ids; the
 outputs of the requested decoder layers are stored (``/samples/<i:06d>/hidden`` [T, K, H], bf16 as raw
-uint16 bits or float32) so that any number of drafter checkpoints can be replayed offline.
+uint16 bits or float32; with ``cache.storage: fp8`` float8_e4m3fn bits as uint8 beside
+``/samples/<i:06d>/hidden_scale`` [T, K] float32, :func:`quantize_fp8`) so that any number of drafter
+checkpoints can be replayed offline.
 
 Key convention (transformers ``utils/generic.py``; z-lab/dflash ``dflash/model.py``
 ``extract_context_feature``): ``target_layer_ids`` are 0-based decoder layers and entry ``i`` holds
@@ -58,6 +60,15 @@ def completions_sampling(rows: list[dict]) -> dict:
 #: file-level per-sample arrays ``[S]`` (format 3), besides ``sample_ids``
 FILE_DATASETS = ("prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
 SAMPLE_DATASETS = ("input_ids", "hidden", "target_argmax")
+#: the per-sample dataset of FP8 caches only (``storage`` :data:`STORAGE_FP8`): one scale per token and layer
+SCALE_DATASET = "hidden_scale"
+#: the ``storage`` attribute of each stored encoding of ``hidden``
+STORAGE_BF16 = "uint16 raw bfloat16 bits"
+STORAGE_F32 = "float32"
+STORAGE_FP8 = "uint8 raw float8_e4m3fn bits x hidden_scale [T, K] float32 (amax / 448 per token and layer)"
+STORAGES = (STORAGE_BF16, STORAGE_F32, STORAGE_FP8)
+#: largest finite float8_e4m3fn value (OCP 8-bit floating point specification, E4M3: 1.75 x 2^8)
+FP8_MAX = 448.0
 SAMPLE_ATTRS = ("meta", "sha256")
 #: the keys of a sample's ``meta`` (format 5), in their stored order; all but ``sample_id`` are in FILE_DATASETS
 META_FIELDS = ("sample_id", "prompt_len", "completion_len", "stop_reason", "max_new_tokens", "argmax_agreement")
@@ -84,6 +95,72 @@ def to_storage(x: torch.Tensor) -> tuple[np.ndarray, str]:
     if x.dtype == torch.float32:
         return x.numpy(), "float32"
     raise ValueError(f"unsupported cache dtype {x.dtype}")
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states -> their FP8 storage (``cache.storage: fp8``), on ``x``'s device.
+
+    One scale per token and layer, ``scale = amax / 448`` (amax over the hidden axis, 448 = :data:`FP8_MAX`),
+    and ``q = float8_e4m3fn(x / scale)`` rounded to nearest (torch's cast); an all-zero row keeps scale 0 (and
+    q 0). The convention of speculators' ``FP8HiddenStatesConnector`` (vllm-project/speculators PR #1028:
+    per-token dynamic scale, e4m3fn).
+
+    Args:
+        x: ``[T, K, H]`` bfloat16 or float32 (any device).
+
+    Returns:
+        ``(q, scale)``: ``q`` ``[T, K, H]`` uint8 (the float8_e4m3fn bits), ``scale`` ``[T, K]`` float32. A
+        non-finite value of ``x`` gives a non-finite scale (the reader's finite scan refuses it).
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / FP8_MAX
+    div = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (xf / div[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
+
+
+def stored_form(x: torch.Tensor, fp8: bool) -> tuple[np.ndarray, str, np.ndarray | None]:
+    """States ``[T, K, H]`` as a cache stores them: ``(hidden, logical dtype, hidden_scale)``; with ``fp8``
+    (:func:`quantize_fp8`) ``("uint8 bits", "float8_e4m3fn", [T, K] float32)``, else :func:`to_storage`'s and None."""
+    if not fp8:
+        return (*to_storage(x), None)
+    q, scale = quantize_fp8(x)
+    return q.cpu().numpy(), "float8_e4m3fn", scale.cpu().numpy()
+
+
+_FP8_VALUES: np.ndarray | None = None
+
+
+def fp8_values() -> np.ndarray:
+    """``[256]`` float32: the value of each float8_e4m3fn bit pattern (the dequantisation table; 0x7F / 0xFF NaN)."""
+    global _FP8_VALUES
+    if _FP8_VALUES is None:
+        _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    return _FP8_VALUES
+
+
+def dequantize_fp8(q: np.ndarray, scale: np.ndarray, logical_dtype: str,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8` up to its rounding: ``value(q) * scale`` in ``logical_dtype``.
+
+    Args:
+        q: ``[T, K, H]`` uint8 (float8_e4m3fn bits, as stored); scale: ``[T, K]`` float32.
+        logical_dtype: ``"bfloat16"`` or ``"float32"`` (the cache's ``dtype``: what the target computed in).
+        device: None or ``cpu``: on the CPU (a 256-entry table look-up, numpy's ``take``: faster there than
+            torch's float8 cast); else the bytes are copied to ``device`` and dequantised there (torch's cast).
+
+    Returns:
+        ``[T, K, H]`` tensor of ``logical_dtype`` on the CPU or ``device``.
+    """
+    dt = torch.bfloat16 if logical_dtype == "bfloat16" else torch.float32
+    s = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))[..., None]
+    if device is not None and torch.device(device).type != "cpu":
+        qd = torch.from_numpy(np.ascontiguousarray(q)).to(device, non_blocking=True)
+        return (qd.view(torch.float8_e4m3fn).float() * s.to(device, non_blocking=True)).to(dt)
+    out = np.take(fp8_values(), q)
+    np.multiply(out, np.asarray(scale, dtype=np.float32)[..., None], out=out)  # numpy's broadcast: ~2x torch's here
+    out = torch.from_numpy(out)
+    return out.to(dt) if dt != torch.float32 else out
 
 
 def from_storage(arr: np.ndarray, logical_dtype: str) -> torch.Tensor:
@@ -117,16 +194,18 @@ def le_bytes(a: np.ndarray) -> np.ndarray:
     return a.astype(a.dtype.newbyteorder("<"), copy=False)
 
 
-def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray, meta: str | None = None) -> str:
+def sample_sha256(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray, meta: str | None = None,
+                  scale: np.ndarray | None = None) -> str:
     """The per-sample checksum (attribute ``sha256``): sha256 over the stored bytes of the three datasets,
-    then (format 5) the UTF-8 bytes of the sample's ``meta`` attribute.
+    then (FP8 caches) those of ``hidden_scale``, then (format 5) the UTF-8 bytes of the sample's ``meta`` attribute.
 
     Args:
-        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 or float32, as stored.
+        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16, float32 or uint8 (FP8), as stored.
         meta: the ``meta`` string (:func:`sample_meta_json`) as stored; None for formats before 5.
+        scale: FP8 caches: ``hidden_scale`` ``[T, K]`` float32 as stored; None otherwise.
     """
     h = hashlib.sha256()
-    for a in (input_ids, target_argmax, hidden):
+    for a in (input_ids, target_argmax, hidden) + (() if scale is None else (scale,)):
         h.update(memoryview(le_bytes(a)).cast("B"))
     if meta is not None:
         h.update(meta.encode("utf-8"))

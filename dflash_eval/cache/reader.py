@@ -18,8 +18,9 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, CacheSample, from_storage, h5py_module,
-                                      header_problem, py_value, sample_sha256)
+from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, READABLE_VERSIONS, SAMPLE_DATASETS, SCALE_DATASET, STORAGE_FP8,
+                                      STORAGES, CacheSample, dequantize_fp8, from_storage, h5py_module, header_problem,
+                                      py_value, sample_sha256)
 from dflash_eval.cache.sample_check import check_read_sample, check_sample_values, parse_meta
 from dflash_eval.core.errors import InputError
 
@@ -59,6 +60,10 @@ class CacheReader:
     ``verify`` (default True): :meth:`sample` checks each sample it reads (checksum, per-sample values,
     finite states).
 
+    FP8 caches (``storage`` :data:`~dflash_eval.cache.format.STORAGE_FP8`) are dequantised after the checks see
+    the stored bytes (:func:`~dflash_eval.cache.format.dequantize_fp8`), to the cache's ``dtype``; on the CPU, or
+    on ``dequant_device`` (a CUDA device: the sample's ``hidden`` is then returned on it).
+
     Opened without the HDF5 file lock (:func:`open_h5_readonly`).
 
     The file attributes are verified on open (:meth:`_check_header`).
@@ -70,9 +75,12 @@ class CacheReader:
             ``header``, or ``header`` / ``header_sha256`` is missing or does not match.
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, verify: bool = True, dequant_device: str | torch.device | None = None):
         self.path = Path(path)
         self.verify_reads = verify  # False only for measurements (bench/verify_cost.py) and raw-bit tests
+        #: FP8 caches: where the states are dequantised (None: on the CPU; a CUDA device: the samples' ``hidden``
+        #: is returned there, the stored bytes cross to it, half of bf16's)
+        self.dequant_device = None if dequant_device is None else torch.device(dequant_device)
         if not self.path.exists():
             raise InputError(self.path, None, "cache file not found", "run the hidden_states rule first")
         self._f = open_h5_readonly(self.path)
@@ -101,6 +109,13 @@ class CacheReader:
         self.format_version = version
         self.attrs = {k: py_value(v) for k, v in a.items()}
         self.layer_ids: list[int] = [int(i) for i in self.attrs["target_layer_ids"]]
+        storage = self.attrs.get("storage")
+        if isinstance(storage, str) and storage not in STORAGES:
+            raise InputError(self.path, "storage", f"{str(storage)[:80]!r} is not a storage this version reads "
+                             f"({' / '.join(map(repr, STORAGES))})", "read it with the dflash-eval that wrote it, "
+                             "or re-extract it")
+        #: float8_e4m3fn states with a per-token scale (``cache.storage: fp8``), dequantised on read
+        self.fp8 = storage == STORAGE_FP8
         self.sample_ids = [s.decode() if isinstance(s, bytes) else str(s) for s in self._f["sample_ids"][()]]
         self._per_sample = {k: self._f[k][()] for k in FILE_DATASETS if k in self._f}  # read once
         self._checked: set[int] = set()  # samples whose arrays were compared with their meta
@@ -244,17 +259,19 @@ class CacheReader:
         pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="cache-verify")
         checks = []
         try:
-            raws = []
+            raws, built = [], []
             for i in indices:
                 raw = self._read_raw(i, layer_ids)
                 raws.append(raw)
                 checks.append(pool.submit(self._check_raw, raw, False))  # hash + finite scan, in a thread
+                if self.fp8:  # the dequantisation is a pass over the states too: in the threads, beside the checks
+                    built.append(pool.submit(self._build, raw))
                 try:
                     self._compare_meta(raw.i, raw.meta, raw)
                 except InputError as err:  # an earlier sample's failure comes first
                     raise _first_failure(checks[:-1]) or err from None
             try:
-                yield [self._build(r) for r in raws]
+                yield [b.result() for b in built] if self.fp8 else [self._build(r) for r in raws]
             except BaseException as err:
                 bad = _first_failure(checks)
                 if bad is not None:
@@ -272,7 +289,8 @@ class CacheReader:
             g = self._f[f"samples/{i:06d}"]
             attrs = g.attrs
             return _Raw(i, g, idx, self.sample_ids[i], g["hidden"][()], g["input_ids"][()], g["target_argmax"][()],
-                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")))
+                        py_value(attrs.get("sha256")), py_value(attrs.get("meta")),
+                        g[SCALE_DATASET][()] if self.fp8 else None)
         except H5_DAMAGE as err:  # a damaged group or dataset: h5py's message names neither file nor sample
             raise damaged(self.path, f"samples/{i:06d}", err) from None
 
@@ -280,15 +298,19 @@ class CacheReader:
         """The checks of one sample as read: checksum (and ``meta``), finite states, then (``compare``,
         format 5) the arrays against ``meta``, which is authentic once the checksum passed."""
         check_read_sample(self.path, raw.i, raw.sample_id, raw.sha256, raw.input_ids, raw.target_argmax, raw.hidden,
-                          self.layer_ids, self.format_version, raw.meta)
+                          self.layer_ids, self.format_version, raw.meta, raw.scale)
         if compare:
             self._compare_meta(raw.i, raw.meta, raw, hashed=True)
 
     def _build(self, raw: "_Raw") -> CacheSample:
-        i, g, idx, arr = raw.i, raw.g, raw.idx, raw.hidden
-        logical = "bfloat16" if g["hidden"].dtype == np.uint16 else "float32"
+        i, idx, arr, scale = raw.i, raw.idx, raw.hidden, raw.scale
         if idx is not None and idx != list(range(len(self.layer_ids))):
             arr = arr[:, idx]
+            scale = None if scale is None else scale[:, idx]
+        if self.fp8:
+            hidden = dequantize_fp8(arr, scale, str(self.attrs.get("dtype", "float32")), self.dequant_device)
+        else:
+            hidden = from_storage(arr, "bfloat16" if arr.dtype == np.uint16 else "float32")
         v = self._array_values(i, len(raw.input_ids))
         agree = None if np.isnan(v["argmax_agreement"]) else v["argmax_agreement"]
         return CacheSample(
@@ -296,7 +318,7 @@ class CacheReader:
             sample_id=raw.sample_id,
             input_ids=torch.from_numpy(raw.input_ids.astype(np.int64)),
             prompt_len=int(v["prompt_len"]),
-            hidden=from_storage(arr, logical),
+            hidden=hidden,
             target_argmax=torch.from_numpy(raw.target_argmax.astype(np.int64)),
             stop_reason=str(v["stop_reason"]),
             max_new_tokens=int(v["max_new_tokens"]),
@@ -365,6 +387,7 @@ class _Raw(NamedTuple):
     target_argmax: np.ndarray
     sha256: str | None
     meta: str | None  # format 5
+    scale: np.ndarray | None = None  # FP8 caches: hidden_scale [T, K] float32
 
 
 def _first_failure(futures) -> BaseException | None:
@@ -385,7 +408,8 @@ def verify_group(g) -> str | None:
         if not stored or any(name not in g for name in SAMPLE_DATASETS):
             return None
         meta = py_value(g.attrs["meta"]) if "meta" in g.attrs else None
-        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta)
+        scale = g[SCALE_DATASET][()] if g["hidden"].dtype == np.uint8 else None  # FP8: required, under the checksum
+        got = sample_sha256(g["input_ids"][()], g["target_argmax"][()], g["hidden"][()], meta, scale)
     except (OSError, KeyError, ValueError, RuntimeError):  # unreadable pieces of a killed run
         return None
     return stored if got == stored else None

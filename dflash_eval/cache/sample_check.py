@@ -30,30 +30,32 @@ _scratch = threading.local()
 
 
 def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: np.ndarray,
-                      meta: str | None = None) -> tuple[str, bool]:
+                      meta: str | None = None, scale: np.ndarray | None = None) -> tuple[str, bool]:
     """:func:`~dflash_eval.cache.format.sample_sha256` of a sample and whether its hidden states are all
     finite, in one pass over ``hidden``.
 
     Args:
-        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 (bf16 bits) or float32, as stored.
+        input_ids, target_argmax: ``[T]`` int32; hidden: ``[T, K, H]`` uint16 (bf16 bits), float32 or uint8
+            (float8_e4m3fn bits), as stored.
         meta: the ``meta`` attribute (format >= 5), else None.
+        scale: FP8 caches: ``hidden_scale`` ``[T, K]`` float32 as stored (hashed after ``hidden``, scanned too).
 
     Returns:
-        ``(hex digest, finite)``: the digest equals ``sample_sha256(input_ids, target_argmax, hidden, meta)``
+        ``(hex digest, finite)``: the digest equals ``sample_sha256(input_ids, target_argmax, hidden, meta, scale)``
         (``tests/cache/test_reliability.py``); ``finite`` is False when any value is inf or NaN (bf16: exponent bits
-        all ones, as :func:`first_non_finite`).
+        all ones; float8_e4m3fn: the NaN patterns 0x7F / 0xFF, it has no inf; as :func:`first_non_finite`).
     """
     h = hashlib.sha256()
     h.update(memoryview(le_bytes(input_ids)).cast("B"))
     h.update(memoryview(le_bytes(target_argmax)).cast("B"))
     flat = le_bytes(hidden).reshape(-1)
-    bits = flat.dtype == np.uint16
+    bits = flat.dtype in (np.uint16, np.uint8)
     key = (flat.dtype.str, SCAN_CHUNK)
     buf = getattr(_scratch, "buf", None)
     if buf is None or getattr(_scratch, "key", None) != key:  # one scratch buffer per thread, reused
-        buf = _scratch.buf = np.empty(SCAN_CHUNK, np.uint16 if bits else np.bool_)
+        buf = _scratch.buf = np.empty(SCAN_CHUNK, flat.dtype if bits else np.bool_)
         _scratch.key = key
-    mask = np.uint16(0x7F80)
+    mask = np.uint16(0x7F80) if flat.dtype == np.uint16 else np.uint8(0x7F)
     finite = True
     for o in range(0, flat.size, SCAN_CHUNK):
         c = flat[o:o + SCAN_CHUNK]
@@ -62,10 +64,14 @@ def checksum_and_scan(input_ids: np.ndarray, target_argmax: np.ndarray, hidden: 
             b = buf[: c.size]
             if bits:
                 np.bitwise_and(c, mask, out=b)
-                finite = int(b.max()) != 0x7F80  # the masked exponent is at most 0x7F80: no temporary array
+                finite = int(b.max()) != int(mask)  # the masked bits are at most the mask: no temporary array
             else:
                 np.isfinite(c, out=b)
                 finite = bool(b.all())
+    if scale is not None:
+        s = le_bytes(scale)
+        h.update(memoryview(s).cast("B"))
+        finite = finite and bool(np.isfinite(s).all())
     if meta is not None:
         h.update(meta.encode("utf-8"))
     return h.hexdigest(), finite
@@ -76,25 +82,32 @@ REEXTRACT_FIX = ("the file changed after it was written (bit rot, a bad copy, an
                  "resumes), or copy an intact file")
 
 
-def first_non_finite(hidden: np.ndarray) -> tuple[int, int] | None:
-    """``(token, layer_index)`` of the first non-finite value in ``hidden`` ``[T, K, H]``, else None.
+def first_non_finite(hidden: np.ndarray, scale: np.ndarray | None = None) -> tuple[int, int] | None:
+    """``(token, layer_index)`` of the first non-finite value in ``hidden`` ``[T, K, H]`` (or its FP8 ``scale``
+    ``[T, K]``), else None.
 
     bf16 stored as uint16 bits: non-finite = exponent bits all ones (``0x7F80`` mask; IEEE 754
-    binary16-style layout of bfloat16). float32: :func:`numpy.isfinite`.
+    binary16-style layout of bfloat16). float8_e4m3fn as uint8 bits: NaN = low seven bits all ones (``0x7F``;
+    OCP 8-bit floating point specification, E4M3 has no inf). float32: :func:`numpy.isfinite`.
     """
     if hidden.dtype == np.uint16:
         bad = (hidden & np.uint16(0x7F80)) == np.uint16(0x7F80)
+    elif hidden.dtype == np.uint8:
+        bad = (hidden & np.uint8(0x7F)) == np.uint8(0x7F)
     else:
         bad = ~np.isfinite(hidden)
+    bad = bad.any(axis=-1)
+    if scale is not None:
+        bad = bad | ~np.isfinite(scale)
     if not bad.any():
         return None
-    t, k = np.argwhere(bad.any(axis=-1))[0]
+    t, k = np.argwhere(bad)[0]
     return int(t), int(k)
 
 
 def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, input_ids: np.ndarray,
                       target_argmax: np.ndarray, hidden: np.ndarray, layer_ids: list[int],
-                      format_version: int, meta: str | None = None) -> None:
+                      format_version: int, meta: str | None = None, scale: np.ndarray | None = None) -> None:
     """Refuse a sample whose bytes do not match its stored ``sha256`` or whose hidden states are not finite.
 
     Args:
@@ -105,6 +118,7 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
         layer_ids: the file's ``target_layer_ids`` (the ``K`` axis), to name the layer.
         format_version: the file's ``format_version``.
         meta: the group's ``meta`` attribute (format >= 5: hashed after the arrays; required).
+        scale: FP8 caches: the group's ``hidden_scale`` ``[T, K]`` float32 as stored (under the checksum).
 
     Raises:
         InputError: ``(path, "samples/<i:06d>", ...)`` for a checksum mismatch, a missing checksum
@@ -118,12 +132,12 @@ def check_read_sample(path, i: int, sample_id: str, stored_sha: str | None, inpu
         raise InputError(path, field, f"sample {sample_id!r} has no sha256 attribute (every sample of format "
                          f"{format_version} has one): the file was edited or damaged", REEXTRACT_FIX)
     got, finite = checksum_and_scan(input_ids, target_argmax, hidden,
-                                    meta if format_version >= META_VERSION else None)
+                                    meta if format_version >= META_VERSION else None, scale)
     if got != stored_sha:
         what = "its bytes and per-sample values (meta)" if format_version >= META_VERSION else "its bytes"
         raise InputError(path, field, f"sample {sample_id!r}: {what} do not match their checksum (sha256 "
                          f"{got[:12]}... read, {stored_sha[:12]}... stored)", REEXTRACT_FIX)
-    where = None if finite else first_non_finite(hidden)  # locate it only when there is one
+    where = None if finite else first_non_finite(hidden, scale)  # locate it only when there is one
     if where is not None:
         t, k = where
         raise InputError(path, f"{field}/hidden", f"sample {sample_id!r}: non-finite hidden state (inf or NaN) at "

@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import socket
 import threading
 import time
@@ -25,9 +24,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from dflash_eval.cache.format import (FILE_DATASETS, FORMAT, FORMAT_VERSION, HEADER_VERSION, IDENTITY_ATTRS,
-                                      META_VERSION, argmax_agreement, attr_value, h5_writable, h5py_module,
-                                      header_problem, py_value, sample_meta_json, sample_sha256, to_storage,
-                                      write_header)
+                                      META_VERSION, SCALE_DATASET, STORAGE_FP8, argmax_agreement, attr_value,
+                                      h5_writable, h5py_module, header_problem, py_value, sample_meta_json,
+                                      sample_sha256, stored_form, write_header)
+from dflash_eval.cache.disk_room import require_room
 from dflash_eval.cache.reader import verify_group
 from dflash_eval.core.errors import InputError, partial_path
 
@@ -253,12 +253,8 @@ class PartialCache:
 
     # ---------------------------------------------------------------- writing
     def check_room(self, nbytes: int) -> None:
-        """Raise ``OSError(ENOSPC)`` before writing ``nbytes`` when the file system has less free space than
-        that plus 64 MiB (HDF5 itself cannot recover from a failed write: see :meth:`close`)."""
-        free = shutil.disk_usage(self.path.parent).free
-        if free < nbytes + (64 << 20):
-            raise OSError(errno.ENOSPC, f"No space left on device: {free / 1e6:.0f} MB free, the next batch needs "
-                          f"{nbytes / 1e6:.0f} MB + {(64 << 20) / 1e6:.0f} MB of headroom", str(self.path.parent))
+        """:func:`~dflash_eval.cache.disk_room.require_room` before writing ``nbytes`` (HDF5 cannot recover: :meth:`close`)."""
+        require_room(self.path.parent, nbytes)
 
     def sample_meta(self, i: int, argmax_agreement: float) -> str | None:
         """Sample ``i``'s ``meta`` (:func:`~dflash_eval.cache.format.sample_meta_json`); None before format 5."""
@@ -266,9 +262,9 @@ class PartialCache:
         return None if self.format_version < META_VERSION else sample_meta_json(
             m.sample_id, m.prompt_len, len(m.input_ids) - m.prompt_len, m.stop_reason, m.max_new_tokens, argmax_agreement)
 
-    def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray,
-                     sha256: str | None, argmax_agreement: float | None, meta: str | None = None) -> None:
-        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32).
+    def write_sample(self, i: int, hidden: np.ndarray, logical_dtype: str, target_argmax: np.ndarray, sha256: str | None,
+                     argmax_agreement: float | None, meta: str | None = None, scale: np.ndarray | None = None) -> None:
+        """Write sample ``i`` (arrays as stored: ``hidden [T, K, H]``, ``target_argmax [T]`` int32; FP8: ``scale``).
 
         ``logical_dtype`` must be the file's ``dtype`` (kept for callers; format 3 stores it once).
         ``argmax_agreement=None``: already written by :meth:`write_agreement`. ``meta`` (format 5: the string
@@ -283,7 +279,7 @@ class PartialCache:
                 raise ValueError(f"sample {i}: format {self.format_version} needs its meta (or its argmax_agreement)")
             meta = self.sample_meta(i, argmax_agreement)
         try:
-            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement, meta)
+            self._write_sample(i, hidden, logical_dtype, target_argmax, argmax_agreement, meta, scale)
             if sha256 is not None:
                 self._seal(i, sha256)
         except BaseException:
@@ -298,7 +294,7 @@ class PartialCache:
             self._detach()
             raise
 
-    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement, meta) -> None:
+    def _write_sample(self, i, hidden, logical_dtype, target_argmax, argmax_agreement, meta, scale=None) -> None:
         m = self.meta[i]
         grp = self._f["samples"]
         name = f"{i:06d}"
@@ -307,9 +303,10 @@ class PartialCache:
         if argmax_agreement is not None:
             self._f["argmax_agreement"][i] = argmax_agreement
         g = grp.create_group(name)
-        g.create_dataset("input_ids", data=m.input_ids)
-        g.create_dataset("hidden", data=hidden)
-        g.create_dataset("target_argmax", data=target_argmax)
+        for name, arr in (("input_ids", m.input_ids), ("hidden", hidden), (SCALE_DATASET, scale),
+                          ("target_argmax", target_argmax)):
+            if arr is not None:  # hidden_scale: FP8 caches only
+                g.create_dataset(name, data=arr)
         if meta is not None:
             g.attrs["meta"] = meta
         self._unsealed[i] = g
@@ -420,6 +417,7 @@ class Batch:
     ready: Callable[[], None] | None = None
     release: Callable[[], None] | None = None
     held: tuple[int, int] | None = None  #: (samples, tokens) of states this batch keeps in host memory
+    scales: list[np.ndarray | None] | None = None  #: FP8 caches: each sample's ``hidden_scale [T, K]`` float32
 
     def held_counts(self) -> tuple[int, int]:
         return self.held or (len(self.samples), sum(len(a) for _, _, a in self.samples))
@@ -514,20 +512,21 @@ class StreamingWriter:
         t1 = time.perf_counter()
         tm["wait"] += t1 - t0
         meta = self.cache.meta
-        self.cache.check_room(sum(h.nbytes + 8 * len(a) for _, h, a in batch.samples) + (1 << 20))
+        scales = batch.scales or [None] * len(batch.samples)  # FP8's hidden_scale: 4 bytes a token and layer, counted
+        self.cache.check_room(sum(h.nbytes + 8 * len(a) + 4 * h[..., 0].size for _, h, a in batch.samples) + (1 << 20))
         ids32 = [meta[i].input_ids for i, _, _ in batch.samples]
         argmax32 = [np.ascontiguousarray(a, dtype=np.int32) for _, _, a in batch.samples]
         agree = [argmax_agreement(meta[i].input_ids, meta[i].prompt_len, a) for (i, _, _), a in zip(batch.samples, argmax32)]
         metas = [self.cache.sample_meta(i, a) for (i, _, _), a in zip(batch.samples, agree)]  # hashed with the arrays
         # hashes run in the pool (hashlib and HDF5's dataset writes release the GIL) while this thread
         # writes the groups; each checksum is added once its group is written
-        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k])
+        shas = [self._pool.submit(sample_sha256, ids32[k], argmax32[k], h, metas[k], scales[k])
                 for k, (_, h, _) in enumerate(batch.samples)]
         t2 = time.perf_counter()
         try:
             self.cache.write_agreement([i for i, _, _ in batch.samples], agree)
             for k, (i, hidden, _) in enumerate(batch.samples):
-                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None, metas[k])
+                self.cache.write_sample(i, hidden, batch.logical_dtype, argmax32[k], None, None, metas[k], scales[k])
             t3 = time.perf_counter()
             tm["write"] += t3 - t2
             for k, (i, _, _) in enumerate(batch.samples):
@@ -570,7 +569,8 @@ def write_cache(out: str | os.PathLike, attrs: dict, samples) -> int:
         attrs: file attributes (see ``FILE_ATTRS``); lists/dicts are stored as JSON where h5py cannot.
         samples: iterable of dicts with ``sample_id``, ``input_ids`` ([T] ints), ``prompt_len``,
             ``hidden`` (torch ``[T, K, H]`` bf16 or float32), ``target_argmax`` ([T]), ``stop_reason``,
-            ``max_new_tokens``. Materialised first (sample ids are written before the groups).
+            ``max_new_tokens``. Materialised first (sample ids are written before the groups). FP8 with
+            ``attrs["storage"]`` = :data:`~dflash_eval.cache.format.STORAGE_FP8` (``attrs["dtype"]``: read back as).
 
     Returns:
         number of samples written. On an exception nothing is left behind (the sidecar is removed).
@@ -586,10 +586,10 @@ def write_cache(out: str | os.PathLike, attrs: dict, samples) -> int:
         writer = StreamingWriter(cache, hash_threads=1)
         try:
             for i, s in enumerate(samples):
-                arr, logical = to_storage(s["hidden"])
+                arr, logical, scale = stored_form(s["hidden"], attrs.get("storage") == STORAGE_FP8)
                 writer.reserve()
                 writer.hold(1, len(arr))
-                writer.submit(Batch([(i, arr, np.asarray(s["target_argmax"]))], logical))
+                writer.submit(Batch([(i, arr, np.asarray(s["target_argmax"]))], logical, scales=[scale]))
         finally:
             writer.close()
         cache.finish()

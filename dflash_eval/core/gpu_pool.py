@@ -46,7 +46,7 @@ POOL_ENV = "DFLASH_EVAL_GPU_POOL"
 #: comma-separated devices of the pool, overriding ``CUDA_VISIBLE_DEVICES`` / ``nvidia-smi``
 DEVICES_ENV = "DFLASH_EVAL_GPU_POOL_DEVICES"
 #: the stages (Snakemake rules) that run on a GPU
-GPU_STAGES = frozenset({"completions", "hidden_states", "evaluate", "kernel_parity", "engine_parity",
+GPU_STAGES = frozenset({"completions", "hidden_states", "evaluate", "kernel_parity", "engine_parity", "fp8_parity",
                         "validate_online", "target_costs"})
 
 _HELD: list["Lease"] = []  # leases of this process: their descriptors stay open until it exits

@@ -44,6 +44,7 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "kernel_parity": ("kernel_parity", "cache.batch_tokens", "cache.device", "cache.dtype", "target.devices",
                       "target.max_memory"),
     "engine_parity": ("engine_parity", "cache", "target.linear_attn_backend", "target.devices", "target.max_memory"),
+    "fp8_parity": ("fp8_parity", "cache", "target.linear_attn_backend", "target.devices", "target.max_memory"),
     "validate_online": ("validate_online",),
     "validate_engine": ("validate_engine",),
     "target_costs": ("target_costs", "target.linear_attn_backend", "target.devices", "target.max_memory"),

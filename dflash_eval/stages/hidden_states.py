@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_eval.cache.disk_room import no_room_error
+from dflash_eval.cache.disk_room import bytes_per_token, check_free_space, no_room_error
 from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
-from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, LAYER_CONVENTION, completions_sampling, is_no_space
+from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
+                                      completions_sampling, is_no_space, quantize_fp8)
 from dflash_eval.cache.shards import parse_shard, shard_plan
 from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from dflash_eval.core import options as options_mod
@@ -132,11 +133,13 @@ def _storage_view(t: torch.Tensor) -> np.ndarray:
 
 
 class _HostBuffers:
-    """Two reusable pinned host buffers (states + argmax) for device-to-host copies on a side stream."""
+    """Two reusable pinned host buffers (states + argmax, + FP8 scales) for device-to-host copies on a side stream."""
 
-    def __init__(self, tokens: int, K: int, H: int, dtype: torch.dtype, n: int = 2):
-        self.free = [(torch.empty((tokens, K, H), dtype=dtype, pin_memory=True),
-                      torch.empty(tokens, dtype=torch.int32, pin_memory=True)) for _ in range(n)]
+    def __init__(self, tokens: int, K: int, H: int, dtype: torch.dtype, n: int = 2, fp8: bool = False):
+        self.free = [(torch.empty((tokens, K, H), dtype=torch.uint8 if fp8 else dtype, pin_memory=True),
+                      torch.empty(tokens, dtype=torch.int32, pin_memory=True),
+                      torch.empty((tokens, K), dtype=torch.float32, pin_memory=True) if fp8 else None)
+                     for _ in range(n)]
 
     def take(self):
         return self.free.pop()
@@ -164,7 +167,9 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
             :func:`dflash_eval.cache.extract.packing_support` allows; ``'off'``: right-padded), ``device``,
             ``dtype`` (float32 on CPU by default; the cache stores bfloat16 or float32),
             ``linear_attn_backend`` (kernel of hybrid targets' linear-attention layers), ``final_hidden``
-            (also store the final normed hidden state, the target's p at temperature > 0).
+            (also store the final normed hidden state, the target's p at temperature > 0), ``storage``
+            (``fp8``: float8_e4m3fn with a per-token, per-layer scale, quantised on the device:
+            :func:`dflash_eval.cache.format.quantize_fp8`; ``dtype``: as computed).
         target_fingerprint: a ``target-fingerprint`` record (avoids re-hashing the weights).
         keep_partial: keep the finished sidecar as a hard link of ``out`` (see :mod:`dflash_eval.cache.format`).
         shard: ``(K, N)``: only shard K of N (:func:`dflash_eval.cache.shards.shard_plan`); ``out`` then holds
@@ -181,6 +186,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         InputError: layer id out of range or duplicated; empty or malformed completions file; a dtype
             other than bfloat16/float32; a partial cache written with other settings, or in use; the disk
             (or quota) full while writing (what was committed stays in the partial for the rerun).
+        InputError: the samples left cannot fit in the free space of ``out``'s folder (``cache.disk_check:
+            refuse``, checked before the target loads).
         Interrupted: SIGTERM/SIGINT (the batches already on the host are written and committed first).
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
@@ -206,6 +213,8 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     dt = resolve_dtype(dtype, dev)
     if dt not in (torch.bfloat16, torch.float32):
         raise InputError("config", "cache.dtype", f"{dtype_name(dt)} cannot be stored in the cache", "use bfloat16 or float32")
+    fp8 = getattr(opts, "storage", "dtype") == "fp8"
+    storage = "fp8" if fp8 else dtype_name(dt)  # bytes_per_token's name
     binding = bind_linear_attention(linear_attn_backend, dev, spec)
     can_pack, why = packing_support(spec)
     packed = packing == "auto" and can_pack
@@ -225,7 +234,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         "format": FORMAT, "format_version": FORMAT_VERSION, "target_sha256": spec.weights_sha256(),
         "target_layer_ids": list(layer_ids), "completions_sha256": sha256_file(completions_path).hexdigest(),
         "hidden_size": spec.hidden_size, "dtype": dtype_name(dt),
-        "storage": "uint16 raw bfloat16 bits" if dt == torch.bfloat16 else "float32",
+        "storage": STORAGE_FP8 if fp8 else STORAGE_BF16 if dt == torch.bfloat16 else STORAGE_F32,
         "batching": "packed" if packed else "right-padded", "batch_tokens": int(batch_tokens),
         "device_name": device_name, "linear_attn_backend": binding.backend, **versions(),
     }
@@ -238,6 +247,9 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                  out, len(seqs), len(batches), len(done), n_todo, len(todo))
         if done and not todo:
             log.warning(reused_sidecar_note(out, len(done)))
+        if todo and spec.hidden_size and getattr(opts, "disk_check", "refuse") == "refuse":
+            check_free_space(cache.path, _bytes_needed(seqs, done, len(layer_ids), spec.hidden_size, storage), n_todo,
+                             storage)  # before the target loads: the token counts are exact here
         if todo:
             model, tok, kernel = loaded or load_target(spec, device=dev, dtype=dt, backend=linear_attn_backend,
                                                         devices=opts.devices, max_memory=opts.max_memory)
@@ -270,7 +282,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                 })
             if packed:
                 check_packing(model, [seqs[i] for b in todo[-1:] for i in b] or seqs[:3], layer_ids, dev, pad_id)
-            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed)
+            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8)
             n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
             log.info("computed %d samples, %d tokens in %.1f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
                      "params per token; attention scores not counted) on %s, %s, %s; peak host memory: states of %d "
@@ -286,7 +298,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
         cache.close()
         if is_no_space(err):
             raise no_room_error(cache.path, err, len(cache.done), len(seqs),
-                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, dt)) from err
+                                _bytes_needed(seqs, cache.done, len(layer_ids), spec.hidden_size, storage)) from err
         raise
     except BaseException:
         cache.close()
@@ -296,14 +308,14 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
     return out
 
 
-def _bytes_needed(seqs, done, K: int, H: int | None, dt) -> int:
+def _bytes_needed(seqs, done, K: int, H: int | None, storage: str) -> int:
     """Bytes the hidden states of the samples not in ``done`` take as stored (0 when ``H`` is unknown)."""
     tokens = sum(len(s) for i, s in enumerate(seqs) if i not in done)
-    return tokens * K * (H or 0) * (2 if dt == torch.bfloat16 else 4)
+    return 0 if not H else tokens * bytes_per_token(storage, K, H)
 
 
 @torch.inference_mode()
-def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed) -> dict:
+def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8: bool = False) -> dict:
     """Forward every batch of ``todo`` and stream its new samples into ``cache`` (see the module docstring)."""
     K, H = len(layer_ids), model.config.get_text_config().hidden_size
     cuda = dev.type == "cuda"
@@ -319,9 +331,9 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
         log.info("committed %d samples (%d tokens); %d/%d samples in the file", n, tokens, total["n"], total["of"])
 
     writer = StreamingWriter(cache, max_batches=2, progress=progress)
-    buffers = _HostBuffers(max(sum(len(seqs[i]) for i in b) for b in todo), K, H, dt) if cuda else None
+    buffers = _HostBuffers(max(sum(len(seqs[i]) for i in b) for b in todo), K, H, dt, fp8=fp8) if cuda else None
     copy_stream = torch.cuda.Stream(dev) if cuda else None
-    logical = "bfloat16" if dt == torch.bfloat16 else "float32"
+    logical = "float8_e4m3fn" if fp8 else "bfloat16" if dt == torch.bfloat16 else "float32"
     n_samples = n_tokens = 0
     t0 = time.perf_counter()
     try:
@@ -330,28 +342,35 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
             N = sum(len(s) for s in batch_seqs)
             writer.reserve()
             hidden, argmax = forward_batch(model, batch_seqs, layer_ids, dev, pad_id, packed, out_dtype=dt)
+            scale = None
+            if fp8:  # quantised where the states are (the device): half the bytes cross to the host
+                hidden, scale = quantize_fp8(hidden)
             if cuda:
                 buf = buffers.take()
                 copy_stream.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(copy_stream):
                     buf[0][:N].copy_(hidden, non_blocking=True)
                     buf[1][:N].copy_(argmax, non_blocking=True)
+                    if fp8:
+                        buf[2][:N].copy_(scale, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(copy_stream)
-                hidden.record_stream(copy_stream)
-                argmax.record_stream(copy_stream)
-                host_h, host_a = buf[0][:N], buf[1][:N]
+                for t in (hidden, argmax) + ((scale,) if fp8 else ()):
+                    t.record_stream(copy_stream)
+                host_h, host_a, host_s = buf[0][:N], buf[1][:N], buf[2][:N] if fp8 else None
                 ready, release = event.synchronize, (lambda buf=buf: buffers.give(buf))
             else:
-                host_h, host_a, ready, release = hidden, argmax, None, None
+                host_h, host_a, host_s, ready, release = hidden, argmax, scale, None, None
             h_np, a_np = _storage_view(host_h), host_a.numpy()
-            samples, o = [], 0
+            s_np = host_s.numpy() if fp8 else None
+            samples, scales, o = [], [], 0
             for i, s in zip(b, batch_seqs):
                 if i not in cache.done:
                     samples.append((i, h_np[o : o + len(s)], a_np[o : o + len(s)]))
+                    scales.append(s_np[o : o + len(s)] if fp8 else None)
                 o += len(s)
             writer.hold(len(b), N)
-            writer.submit(Batch(samples, logical, ready, release, held=(len(b), N)))
+            writer.submit(Batch(samples, logical, ready, release, held=(len(b), N), scales=scales if fp8 else None))
             n_samples += len(samples)
             n_tokens += N
     except BaseException:

@@ -375,6 +375,10 @@ class Plan:
             values["final_hidden"] = needs_final_hidden(self.config, prompt_set)
         if prompt_set is not None and stage == "evaluate":
             values["sampling"] = evaluate_settings(self.config, prompt_set)
+        if stage == "fp8_parity":  # the HF extraction of the set's cache: its final_hidden, cache.vllm unused
+            values["vllm"] = section_values(stage, {})["vllm"]
+            if prompt_set is not None:
+                values["final_hidden"] = needs_final_hidden(self.config, prompt_set)
         if stage == "engine_parity":  # its extraction stores the layers the run's cache of that set stores
             values["final_hidden"] = needs_final_hidden(self.config, self.engine_parity_prompt_set)
         return values
@@ -463,10 +467,16 @@ class Plan:
         """``[results/<run>/validate_online.json]`` when ``validate_online.enabled``, else ``[]``."""
         return [self.run_path("validate_online.json")] if self.config["validate_online"]["enabled"] else []
 
+    def fp8_parity_outputs(self) -> list[str]:
+        """``results/<run>/fp8_parity/<set>.json`` per prompt set with ``cache.storage: fp8`` and
+        ``fp8_parity.n_samples`` > 0 (rule all, report), else ``[]``."""
+        on = self.config["cache"].get("storage") == "fp8" and int(self.config.get("fp8_parity", {}).get("n_samples", 4))
+        return [self.run_path("fp8_parity", f"{p}.json") for p in self.prompt_sets] if on else []
+
     def extra_outputs(self) -> list[str]:
         """The optional report sections (passed to ``report --extra``)."""
         return (self.kernel_parity_outputs() + self.engine_parity_outputs() + self.validate_online_outputs()
-                + self.validate_engine_outputs())
+                + self.validate_engine_outputs() + self.fp8_parity_outputs())
 
     @property
     def target_costs_threads(self) -> int:

@@ -229,7 +229,7 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
     import sys
     from pathlib import Path
 
-    from dflash_eval.cache.format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS
+    from dflash_eval.cache.format import FILE_DATASETS, SAMPLE_ATTRS, SAMPLE_DATASETS, SCALE_DATASET, STORAGE_FP8
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -249,12 +249,22 @@ def test_documented_attributes_are_the_written_ones(tmp_path):
         assert [s.decode() for s in f["stop_reason"][()]] == ["eos"] * 3
         assert not np.isnan(f["argmax_agreement"][()]).any()
         for name, g in f["samples"].items():
-            assert set(g) == ds_doc == set(SAMPLE_DATASETS)
+            assert set(g) == ds_doc - {SCALE_DATASET} == set(SAMPLE_DATASETS)
             assert set(g.attrs) == sample_doc == set(SAMPLE_ATTRS)
             assert set(g["hidden"].attrs) == set()
             assert len(g["input_ids"]) - f["prompt_len"][int(name)] == f["completion_len"][int(name)]
     with CacheReader(out) as rd:
         assert rd.verify() == []
+    fp8 = extract_hidden_states(target, tmp_path / "c.jsonl", tmp_path / "f.h5", [0, 1], device="cpu", storage="fp8")
+    with h5py.File(fp8, "r", locking=False) as f:  # cache.storage: fp8 adds hidden_scale, nothing else
+        assert set(f.attrs) == file_doc and f.attrs["storage"] == STORAGE_FP8 and f.attrs["dtype"] == "float32"
+        for g in f["samples"].values():
+            assert set(g) == ds_doc and g["hidden"].dtype == np.uint8 and g[SCALE_DATASET].shape == (len(g["input_ids"]), 2)
+    with CacheReader(fp8) as rd, CacheReader(out) as ref:
+        assert rd.verify() == []
+        for i in range(3):
+            a, b = rd.sample(i).hidden, ref.sample(i).hidden
+            assert ((a - b).norm() / b.norm()).item() < 0.05
 
 
 def test_resume_salvages_a_partial_whose_group_index_is_damaged(tmp_path, caplog):

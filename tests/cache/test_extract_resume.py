@@ -317,7 +317,7 @@ def test_full_disk_is_seen_before_writing(work, tmp_path, monkeypatch):
     """Free space below the next batch's size (statvfs): stop before HDF5 writes, commit kept, resume."""
     import shutil as _shutil
 
-    from dflash_eval.cache import writer as cache_mod
+    from dflash_eval.cache import disk_room as cache_mod  # the writer's room check (require_room)
     from dflash_eval.stages.hidden_states import extract_hidden_states
 
     calls = {"n": 0}

@@ -219,7 +219,7 @@ def test_rule_files_hold_only_rules():
         assert "WorkflowError" not in text and not re.search(r"(?<![.\w])config\[", text), f.name
 
 
-@pytest.mark.parametrize("stage", ["prompts", "completions", "hidden_states", "evaluate", "kernel_parity",
+@pytest.mark.parametrize("stage", ["prompts", "completions", "hidden_states", "evaluate", "kernel_parity", "fp8_parity",
                                    "engine_parity", "validate_online", "validate_engine", "target_costs"])
 def test_every_schema_option_of_a_stage_is_a_flag_and_a_field(stage):
     """One definition: the schema entries a stage reads are its dataclass fields and CLI flags, with the schema's

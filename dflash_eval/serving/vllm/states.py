@@ -55,7 +55,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from dflash_eval.cache.extract import check_layers, versions
-from dflash_eval.cache.format import FORMAT, FORMAT_VERSION, completions_sampling, to_storage
+from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
+                                      completions_sampling, stored_form)
 from dflash_eval.cache.reader import open_h5_readonly
 from dflash_eval.cache.writer import Batch, PartialCache, SampleMeta, StreamingWriter
 from dflash_eval.core import options as options_mod
@@ -338,6 +339,7 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
     """
     opts = opts if opts is not None else options_mod.make("hidden_states", **overrides)
     opt, dtype = opts.vllm, opts.dtype
+    fp8 = getattr(opts, "storage", "dtype") == "fp8"
     t_start = time.perf_counter()
     completions_path, out = Path(completions_path), Path(out)
     if not layer_ids or len(set(layer_ids)) != len(layer_ids):
@@ -402,7 +404,8 @@ def extract_hidden_states_vllm(target_dir, completions_path, out, layer_ids: lis
         identity = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "target_sha256": spec.weights_sha256(),
             "target_layer_ids": list(layer_ids), "completions_sha256": sha256_file(completions_path).hexdigest(),
-            "hidden_size": H, "dtype": dt_name, "storage": "uint16 raw bfloat16 bits" if dt_name == "bfloat16" else "float32",
+            "hidden_size": H, "dtype": dt_name,
+            "storage": STORAGE_FP8 if fp8 else STORAGE_BF16 if dt_name == "bfloat16" else STORAGE_F32,
             "batching": "vllm-server", "batch_tokens": 0,
             "device_name": _server_device(cuda) if not opt.url else f"vLLM server {client.url}",
             "linear_attn_backend": ("fla" if cuda else "vllm-cpu") if spec.has_linear_attention else "none",
@@ -515,13 +518,14 @@ def _run(cache: PartialCache, fetch: _Fetcher, seqs, meta, todo: list[int], dt_n
             finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
             for fut in finished:
                 i, hs, argmax = fut.result()
-                arr, logical = to_storage(hs)
-                if logical != dt_name:
+                fp8 = cache.identity.get("storage") == STORAGE_FP8  # cache.storage: fp8, quantised as the HF source
+                arr, logical, scale = stored_form(hs, fp8)
+                if logical != (dt_name if not fp8 else "float8_e4m3fn"):
                     raise InputError(None, "cache.dtype", f"sample {meta[i].sample_id}: {logical} states in a "
                                      f"{dt_name} cache (the server changed?)", "rerun against the same server")
                 writer.reserve()
                 writer.hold(1, len(arr))
-                writer.submit(Batch([(i, arr, argmax)], logical))
+                writer.submit(Batch([(i, arr, argmax)], logical, scales=None if scale is None else [scale]))
                 tokens += len(arr)
     except BaseException:
         # requests in flight are abandoned (their threads end when the server answers or is stopped);

@@ -1,0 +1,232 @@
+"""The disk the run's hidden-state caches need, said before the run (torch-free: parse time and ``-n``).
+
+``rules/common.smk`` prints :func:`disk_lines` of :func:`planned_caches` in the main Snakemake process (a
+dry run included) and, with ``cache.disk_check: refuse`` (the default), stops a real run whose caches cannot
+fit in the free space of the results folder before any job starts (:func:`disk_problem`); the
+``hidden_states`` job checks its own cache again before it loads the target
+(:func:`dflash_eval.cache.disk_room.check_free_space`), when the token counts are exact.
+
+Each prompt set's size is ``tokens x`` :func:`~dflash_eval.cache.disk_room.bytes_per_token` (stored layers ``K``,
+the target's ``hidden_size`` ``H``, the storage), with ``tokens`` taken from the best of:
+
+* ``exact``: the completions file exists (prompt + completion tokens of every row);
+* ``estimate``: the prompts file exists (each prompt's tokens + ``generation.max_new_tokens``: an upper
+  bound, as completions that stop early are shorter);
+* ``bound``: nothing yet (``prompt_set.n x (max_prompt_tokens + max_new_tokens)``, the limits the prompts
+  stage keeps; unknown with ``n: 0`` or ``max_prompt_tokens: 0``). A bound is printed but never refused.
+
+A finished cache needs nothing more; a partial sidecar (``<cache>.partial``) is counted as already written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_eval.cache.disk_room import HEADROOM, bytes_per_token
+from dflash_eval.core.errors import InputError
+from dflash_eval.core.io import distribution_files
+from dflash_eval.workflow.sampling import needs_final_hidden
+
+
+@dataclass
+class CacheSize:
+    """The planned cache of one prompt set."""
+
+    prompt_set: str
+    path: str  #: ``results/<run>/cache/<set>.h5``
+    tokens: int | None  #: prompt + completion tokens (None: unknown yet)
+    bytes: int | None  #: as stored (None: unknown)
+    basis: str  #: ``done``, ``exact``, ``estimate``, ``bound`` or ``unknown`` (module docstring)
+    written: int = 0  #: bytes a partial sidecar already holds
+
+
+def storage_name(cache_cfg: dict) -> tuple[str, str]:
+    """``(storage, why)``: ``"fp8"``, ``"bfloat16"`` or ``"float32"`` for config section ``cache``.
+
+    ``cache.dtype: auto`` is bfloat16 on CUDA and float32 on CPU (the stage's rule); at parse time the jobs'
+    device is not known, so ``auto`` is taken as bfloat16 when ``cache.device`` names CUDA or this host has an
+    NVIDIA GPU (``/proc/driver/nvidia/gpus``), else float32; ``why`` says so.
+    """
+    if cache_cfg.get("storage") == "fp8":
+        return "fp8", "cache.storage: fp8"
+    dtype = cache_cfg.get("dtype", "auto")
+    if dtype != "auto":
+        return dtype, f"cache.dtype: {dtype}"
+    device = str(cache_cfg.get("device", "auto"))
+    gpus = Path("/proc/driver/nvidia/gpus")
+    cuda = device.startswith("cuda") or (device == "auto" and gpus.is_dir() and any(gpus.iterdir()))
+    return ("bfloat16", "cache.dtype auto, a CUDA device") if cuda else ("float32", "cache.dtype auto, no CUDA device here")
+
+
+def gguf_shape(path: str | os.PathLike) -> tuple[int | None, int | None]:
+    """``(hidden_size, num_layers)`` of a GGUF file from its header (``<arch>.embedding_length``,
+    ``<arch>.block_count``), torch- and transformers-free: the key/value section of the GGUF specification
+    (ggml-org/ggml ``docs/gguf.md``), reading past arrays (the vocabulary) without decoding them.
+    ``(None, None)`` when the file is not a GGUF of version 2 or 3 or lacks the keys."""
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] not in (2, 3):
+                return None, None
+            _, n_kv = struct.unpack("<QQ", f.read(16))
+
+            def string() -> bytes:
+                return f.read(struct.unpack("<Q", f.read(8))[0])
+
+            def value(kind: int):
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    item, n = struct.unpack("<IQ", f.read(12))
+                    if item in scalar:
+                        f.seek(n * struct.calcsize(scalar[item]), 1)
+                    else:
+                        for _ in range(n):
+                            value(item)
+                    return None
+                fmt = "<" + scalar[kind]
+                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+            meta = {}
+            for _ in range(n_kv):
+                key = string().decode("utf-8", "replace")
+                meta[key] = value(struct.unpack("<I", f.read(4))[0])
+    except (OSError, KeyError, struct.error):
+        return None, None
+    arch = meta.get("general.architecture")
+    arch = arch.decode() if isinstance(arch, bytes) else arch
+    return meta.get(f"{arch}.embedding_length"), meta.get(f"{arch}.block_count")
+
+
+def target_shape(plan) -> tuple[int | None, int | None]:
+    """``(hidden_size, num_layers)`` of the plan's target: its config.json (an HF folder, or a GGUF already
+    converted), else the GGUF's header, else ``(None, None)``."""
+    cfg = Path(plan.target.dir, "config.json")
+    if cfg.is_file():
+        text = json.loads(cfg.read_text())
+        text = text.get("text_config", text)
+        return text.get("hidden_size"), text.get("num_hidden_layers")
+    spec = plan.target.gguf
+    if not spec:
+        return None, None
+    if spec.startswith("pkg:"):
+        try:
+            ggufs = [p for rel, p in distribution_files(spec[4:].strip()) if rel.lower().endswith(".gguf")]
+        except InputError:
+            return None, None
+        return gguf_shape(ggufs[0]) if ggufs else (None, None)
+    return gguf_shape(spec)
+
+
+def _jsonl_lengths(path: Path, keys: tuple[str, ...]) -> list[int]:
+    """Per row, the summed lengths of the lists ``keys`` of a JSONL file."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                out.append(sum(len(row.get(k) or []) for k in keys))
+    return out
+
+
+def planned_caches(plan) -> list[CacheSize]:
+    """The size of each prompt set's cache (:class:`CacheSize`, module docstring), in ``plan.prompt_sets`` order."""
+    cfg = plan.config
+    storage, _ = storage_name(cfg["cache"])
+    H, n_layers = target_shape(plan)
+    max_new = int(cfg["generation"]["max_new_tokens"])
+    out = []
+    for ps in plan.prompt_sets:
+        cache = Path(plan.run_path("cache", f"{ps}.h5"))
+        K = len(plan.cache_layer_ids)
+        if needs_final_hidden(cfg, ps) and (n_layers is None or n_layers - 1 not in plan.cache_layer_ids):
+            K += 1  # the final normed hidden state (the last layer) is added
+        if cache.is_file():
+            out.append(CacheSize(ps, str(cache), None, 0, "done"))
+            continue
+        completions = Path(plan.run_path("completions", f"{ps}.jsonl"))
+        prompts = Path(plan.run_path("prompts", f"{ps}.jsonl"))
+        opts = plan.prompt_set_options(ps)
+        if completions.is_file():
+            tokens, basis = sum(_jsonl_lengths(completions, ("prompt_ids", "completion_ids"))), "exact"
+        elif prompts.is_file():
+            tokens, basis = sum(n + max_new for n in _jsonl_lengths(prompts, ("prompt_ids",))), "estimate"
+        elif int(opts.get("n") or 0) > 0 and int(opts.get("max_prompt_tokens") or 0) > 0:
+            tokens, basis = int(opts["n"]) * (int(opts["max_prompt_tokens"]) + max_new), "bound"
+        else:
+            tokens, basis = None, "unknown"
+        size = None if tokens is None or not H else tokens * bytes_per_token(storage, K, int(H))
+        partial = cache.with_name(cache.name + ".partial")
+        written = partial.stat().st_size if partial.is_file() else 0
+        out.append(CacheSize(ps, str(cache), tokens, size, basis if size is not None else "unknown", written))
+    return out
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes of the file system holding ``path`` (its nearest existing ancestor: ``results/`` may not exist yet)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _size(b: int | None) -> str:
+    if b is None:
+        return "unknown"
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
+
+
+WHY = {"done": "cache exists", "exact": "from the completions", "estimate": "prompts + max_new_tokens, at most",
+       "bound": "prompt_set.n x (max_prompt_tokens + max_new_tokens), at most", "unknown": "unknown yet"}
+
+
+def disk_lines(plan, sizes: list[CacheSize], free: int) -> list[str]:
+    """What the run's caches need beside the free space, one line per prompt set and a total (printed at parse time)."""
+    storage, why = storage_name(plan.config["cache"])
+    H, _ = target_shape(plan)
+    head = (f"hidden-state caches ({storage}: {why}; {len(plan.cache_layer_ids)} stored layers of hidden size "
+            f"{H or 'unknown'}), free in {plan.run_path()}: {_size(free)}")
+    lines = [head]
+    for s in sizes:
+        need = None if s.bytes is None else max(0, s.bytes - s.written)
+        tok = "" if s.tokens is None else f", {s.tokens} tokens"
+        part = f", {_size(s.written)} already in its .partial" if s.written else ""
+        lines.append(f"  {s.prompt_set}: {_size(need)} to write ({WHY[s.basis]}{tok}{part})")
+    total = sum(max(0, s.bytes - s.written) for s in sizes if s.bytes is not None)
+    lines.append(f"  total: {_size(total)} to write, {_size(free)} free")
+    return lines
+
+
+def disk_problem(plan, sizes: list[CacheSize], free: int) -> InputError | None:
+    """The error of a run whose caches cannot fit, else None.
+
+    Counted: the caches whose size is ``exact`` or an ``estimate`` (a ``bound`` is too loose to stop a run), less
+    what their partial sidecars hold, plus the writer's headroom (64 MiB,
+    :data:`~dflash_eval.cache.disk_room.HEADROOM`), against ``free``.
+
+    Returns:
+        ``InputError("config", "cache", ...)`` naming each set's size, the free space, and the options that
+        shrink a cache (``cache.storage: fp8``, fewer layers, ``prompt_set.n``), or None.
+    """
+    counted = [s for s in sizes if s.basis in ("exact", "estimate") and s.bytes is not None]
+    need = sum(max(0, s.bytes - s.written) for s in counted)
+    if not counted or need + HEADROOM <= free:
+        return None
+    storage, why = storage_name(plan.config["cache"])
+    each = ", ".join(f"{s.prompt_set} {_size(max(0, s.bytes - s.written))} ({s.basis})" for s in counted)
+    shrink = ("cache.storage: fp8 (about half of bf16, a quarter of float32: docs/cache-format.md)"
+              if storage != "fp8" else "")
+    guessed = ("set cache.dtype: bfloat16 if the jobs run on GPUs (this host has none, so float32 was assumed)"
+               if why.endswith("no CUDA device here") else "")
+    fixes = [f for f in (guessed, shrink, f"fewer stored layers (cache.target_layer_ids: {len(plan.cache_layer_ids)} now)",
+                         "fewer prompts (prompt_set.n) or generation.max_new_tokens",
+                         f"free {_size(need + HEADROOM - free)} in {plan.run_path()}",
+                         "or cache.disk_check: warn (the hidden_states job still checks its own cache)") if f]
+    return InputError("config", "cache", f"the hidden-state caches need {_size(need)} ({each}) + "
+                      f"{_size(HEADROOM)} of headroom, and {_size(free)} are free in {plan.run_path()}",
+                      "; ".join(fixes))

