@@ -22,7 +22,8 @@ import torch
 from dflash_eval.core.runtime import free_memory_bytes
 from dflash_eval.replay.expected import chain_survival, selector_survival
 from dflash_eval.replay.layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
-from dflash_eval.replay.sampling import REFERENCE, DraftSetting, token_probs_topk
+from dflash_eval.replay.policies import REFERENCE, DraftSetting
+from dflash_eval.replay.sampling import token_probs_topk
 
 __all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree read them here
 
@@ -303,7 +304,7 @@ def iter_anchor_drafts(
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
         sampling: :class:`~dflash_eval.replay.sampling.SamplingSetting` (the reference's drafts) or
-            :class:`~dflash_eval.replay.sampling.DraftSetting` (a setting and a draft policy) list with
+            :class:`~dflash_eval.replay.policies.DraftSetting` (a setting and a draft policy) list with
             temperature > 0: every slot's logits (``full``) also give each entry's :attr:`AnchorDrafts.survival`
             (keyed by its ``label``), from the same pass.
         p_tokens: with ``sampling``, per sample ``{setting label: [T]}`` the target's probability of each cached
@@ -474,7 +475,7 @@ def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_
 
 def _split(st):
     """``(SamplingSetting, draft policy)`` of a :class:`~dflash_eval.replay.sampling.SamplingSetting` (the reference's
-    drafts) or a :class:`~dflash_eval.replay.sampling.DraftSetting`."""
+    drafts) or a :class:`~dflash_eval.replay.policies.DraftSetting`."""
     return (st.setting, st.policy) if isinstance(st, DraftSetting) else (st, REFERENCE)
 
 

@@ -35,7 +35,7 @@ REFERENCE_POLICY = "reference"
 
 def policy_label(setting_label: str, policy: str) -> str:
     """The ``expected`` key of a (setting, policy) in an evaluate output
-    (:attr:`dflash_eval.replay.sampling.DraftSetting.label`, without the torch import)."""
+    (:attr:`dflash_eval.replay.policies.DraftSetting.label`, without the torch import)."""
     return setting_label if policy == REFERENCE_POLICY else f"{setting_label}:{policy}"
 
 log = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ from dflash_eval.core.progress import Progress
 from dflash_eval.replay.chain import SampleResult, replay
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
-from dflash_eval.replay.sampling import (DraftSetting, SamplingSetting, applicable_policies, check_policy,
-                                         engine_settings, vllm_draft_sample_method)
+from dflash_eval.replay.policies import (DraftSetting, applicable_policies, check_policy, engine_settings,
+                                         vllm_draft_sample_method)
+from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.replay.selector import walks
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 from dflash_eval.stages.strip_drafter import SHARED_EQUAL_NOTE
@@ -352,10 +353,10 @@ def _drawn_label(drawn: dict) -> str:
 def draft_settings(opts, settings: list[SamplingSetting], variant: str) -> list[DraftSetting]:
     """Every (setting, draft policy) evaluated above temperature 0, in the configured order: each
     ``evaluate.sampling`` entry's ``draft`` list, or every policy that applies to ``variant``
-    (:func:`dflash_eval.replay.sampling.applicable_policies`).
+    (:func:`dflash_eval.replay.policies.applicable_policies`).
 
     Raises:
-        InputError: a policy that does not apply to the variant (:func:`dflash_eval.replay.sampling.check_policy`).
+        InputError: a policy that does not apply to the variant (:func:`dflash_eval.replay.policies.check_policy`).
     """
     out = []
     for i, (entry, st) in enumerate(zip(opts.sampling, settings)):

@@ -7,7 +7,7 @@ each engine's loop as its source writes it:
 * ``reference`` (dflash==0.1.0 ``dflash_generate``): DFlash 1 drafts from the drafter's filtered q, DFlash 2 the
   selector's sampled path at the temperature; :func:`~dflash_eval.replay.sampling.rejection_sample`.
 * ``argmax`` (vLLM ``draft_sample_method="greedy"``): the drafter's argmax (DFlash 2: the selector's argmax path,
-  each slot after the previous pick); :func:`~dflash_eval.replay.sampling.vllm_rejection_sample` with one-hot q.
+  each slot after the previous pick); :func:`~dflash_eval.replay.policies.vllm_rejection_sample` with one-hot q.
 * ``probabilistic`` (vLLM ``"probabilistic"``, DFlash 1): drafts from ``softmax(logits / T)`` without top-p /
   top-k, that q in vLLM's ratio test against the filtered p.
 
@@ -27,9 +27,9 @@ import torch
 from dflash_eval.replay.anchors import chain_walk
 from dflash_eval.replay.expected import chain_survival, response_expectations, selector_survival
 from dflash_eval.replay.metrics import aggregate
-from dflash_eval.replay.sampling import (ARGMAX, PROBABILISTIC, REFERENCE, SamplingSetting, applicable_policies,
-                                         engine_settings, filtered_probs, rejection_sample, vllm_draft_sample_method,
-                                         vllm_rejection_sample)
+from dflash_eval.replay.policies import (ARGMAX, PROBABILISTIC, REFERENCE, applicable_policies, engine_settings,
+                                         vllm_draft_sample_method, vllm_rejection_sample)
+from dflash_eval.replay.sampling import SamplingSetting, filtered_probs, rejection_sample
 
 V, B, P, M = 6, 4, 1, 12  # vocabulary, block size, prompt length, max_new_tokens
 MAX_LEN = P + M
