@@ -243,6 +243,23 @@ def test_dry_run_engine_parity_wiring(tmp_path):
     assert proc.returncode != 0 and "engine_parity is off" in proc.stdout + proc.stderr
 
 
+def test_dry_run_vllm_engine_t1_config(tmp_path):
+    """config/vllm-engine-t1.yaml over the demo: a set drawn at plain T = 1 evaluated at T = 1 (every draft policy),
+    validate_engine on it with sampling [{temperature: 1}] and 4 seeds passed to the stage."""
+    wd = copy_workflow(tmp_path / "wf")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "config/vllm-engine-t1.yaml").stdout
+    from dflash_eval.cli import build_parser
+
+    parsed = [build_parser().parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
+    ve = next(a for a in parsed if a.cmd == "validate-engine")
+    assert ve.evals[0].endswith("/sharegpt-t1plain.json") and ve.completions.endswith("/sharegpt-t1plain.jsonl")
+    assert [{k: v for k, v in e.items() if v is not None} for e in ve.sampling] == [
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0}]
+    assert ve.seeds == 4
+    ev = [a for a in parsed if a.cmd == "evaluate" and a.cache.endswith("/sharegpt-t1plain.h5")]
+    assert ev and all(a.sampling == [{"temperature": 1.0, "top_p": 1.0, "top_k": 0}] for a in ev)
+
+
 def test_dry_run_vllm_engine_config(tmp_path):
     """config/vllm-engine.yaml over the demo: hidden_states with --source=vllm (server options as flags, the
     rerun-neutral ones in the environment), one validate_engine job per run reading every checkpoint's drafter
