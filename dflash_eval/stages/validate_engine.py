@@ -124,7 +124,11 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
         result["sampled"].append(_sampled_run(job, target_dir, rows, max_new, work, eng, result["seeds"]))
     result["ranking"] = _rankings(result)
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    result["markdown"] = "\n\n".join(x for x in (_markdown(result) if greedy else "", _sampled_markdown(result)) if x)
+    alerts = _alerts(result)
+    if alerts:  # the report's section heading carries it
+        result["title"] += ": ENGINE DISAGREES OR FAILED at T > 0"
+    result["markdown"] = "\n\n".join(x for x in (alerts, _markdown(result) if greedy else "",
+                                                   _sampled_markdown(result)) if x)
     result["provenance"] = stage_block(STAGE, opts)
     result.update(write_json(out, result, default=float))
     return result
@@ -328,21 +332,27 @@ def _rankings(result: dict) -> list[dict]:
     return out
 
 
+def _alerts(r: dict) -> str:
+    """The lines the report shows first: engine runs flagged beyond :data:`FLAG_SE` standard errors, and failed ones
+    with their cause and workaround ("" when none)."""
+    flagged = [x for x in r["sampled"] if x.get("flag")]
+    failed = [x for x in r["sampled"] if x.get("error")]
+    lines = []
+    if flagged:
+        lines.append(f"**ENGINE DISAGREES with the offline expectation beyond {FLAG_SE:g} standard errors** for "
+                     + ", ".join(f"{x['checkpoint']} at {x['sampling']} [{x['draft']}, vLLM "
+                                 f"draft_sample_method={x['draft_sample_method']}] (z {x['z']:+.1f})" for x in flagged)
+                     + ": an engine or drafter problem (docs/serving-engines.md, Engine at T > 0).")
+    lines += [f"**ENGINE FAILED** for {x['checkpoint']} at {x['sampling']} [{x['draft']}]: "
+              f"{x['error']['cause']}. Workaround: {x['error']['workaround']}." for x in failed]
+    return "\n\n".join(lines)
+
+
 def _sampled_markdown(r: dict) -> str:
     if not r["sampled"] and not r.get("ranking"):
         return ""
     lines = []
-    flagged = [x for x in r["sampled"] if x.get("flag")]
-    failed = [x for x in r["sampled"] if x.get("error")]
     if r["sampled"]:
-        if flagged:
-            lines += [f"**ENGINE DISAGREES with the offline expectation beyond {FLAG_SE:g} standard errors** for "
-                      + ", ".join(f"{x['checkpoint']} at {x['sampling']} [{x['draft']}] (z {x['z']:+.1f})"
-                                  for x in flagged)
-                      + ": an engine or drafter problem (docs/serving-engines.md, Engine at T > 0).", ""]
-        if failed:
-            lines += [f"**ENGINE FAILED** for {x['checkpoint']} at {x['sampling']} [{x['draft']}]: "
-                      f"{x['error']['cause']}. Workaround: {x['error']['workaround']}." for x in failed] + [""]
         lines += [f"vLLM served each of the first {r['n_samples']} prompts {r['seeds']} times per setting (request "
                   "seeds 0..), the drafter with the draft policy's `draft_sample_method`. *engine*: the mean over "
                   "prompts of each prompt's mean tau over its requests (tokens per verify step after the stop-token "

@@ -467,3 +467,20 @@ def test_a_setting_on_a_set_drawn_with_other_top_p_top_k_is_refused():
     cross = config([{"temperature": 0}, t1], plain, cross=True)
     check_sampling_settings(cross)
     assert evaluate_settings(cross, "p") == [{"temperature": 0}, t1]
+
+
+def test_validate_engine_sampling_must_be_evaluated_on_its_prompt_set():
+    """validate_engine compares the engine at T > 0 with evaluate's expectation on its prompt set: a setting not
+    evaluated there is refused at parse time, naming the entry."""
+    from types import SimpleNamespace
+
+    t1 = {"temperature": 1.0}
+    config = {"evaluate": {"sampling": [{"temperature": 0}, t1]}, "generation": {"sampling": {}},
+              "prompt_sets": {"g": {"source": "humaneval"}, "p": {"source": "sharegpt", "sampling": t1}},
+              "validate_engine": {"enabled": True, "sampling": [t1]}}
+    fake = SimpleNamespace(config=config, prompt_sets=["g", "p"], checkpoints={"c": None},
+                           _selected=lambda section: ("p", ["c"]), validate_engine_prompt_set="p")
+    plan.check_optional_rules(fake)
+    fake.validate_engine_prompt_set = "g"
+    with pytest.raises(InputError, match=r"validate_engine\.sampling\[0\]: .* not evaluated on prompt set 'g'"):
+        plan.check_optional_rules(fake)
