@@ -10,6 +10,12 @@ the checkpoint's evaluate JSON of the same samples after the stop-token conversi
 (same prompts, same concurrency, same host), shown next to the cost-model estimate
 (:mod:`dflash_eval.target.costs`) when ``target_costs.json`` is given. Options: config section
 ``validate_engine`` (:mod:`dflash_eval.core.options`).
+
+At temperature > 0 (``validate_engine.sampling``) each checkpoint is served once per draft policy with that
+policy's vLLM ``draft_sample_method`` (:mod:`dflash_eval.replay.policies`), each prompt sent ``seeds`` times; the
+engine's tau (mean +- standard error) is set beside evaluate's expected tau of the same setting and policy and
+flagged beyond 3 standard errors (:mod:`dflash_eval.serving.vllm.sampled`; docs/serving-engines.md, "Engine at
+T > 0"), and the checkpoint order by offline and by engine tau is compared.
 """
 
 from __future__ import annotations
@@ -89,15 +95,24 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
             ``rel_diff``, ``per_position`` (``engine`` / ``offline`` / ``engine_raw``; both conventions),
             ``max_pos_diff``, ``ok`` (within :data:`REL_TOL` and :data:`POS_TOL`), ``kinds`` (divergence kind
             counts, :data:`dflash_eval.serving.vllm.engine.DIVERGENCES`), ``timing``, ``speedup_measured``,
-            ``speedup_estimated``, ``counters``, ``requests``.
-        opts: the stage's options (config section ``validate_engine``): ``n_samples`` and the server settings
-            of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
+            ``speedup_estimated``, ``counters``, ``requests`` (the greedy check: only with a temperature-0
+            entry in ``sampling``); ``sampled``: per checkpoint, setting above temperature 0 and draft policy
+            (:func:`_sampled_run`): ``draft_sample_method``, ``tau_engine`` / ``tau_engine_se``, ``tau_offline``,
+            ``diff`` / ``diff_se`` / ``z`` / ``flag`` (:func:`dflash_eval.serving.vllm.sampled.sampled_compare`),
+            ``expectation`` (the prompt set is drawn at the setting), or ``error`` (``cause``, ``workaround``,
+            ``detail``: :func:`dflash_eval.serving.vllm.sampled.engine_failure`); ``ranking``: per setting and
+            policy with two checkpoints or more, Spearman's rho of offline vs engine tau and the best checkpoint
+            by each (:func:`dflash_eval.serving.vllm.sampled.ranking`); ``seeds``.
+        opts: the stage's options (config section ``validate_engine``): ``n_samples``, ``sampling`` (default
+            greedy only), ``seeds`` and the server settings of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
 
     Raises:
-        InputError: drafters/evals of different lengths, an evaluation without one of the samples.
+        InputError: drafters/evals of different lengths, an evaluation without one of the samples, or (above
+            temperature 0) without the expectation of a setting and policy asked for; all before a server starts.
+            An engine that fails at temperature > 0 is recorded (``sampled[].error``), not raised.
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if len(drafters) != len(evals):
