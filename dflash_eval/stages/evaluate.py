@@ -113,10 +113,13 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
     logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``. Sampling
     (``opts.sampling``, one :class:`~dflash_eval.replay.sampling.SamplingSetting` each): ``sampling_settings``
-    (``label``, ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
-    ``completion_sampling`` (how the cache's completions were drawn), ``cross_temperature``, and
-    ``expected`` ``{label: aggregate + samples}`` per setting with temperature > 0: the expected
-    acceptance of dflash==0.1.0's speculative sampler given the cached trajectories
+    (``label``, ``temperature``, ``top_p``, ``top_k``, ``draft`` (the draft policies evaluated, :func:`draft_settings`),
+    ``engines`` and ``vllm_draft_sample_method`` per policy (:mod:`dflash_eval.replay.policies`); label ``T0`` is
+    the greedy replay above), ``completion_sampling`` (how the cache's completions were drawn),
+    ``cross_temperature``, and ``expected`` ``{key: aggregate + samples}`` per setting with temperature > 0 and
+    draft policy (key: the setting's label for the reference, ``<label>:<policy>`` otherwise,
+    :attr:`dflash_eval.replay.policies.DraftSetting.label`): the expected acceptance of the policy's
+    speculative sampler (the reference: dflash==0.1.0's) given the cached trajectories
     (:mod:`dflash_eval.replay.expected`, :func:`dflash_eval.replay.metrics.aggregate_expected`), per sample the
     :meth:`~dflash_eval.replay.expected.ResponseExpectation.as_dict` entry (None without a verify step).
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
@@ -313,9 +316,9 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
     """``evaluate.sampling`` as settings, checked against the cache.
 
     Raises:
-        InputError: a setting at a temperature other than the one the cache's completions were drawn at
-            (``completion_sampling``, :mod:`dflash_eval.cache.format`) unless ``cross_temperature``; a
-            temperature > 0 on a cache without the final normed hidden state (the target's p).
+        InputError: a setting at a temperature, or with a top-p / top-k, other than those the cache's
+            completions were drawn at (``completion_sampling``, :mod:`dflash_eval.cache.format`) unless
+            ``cross_temperature``; a temperature > 0 on a cache without the final normed hidden state (the target's p).
     """
     settings = [SamplingSetting(float(e.get("temperature", 0)), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
                 for e in opts.sampling]
