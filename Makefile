@@ -63,8 +63,8 @@ demo: venv venv-trackers
 	$(BIN)/snakemake --cores all --resources gpu=$(DEMO_GPUS) --rerun-incomplete --show-failed-logs --configfile config/demo.yaml
 	@$(BIN)/python -c "import pandas as pd; pd.set_option('display.width', 200); \
 	t = pd.read_csv('results/demo/tau.csv'); \
-	print(t[['checkpoint', 'step', 'prompt_set', 'sampling', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"
-	@echo "tau table: chain tau (sampling T0: greedy replay; T1_p0.95_k20: expected tau of the speculative sampler) and DDTree tau per node budget; every column: results/demo/tau.csv"
+	print(t[['checkpoint', 'step', 'prompt_set', 'sampling', 'draft', 'n_samples', 'tau'] + [c for c in t if c.startswith('tau_ddtree_')]].to_string(index=False))"
+	@echo "tau table: chain tau (sampling T0: greedy replay; T1_p0.95_k20: expected tau of the speculative sampler per draft policy: reference = dflash 0.1.0, argmax = vLLM's default greedy drafts, probabilistic = vLLM draft_sample_method=probabilistic) and DDTree tau per node budget; every column: results/demo/tau.csv"
 	@echo "report: results/demo/report.html (self-contained; open it in a browser), results/demo/report.md"
 	@echo "TensorBoard: $(BIN)/tensorboard --logdir results/demo/tensorboard"
 

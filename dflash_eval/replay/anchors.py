@@ -22,6 +22,7 @@ import torch
 from dflash_eval.core.runtime import free_memory_bytes
 from dflash_eval.replay.expected import chain_survival, selector_survival
 from dflash_eval.replay.layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
+from dflash_eval.replay.policies import REFERENCE, DraftSetting
 from dflash_eval.replay.sampling import token_probs_topk
 
 __all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree read them here
@@ -302,9 +303,11 @@ def iter_anchor_drafts(
             ``groups`` layout's padding queries, also computed), ``attn_pairs`` (query-key pairs
             computed, per layer), ``context_tokens``, ``head_rows`` (LM-head rows) and
             ``calls`` (drafter calls), for FLOP accounting.
-        sampling: :class:`~dflash_eval.replay.sampling.SamplingSetting` list with temperature > 0: every slot's
-            logits (``full``) also give each setting's :attr:`AnchorDrafts.survival`, from the same pass.
-        p_tokens: with ``sampling``, per sample ``{label: [T]}`` the target's probability of each cached
+        sampling: :class:`~dflash_eval.replay.sampling.SamplingSetting` (the reference's drafts) or
+            :class:`~dflash_eval.replay.policies.DraftSetting` (a setting and a draft policy) list with
+            temperature > 0: every slot's logits (``full``) also give each entry's :attr:`AnchorDrafts.survival`
+            (keyed by its ``label``), from the same pass.
+        p_tokens: with ``sampling``, per sample ``{setting label: [T]}`` the target's probability of each cached
             token under the setting (:func:`dflash_eval.replay.expected.target_token_probs`).
 
     Yields:
@@ -371,7 +374,7 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
             topk_ids=torch.empty((n[i], B - 1, K), dtype=torch.long, device=dev) if K else None,
             survival={st.label: torch.zeros((n[i], B), dtype=torch.float64, device=dev) for st in sampling} or None,
         ))
-    p_flat = {st.label: torch.cat([p[st.label].to(dev) for p in p_tokens]) for st in sampling}
+    p_flat = {_split(st)[0].label: torch.cat([p[_split(st)[0].label].to(dev) for p in p_tokens]) for st in sampling}
     spans = [(i, P[i], P[i] + n[i]) for i in range(len(samples)) if n[i] > 0]
     slot = torch.arange(B, device=dev)
     for pieces in _plan_chunks(plan, spans):
@@ -397,7 +400,7 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         tgt = anchors[:, None] + slot[None]
         want = torch.where(tgt < Tr[:, None], ids[(base[:, None] + tgt).clamp(max=off[-1] - 1)], -1)
         flat = (base[:, None] + tgt[:, 1:]).clamp(max=off[-1] - 1)  # p of slot j's cached token (masked past limit)
-        p_rows = [(st, p_flat[st.label][flat]) for st in sampling]
+        p_rows = [(st, p_flat[_split(st)[0].label][flat]) for st in sampling]
         comparable = slot[None, 1:] <= limit[:, None]
         surv = {}
         if sel2:
@@ -461,11 +464,19 @@ def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_
             tok = want[r, 1:].clamp_min(0)
             forced = drafter.candidate_selector(h[r, 1:], lg, anchor_ids[r], predecessors=tok)
             for st, p in p_rows:
-                surv[st.label][r] = selector_survival(forced.scores, forced.candidates, tok, p[r], limit[r], st)
+                setting, policy = _split(st)
+                surv[st.label][r] = selector_survival(forced.scores, forced.candidates, tok, p[r], limit[r], setting,
+                                                      policy)
         del lg
     if stats is not None:
         stats["head_rows"] += C * (B - 1)
     return path, logp, topi, unary, hit, surv
+
+
+def _split(st):
+    """``(SamplingSetting, draft policy)`` of a :class:`~dflash_eval.replay.sampling.SamplingSetting` (the reference's
+    drafts) or a :class:`~dflash_eval.replay.policies.DraftSetting`."""
+    return (st.setting, st.policy) if isinstance(st, DraftSetting) else (st, REFERENCE)
 
 
 def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
@@ -491,10 +502,13 @@ def _lm_head(drafter, head, h, want, limit, B, K, full, plan, stats, p_rows=()):
             for st, p in p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
                 tok = want[r0 : r0 + step, 1:].clamp_min(0)
                 q = None
-                if K and 0 < st.top_k <= K:  # q from the top-K just computed: no second full-vocabulary topk
-                    q = token_probs_topk(v, i, tok, st.temperature, st.top_p, st.top_k)
+                setting, policy = _split(st)
+                if policy == REFERENCE and K and 0 < setting.top_k <= K:  # q from the top-K just computed
+                    q = token_probs_topk(v, i, tok, setting.temperature, setting.top_p, setting.top_k)
+                elif policy == "argmax":  # one-hot q at the argmax drafts just computed
+                    q = (greedy[r0 : r0 + step] == tok).float()
                 surv[st.label][r0 : r0 + step] = chain_survival(lg, tok, p[r0 : r0 + step], limit[r0 : r0 + step],
-                                                                st, q_tokens=q)
+                                                                setting, q_tokens=q, policy=policy)
             del lg
         if stats is not None:
             stats["head_rows"] += C * (B - 1)

@@ -32,7 +32,9 @@ from typing import Sequence
 import torch
 
 from dflash_eval.replay.metrics import POSITION_BINS
-from dflash_eval.replay.sampling import SamplingSetting, candidate_token_probs, slot_beta, survival_independent, token_probs
+from dflash_eval.replay.policies import ARGMAX, PROBABILISTIC, REFERENCE, draft_token_probs
+from dflash_eval.replay.sampling import (SamplingSetting, candidate_token_probs, slot_beta, survival_independent,
+                                         token_probs)
 from dflash_eval.replay.walk import WalkExpectation, produced_probs, walk_expectations
 
 #: logits rows per LM-head call in :func:`target_token_probs` (bounds the ``[rows, V]`` temporaries)
@@ -67,26 +69,33 @@ def target_token_probs(final_hidden: torch.Tensor, head_weight: torch.Tensor, in
 
 
 def chain_survival(draft_logits: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor, limit: torch.Tensor,
-                   setting: SamplingSetting, q_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """DFlash 1's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors.
+                   setting: SamplingSetting, q_tokens: torch.Tensor | None = None,
+                   policy: str = REFERENCE) -> torch.Tensor:
+    """DFlash 1's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors under a draft policy.
+
+    Slot i is accepted given the trajectory with ``beta_i = min(1, q_i(x_{t+i}) / p_i(x_{t+i}))``
+    (:mod:`dflash_eval.replay.sampling`), q the policy's (:func:`dflash_eval.replay.policies.draft_token_probs`).
+    :data:`~dflash_eval.replay.policies.ARGMAX` (vLLM ``greedy``): q is one-hot at the draft and vLLM's correction
+    excludes the draft token, so a slot is accepted exactly when the trajectory's token is the drafter's argmax,
+    ``beta`` in {0, 1}: the greedy chain walk on the trajectory.
 
     Args:
         draft_logits: ``[r, J, V]`` the drafter's logits per anchor and slot (compute dtype).
         tokens: ``[r, J]`` int64, the cached token each slot drafts (``x[t + j]``; any id past the response).
         p_tokens: ``[r, J]`` the target's probability of those tokens (:func:`target_token_probs`).
         limit: ``[r]`` int64 verifiable slots per anchor (``min(vs - 1, T - 1 - t)``).
-        setting: q is the drafter's distribution filtered with it (the reference's DFlash 1 drafts).
-        q_tokens: ``[r, J]`` q of those tokens when the caller has it already
+        setting: the sampling setting (the reference's q is the drafter's distribution filtered with it).
+        q_tokens: ``[r, J]`` q of those tokens under ``policy`` when the caller has it already
             (:func:`dflash_eval.replay.sampling.token_probs_topk`); ``draft_logits`` is then not read.
+        policy: :data:`~dflash_eval.replay.policies.DRAFT_POLICIES` entry.
     """
-    q = q_tokens if q_tokens is not None else token_probs(draft_logits, tokens, setting.temperature, setting.top_p,
-                                                          setting.top_k)
+    q = q_tokens if q_tokens is not None else draft_token_probs(draft_logits, tokens, setting, policy)
     return survival_independent(slot_beta(p_tokens, q), limit)
 
 
 def selector_survival(scores: torch.Tensor, candidates: torch.Tensor, tokens: torch.Tensor, p_tokens: torch.Tensor,
-                      limit: torch.Tensor, setting: SamplingSetting) -> torch.Tensor:
-    """DFlash 2's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors.
+                      limit: torch.Tensor, setting: SamplingSetting, policy: str = REFERENCE) -> torch.Tensor:
+    """DFlash 2's ``P(a >= k | x)`` ``[r, J + 1]`` float64 for ``r`` anchors under a draft policy.
 
     Given the trajectory, slot j's predecessor is the cached token before it (the anchor token for
     slot 1): every accepted draft is x's token, so the selector's distribution at slot j is the one it
@@ -100,8 +109,19 @@ def selector_survival(scores: torch.Tensor, candidates: torch.Tensor, tokens: to
         candidates: ``[r, J, K]`` int64, the slots' candidates.
         tokens, p_tokens, limit: as for :func:`chain_survival`.
         setting: the sampling setting (temperature > 0).
+        policy: :data:`~dflash_eval.replay.policies.REFERENCE` (the sampled path; also vLLM 0.32.0's
+            ``probabilistic`` walk) or :data:`~dflash_eval.replay.policies.ARGMAX` (vLLM's ``greedy`` walk,
+            ``vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py`` ``_selector_walk_kernel`` at temperature 0:
+            each slot the argmax given the previous pick; given the trajectory q is one-hot at the argmax after
+            x's previous token, the greedy selector chain on the trajectory).
+
+    Raises:
+        ValueError: ``probabilistic`` (vLLM's DFlash 2 walk is the reference's) or an unknown policy.
     """
-    q = candidate_token_probs(scores, candidates, tokens, setting.temperature)
+    if policy not in (REFERENCE, ARGMAX):
+        raise ValueError(f"draft policy {policy!r} does not apply to DFlash 2 (reference or argmax; vLLM's "
+                         f"{PROBABILISTIC} DFlash 2 walk is the reference's)")
+    q = candidate_token_probs(scores, candidates, tokens, setting.temperature if policy == REFERENCE else 0.0)
     return survival_independent(slot_beta(p_tokens, q), limit)
 
 

@@ -481,3 +481,4 @@ def mc_accepted(target_probs: torch.Tensor, draws: int, seed: int = 0, draft_pro
     tokens = cand.gather(-1, idx[..., None])[..., 0]
     acc, _ = rejection_sample(tokens, tp, torch.stack(rows, dim=1), cand, generator=g)
     return _estimate(acc), acc
+

@@ -202,7 +202,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
                            "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
                            + skip_table_markdown(metas)))
-    if every["sampling"].nunique() > 1:
+    if every["sampling"].nunique() > 1 or ("draft" in every and every["draft"].nunique() > 1):
         data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
     if drafter_notes:  # strip's notes that need a look: sliding layers derived from use_sliding_window, huge weights
         data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
@@ -215,17 +215,27 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
 # --------------------------------------------------------------------------- tables
 
 def sampling_section(every: pd.DataFrame) -> str:
-    """Markdown: tau per checkpoint x (prompt set, sampling setting), every row of tau.csv (the report's
-    other tables show each pair's first configured setting)."""
+    """Markdown: tau per checkpoint x (prompt set, sampling setting, draft policy), every row of tau.csv (the
+    report's other tables show each pair's first configured setting), then which engine setting gives each
+    policy's number."""
     f = every.copy()
-    f["column"] = [c if t == s else f"{c} on {t} completions" for c, t, s in
-                   zip(f["prompt_set"] + " " + f["sampling"] + f["expected"].map({True: " (expected)", False: ""}),
-                       f["trajectory"], f["sampling"])]
+    drafts = f["draft"] if "draft" in f else pd.Series(["reference"] * len(f), index=f.index)
+    f["column"] = [f"{ps} {s}" + (f" [{d}]" if float(t) > 0 else "") + (" (expected)" if e else "")
+                   + (f" on {tr} completions" if tr != s else "")
+                   for ps, s, d, t, e, tr in zip(f["prompt_set"], f["sampling"], drafts, f["temperature"],
+                                                 f["expected"], f["trajectory"])]
     piv = f.pivot_table(index="checkpoint", columns="column", values="tau", sort=False).reset_index()
-    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting. "
-            "*(expected)*: the expectation of the reference's speculative sampler given the cached "
-            "completions (docs/design.md, Acceptance at temperature > 0); *on T0 completions*: evaluated "
-            "with evaluate.cross_temperature on completions drawn at another temperature.\n\n" + _md_table(piv))
+    engines = f[f["temperature"].astype(float) > 0].assign(draft=drafts).drop_duplicates(["sampling", "draft"])
+    legend = "\n".join(f"- `{r.sampling}` [{r.draft}]: {r.engine or 'no engine known'}"
+                        for r in engines.itertuples()) if "engine" in f else ""
+    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting and draft "
+            "policy. *(expected)*: the expectation of that policy's speculative sampler given the cached "
+            "completions (docs/design.md, Acceptance at temperature > 0 and Draft policies); *on T0 completions*: "
+            "evaluated with evaluate.cross_temperature on completions drawn at another setting: not an "
+            "expectation. At T > 0 the accepted length depends on how the engine drafts: [reference] drafts "
+            "sampled from the drafter's q (dflash 0.1.0), [argmax] the drafter's argmax with one-hot q (vLLM's "
+            "default), [probabilistic] q at the temperature only (vLLM draft_sample_method=probabilistic).\n\n"
+            + _md_table(piv) + (("\n\nThe engine setting that gives each column:\n\n" + legend) if legend else ""))
 
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:

@@ -28,10 +28,20 @@ from dflash_eval.target.costs import ddtree_budgets, speedup
 
 #: the settings of an evaluate output written before sampling settings existed: greedy only
 GREEDY_SETTING = {"label": "T0", "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+#: the draft policy of every row of an evaluate output written before draft policies existed
+#: (:data:`dflash_eval.replay.sampling.REFERENCE`; at temperature 0 every policy drafts the argmax)
+REFERENCE_POLICY = "reference"
+
+
+def policy_label(setting_label: str, policy: str) -> str:
+    """The ``expected`` key of a (setting, policy) in an evaluate output
+    (:attr:`dflash_eval.replay.policies.DraftSetting.label`, without the torch import)."""
+    return setting_label if policy == REFERENCE_POLICY else f"{setting_label}:{policy}"
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "temperature", "top_p", "top_k", "expected", "trajectory",
+COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "draft", "temperature", "top_p", "top_k", "expected",
+           "trajectory", "engine",
            "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
            "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
@@ -107,7 +117,7 @@ def read_table_file(path) -> pd.DataFrame:
 
 
 #: the columns that name a row of the tau table
-TABLE_KEY = ("checkpoint", "prompt_set", "sampling")
+TABLE_KEY = ("checkpoint", "prompt_set", "sampling", "draft")
 #: how ``tau.csv`` writes floats (the summary stage; :func:`check_table` renders the same)
 CSV_FLOAT_FORMAT = "%.4f"
 
@@ -182,13 +192,15 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
         if "selector" in r:
             dflash2 = True
             ddtree.update(_selector_columns(r))
-        for st in r.get("sampling_settings") or [GREEDY_SETTING]:
+        for st, policy in [(st, pol) for st in r.get("sampling_settings") or [GREEDY_SETTING]
+                           for pol in st.get("draft") or [REFERENCE_POLICY]]:
+            key = policy_label(st["label"], policy)
             if float(st["temperature"]) == 0:
                 stats = greedy
             else:
-                exp = (r.get("expected") or {}).get(st["label"])
+                exp = (r.get("expected") or {}).get(key)
                 if exp is None or len(exp.get("samples", [])) != len(r["samples"]):
-                    raise InputError(path, f"expected.{st['label']}", "missing or not one entry per sample",
+                    raise InputError(path, f"expected.{key}", "missing or not one entry per sample",
                                      "re-run its evaluate job (snakemake -R evaluate)")
                 # the fields of dflash_eval.replay.expected.ResponseExpectation.as_dict (read without torch)
                 resp = [SimpleNamespace(**x) if x is not None else None for x in exp["samples"]]
@@ -198,11 +210,15 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                 "step": r.get("step"),
                 "prompt_set": r["prompt_set"],
                 "sampling": st["label"],
+                "draft": policy,
                 "temperature": float(st["temperature"]),
                 "top_p": float(st.get("top_p", 1.0)),
                 "top_k": int(st.get("top_k", 0)),
-                "expected": float(st["temperature"]) > 0,
+                # an expectation only given trajectories drawn at the setting (else evaluated on request:
+                # evaluate.cross_temperature)
+                "expected": float(st["temperature"]) > 0 and trajectory == st["label"],
                 "trajectory": trajectory,
+                "engine": "; ".join((st.get("engines") or {}).get(policy) or _default_engines(st, policy)),
                 "n_samples": stats.n_samples,
                 "tau": stats.tau,
                 "tau_tokens_per_step": stats.tau_tokens_per_step,
@@ -253,17 +269,27 @@ def primary_histogram(r: dict) -> dict:
 def sampled_sets_note(frame: pd.DataFrame) -> str | None:
     """The sentence under the per-pair tables naming the prompt sets shown at a setting above temperature 0 (their
     first evaluated setting, :func:`~dflash_eval.report.tau_table.primary_rows`), or None when every set is greedy."""
-    rows = frame[frame["expected"].astype(bool)].drop_duplicates("prompt_set")
+    rows = frame[frame["temperature"].astype(float) > 0].drop_duplicates("prompt_set")
     if not len(rows):
         return None
-    sets = ", ".join(f"{r.prompt_set} at {r.sampling}" + (f" (on {r.trajectory} completions)"
-                                                          if r.trajectory != r.sampling else "")
-                     for r in rows.itertuples())
+    drafts = rows["draft"] if "draft" in rows else ["reference"] * len(rows)
+    sets = ", ".join(f"{r.prompt_set} at {r.sampling}" + (f" [{d}]" if d != "reference" else "")
+                     + (f" (on {r.trajectory} completions: not an expectation)" if r.trajectory != r.sampling else "")
+                     for r, d in zip(rows.itertuples(), drafts))
     return (f"Shown at temperature > 0: {sets}. Their tau, histograms and per-slot rates are the expected values of "
-            "the reference's speculative sampler given the cached completions (docs/design.md, Acceptance at "
-            "temperature > 0); their DDTree columns are DDTree verified against the sampled target as "
+            "the reference's speculative sampler (drafts sampled from the drafter's q) given the cached completions "
+            "(docs/design.md, Acceptance at temperature > 0; the other draft policies: Acceptance by sampling "
+            "setting); their DDTree columns are DDTree verified against the sampled target as "
             "liranringel/ddtree does, the greedy tree walk on those completions."
             + (" The other prompt sets: the greedy replay." if frame["prompt_set"].nunique() > len(rows) else ""))
+
+
+def _default_engines(st: dict, policy: str) -> list[str]:
+    """The engines of an evaluate output written before it recorded them: the reference's (and at temperature 0,
+    every engine's) drafts."""
+    if float(st["temperature"]) == 0:
+        return ["dflash 0.1.0 dflash_generate", "vLLM (any draft_sample_method)"]
+    return ["dflash 0.1.0 dflash_generate"] if policy == REFERENCE_POLICY else []
 
 
 def _label(setting: dict) -> str:

@@ -36,6 +36,8 @@ from dflash_eval.core.progress import Progress
 from dflash_eval.replay.chain import SampleResult, replay
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
+from dflash_eval.replay.policies import (DraftSetting, applicable_policies, check_policy, engine_settings,
+                                         vllm_draft_sample_method)
 from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.replay.selector import walks
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
@@ -111,10 +113,13 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     top-K candidates, on its own trajectory), ``tau_unary`` (the per-slot argmax of the same
     logits) and per sample ``acceptance_lengths_oracle`` / ``acceptance_lengths_unary``. Sampling
     (``opts.sampling``, one :class:`~dflash_eval.replay.sampling.SamplingSetting` each): ``sampling_settings``
-    (``label``, ``temperature``, ``top_p``, ``top_k``; label ``T0`` is the greedy replay above),
-    ``completion_sampling`` (how the cache's completions were drawn), ``cross_temperature``, and
-    ``expected`` ``{label: aggregate + samples}`` per setting with temperature > 0: the expected
-    acceptance of dflash==0.1.0's speculative sampler given the cached trajectories
+    (``label``, ``temperature``, ``top_p``, ``top_k``, ``draft`` (the draft policies evaluated, :func:`draft_settings`),
+    ``engines`` and ``vllm_draft_sample_method`` per policy (:mod:`dflash_eval.replay.policies`); label ``T0`` is
+    the greedy replay above), ``completion_sampling`` (how the cache's completions were drawn),
+    ``cross_temperature``, and ``expected`` ``{key: aggregate + samples}`` per setting with temperature > 0 and
+    draft policy (key: the setting's label for the reference, ``<label>:<policy>`` otherwise,
+    :attr:`dflash_eval.replay.policies.DraftSetting.label`): the expected acceptance of the policy's
+    speculative sampler (the reference: dflash==0.1.0's) given the cached trajectories
     (:mod:`dflash_eval.replay.expected`, :func:`dflash_eval.replay.metrics.aggregate_expected`), per sample the
     :meth:`~dflash_eval.replay.expected.ResponseExpectation.as_dict` entry (None without a verify step).
     The chain and DDTree need no setting: under target sampling they are the greedy walks on the
@@ -139,7 +144,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     try:
         B = int(block_size or inputs.drafter.cfg.block_size)
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
-        sampled = [st for st in settings if not st.greedy]
+        sampled = draft_settings(opts, settings, inputs.drafter.cfg.variant)
         expectations: dict[str, list] = {st.label: [] for st in sampled}
         results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
@@ -311,14 +316,24 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
     """``evaluate.sampling`` as settings, checked against the cache.
 
     Raises:
-        InputError: a setting at a temperature other than the one the cache's completions were drawn at
-            (``completion_sampling``, :mod:`dflash_eval.cache.format`) unless ``cross_temperature``; a
-            temperature > 0 on a cache without the final normed hidden state (the target's p).
+        InputError: a setting at a temperature, or with a top-p / top-k, other than those the cache's
+            completions were drawn at (``completion_sampling``, :mod:`dflash_eval.cache.format`) unless
+            ``cross_temperature``; a temperature > 0 on a cache without the final normed hidden state (the target's p).
     """
     settings = [SamplingSetting(float(e.get("temperature", 0)), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
                 for e in opts.sampling]
     drawn = completion_sampling(cache_attrs)
     for st in settings:
+        same = (float(drawn["temperature"]), float(drawn.get("top_p", 1.0)), int(drawn.get("top_k", 0))) == (
+            st.temperature, st.top_p, st.top_k)
+        if float(drawn["temperature"]) == st.temperature and not st.greedy and not same and not opts.cross_temperature:
+            raise InputError(cache_path, "completion_sampling",
+                             f"completions drawn at {_drawn_label(drawn)}, but evaluate.sampling asks for {st.label}: "
+                             "the expectation is exact only on trajectories drawn at the setting's temperature, "
+                             "top-p and top-k",
+                             f"add a prompt set drawn at {st.label} (prompt_sets.<name>.sampling), evaluate "
+                             f"{_drawn_label(drawn)} on this set, or set evaluate.cross_temperature: true (rows then "
+                             "are marked as not an expectation)")
         if float(drawn["temperature"]) != st.temperature and not opts.cross_temperature:
             raise InputError(cache_path, "completion_sampling",
                              f"completions drawn at temperature {drawn['temperature']:g}, but evaluate.sampling "
@@ -334,6 +349,29 @@ def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetti
     return settings
 
 
+def _drawn_label(drawn: dict) -> str:
+    return SamplingSetting(float(drawn["temperature"]), float(drawn.get("top_p", 1.0)), int(drawn.get("top_k", 0))).label
+
+
+def draft_settings(opts, settings: list[SamplingSetting], variant: str) -> list[DraftSetting]:
+    """Every (setting, draft policy) evaluated above temperature 0, in the configured order: each
+    ``evaluate.sampling`` entry's ``draft`` list, or every policy that applies to ``variant``
+    (:func:`dflash_eval.replay.policies.applicable_policies`).
+
+    Raises:
+        InputError: a policy that does not apply to the variant (:func:`dflash_eval.replay.policies.check_policy`).
+    """
+    out = []
+    for i, (entry, st) in enumerate(zip(opts.sampling, settings)):
+        if st.greedy:
+            continue
+        policies = entry.get("draft") or applicable_policies(variant, st)
+        for pol in policies:
+            check_policy(variant, st, pol, None, f"evaluate.sampling[{i}]")
+            out.append(DraftSetting(st, pol))
+    return out
+
+
 def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, sampled,
                   expectations: dict, walked: dict):
     """One all-anchor pass over the samples ``indices``: the chain, every DDTree budget (greedy walks on the
@@ -346,7 +384,7 @@ def _sampled_pass(inputs: _Inputs, opts, B: int, indices: list[int], budgets: li
     for i in indices:
         s = reader.sample(i, layers + [final])
         fh = s.hidden[:, -1].to(device=inputs.device, dtype=inputs.embed.dtype)
-        p_tokens.append(target_token_probs(fh, inputs.head, s.input_ids, sampled))
+        p_tokens.append(target_token_probs(fh, inputs.head, s.input_ids, list({d.setting: 0 for d in sampled})))
         samples.append(dataclasses.replace(s, hidden=s.hidden[:, :-1]))
     if opts.replay != "batched":
         log.warning("evaluate.replay %s: temperature > 0 uses the batched all-anchor pass (same chain)", opts.replay)
@@ -374,8 +412,17 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
     """The output's sampling part (see :func:`evaluate`): ``sampling_settings``, ``completion_sampling``,
     ``cross_temperature`` and per sampled setting ``expected`` (aggregate + per-sample expectations)."""
     n = len(result["samples"])
-    result["sampling_settings"] = [{"label": st.label, "temperature": st.temperature, "top_p": st.top_p,
-                                    "top_k": st.top_k} for st in settings]
+    variant = result.get("variant", "dflash")
+    policies: dict[str, list[str]] = {}
+    for d in expectations_order(expectations):
+        policies.setdefault(d[0], []).append(d[1])
+    result["sampling_settings"] = [
+        {"label": st.label, "temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
+         "draft": policies.get(st.label, ["reference"]),
+         "engines": {p: engine_settings(variant, st, p) for p in policies.get(st.label, ["reference"])},
+         "vllm_draft_sample_method": {p: vllm_draft_sample_method(variant, st, p)
+                                      for p in policies.get(st.label, ["reference"])}}
+        for st in settings]
     result["completion_sampling"] = completion_sampling(cache_attrs)
     result["cross_temperature"] = bool(opts.cross_temperature)
     lens = [row["prompt_len"] for row in result["samples"]]
@@ -387,6 +434,11 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
         result["expected"][label] = {**stats.as_dict(),
                                      "samples": [r.as_dict() if r is not None else None for r in resp]}
         log.info("expected tau at %s (given the cached trajectories): %.4f", label, stats.tau)
+
+
+def expectations_order(expectations: dict) -> list[tuple[str, str]]:
+    """``(setting label, policy)`` of each key of ``expectations`` (:attr:`DraftSetting.label`), in order."""
+    return [(k.split(":")[0], k.split(":")[1] if ":" in k else "reference") for k in expectations]
 
 
 def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, checkpoint_name, prompt_set) -> dict:

@@ -10,6 +10,12 @@ the checkpoint's evaluate JSON of the same samples after the stop-token conversi
 (same prompts, same concurrency, same host), shown next to the cost-model estimate
 (:mod:`dflash_eval.target.costs`) when ``target_costs.json`` is given. Options: config section
 ``validate_engine`` (:mod:`dflash_eval.core.options`).
+
+At temperature > 0 (``validate_engine.sampling``) each checkpoint is served once per draft policy with that
+policy's vLLM ``draft_sample_method`` (:mod:`dflash_eval.replay.policies`), each prompt sent ``seeds`` times; the
+engine's tau (mean +- standard error) is set beside evaluate's expected tau of the same setting and policy and
+flagged beyond 3 standard errors (:mod:`dflash_eval.serving.vllm.sampled`; docs/serving-engines.md, "Engine at
+T > 0"), and the checkpoint order by offline and by engine tau is compared.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import stage_block, write_json
-from dflash_eval.report.tau_table import read_eval
+from dflash_eval.replay.policies import applicable_policies, vllm_draft_sample_method
+from dflash_eval.replay.sampling import SamplingSetting
+from dflash_eval.report.tau_table import policy_label, read_eval
+from dflash_eval.serving.clients import ServerError, ServerUnavailable
 from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
+from dflash_eval.serving.vllm.sampled import FLAG_SE, engine_failure, ranking, sampled_compare
 from dflash_eval.target.costs import device_label as costs_device
 from dflash_eval.target.costs import read_costs, speedup
 
@@ -85,15 +95,24 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
             ``rel_diff``, ``per_position`` (``engine`` / ``offline`` / ``engine_raw``; both conventions),
             ``max_pos_diff``, ``ok`` (within :data:`REL_TOL` and :data:`POS_TOL`), ``kinds`` (divergence kind
             counts, :data:`dflash_eval.serving.vllm.engine.DIVERGENCES`), ``timing``, ``speedup_measured``,
-            ``speedup_estimated``, ``counters``, ``requests``.
-        opts: the stage's options (config section ``validate_engine``): ``n_samples`` and the server settings
-            of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
+            ``speedup_estimated``, ``counters``, ``requests`` (the greedy check: only with a temperature-0
+            entry in ``sampling``); ``sampled``: per checkpoint, setting above temperature 0 and draft policy
+            (:func:`_sampled_run`): ``draft_sample_method``, ``tau_engine`` / ``tau_engine_se``, ``tau_offline``,
+            ``diff`` / ``diff_se`` / ``z`` / ``flag`` (:func:`dflash_eval.serving.vllm.sampled.sampled_compare`),
+            ``expectation`` (the prompt set is drawn at the setting), or ``error`` (``cause``, ``workaround``,
+            ``detail``: :func:`dflash_eval.serving.vllm.sampled.engine_failure`); ``ranking``: per setting and
+            policy with two checkpoints or more, Spearman's rho of offline vs engine tau and the best checkpoint
+            by each (:func:`dflash_eval.serving.vllm.sampled.ranking`); ``seeds``.
+        opts: the stage's options (config section ``validate_engine``): ``n_samples``, ``sampling`` (default
+            greedy only), ``seeds`` and the server settings of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
 
     Raises:
-        InputError: drafters/evals of different lengths, an evaluation without one of the samples.
+        InputError: drafters/evals of different lengths, an evaluation without one of the samples, or (above
+            temperature 0) without the expectation of a setting and policy asked for; all before a server starts.
+            An engine that fails at temperature > 0 is recorded (``sampled[].error``), not raised.
     """
     opts = opts if opts is not None else options_mod.make(STAGE, **overrides)
     if len(drafters) != len(evals):
@@ -107,14 +126,37 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     rows = read_completions(Path(completions_path))[: opts.n_samples]
     max_new = max(int(r["max_new_tokens"]) for r in rows)
     costs = read_costs(target_costs) if target_costs else None
+    entries = list(getattr(opts, "sampling", None) or [{"temperature": 0}])
+    greedy = any(float(e.get("temperature", 0)) == 0 for e in entries)
+    planned = _sampled_plan(entries, drafters, evals, loaded, rows)  # refusals before any server starts
     t0 = time.perf_counter()
+    result: dict = {"title": "Acceptance and speed measured by vLLM vs offline replay", "n_samples": len(rows),
+                    "completions": str(completions_path), "checkpoints": [], "sampled": [],
+                    "seeds": int(getattr(opts, "seeds", 1))}
+    if greedy:
+        _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs)
+    for job in planned:
+        result["sampled"].append(_sampled_run(job, target_dir, rows, max_new, work, eng, result["seeds"]))
+    result["ranking"] = _rankings(result)
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    alerts = _alerts(result)
+    if alerts:  # the report's section heading carries it
+        result["title"] += ": ENGINE DISAGREES OR FAILED at T > 0"
+    result["markdown"] = "\n\n".join(x for x in (alerts, _markdown(result) if greedy else "",
+                                                   _sampled_markdown(result)) if x)
+    result["provenance"] = stage_block(STAGE, opts)
+    result.update(write_json(out, result, default=float))
+    return result
+
+
+def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs) -> None:
+    """The greedy check (every request equal to the replay after the stop-token conversion) and the measured
+    speedup: fills ``result``'s ``device``, ``server``, ``plain``, ``costs_device`` and ``checkpoints``."""
     plain = serve_and_measure(target_dir, rows, max_new, work, work / "plain.vllm.log", eng)
     log.info("plain vLLM: %.1f output tok/s over %d requests (%s)", plain["timing"]["output_tok_per_s"], len(rows),
              plain["device"])
-    result: dict = {"title": "Acceptance and speed measured by vLLM vs offline replay", "device": plain["device"],
-                    "server": plain["server"], "n_samples": len(rows), "completions": str(completions_path),
-                    "plain": plain["timing"], "costs_device": costs_device(costs) if costs else None,
-                    "checkpoints": []}
+    result.update({"device": plain["device"], "server": plain["server"], "plain": plain["timing"],
+                   "costs_device": costs_device(costs) if costs else None})
     for drafter_dir, eval_path, ev in zip(drafters, evals, loaded):
         have = {s["id"] for s in ev["samples"]}
         missing = [r["id"] for r in rows if r["id"] not in have]
@@ -148,11 +190,6 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
                  e["tau_tokens_per_step"], o["tau_tokens_per_step"], 100 * rel, pos,
                  {k: v for k, v in cmp["kinds"].items() if v}, speed)
         result["checkpoints"].append(entry)
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    result["markdown"] = _markdown(result)
-    result["provenance"] = stage_block(STAGE, opts)
-    result.update(write_json(out, result, default=float))
-    return result
 
 
 def _f(x, fmt="{:.4f}"):
@@ -199,4 +236,160 @@ def _markdown(r: dict) -> str:
                       "conditional = P(slot k | slots < k):", "",
                   "| checkpoint | convention | " + " | ".join(f"slot {k}" for k in range(1, B)) + " |",
                   "|---|---|" + "---:|" * (B - 1)] + pos_rows
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- temperature > 0
+
+def _sampled_plan(entries: list[dict], drafters, evals, loaded, rows) -> list[dict]:
+    """Every (checkpoint, setting, draft policy) served at temperature > 0, checked before any server starts.
+
+    Policies: the entry's ``draft``, else those its evaluate output holds for the setting, else every policy that
+    applies to the drafter's variant (:func:`dflash_eval.replay.policies.applicable_policies`).
+
+    Raises:
+        InputError: an evaluate output without the setting's expectation for a policy, or without one of the
+            prompts.
+    """
+    jobs = []
+    for drafter_dir, eval_path, ev in zip(drafters, evals, loaded):
+        variant = ev.get("variant", "dflash")
+        have = {s["id"] for s in ev["samples"]}
+        missing = [r["id"] for r in rows if r["id"] not in have]
+        for i, e in enumerate(entries):
+            st = SamplingSetting(float(e.get("temperature", 0)), float(e.get("top_p", 1.0)), int(e.get("top_k", 0)))
+            if st.greedy:
+                continue
+            if missing:
+                raise InputError(eval_path, "samples", f"no offline result for {missing[:5]}",
+                                 "evaluate the drafter on the cache built from these completions")
+            recorded = next((x.get("draft") for x in ev.get("sampling_settings") or [] if x["label"] == st.label), None)
+            for pol in e.get("draft") or recorded or applicable_policies(variant, st):
+                key = policy_label(st.label, pol)
+                if key not in (ev.get("expected") or {}):
+                    raise InputError(eval_path, f"expected.{key}", f"validate_engine.sampling[{i}] asks for {st.label} "
+                                     f"with draft policy {pol}, but this evaluate output has no such expectation",
+                                     f"add {{temperature: {st.temperature:g}, top_p: {st.top_p:g}, top_k: {st.top_k}, "
+                                     f"draft: [{pol}]}} to evaluate.sampling for this prompt set and rerun evaluate")
+                drawn = ev.get("completion_sampling") or {"temperature": 0.0}
+                drawn_label = SamplingSetting(float(drawn["temperature"]), float(drawn.get("top_p", 1.0)),
+                                              int(drawn.get("top_k", 0))).label
+                jobs.append({"drafter": drafter_dir, "eval": ev, "setting": st, "policy": pol, "key": key,
+                             "variant": variant, "block_size": int(ev["block_size"]),
+                             "checkpoint": ev.get("checkpoint", Path(drafter_dir).name),
+                             "method": vllm_draft_sample_method(variant, st, pol),
+                             "expectation": drawn_label == st.label, "trajectory": drawn_label})
+    return jobs
+
+
+def _log_tail(path: Path, chars: int = 20000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _sampled_run(job: dict, target_dir, rows, max_new, work, eng, seeds: int) -> dict:
+    """Serve one checkpoint with the policy's ``draft_sample_method``, each prompt ``seeds`` times at the setting;
+    the engine's tau (mean +- s.e.) beside the offline expectation (:func:`dflash_eval.serving.vllm.sampled.sampled_compare`),
+    or the engine's failure named with its cause and workaround."""
+    st, pol = job["setting"], job["policy"]
+    out = {"checkpoint": job["checkpoint"], "prompt_set": job["eval"].get("prompt_set"), "sampling": st.label,
+           "draft": pol, "draft_sample_method": job["method"], "variant": job["variant"],
+           "expectation": job["expectation"], "trajectory": job["trajectory"], "error": None}
+    if job["method"] is None:
+        out["error"] = {"cause": f"no vLLM draft_sample_method drafts as the {pol} policy at {st.label} (vLLM's "
+                                 "probabilistic q ignores top-p / top-k: that is the probabilistic policy)",
+                        "workaround": "compare the probabilistic policy's row with vLLM probabilistic", "detail": None}
+        return out
+    log_path = work / f"{job['checkpoint']}.{st.label}.{pol}.vllm.log"
+    start_error = None
+    try:
+        run = serve_and_measure(target_dir, rows, max_new, work, log_path, eng, drafter_dir=job["drafter"],
+                                block_size=job["block_size"], draft_sample_method=job["method"],
+                                sampling={"temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k},
+                                seeds=seeds)
+    except (ServerError, ServerUnavailable, RuntimeError, OSError) as err:
+        run, start_error = {"requests": [], "server": {}, "counters": None}, f"{type(err).__name__}: {str(err)[:500]}"
+    fail = engine_failure(run["requests"], _log_tail(log_path), start_error)
+    out["server_version"] = (run.get("server") or {}).get("version")
+    out["counters"] = run["counters"].as_dict() if run.get("counters") is not None else None
+    if fail:
+        out["error"] = fail
+        log.warning("%s at %s, draft %s (vLLM %s): %s; workaround: %s", job["checkpoint"], st.label, pol,
+                    job["method"], fail["cause"], fail["workaround"])
+        return out
+    out.update(sampled_compare(rows, job["eval"], run["requests"], job["key"]))
+    out["n_failed_requests"] = sum(1 for r in run["requests"] if r.error)
+    log.info("%s at %s, draft %s (vLLM draft_sample_method=%s): engine tau %.4f +- %.4f vs offline %.4f (z %+.1f)%s",
+             job["checkpoint"], st.label, pol, job["method"], out["tau_engine"], out["tau_engine_se"],
+             out["tau_offline"], out["z"], " FLAGGED" if out["flag"] else "")
+    return out
+
+
+def _rankings(result: dict) -> list[dict]:
+    """Per (setting, policy) with at least two checkpoints, and for the greedy check: does the checkpoint order by
+    offline tau hold on the engine (:func:`dflash_eval.serving.vllm.sampled.ranking`)."""
+    out = []
+    if len(result["checkpoints"]) >= 2:
+        c = result["checkpoints"]
+        out.append({"sampling": "T0", "draft": "reference", **ranking(
+            [x["checkpoint"] for x in c], [x["tau_offline"] for x in c], [x["tau_engine"] for x in c])})
+    groups: dict[tuple, list] = {}
+    for x in result["sampled"]:
+        if x.get("error") is None:
+            groups.setdefault((x["sampling"], x["draft"]), []).append(x)
+    for (lab, pol), xs in groups.items():
+        if len(xs) >= 2:
+            out.append({"sampling": lab, "draft": pol, **ranking([x["checkpoint"] for x in xs],
+                                                                  [x["tau_offline"] for x in xs],
+                                                                  [x["tau_engine"] for x in xs])})
+    return out
+
+
+def _alerts(r: dict) -> str:
+    """The lines the report shows first: engine runs flagged beyond :data:`FLAG_SE` standard errors, and failed ones
+    with their cause and workaround ("" when none)."""
+    flagged = [x for x in r["sampled"] if x.get("flag")]
+    failed = [x for x in r["sampled"] if x.get("error")]
+    lines = []
+    if flagged:
+        lines.append(f"**ENGINE DISAGREES with the offline expectation beyond {FLAG_SE:g} standard errors** for "
+                     + ", ".join(f"{x['checkpoint']} at {x['sampling']} [{x['draft']}, vLLM "
+                                 f"draft_sample_method={x['draft_sample_method']}] (z {x['z']:+.1f})" for x in flagged)
+                     + ": an engine or drafter problem (docs/serving-engines.md, Engine at T > 0).")
+    lines += [f"**ENGINE FAILED** for {x['checkpoint']} at {x['sampling']} [{x['draft']}]: "
+              f"{x['error']['cause']}. Workaround: {x['error']['workaround']}." for x in failed]
+    return "\n\n".join(lines)
+
+
+def _sampled_markdown(r: dict) -> str:
+    if not r["sampled"] and not r.get("ranking"):
+        return ""
+    lines = []
+    if r["sampled"]:
+        lines += [f"vLLM served each of the first {r['n_samples']} prompts {r['seeds']} times per setting (request "
+                  "seeds 0..), the drafter with the draft policy's `draft_sample_method`. *engine*: the mean over "
+                  "prompts of each prompt's mean tau over its requests (tokens per verify step after the stop-token "
+                  "cut) +- its standard error; *offline*: evaluate's expected tau of the same policy given the "
+                  "cached completions; *z*: the paired difference (per prompt) over its standard error; *flag*: "
+                  f"|z| > {FLAG_SE:g}. A row on completions drawn at another setting is not an expectation.", "",
+                  "| checkpoint | setting | draft policy | vLLM draft_sample_method | engine | offline | diff | z | "
+                  "flag |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+        for x in r["sampled"]:
+            head = (f"| {x['checkpoint']} | {x['sampling']} | {x['draft']} | {x['draft_sample_method'] or 'none'} | ")
+            if x.get("error"):
+                lines.append(head + "failed | " + f"n/a | n/a | n/a | **engine failed** ({x['error']['cause']}) |")
+                continue
+            off = _f(x["tau_offline"]) + ("" if x["expectation"] else f" (on {x['trajectory']}: not an expectation)")
+            lines.append(head + f"{_f(x['tau_engine'])} +- {_f(x['tau_engine_se'])} | {off} | {x['diff']:+.4f} | "
+                         f"{_f(x['z'], '{:+.1f}')} | {'**DISAGREE**' if x['flag'] else 'ok' if x['flag'] is False else 'n/a'} |")
+    if r.get("ranking"):
+        lines += ["", "Does the checkpoint order hold on the engine? Spearman's rho between the checkpoints' offline "
+                      "and engine tau, and the best checkpoint by each:", "",
+                  "| setting | draft policy | checkpoints | Spearman rho | best offline | best engine | same best |",
+                  "|---|---|---:|---:|---|---|---|"]
+        for g in r["ranking"]:
+            lines.append(f"| {g['sampling']} | {g['draft']} | {g['n']} | {_f(g['spearman'], '{:+.3f}')} | "
+                         f"{g['best_offline']} | {g['best_engine']} | {'yes' if g['same_best'] else '**no**'} |")
     return "\n".join(lines)

@@ -78,8 +78,9 @@ def table_points(df, prefix: str = "dflash_eval", notes: list[str] | None = None
     shared: dict[tuple[str, str, int], None] = {}
     if "sampling" in df.columns:  # the first row of a (checkpoint, prompt set) is its first configured setting
         first = ~df.duplicated(["checkpoint", "prompt_set"])
-        df = df.assign(tag_scope=[f"{ps}" if f else f"{ps}/{lab}"
-                               for ps, lab, f in zip(df["prompt_set"], df["sampling"], first)])
+        drafts = df["draft"] if "draft" in df.columns else ["reference"] * len(df)
+        df = df.assign(tag_scope=[f"{ps}" if f else f"{ps}/{lab}" + ("" if d == "reference" else f"_{d}")
+                               for ps, lab, d, f in zip(df["prompt_set"], df["sampling"], drafts, first)])
     else:
         df = df.assign(tag_scope=df["prompt_set"].astype(str))
     df = df[df["step"].notna()].sort_values(["checkpoint", "prompt_set"], kind="stable")

@@ -551,7 +551,8 @@ def check_optional_rules(plan: Plan) -> None:
             ``validate_online.ddtree_budget`` that is not one of ``evaluate.ddtree_budgets`` (the
             offline side of the comparison), a ``validate_online.sampling`` entry that is not one of the
             ``evaluate.sampling`` settings evaluated on ``validate_online.prompt_set`` (its expected tau is the
-            offline side; :func:`evaluate_settings`).
+            offline side; :func:`evaluate_settings`), or a ``validate_engine.sampling`` entry above temperature 0 not
+            evaluated on ``validate_engine.prompt_set``.
     """
     for section in ("kernel_parity", "engine_parity", "validate_online", "validate_engine"):
         if not plan.config.get(section, {}).get("enabled"):
@@ -564,6 +565,15 @@ def check_optional_rules(plan: Plan) -> None:
         if unknown:
             raise InputError("config", f"{section}.checkpoints", f"{unknown} are not configured checkpoints "
                              f"({list(plan.checkpoints)})", "use names from checkpoints (or [] for all)")
+    if plan.config.get("validate_engine", {}).get("enabled"):  # T > 0: the offline side is evaluate's expectation
+        ps = plan.validate_engine_prompt_set
+        evaluated = {setting_key(e) for e in evaluate_settings(plan.config, ps)}
+        for i, e in enumerate(plan.config["validate_engine"].get("sampling") or []):
+            if float(e.get("temperature", 0)) > 0 and setting_key(e) not in evaluated:
+                raise InputError("config", f"validate_engine.sampling[{i}]", f"{setting_key(e)} (temperature, top_p, "
+                                 f"top_k) is not evaluated on prompt set {ps!r}: the engine's tau is compared with "
+                                 "evaluate's expectation there", "add it to evaluate.sampling and draw the set at it "
+                                 "(prompt_sets.<name>.sampling), or point validate_engine.prompt_set at such a set")
     if not plan.config.get("validate_online", {}).get("enabled"):
         return
     budgets = plan.config["evaluate"]["ddtree_budgets"]

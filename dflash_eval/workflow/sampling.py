@@ -36,16 +36,18 @@ def _settings(config: dict) -> list[dict]:
 
 def evaluate_settings(config: dict, prompt_set: str) -> list[dict]:
     """The ``evaluate.sampling`` entries evaluated on a prompt set, in their configured order: those at the
-    temperature its completions are drawn at (:func:`set_sampling`), or every entry with
-    ``evaluate.cross_temperature`` (each tau.csv row then names its trajectory).
+    setting its completions are drawn at (:func:`set_sampling`: the same temperature, top-p and top-k; at
+    temperature 0 the filters do not matter), or every entry with ``evaluate.cross_temperature`` (each tau.csv
+    row then names its trajectory and is marked as not an expectation).
 
-    Matching is on the temperature only, as the evaluate stage's own check: a setting whose top-p / top-k differ
-    from the completions' is evaluated there, and its rows' ``trajectory`` label shows the difference.
+    The expectation given the trajectory is exact only on trajectories drawn at the setting
+    (docs/design.md, "Acceptance at temperature > 0"), so a setting whose top-p / top-k differ from the
+    completions' is not evaluated there (the evaluate stage refuses it too).
     """
     if (config.get("evaluate") or {}).get("cross_temperature"):
         return _settings(config)
-    drawn = set_sampling(config, prompt_set)["temperature"]
-    return [e for e in _settings(config) if float(e.get("temperature", 0)) == drawn]
+    drawn = setting_key(set_sampling(config, prompt_set))
+    return [e for e in _settings(config) if setting_key(e) == drawn]
 
 
 def needs_final_hidden(config: dict, prompt_set: str) -> bool:
@@ -82,6 +84,17 @@ def check_sampling_settings(config: dict) -> None:
     shown = ", ".join(f"{ps}: {t:g}" for ps, t in drawn.items()) or "none configured"
     for i, entry in enumerate(entries):
         t = float(entry.get("temperature", 0))
+        near = [ps for ps in sets if drawn[ps] == t]
+        if t > 0 and near and not any(entry in evaluate_settings(config, ps) for ps in sets):
+            label = _label(entry)
+            raise InputError("config", f"evaluate.sampling[{i}]", f"{label} matches no prompt set: the sets at "
+                             f"temperature {t:g} are drawn at "
+                             f"{', '.join(f'{ps}: {_label(set_sampling(config, ps))}' for ps in near)}, and the "
+                             "expectation given the cached completions is exact only on completions drawn at the "
+                             "setting's temperature, top-p and top-k",
+                             f"draw a prompt set at it (prompt_sets.<name>.sampling: {_yaml(entry)}), give this entry "
+                             f"the set's top_p / top_k, or set evaluate.cross_temperature: true (rows on other "
+                             "completions are then marked as not an expectation)")
         if not any(entry in evaluate_settings(config, ps) for ps in sets):
             raise InputError("config", f"evaluate.sampling[{i}]", f"temperature {t:g} matches no prompt set: a setting "
                              "is evaluated on the sets whose completions are drawn at its temperature (completion "
@@ -93,6 +106,14 @@ def check_sampling_settings(config: dict) -> None:
                              "evaluate.cross_temperature: true (every setting on every set, rows labelled with "
                              "their trajectory)")
     for ps in sets:
+        if not evaluate_settings(config, ps) and any(float(e.get("temperature", 0)) == drawn[ps] for e in entries):
+            own = set_sampling(config, ps)
+            raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at {_label(own)}, but "
+                             "the evaluate.sampling settings at its temperature have other top-p / top-k "
+                             f"({', '.join(_label(e) for e in entries if float(e.get('temperature', 0)) == drawn[ps])}"
+                             "): the expectation is exact only on completions drawn at the setting",
+                             f"add {_yaml(own)} to evaluate.sampling, draw the set with the setting's top_p / top_k, "
+                             "or set evaluate.cross_temperature: true (then marked as not an expectation)")
         if not evaluate_settings(config, ps):
             t = drawn[ps]
             raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at temperature {t:g}, "
@@ -100,6 +121,24 @@ def check_sampling_settings(config: dict) -> None:
                              f"have nothing to evaluate (settings: {[e.get('temperature', 0) for e in entries]})",
                              f"add a setting at temperature {t:g} to evaluate.sampling, draw the set at a temperature "
                              "that is evaluated, or set evaluate.cross_temperature: true")
+
+
+def _label(entry: dict) -> str:
+    """:attr:`dflash_eval.replay.sampling.SamplingSetting.label` of a setting dict (torch-free)."""
+    t = float(entry.get("temperature", 0))
+    if t == 0:
+        return "T0"
+    parts = [f"T{t:g}"]
+    if float(entry.get("top_p", 1.0)) < 1:
+        parts.append(f"p{float(entry['top_p']):g}")
+    if int(entry.get("top_k", 0) or 0):
+        parts.append(f"k{int(entry['top_k'])}")
+    return "_".join(parts)
+
+
+def _yaml(entry: dict) -> str:
+    return "{" + ", ".join(f"{k}: {entry[k]:g}" if isinstance(entry[k], float) else f"{k}: {entry[k]}"
+                           for k in ("temperature", "top_p", "top_k") if k in entry) + "}"
 
 
 def setting_key(entry: dict) -> tuple:

@@ -486,5 +486,13 @@ def test_selector_survival_at_temperature_to_zero_is_the_selector_chain():
         S = d.survival[st.label]
         assert torch.equal(S[:, 1:].sum(-1), g.accepted.double())
         assert torch.equal(d.accepted, g.accepted)
+    # the argmax policy (vLLM's greedy selector walk) at T = 1 with any p: the same chain, exactly
+    from dflash_eval.replay.policies import ARGMAX, DraftSetting
+
+    t1 = DraftSetting(SamplingSetting(1.0), ARGMAX)
+    p_tokens = [{"T1": torch.rand(len(s.input_ids), generator=gen) + 0.01} for s in samples]
+    drafts = list(iter_anchor_drafts(ours, embed, head, samples, sampling=[t1], p_tokens=p_tokens))
+    for g, d in zip(greedy, drafts):
+        assert torch.equal(d.survival[t1.label][:, 1:].sum(-1), g.accepted.double())
     assert max(int(g.accepted.max()) for g in greedy) >= 3
     assert any(bool((g.unary_accepted != g.accepted).any()) for g in greedy)

@@ -111,9 +111,18 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
 
     # the tau table: one row per setting, recomputed from the per-sample data
     df = summary_frame([run["dir"] / "both.json"])
-    assert df["sampling"].tolist() == ["T0", "T1_p0.95_k20"]
-    assert df["expected"].tolist() == [False, True] and df["trajectory"].tolist() == ["T0", "T0"]
+    assert df["sampling"].tolist() == ["T0"] + ["T1_p0.95_k20"] * 3
+    assert df["draft"].tolist() == ["reference", "reference", "argmax", "probabilistic"]
+    # evaluated on T0 completions on request (cross_temperature): not an expectation
+    assert df["expected"].tolist() == [False] * 4 and df["trajectory"].tolist() == ["T0"] * 4
     assert df["tau"].iloc[0] == plain["tau"] and df["tau"].iloc[1] == pytest.approx(got["tau"], rel=1e-12)
+    # argmax drafts with one-hot q: the greedy walk on the trajectory, here the greedy chain itself
+    assert df["tau"].iloc[2] == pytest.approx(plain["tau"], rel=1e-12)
+    assert df["tau"].iloc[3] != df["tau"].iloc[1]  # vLLM's temperature-only q differs from the filtered one
+    assert "draft_sample_method=greedy" in df["engine"].iloc[2]
+    assert df["engine"].iloc[3] == "vLLM draft_sample_method=probabilistic"
+    assert both["sampling_settings"][1]["vllm_draft_sample_method"] == {
+        "reference": None, "argmax": "greedy", "probabilistic": "probabilistic"}
     assert df["tau_ddtree_4"].iloc[0] == df["tau_ddtree_4"].iloc[1]
     assert df[["temperature", "top_p", "top_k"]].iloc[1].tolist() == [1.0, 0.95, 20]
     old = summary_frame([run["dir"] / "greedy.json"])  # no sampling settings beyond T0: one greedy row
@@ -126,7 +135,9 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
     assert data.frame["sampling"].tolist() == ["T0"]
     md = render_markdown(data)
     section = md[md.index("Acceptance by sampling setting"):]
-    assert "set T1_p0.95_k20 (expected) on T0 completions" in section and f"{got['tau']:.3f}" in section
+    assert "set T1_p0.95_k20 [reference] on T0 completions" in section and f"{got['tau']:.3f}" in section
+    assert "set T1_p0.95_k20 [argmax] on T0 completions" in section
+    assert "`T1_p0.95_k20` [argmax]: vLLM draft_sample_method=greedy (the default)" in section
     assert "Shown at temperature > 0" not in md
 
     # a pair whose first setting is T = 1 (a set drawn at T = 1): the per-pair tables, the histogram and the
@@ -142,7 +153,8 @@ def test_t1_expectation_equals_the_direct_computation_and_greedy_is_unchanged(ru
     assert hist == {int(k): v for k, v in got["histogram"].items()}
     assert hist != {int(k): v for k, v in both["histogram"].items()}  # not the greedy chain's counts
     assert sum(hist.values()) == pytest.approx(got["verify_steps"])
-    assert "Shown at temperature > 0: set at T1_p0.95_k20 (on T0 completions)." in render_markdown(data)
+    assert ("Shown at temperature > 0: set at T1_p0.95_k20 (on T0 completions: not an expectation)."
+            in render_markdown(data))
     assert set_label(data.frame, "set") == "set (T1_p0.95_k20)" and set_label(df.iloc[:1], "set") == "set"
 
 

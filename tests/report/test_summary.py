@@ -42,7 +42,8 @@ def test_summary_and_report(tmp_path):
     assert pd.read_parquet(tmp_path / "tau.parquet").equals(df)
     assert pd.isna(df.set_index("checkpoint").loc["final", "step"])
     csv = (tmp_path / "tau.csv").read_text().splitlines()
-    assert csv[1].startswith("step100,100,humaneval,T0,0.0000,1.0000,0,False,T0,2,1.5000,1.3333,0.5000,8,1,6,8,")
+    assert csv[1].startswith("step100,100,humaneval,T0,reference,0.0000,1.0000,0,False,T0,dflash 0.1.0 "
+                             "dflash_generate; vLLM (any draft_sample_method),2,1.5000,1.3333,0.5000,8,1,6,8,")
     write_report(tmp_path / "tau.csv", evals, [], tmp_path / "report.md")
     text = (tmp_path / "report.md").read_text()
     assert "| step100 | 100 | 1.500 |" in text

@@ -4,11 +4,14 @@ conventions, divergence kinds, and the CPU ``rms_norm`` work-around. Real-server
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from dflash_eval.core.errors import InputError
 
 from dflash_eval.serving.vllm.engine import (SpecCounters, compare, cpu_fix_dir, dflash_args, engine_acceptance_lengths,
                                      EngineRequest, latency_summary, parse_counters, per_position, raw_per_position)
@@ -185,3 +188,77 @@ def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatc
                               "samples": [{"id": "a", "acceptance_lengths": [4, 2, 3]}]}))
     with pytest.raises(InputError, match=r"no offline result for \['b'\]"):
         stage.validate_engine("t", comp, ["d/ck"], [str(ev)], tmp_path / "x.json")
+
+
+def test_validate_engine_at_temperature_1_flags_names_failures_and_ranks(tmp_path, monkeypatch):
+    """validate_engine at T > 0 on hand-built engine runs (no vLLM): each policy served with its
+    draft_sample_method, each prompt once per seed; the engine's tau (mean +- s.e., paired by prompt) beside the
+    offline expectation of the same policy; a difference beyond 3 s.e. flagged; a crashing server named with its
+    cause and workaround (not a traceback); the checkpoint order compared (Spearman, best checkpoint)."""
+    from dflash_eval.serving.clients import ServerError
+    from dflash_eval.stages import validate_engine as stage
+
+    comp = tmp_path / "c.jsonl"
+    ids = ("a", "b", "c")
+    comp.write_text("".join(json.dumps({"id": k, "prompt_ids": [1, 2], "completion_ids": list(range(10)),
+                                        "stop_reason": "eos", "max_new_tokens": 16}) + "\n" for k in ids))
+    t1 = {"label": "T1", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "draft": ["reference", "argmax"]}
+    tk = {"label": "T1_k20", "temperature": 1.0, "top_p": 1.0, "top_k": 20, "draft": ["argmax"]}
+
+    def ev(name, ref, arg):
+        path = tmp_path / f"{name}.json"
+        exp = lambda taus: {"samples": [{"tau": t} for t in taus]}  # noqa: E731
+        path.write_text(json.dumps({"block_size": 4, "checkpoint": name, "prompt_set": "s", "variant": "dflash",
+                                    "completion_sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0},
+                                    "sampling_settings": [t1, tk],
+                                    "samples": [{"id": k, "acceptance_lengths": [1]} for k in ids],
+                                    "expected": {"T1": exp(ref), "T1:argmax": exp(arg), "T1_k20:argmax": exp(arg)}}))
+        return str(path)
+
+    # per-step accepted drafts: 9 tokens after the prefill token; [2, 2, 2] -> tau 3; [0] * 9 -> tau 1
+    served = {"probabilistic": {"good": [2, 2, 2], "bad": [1, 2, 0, 2]}, "greedy": {"good": [0] * 9, "bad": [0] * 9}}
+    calls = []
+
+    def fake(target_dir, rows_, max_new, work, log_path, opts, drafter_dir=None, block_size=0,
+             draft_sample_method=None, sampling=None, seeds=1):
+        calls.append((drafter_dir, draft_sample_method, sampling and sampling["top_k"], seeds))
+        if sampling and sampling["top_k"]:  # the CPU build's crash, as its log shows it
+            log_path.write_text("Traceback ...\n  File \"topk_topp_sampler.py\", in apply_top_k_top_p_pytorch\n"
+                                "RuntimeError: index 20 is out of bounds: index out of bounds\n")
+            raise ServerError("http://127.0.0.1:1/v1/completions: connection refused")
+        acc = served[draft_sample_method][drafter_dir]
+        reqs = [EngineRequest(k, list(range(10)), "stop", 1.0, acc, [3] * len(acc), seed=s)
+                for k in ids for s in range(seeds)]
+        return {"requests": reqs, "timing": latency_summary(reqs, 1.0), "device": "test cpu", "counters": None,
+                "server": {"engine": "vllm", "version": "0.32.0", "dtype": "float32", "concurrency": 1,
+                           "cpu_fix": True, "flags": []}}
+
+    monkeypatch.setattr(stage, "serve_and_measure", fake)
+    evs = [ev("good", [3.0, 2.9, 3.1], [1.3, 1.2, 1.25]), ev("bad", [2.0, 1.9, 2.1], [1.0, 1.0, 1.0])]
+    r = stage.validate_engine("t", comp, ["good", "bad"], evs, tmp_path / "ve.json", seeds=2,
+                              sampling=[{"temperature": 1.0}, {"temperature": 1.0, "top_k": 20}])
+    assert "plain" not in r and r["checkpoints"] == []  # no T = 0 entry: no greedy check, no plain server
+    assert calls[0] == ("good", "probabilistic", 0, 2) and calls[1] == ("good", "greedy", 0, 2)
+    by = {(x["checkpoint"], x["sampling"], x["draft"]): x for x in r["sampled"]}
+    ok = by[("good", "T1", "reference")]
+    assert ok["tau_engine"] == pytest.approx(3.0) and ok["tau_offline"] == pytest.approx(3.0)
+    assert ok["n_requests"] == 6 and ok["flag"] is False and ok["draft_sample_method"] == "probabilistic"
+    wrong = by[("good", "T1", "argmax")]  # the engine accepts nothing: 1.000 vs 1.25 offline
+    assert wrong["tau_engine"] == 1.0 and wrong["diff"] == pytest.approx(-0.25)
+    assert wrong["diff_se"] == pytest.approx(0.05 / math.sqrt(3)) and wrong["flag"] is True
+    crash = by[("good", "T1_k20", "argmax")]
+    assert "apply_top_k_top_p_pytorch" in crash["error"]["cause"] and "plain temperature" in crash["error"]["workaround"]
+    md = r["markdown"]
+    assert md.startswith("**ENGINE DISAGREES with the offline expectation beyond 3 standard errors** for good at T1 "
+                         "[argmax, vLLM draft_sample_method=greedy]")
+    assert r["title"].endswith("ENGINE DISAGREES OR FAILED at T > 0")
+    assert "**ENGINE FAILED** for good at T1_k20 [argmax]: vLLM's rejection sampler failed" in md
+    assert "Traceback" not in md
+    rank = {(g["sampling"], g["draft"]): g for g in r["ranking"]}
+    assert rank[("T1", "reference")]["best_offline"] == "good" and rank[("T1", "reference")]["same_best"]
+    assert rank[("T1", "reference")]["spearman"] == pytest.approx(1.0)
+    assert "| T1 | reference | 2 | +1.000 | good | good | yes |" in md
+    with pytest.raises(InputError, match=r"expected\.T1:probabilistic") as err:
+        stage.validate_engine("t", comp, ["good"], evs[:1], tmp_path / "x.json",
+                              sampling=[{"temperature": 1.0, "draft": ["probabilistic"]}])
+    assert "draft: [probabilistic]" in err.value.fix

@@ -437,3 +437,50 @@ def test_a_checkpoint_path_has_one_spelling(tmp_path, monkeypatch):
     (tmp_path / "ck" / "model.safetensors").write_bytes(b"x")
     rows = [checkpoint_plan.checkpoint_table({"list": [{"name": "a", "path": p}]})["a"] for p in ("ck", "ck/", "./ck//")]
     assert [r["path"] for r in rows] == ["ck"] * 3 and rows[0]["files"] == rows[2]["files"]
+
+
+def test_a_setting_on_a_set_drawn_with_other_top_p_top_k_is_refused():
+    """evaluate.sampling settings are matched to prompt sets on temperature, top-p and top-k: the expectation given
+    the cached completions is exact only on completions drawn at the setting. A setting whose only set at its
+    temperature is drawn with other filters, or such a set without a setting, is refused at parse time naming the
+    entry and the fix; evaluate.cross_temperature evaluates it on request."""
+    from dflash_eval.workflow.sampling import check_sampling_settings, evaluate_settings
+
+    t1 = {"temperature": 1.0, "top_p": 0.95, "top_k": 20}
+    plain = {"temperature": 1.0}
+
+    def config(settings, drawn, cross=False):
+        return {"generation": {"sampling": {}}, "evaluate": {"sampling": settings, "cross_temperature": cross},
+                "prompt_sets": {"g": {"source": "humaneval"}, "p": {"source": "sharegpt", "sampling": drawn}}}
+
+    check_sampling_settings(config([{"temperature": 0}, t1], t1))
+    assert evaluate_settings(config([{"temperature": 0}, t1, plain], t1), "p") == [t1]
+    with pytest.raises(InputError, match=r"evaluate\.sampling\[1\]: T1_p0\.95_k20 matches no prompt set.*p: T1") as err:
+        check_sampling_settings(config([{"temperature": 0}, t1], plain))
+    assert "prompt_sets.<name>.sampling: {temperature: 1, top_p: 0.95, top_k: 20}" in err.value.fix
+    assert "cross_temperature" in err.value.fix
+    with pytest.raises(InputError, match=r"prompt_sets\.p\.sampling: prompt set 'p' is drawn at T1, but") as err:
+        check_sampling_settings(config([{"temperature": 0}, t1], plain) | {"prompt_sets": {
+            "g": {"source": "humaneval"}, "p": {"source": "sharegpt", "sampling": plain},
+            "q": {"source": "sharegpt", "sampling": t1}}})
+    assert "add {temperature: 1, top_p: 1, top_k: 0} to evaluate.sampling" in err.value.fix
+    cross = config([{"temperature": 0}, t1], plain, cross=True)
+    check_sampling_settings(cross)
+    assert evaluate_settings(cross, "p") == [{"temperature": 0}, t1]
+
+
+def test_validate_engine_sampling_must_be_evaluated_on_its_prompt_set():
+    """validate_engine compares the engine at T > 0 with evaluate's expectation on its prompt set: a setting not
+    evaluated there is refused at parse time, naming the entry."""
+    from types import SimpleNamespace
+
+    t1 = {"temperature": 1.0}
+    config = {"evaluate": {"sampling": [{"temperature": 0}, t1]}, "generation": {"sampling": {}},
+              "prompt_sets": {"g": {"source": "humaneval"}, "p": {"source": "sharegpt", "sampling": t1}},
+              "validate_engine": {"enabled": True, "sampling": [t1]}}
+    fake = SimpleNamespace(config=config, prompt_sets=["g", "p"], checkpoints={"c": None},
+                           _selected=lambda section: ("p", ["c"]), validate_engine_prompt_set="p")
+    plan.check_optional_rules(fake)
+    fake.validate_engine_prompt_set = "g"
+    with pytest.raises(InputError, match=r"validate_engine\.sampling\[0\]: .* not evaluated on prompt set 'g'"):
+        plan.check_optional_rules(fake)

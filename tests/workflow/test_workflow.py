@@ -243,6 +243,23 @@ def test_dry_run_engine_parity_wiring(tmp_path):
     assert proc.returncode != 0 and "engine_parity is off" in proc.stdout + proc.stderr
 
 
+def test_dry_run_vllm_engine_t1_config(tmp_path):
+    """config/vllm-engine-t1.yaml over the demo: a set drawn at plain T = 1 evaluated at T = 1 (every draft policy),
+    validate_engine on it with sampling [{temperature: 1}] and 4 seeds passed to the stage."""
+    wd = copy_workflow(tmp_path / "wf")
+    out = smk(wd, "-n", "-p", "--configfile", "config/demo.yaml", "config/vllm-engine-t1.yaml").stdout
+    from dflash_eval.cli import build_parser
+
+    parsed = [build_parser().parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
+    ve = next(a for a in parsed if a.cmd == "validate-engine")
+    assert ve.evals[0].endswith("/sharegpt-t1plain.json") and ve.completions.endswith("/sharegpt-t1plain.jsonl")
+    assert [{k: v for k, v in e.items() if v is not None} for e in ve.sampling] == [
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0}]
+    assert ve.seeds == 4
+    ev = [a for a in parsed if a.cmd == "evaluate" and a.cache.endswith("/sharegpt-t1plain.h5")]
+    assert ev and all(a.sampling == [{"temperature": 1.0, "top_p": 1.0, "top_k": 0}] for a in ev)
+
+
 def test_dry_run_vllm_engine_config(tmp_path):
     """config/vllm-engine.yaml over the demo: hidden_states with --source=vllm (server options as flags, the
     rerun-neutral ones in the environment), one validate_engine job per run reading every checkpoint's drafter
@@ -797,21 +814,27 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
         + [("summary", "run=tiny"), ("report", "run=tiny"), ("all", "")])
     smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
     csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
-    assert sorted(zip(csv.checkpoint, csv.prompt_set, csv.sampling, csv.expected, csv.trajectory)) == sorted(
-        [(c, "set_a", "T0", False, "T0") for c in ckpts] + [(c, "set_c", "T1_p0.95_k20", True, "T1_p0.95_k20")
-                                                             for c in ckpts])
-    t1_rows = csv[csv.prompt_set == "set_c"].set_index("checkpoint")
+    policies = ("reference", "argmax", "probabilistic")  # every draft policy of a DFlash 1 drafter with top-p / top-k
+    assert sorted(zip(csv.checkpoint, csv.prompt_set, csv.sampling, csv.draft, csv.expected, csv.trajectory)) == sorted(
+        [(c, "set_a", "T0", "reference", False, "T0") for c in ckpts]
+        + [(c, "set_c", "T1_p0.95_k20", d, True, "T1_p0.95_k20") for c in ckpts for d in policies])
+    t1_rows = csv[(csv.prompt_set == "set_c") & (csv.draft == "reference")].set_index("checkpoint")
     assert t1_rows["tau"].between(1.0, 4.0).all() and t1_rows["n_samples"].eq(2).all()
     # a random-init drafter's greedy drafts are never the target's (tau exactly 1 at T = 0, see the end-to-end
     # test), but its sampled drafts are accepted with probability min(1, q / p) > 0: the expectation exceeds 1
     t0_rows = csv[csv.prompt_set == "set_a"].set_index("checkpoint")
     assert (t0_rows.loc[["demo-step50", "step100"], "tau"] == 1.0).all()
     assert (t1_rows.loc[["demo-step50", "step100"], "tau"] > 1.0).all()
+    # argmax drafts (vLLM's default) are the greedy walk on the trajectory: never accepted for those drafters either
+    argmax = csv[(csv.prompt_set == "set_c") & (csv.draft == "argmax")].set_index("checkpoint")
+    assert (argmax.loc[["demo-step50", "step100"], "tau"] == 1.0).all()
     ev = json.loads((wd / "results/tiny/eval/trained/set_c.json").read_text())
-    assert [s["label"] for s in ev["sampling_settings"]] == ["T1_p0.95_k20"] and list(ev["expected"]) == ["T1_p0.95_k20"]
+    assert [s["label"] for s in ev["sampling_settings"]] == ["T1_p0.95_k20"]
+    assert list(ev["expected"]) == ["T1_p0.95_k20", "T1_p0.95_k20:argmax", "T1_p0.95_k20:probabilistic"]
     assert ev["completion_sampling"] == {**t1, "seed": 1} and not ev["cross_temperature"]
-    full = pd.read_parquet(wd / "results" / "tiny" / "tau.parquet").set_index(["checkpoint", "prompt_set"])
-    assert full.loc[("trained", "set_c"), "tau"] == pytest.approx(ev["expected"]["T1_p0.95_k20"]["tau"], rel=1e-12)
+    full = pd.read_parquet(wd / "results" / "tiny" / "tau.parquet").set_index(["checkpoint", "prompt_set", "draft"])
+    assert full.loc[("trained", "set_c", "reference"), "tau"] == pytest.approx(ev["expected"]["T1_p0.95_k20"]["tau"],
+                                                                                rel=1e-12)
     # (the tiny run caches the target's last layer, 3, for the drafters: it is the final hidden state there, so
     # set_c's cache adds no layer; the demo's dry-run shows --final-hidden on the T = 1 set's job only)
     with CacheReader(wd / "results/tiny/cache/set_c.h5") as r:
@@ -826,7 +849,8 @@ def test_tau_table_holds_exactly_the_configured_pairs(tiny_run, tmp_path):
     report = (wd / "results" / "tiny" / "report.md").read_text()
     assert "Shown at temperature > 0: set_c at T1_p0.95_k20." in report
     section = report[report.index("## Acceptance by sampling setting"):]
-    assert "set_a T0" in section and "set_c T1_p0.95_k20 (expected)" in section and "set_c T0" not in section
+    assert "set_a T0" in section and "set_c T1_p0.95_k20 [reference] (expected)" in section
+    assert "set_c T1_p0.95_k20 [argmax] (expected)" in section and "set_c T0" not in section
 
 
 @pytest.mark.slow

@@ -65,16 +65,20 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)\s*$')
 
 
-def dflash_args(drafter_dir: str | Path, block_size: int, method: str = "dflash") -> list[str]:
+def dflash_args(drafter_dir: str | Path, block_size: int, method: str = "dflash",
+                draft_sample_method: str | None = None) -> list[str]:
     """vLLM flags that run a stripped DFlash drafter with block size ``block_size`` (B - 1 drafts per step).
 
     ``method``: ``dflash``. vLLM 0.32.0 also runs DFlash 2 drafters under ``dflash``: it picks
     ``qwen3_dflash2`` by the folder's ``architectures`` (``DFlash2DraftModel``, which strip writes),
     in its V2 model runner only, which needs Triton (``vllm/config/vllm.py``, ``_is_dflash_candidate_draft``).
     Prefix caching is off (a cached prompt prefix gives the drafter no context states for it) and the
-    per-request step arrays are on.
+    per-request step arrays are on. ``draft_sample_method``: vLLM's ``greedy`` (its default: argmax drafts, one-hot
+    q) or ``probabilistic`` (``vllm/config/speculative.py``); None leaves vLLM's default.
     """
     spec = {"method": method, "model": str(drafter_dir), "num_speculative_tokens": int(block_size) - 1}
+    if draft_sample_method:
+        spec["draft_sample_method"] = draft_sample_method
     return ["--speculative-config", json.dumps(spec), "--no-enable-prefix-caching",
             "--per-request-spec-decode-metrics", "detailed"]
 
@@ -143,22 +147,39 @@ class EngineRequest:
     latency_s: float  #: request sent -> response received, seconds
     per_step_accepted: list[int] = field(default_factory=list)  #: vLLM's accepted drafts per verify step
     per_step_drafted: list[int] = field(default_factory=list)
+    seed: int | None = None  #: the request's sampling seed (temperature > 0), else None
+    error: str | None = None  #: why the engine did not serve it (temperature > 0 runs record it, not raise)
 
 
 def run_requests(client, rows: Sequence[dict], max_new_tokens: int, stop_ids: Sequence[int],
-                 concurrency: int = 1) -> tuple[list[EngineRequest], float]:
-    """Send every prompt greedily (token ids in, token ids out); the requests and the wall time in seconds.
+                 concurrency: int = 1, sampling: dict | None = None,
+                 seeds: int = 1) -> tuple[list[EngineRequest], float]:
+    """Send every prompt (token ids in, token ids out); the requests and the wall time in seconds.
 
-    ``rows``: prompts or completions rows (``id``, ``prompt_ids``). Sampling is pinned as in
-    :meth:`dflash_eval.serving.clients.OpenAIClient.complete`.
+    ``rows``: prompts or completions rows (``id``, ``prompt_ids``). Greedy (``sampling`` None or at temperature 0):
+    every knob pinned as in :meth:`dflash_eval.serving.clients.OpenAIClient.complete`. With ``sampling``
+    (``temperature``, ``top_p``, ``top_k``) above temperature 0: each prompt ``seeds`` times, with vLLM's per-request
+    ``seed`` 0 .. seeds - 1; a request the engine fails to serve is returned with its ``error``, not raised.
     """
-    def one(row) -> EngineRequest:
+    sampled = bool(sampling) and float(sampling["temperature"]) > 0
+    jobs = [(row, k) for row in rows for k in range(seeds if sampled else 1)]
+
+    def one(job) -> EngineRequest:
+        row, k = job
+        knobs = _neutral_sampling({**sampling, "seed": k}) if sampled else _neutral_sampling()
         body = {"model": client.model or None, "prompt": [int(t) for t in row["prompt_ids"]],
                 "max_tokens": int(max_new_tokens), "n": 1, "stream": False, "return_token_ids": True,
                 "stop_token_ids": [int(t) for t in stop_ids], "skip_special_tokens": False, "ignore_eos": False,
-                "min_tokens": 0, **_neutral_sampling()}
+                "min_tokens": 0, **knobs}
         t0 = time.perf_counter()
-        out = client.request("POST", "/v1/completions", body)
+        if sampled:
+            try:
+                out = client.request("POST", "/v1/completions", body)
+            except Exception as err:  # noqa: BLE001 -- a dead or failing server: recorded per request, named later
+                return EngineRequest(str(row["id"]), [], "error", time.perf_counter() - t0, seed=k,
+                                     error=f"{type(err).__name__}: {str(err)[:300]}")
+        else:
+            out = client.request("POST", "/v1/completions", body)
         dt = time.perf_counter() - t0
         try:
             choice = out["choices"][0]
@@ -167,11 +188,12 @@ def run_requests(client, rows: Sequence[dict], max_new_tokens: int, stop_ids: Se
         sd = ((out.get("metrics") or {}).get("speculative_decoding") or {})
         return EngineRequest(str(row["id"]), [int(t) for t in choice.get("token_ids") or []],
                              "length" if choice.get("finish_reason") == "length" else "stop", dt,
-                             list(sd.get("per_step_accepted") or []), list(sd.get("per_step_drafted") or []))
+                             list(sd.get("per_step_accepted") or []), list(sd.get("per_step_drafted") or []),
+                             seed=k if sampled else None)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="dflash-engine") as pool:
-        reqs = list(pool.map(one, rows))
+        reqs = list(pool.map(one, jobs))
     return reqs, time.perf_counter() - t0
 
 
@@ -390,8 +412,12 @@ def device_label(cuda: bool) -> str:
 
 
 def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, work_dir, log_path,
-                      opts: EngineOptions, drafter_dir=None, block_size: int = 0) -> dict:
-    """Start vLLM (plain, or with the drafter when ``drafter_dir``), send ``rows`` greedily, stop it.
+                      opts: EngineOptions, drafter_dir=None, block_size: int = 0,
+                      draft_sample_method: str | None = None, sampling: dict | None = None, seeds: int = 1) -> dict:
+    """Start vLLM (plain, or with the drafter when ``drafter_dir``), send ``rows``, stop it.
+
+    Greedy by default; with ``sampling`` above temperature 0 each prompt ``seeds`` times (:func:`run_requests`),
+    the drafter served with ``draft_sample_method`` (:func:`dflash_args`).
 
     Returns:
         ``{"requests": [EngineRequest], "counters": SpecCounters | None, "timing": latency_summary(...),
@@ -403,7 +429,8 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
     cuda = torch.cuda.is_available()
     dt = dtype_name(resolve_dtype(opts.dtype, resolve_device("cuda" if cuda else "cpu")))
     fix = opts.cpu_fix == "on" or (opts.cpu_fix == "auto" and not cuda)
-    extra = dflash_args(drafter_dir, block_size, opts.method) if drafter_dir else ["--no-enable-prefix-caching"]
+    extra = (dflash_args(drafter_dir, block_size, opts.method, draft_sample_method) if drafter_dir
+             else ["--no-enable-prefix-caching"])
     if opts.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(int(opts.tensor_parallel_size))]
     need = max(len(r["prompt_ids"]) for r in rows) + max_new_tokens
@@ -416,9 +443,14 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
                               concurrency=opts.concurrency) as client:
         info = client.info()
         before = read_counters(client) if drafter_dir else None
-        reqs, wall = run_requests(client, rows, max_new_tokens, stop, opts.concurrency)
-        after = read_counters(client) if drafter_dir else None
-    return {"requests": reqs, "counters": (after - before) if drafter_dir else None,
+        reqs, wall = run_requests(client, rows, max_new_tokens, stop, opts.concurrency, sampling, seeds)
+        try:
+            after = read_counters(client) if drafter_dir else None
+        except Exception:  # noqa: BLE001 -- sampled runs: a server that died mid-run is named by its requests
+            if not (sampling and float(sampling["temperature"]) > 0):
+                raise
+            after = before = None
+    return {"requests": reqs, "counters": (after - before) if after is not None else None,
             "timing": latency_summary(reqs, wall), "device": device_label(cuda),
             "server": {"engine": "vllm", "version": info.version, "dtype": dt, "max_model_len": mml,
                        "flags": extra + list(opts.args), "cpu_fix": bool(fix and drafter_dir),
