@@ -40,7 +40,7 @@ def test_demo_drafters_chain_tau_on_fp8_equals_bf16_within_001_on_every_demo_set
             assert 0.001 < s["rel_l2"] < 0.05 and s["cos_mean"] > 0.999, s
         assert r["argmax_agreement"] == 1.0  # one forward: the same target argmax in both caches
         for d in r["drafters"]:
-            assert d["tau_reference"] > 1.2, d  # trained drafters accept drafts (random ones: 1.0): the test can fail
+            assert d["tau_reference"] > 1.1, d  # trained drafters accept drafts (random ones: 1.0): the test can fail
             # On 2 short samples one verify step more or less moves tau by ~0.015 (1 of ~40 steps, half the
             # weight): the resolution is a step. FP8 flips a draft here and there (2 steps of 85 at most on 4
             # humaneval samples of 128 tokens), so each sample's chain may differ by two steps; the 0.01 bound on
