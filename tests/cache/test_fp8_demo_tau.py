@@ -46,7 +46,8 @@ def test_demo_drafters_chain_tau_on_fp8_equals_bf16_within_001_on_every_demo_set
             # humaneval samples of 128 tokens), so each sample's chain may differ by two steps; the 0.01 bound on
             # tau itself is measured at a larger scale (docs/measurements.md, "FP8 caches").
             assert all(abs(a - b) <= 2 for a, b in zip(d["steps_reference"], d["steps_fp8"])), (name, d)
-            assert abs(d["tau_diff"]) <= 0.05, (name, d)  # 2 steps of ~40 in one of 2 samples: ~0.035
+            # tau follows: 2 steps of ~35 in both samples is ~0.08 (measured: -0.048 for step 3507 on sharegpt)
+            assert abs(d["tau_diff"]) <= 0.08, (name, d)
         assert f"| {Path(DRAFTERS[-1]).name} |" in json.loads((tmp_path / f"{name}.parity.json").read_text())["markdown"]
         print(json.dumps({"set": name, "rel_l2": [round(s["rel_l2"], 5) for s in r["layers"]],
                           "tau": [(d["checkpoint"], round(d["tau_reference"], 4), round(d["tau_fp8"], 4))
