@@ -111,8 +111,10 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
                                        "fp8": bytes_per_token("fp8", len(stored), H)})
         for d in drafters:
             # the chain's tau (no DDTree budgets: the chain is what the states decide first, and it is cheap)
+            # greedy on every set, also one drawn at T > 0 (cross_temperature: the comparison is of two caches)
             ev = {k: evaluate(d, caches[k], target_dir, tmp / f"eval_{k}.json", device=opts.device,
-                              allow_low_agreement=True, ddtree_budgets=[]) for k in ("reference", "fp8")}
+                              allow_low_agreement=True, ddtree_budgets=[], sampling=[{"temperature": 0.0}],
+                              cross_temperature=True) for k in ("reference", "fp8")}
             steps = {k: [int(x["steps"]) for x in ev[k]["samples"]] for k in ev}
             result["drafters"].append({
                 "checkpoint": Path(d).name, "tau_reference": ev["reference"]["tau"], "tau_fp8": ev["fp8"]["tau"],
