@@ -21,6 +21,8 @@ annotations steer this:
   workflow hands these to the jobs through the environment variable :data:`RUNTIME_ENV` (set by
   the rules' shell prefix, which is no rerun trigger), not as a rule's ``params``, so editing one
   reruns nothing; an explicit flag still wins.
+* ``x-flag-unless-default: true``: left out of the flags while at its default (the stage's parser has the
+  same default), so an option added to an existing stage reruns no job of a run that does not set it.
 """
 
 from __future__ import annotations
@@ -361,6 +363,8 @@ def to_flags(stage: str, values: dict, rerun: bool | None = None) -> list[str]:
         if rerun is not None and bool(node.get("x-rerun", True)) != rerun:
             continue
         value = _get(values, path, node.get("default"))
+        if node.get("x-flag-unless-default") and value == node.get("default"):
+            continue
         flag = flag_name(path)
         if _python_type(node) is bool:
             words.append(flag if value else "--no-" + flag[2:])

@@ -123,3 +123,12 @@ def test_the_documented_h5py_reader_of_fp8_samples_runs(tmp_path):
     exec(compile(code.replace("results/demo/cache/humaneval.h5", str(path)), "docs/cache-format.md", "exec"), scope)
     with CacheReader(path) as rd:
         np.testing.assert_allclose(scope["hidden"], rd.sample(0).hidden.numpy(), rtol=1e-6, atol=0)
+
+
+def test_storage_flag_only_when_set_so_existing_runs_keep_their_params():
+    """cache.storage is left out of hidden_states' flags (its rule's params) at its default: a run that does not
+    set it reruns no extraction after the upgrade that added it; fp8 is passed (and so reruns)."""
+    from dflash_eval.core.options import to_flags
+
+    assert not any(w.startswith("--storage") for w in to_flags("hidden_states", {"storage": "dtype"}, rerun=True))
+    assert "--storage=fp8" in to_flags("hidden_states", {"storage": "fp8"}, rerun=True)
