@@ -248,7 +248,8 @@ def main() -> None:
           + (" (smoke test: tiny model, numbers say nothing about speed)" if a.smoke else ""))
     for model_name, (cfg, n, (lo, hi), layers, loop_batch) in (SMOKE if a.smoke else MODELS).items():
         work = root / model_name
-        target = build_target(work / "target", cfg)
+        build_target(work / "target", cfg)
+        target = work / "target"
         comp = work / "completions.jsonl"
         write_completions(comp, n, lo, hi, cfg["vocab_size"])
         rows = [json.loads(line) for line in open(comp)]
