@@ -47,7 +47,7 @@ PACKAGES = ("torch", "transformers", "safetensors", "h5py", "numpy", "pandas", "
 def code_version() -> dict:
     """dflash-eval's ``version``, and the ``commit`` and ``dirty`` flag of the git checkout it runs from (both
     None outside a checkout, or without git)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # dflash_eval/data/provenance.py -> the checkout
     commit = dirty = None
     if (root / ".git").exists():
         try:

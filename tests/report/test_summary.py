@@ -171,3 +171,18 @@ def test_a_table_of_other_settings_is_named_at_parse_time(tmp_path):
     assert "provenance.settings.evaluate.max_samples" in note and "= 8, but the config now gives 2" in note
     assert "snakemake --forcerun evaluate" in note
     assert stale_table_note(tmp_path / "none", _expected(["humaneval"])) is None
+
+
+def test_provenance_names_the_commit_of_the_checkout_it_runs_from():
+    """Every output's provenance block (and so the report) carries the git commit of the checkout the package runs
+    from: the tests run from one."""
+    import subprocess
+    from pathlib import Path
+
+    from dflash_eval.data.provenance import code_version
+
+    repo = Path(__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    got = code_version()
+    assert got["commit"] == head and got["dirty"] in (True, False)
