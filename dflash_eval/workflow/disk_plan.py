@@ -27,6 +27,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
+
 from dflash_eval.cache.disk_room import HEADROOM, bytes_per_token
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import distribution_files
@@ -146,7 +148,7 @@ def planned_caches(plan) -> list[CacheSize]:
         K = len(plan.cache_layer_ids)
         if needs_final_hidden(cfg, ps) and (n_layers is None or n_layers - 1 not in plan.cache_layer_ids):
             K += 1  # the final normed hidden state (the last layer) is added
-        if cache.is_file():
+        if cache.is_file() and _stored_fp8(cache) in (None, storage == "fp8"):
             out.append(CacheSize(ps, str(cache), None, 0, "done"))
             continue
         completions = Path(plan.run_path("completions", f"{ps}.jsonl"))
@@ -165,6 +167,20 @@ def planned_caches(plan) -> list[CacheSize]:
         written = partial.stat().st_size if partial.is_file() else 0
         out.append(CacheSize(ps, str(cache), tokens, size, basis if size is not None else "unknown", written))
     return out
+
+
+def _stored_fp8(cache: Path) -> bool | None:
+    """Whether an existing cache stores FP8 (its ``storage`` attribute, ``dflash_eval.cache.format``), None when
+    its header cannot be read. A cache whose storage is not the planned one is extracted again (its rule's
+    ``--storage`` flag changed), so it counts as to write."""
+    try:
+        with h5py.File(cache, "r") as f:
+            value = f.attrs.get("storage")
+    except OSError:
+        return None
+    if value is None:
+        return None
+    return "float8" in (value.decode() if isinstance(value, bytes) else str(value))
 
 
 def free_bytes(path: str | os.PathLike) -> int:

@@ -124,3 +124,20 @@ def test_hidden_states_job_refuses_before_it_loads_the_target(tmp_path, monkeypa
     assert "cache.storage: fp8" in err.value.fix and "cache.disk_check: warn" in err.value.fix
     with pytest.raises(AssertionError, match="the target was loaded"):  # warn: no check, the job goes on
         stage.extract_hidden_states(out=tmp_path / "d.h5", disk_check="warn", **base)
+
+
+def test_an_existing_cache_of_the_other_storage_counts_as_to_write(tmp_path):
+    """Switching cache.storage re-extracts existing caches (the rule's --storage flag changes): the disk plan reads
+    the cache's ``storage`` header attribute so that such a cache is counted as to write, not as done."""
+    import h5py
+
+    from dflash_eval.cache.format import STORAGE_F32, STORAGE_FP8
+    from dflash_eval.workflow.disk_plan import _stored_fp8
+
+    for name, value, want in (("fp8.h5", STORAGE_FP8, True), ("f32.h5", STORAGE_F32, False), ("none.h5", None, None)):
+        with h5py.File(tmp_path / name, "w") as f:
+            if value is not None:
+                f.attrs["storage"] = value
+        assert _stored_fp8(tmp_path / name) is want, name
+    (tmp_path / "junk.h5").write_bytes(b"not an HDF5 file")
+    assert _stored_fp8(tmp_path / "junk.h5") is None
