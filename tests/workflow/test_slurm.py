@@ -46,7 +46,7 @@ LOCAL_RULES = {name for name, body in RULE_BODIES.items() if "localrule: True" i
 def test_profiles_set():
     assert set(PROFILES) == {"local-gpu", "slurm-gpu", "slurm-cpu", "ci"}
     assert GPU_RULES == {"completions", "hidden_states", "hidden_states_shard", "evaluate", "kernel_parity",
-                         "engine_parity", "target_costs", "validate_online", "validate_engine"}
+                         "fp8_parity", "engine_parity", "target_costs", "validate_online", "validate_engine"}
     assert {"summary", "report"} <= LOCAL_RULES
     assert PROFILES["ci"]["cores"] == 2 and PROFILES["ci"]["resources"] == {"gpu": 1}
     for name, prof in PROFILES.items():
