@@ -16,14 +16,14 @@
 #   train   (GPU) train $VARIANTS (default both, in parallel on one GPU), strip, evaluate, summary, pack
 #   pack    (GPU) $OUT: drafters-<variant>.tar.xz (split into <=15 MiB parts), logs.tar.gz
 #   all     gen + train (+ pack): one call
-# Defaults: WORKDIR /root/dflash-demo, OUTDIR $OUT. Environment: DATA, GGUF (a .gguf instead of the parts), TARGET
+# Defaults: WORKDIR $HOME/dflash-demo (outside the checkout: it outlives the calls), OUTDIR $OUT. Environment: DATA, GGUF (a .gguf instead of the parts), TARGET
 # (an HF target folder instead of the GGUF), LAYERS, STEPS, SAVE_STEPS, MAX_WALL (per run, seconds), SEQS, ANCHORS,
 # NUM_LAYERS, MLP, BLOCK, RANK, TOPK, VARIANTS, TRAIN_N (prep: prompts kept, 0 = all), GEN_N (gen: the first N of
 # them answered, 0 = all), EVAL_N, MAX_NEW, GEN_BATCH, PY, DEV.
 # Python packages the GPU image lacks travel as wheels (.whl/, installed into /tmp/site by the caller): h5py, gguf,
 # pandas, pyarrow as the image lacks them (the stage modules import them).
 set -euo pipefail
-stage=${1:?stage}; W=${2:-/root/dflash-demo}; OUTD=${3:-${OUT:-$W/out}}
+stage=${1:?stage}; W=${2:-$HOME/dflash-demo}; OUTD=${3:-${OUT:-$W/out}}
 DATA=${DATA:-.dev/gpu2}; DATA1=${DATA1:-.dev/gpu}; PART_MB=${PART_MB:-50}
 LAYERS=${LAYERS:-1,8,15,22,27}
 STEPS=${STEPS:-3000}; SAVE_STEPS=${SAVE_STEPS:-$((STEPS / 10)),$((STEPS * 2 / 5))}; MAX_WALL=${MAX_WALL:-0}
