@@ -45,3 +45,18 @@ def schema_default(dotted: str) -> Any:
     if "default" not in node:
         raise KeyError(f"schema property {dotted} has no default")
     return node["default"]
+
+
+def sampling_label(setting: dict) -> str:
+    """Stable short name of a sampling setting dict (``temperature``, ``top_p``, ``top_k``), e.g. ``T0`` or
+    ``T1_p0.95_k20``: filters at their defaults are left out. :attr:`dflash_eval.replay.sampling.SamplingSetting.label`
+    and the parse-time checks use it (torch-free)."""
+    t = float(setting.get("temperature", 0))
+    if t == 0:
+        return "T0"
+    parts = [f"T{t:g}"]
+    if float(setting.get("top_p", 1.0)) < 1:
+        parts.append(f"p{float(setting['top_p']):g}")
+    if int(setting.get("top_k", 0) or 0):
+        parts.append(f"k{int(setting['top_k'])}")
+    return "_".join(parts)

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object
+from dflash_eval.core.schema import sampling_label
 from dflash_eval.data.provenance import check_settings
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 from dflash_eval.target.cost_stats import assess
@@ -182,7 +183,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
         greedy = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"], lens)
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         drawn = r.get("completion_sampling") or {"temperature": 0.0}
-        trajectory = _label(drawn)
+        trajectory = sampling_label(drawn)
         applicable = bool(r.get("ddtree_applicable", True))
         ddtree = {"variant": r.get("variant", "dflash"), "ddtree_applicable": applicable}
         for b in r.get("ddtree_budgets", []):
@@ -291,18 +292,6 @@ def _default_engines(st: dict, policy: str) -> list[str]:
         return ["dflash 0.1.0 dflash_generate", "vLLM (any draft_sample_method)"]
     return ["dflash 0.1.0 dflash_generate"] if policy == REFERENCE_POLICY else []
 
-
-def _label(setting: dict) -> str:
-    """:attr:`dflash_eval.replay.sampling.SamplingSetting.label` of a setting dict (no torch import here)."""
-    t = float(setting.get("temperature", 0))
-    if t == 0:
-        return "T0"
-    parts = [f"T{t:g}"]
-    if float(setting.get("top_p", 1.0)) < 1:
-        parts.append(f"p{float(setting['top_p']):g}")
-    if int(setting.get("top_k", 0) or 0):
-        parts.append(f"k{int(setting['top_k'])}")
-    return "_".join(parts)
 
 
 def method_speedups(r: dict, costs: dict, budgets: list[int]) -> list[dict]:

@@ -13,7 +13,7 @@ evaluated above temperature 0 store the target's final normed hidden state (:fun
 from __future__ import annotations
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.core.schema import schema_default
+from dflash_eval.core.schema import sampling_label, schema_default
 
 
 def set_sampling(config: dict, prompt_set: str) -> dict:
@@ -86,10 +86,10 @@ def check_sampling_settings(config: dict) -> None:
         t = float(entry.get("temperature", 0))
         near = [ps for ps in sets if drawn[ps] == t]
         if t > 0 and near and not any(entry in evaluate_settings(config, ps) for ps in sets):
-            label = _label(entry)
+            label = sampling_label(entry)
             raise InputError("config", f"evaluate.sampling[{i}]", f"{label} matches no prompt set: the sets at "
                              f"temperature {t:g} are drawn at "
-                             f"{', '.join(f'{ps}: {_label(set_sampling(config, ps))}' for ps in near)}, and the "
+                             f"{', '.join(f'{ps}: {sampling_label(set_sampling(config, ps))}' for ps in near)}, and the "
                              "expectation given the cached completions is exact only on completions drawn at the "
                              "setting's temperature, top-p and top-k",
                              f"draw a prompt set at it (prompt_sets.<name>.sampling: {_yaml(entry)}), give this entry "
@@ -108,9 +108,9 @@ def check_sampling_settings(config: dict) -> None:
     for ps in sets:
         if not evaluate_settings(config, ps) and any(float(e.get("temperature", 0)) == drawn[ps] for e in entries):
             own = set_sampling(config, ps)
-            raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at {_label(own)}, but "
+            raise InputError("config", _where_drawn(config, ps), f"prompt set {ps!r} is drawn at {sampling_label(own)}, but "
                              "the evaluate.sampling settings at its temperature have other top-p / top-k "
-                             f"({', '.join(_label(e) for e in entries if float(e.get('temperature', 0)) == drawn[ps])}"
+                             f"({', '.join(sampling_label(e) for e in entries if float(e.get('temperature', 0)) == drawn[ps])}"
                              "): the expectation is exact only on completions drawn at the setting",
                              f"add {_yaml(own)} to evaluate.sampling, draw the set with the setting's top_p / top_k, "
                              "or set evaluate.cross_temperature: true (then marked as not an expectation)")
@@ -122,18 +122,6 @@ def check_sampling_settings(config: dict) -> None:
                              f"add a setting at temperature {t:g} to evaluate.sampling, draw the set at a temperature "
                              "that is evaluated, or set evaluate.cross_temperature: true")
 
-
-def _label(entry: dict) -> str:
-    """:attr:`dflash_eval.replay.sampling.SamplingSetting.label` of a setting dict (torch-free)."""
-    t = float(entry.get("temperature", 0))
-    if t == 0:
-        return "T0"
-    parts = [f"T{t:g}"]
-    if float(entry.get("top_p", 1.0)) < 1:
-        parts.append(f"p{float(entry['top_p']):g}")
-    if int(entry.get("top_k", 0) or 0):
-        parts.append(f"k{int(entry['top_k'])}")
-    return "_".join(parts)
 
 
 def _yaml(entry: dict) -> str:
