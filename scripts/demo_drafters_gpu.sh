@@ -7,26 +7,34 @@
 # Usage: scripts/demo_drafters_gpu.sh STAGE [WORKDIR] [OUTDIR]
 #   prep    (CPU machine, repository root) write $DATA (default .dev/gpu2): the training prompts (ShareGPT first
 #           turns, the demo's eval prompts held out; gzipped), the two eval prompt sets (32 each), the target GGUF's
-#           second part and its sha256; and $DATA1 (.dev/gpu): its first part (a device call carries at most 64 MiB:
-#           call 1 carries .dev/gpu and runs `stash`, call 2 carries .dev/gpu2 and runs `all` or `gen`)
+#           second part and its sha256; and $DATA1 (.dev/gpu): its first part. A device call carries at most 64 MiB
+#           with the checkout, whose demo/drafters/ alone is 35 MB: send a checkout without them (a branch that
+#           deletes them), call 1 carrying .dev/gpu (`stash`), call 2 carrying .dev/gpu2 (`launch`), call 3 `collect`
 #   stash   (GPU) copy the GGUF parts found under .dev/gpu*/ into WORKDIR (outside the repository, so a later call
 #           that carries other parts keeps them); a call carrying part 1 runs this alone
 #   gen     (GPU) stash, join and check the GGUF, HF target, greedy training completions, eval completions and bf16
-#           hidden-state caches; training completions are reused from $DATA/train.jsonl.gz when present
+#           + FP8 hidden-state caches; training completions are reused from $DATA/train.jsonl.gz when present
 #   train   (GPU) train $VARIANTS (default both, in parallel on one GPU), strip, evaluate, summary, pack
+#   launch  (GPU) gen, then train + pack in a new process session (setsid: it outlives the call) into WORKDIR/out,
+#           the training budget set so that it ends $FINISH_AT seconds after this call began (default 1090: this
+#           call's 600 s, the gap, and a `collect` call's 600 s less 150 s for strip, evaluate and pack); the call
+#           waits until $CALL_S (570) and returns the training completions and the progress so far
+#   collect (GPU) wait (at most $WAIT_S, 540) for launch's work to finish, then copy WORKDIR/out into $OUT
 #   pack    (GPU) $OUT: drafters-<variant>.tar.xz (split into <=15 MiB parts), logs.tar.gz
 #   all     gen + train (+ pack): one call
-# Defaults: WORKDIR $HOME/dflash-demo (outside the checkout: it outlives the calls), OUTDIR $OUT. Environment: DATA, GGUF (a .gguf instead of the parts), TARGET
-# (an HF target folder instead of the GGUF), LAYERS, STEPS, SAVE_STEPS, MAX_WALL (per run, seconds), SEQS, ANCHORS,
-# NUM_LAYERS, MLP, BLOCK, RANK, TOPK, VARIANTS, TRAIN_N (prep: prompts kept, 0 = all), GEN_N (gen: the first N of
-# them answered, 0 = all), EVAL_N, MAX_NEW, GEN_BATCH, PY, DEV.
+# Defaults: WORKDIR $HOME/dflash-demo (outside the checkout: it outlives the calls), OUTDIR $OUT. Environment: DATA,
+# GGUF (a .gguf instead of the parts), TARGET (an HF target folder instead of the GGUF), LAYERS, BUDGET (training
+# seconds per run; 0 = STEPS steps), STEPS, SAVE_FRACS, SEQS, ANCHORS, NUM_LAYERS, MLP, BLOCK, RANK, TOPK, VARIANTS,
+# TRAIN_N (prep: prompts kept, 0 = all), GEN_N (gen: the first N of them answered, 0 = all), EVAL_N, MAX_NEW,
+# GEN_BATCH, PY, DEV.
 # Python packages the GPU image lacks travel as wheels (.whl/, installed into /tmp/site by the caller): h5py, gguf,
 # pandas, pyarrow as the image lacks them (the stage modules import them).
 set -euo pipefail
 stage=${1:?stage}; W=${2:-$HOME/dflash-demo}; OUTD=${3:-${OUT:-$W/out}}
 DATA=${DATA:-.dev/gpu2}; DATA1=${DATA1:-.dev/gpu}; PART_MB=${PART_MB:-50}
 LAYERS=${LAYERS:-1,8,15,22,27}
-STEPS=${STEPS:-3000}; SAVE_STEPS=${SAVE_STEPS:-$((STEPS / 10)),$((STEPS * 2 / 5))}; MAX_WALL=${MAX_WALL:-0}
+STEPS=${STEPS:-3000}; BUDGET=${BUDGET:-0}; SAVE_FRACS=${SAVE_FRACS:-0.1,0.4}
+FINISH_AT=${FINISH_AT:-1090}; CALL_S=${CALL_S:-570}; WAIT_S=${WAIT_S:-540}
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; NUM_LAYERS=${NUM_LAYERS:-2}; MLP=${MLP:-704}; BLOCK=${BLOCK:-8}
 RANK=${RANK:-16}; TOPK=${TOPK:-16}; VARIANTS=${VARIANTS:-dflash dflash2}
 TRAIN_N=${TRAIN_N:-0}; GEN_N=${GEN_N:-0}; EVAL_N=${EVAL_N:-32}; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=${GEN_BATCH:-1280}
@@ -63,7 +71,7 @@ stash() {
 }
 
 gen() {
-  mkdir -p "$W/eval/completions" "$W/eval/cache" "$OUTD"
+  mkdir -p "$W/eval/completions" "$W/eval/cache" "$W/eval/cache-fp8" "$OUTD"
   if [ -n "${TARGET:-}" ]; then
     W_TARGET=$TARGET
   else
@@ -99,26 +107,38 @@ gen() {
         --max-new-tokens "$MAX_NEW" --batch-size 32 --device "$DEV" --out "$W/eval/completions/$s.jsonl"
     run $PY -m dflash_eval hidden-states --target "$W_TARGET" --completions "$W/eval/completions/$s.jsonl" \
         --layer-ids "$LAYERS" --device "$DEV" --out "$W/eval/cache/$s.h5"
+    # the same states in FP8 (cache.storage: fp8): the final checkpoints' tau on both (issue: FP8 caches)
+    run $PY -m dflash_eval hidden-states --target "$W_TARGET" --completions "$W/eval/completions/$s.jsonl" \
+        --layer-ids "$LAYERS" --device "$DEV" --storage fp8 --out "$W/eval/cache-fp8/$s.h5"
   done
   stamp "eval caches"
 }
 
 train_all() {
   W_TARGET=${TARGET:-$W/target}
-  local pids=() v
+  local pids=() v steps_opts
+  # a time budget sets the lr schedule and the checkpoints (SAVE_FRACS of it); else STEPS steps
+  if [ "$BUDGET" -gt 0 ]; then steps_opts="--max-steps 1000000 --time-budget-s $BUDGET"; else steps_opts="--max-steps $STEPS"; fi
   for v in $VARIANTS; do
     rm -rf "$W/run-$v"
     mkdir -p "$W/run-$v"
     # the same data, seed (so the same batches and anchors), steps, schedule and backbone for every variant
     run $PY -m dflash_eval train --target "$W_TARGET" --data "$W/train.jsonl" --layer-ids "$LAYERS" \
-        --seqs-per-step "$SEQS" --anchors "$ANCHORS" --max-steps "$STEPS" --save-steps "$SAVE_STEPS" \
-        --max-wall-s "$MAX_WALL" ${MASK:+--mask-token-id $MASK} --device "$DEV" --seed 0 --out-dir "$W/run-$v" \
+        --seqs-per-step "$SEQS" --anchors "$ANCHORS" $steps_opts --save-fracs "$SAVE_FRACS" \
+        ${MASK:+--mask-token-id $MASK} --device "$DEV" --seed 0 --out-dir "$W/run-$v" \
         --num-layers "$NUM_LAYERS" --intermediate-size "$MLP" --block-size "$BLOCK" --variant "$v" \
         --selector-rank "$RANK" --selector-top-k "$TOPK" > "$W/run-$v/train.log" 2>&1 &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do wait "$p" || { tail -n 30 "$W"/run-*/train.log; exit 3; }; done
-  stamp "training done"
+  # a variant that fails leaves the others to be evaluated and packed
+  local i=0 ok=()
+  for v in $VARIANTS; do
+    if wait "${pids[$i]}"; then ok+=("$v"); else echo "training $v failed:" >&2; tail -n 30 "$W/run-$v/train.log" >&2; fi
+    i=$((i + 1))
+  done
+  [ ${#ok[@]} -gt 0 ] || exit 3
+  VARIANTS="${ok[*]}"
+  stamp "training done: $VARIANTS"
   # one background job per checkpoint (strip, then both sets): process start-up dominates these small jobs
   pids=()
   for v in $VARIANTS; do
@@ -132,11 +152,15 @@ train_all() {
         for s in humaneval sharegpt; do
           run $PY -m dflash_eval evaluate --drafter "$W/drafters/$v/$name" --cache "$W/eval/cache/$s.h5" \
               --target "$W_TARGET" --device "$DEV" --batch-size 32 --out "$W/evals/$name/$s.json"
+          # the FP8 cache of the same states (dequantised on the GPU), beside: evals-fp8/ (not in the summary)
+          mkdir -p "$W/evals-fp8/$name"
+          run $PY -m dflash_eval evaluate --drafter "$W/drafters/$v/$name" --cache "$W/eval/cache-fp8/$s.h5" \
+              --target "$W_TARGET" --device "$DEV" --batch-size 32 --out "$W/evals-fp8/$name/$s.json"
         done ) > "$W/evals/$name/log" 2>&1 &
       pids+=($!)
     done
   done
-  for p in "${pids[@]}"; do wait "$p" || { tail -n 20 "$W"/evals/*/log; exit 4; }; done
+  for p in "${pids[@]}"; do wait "$p" || { echo "an evaluation failed:" >&2; tail -n 20 "$W"/evals/*/log >&2; }; done
   # (the eval JSONs travel in logs.tar.gz whether or not this image can write the parquet file)
   $PY -m dflash_eval summary --evals "$W"/evals/*/*.json --out-csv "$W/gpu_tau.csv" --out-parquet "$W/gpu_tau.parquet" \
     && $PY -c "
@@ -156,7 +180,7 @@ pack() {
     tar -C "$W/drafters/$v" --exclude strip_info.json -cf - . | xz -6 -T0 > "$W/drafters-$v.tar.xz"
     split -b 15M -d "$W/drafters-$v.tar.xz" "$OUTD/drafters-$v.tar.xz.part-"
   done
-  tar -C "$W" -czf "$OUTD/logs.tar.gz" --ignore-failed-read gpu_tau.csv evals $(cd "$W" && ls -d run-*/train_log.jsonl run-*/train.log 2>/dev/null)
+  tar -C "$W" -czf "$OUTD/logs.tar.gz" --ignore-failed-read gpu_tau.csv evals evals-fp8 $(cd "$W" && ls -d run-*/train_log.jsonl run-*/train.log 2>/dev/null)
   ls -l "$OUTD"
   local total
   total=$(du -cb "$OUTD"/* | tail -1 | cut -f1)
@@ -164,11 +188,39 @@ pack() {
   [ "$total" -le $((62 * 1024 * 1024)) ] || echo "WARNING: over 62 MiB: the device tool returns at most 64 MiB (lower RANK)" >&2
 }
 
+launch() {
+  local t0=$T0
+  gen
+  local left=$(( t0 + FINISH_AT - $(date +%s) - 150 ))
+  [ "$BUDGET" -gt 0 ] || BUDGET=$left
+  [ "$BUDGET" -le "$left" ] || BUDGET=$left
+  stamp "training budget $BUDGET s per run"
+  gzip -c "$W/train.jsonl" > "$OUTD/train_completions.jsonl.gz"
+  rm -rf "$W/out" "$W/DONE"
+  mkdir -p "$W/out"
+  BUDGET=$BUDGET setsid nohup bash "$0" train "$W" "$W/out" > "$W/train_stage.log" 2>&1 < /dev/null &
+  while [ ! -e "$W/DONE" ] && [ $(( $(date +%s) - t0 )) -lt "$CALL_S" ]; do sleep 10; done
+  tail -n 2 "$W"/run-*/train.log || true
+  cp "$W/train_stage.log" "$OUTD/" || true
+}
+
+collect() {
+  local t0=$T0
+  mkdir -p "$OUTD"
+  while [ ! -e "$W/DONE" ] && [ $(( $(date +%s) - t0 )) -lt "$WAIT_S" ]; do sleep 5; done
+  tail -n 40 "$W/train_stage.log" || true
+  [ -e "$W/DONE" ] || { echo "launch's work not finished after $WAIT_S s" >&2; tail -n 3 "$W"/run-*/train.log; }
+  cp "$W"/out/* "$OUTD"/ 2>/dev/null || true
+  ls -l "$OUTD"
+}
+
 case $stage in
   prep) prep ;;
   stash) stash ;;
   gen) gen ;;
-  train) train_all; pack ;;
+  train) trap 'touch "$W/DONE"' EXIT; train_all; pack ;;
+  launch) launch ;;
+  collect) collect ;;
   pack) pack ;;
   all) gen; train_all; pack ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -186,7 +186,7 @@ class _Inputs:
         dt = resolve_dtype(opts.dtype, dev)
         drafter_dir = Path(drafter_dir)
         drafter = load_drafter(drafter_dir, device=dev, dtype=dt)
-        reader = CacheReader(cache_path)
+        reader = open_cache(cache_path, dev)
         try:
             a = reader.attrs
             spec = TargetSpec.read(target_dir, fingerprint_file=target_fingerprint)
@@ -310,6 +310,13 @@ def _selector_walks(d):
     """DFlash 2's chains and diagnostics of one sample's all-anchor drafts (:func:`dflash_eval.replay.selector.walks`)."""
     return walks(d.accepted.tolist(), d.oracle.tolist(), d.unary_accepted.tolist(), d.limit.tolist(),
                  d.in_candidates.tolist(), d.prompt_len, d.n_tokens)
+
+
+def open_cache(cache_path, dev: torch.device) -> CacheReader:
+    """The verified reader of ``cache_path`` for a replay on ``dev``: on a CUDA device an FP8 cache's stored bytes
+    (half of bf16's) cross to it and are dequantised there (``CacheReader(dequant_device=...)``, 0.56x bf16's read
+    time on an H100: docs/measurements.md, "FP8 caches"); on the CPU they are dequantised on the host."""
+    return CacheReader(cache_path, dequant_device=dev if dev.type == "cuda" else None)
 
 
 def sampling_settings(opts, cache_attrs: dict, cache_path) -> list[SamplingSetting]:

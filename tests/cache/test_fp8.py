@@ -132,3 +132,13 @@ def test_storage_flag_only_when_set_so_existing_runs_keep_their_params():
 
     assert not any(w.startswith("--storage") for w in to_flags("hidden_states", {"storage": "dtype"}, rerun=True))
     assert "--storage=fp8" in to_flags("hidden_states", {"storage": "fp8"}, rerun=True)
+
+
+def test_evaluate_dequantises_fp8_on_a_cuda_device_and_on_the_host_for_the_cpu(tmp_path):
+    from dflash_eval.stages.evaluate import open_cache
+
+    path = _write(tmp_path / "fp8.h5", _states(16, 5, 576), STORAGE_FP8, "float32")
+    with open_cache(path, torch.device("cuda")) as rd:  # nothing is moved until a sample is read
+        assert rd.dequant_device == torch.device("cuda")
+    with open_cache(path, torch.device("cpu")) as rd:
+        assert rd.dequant_device is None and rd.sample(0).hidden.device.type == "cpu"
