@@ -32,6 +32,7 @@ Contents, each adapting to what the data has:
 from __future__ import annotations
 
 import base64
+import html as html_lib
 import json
 import math
 import re
@@ -45,9 +46,10 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
-from dflash_eval.data.provenance import read_prompt_meta, skip_table_markdown
+from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
 from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
-                                          sampled_sets_note, speedup_frame, summary_frame, with_speedups)
+                                          sampled_sets_note, speedup_frame, summary_frame, variant_label,
+                                          variant_order, with_speedups)
 from dflash_eval.target.cost_stats import assess
 from dflash_eval.target.costs import FORMULA, ddtree_budgets, device_label, read_costs
 
@@ -79,7 +81,7 @@ class ReportData:
     caches: dict  #: prompt_set -> cache attributes
     costs: dict | None = None
     speedups: pd.DataFrame | None = None
-    extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
+    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: the markdown in <pre>) of extra sections
     config_sha256: str | None = None
     run: str | None = None
     provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
@@ -199,25 +201,46 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
-        data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
-                           "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
-                           + skip_table_markdown(metas)))
+        note = ("Prompts available in each source, written to the set, and left out per reason (loader skips over "
+                "the whole source; too long: met before n were taken).")
+        skips = skip_frame(metas)
+        data.extra.append(("Prompt sets", note + "\n\n" + _md_table(skips),
+                           _html_section(note, [_styled(skips, 0, "prompt-sets").to_html()])))
     if every["sampling"].nunique() > 1 or ("draft" in every and every["draft"].nunique() > 1):
-        data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
+        piv, engines = sampling_tables(every)
+        html = [_styled(piv, 4, "sampling").to_html()]
+        if engines is not None and len(engines):
+            html += ["<p>The engine setting that gives each column:</p>", _styled(engines, 0, "engines").to_html()]
+        data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every), _html_section(SAMPLING_NOTE, html)))
     if drafter_notes:  # strip's notes that need a look: sliding layers derived from use_sliding_window, huge weights
-        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
+        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes)),
+                           None))
     for path in extra or []:
         d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
-        data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
+        data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```"),
+                           None))
     return data
 
 
 # --------------------------------------------------------------------------- tables
 
-def sampling_section(every: pd.DataFrame) -> str:
-    """Markdown: tau per checkpoint x (prompt set, sampling setting, draft policy), every row of tau.csv (the
-    report's other tables show each pair's first configured setting), then which engine setting gives each
-    policy's number."""
+SAMPLING_NOTE = (
+    "tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting and draft "
+    "policy. *(expected)*: the expectation of that policy's speculative sampler given the cached "
+    "completions (docs/design.md, Acceptance at temperature > 0 and Draft policies); *on T0 completions*: "
+    "evaluated with evaluate.cross_temperature on completions drawn at another setting: not an "
+    "expectation. At T > 0 the accepted length depends on how the engine drafts: [reference] drafts "
+    "sampled from the drafter's q (dflash 0.1.0), [argmax] the drafter's argmax with one-hot q (vLLM's "
+    "default), [probabilistic] q at the temperature only (vLLM draft_sample_method=probabilistic). "
+    "The DDTree columns of tau.csv are the same in every draft-policy row of a checkpoint at T > 0, by "
+    "design: the tree is built from the drafter's log-probabilities, whatever the engine's draft policy "
+    "(docs/design.md, Acceptance at temperature > 0).")
+
+
+def sampling_tables(every: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """tau per checkpoint x (prompt set, sampling setting, draft policy): every row of tau.csv (the report's other
+    tables show each pair's first configured setting); and the engine setting that gives each policy's number at
+    T > 0 (``sampling``, ``draft``, ``engine``; None without an ``engine`` column)."""
     f = every.copy()
     drafts = f["draft"] if "draft" in f else pd.Series(["reference"] * len(f), index=f.index)
     f["column"] = [f"{ps} {s}" + (f" [{d}]" if float(t) > 0 else "") + (" (expected)" if e else "")
@@ -225,17 +248,27 @@ def sampling_section(every: pd.DataFrame) -> str:
                    for ps, s, d, t, e, tr in zip(f["prompt_set"], f["sampling"], drafts, f["temperature"],
                                                  f["expected"], f["trajectory"])]
     piv = f.pivot_table(index="checkpoint", columns="column", values="tau", sort=False).reset_index()
+    piv.columns.name = None
+    if "engine" not in f:
+        return piv, None
     engines = f[f["temperature"].astype(float) > 0].assign(draft=drafts).drop_duplicates(["sampling", "draft"])
-    legend = "\n".join(f"- `{r.sampling}` [{r.draft}]: {r.engine or 'no engine known'}"
-                        for r in engines.itertuples()) if "engine" in f else ""
-    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting and draft "
-            "policy. *(expected)*: the expectation of that policy's speculative sampler given the cached "
-            "completions (docs/design.md, Acceptance at temperature > 0 and Draft policies); *on T0 completions*: "
-            "evaluated with evaluate.cross_temperature on completions drawn at another setting: not an "
-            "expectation. At T > 0 the accepted length depends on how the engine drafts: [reference] drafts "
-            "sampled from the drafter's q (dflash 0.1.0), [argmax] the drafter's argmax with one-hot q (vLLM's "
-            "default), [probabilistic] q at the temperature only (vLLM draft_sample_method=probabilistic).\n\n"
-            + _md_table(piv) + (("\n\nThe engine setting that gives each column:\n\n" + legend) if legend else ""))
+    return piv, pd.DataFrame({"sampling": engines["sampling"], "draft": engines["draft"],
+                              "engine": engines["engine"].fillna("").replace("", "no engine known")})
+
+
+def sampling_section(every: pd.DataFrame) -> str:
+    """Markdown of :func:`sampling_tables`, under :data:`SAMPLING_NOTE`."""
+    piv, engines = sampling_tables(every)
+    legend = "\n".join(f"- `{r.sampling}` [{r.draft}]: {r.engine}" for r in engines.itertuples()) \
+        if engines is not None else ""
+    return (SAMPLING_NOTE + "\n\n" + _md_table(piv)
+            + (("\n\nThe engine setting that gives each column:\n\n" + legend) if legend else ""))
+
+
+def skip_frame(metas: dict[str, dict]) -> pd.DataFrame:
+    """The prompt sets' skip counts (:func:`dflash_eval.data.provenance.skip_table_rows`) as a frame."""
+    head, rows = skip_table_rows(metas)
+    return pd.DataFrame(rows, columns=head)
 
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
@@ -259,14 +292,19 @@ def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
     return out
 
 
-def best_checkpoints(data: ReportData) -> pd.DataFrame:
-    """Per prompt set the checkpoint with the highest chain tau (ties: the earlier step)."""
-    f = data.frame.dropna(subset=["tau"])
+def _best(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per prompt set of ``frame`` the row with the highest tau (ties: the earlier step)."""
+    f = frame.dropna(subset=["tau"])
     rows = []
     for ps, sub in f.groupby("prompt_set"):
         r = sub.sort_values(["tau", "step"], ascending=[False, True], na_position="last").iloc[0]
         rows.append({"prompt_set": ps, "checkpoint": r["checkpoint"], "step": r["step"], "tau": r["tau"]})
     return pd.DataFrame(rows, columns=["prompt_set", "checkpoint", "step", "tau"])
+
+
+def best_checkpoints(data: ReportData) -> pd.DataFrame:
+    """Per prompt set the checkpoint with the highest chain tau (ties: the earlier step)."""
+    return _best(data.frame)
 
 
 def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -279,21 +317,113 @@ def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     return out
 
 
-SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path. tau_oracle: a perfect "
-                 "selector over the same top-K candidates; tau_unary: the per-slot argmax of the same logits; "
-                 "topk_recall_slot_k: the target token is among slot k's candidates; pick_rate_slot_k: the "
-                 "selector picks it given the earlier picks were right. DDTree columns are NaN for these rows: "
-                 "no serving engine builds a tree over the selector's path (ddtree_applicable false).")
+SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path, at temperature 0: "
+                 "tau_unary is the per-slot argmax of the same logits (the selector switched off), tau_oracle a "
+                 "perfect selector over the same top-K candidates; recall@K is the mean over draft slots of "
+                 "P(slot k's target token is among its top-K candidates), pick rate the share of slots where the "
+                 "selector picked it, given the earlier picks were right and it was a candidate (pooled over "
+                 "slots), oracle path the share of verify steps where the selector accepted the whole oracle "
+                 "prefix. The figure shows both rates slot by slot (tau.csv: topk_recall_slot_k, "
+                 "pick_rate_slot_k). Sets evaluated only at temperature > 0 are left out: their selector columns "
+                 "are those of the greedy path on the sampled completions, the same in every draft-policy row. "
+                 "DDTree columns are NaN for these rows: no serving engine builds a tree over the selector's path "
+                 "(ddtree_applicable false).")
+
+#: the per-slot columns of the tau table: in tau.csv, drawn as figures (never a column of a report table)
+PER_SLOT = re.compile(r"^(accept|topk_recall|pick_rate)_slot_\d+$")
+
+
+def without_slot_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` without its per-slot columns (``accept_slot_<k>``, ``topk_recall_slot_<k>``, ``pick_rate_slot_<k>``)."""
+    return frame.drop(columns=[c for c in frame.columns if PER_SLOT.match(str(c))])
+
+
+def selector_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The DFlash 2 rows at temperature 0 (every column), or an empty frame."""
+    if "tau_oracle" not in frame.columns or "variant" not in frame.columns:
+        return frame.iloc[:0]
+    keep = frame["variant"] == "dflash2"
+    if "temperature" in frame:
+        keep &= frame["temperature"].astype(float) == 0
+    return frame[keep]
 
 
 def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
-    """The DFlash 2 rows with their selector diagnostics (:mod:`dflash_eval.report.tau_table`), or None without any."""
-    if "tau_oracle" not in frame.columns or "variant" not in frame.columns or not (frame["variant"] == "dflash2").any():
+    """The DFlash 2 selector diagnostics, one row per DFlash 2 checkpoint x prompt set at temperature 0 (prompt
+    set, then training order), or None without any.
+
+    Columns: ``checkpoint``, ``step``, ``prompt_set``, ``tau``, ``tau_unary``, ``tau_oracle``, ``recall@K`` (the
+    unweighted mean over slots of ``topk_recall_slot_<k>``, slots without a value skipped), ``pick rate``
+    (``sel_pick_rate``, pooled over slots) and ``oracle path`` (``sel_oracle_path_rate``); floats (rates in [0, 1]).
+    """
+    rows = selector_rows(frame)
+    if not len(rows):
         return None
-    cols = ["checkpoint", "prompt_set", "tau", "tau_unary", "tau_oracle", "sel_accepted", "sel_oracle_accepted",
-            "sel_pick_rate", "sel_oracle_path_rate"]
-    cols += [c for c in frame.columns if c.startswith(("topk_recall_slot_", "pick_rate_slot_"))]
-    return frame.loc[frame["variant"] == "dflash2", cols].reset_index(drop=True)
+    recall = [c for c in rows.columns if str(c).startswith("topk_recall_slot_")]
+    rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
+    out = pd.DataFrame({"checkpoint": rows["checkpoint"], "step": rows["step"].astype("Int64"),
+                        "prompt_set": rows["prompt_set"], "tau": rows["tau"].astype(float),
+                        "tau_unary": rows["tau_unary"].astype(float), "tau_oracle": rows["tau_oracle"].astype(float),
+                        "recall@K": rows[recall].astype(float).mean(axis=1) if recall else math.nan,
+                        "pick rate": rows["sel_pick_rate"].astype(float),
+                        "oracle path": rows["sel_oracle_path_rate"].astype(float)})
+    out = out.assign(_rank=out["checkpoint"].map(rank)).sort_values(["prompt_set", "_rank"], kind="stable")
+    return out.drop(columns="_rank").reset_index(drop=True)
+
+
+def variant_comparison(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """DFlash 1 against DFlash 2: per prompt set, the best checkpoint of each variant (highest ``tau``, ties: the
+    earlier step) and its tau, side by side; None unless ``frame`` holds more than one ``variant``.
+
+    Columns: ``prompt_set``, then per variant (DFlash 1 first) ``<label> best`` (checkpoint) and ``<label> tau``;
+    with exactly two variants also ``Δ tau`` (the second's best minus the first's)."""
+    if "variant" not in frame or frame["variant"].nunique() < 2:
+        return None
+    variants = variant_order(frame)
+    out = pd.DataFrame({"prompt_set": sorted(frame["prompt_set"].unique())})
+    for v in variants:
+        best = _best(frame[frame["variant"] == v]).set_index("prompt_set").reindex(out["prompt_set"])
+        label = variant_label(v)
+        out[f"{label} best"] = best["checkpoint"].fillna("").to_numpy()
+        out[f"{label} tau"] = best["tau"].to_numpy(dtype=float)
+    if len(variants) == 2:
+        out["Δ tau"] = out.iloc[:, 4] - out.iloc[:, 2]
+    return out
+
+
+COMPARISON_NOTE = ("Per prompt set, the best checkpoint of each drafter variant (highest chain tau, each pair's "
+                   "first sampling setting as in the tau table) and its tau; Δ tau: DFlash 2's minus DFlash 1's.")
+FULL_NOTE = ("Every row and column of tau.csv except the per-slot columns (accept_slot_k, topk_recall_slot_k, "
+             "pick_rate_slot_k: drawn in the per-slot figures, kept in tau.csv).")
+
+
+def slot_text(frame: pd.DataFrame, cols: list[str], label: str, digits: int = 2) -> pd.DataFrame:
+    """``checkpoint``, ``prompt_set`` and the per-slot values of ``cols`` (in that order) as one text cell
+    ``"0.98 0.91 0.85"`` per row (trailing empty slots dropped, an empty one inside as ``-``): a per-slot table
+    a terminal can show."""
+    def cell(values) -> str:
+        vals = [float(v) for v in values]
+        while vals and math.isnan(vals[-1]):
+            vals.pop()
+        return " ".join("-" if math.isnan(v) else f"{v:.{digits}f}" for v in vals)
+
+    out = frame[["checkpoint", "prompt_set"]].reset_index(drop=True)
+    out[label] = [cell(r) for r in frame[cols].itertuples(index=False)] if cols else ""
+    return out
+
+
+def selector_slot_text(frame: pd.DataFrame) -> pd.DataFrame:
+    """The DFlash 2 rows of :func:`selector_table` with their top-K recall and pick rate by slot as text cells."""
+    rows = selector_rows(frame)
+    rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
+    rows = rows.assign(_rank=rows["checkpoint"].map(rank)).sort_values(["prompt_set", "_rank"], kind="stable")
+
+    def cols(kind):
+        return [c for _, c in sorted((int(c.rsplit("_", 1)[1]), c) for c in rows.columns
+                                     if str(c).startswith(f"{kind}_slot_"))]
+
+    recall = slot_text(rows, cols("topk_recall"), "recall@K by slot")
+    return recall.assign(**{"pick rate by slot": slot_text(rows, cols("pick_rate"), "p")["p"]})
 
 
 def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -426,13 +556,17 @@ def render_markdown(data: ReportData) -> str:
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
 
+    cmp = variant_comparison(f)
+    if cmp is not None:
+        parts += ["## DFlash 1 vs DFlash 2", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
     if ddtree_budgets(f):
         parts += ["## DDTree: tau per node budget", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
     sel = selector_table(f)
     if sel is not None:
-        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), ""]
+        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), "",
+                  "By draft slot (slots 1, 2, ...; 2 decimals):", "", _md_table(selector_slot_text(f)), ""]
     if data.speedups is not None and len(data.speedups):
         c = data.costs
         parts += ["## Estimated decode speedup", "",
@@ -444,7 +578,8 @@ def render_markdown(data: ReportData) -> str:
             parts += [f"> **Warning:** {warn}", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(speedup_pivot(data, ps), 2), ""]
-    parts += ["## Full table", "", _md_table(f), ""]
+    parts += ["## Full table", "", FULL_NOTE, "", _md_table(without_slot_columns(data.table if data.table is not None
+                                                                                 else f)), ""]
     parts += ["## Acceptance histograms", "",
               "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
     for ps in data.prompt_sets:
@@ -458,7 +593,7 @@ def render_markdown(data: ReportData) -> str:
     if data.slot_curves:
         parts += ["## Per-slot conditional acceptance", "",
                   "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
-                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in slot_columns(f)]]), ""]
+                  _md_table(slot_text(f, [c for _, c in slot_columns(f)], "P(accepted), slots 1, 2, ...")), ""]
     if data.positions:
         parts += ["## Acceptance by position in the response", "",
                   "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
@@ -473,7 +608,7 @@ def render_markdown(data: ReportData) -> str:
                   _md_table(data.agreement, 4), ""]
     if data.caches:
         parts += ["## Provenance", "", _md_table(provenance(data).reset_index(names="field"), 4), ""]
-    for title, md in data.extra:
+    for title, md, _ in data.extra:
         parts += [f"## {title}", "", md, ""]
     return "\n".join(parts)
 
@@ -487,6 +622,18 @@ def _styled(df: pd.DataFrame, digits: int = 4, table_id: str = "table"):
     """A Styler with ``digits`` decimals, NaN as empty, no index; the table's id is ``T_<table_id>``."""
     st = df.style.format(precision=digits, na_rep="", thousands=None, escape="html").hide(axis="index")
     return st.set_uuid(table_id).set_table_attributes(f'class="data" data-table="{table_id}"')
+
+
+def _inline_html(text: str) -> str:
+    """A markdown sentence as HTML: escaped, `code` and *italics* kept."""
+    t = html_lib.escape(text, quote=False)
+    return re.sub(r"\*([^*]+)\*", r"<i>\1</i>", re.sub(r"`([^`]+)`", r"<code>\1</code>", t))
+
+
+def _html_section(note: str, tables: list[str]) -> str:
+    """An extra section's HTML: the note as a paragraph, then the tables (Styler HTML), each scrollable."""
+    return f"<p>{_inline_html(note)}</p>" + "".join(t if t.startswith("<p>") else f'<div class="scroll">{t}</div>'
+                                                    for t in tables)
 
 
 def _tau_table_html(data: ReportData) -> str:
@@ -535,6 +682,11 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
         if cks:
             add(f"slots_{_slug(ps)}.png", f"Per-slot conditional acceptance, {ps}: P(draft slot k accepted | "
                 "slots 1..k-1 accepted), pooled over verify steps.", F.slot_curves(ps, cks, data.slot_curves))
+    sel = selector_rows(data.frame)
+    if len(sel):
+        add("selector_slots.png", "DFlash 2 candidate selector by draft slot, per prompt set (temperature 0): top-K "
+            "recall (the target token is among the slot's candidates) and pick rate (the selector picks it, given "
+            "the earlier picks were right), one line per DFlash 2 checkpoint.", F.selector_slots(sel))
     if data.positions:
         add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
             "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
@@ -578,8 +730,9 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
                                           2, f"speedup-{_slug(ps)}") for ps in data.prompt_sets},
             "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
         }
-    full = _styled(data.table if data.table is not None else f, 4, "tau-csv").to_html()
+    full = _styled(without_slot_columns(data.table if data.table is not None else f), 4, "tau-csv").to_html()
     sel = selector_table(f)
+    cmp = variant_comparison(f)
     env = Environment(loader=PackageLoader("dflash_eval", "templates"), autoescape=select_autoescape(["html", "j2"]))
     return env.get_template("report.html.j2").render(
         run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
@@ -593,4 +746,5 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
         sampled_note=sampled_sets_note(f),
-        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None)
+        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
+        comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)
