@@ -74,17 +74,15 @@ def tau_vs_step(frame: pd.DataFrame) -> Figure:
     dashed DFlash 2), the legend names both; a variant without any value in a panel (DFlash 2's NaN DDTree
     columns) draws no line there."""
     methods = method_columns(frame)
-    fig, axes = _grid(len(methods))
-    x, xlabel, ticks = _x(frame)
     sets = sorted(frame["prompt_set"].unique())
     variants = variant_order(frame) or [None]
     several = len(variants) > 1
+    fig, axes = _grid(len(methods), h=PANEL_H + (0.3 * len(sets) + 0.6 if several else 0))  # room for the legend
+    x, xlabel, ticks = _x(frame)
     for ax, (col, label) in zip(axes, methods):
         for j, variant in enumerate(variants):
             for i, ps in enumerate(sets):
-                sel = (frame["prompt_set"] == ps).to_numpy()
-                if several:
-                    sel &= (frame["variant"] == variant).to_numpy()
+                sel = ((frame["prompt_set"] == ps) & ((frame["variant"] == variant) if several else True)).to_numpy()
                 pts = pd.DataFrame({"x": x[sel].to_numpy(), "y": frame.loc[sel, col].to_numpy(dtype=float)}).sort_values("x")
                 if several and pts["y"].isna().all():
                     continue
@@ -97,7 +95,11 @@ def tau_vs_step(frame: pd.DataFrame) -> Figure:
         if ticks is not None:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, ha="right", fontsize=7)
     axes[0].set_ylabel("tau (tokens per verify step)")
-    axes[0].legend(title="prompt set [variant]" if several else "prompt set", fontsize=8)
+    if several:  # below the panels, one column per variant: the lines stay visible
+        fig.legend(*axes[0].get_legend_handles_labels(), title="prompt set [variant]", fontsize=8,
+                   loc="outside lower center", ncols=len(variants))
+    else:
+        axes[0].legend(title="prompt set", fontsize=8)
     fig.suptitle("Acceptance length tau against training step")
     return fig
 
