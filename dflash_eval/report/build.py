@@ -11,7 +11,12 @@ PNG file, which Snakemake's own report (``snakemake --report``) shows.
 Contents, each adapting to what the data has:
 
 * tau against training step: one panel per method -- the DFlash chain and each DDTree
-  budget whose ``tau_ddtree_<budget>`` column the tau table has -- one line per prompt set;
+  budget whose ``tau_ddtree_<budget>`` column the tau table has -- one line per prompt set
+  (per variant and prompt set when DFlash 1 and DFlash 2 checkpoints share the table);
+* DFlash 1 vs DFlash 2: the best checkpoint of each variant per prompt set
+  (:func:`dflash_eval.report.tables.variant_comparison`);
+* the DFlash 2 selector diagnostics: a compact table (:func:`dflash_eval.report.tables.selector_table`)
+  and their per-slot rates as a figure; no table of the report has a column per slot;
 * the tau table: checkpoints in training order, per prompt set tau and its change against
   the previous step, the best checkpoint per prompt set highlighted; DDTree budgets
   side by side when present; the full tau.csv at the end;
@@ -493,7 +498,8 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     def add(name, caption, fig):
         out[name] = (caption, F.png(fig))
 
-    add("tau_vs_step.png", "tau against training step, one line per prompt set; one panel per method "
+    add("tau_vs_step.png", "tau against training step, one line per prompt set (per variant and prompt set with "
+        "DFlash 1 and DFlash 2 checkpoints: solid DFlash 1, dashed DFlash 2); one panel per method "
         "(the DFlash chain, and each DDTree budget when the tau table has it).", F.tau_vs_step(data.frame))
     if data.speedups is not None and len(data.speedups):
         label = device_label(data.costs)
