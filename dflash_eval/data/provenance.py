@@ -199,12 +199,20 @@ def read_prompt_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def skip_table_markdown(metas: dict[str, dict]) -> str:
-    """Markdown table of the skip counts of several prompt sets (``{prompt set: meta}``), for the report."""
+def skip_table_rows(metas: dict[str, dict]) -> tuple[list[str], list[list]]:
+    """The skip counts of several prompt sets (``{prompt set: meta}``): the header (prompt set, source, available,
+    written, then one reason of :data:`~dflash_eval.data.prompts.SKIP_REASONS` per code met) and one row per set
+    (by name; counts as ints, a missing one as "")."""
     codes = sorted({k for m in metas.values() for k in m["skipped"]})
     head = ["prompt set", "source", "available", "written"] + [SKIP_REASONS.get(c, c) for c in codes]
+    rows = [[name, m.get("source", ""), m.get("available", ""), m.get("written", "")]
+            + [m["skipped"].get(c, 0) for c in codes] for name, m in sorted(metas.items())]
+    return head, rows
+
+
+def skip_table_markdown(metas: dict[str, dict]) -> str:
+    """Markdown table of the skip counts of several prompt sets (``{prompt set: meta}``), for the report."""
+    head, rows = skip_table_rows(metas)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, m in sorted(metas.items()):
-        cells = [name, m.get("source", ""), str(m.get("available", "")), str(m.get("written", ""))]
-        lines.append("| " + " | ".join(cells + [str(m["skipped"].get(c, 0)) for c in codes]) + " |")
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)

@@ -11,7 +11,12 @@ PNG file, which Snakemake's own report (``snakemake --report``) shows.
 Contents, each adapting to what the data has:
 
 * tau against training step: one panel per method -- the DFlash chain and each DDTree
-  budget whose ``tau_ddtree_<budget>`` column the tau table has -- one line per prompt set;
+  budget whose ``tau_ddtree_<budget>`` column the tau table has -- one line per prompt set
+  (per variant and prompt set when DFlash 1 and DFlash 2 checkpoints share the table);
+* DFlash 1 vs DFlash 2: the best checkpoint of each variant per prompt set
+  (:func:`dflash_eval.report.tables.variant_comparison`);
+* the DFlash 2 selector diagnostics: a compact table (:func:`dflash_eval.report.tables.selector_table`)
+  and their per-slot rates as a figure; no table of the report has a column per slot;
 * the tau table: checkpoints in training order, per prompt set tau and its change against
   the previous step, the best checkpoint per prompt set highlighted; DDTree budgets
   side by side when present; the full tau.csv at the end;
@@ -32,6 +37,7 @@ Contents, each adapting to what the data has:
 from __future__ import annotations
 
 import base64
+import html as html_lib
 import json
 import math
 import re
@@ -45,7 +51,11 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
-from dflash_eval.data.provenance import read_prompt_meta, skip_table_markdown
+from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
+from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
+                                       costs_table, prompt_length_table, sampling_tables, selector_rows,
+                                       selector_slot_text, selector_table, slot_text, variant_comparison,
+                                       without_slot_columns)
 from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
                                           sampled_sets_note, speedup_frame, summary_frame, with_speedups)
 from dflash_eval.target.cost_stats import assess
@@ -79,7 +89,7 @@ class ReportData:
     caches: dict  #: prompt_set -> cache attributes
     costs: dict | None = None
     speedups: pd.DataFrame | None = None
-    extra: list = field(default_factory=list)  #: (title, markdown) of extra sections
+    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: the markdown in <pre>) of extra sections
     config_sha256: str | None = None
     run: str | None = None
     provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
@@ -111,16 +121,6 @@ def prompt_length_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """``[("0-128", "tau_prompt_0_128"), ...]``: prompt-length bins holding any response, in table order."""
     return [(c[len(PROMPT_PREFIX):].replace("_", "-"), c) for c in frame.columns
             if c.startswith(PROMPT_PREFIX) and frame[c].notna().any()]
-
-
-def prompt_length_table(frame: pd.DataFrame, cols: list[tuple[str, str]]) -> pd.DataFrame:
-    """Checkpoint, prompt set and ``"<tau> (<responses>)"`` per prompt-length bin (empty where none)."""
-    out = frame[["checkpoint", "prompt_set"]].copy()
-    for label, c in cols:
-        n = frame["n" + c[len("tau"):]] if "n" + c[len("tau"):] in frame else None
-        out[f"{label} tokens"] = [f"{t:.3f} ({int(k)})" if pd.notna(t) else ""
-                                  for t, k in zip(frame[c], n if n is not None else [0] * len(frame))]
-    return out
 
 
 def slot_curves(frame: pd.DataFrame) -> dict:
@@ -199,43 +199,47 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     data.table = with_speedups(every, data.costs)
     if prompts_meta:
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
-        data.extra.append(("Prompt sets", "Prompts available in each source, written to the set, and left out per "
-                           "reason (loader skips over the whole source; too long: met before n were taken).\n\n"
-                           + skip_table_markdown(metas)))
+        data.extra.append(prompt_sets_section(metas))
     if every["sampling"].nunique() > 1 or ("draft" in every and every["draft"].nunique() > 1):
-        data.extra.insert(0, ("Acceptance by sampling setting", sampling_section(every)))
+        data.extra.insert(0, sampling_extra(every))
     if drafter_notes:  # strip's notes that need a look: sliding layers derived from use_sliding_window, huge weights
-        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes))))
+        data.extra.append(("Drafter notes", "What strip noted (strip_info.json).\n\n" + "\n".join(sorted(drafter_notes)),
+                           None))
     for path in extra or []:
         d = read_json_object(path, "report section", f"rerun it: snakemake --forcerun {path}")
-        data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```")))
+        data.extra.append((d.get("title", Path(path).stem), d.get("markdown", "```\n" + json.dumps(d, indent=1) + "\n```"),
+                           None))
     return data
 
 
 # --------------------------------------------------------------------------- tables
 
 def sampling_section(every: pd.DataFrame) -> str:
-    """Markdown: tau per checkpoint x (prompt set, sampling setting, draft policy), every row of tau.csv (the
-    report's other tables show each pair's first configured setting), then which engine setting gives each
-    policy's number."""
-    f = every.copy()
-    drafts = f["draft"] if "draft" in f else pd.Series(["reference"] * len(f), index=f.index)
-    f["column"] = [f"{ps} {s}" + (f" [{d}]" if float(t) > 0 else "") + (" (expected)" if e else "")
-                   + (f" on {tr} completions" if tr != s else "")
-                   for ps, s, d, t, e, tr in zip(f["prompt_set"], f["sampling"], drafts, f["temperature"],
-                                                 f["expected"], f["trajectory"])]
-    piv = f.pivot_table(index="checkpoint", columns="column", values="tau", sort=False).reset_index()
-    engines = f[f["temperature"].astype(float) > 0].assign(draft=drafts).drop_duplicates(["sampling", "draft"])
-    legend = "\n".join(f"- `{r.sampling}` [{r.draft}]: {r.engine or 'no engine known'}"
-                        for r in engines.itertuples()) if "engine" in f else ""
-    return ("tau (mean over responses of tokens per verify step) at each `evaluate.sampling` setting and draft "
-            "policy. *(expected)*: the expectation of that policy's speculative sampler given the cached "
-            "completions (docs/design.md, Acceptance at temperature > 0 and Draft policies); *on T0 completions*: "
-            "evaluated with evaluate.cross_temperature on completions drawn at another setting: not an "
-            "expectation. At T > 0 the accepted length depends on how the engine drafts: [reference] drafts "
-            "sampled from the drafter's q (dflash 0.1.0), [argmax] the drafter's argmax with one-hot q (vLLM's "
-            "default), [probabilistic] q at the temperature only (vLLM draft_sample_method=probabilistic).\n\n"
-            + _md_table(piv) + (("\n\nThe engine setting that gives each column:\n\n" + legend) if legend else ""))
+    """Markdown of :func:`sampling_tables`, under :data:`SAMPLING_NOTE`."""
+    piv, engines = sampling_tables(every)
+    legend = "\n".join(f"- `{r.sampling}` [{r.draft}]: {r.engine}" for r in engines.itertuples()) \
+        if engines is not None else ""
+    return (SAMPLING_NOTE + "\n\n" + _md_table(piv)
+            + (("\n\nThe engine setting that gives each column:\n\n" + legend) if legend else ""))
+
+
+def sampling_extra(every: pd.DataFrame) -> tuple[str, str, str]:
+    """The "Acceptance by sampling setting" section of :class:`ReportData` ``extra``: (title, markdown, HTML)."""
+    piv, engines = sampling_tables(every)
+    html = [_styled(piv, 4, "sampling").to_html()]
+    if engines is not None and len(engines):
+        html += ["<p>The engine setting that gives each column:</p>", _styled(engines, 0, "engines").to_html()]
+    return "Acceptance by sampling setting", sampling_section(every), _html_section(SAMPLING_NOTE, html)
+
+
+def prompt_sets_section(metas: dict[str, dict]) -> tuple[str, str, str]:
+    """The "Prompt sets" section (skip counts per reason, :func:`dflash_eval.data.provenance.skip_table_rows`, of
+    ``{prompt set: prompts meta}``): (title, markdown, HTML)."""
+    note = ("Prompts available in each source, written to the set, and left out per reason (loader skips over the "
+            "whole source; too long: met before n were taken).")
+    head, rows = skip_table_rows(metas)
+    skips = pd.DataFrame(rows, columns=head)
+    return "Prompt sets", note + "\n\n" + _md_table(skips), _html_section(note, [_styled(skips, 0, "prompt-sets").to_html()])
 
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
@@ -261,12 +265,7 @@ def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
 
 def best_checkpoints(data: ReportData) -> pd.DataFrame:
     """Per prompt set the checkpoint with the highest chain tau (ties: the earlier step)."""
-    f = data.frame.dropna(subset=["tau"])
-    rows = []
-    for ps, sub in f.groupby("prompt_set"):
-        r = sub.sort_values(["tau", "step"], ascending=[False, True], na_position="last").iloc[0]
-        rows.append({"prompt_set": ps, "checkpoint": r["checkpoint"], "step": r["step"], "tau": r["tau"]})
-    return pd.DataFrame(rows, columns=["prompt_set", "checkpoint", "step", "tau"])
+    return best_rows(data.frame)
 
 
 def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -277,23 +276,6 @@ def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     for col, label in method_columns(data.frame):
         out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
     return out
-
-
-SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path. tau_oracle: a perfect "
-                 "selector over the same top-K candidates; tau_unary: the per-slot argmax of the same logits; "
-                 "topk_recall_slot_k: the target token is among slot k's candidates; pick_rate_slot_k: the "
-                 "selector picks it given the earlier picks were right. DDTree columns are NaN for these rows: "
-                 "no serving engine builds a tree over the selector's path (ddtree_applicable false).")
-
-
-def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
-    """The DFlash 2 rows with their selector diagnostics (:mod:`dflash_eval.report.tau_table`), or None without any."""
-    if "tau_oracle" not in frame.columns or "variant" not in frame.columns or not (frame["variant"] == "dflash2").any():
-        return None
-    cols = ["checkpoint", "prompt_set", "tau", "tau_unary", "tau_oracle", "sel_accepted", "sel_oracle_accepted",
-            "sel_pick_rate", "sel_oracle_path_rate"]
-    cols += [c for c in frame.columns if c.startswith(("topk_recall_slot_", "pick_rate_slot_"))]
-    return frame.loc[frame["variant"] == "dflash2", cols].reset_index(drop=True)
 
 
 def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -307,25 +289,6 @@ def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
     best = s[s["best"]].set_index("checkpoint")["method"].reindex(data.checkpoints)
     out["best"] = best.fillna("").to_numpy()
     return out
-
-
-def costs_table(costs: dict) -> pd.DataFrame:
-    """Measured costs (ms) and their ratio to one decode step."""
-    t_dec = costs["decode_s"]
-    rows = [{"quantity": "t_decode: decode step (1 token)", "ms": 1e3 * t_dec, "× t_decode": 1.0}]
-    for v in sorted(costs["verify"], key=lambda v: (v["n"], v["mask"])):
-        rows.append({"quantity": f"t_verify({v['n']}): verify forward, {v['mask']} mask", "ms": 1e3 * v.get("fit_s", v["median_s"]),
-                     "× t_decode": v.get("fit_s", v["median_s"]) / t_dec})
-    seen = set()
-    for name, d in costs["drafters"].items():
-        if d["config_sha256"] in seen:
-            continue
-        seen.add(d["config_sha256"])
-        tag = f"drafter {d['config_sha256'][:8]} ({d['num_layers']} layers, block {d['block_size']})"
-        rows.append({"quantity": f"t_draft: {tag}, chain", "ms": 1e3 * d["draft_s"], "× t_decode": d["draft_s"] / t_dec})
-        for b, t in d.get("draft_tree_s", {}).items():
-            rows.append({"quantity": f"t_draft: {tag}, top-{b} per slot", "ms": 1e3 * t, "× t_decode": t / t_dec})
-    return pd.DataFrame(rows)
 
 
 def provenance(data: ReportData) -> pd.DataFrame:
@@ -426,13 +389,17 @@ def render_markdown(data: ReportData) -> str:
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
 
+    cmp = variant_comparison(f)
+    if cmp is not None:
+        parts += ["## DFlash 1 vs DFlash 2", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
     if ddtree_budgets(f):
         parts += ["## DDTree: tau per node budget", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
     sel = selector_table(f)
     if sel is not None:
-        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), ""]
+        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), "",
+                  "By draft slot (slots 1, 2, ...; 2 decimals):", "", _md_table(selector_slot_text(f)), ""]
     if data.speedups is not None and len(data.speedups):
         c = data.costs
         parts += ["## Estimated decode speedup", "",
@@ -444,7 +411,8 @@ def render_markdown(data: ReportData) -> str:
             parts += [f"> **Warning:** {warn}", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(speedup_pivot(data, ps), 2), ""]
-    parts += ["## Full table", "", _md_table(f), ""]
+    parts += ["## Full table", "", FULL_NOTE, "", _md_table(without_slot_columns(data.table if data.table is not None
+                                                                                 else f)), ""]
     parts += ["## Acceptance histograms", "",
               "Fraction of verify steps that committed k tokens (k = accepted drafts + bonus).", ""]
     for ps in data.prompt_sets:
@@ -458,7 +426,7 @@ def render_markdown(data: ReportData) -> str:
     if data.slot_curves:
         parts += ["## Per-slot conditional acceptance", "",
                   "P(draft slot k accepted | slots 1..k-1 accepted), pooled over verify steps.", "",
-                  _md_table(f[["checkpoint", "prompt_set"] + [c for _, c in slot_columns(f)]]), ""]
+                  _md_table(slot_text(f, [c for _, c in slot_columns(f)], "P(accepted), slots 1, 2, ...")), ""]
     if data.positions:
         parts += ["## Acceptance by position in the response", "",
                   "Tokens per verify step over the steps whose anchor lies at that completion position.", "",
@@ -473,7 +441,7 @@ def render_markdown(data: ReportData) -> str:
                   _md_table(data.agreement, 4), ""]
     if data.caches:
         parts += ["## Provenance", "", _md_table(provenance(data).reset_index(names="field"), 4), ""]
-    for title, md in data.extra:
+    for title, md, _ in data.extra:
         parts += [f"## {title}", "", md, ""]
     return "\n".join(parts)
 
@@ -487,6 +455,18 @@ def _styled(df: pd.DataFrame, digits: int = 4, table_id: str = "table"):
     """A Styler with ``digits`` decimals, NaN as empty, no index; the table's id is ``T_<table_id>``."""
     st = df.style.format(precision=digits, na_rep="", thousands=None, escape="html").hide(axis="index")
     return st.set_uuid(table_id).set_table_attributes(f'class="data" data-table="{table_id}"')
+
+
+def _inline_html(text: str) -> str:
+    """A markdown sentence as HTML: escaped, `code` and *italics* kept."""
+    t = html_lib.escape(text, quote=False)
+    return re.sub(r"\*([^*]+)\*", r"<i>\1</i>", re.sub(r"`([^`]+)`", r"<code>\1</code>", t))
+
+
+def _html_section(note: str, tables: list[str]) -> str:
+    """An extra section's HTML: the note as a paragraph, then the tables (Styler HTML), each scrollable."""
+    return f"<p>{_inline_html(note)}</p>" + "".join(t if t.startswith("<p>") else f'<div class="scroll">{t}</div>'
+                                                    for t in tables)
 
 
 def _tau_table_html(data: ReportData) -> str:
@@ -518,7 +498,8 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     def add(name, caption, fig):
         out[name] = (caption, F.png(fig))
 
-    add("tau_vs_step.png", "tau against training step, one line per prompt set; one panel per method "
+    add("tau_vs_step.png", "tau against training step, one line per prompt set (per variant and prompt set with "
+        "DFlash 1 and DFlash 2 checkpoints: solid DFlash 1, dashed DFlash 2); one panel per method "
         "(the DFlash chain, and each DDTree budget when the tau table has it).", F.tau_vs_step(data.frame))
     if data.speedups is not None and len(data.speedups):
         label = device_label(data.costs)
@@ -535,6 +516,11 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
         if cks:
             add(f"slots_{_slug(ps)}.png", f"Per-slot conditional acceptance, {ps}: P(draft slot k accepted | "
                 "slots 1..k-1 accepted), pooled over verify steps.", F.slot_curves(ps, cks, data.slot_curves))
+    sel = selector_rows(data.frame)
+    if len(sel):
+        add("selector_slots.png", "DFlash 2 candidate selector by draft slot, per prompt set (temperature 0): top-K "
+            "recall (the target token is among the slot's candidates) and pick rate (the selector picks it, given "
+            "the earlier picks were right), one line per DFlash 2 checkpoint.", F.selector_slots(sel))
     if data.positions:
         add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
             "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
@@ -578,8 +564,9 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
                                           2, f"speedup-{_slug(ps)}") for ps in data.prompt_sets},
             "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
         }
-    full = _styled(data.table if data.table is not None else f, 4, "tau-csv").to_html()
+    full = _styled(without_slot_columns(data.table if data.table is not None else f), 4, "tau-csv").to_html()
     sel = selector_table(f)
+    cmp = variant_comparison(f)
     env = Environment(loader=PackageLoader("dflash_eval", "templates"), autoescape=select_autoescape(["html", "j2"]))
     return env.get_template("report.html.j2").render(
         run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
@@ -593,4 +580,5 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
         sampled_note=sampled_sets_note(f),
-        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None)
+        selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
+        comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

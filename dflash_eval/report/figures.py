@@ -18,7 +18,12 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
-from dflash_eval.report.tau_table import checkpoint_order, method_columns
+from dflash_eval.report.tau_table import (
+    checkpoint_order,
+    method_columns,
+    variant_label,
+    variant_order,
+)
 
 DPI = 100
 PANEL_W, PANEL_H = 4.2, 3.0
@@ -58,25 +63,77 @@ def set_label(frame: pd.DataFrame, prompt_set: str) -> str:
     return prompt_set if labels in ([], ["T0"]) else f"{prompt_set} ({', '.join(labels)})"
 
 
+_VARIANT_STYLES = ["-", "--", ":", "-."]  #: line style per variant when several share a panel
+
+
 def tau_vs_step(frame: pd.DataFrame) -> Figure:
-    """tau against training step: one panel per method (chain, each DDTree budget), one line per prompt set."""
+    """tau against training step: one panel per method (chain, each DDTree budget), one line per prompt set.
+
+    With several drafter variants (``variant``: DFlash 1 and DFlash 2 runs side by side), one line per
+    (variant, prompt set): the colour is the prompt set's, the line style the variant's (solid DFlash 1,
+    dashed DFlash 2), the legend names both; a variant without any value in a panel (DFlash 2's NaN DDTree
+    columns) draws no line there."""
     methods = method_columns(frame)
-    fig, axes = _grid(len(methods))
-    x, xlabel, ticks = _x(frame)
     sets = sorted(frame["prompt_set"].unique())
+    variants = variant_order(frame) or [None]
+    several = len(variants) > 1
+    fig, axes = _grid(len(methods), h=PANEL_H + (0.3 * len(sets) + 0.6 if several else 0))  # room for the legend
+    x, xlabel, ticks = _x(frame)
     for ax, (col, label) in zip(axes, methods):
-        for i, ps in enumerate(sets):
-            sel = (frame["prompt_set"] == ps).to_numpy()
-            pts = pd.DataFrame({"x": x[sel].to_numpy(), "y": frame.loc[sel, col].to_numpy(dtype=float)}).sort_values("x")
-            ax.plot(pts["x"], pts["y"], marker="o", color=f"C{i}", label=set_label(frame, ps))
+        for j, variant in enumerate(variants):
+            for i, ps in enumerate(sets):
+                sel = ((frame["prompt_set"] == ps) & ((frame["variant"] == variant) if several else True)).to_numpy()
+                pts = pd.DataFrame({"x": x[sel].to_numpy(), "y": frame.loc[sel, col].to_numpy(dtype=float)}).sort_values("x")
+                if several and pts["y"].isna().all():
+                    continue
+                name = set_label(frame, ps) + (f" [{variant_label(variant)}]" if several else "")
+                ax.plot(pts["x"], pts["y"], marker="o", color=f"C{i}", label=name,
+                        linestyle=_VARIANT_STYLES[j % len(_VARIANT_STYLES)])
         ax.set_title(label)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if ticks is not None:
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, ha="right", fontsize=7)
     axes[0].set_ylabel("tau (tokens per verify step)")
-    axes[0].legend(title="prompt set", fontsize=8)
+    if several:  # below the panels, one column per variant: the lines stay visible
+        fig.legend(*axes[0].get_legend_handles_labels(), title="prompt set [variant]", fontsize=8,
+                   loc="outside lower center", ncols=len(variants))
+    else:
+        axes[0].legend(title="prompt set", fontsize=8)
     fig.suptitle("Acceptance length tau against training step")
+    return fig
+
+
+def selector_slots(frame: pd.DataFrame) -> Figure:
+    """DFlash 2 selector diagnostics by draft slot: per prompt set (one row of panels) the top-K recall
+    ``topk_recall_slot_<k>`` and the pick rate ``pick_rate_slot_<k>`` against slot k, one line per checkpoint
+    (colour = training order). ``frame``: the DFlash 2 rows to draw (one per checkpoint and prompt set); slots
+    without a value (a smaller block size, a slot never compared) are left out of a line."""
+    sets = sorted(frame["prompt_set"].unique())
+    kinds = [("topk_recall", "top-K recall: target token among the candidates"),
+             ("pick_rate", "pick rate: selector picks it, earlier picks right")]
+    fig, axes = _grid(2 * len(sets), ncols=2, w=4.6, h=3.0)
+    order = checkpoint_order(frame)
+    cmap = _cmap()
+    for r, ps in enumerate(sets):
+        sub = frame[frame["prompt_set"] == ps].drop_duplicates("checkpoint").set_index("checkpoint")
+        for ax, (kind, title) in zip(axes[2 * r:2 * r + 2], kinds):
+            cols = sorted((int(c[len(kind) + 6:]), c) for c in frame.columns
+                          if c.startswith(f"{kind}_slot_") and c[len(kind) + 6:].isdigit())
+            for i, ck in enumerate(order):
+                if ck not in sub.index:
+                    continue
+                pts = [(k, float(sub.at[ck, c])) for k, c in cols if pd.notna(sub.at[ck, c])]
+                if pts:
+                    ax.plot(*zip(*pts), marker=".", color=cmap(0.85 * i / max(1, len(order) - 1)), label=ck)
+            ax.set_title(f"{ps}: {title}", fontsize=9)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("draft slot k")
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+    axes[0].set_ylabel("rate")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("DFlash 2 candidate selector by draft slot")
     return fig
 
 

@@ -400,3 +400,19 @@ def checkpoint_order(frame: pd.DataFrame) -> list[str]:
     """Checkpoints ordered by training step (unknown steps last), then name."""
     first = frame.drop_duplicates("checkpoint").sort_values(["step", "checkpoint"], na_position="last")
     return list(first["checkpoint"])
+
+
+#: legend and table names of the drafter variants (tau.csv ``variant``)
+VARIANT_LABELS = {"dflash": "DFlash 1", "dflash2": "DFlash 2"}
+
+
+def variant_label(variant: str) -> str:
+    """``"DFlash 1"`` / ``"DFlash 2"`` for ``dflash`` / ``dflash2``; another variant: its name."""
+    return VARIANT_LABELS.get(variant, variant)
+
+
+def variant_order(frame: pd.DataFrame) -> list[str]:
+    """The ``variant`` values of ``frame``, DFlash 1 then DFlash 2 then any other by name; [] without the column."""
+    if "variant" not in frame:
+        return []
+    return sorted(frame["variant"].dropna().unique(), key=lambda v: (v not in VARIANT_LABELS, variant_label(v)))
