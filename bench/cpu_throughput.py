@@ -8,7 +8,7 @@
 Usage:
     .venv/bin/python bench/cpu_throughput.py [--target resources/targets/smollm2-135m-instruct]
         [--completions results/demo/completions/humaneval.jsonl] [--cache results/demo/cache/humaneval.h5]
-        [--drafter results/demo/drafters/dflash-smollm2-b8-step3507]
+        [--drafter results/demo/drafters/dflash-smollm2-b8-step2283]
 Prints one line per measurement and the ratios. Float32 on CPU (bf16 matmuls are very slow here).
 """
 
@@ -73,7 +73,7 @@ def main():
     ap.add_argument("--target", default="resources/targets/smollm2-135m-instruct")
     ap.add_argument("--completions", default="results/demo/completions/humaneval.jsonl")
     ap.add_argument("--cache", default="results/demo/cache/humaneval.h5")
-    ap.add_argument("--drafter", default="results/demo/drafters/dflash-smollm2-b8-step3507")
+    ap.add_argument("--drafter", default="results/demo/drafters/dflash-smollm2-b8-step2283")
     ap.add_argument("--layer-ids", default="1,8,15,22,27")
     ap.add_argument("--n", type=int, default=8, help="samples for the extraction benchmark")
     a = ap.parse_args()
