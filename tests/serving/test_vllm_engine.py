@@ -4,7 +4,7 @@
   ``[L, head_dim]`` weight applies row 0 to every row; with :mod:`dflash_eval.serving.vllm.sitecustomize` on the
   path it applies each row. (When a vLLM release fixes the kernel, the first assertion fails: then the
   work-around can go.)
-* The ``validate_engine`` stage on the demo drafter (step 3507), served with ``method: dflash`` and the
+* The ``validate_engine`` stage on the demo drafter (step 2283), served with ``method: dflash`` and the
   work-around: vLLM's greedy output equals the completions, and every request's per-step acceptance
   equals the replay's after the stop-token conversion (kinds ``none`` / ``stop-counting`` only); the
   Prometheus counters equal the sum of the per-request arrays; the stage's plain server gives the
@@ -66,7 +66,7 @@ def test_cpu_rms_norm_with_stacked_weights_and_the_work_around(tmp_path):
 
 
 def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path):
-    """The validate_engine stage (a plain and a DFlash vLLM server, one after the other) on the demo's step-3507
+    """The validate_engine stage (a plain and a DFlash vLLM server, one after the other) on the demo's step-2283
     drafter: every request equal to the replay after the stop-token conversion, counters consistent with the
     per-request arrays, measured speedup and both per-position conventions in the report section."""
     from dflash_eval.data.completions import read_completions
@@ -93,7 +93,7 @@ def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path
     assert k["accepted"] - sum(q["past_end"] for q in c["requests"]) == sum(q["accepted_offline"] for q in c["requests"])
     assert c["mean_acceptance_length_raw"] == pytest.approx(1 + k["accepted"] / k["drafts"])
     assert c["speedup_measured"] == pytest.approx(c["timing"]["output_tok_per_s"] / r["plain"]["output_tok_per_s"])
-    assert "| dflash-smollm2-b8-step3507 |" in r["markdown"] and "unconditional" in r["markdown"]
+    assert "| dflash-smollm2-b8-step2283 |" in r["markdown"] and "unconditional" in r["markdown"]
 
 
 def test_validate_engine_at_temperature_1_both_draft_sample_methods(smol, tmp_path):
@@ -135,4 +135,4 @@ def test_validate_engine_at_temperature_1_both_draft_sample_methods(smol, tmp_pa
         assert x["tau_engine"] < 1.2 and x["tau_offline"] > 1.4
     assert any(x["flag"] for x in by.values())
     assert r["markdown"].startswith("**ENGINE DISAGREES with the offline expectation beyond 3 standard errors**")
-    assert "| dflash-smollm2-b8-step3507 | T1 | argmax | greedy | 1.0" in r["markdown"]
+    assert "| dflash-smollm2-b8-step2283 | T1 | argmax | greedy | 1.0" in r["markdown"]

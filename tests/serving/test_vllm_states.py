@@ -40,7 +40,7 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [1, 8, 15, 22, 27, 29]  # the demo drafters' layers + the last one (final-normed in the HF cache)
-DRAFTER = REPO / "demo" / "drafters" / "dflash-smollm2-b8-step3507"
+DRAFTER = REPO / "demo" / "drafters" / "dflash-smollm2-b8-step2283"
 ENV = SERVER_ENV  # KV cache 1 GiB, torch 1 thread (test_vllm.py)
 
 

@@ -4,7 +4,10 @@
   z-lab DFlash 0.1.0, KV caches and verify forwards of the target) commits the same tokens and records the
   same per-step acceptance as our completions -> cache -> replay pipeline.
 * Our own online loop (chain, and DDTree verified with tree attention) equals the offline replay per step.
-* The demo drafters' tau grows with training: tau(final) > tau(middle) > tau(early) >= 1 on both prompt sets.
+* The same for the demo's DFlash 2 drafter: strict load into the reference ``DFlash2DraftModel``, whose online loop
+  equals the offline replay of the candidate selector's path per step wherever the outputs agree.
+* The demo drafters' tau grows with training, in both runs (DFlash 1 and DFlash 2): tau(final) > tau(middle) >
+  tau(early) >= 1 on both prompt sets.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 DRAFTERS = REPO / "demo" / "drafters"
-STEPS = (788, 2000, 3507)
+#: the checkpoints of the two demo runs (demo/drafters/PROVENANCE.md): DFlash 1 and DFlash 2
+RUNS = {"dflash": (172, 870, 2283), "dflash2": (177, 806, 2072)}
+STEPS = RUNS["dflash"]
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +77,36 @@ def test_offline_replay_equals_reference_online_loop(smol, online_cache, monkeyp
     assert any(a > 1 for s in ours["samples"] for a in s["acceptance_lengths"])  # drafts were accepted
 
 
+def test_offline_replay_of_the_dflash2_demo_drafter_equals_reference_online_loop(smol, online_cache, monkeypatch):
+    import dflash.model as ref
+
+    from dflash_eval.cache.reader import CacheReader
+    from dflash_eval.stages.evaluate import evaluate
+    from dflash_eval.target.model import load_target
+
+    drafter_dir = DRAFTERS / f"dflash2-smollm2-b8-step{RUNS['dflash2'][-1]}"
+    ours = evaluate(drafter_dir, online_cache, smol / "target", smol / "online_eval2.json", device="cpu",
+                    dtype="float32")
+    monkeypatch.setattr(ref, "_cuda_time", time.perf_counter)
+    target, _, _ = load_target(smol / "target", device="cpu", dtype="float32")
+    draft, info = ref.DFlash2DraftModel.from_pretrained(str(drafter_dir), dtype=torch.float32,
+                                                       output_loading_info=True)
+    assert {k: list(v) for k, v in info.items() if v} == {}  # strict: no missing / unexpected / mismatched keys
+    draft = draft.eval()
+    agreed = 0
+    with CacheReader(online_cache) as rd:
+        for i, sample in enumerate(ours["samples"]):
+            s = rd.sample(i)
+            with torch.no_grad():
+                out = ref.dflash_generate(draft, target, s.input_ids[: s.prompt_len][None], max_new_tokens=48,
+                                          stop_token_ids=[2], return_stats=True)
+            if out.output_ids[0, s.prompt_len:].tolist() == s.input_ids[s.prompt_len:].tolist():  # outputs agree
+                agreed += 1
+                assert sample["acceptance_lengths"] == out.acceptance_lengths, sample["id"]
+    assert agreed >= 1
+    assert any(a > 2 for s in ours["samples"] for a in s["acceptance_lengths"])  # the selector's drafts accepted
+
+
 def test_validate_online_chain_and_ddtree_equal_offline(smol, online_cache):
     """Our online loop with the target in the loop (chain, and DDTree-16 verified in one tree-attention forward)
     commits the cached completion and the exact per-step acceptance of the offline replay (float32)."""
@@ -98,9 +133,10 @@ def test_demo_drafters_improve_with_training(smol):
 
     for source in ("humaneval", "sharegpt"):
         cache = _pipeline(smol, source, 6, 96, f"order-{source}")
-        taus = [evaluate(DRAFTERS / f"dflash-smollm2-b8-step{s}", cache, smol / "target", smol / f"{source}-{s}.json",
-                         device="cpu", dtype="float32")["tau"] for s in STEPS]
-        assert taus[2] > taus[1] > taus[0] >= 1.0, (source, taus)
+        for variant, steps in RUNS.items():
+            taus = [evaluate(DRAFTERS / f"{variant}-smollm2-b8-step{s}", cache, smol / "target",
+                             smol / f"{source}-{variant}-{s}.json", device="cpu", dtype="float32")["tau"] for s in steps]
+            assert taus[2] > taus[1] > taus[0] >= 1.0, (source, variant, taus)
 
 
 def test_batched_replay_equals_sequential_on_demo_drafters(smol):
