@@ -11,7 +11,8 @@ side by side, one warm-up pass untimed, then ``--rounds`` rounds interleaved, th
 - ``bytes``: the file sizes and ``size_ratio`` = bf16 / fp8 (goal >= 1.9);
 - ``read_s`` / ``read_unverified_s`` and ``read_ratio`` = fp8 / bf16 (goal <= 1.0), each read ending with every
   sample's states on the device (``.to(device)``, as the replay moves them; FP8 dequantised there:
-  ``CacheReader(dequant_device=...)``); on the GPU also ``read_ratio_cpu_dequant`` (FP8 dequantised on the CPU,
+  ``CacheReader(dequant_device=...)``), in the replay's dtype (bf16 on CUDA, float32 on the CPU, as evaluate's
+  replay widens them); on the GPU also ``read_ratio_cpu_dequant`` (FP8 dequantised on the CPU,
   then copied);
 - ``rel_l2``: per stored layer, ||fp8 - ref|| / ||ref|| over every token (ref: the bf16 cache; on the CPU also
   the float32 cache, the demo's own storage).
@@ -55,7 +56,7 @@ from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, STORAGE_BF16, STOR
                                       dequantize_fp8, from_storage)
 from dflash_eval.cache.reader import CacheReader  # noqa: E402
 from dflash_eval.cache.writer import PartialCache, SampleMeta  # noqa: E402
-from dflash_eval.core.runtime import length_batches  # noqa: E402
+from dflash_eval.core.runtime import length_batches, resolve_dtype  # noqa: E402
 from dflash_eval.stages.hidden_states import _run_batches  # noqa: E402
 
 #: name -> (LlamaConfig keywords, stored layers, (min, max) tokens per sample)
@@ -121,12 +122,15 @@ def write(path: Path, model, seqs, layer_ids, dev, dt, fp8: bool, batch_tokens: 
 
 def read_all(path: Path, verify: bool, device: torch.device, dequant_on_device: bool = True) -> float:
     """Seconds to read every sample of ``path`` as evaluate does (``verified_samples``), or unverified, and bring
-    its states to ``device`` (evaluate's replay reads them there); FP8 caches are dequantised there, or on the CPU
-    (``dequant_on_device`` False) and then copied."""
+    its states to ``device`` in the replay's dtype (evaluate's replay reads them there, as
+    ``.to(device=dev, dtype=dt)``: bf16 on CUDA, float32 on the CPU, so a bf16 cache read on the CPU pays its
+    conversion as the replay does); FP8 caches are dequantised there, or on the CPU (``dequant_on_device`` False)
+    and then copied."""
+    dt = resolve_dtype("auto", device)
     t0 = time.perf_counter()
     with CacheReader(path, verify=verify, dequant_device=device if dequant_on_device else None) as rd, \
             rd.verified_samples(range(len(rd))) as samples:
-        on = [s.hidden.to(device) for s in samples]
+        on = [s.hidden.to(device=device, dtype=dt) for s in samples]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         assert len(on) == len(rd)

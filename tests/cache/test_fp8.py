@@ -142,3 +142,15 @@ def test_evaluate_dequantises_fp8_on_a_cuda_device_and_on_the_host_for_the_cpu(t
         assert rd.dequant_device == torch.device("cuda")
     with open_cache(path, torch.device("cpu")) as rd:
         assert rd.dequant_device is None and rd.sample(0).hidden.device.type == "cpu"
+
+
+def test_cpu_dequantisation_is_exact_for_every_finite_code_and_keeps_nan_through_the_scale():
+    codes = np.arange(256, dtype=np.uint8)
+    exact = torch.from_numpy(codes).view(torch.float8_e4m3fn).float()  # torch's own cast: the definition
+    finite = torch.isfinite(exact)
+    assert int((~finite).sum()) == 2  # 0x7F and 0xFF, E4M3FN's NaNs
+    for scale in (1.0, 0.37, 3e-5):
+        got = dequantize_fp8(codes.reshape(256, 1, 1), np.full((256, 1), scale, np.float32), "float32")[:, 0, 0]
+        assert torch.equal(got[finite], exact[finite] * np.float32(scale))
+    nan_scale = np.full((256, 1), np.nan, np.float32)  # what quantize_fp8 writes beside a non-finite state
+    assert torch.isnan(dequantize_fp8(codes.reshape(256, 1, 1), nan_scale, "float32")).all()
