@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.schema import sampling_label
 from dflash_eval.replay.walk import MCEstimate, _estimate
 
 
@@ -91,15 +92,8 @@ class SamplingSetting:
 
     @property
     def label(self) -> str:
-        """Stable short name, e.g. ``T0`` or ``T1_p0.95_k20`` (filters at their defaults are left out)."""
-        if self.greedy:
-            return "T0"
-        parts = [f"T{self.temperature:g}"]
-        if self.top_p < 1:
-            parts.append(f"p{self.top_p:g}")
-        if self.top_k:
-            parts.append(f"k{self.top_k}")
-        return "_".join(parts)
+        """Stable short name, e.g. ``T0`` or ``T1_p0.95_k20`` (:func:`dflash_eval.core.schema.sampling_label`)."""
+        return sampling_label({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k})
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, where: str | None = None,

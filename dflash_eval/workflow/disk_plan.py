@@ -45,6 +45,7 @@ class CacheSize:
     bytes: int | None  #: as stored (None: unknown)
     basis: str  #: ``done``, ``exact``, ``estimate``, ``bound`` or ``unknown`` (module docstring)
     written: int = 0  #: bytes a partial sidecar already holds
+    final_hidden: bool = False  #: the target's final normed state is stored too (a set evaluated at T > 0)
 
 
 def storage_name(cache_cfg: dict) -> tuple[str, str]:
@@ -165,7 +166,8 @@ def planned_caches(plan) -> list[CacheSize]:
         size = None if tokens is None or not H else tokens * bytes_per_token(storage, K, int(H))
         partial = cache.with_name(cache.name + ".partial")
         written = partial.stat().st_size if partial.is_file() else 0
-        out.append(CacheSize(ps, str(cache), tokens, size, basis if size is not None else "unknown", written))
+        out.append(CacheSize(ps, str(cache), tokens, size, basis if size is not None else "unknown", written,
+                             K > len(plan.cache_layer_ids)))
     return out
 
 
@@ -212,7 +214,8 @@ def disk_lines(plan, sizes: list[CacheSize], free: int) -> list[str]:
         need = None if s.bytes is None else max(0, s.bytes - s.written)
         tok = "" if s.tokens is None else f", {s.tokens} tokens"
         part = f", {_size(s.written)} already in its .partial" if s.written else ""
-        lines.append(f"  {s.prompt_set}: {_size(need)} to write ({WHY[s.basis]}{tok}{part})")
+        final = ", and the final normed state (evaluated at T > 0)" if s.final_hidden else ""
+        lines.append(f"  {s.prompt_set}: {_size(need)} to write ({WHY[s.basis]}{tok}{final}{part})")
     total = sum(max(0, s.bytes - s.written) for s in sizes if s.bytes is not None)
     lines.append(f"  total: {_size(total)} to write, {_size(free)} free")
     return lines

@@ -59,6 +59,13 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     # the other sets: an upper bound from prompt_set.n (16) x (max_prompt_tokens 1024 + max_new_tokens 256)
     bound = 16 * 1280 * bytes_per_token("float32", K, H)
     assert f"sharegpt: {bound / 1e9:.2f} GB to write (prompt_set.n x (max_prompt_tokens + max_new_tokens)" in out
+    # the set evaluated at T = 1 stores the final normed state too: one layer more, said on its line
+    bound_t1 = 16 * 1280 * bytes_per_token("float32", K + 1, H)
+    lines = {ln.split(":", 2)[1].strip(): ln for ln in out.splitlines() if ln.startswith("dflash-eval:   ")}
+    assert lines["sharegpt-t1"].endswith(f"sharegpt-t1: {bound_t1 / 1e9:.2f} GB to write (prompt_set.n x (max_prompt_"
+                                         "tokens + max_new_tokens), at most, 20480 tokens, and the final normed state "
+                                         "(evaluated at T > 0))"), lines
+    assert "final normed state" not in lines["sharegpt"]
     assert "free in results/demo: 50.00 GB" in out
 
     free = need // 2  # the exact cache does not fit: a dry run says so, a real run stops before any job
@@ -85,7 +92,7 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     parity = [dflash_eval_argv(c) for c in shell_commands(out) if " fp8-parity " in c]
     args = [build_parser().parse_args(a) for a in parity]
     assert sorted(Path(a.out).name for a in args) == ["humaneval.json", "sharegpt-t1.json", "sharegpt.json"]
-    assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 3 for a in args)
+    assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 6 for a in args)  # the six demo drafters
     hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
     assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
 
