@@ -104,6 +104,14 @@ def tau_vs_step(frame: pd.DataFrame) -> Figure:
     return fig
 
 
+def _slot_axis(ax) -> None:
+    """x: draft slot k (integer ticks); y: a rate in [0, 1]."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("draft slot k")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+
+
 def selector_slots(frame: pd.DataFrame) -> Figure:
     """DFlash 2 selector diagnostics by draft slot: per prompt set (one row of panels) the top-K recall
     ``topk_recall_slot_<k>`` and the pick rate ``pick_rate_slot_<k>`` against slot k, one line per checkpoint
@@ -127,10 +135,7 @@ def selector_slots(frame: pd.DataFrame) -> Figure:
                 if pts:
                     ax.plot(*zip(*pts), marker=".", color=cmap(0.85 * i / max(1, len(order) - 1)), label=ck)
             ax.set_title(f"{ps}: {title}", fontsize=9)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel("draft slot k")
-            ax.set_ylim(0, 1.02)
-            ax.grid(alpha=0.3)
+            _slot_axis(ax)
     axes[0].set_ylabel("rate")
     axes[0].legend(fontsize=7)
     fig.suptitle("DFlash 2 candidate selector by draft slot")
@@ -173,10 +178,7 @@ def slot_curves(prompt_set: str, checkpoints: list[str], curves: dict) -> Figure
             if ys:
                 ax.plot(range(1, len(ys) + 1), ys, marker=".", color=cmap(0.85 * i / max(1, len(checkpoints) - 1)), label=ck)
         ax.set_title(m)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("draft slot k")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
+        _slot_axis(ax)
     axes[0].set_ylabel("P(slot k accepted | slots < k accepted)")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Per-slot conditional acceptance: {prompt_set}")
