@@ -244,8 +244,10 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     read_tokens = max(1, mem // 4 // per_token)
     dflash2 = is_dflash2(drafter)
     if dflash2 and budgets:
-        log.warning("DDTree budgets %s not applicable to the DFlash 2 drafter %s: its drafts are the selector's "
-                    "path, no serving engine builds a tree over it; chain only", budgets, inputs.drafter_dir)
+        # info, not a warning: a run that evaluates DFlash 1 and DFlash 2 checkpoints (the demo) configures budgets
+        # for the former; tau.csv's ddtree_applicable column says it per row
+        log.info("DDTree budgets %s not applicable to the DFlash 2 drafter %s: its drafts are the selector's "
+                 "path, no serving engine builds a tree over it; chain only", budgets, inputs.drafter_dir)
         budgets = []
     results: dict[int, SampleResult] = {}
     trees: dict[int, dict[int, list[int]]] = {}
