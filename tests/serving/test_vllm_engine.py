@@ -82,15 +82,24 @@ def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path
     assert r["plain"]["output_tokens"] == sum(len(x["completion_ids"]) for x in rows) and r["plain"]["output_tok_per_s"] > 0
     (c,) = r["checkpoints"]
     assert c["cpu_fix"] and c["block_size"] == 8 and c["n_compared"] == len(rows)
-    assert set(k for k, v in c["kinds"].items() if v) <= {"none", "stop-counting"}, [
+    assert set(k for k, v in c["kinds"].items() if v) <= {"none", "stop-counting", "last-block"}, [
         (q["id"], q["kind"], q["first_step_diff"]) for q in c["requests"]]
-    assert all(q["tokens_equal"] and q["engine"] == q["offline"] for q in c["requests"])
-    assert c["tau_tokens_per_step_engine"] == c["tau_tokens_per_step_offline"] and c["rel_diff"] == 0.0
-    assert c["max_pos_diff"] == 0.0 and c["ok"]
+    limit = {str(x["id"]): int(x["max_new_tokens"]) for x in rows}
+    for q in c["requests"]:
+        assert q["tokens_equal"]
+        if q["kind"] == "last-block":  # vLLM drafts the block max_tokens shortens in full (engine.DIVERGENCES)
+            j = q["first_step_diff"]
+            assert q["engine"][:j] == q["offline"][:j] and sum(q["offline"][:j]) > limit[q["id"]] - 8, q
+        else:  # every other request equals the replay step for step
+            assert q["engine"] == q["offline"], q
+    if not c["kinds"]["last-block"]:
+        assert c["tau_tokens_per_step_engine"] == c["tau_tokens_per_step_offline"] and c["max_pos_diff"] == 0.0
+    assert abs(c["rel_diff"]) < 0.01 and c["ok"]
     k = c["counters"]
     assert k["drafts"] == sum(len(q["engine_raw"]) for q in c["requests"])
     assert k["accepted"] == sum(sum(q["engine_raw"]) for q in c["requests"])
-    assert k["accepted"] - sum(q["past_end"] for q in c["requests"]) == sum(q["accepted_offline"] for q in c["requests"])
+    assert k["accepted"] - sum(q["past_end"] for q in c["requests"]) == sum(sum(q["engine"]) - len(q["engine"])
+                                                                            for q in c["requests"])
     assert c["mean_acceptance_length_raw"] == pytest.approx(1 + k["accepted"] / k["drafts"])
     assert c["speedup_measured"] == pytest.approx(c["timing"]["output_tok_per_s"] / r["plain"]["output_tok_per_s"])
     assert "| dflash-smollm2-b8-step2283 |" in r["markdown"] and "unconditional" in r["markdown"]
@@ -135,4 +144,4 @@ def test_validate_engine_at_temperature_1_both_draft_sample_methods(smol, tmp_pa
         assert x["tau_engine"] < 1.2 and x["tau_offline"] > 1.4
     assert any(x["flag"] for x in by.values())
     assert r["markdown"].startswith("**ENGINE DISAGREES with the offline expectation beyond 3 standard errors**")
-    assert "| dflash-smollm2-b8-step2283 | T1 | argmax | greedy | 1.0" in r["markdown"]
+    assert "| dflash-smollm2-b8-step2283 | T1 | argmax | greedy | 1." in r["markdown"]

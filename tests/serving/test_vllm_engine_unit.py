@@ -262,3 +262,19 @@ def test_validate_engine_at_temperature_1_flags_names_failures_and_ranks(tmp_pat
         stage.validate_engine("t", comp, ["good"], evs[:1], tmp_path / "x.json",
                               sampling=[{"temperature": 1.0, "draft": ["probabilistic"]}])
     assert "draft: [probabilistic]" in err.value.fix
+
+
+def test_compare_names_a_first_difference_in_a_block_max_new_tokens_shortens_last_block():
+    """B = 4, 10 new tokens of at most 10: after 7 committed tokens the reference drafts a shortened block where vLLM
+    drafts a full one (a convention); the same difference with room for a full block (at most 20), or earlier, is a
+    drafter difference."""
+    offline = {"samples": [{"id": k, "acceptance_lengths": [4, 3, 1, 1]} for k in "fgh"]}
+    rows = [{"id": "f", "completion_ids": list(range(10)), "max_new_tokens": 10},
+            {"id": "g", "completion_ids": list(range(10)), "max_new_tokens": 20},
+            {"id": "h", "completion_ids": list(range(10)), "max_new_tokens": 10}]
+    # f, g: [4, 3, 2] (one more draft accepted at step 2, after 7 committed tokens); h: [4, 2, 3] (at step 1, after 4)
+    reqs = [_req("f", list(range(10)), [3, 2, 1]), _req("g", list(range(10)), [3, 2, 1]),
+            _req("h", list(range(10)), [3, 1, 2])]
+    got = {r["id"]: r for r in compare(rows, offline, reqs, block_size=4)["requests"]}
+    assert {k: (r["kind"], r["first_step_diff"]) for k, r in got.items()} == {
+        "f": ("last-block", 2), "g": ("drafts", 2), "h": ("drafts", 1)}

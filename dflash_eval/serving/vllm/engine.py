@@ -273,6 +273,10 @@ DIVERGENCES = {
     "none": "the converted engine steps equal the replay's, step for step",
     "stop-counting": "equal after conversion; vLLM counted accepted drafts past the stop token / max_tokens",
     "generation": "the engine generated other tokens than the completion (the replay follows the completion)",
+    "last-block": "same tokens; the drafts differ first in a block that max_new_tokens shortens: the replay, like "
+                  "dflash 0.1.0's dflash_generate (verify_size = min(block_size, max_length - start)), drafts that "
+                  "block with fewer mask tokens, vLLM with its full num_speculative_tokens (then drops what passes "
+                  "max_tokens), and the block's bidirectional attention makes the drafts differ: a convention",
     "drafts": "same tokens, other drafts: the engine's drafter computed something else at some anchor",
     "no-trace": "the server returned no per-step arrays (--per-request-spec-decode-metrics detailed)",
 }
@@ -326,7 +330,11 @@ def compare(rows: Sequence[dict], offline: dict, requests: Sequence[EngineReques
         elif not tok_eq:
             kind = "generation"
         elif conv != o:
-            kind = "drafts"
+            # the reference shortens the block at an anchor whose committed completion tokens leave fewer than B
+            # to max_new_tokens; a first difference there is the block-length convention (DIVERGENCES)
+            limit, k = row.get("max_new_tokens"), rec["first_step_diff"]
+            short = limit is not None and k is not None and sum(o[:k]) > int(limit) - block_size
+            kind = "last-block" if short else "drafts"
         elif past:
             kind = "stop-counting"
         else:
