@@ -100,6 +100,12 @@ def selector_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[keep]
 
 
+def _by_set_then_training(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` sorted by prompt set, then training order (:func:`checkpoint_order`)."""
+    rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
+    return rows.iloc[sorted(range(len(rows)), key=lambda i: (rows["prompt_set"].iloc[i], rank[rows["checkpoint"].iloc[i]]))]
+
+
 def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
     """The DFlash 2 selector diagnostics, one row per DFlash 2 checkpoint x prompt set at temperature 0 (prompt
     set, then training order), or None without any.
@@ -108,19 +114,17 @@ def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
     unweighted mean over slots of ``topk_recall_slot_<k>``, slots without a value skipped), ``pick rate``
     (``sel_pick_rate``, pooled over slots) and ``oracle path`` (``sel_oracle_path_rate``); floats (rates in [0, 1]).
     """
-    rows = selector_rows(frame)
+    rows = _by_set_then_training(selector_rows(frame))
     if not len(rows):
         return None
     recall = [c for c in rows.columns if str(c).startswith("topk_recall_slot_")]
-    rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
     out = pd.DataFrame({"checkpoint": rows["checkpoint"], "step": rows["step"].astype("Int64"),
                         "prompt_set": rows["prompt_set"], "tau": rows["tau"].astype(float),
                         "tau_unary": rows["tau_unary"].astype(float), "tau_oracle": rows["tau_oracle"].astype(float),
                         "recall@K": rows[recall].astype(float).mean(axis=1) if recall else math.nan,
                         "pick rate": rows["sel_pick_rate"].astype(float),
                         "oracle path": rows["sel_oracle_path_rate"].astype(float)})
-    out = out.assign(_rank=out["checkpoint"].map(rank)).sort_values(["prompt_set", "_rank"], kind="stable")
-    return out.drop(columns="_rank").reset_index(drop=True)
+    return out.reset_index(drop=True)
 
 
 def variant_comparison(frame: pd.DataFrame) -> pd.DataFrame | None:
@@ -166,9 +170,7 @@ def slot_text(frame: pd.DataFrame, cols: list[str], label: str, digits: int = 2)
 
 def selector_slot_text(frame: pd.DataFrame) -> pd.DataFrame:
     """The DFlash 2 rows of :func:`selector_table` with their top-K recall and pick rate by slot as text cells."""
-    rows = selector_rows(frame)
-    rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
-    rows = rows.assign(_rank=rows["checkpoint"].map(rank)).sort_values(["prompt_set", "_rank"], kind="stable")
+    rows = _by_set_then_training(selector_rows(frame))
 
     def cols(kind):
         return [c for _, c in sorted((int(c.rsplit("_", 1)[1]), c) for c in rows.columns
