@@ -14,6 +14,8 @@ side by side, one warm-up pass untimed, then ``--rounds`` rounds interleaved, th
   ``CacheReader(dequant_device=...)``), in the replay's dtype (bf16 on CUDA, float32 on the CPU, as evaluate's
   replay widens them); on the GPU also ``read_ratio_cpu_dequant`` (FP8 dequantised on the CPU,
   then copied);
+- ``cpu_dequant_s``: the CPU dequantisation alone (the stored arrays read beforehand), ours against torch's
+  float8 cast and a 256-entry table look-up (:func:`cpu_dequant_times`);
 - ``rel_l2``: per stored layer, ||fp8 - ref|| / ||ref|| over every token (ref: the bf16 cache; on the CPU also
   the float32 cache, the demo's own storage).
 
@@ -151,6 +153,33 @@ def stored_states(path: Path) -> np.ndarray:
     return np.concatenate(out)
 
 
+def cpu_dequant_times(path: Path, rounds: int) -> dict[str, float]:
+    """Seconds (minimum of ``rounds``, one warm-up) to dequantise every FP8 sample of ``path`` on the CPU to
+    float32 ``[T, K, H]`` three ways: ``ours`` (:func:`~dflash_eval.cache.format.dequantize_fp8`'s float16 bit
+    placement), ``float8_cast`` (torch's ``view(float8_e4m3fn).float()`` then the scale's product, the loop a user
+    would write first) and ``table`` (numpy ``take`` from the 256 float32 values of the codes, then the product).
+    The stored arrays are read once beforehand: only the dequantisation is timed."""
+    with h5py.File(path, "r") as f:
+        raw = [(f["samples"][n]["hidden"][()], f["samples"][n]["hidden_scale"][()]) for n in sorted(f["samples"])]
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    ways = {
+        "ours": lambda q, s: dequantize_fp8(q, s, "float32"),
+        "float8_cast": lambda q, s: torch.from_numpy(q).view(torch.float8_e4m3fn).float().mul_(
+            torch.from_numpy(s)[..., None]),
+        "table": lambda q, s: np.multiply(np.take(table, q), s[..., None]),
+    }
+    best = {}
+    for name, fn in ways.items():
+        ts = []
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            for q, s in raw:
+                fn(q, s)
+            ts.append(time.perf_counter() - t0)
+        best[name] = min(ts[1:])
+    return best
+
+
 def rel_l2(a: np.ndarray, ref: np.ndarray) -> list[float]:
     return [float(np.linalg.norm(a[:, k] - ref[:, k]) / np.linalg.norm(ref[:, k])) for k in range(ref.shape[1])]
 
@@ -215,6 +244,8 @@ def main(argv=None) -> dict:
         "rel_l2_vs_bf16": [round(x, 5) for x in rel_l2(fp8_states, ref)],
         "torch_threads": torch.get_num_threads(),
     }
+    deq = cpu_dequant_times(paths["fp8"], a.rounds)
+    row["cpu_dequant_s"] = {k: round(v, 5) for k, v in deq.items()}
     if "f32" in paths:
         f32 = stored_states(paths["f32"])
         row["rel_l2_vs_f32"] = [round(x, 5) for x in rel_l2(fp8_states, f32)]
@@ -230,6 +261,9 @@ def main(argv=None) -> dict:
     if cuda:
         print(f"  fp8 dequantised on the CPU instead, then copied: verified {min(cpu_deq):.4f} s, "
               f"ratio fp8 / bf16 {row['read_ratio_cpu_dequant']:.3f}")
+    print(f"  CPU dequantisation of every sample (torch threads {row['torch_threads']}): ours {deq['ours']:.4f} s, "
+          f"torch float8 cast {deq['float8_cast']:.4f} s ({deq['float8_cast'] / deq['ours']:.1f}x ours), "
+          f"table look-up {deq['table']:.4f} s ({deq['table'] / deq['ours']:.1f}x ours)")
     print(f"  rel-L2 fp8 vs bf16 per layer: {row['rel_l2_vs_bf16']}")
     if "rel_l2_vs_f32" in row:
         print(f"  rel-L2 vs float32: fp8 {row['rel_l2_vs_f32']}, bf16 {row['rel_l2_bf16_vs_f32']}")
