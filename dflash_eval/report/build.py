@@ -18,8 +18,9 @@ Contents, each adapting to what the data has:
 * the DFlash 2 selector diagnostics: a compact table (:func:`dflash_eval.report.tables.selector_table`)
   and their per-slot rates as a figure; no table of the report has a column per slot;
 * the tau table: checkpoints in training order, per prompt set tau and its change against
-  the previous step, the best checkpoint per prompt set highlighted; DDTree budgets
-  side by side when present; the full tau.csv at the end;
+  the previous step, the best checkpoint per prompt set highlighted; DDTree budgets side by
+  side when present (checkpoints without a DDTree value, DFlash 2's, left out); the full
+  tau.csv at the end;
 * the estimated decode speedup ``tau * t_decode / (t_verify(n) + t_draft)`` per checkpoint
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
@@ -269,13 +270,24 @@ def best_checkpoints(data: ReportData) -> pd.DataFrame:
 
 
 def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
-    """One prompt set: checkpoints x (chain, DDTree budgets) tau."""
+    """One prompt set: checkpoints (training order) x (chain, DDTree budgets) tau.
+
+    Columns ``checkpoint``, ``step`` (text), ``chain``, ``budget <B>`` per budget (floats). Checkpoints without any
+    DDTree value on the set are left out: DFlash 2 drafters (``ddtree_applicable`` false, :data:`SELECTOR_NOTE`) and
+    checkpoints not evaluated on it; the frame may be empty."""
     f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
     steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000
     out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
     for col, label in method_columns(data.frame):
         out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
-    return out
+    return out.dropna(subset=[c for c in out.columns if c.startswith("budget ")], how="all").reset_index(drop=True)
+
+
+def ddtree_tables(data: ReportData) -> dict[str, pd.DataFrame]:
+    """``{prompt set: ddtree_pivot}`` of the prompt sets with any DDTree value (``{}`` without DDTree budgets)."""
+    if not ddtree_budgets(data.frame):
+        return {}
+    return {ps: t for ps in data.prompt_sets if len(t := ddtree_pivot(data, ps))}
 
 
 def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -392,10 +404,11 @@ def render_markdown(data: ReportData) -> str:
     cmp = variant_comparison(f)
     if cmp is not None:
         parts += ["## DFlash 1 vs DFlash 2", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
-    if ddtree_budgets(f):
+    ddtree = ddtree_tables(data)
+    if ddtree:
         parts += ["## DDTree: tau per node budget", ""]
-        for ps in data.prompt_sets:
-            parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
+        for ps, t in ddtree.items():
+            parts += [f"### {ps}", "", _md_table(t), ""]
     sel = selector_table(f)
     if sel is not None:
         parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), "",
@@ -549,10 +562,8 @@ def _slug(name: str) -> str:
 def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
     """``report.html``: one self-contained page (inline CSS, figures as data: URIs, no scripts)."""
     f = data.frame
-    sections = {}
-    if ddtree_budgets(f):
-        sections["ddtree"] = {ps: _row_best_html(d := ddtree_pivot(data, ps), [c for c in d.columns if c not in ("checkpoint", "step")],
-                                                 4, f"ddtree-{_slug(ps)}") for ps in data.prompt_sets}
+    ddtree = {ps: _row_best_html(d, [c for c in d.columns if c not in ("checkpoint", "step")], 4, f"ddtree-{_slug(ps)}")
+              for ps, d in ddtree_tables(data).items()}
     speed = None
     if data.speedups is not None and len(data.speedups):
         speed = {
@@ -572,7 +583,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
         methods=[label for _, label in method_columns(f)], prompt_sets=data.prompt_sets,
         checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
-        ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
+        ddtree=ddtree, speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
         slots=bool(data.slot_curves), positions=bool(data.positions),
         prompt_lengths=_styled(prompt_length_table(f, data.prompt_lengths), 3, "prompt-lengths").to_html()
         if data.prompt_lengths else None,
