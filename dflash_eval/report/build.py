@@ -17,10 +17,10 @@ Contents, each adapting to what the data has:
   (:func:`dflash_eval.report.tables.variant_comparison`);
 * the DFlash 2 selector diagnostics: a compact table (:func:`dflash_eval.report.tables.selector_table`)
   and their per-slot rates as a figure; no table of the report has a column per slot;
-* the tau table: checkpoints in training order, per prompt set tau and its change against
-  the previous step, the best checkpoint per prompt set highlighted; DDTree budgets side by
-  side when present (checkpoints without a DDTree value, DFlash 2's, left out); the full
-  tau.csv at the end;
+* the tau table: checkpoints grouped by run (DFlash 1, then DFlash 2), each run in training
+  order, per prompt set tau and its change against the run's previous step, the best checkpoint
+  per prompt set highlighted; DDTree budgets side by side when present (checkpoints without a
+  DDTree value, DFlash 2's, left out); the full tau.csv at the end;
 * the estimated decode speedup ``tau * t_decode / (t_verify(n) + t_draft)`` per checkpoint
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
@@ -244,22 +244,25 @@ def prompt_sets_section(metas: dict[str, dict]) -> tuple[str, str, str]:
 
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
-    """Checkpoints (training order) x prompt sets of ``col``, with the change against the previous row.
+    """Checkpoints (training order, runs grouped: :func:`~dflash_eval.report.tau_table.checkpoint_order`) x prompt
+    sets of ``col``, with the change against the previous checkpoint of the same run (``variant``).
 
     Columns: ``checkpoint``, ``step``, then per prompt set ``(<set>, "tau")`` and ``(<set>, "Δ prev")``
-    as a two-level header; ``random_init`` appended when any checkpoint is random-init.
+    as a two-level header (``Δ prev`` NaN on each run's first checkpoint); ``random_init`` appended when any
+    checkpoint is random-init.
     """
     f = data.frame
     order = data.checkpoints
     piv = f.pivot_table(index="checkpoint", columns="prompt_set", values=col, dropna=False).reindex(order)
-    steps = f.drop_duplicates("checkpoint").set_index("checkpoint")["step"].reindex(order)
-    out = pd.DataFrame({("checkpoint", ""): order, ("step", ""): steps.to_numpy()})
+    first = f.drop_duplicates("checkpoint").set_index("checkpoint").reindex(order)
+    runs = (first["variant"] if "variant" in first else pd.Series("", index=first.index)).fillna("").to_numpy()
+    out = pd.DataFrame({("checkpoint", ""): order, ("step", ""): first["step"].to_numpy()})
     for ps in data.prompt_sets:
         v = piv[ps].to_numpy(dtype=float) if ps in piv else [math.nan] * len(order)
         out[(ps, "tau")] = v
-        out[(ps, "Δ prev")] = pd.Series(v).diff().to_numpy()
+        out[(ps, "Δ prev")] = pd.Series(v).groupby(runs).diff().to_numpy()
     if f["random_init"].any():
-        out[("random_init", "")] = f.drop_duplicates("checkpoint").set_index("checkpoint")["random_init"].reindex(order).to_numpy()
+        out[("random_init", "")] = first["random_init"].to_numpy()
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     return out
 
