@@ -3,8 +3,9 @@
 Everything is recomputed from the per-sample acceptance lists of the evaluate JSONs
 (:func:`dflash_eval.report.tau_table.summary_frame`, :mod:`dflash_eval.replay.metrics`), the caches'
 attributes and the measured target costs -- the same data as ``tau.csv`` -- and rendered
-twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the page
-by a Jinja2 template, ``templates/report.html.j2``; no network access needed to view it)
+twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the extra
+sections' markdown by python-markdown, the page by a Jinja2 template, ``templates/report.html.j2``;
+no network access needed to view it)
 and as markdown for terminals and CI logs. ``--figures-dir`` also writes each figure as a
 PNG file, which Snakemake's own report (``snakemake --report``) shows.
 
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import markdown
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
@@ -90,7 +92,7 @@ class ReportData:
     caches: dict  #: prompt_set -> cache attributes
     costs: dict | None = None
     speedups: pd.DataFrame | None = None
-    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: the markdown in <pre>) of extra sections
+    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: rendered from the markdown) of extra sections
     config_sha256: str | None = None
     run: str | None = None
     provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
@@ -485,6 +487,17 @@ def _html_section(note: str, tables: list[str]) -> str:
                                                     for t in tables)
 
 
+def markdown_html(text: str) -> str:
+    """An extra section's markdown (:attr:`ReportData.extra`) as HTML: python-markdown with its ``tables`` and
+    ``fenced_code`` extensions, pipe tables as the report's tables (``table.data``, each scrollable); raw HTML in
+    ``text`` is escaped, not passed through (the page stays self-contained)."""
+    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    html = md.convert(text)
+    return html.replace("<table>", '<div class="scroll"><table class="data">').replace("</table>", "</table></div>")
+
+
 def _tau_table_html(data: ReportData) -> str:
     piv = tau_pivot(data)
     st = _styled(piv, table_id="tau-table")
@@ -592,7 +605,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         if data.prompt_lengths else None,
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
-        extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
+        extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
         sampled_note=sampled_sets_note(f),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)
