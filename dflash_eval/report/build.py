@@ -3,8 +3,9 @@
 Everything is recomputed from the per-sample acceptance lists of the evaluate JSONs
 (:func:`dflash_eval.report.tau_table.summary_frame`, :mod:`dflash_eval.replay.metrics`), the caches'
 attributes and the measured target costs -- the same data as ``tau.csv`` -- and rendered
-twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the page
-by a Jinja2 template, ``templates/report.html.j2``; no network access needed to view it)
+twice: as HTML (matplotlib figures as base64 PNG, tables by pandas' ``Styler``, the extra
+sections' markdown by python-markdown, the page by a Jinja2 template, ``templates/report.html.j2``;
+no network access needed to view it)
 and as markdown for terminals and CI logs. ``--figures-dir`` also writes each figure as a
 PNG file, which Snakemake's own report (``snakemake --report``) shows.
 
@@ -17,9 +18,10 @@ Contents, each adapting to what the data has:
   (:func:`dflash_eval.report.tables.variant_comparison`);
 * the DFlash 2 selector diagnostics: a compact table (:func:`dflash_eval.report.tables.selector_table`)
   and their per-slot rates as a figure; no table of the report has a column per slot;
-* the tau table: checkpoints in training order, per prompt set tau and its change against
-  the previous step, the best checkpoint per prompt set highlighted; DDTree budgets
-  side by side when present; the full tau.csv at the end;
+* the tau table: checkpoints grouped by run (DFlash 1, then DFlash 2), each run in training
+  order, per prompt set tau and its change against the run's previous step, the best checkpoint
+  per prompt set highlighted; DDTree budgets side by side when present (checkpoints without a
+  DDTree value, DFlash 2's, left out); the full tau.csv at the end;
 * the estimated decode speedup ``tau * t_decode / (t_verify(n) + t_draft)`` per checkpoint
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+import markdown
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
@@ -89,7 +92,7 @@ class ReportData:
     caches: dict  #: prompt_set -> cache attributes
     costs: dict | None = None
     speedups: pd.DataFrame | None = None
-    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: the markdown in <pre>) of extra sections
+    extra: list = field(default_factory=list)  #: (title, markdown, HTML or None: rendered from the markdown) of extra sections
     config_sha256: str | None = None
     run: str | None = None
     provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
@@ -243,22 +246,25 @@ def prompt_sets_section(metas: dict[str, dict]) -> tuple[str, str, str]:
 
 
 def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
-    """Checkpoints (training order) x prompt sets of ``col``, with the change against the previous row.
+    """Checkpoints (training order, runs grouped: :func:`~dflash_eval.report.tau_table.checkpoint_order`) x prompt
+    sets of ``col``, with the change against the previous checkpoint of the same run (``variant``).
 
     Columns: ``checkpoint``, ``step``, then per prompt set ``(<set>, "tau")`` and ``(<set>, "Δ prev")``
-    as a two-level header; ``random_init`` appended when any checkpoint is random-init.
+    as a two-level header (``Δ prev`` NaN on each run's first checkpoint); ``random_init`` appended when any
+    checkpoint is random-init.
     """
     f = data.frame
     order = data.checkpoints
     piv = f.pivot_table(index="checkpoint", columns="prompt_set", values=col, dropna=False).reindex(order)
-    steps = f.drop_duplicates("checkpoint").set_index("checkpoint")["step"].reindex(order)
-    out = pd.DataFrame({("checkpoint", ""): order, ("step", ""): steps.to_numpy()})
+    first = f.drop_duplicates("checkpoint").set_index("checkpoint").reindex(order)
+    runs = (first["variant"] if "variant" in first else pd.Series("", index=first.index)).fillna("").to_numpy()
+    out = pd.DataFrame({("checkpoint", ""): order, ("step", ""): first["step"].to_numpy()})
     for ps in data.prompt_sets:
         v = piv[ps].to_numpy(dtype=float) if ps in piv else [math.nan] * len(order)
         out[(ps, "tau")] = v
-        out[(ps, "Δ prev")] = pd.Series(v).diff().to_numpy()
+        out[(ps, "Δ prev")] = pd.Series(v).groupby(runs).diff().to_numpy()
     if f["random_init"].any():
-        out[("random_init", "")] = f.drop_duplicates("checkpoint").set_index("checkpoint")["random_init"].reindex(order).to_numpy()
+        out[("random_init", "")] = first["random_init"].to_numpy()
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     return out
 
@@ -269,13 +275,24 @@ def best_checkpoints(data: ReportData) -> pd.DataFrame:
 
 
 def ddtree_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
-    """One prompt set: checkpoints x (chain, DDTree budgets) tau."""
+    """One prompt set: checkpoints (training order) x (chain, DDTree budgets) tau.
+
+    Columns ``checkpoint``, ``step`` (text), ``chain``, ``budget <B>`` per budget (floats). Checkpoints without any
+    DDTree value on the set are left out: DFlash 2 drafters (``ddtree_applicable`` false, :data:`SELECTOR_NOTE`) and
+    checkpoints not evaluated on it; the frame may be empty."""
     f = data.frame[data.frame["prompt_set"] == prompt_set].set_index("checkpoint").reindex(data.checkpoints)
     steps = f["step"].astype("Int64").astype("string").fillna("")  # 3507, not 3507.000
     out = pd.DataFrame({"checkpoint": data.checkpoints, "step": steps.to_numpy()})
     for col, label in method_columns(data.frame):
         out["chain" if col == "tau" else f"budget {col[len('tau_ddtree_'):]}"] = f[col].to_numpy(dtype=float)
-    return out
+    return out.dropna(subset=[c for c in out.columns if c.startswith("budget ")], how="all").reset_index(drop=True)
+
+
+def ddtree_tables(data: ReportData) -> dict[str, pd.DataFrame]:
+    """``{prompt set: ddtree_pivot}`` of the prompt sets with any DDTree value (``{}`` without DDTree budgets)."""
+    if not ddtree_budgets(data.frame):
+        return {}
+    return {ps: t for ps in data.prompt_sets if len(t := ddtree_pivot(data, ps))}
 
 
 def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
@@ -392,10 +409,11 @@ def render_markdown(data: ReportData) -> str:
     cmp = variant_comparison(f)
     if cmp is not None:
         parts += ["## DFlash 1 vs DFlash 2", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
-    if ddtree_budgets(f):
+    ddtree = ddtree_tables(data)
+    if ddtree:
         parts += ["## DDTree: tau per node budget", ""]
-        for ps in data.prompt_sets:
-            parts += [f"### {ps}", "", _md_table(ddtree_pivot(data, ps)), ""]
+        for ps, t in ddtree.items():
+            parts += [f"### {ps}", "", _md_table(t), ""]
     sel = selector_table(f)
     if sel is not None:
         parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), "",
@@ -467,6 +485,17 @@ def _html_section(note: str, tables: list[str]) -> str:
     """An extra section's HTML: the note as a paragraph, then the tables (Styler HTML), each scrollable."""
     return f"<p>{_inline_html(note)}</p>" + "".join(t if t.startswith("<p>") else f'<div class="scroll">{t}</div>'
                                                     for t in tables)
+
+
+def markdown_html(text: str) -> str:
+    """An extra section's markdown (:attr:`ReportData.extra`) as HTML: python-markdown with its ``tables`` and
+    ``fenced_code`` extensions, pipe tables as the report's tables (``table.data``, each scrollable); raw HTML in
+    ``text`` is escaped, not passed through (the page stays self-contained)."""
+    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    html = md.convert(text)
+    return html.replace("<table>", '<div class="scroll"><table class="data">').replace("</table>", "</table></div>")
 
 
 def _tau_table_html(data: ReportData) -> str:
@@ -549,10 +578,8 @@ def _slug(name: str) -> str:
 def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
     """``report.html``: one self-contained page (inline CSS, figures as data: URIs, no scripts)."""
     f = data.frame
-    sections = {}
-    if ddtree_budgets(f):
-        sections["ddtree"] = {ps: _row_best_html(d := ddtree_pivot(data, ps), [c for c in d.columns if c not in ("checkpoint", "step")],
-                                                 4, f"ddtree-{_slug(ps)}") for ps in data.prompt_sets}
+    ddtree = {ps: _row_best_html(d, [c for c in d.columns if c not in ("checkpoint", "step")], 4, f"ddtree-{_slug(ps)}")
+              for ps, d in ddtree_tables(data).items()}
     speed = None
     if data.speedups is not None and len(data.speedups):
         speed = {
@@ -572,13 +599,13 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         run=data.run, generated=time.strftime("%Y-%m-%d %H:%M:%S %Z"), random_init=bool(f["random_init"].any()),
         methods=[label for _, label in method_columns(f)], prompt_sets=data.prompt_sets,
         checkpoints=data.checkpoints, best=_best_lines(data), tau_table=_tau_table_html(data),
-        ddtree=sections.get("ddtree"), speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
+        ddtree=ddtree, speed=speed, figures={k: (cap, _img(b)) for k, (cap, b) in figures.items()},
         slots=bool(data.slot_curves), positions=bool(data.positions),
         prompt_lengths=_styled(prompt_length_table(f, data.prompt_lengths), 3, "prompt-lengths").to_html()
         if data.prompt_lengths else None,
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
-        extra=data.extra, full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
+        extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
         sampled_note=sampled_sets_note(f),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

@@ -78,7 +78,8 @@ SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate sele
                  "prefix. The figure shows both rates slot by slot (tau.csv: topk_recall_slot_k, "
                  "pick_rate_slot_k). Sets evaluated only at temperature > 0 are left out: their selector columns "
                  "are those of the greedy path on the sampled completions, the same in every draft-policy row. "
-                 "DDTree columns are NaN for these rows: no serving engine builds a tree over the selector's path "
+                 "DDTree is not evaluated for DFlash 2 drafters: their DDTree columns in tau.csv are NaN and the "
+                 "DDTree tables leave them out, since no serving engine builds a tree over the selector's path "
                  "(ddtree_applicable false).")
 
 #: the per-slot columns of the tau table: in tau.csv, drawn as figures (never a column of a report table)

@@ -396,12 +396,6 @@ def method_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
     return [("tau", "chain (DFlash)")] + [(f"tau_ddtree_{b}", f"DDTree, budget {b}") for b in ddtree_budgets(frame)]
 
 
-def checkpoint_order(frame: pd.DataFrame) -> list[str]:
-    """Checkpoints ordered by training step (unknown steps last), then name."""
-    first = frame.drop_duplicates("checkpoint").sort_values(["step", "checkpoint"], na_position="last")
-    return list(first["checkpoint"])
-
-
 #: legend and table names of the drafter variants (tau.csv ``variant``)
 VARIANT_LABELS = {"dflash": "DFlash 1", "dflash2": "DFlash 2"}
 
@@ -416,3 +410,12 @@ def variant_order(frame: pd.DataFrame) -> list[str]:
     if "variant" not in frame:
         return []
     return sorted(frame["variant"].dropna().unique(), key=lambda v: (v not in VARIANT_LABELS, variant_label(v)))
+
+
+def checkpoint_order(frame: pd.DataFrame) -> list[str]:
+    """The report's training order of the checkpoints of ``frame``: grouped by run (``variant``, in
+    :func:`variant_order`: DFlash 1, then DFlash 2; rows without a variant last), each run by training step (unknown
+    steps last), then name. ``tau.csv`` keeps its own row order (:func:`summary_frame`)."""
+    first = frame.drop_duplicates("checkpoint")
+    run = first["variant"].map({v: i for i, v in enumerate(variant_order(first))}) if "variant" in first else 0
+    return list(first.assign(run=run).sort_values(["run", "step", "checkpoint"], na_position="last")["checkpoint"])

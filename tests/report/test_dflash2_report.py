@@ -173,3 +173,42 @@ def test_prompt_sets_section_is_an_html_table(tmp_path):
     assert title == "Prompt sets" and "| sharegpt | sharegpt | 20 | 16 | 3 | 1 |" in md
     cells = re.findall(r"<td[^>]*>([^<]*)</td>", html)
     assert cells == ["sharegpt", "sharegpt", "20", "16", "3", "1"] and "starts with an assistant turn" in html
+
+
+def test_tau_table_groups_checkpoints_by_run():
+    """DFlash 1's checkpoints, then DFlash 2's, each in step order (tau.csv interleaves them by step); Δ prev within
+    a run."""
+    every = table().sort_values(["prompt_set", "step", "checkpoint"], kind="stable")  # tau.csv's order
+    data = report_data(every)
+    runs = [f"dflash-smollm2-b8-step{s}" for s in STEPS] + [f"dflash2-smollm2-b8-step{s}" for s in STEPS]
+    piv = R.tau_pivot(data)
+    assert list(piv[("checkpoint", "")]) == runs
+    delta = piv[("humaneval", "Δ prev")].tolist()
+    assert math.isnan(delta[0]) and math.isnan(delta[3])  # each run's first checkpoint
+    assert delta[4] == pytest.approx(3.20 - 2.40) and delta[2] == pytest.approx(2.90 - 2.60)
+    md = R.render_markdown(data)
+    tau_md = md.split("## Acceptance length tau")[1].split("##")[0]
+    assert [ln.split(" | ")[0].lstrip("| ") for ln in tau_md.splitlines() if ln.startswith("| dflash")] == runs
+    html = R.render_html(data, {n: ("caption", b"png") for n in ("tau_vs_step.png", "selector_slots.png")})
+    tau_html = html.split('data-table="tau-table"')[1].split("</table>")[0]
+    assert re.findall(r">(dflash2?-smollm2-b8-step\d+)<", tau_html) == runs
+    assert list(data.table["checkpoint"]) == list(every["checkpoint"])  # the full table keeps tau.csv's order
+
+
+def test_ddtree_tables_leave_out_dflash2_rows():
+    """DFlash 2 drafters have no DDTree values: not listed in the DDTree tables; the selector note says why."""
+    data = report_data(table())
+    t = R.ddtree_pivot(data, "humaneval")
+    assert list(t["checkpoint"]) == [f"dflash-smollm2-b8-step{s}" for s in STEPS]
+    assert t["budget 8"].tolist() == pytest.approx([2.90, 3.40, 3.70])
+    md = R.render_markdown(data)
+    html = R.render_html(data, {n: ("caption", b"png") for n in ("tau_vs_step.png", "selector_slots.png")})
+    ddtree_md = md.split("## DDTree: tau per node budget")[1].split("\n## ")[0]
+    ddtree_html = html.split('<h2 id="ddtree">')[1].split("<h2")[0]
+    assert "dflash-smollm2-b8-step3000" in ddtree_md and "dflash-smollm2-b8-step3000" in ddtree_html
+    assert "dflash2-" not in ddtree_md and "dflash2-" not in ddtree_html
+    assert "the DDTree tables leave them out" in md and "the DDTree tables leave them out" in html
+    # a run of DFlash 2 drafters only: tau.csv has the budget's column, all NaN; no DDTree section
+    only2 = report_data(table(("dflash2",)))
+    assert R.ddtree_tables(only2) == {} and "## DDTree" not in R.render_markdown(only2)
+    assert 'id="ddtree"' not in R.render_html(only2, {n: ("c", b"png") for n in ("tau_vs_step.png", "selector_slots.png")})

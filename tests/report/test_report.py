@@ -313,3 +313,23 @@ def test_drafter_notes_are_listed_in_the_report(run):
         Path(p).write_text(json.dumps({**doc, "drafter_notes": [note]}))
     md = R.render_markdown(R.load_report_data(evals, caches))
     assert f"- `early`: {note}" in md and md.count(note) == 1 and "`late`:" not in md
+
+
+def test_extra_section_markdown_is_rendered_as_html_tables(run):
+    """A section of ``report --extra`` (title + markdown, as kernel_parity / validate_online / fp8_parity write):
+    its pipe tables become HTML tables of the report's style, its text paragraphs and lists; raw HTML is escaped."""
+    tmp_path, evals, caches = run
+    md = ("Target `tiny`, 2 samples. <b>raw</b>\n\n- **A** = fla chunk\n- **B** = torch\n\n"
+          "| layer | type | cos mean |\n|---:|---|---:|\n| 1 | linear_attention | 0.999900 |\n| 3 | attention | **no** |")
+    section = tmp_path / "kernel_parity.json"
+    section.write_text(json.dumps({"title": "Kernel parity", "markdown": md}))
+    data = R.load_report_data(evals, caches, extra=[str(section)])
+    html = R.render_html(data, R.build_figures(data))
+    part = html.split("<h2>Kernel parity</h2>")[1].split("<h2")[0]
+    assert "<pre" not in part and part.count('<table class="data">') == 1
+    assert re.findall(r"<td[^>]*>(.*?)</td>", part) == ["1", "linear_attention", "0.999900", "3", "attention",
+                                                       "<strong>no</strong>"]
+    assert "<th>type</th>" in part and '<td style="text-align: right;">0.999900</td>' in part
+    assert "<li><strong>A</strong> = fla chunk</li>" in part and "<code>tiny</code>" in part
+    assert "&lt;b&gt;raw&lt;/b&gt;" in part
+    assert md in R.render_markdown(data)  # report.md: the markdown as written
