@@ -130,11 +130,12 @@ def fp8_parity(target_dir, completions_path, layer_ids: list[int], out, opts=Non
     return result
 
 
-def restored_copy(src: Path, dst: Path, storage: str) -> Path:
+def restored_copy(src: Path, dst: Path, storage: str, quantize=quantize_fp8) -> Path:
     """A float32 cache ``src`` stored otherwise at ``dst``: every sample's states rounded to bf16 (``storage``
     ``"bfloat16"``: torch's round-to-nearest-even cast; ``dtype`` becomes bfloat16) or quantised to FP8
-    (``"fp8"``: :func:`~dflash_eval.cache.format.quantize_fp8`, what ``cache.storage: fp8`` stores of the same
-    float32 states), its checksum, ``storage`` and the header rewritten. The file is a copy (repacked: HDF5
+    (``"fp8"``: ``quantize``, by default :func:`~dflash_eval.cache.format.quantize_fp8`, what ``cache.storage:
+    fp8`` stores of the same float32 states; another function of the same signature stores its own ``(q,
+    scale)``), its checksum, ``storage`` and the header rewritten. The file is a copy (repacked: HDF5
     does not return the space of the replaced datasets).
 
     Raises:
@@ -153,7 +154,7 @@ def restored_copy(src: Path, dst: Path, storage: str) -> Path:
             x = torch.from_numpy(g["hidden"][()])
             del g["hidden"]
             if storage == "fp8":
-                q, scale = quantize_fp8(x)
+                q, scale = quantize(x)
                 q, scale = q.numpy(), scale.numpy()
                 g.create_dataset("hidden", data=q)
                 g.create_dataset(SCALE_DATASET, data=scale)
@@ -201,4 +202,7 @@ def markdown(r: dict) -> str:
                   "|---|---:|---:|---:|---:|"]
         lines += [f"| {d['checkpoint']} | {d['tau_reference']:.4f} | {d['tau_fp8']:.4f} | {d['tau_diff']:+.4f} | "
                   f"{d['samples_changed']} of {r['n_samples']} |" for d in r["drafters"]]
+        lines += ["", "Part of such a difference is rounding luck: other, equally good FP8 encodings of the same "
+                  "states give other taus (scripts/fp8_rounding_spread.py measures the spread; docs/measurements.md, "
+                  "\"FP8 caches\", gives it for the demo drafters)."]
     return "\n".join(lines)

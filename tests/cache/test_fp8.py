@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from dflash_eval.cache.disk_room import bytes_per_token
-from dflash_eval.cache.format import (FP8_MAX, SCALE_DATASET, STORAGE_BF16, STORAGE_FP8, dequantize_fp8,
-                                      quantize_fp8)
+from dflash_eval.cache.format import (FP8_MAX, SCALE_DATASET, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
+                                      dequantize_fp8, quantize_fp8)
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.cache.writer import write_cache
 from dflash_eval.core.errors import InputError
+from dflash_eval.stages.fp8_parity import restored_copy
 
 LAYERS = [1, 8, 15, 22, 27]
 
@@ -154,3 +155,27 @@ def test_cpu_dequantisation_is_exact_for_every_finite_code_and_keeps_nan_through
         assert torch.equal(got[finite], exact[finite] * np.float32(scale))
     nan_scale = np.full((256, 1), np.nan, np.float32)  # what quantize_fp8 writes beside a non-finite state
     assert torch.isnan(dequantize_fp8(codes.reshape(256, 1, 1), nan_scale, "float32")).all()
+
+
+def test_restored_copy_stores_another_quantisers_encoding_verified(tmp_path):
+    """``restored_copy(..., quantize=)`` (scripts/fp8_rounding_spread.py): a shifted scale is stored as given, the
+    copy reads back verified, and its values are another E4M3 rounding of the same states."""
+    x = _states(32, 5, 128)
+    src = _write(tmp_path / "f32.h5", x, STORAGE_F32)
+
+    def shifted(t):
+        xf = t.float()
+        scale = xf.abs().amax(-1) / FP8_MAX * 1.5
+        return (xf / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+    plain = restored_copy(src, tmp_path / "fp8.h5", "fp8")
+    other = restored_copy(src, tmp_path / "fp8_shift.h5", "fp8", quantize=shifted)
+    with h5py.File(other) as f:
+        np.testing.assert_allclose(f["samples/000000"][SCALE_DATASET][()], shifted(x)[1].numpy(), rtol=0)
+    with CacheReader(plain) as a, CacheReader(other) as b:
+        assert a.attrs["storage"] == b.attrs["storage"] == STORAGE_FP8
+        ya, yb = a.sample(0).hidden, b.sample(0).hidden
+    assert not torch.equal(ya, yb)  # the rounding grid moved
+    for y, scale in ((ya, quantize_fp8(x)[1]), (yb, shifted(x)[1])):  # each within E4M3 rounding of the states
+        bound = torch.maximum(x.abs() * 2.0 ** -4, scale[..., None] * 2.0 ** -10) * (1 + 1e-6)
+        assert ((y - x).abs() <= bound).all()
