@@ -48,7 +48,6 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-import markdown
 import pandas as pd
 from jinja2 import Environment, PackageLoader, select_autoescape
 
@@ -56,7 +55,7 @@ from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
 from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
-                                       costs_table, prompt_length_table, sampling_tables, selector_rows,
+                                       costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
                                        selector_slot_text, selector_table, slot_text, variant_comparison,
                                        without_slot_columns)
 from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
@@ -485,17 +484,6 @@ def _html_section(note: str, tables: list[str]) -> str:
     """An extra section's HTML: the note as a paragraph, then the tables (Styler HTML), each scrollable."""
     return f"<p>{_inline_html(note)}</p>" + "".join(t if t.startswith("<p>") else f'<div class="scroll">{t}</div>'
                                                     for t in tables)
-
-
-def markdown_html(text: str) -> str:
-    """An extra section's markdown (:attr:`ReportData.extra`) as HTML: python-markdown with its ``tables`` and
-    ``fenced_code`` extensions, pipe tables as the report's tables (``table.data``, each scrollable); raw HTML in
-    ``text`` is escaped, not passed through (the page stays self-contained)."""
-    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
-    md.preprocessors.deregister("html_block")
-    md.inlinePatterns.deregister("html")
-    html = md.convert(text)
-    return html.replace("<table>", '<div class="scroll"><table class="data">').replace("</table>", "</table></div>")
 
 
 def _tau_table_html(data: ReportData) -> str:

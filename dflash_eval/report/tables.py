@@ -4,7 +4,8 @@ and the measured costs, each rendered by :mod:`dflash_eval.report.build` as mark
 DFlash 1 against DFlash 2 (:func:`variant_comparison`), the DFlash 2 selector diagnostics (:func:`selector_table`,
 :func:`selector_slot_text`; their per-slot columns are drawn by :func:`dflash_eval.report.figures.selector_slots`
 and never shown as table columns, :func:`without_slot_columns`), tau per sampling setting and draft policy
-(:func:`sampling_tables`), tau by prompt length and the measured costs.
+(:func:`sampling_tables`), tau by prompt length, the measured costs, and the extra sections' markdown as HTML
+(:func:`markdown_html`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 
+import markdown
 import pandas as pd
 
 from dflash_eval.report.tau_table import checkpoint_order, variant_label, variant_order
@@ -198,3 +200,14 @@ def costs_table(costs: dict) -> pd.DataFrame:
         for b, t in d.get("draft_tree_s", {}).items():
             rows.append({"quantity": f"t_draft: {tag}, top-{b} per slot", "ms": 1e3 * t, "× t_decode": t / t_dec})
     return pd.DataFrame(rows)
+
+
+def markdown_html(text: str) -> str:
+    """An extra section's markdown (:attr:`dflash_eval.report.build.ReportData.extra`) as HTML: python-markdown with its ``tables`` and
+    ``fenced_code`` extensions, pipe tables as the report's tables (``table.data``, each scrollable); raw HTML in
+    ``text`` is escaped, not passed through (the page stays self-contained)."""
+    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    html = md.convert(text)
+    return html.replace("<table>", '<div class="scroll"><table class="data">').replace("</table>", "</table></div>")
