@@ -122,6 +122,7 @@ TARGET = PLAN.target
 CHECKPOINTS = PLAN.checkpoints
 DEMO_CHECKPOINTS = PLAN.demo_checkpoints
 LAYER_IDS_ARG = ",".join(str(i) for i in PLAN.cache_layer_ids)
+CACHE_SUFFIX = PLAN.cache_suffix  # .fp8.h5 with cache.storage: fp8 (another file), else .h5
 
 if config["generation"]["endpoint"].get("api_key"):
     # Handed to the completions jobs through the environment only: never a param, a shell word or a log line.

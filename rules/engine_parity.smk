@@ -11,7 +11,7 @@ rule engine_parity:
         unpack(target_model_files),
         fingerprint=TARGET.fingerprint,
         completions=f"results/{{run}}/completions/{PLAN.engine_parity_prompt_set}.jsonl",
-        cache=f"results/{{run}}/cache/{PLAN.engine_parity_prompt_set}.h5",
+        cache=PLAN.cache_path(PLAN.engine_parity_prompt_set, "{run}"),
         drafters=expand(
             "results/{{run}}/drafters/{ckpt}/{file}",
             ckpt=PLAN.engine_parity_checkpoints,

@@ -463,7 +463,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
     strip_info = read_strip_info(inputs.drafter_dir)  # its step labels the row
     result = {
         "checkpoint": checkpoint_name or inputs.drafter_dir.name,
-        "prompt_set": prompt_set or Path(inputs.cache_path).stem,
+        "prompt_set": prompt_set or str(a.get("prompt_set") or Path(inputs.cache_path).stem),
         "block_size": B,
         **stats.as_dict(),
         "step": strip_info.get("step"),

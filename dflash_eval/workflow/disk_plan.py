@@ -145,7 +145,7 @@ def planned_caches(plan) -> list[CacheSize]:
     max_new = int(cfg["generation"]["max_new_tokens"])
     out = []
     for ps in plan.prompt_sets:
-        cache = Path(plan.run_path("cache", f"{ps}.h5"))
+        cache = Path(plan.cache_path(ps))
         K = len(plan.cache_layer_ids)
         if needs_final_hidden(cfg, ps) and (n_layers is None or n_layers - 1 not in plan.cache_layer_ids):
             K += 1  # the final normed hidden state (the last layer) is added

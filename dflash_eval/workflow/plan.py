@@ -227,8 +227,19 @@ class Plan:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
         return [os.path.join("results", run or self.run, "prompts", f"{p}.meta.json") for p in self.prompt_sets]
 
+    @property
+    def cache_suffix(self) -> str:
+        """File name ending of the run's hidden-state caches: ``.fp8.h5`` with ``cache.storage: fp8``, else ``.h5``.
+        An FP8 cache is another file, so a run switched to FP8 and back finds its bf16 (float32) caches intact."""
+        return ".fp8.h5" if self.config.get("cache", {}).get("storage") == "fp8" else ".h5"
+
+    def cache_path(self, prompt_set: str, run: str | None = None) -> str:
+        """``results/<run>/cache/<prompt_set><cache_suffix>``: the cache rule ``hidden_states`` writes."""
+        return os.path.join("results", run or self.run, "cache", prompt_set + self.cache_suffix)
+
     def caches(self, run: str | None = None) -> list[str]:
-        return [os.path.join("results", run or self.run, "cache", f"{p}.h5") for p in self.prompt_sets]
+        """Every prompt set's cache (:meth:`cache_path`)."""
+        return [self.cache_path(p, run) for p in self.prompt_sets]
 
     @property
     def cache_shards(self) -> int:
@@ -240,7 +251,7 @@ class Plan:
         if self.cache_shards < 2:
             return []
         sets = [prompt_set] if prompt_set else self.prompt_sets
-        return [os.path.join("results", run or self.run, "cache", f"{p}.shard{k}.h5")
+        return [os.path.join("results", run or self.run, "cache", f"{p}.shard{k}{self.cache_suffix}")
                 for p in sets for k in range(self.cache_shards)]
 
     # ---- per-rule inputs and arguments (the rules call these through one-line lambdas)

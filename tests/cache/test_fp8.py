@@ -121,7 +121,7 @@ def test_the_documented_h5py_reader_of_fp8_samples_runs(tmp_path):
     x = _states(40, 3, 64)
     path = _write(tmp_path / "fp8.h5", x, STORAGE_FP8)
     scope: dict = {}
-    exec(compile(code.replace("results/demo/cache/humaneval.h5", str(path)), "docs/cache-format.md", "exec"), scope)
+    exec(compile(code.replace("results/demo/cache/humaneval.fp8.h5", str(path)), "docs/cache-format.md", "exec"), scope)
     with CacheReader(path) as rd:
         np.testing.assert_allclose(scope["hidden"], rd.sample(0).hidden.numpy(), rtol=1e-6, atol=0)
 

@@ -95,6 +95,11 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 6 for a in args)  # the six demo drafters
     hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
     assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
+    # FP8 caches are other files (<set>.fp8.h5): a float32 / bf16 cache of the same set is kept, and evaluate reads FP8
+    assert sorted(Path(build_parser().parse_args(a).out).name for a in hs) == [
+        "humaneval.fp8.h5", "sharegpt-t1.fp8.h5", "sharegpt.fp8.h5"]
+    evals = [build_parser().parse_args(dflash_eval_argv(c)) for c in shell_commands(out) if " evaluate " in c]
+    assert len(evals) == 18 and all(Path(a.cache).name.endswith(".fp8.h5") for a in evals)
 
 
 def test_gguf_header_gives_the_demo_targets_shape():

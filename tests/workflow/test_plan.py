@@ -484,3 +484,20 @@ def test_validate_engine_sampling_must_be_evaluated_on_its_prompt_set():
     fake.validate_engine_prompt_set = "g"
     with pytest.raises(InputError, match=r"validate_engine\.sampling\[0\]: .* not evaluated on prompt set 'g'"):
         plan.check_optional_rules(fake)
+
+
+def test_an_fp8_cache_is_another_file_so_switching_back_finds_the_bf16_one():
+    """``cache.storage: fp8`` names its caches (and shards) ``<set>.fp8.h5``: the bf16 / float32 ``<set>.h5`` a run
+    wrote before is neither overwritten nor taken for an FP8 one."""
+    target = plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"])
+
+    def make(cache):
+        return plan.Plan({"run": "r", "cache": cache}, "r", ["humaneval", "sharegpt"], target, {}, [1])
+
+    bf16, fp8 = make({}), make({"storage": "fp8", "shards": 2})
+    assert bf16.caches() == ["results/r/cache/humaneval.h5", "results/r/cache/sharegpt.h5"]
+    assert fp8.caches() == ["results/r/cache/humaneval.fp8.h5", "results/r/cache/sharegpt.fp8.h5"]
+    assert fp8.cache_path("humaneval", "{run}") == "results/{run}/cache/humaneval.fp8.h5"
+    assert fp8.shard_caches(prompt_set="sharegpt") == ["results/r/cache/sharegpt.shard0.fp8.h5",
+                                                       "results/r/cache/sharegpt.shard1.fp8.h5"]
+    assert not set(bf16.caches()) & set(fp8.caches())
