@@ -280,11 +280,44 @@ MAX_DECODE_BATCH = 512
 CPU_DECODE_BATCH = 16
 
 
+def cache_bytes_per_row(cfg, positions: int, elem: int) -> int:
+    """Bytes one row's decode cache holds at ``positions`` positions, by ``cfg.layer_types`` (absent: every
+    layer full attention).
+
+    - ``full_attention``: keys and values, ``2 x KV heads x head_dim x elem`` per position;
+    - ``sliding_attention``: the same for at most ``cfg.sliding_window`` positions;
+    - ``linear_attention`` (Qwen3-Next / Qwen3.5 Gated DeltaNet): a state of fixed size, the float32 recurrent
+      state ``[linear_num_value_heads, linear_key_head_dim, linear_value_head_dim]`` and the short convolution's
+      ``[2 x key dim + value dim, linear_conv_kernel_dim]`` in ``elem`` (transformers' ``Qwen3NextDynamicCache``
+      layers; fla's ``chunk_gated_delta_rule`` returns the final state in float32).
+
+    Args:
+        cfg: the target's text config. positions: prompt + generated tokens. elem: bytes per element of the
+            target's dtype.
+    """
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_position = 2 * kv_heads * head_dim * elem
+    types = list(getattr(cfg, "layer_types", None) or ()) or ["full_attention"] * cfg.num_hidden_layers
+    total = 0
+    for t in types:
+        if t == "linear_attention":
+            v_heads, k_dim, v_dim = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            conv_dim = 2 * cfg.linear_num_key_heads * k_dim + v_heads * v_dim
+            total += 4 * v_heads * k_dim * v_dim + elem * conv_dim * cfg.linear_conv_kernel_dim
+        elif t == "sliding_attention" and getattr(cfg, "sliding_window", None):
+            total += per_position * min(positions, int(cfg.sliding_window))
+        else:
+            total += per_position * positions
+    return total
+
+
 def decode_batch_size(model, prompt_len: int, max_new_tokens: int, total_memory: int | None = None) -> int:
     """Prompts per ``generate`` call that fit the device: the completions stage's ``batch_size: 0``.
 
-    Bytes per row: the KV cache of ``prompt_len + max_new_tokens`` positions (``2 x layers x KV heads x
-    head_dim x element size`` per position; every layer counted as full attention), the prefill's
+    Bytes per row: the decode cache of ``prompt_len + max_new_tokens`` positions (:func:`cache_bytes_per_row`:
+    keys and values of the attention layers, the fixed state of a hybrid's linear-attention layers), the prefill's
     activations (``element size x (6 hidden + 3 intermediate)`` per prompt token, one layer at a time)
     and its ``[prompt_len, prompt_len]`` mask, and the last position's float32 logits and their
     processing (``16 x vocab``). The budget is ``runtime.MEMORY_FRACTION['cuda']`` of the device's
@@ -307,13 +340,10 @@ def decode_batch_size(model, prompt_len: int, max_new_tokens: int, total_memory:
             return CPU_DECODE_BATCH
         total_memory = torch.cuda.get_device_properties(p.device).total_memory
     cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     elem = p.element_size()
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
     act = elem * (6 * cfg.hidden_size + 3 * getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-    per_row = (prompt_len + max_new_tokens) * kv + prompt_len * act + prompt_len * prompt_len * elem + 16 * cfg.vocab_size
+    per_row = (cache_bytes_per_row(cfg, prompt_len + max_new_tokens, elem) + prompt_len * act
+               + prompt_len * prompt_len * elem + 16 * cfg.vocab_size)
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     rows = max(1, (int(MEMORY_FRACTION["cuda"] * total_memory) - weights) // per_row)
     batch = min(MAX_DECODE_BATCH, 1 << (int(rows).bit_length() - 1))

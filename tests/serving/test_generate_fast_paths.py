@@ -127,3 +127,27 @@ def test_memory_sized_decode_batch_by_hand():
     assert decode_batch_size(model, P, N, total_memory=10**15) == MAX_DECODE_BATCH
     assert decode_batch_size(model, P, N, total_memory=1) == 1  # never 0
     assert decode_batch_size(model, P, N) == CPU_DECODE_BATCH  # CPU: not sized
+
+
+def test_decode_cache_of_a_hybrid_counts_its_linear_layers_as_fixed_states():
+    """A Qwen3-Next / Qwen3.5 hybrid's memory-sized batch: only its full-attention layers grow with the positions;
+    each Gated DeltaNet layer holds a float32 recurrent state and a convolution state, by hand."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, Qwen3NextConfig
+
+    from dflash_eval.target.model import cache_bytes_per_row
+
+    llama = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    assert cache_bytes_per_row(llama, 160, 4) == 768 * 160  # 2 x 3 layers x 2 KV heads x 16 x 4 B per position
+    hybrid = Qwen3NextConfig(num_hidden_layers=8, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=32,
+                             linear_value_head_dim=32, linear_conv_kernel_dim=4)
+    assert hybrid.layer_types.count("full_attention") == 2 and hybrid.layer_types.count("linear_attention") == 6
+    kv = 2 * 2 * 64 * 2  # bf16: 512 B per position per full-attention layer
+    state = 4 * 8 * 32 * 32 + 2 * (2 * 4 * 32 + 8 * 32) * 4  # float32 recurrent + bf16 conv: 32,768 + 4,096
+    assert cache_bytes_per_row(hybrid, 1000, 2) == 2 * kv * 1000 + 6 * state == 1_245_184
+    # 3.3x less than counting all 8 layers as full attention (8 x 512 x 1000 = 4,096,000) at 1,000 positions
+    sliding = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                              num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    assert cache_bytes_per_row(sliding, 1000, 4) == 256 * 64 + 256 * 1000
