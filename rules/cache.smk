@@ -22,7 +22,7 @@ rule hidden_states:
         completions="results/{run}/completions/{prompt_set}.jsonl",
         completions_meta="results/{run}/completions/{prompt_set}.meta.json",
     output:
-        "results/{run}/cache/{prompt_set}" + CACHE_SUFFIX,
+        f"results/{{run}}/cache/{{prompt_set}}{CACHE_SUFFIX}",
     log:
         main="logs/hidden_states/{run}/{prompt_set}.log",
         server="logs/hidden_states/{run}/{prompt_set}.vllm.log",
@@ -61,7 +61,7 @@ if PLAN.cache_shards > 1:
             completions="results/{run}/completions/{prompt_set}.jsonl",
                 completions_meta="results/{run}/completions/{prompt_set}.meta.json",
         output:
-            "results/{run}/cache/{prompt_set}.shard{shard}" + CACHE_SUFFIX,
+            f"results/{{run}}/cache/{{prompt_set}}.shard{{shard}}{CACHE_SUFFIX}",
         log:
             "logs/hidden_states_shard/{run}/{prompt_set}.{shard}.log",
         benchmark:
@@ -92,7 +92,7 @@ if PLAN.cache_shards > 1:
             shards=lambda wildcards: PLAN.shard_caches(wildcards.run, wildcards.prompt_set),
             completions="results/{run}/completions/{prompt_set}.jsonl",
         output:
-            "results/{run}/cache/{prompt_set}" + CACHE_SUFFIX,
+            f"results/{{run}}/cache/{{prompt_set}}{CACHE_SUFFIX}",
         log:
             "logs/merge_cache_shards/{run}/{prompt_set}.log",
         conda:

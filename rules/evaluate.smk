@@ -11,7 +11,7 @@ rule evaluate:
         drafter_weights="results/{run}/drafters/{ckpt}/model.safetensors",
         drafter_config="results/{run}/drafters/{ckpt}/config.json",
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
-        cache="results/{run}/cache/{prompt_set}" + CACHE_SUFFIX,
+        cache=f"results/{{run}}/cache/{{prompt_set}}{CACHE_SUFFIX}",
     output:
         "results/{run}/eval/{ckpt}/{prompt_set}.json",
     log:

@@ -1,11 +1,14 @@
 """Parse-time checks of a workflow config against the schema (:mod:`dflash_eval.core.schema`): readable
-validation errors and integral numbers (torch-free; called from ``rules/common.smk``)."""
+validation errors and integral numbers (torch-free; called from ``rules/common.smk``), and the cross-field checks
+the schema cannot express (:func:`check_prompt_sets`, :func:`check_generation`, :func:`check_cache`, called by
+:func:`dflash_eval.workflow.plan.build_plan`)."""
 
 from __future__ import annotations
 
 import difflib
 from typing import Any
 
+from dflash_eval.core.errors import InputError
 from dflash_eval.core.schema import load_schema
 from dflash_eval.workflow.checkpoints import NAME_RE, name_problem
 
@@ -69,3 +72,76 @@ def integral_numbers(config: Any, node: dict | None = None) -> Any:
         for i, value in enumerate(config):
             config[i] = integral_numbers(value, node["items"])
     return config
+
+
+def check_prompt_sets(prompt_sets: dict) -> None:
+    """Cross-entry checks of ``prompt_sets``: an ``mt-bench-turn2`` set names (``turn1``) a configured set of
+    source ``mt-bench`` and reads the same data.
+
+    Raises:
+        InputError: naming the entry.
+    """
+    for name, ps in prompt_sets.items():
+        if ps["source"] != "mt-bench-turn2":
+            continue
+        first = prompt_sets.get(ps["turn1"])
+        if first is None or first["source"] != "mt-bench":
+            what = "is not a configured prompt set" if first is None else f"has source {first['source']!r}"
+            raise InputError("config", f"prompt_sets.{name}.turn1", f"{ps['turn1']!r} {what}",
+                             "name the prompt set with source: mt-bench whose answers open the second turn")
+        if ps.get("path") and ps["path"] != first.get("path"):
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} differs from the first turn's data "
+                             f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
+
+
+def check_generation(gen: dict) -> None:
+    """Cross-field checks of config section ``generation`` (serving-engine sources).
+
+    Raises:
+        InputError: ``serve: vllm`` with a source other than ``openai`` or together with ``endpoint.url``;
+            a server source with neither a URL nor ``serve: vllm``.
+    """
+    serve_vllm = gen.get("serve") == "vllm"
+    url = (gen.get("endpoint") or {}).get("url")
+    if serve_vllm and gen["source"] != "openai":
+        raise InputError("config", "generation.serve", f"vllm serves the 'openai' protocol, but generation.source is "
+                         f"{gen['source']!r}", "set generation.source: openai")
+    if serve_vllm and url:
+        raise InputError("config", "generation", "both serve: vllm and endpoint.url are set",
+                         "use your server (endpoint.url, serve: none) or let the workflow start vLLM (serve: vllm, no url)")
+    if gen["source"] != "transformers" and not serve_vllm and not url:
+        raise InputError("config", "generation.source", f"{gen['source']!r} needs a server",
+                         "set generation.endpoint.url (e.g. http://gpu-host:8000), or generation.serve: vllm")
+
+
+def check_cache(cache: dict, engine_parity: bool = False) -> None:
+    """Cross-field checks of config section ``cache`` (the ``vllm`` source).
+
+    ``engine_parity``: ``engine_parity.enabled``; with ``source: hf`` its job extracts with vLLM, configured by
+    ``cache.vllm``, so those settings are then checked as for ``source: vllm``.
+
+    Raises:
+        InputError: ``shards`` > 1 with ``source: vllm``; ``cache.vllm.url`` with ``source: hf`` and no
+            ``engine_parity`` (it would be ignored); settings of the job-owned
+            server (``tensor_parallel_size`` > 1, a ``connector`` other than ``auto``) together with ``url``
+            (your server has its own flags: docs/serving-engines.md); ``storage_dir`` without ``url``.
+    """
+    v = cache.get("vllm") or {}
+    url = v.get("url")
+    if cache.get("source", "hf") == "vllm" and int(cache.get("shards", 1) or 1) > 1:
+        raise InputError("config", "cache.shards", f"{cache['shards']} shards split the HF forward, but cache.source "
+                         "is 'vllm' (one server per prompt set)", "drop cache.shards, or use cache.source: hf")
+    if cache.get("source", "hf") != "vllm" and not engine_parity:
+        if url:
+            raise InputError("config", "cache.vllm.url", "set, but cache.source is 'hf' (the HF forward inside the "
+                             "job) and engine_parity is off: the server would not be used",
+                             "set cache.source: vllm (or engine_parity.enabled: true), or drop cache.vllm.url")
+        return
+    if url:
+        if int(v.get("tensor_parallel_size", 1)) > 1 or v.get("connector", "auto") != "auto":
+            raise InputError("config", "cache.vllm", "tensor_parallel_size / connector configure the server the job "
+                             "starts, but cache.vllm.url names your own server",
+                             "start your server with those flags (docs/serving-engines.md) and drop them here")
+    elif v.get("storage_dir"):
+        raise InputError("config", "cache.vllm.storage_dir", "only for your own server (cache.vllm.url); the "
+                         "job-owned server writes its dumps beside the cache", "drop storage_dir, or set cache.vllm.url")
