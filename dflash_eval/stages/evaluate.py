@@ -316,7 +316,7 @@ def _selector_walks(d):
 
 def open_cache(cache_path, dev: torch.device) -> CacheReader:
     """The verified reader of ``cache_path`` for a replay on ``dev``: on a CUDA device an FP8 cache's stored bytes
-    (half of bf16's) cross to it and are dequantised there (``CacheReader(dequant_device=...)``, 0.56x bf16's read
+    (half of bf16's) cross to it and are dequantised there (``CacheReader(dequant_device=...)``, 0.55x bf16's read
     time on an H100: docs/measurements.md, "FP8 caches"); on the CPU they are dequantised on the host."""
     return CacheReader(cache_path, dequant_device=dev if dev.type == "cuda" else None)
 
