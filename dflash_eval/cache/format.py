@@ -139,8 +139,8 @@ def dequantize_fp8(q: np.ndarray, scale: np.ndarray, logical_dtype: str,
     5x faster on this project's CPU than a 256-entry table look-up (numpy ``take``) and 9x faster than torch's
     float8 cast (``bench/fp8_cache.py``, docs/measurements.md "FP8 caches"). The NaN codes (0x7F / 0xFF) come
     out finite this way; a cache holds them only beside a non-finite scale (:func:`quantize_fp8`), which the
-    reader's checks refuse first and which makes the product NaN anyway. Elsewhere the bytes are copied to ``device`` and cast there (torch's
-    float8_e4m3fn cast, a device kernel).
+    reader's checks refuse first and which makes the product NaN anyway. Elsewhere the bytes are copied to
+    ``device`` and cast there (torch's float8_e4m3fn cast, a device kernel).
 
     Args:
         q: ``[T, K, H]`` uint8 (float8_e4m3fn bits, as stored); scale: ``[T, K]`` float32.

@@ -106,7 +106,8 @@ def selector_rows(frame: pd.DataFrame) -> pd.DataFrame:
 def _by_set_then_training(rows: pd.DataFrame) -> pd.DataFrame:
     """``rows`` sorted by prompt set, then training order (:func:`checkpoint_order`)."""
     rank = {c: i for i, c in enumerate(checkpoint_order(rows))}
-    return rows.iloc[sorted(range(len(rows)), key=lambda i: (rows["prompt_set"].iloc[i], rank[rows["checkpoint"].iloc[i]]))]
+    return rows.sort_values(["prompt_set", "checkpoint"], key=lambda c: c.map(rank) if c.name == "checkpoint" else c,
+                            kind="stable")
 
 
 def selector_table(frame: pd.DataFrame) -> pd.DataFrame | None:
