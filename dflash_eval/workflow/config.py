@@ -1,6 +1,7 @@
 """Parse-time checks of a workflow config against the schema (:mod:`dflash_eval.core.schema`): readable
 validation errors and integral numbers (torch-free; called from ``rules/common.smk``), and the cross-field checks
-the schema cannot express (:func:`check_prompt_sets`, :func:`check_generation`, :func:`check_cache`, called by
+the schema cannot express (:func:`check_prompt_sets`, :func:`check_context_bins`, :func:`check_generation`,
+:func:`check_cache`, called by
 :func:`dflash_eval.workflow.plan.build_plan`)."""
 
 from __future__ import annotations
@@ -92,6 +93,45 @@ def check_prompt_sets(prompt_sets: dict) -> None:
         if ps.get("path") and ps["path"] != first.get("path"):
             raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} differs from the first turn's data "
                              f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
+
+
+def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions: int | None) -> None:
+    """Parse-time checks of a prompt set's ``context_bins`` (``opts``: ``prompt_set`` overlaid with the entry): edges
+    strictly ascending, ``max_prompt_tokens`` (when not 0) above the last edge, and, when the target's
+    ``max_position_embeddings`` is known, every edge and ``max_prompt_tokens`` plus ``generation.max_new_tokens``
+    within it (the completions stage would refuse those prompts: :mod:`dflash_eval.target.context_limit`).
+
+    Raises:
+        InputError: naming ``prompt_sets.<name>.context_bins`` (or ``.max_prompt_tokens``) and the fix.
+    """
+    bins, top = list(opts.get("context_bins") or ()), int(opts.get("max_prompt_tokens") or 0)
+    if not bins:
+        return
+    field = f"prompt_sets.{name}.context_bins"
+    if any(b <= a for a, b in zip(bins, bins[1:])):
+        raise InputError("config", field, f"{bins} is not strictly ascending", "list the lower edges in ascending "
+                         "order, e.g. [2048, 4096, 8192]")
+    if top and top <= bins[-1]:
+        raise InputError("config", f"prompt_sets.{name}.max_prompt_tokens", f"{top} does not exceed the last bin edge "
+                         f"{bins[-1]}, so the last bin [{bins[-1]}, {top}] is empty",
+                         "raise max_prompt_tokens above the last edge, or set it to 0 (the last bin then ends at the "
+                         "target's max_position_embeddings less generation.max_new_tokens)")
+    if max_positions is None:
+        return
+    over = [b for b in bins if b + max_new_tokens > max_positions]
+    if over:
+        raise InputError("config", field, f"bin edge(s) {over} + generation.max_new_tokens {max_new_tokens} exceed the "
+                         f"target's max_position_embeddings {max_positions}: the target cannot hold those prompts",
+                         f"drop those bins or lower them to at most {max_positions - max_new_tokens}, lower "
+                         "generation.max_new_tokens, or use a target with more positions")
+    if top + max_new_tokens > max_positions:
+        raise InputError("config", f"prompt_sets.{name}.max_prompt_tokens", f"{top} + generation.max_new_tokens "
+                         f"{max_new_tokens} exceeds the target's max_position_embeddings {max_positions}",
+                         f"set max_prompt_tokens to at most {max_positions - max_new_tokens}, or 0 (up to that)")
+    if not top and max_positions - max_new_tokens <= bins[-1]:
+        raise InputError("config", field, f"the last bin [{bins[-1]}, max_position_embeddings {max_positions} - "
+                         f"max_new_tokens {max_new_tokens}] is empty", "drop or lower the last bin, or lower "
+                         "generation.max_new_tokens")
 
 
 def check_generation(gen: dict) -> None:

@@ -13,7 +13,10 @@ the target's ``hidden_size`` ``H``, the storage), with ``tokens`` taken from the
 * ``estimate``: the prompts file exists (each prompt's tokens + ``generation.max_new_tokens``: an upper
   bound, as completions that stop early are shorter);
 * ``bound``: nothing yet (``prompt_set.n x (max_prompt_tokens + max_new_tokens)``, the limits the prompts
-  stage keeps; unknown with ``n: 0`` or ``max_prompt_tokens: 0``). A bound is printed but never refused.
+  stage keeps; unknown with ``n: 0`` or ``max_prompt_tokens: 0``; for a set with ``context_bins``,
+  ``per_bin x`` the sum over the bins of (the bin's upper end + ``max_new_tokens``), the last bin ending at
+  ``max_prompt_tokens`` or, for 0, the target's ``max_position_embeddings - max_new_tokens``: :func:`binned_bound`).
+  A bound is printed but never refused.
 
 A finished cache needs nothing more; a partial sidecar (``<cache>.partial``) is counted as already written.
 """
@@ -43,7 +46,7 @@ class CacheSize:
     path: str  #: ``results/<run>/cache/<set>.h5``
     tokens: int | None  #: prompt + completion tokens (None: unknown yet)
     bytes: int | None  #: as stored (None: unknown)
-    basis: str  #: ``done``, ``exact``, ``estimate``, ``bound`` or ``unknown`` (module docstring)
+    basis: str  #: ``done``, ``exact``, ``estimate``, ``bound``, ``bins`` or ``unknown`` (module docstring)
     written: int = 0  #: bytes a partial sidecar already holds
     final_hidden: bool = False  #: the target's final normed state is stored too (a set evaluated at T > 0)
 
@@ -137,6 +140,27 @@ def _jsonl_lengths(path: Path, keys: tuple[str, ...]) -> list[int]:
     return out
 
 
+def binned_bound(opts: dict, max_new: int, max_positions: int | None) -> int | None:
+    """Upper bound on the prompt + completion tokens of a prompt set with ``context_bins`` (``opts``: its merged
+    options): ``per_bin x sum_k (upper_k + max_new)``, ``upper_k = edge_k+1 - 1`` and the last ``max_prompt_tokens``
+    (0: ``max_positions - max_new``); None when that is unknown. E.g. bins [2048, 4096], per_bin 2,
+    max_prompt_tokens 8192, max_new 256: 2 x ((4095 + 256) + (8192 + 256)) = 25,598."""
+    bins = list(opts["context_bins"])
+    last = int(opts.get("max_prompt_tokens") or 0) or (max_positions - max_new if max_positions else 0)
+    if not last:
+        return None
+    uppers = [b - 1 for b in bins[1:]] + [last]
+    return int(opts.get("per_bin") or 0) * sum(u + max_new for u in uppers)
+
+
+def _max_positions(plan) -> int | None:
+    cfg = Path(plan.target.dir, "config.json")
+    if not cfg.is_file():
+        return None
+    text = json.loads(cfg.read_text())
+    return text.get("max_position_embeddings") or (text.get("text_config") or {}).get("max_position_embeddings")
+
+
 def planned_caches(plan) -> list[CacheSize]:
     """The size of each prompt set's cache (:class:`CacheSize`, module docstring), in ``plan.prompt_sets`` order."""
     cfg = plan.config
@@ -159,6 +183,9 @@ def planned_caches(plan) -> list[CacheSize]:
             tokens, basis = sum(_jsonl_lengths(completions, ("prompt_ids", "completion_ids"))), "exact"
         elif prompts.is_file():
             tokens, basis = sum(n + max_new for n in _jsonl_lengths(prompts, ("prompt_ids",))), "estimate"
+        elif opts.get("context_bins"):
+            tokens = binned_bound(opts, max_new, _max_positions(plan))
+            basis = "bins" if tokens is not None else "unknown"
         elif int(opts.get("n") or 0) > 0 and int(opts.get("max_prompt_tokens") or 0) > 0:
             tokens, basis = int(opts["n"]) * (int(opts["max_prompt_tokens"]) + max_new), "bound"
         else:
@@ -200,7 +227,8 @@ def _size(b: int | None) -> str:
 
 
 WHY = {"done": "cache exists", "exact": "from the completions", "estimate": "prompts + max_new_tokens, at most",
-       "bound": "prompt_set.n x (max_prompt_tokens + max_new_tokens), at most", "unknown": "unknown yet"}
+       "bound": "prompt_set.n x (max_prompt_tokens + max_new_tokens), at most",
+       "bins": "per_bin x the context bins' upper ends + max_new_tokens, at most", "unknown": "unknown yet"}
 
 
 def disk_lines(plan, sizes: list[CacheSize], free: int) -> list[str]:

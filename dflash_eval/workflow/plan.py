@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import distribution_files
 from dflash_eval.core.options import runtime_env, section_values, to_flags
+from dflash_eval.core.schema import load_schema
 from dflash_eval.data.provenance import settings_of
 from dflash_eval.target.spec import TargetSpec
 from dflash_eval.trackers.log import enabled
 from dflash_eval.workflow.checkpoints import (cache_layer_ids, check_checkpoint_configs, check_names,
                                               checkpoint_table, demo_args, strip_args)
-from dflash_eval.workflow.config import check_cache, check_generation, check_prompt_sets
+from dflash_eval.workflow.config import check_cache, check_context_bins, check_generation, check_prompt_sets
 from dflash_eval.workflow.sampling import (check_sampling_settings, evaluate_settings, greedy_only_note,
                                            needs_final_hidden, set_sampling, setting_key)
 
@@ -218,10 +219,14 @@ class Plan:
         return {**files, "turn1_completions": turn1} if turn1 else files
 
     def prompts_path_arg(self, prompt_set: str) -> str:
-        """``--path`` (the data file) and ``--turn1-completions`` (mt-bench-turn2) of the prompts stage."""
+        """``--path`` (the data file), ``--turn1-completions`` (mt-bench-turn2) and, for context bins ending at the
+        target's positions (``max_prompt_tokens: 0``), ``--max-new-tokens`` of the prompts stage."""
         path, turn1 = self.prompt_data_path(prompt_set), self.turn1_completions(prompt_set)
+        opts = self.prompt_set_options(prompt_set)
+        new = opts.get("context_bins") and not opts.get("max_prompt_tokens")
         return " ".join(([f"--path {shlex.quote(path)}"] if path else [])
-                        + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else []))
+                        + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else [])
+                        + ([f"--max-new-tokens {max_new_tokens(self.config)}"] if new else []))
 
     def trackers_outputs(self) -> list[str]:
         """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
@@ -457,6 +462,12 @@ class Plan:
         return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
+def max_new_tokens(config: dict) -> int:
+    """``generation.max_new_tokens`` of a config (the schema default when it is not filled in)."""
+    default = load_schema()["properties"]["generation"]["properties"]["max_new_tokens"]["default"]
+    return int(config.get("generation", {}).get("max_new_tokens", default))
+
+
 def build_plan(config: dict) -> Plan:
     """The :class:`Plan` of a validated config (schema defaults filled).
 
@@ -465,8 +476,9 @@ def build_plan(config: dict) -> Plan:
     """
     check_names(config)
     for name, ps in config["prompt_sets"].items():
-        if ps.get("path") and not os.path.isfile(ps["path"]):
-            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} does not exist (relative paths are "
+        if ps.get("path") and not (os.path.isdir if ps["source"] == "repository" else os.path.isfile)(ps["path"]):
+            what = "is not a folder" if ps["source"] == "repository" else "does not exist"
+            raise InputError("config", f"prompt_sets.{name}.path", f"{ps['path']!r} {what} (relative paths are "
                              "resolved against the working directory)", "correct the path or remove the prompt set")
     check_prompt_sets(config["prompt_sets"])
     check_generation(config["generation"])
@@ -476,6 +488,9 @@ def build_plan(config: dict) -> Plan:
     spec = target_spec_if_known(target)
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)
+    for name, ps in config["prompt_sets"].items():
+        check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config),
+                           spec.max_position_embeddings if spec else None)
     plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
     check_optional_rules(plan)
     check_sampling_settings(config)
