@@ -153,3 +153,38 @@ def test_an_existing_cache_of_the_other_storage_counts_as_to_write(tmp_path):
         assert _stored_fp8(tmp_path / name) is want, name
     (tmp_path / "junk.h5").write_bytes(b"not an HDF5 file")
     assert _stored_fp8(tmp_path / "junk.h5") is None
+
+
+def test_a_context_binned_set_is_bounded_by_its_bins_then_measured(tmp_path, monkeypatch):
+    """Before its prompts exist a context-binned set counts per_bin x (each bin's upper end + max_new_tokens), the
+    last bin ending at max_prompt_tokens (0: the target's positions less max_new_tokens); then its prompts' lengths."""
+    from dflash_eval.workflow import plan as workflow_plan
+    from dflash_eval.workflow.disk_plan import binned_bound, disk_lines, planned_caches
+
+    assert binned_bound({"context_bins": [2048, 4096], "per_bin": 2, "max_prompt_tokens": 8192}, 256, None) \
+        == 2 * ((4095 + 256) + (8192 + 256)) == 25598
+    assert binned_bound({"context_bins": [2048], "per_bin": 3, "max_prompt_tokens": 0}, 256, 8192) == 3 * 8192
+    assert binned_bound({"context_bins": [2048], "per_bin": 3, "max_prompt_tokens": 0}, 256, None) is None
+    monkeypatch.chdir(tmp_path)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 8, "vocab_size": 32,
+                                                "max_position_embeddings": 8192}))
+    (hf / "model.safetensors").write_bytes(b"x")
+    (hf / "tokenizer.json").write_text("{}")
+    (tmp_path / "c.pt").write_bytes(b"x")
+    cfg = {"generation": {"source": "transformers", "max_new_tokens": 256}, "run": "r",
+           "target": {"name": "t", "path": "hf"}, "prompt_set": {"n": 16, "max_prompt_tokens": 0},
+           "prompt_sets": {"long": {"source": "repository", "context_bins": [2048, 4096], "per_bin": 2}},
+           "cache": {"target_layer_ids": [1, 2], "dtype": "float32"}, "checkpoints": {"list": [{"name": "c", "path": "c.pt"}]}}
+    p = workflow_plan.build_plan(cfg)
+    [size] = planned_caches(p)
+    tokens = 2 * ((4095 + 256) + (8192 - 256 + 256))  # [2048, 4095] and [4096, 8192 - 256]
+    assert (size.basis, size.tokens, size.bytes) == ("bins", tokens, tokens * bytes_per_token("float32", 2, 8))
+    assert "per_bin x the context bins' upper ends + max_new_tokens, at most, 25086 tokens" in disk_lines(p, [size], 10**12)[1]
+    prompts = tmp_path / "results" / "r" / "prompts"
+    prompts.mkdir(parents=True)
+    (prompts / "long.jsonl").write_text("".join(json.dumps({"id": str(n), "prompt_ids": [1] * n}) + "\n"
+                                                for n in (2100, 2500, 5000, 7000)))
+    [size] = planned_caches(p)
+    assert (size.basis, size.tokens) == ("estimate", 2100 + 2500 + 5000 + 7000 + 4 * 256)

@@ -501,3 +501,50 @@ def test_an_fp8_cache_is_another_file_so_switching_back_finds_the_bf16_one():
     assert fp8.shard_caches(prompt_set="sharegpt") == ["results/r/cache/sharegpt.shard0.fp8.h5",
                                                        "results/r/cache/sharegpt.shard1.fp8.h5"]
     assert not set(bf16.caches()) & set(fp8.caches())
+
+
+def test_context_bins_the_target_cannot_hold_are_refused_at_parse_time(tmp_path, monkeypatch):
+    """A bin edge + generation.max_new_tokens beyond the target's max_position_embeddings, or a max_prompt_tokens
+    that leaves the last bin empty or overruns the positions, stops the workflow with the entry named."""
+    monkeypatch.chdir(tmp_path)
+    _target(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 8192}))
+    (tmp_path / "c.pt").write_bytes(b"x")
+
+    def build(max_prompt_tokens=0, **entry):
+        return plan.build_plan(_config(
+            target={"name": "x", "path": "hf"}, generation={"source": "transformers", "max_new_tokens": 256},
+            prompt_set={"n": 2, "max_prompt_tokens": max_prompt_tokens},
+            prompt_sets={"long": {"source": "repository", **entry}}, checkpoints={"list": [{"name": "c", "path": "c.pt"}]}))
+
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048, 4096, 8000])
+    assert ei.value.field == "prompt_sets.long.context_bins" and ei.value.file == "config"
+    assert "bin edge(s) [8000] + generation.max_new_tokens 256 exceed the target's max_position_embeddings 8192" \
+        in ei.value.problem
+    assert "drop those bins or lower them to at most 7936" in ei.value.fix and "more positions" in ei.value.fix
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048, 7936 + 1])
+    assert ei.value.field == "prompt_sets.long.context_bins"
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048, 1024])
+    assert ei.value.field == "prompt_sets.long.context_bins" and "not strictly ascending" in ei.value.problem
+    with pytest.raises(InputError) as ei:
+        build(max_prompt_tokens=1024, context_bins=[2048])
+    assert ei.value.field == "prompt_sets.long.max_prompt_tokens" and "does not exceed the last bin edge 2048" \
+        in ei.value.problem
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048], max_prompt_tokens=8000)  # the set's own value overrides prompt_set's
+    assert ei.value.field == "prompt_sets.long.max_prompt_tokens" and "8000 + generation.max_new_tokens 256" \
+        in ei.value.problem
+    p = build(context_bins=[2048, 4096], per_bin=4)
+    assert p.prompts_path_arg("long") == "--max-new-tokens 256"  # the stage ends the last bin at 8192 - 256
+    assert "--context-bins=2048,4096" in p.stage_flags("prompts", "long") and "--per-bin=4" in p.stage_flags("prompts", "long")
+    assert build(max_prompt_tokens=5000, context_bins=[2048, 4096]).prompts_path_arg("long") == ""
+    # no bins: the flags of an existing set are unchanged (no rerun)
+    flags = build(max_prompt_tokens=1024).stage_flags("prompts", "long")
+    assert "context-bins" not in flags and "per-bin" not in flags
+    with pytest.raises(InputError) as ei:
+        build(path="missing-folder")
+    assert ei.value.field == "prompt_sets.long.path" and "is not a folder" in ei.value.problem
