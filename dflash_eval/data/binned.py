@@ -24,6 +24,8 @@ import random
 from collections import Counter
 from pathlib import Path
 
+from jinja2 import TemplateError  # the chat templates' engine (transformers renders them with it)
+
 from dflash_eval.core.errors import InputError
 from dflash_eval.data import prompts as P
 from dflash_eval.data.long_context import (LONG_SOURCES, Candidate, conversation_candidates, plain_candidates,
@@ -60,8 +62,6 @@ def render(tok, c: Candidate, enable_thinking: bool, tokenizer_dir: str | Path =
         InputError: the template fails on the messages, or (a trajectory) leaves out a tool call's name, a
             tool result or the tools: names the file, line and field.
     """
-    from jinja2 import TemplateError  # transformers' template engine
-
     msgs = c.messages()
     kw = {"tools": c.tools} if c.tools else {}
     file, line = c.where if c.where else (tokenizer_dir, None)
