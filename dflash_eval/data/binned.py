@@ -19,6 +19,7 @@ token of the top bound (no tokenizer averages more on text or code), or when its
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections import Counter
@@ -82,7 +83,9 @@ def render(tok, c: Candidate, enable_thinking: bool, tokenizer_dir: str | Path =
                 if call["function"]["name"] not in text:
                     raise InputError(file, f"{at}messages[{j}].tool_calls", f"the chat template of {tokenizer_dir} "
                                      f"drops the tool call {call['function']['name']!r}", _TEMPLATE_FIX)
-            if m["role"] == "tool" and m["content"].strip() not in text:
+            forms = (m["content"].strip(), json.dumps(m["content"], ensure_ascii=False),
+                     json.dumps(m["content"])) if m["role"] == "tool" else ()
+            if forms and not any(f in text for f in forms):  # verbatim, or as JSON (Llama 3.1's tojson)
                 raise InputError(file, f"{at}messages[{j}].content", f"the chat template of {tokenizer_dir} drops the "
                                  "tool result", _TEMPLATE_FIX)
         for t in c.tools or ():

@@ -2,7 +2,7 @@
 
 One row per prompt::
 
-    {"id": str, "source": "humaneval"|"sharegpt"|"file",
+    {"id": str, "source": str,  # one of SOURCES, or a long-context source (dflash_eval/data/long_context.py)
      "prompt": str,          # raw user text (for a `messages` input: its last user turn)
      "text": str,            # chat-templated text, ending with the assistant generation prompt
      "prompt_ids": [int, ...]}  # tokenizer(text, add_special_tokens=False).input_ids
@@ -136,7 +136,6 @@ def decode_sharegpt(path: str | Path) -> tuple[list[Any], Counter]:
         counts["truncated_record"] += 1
         log.warning("%s ended early (record %d is cut off at char %d of %d): kept the %d complete records",
                     path, len(records), truncated_at, len(text), len(records))
-
     return records, counts
 
 
@@ -174,7 +173,6 @@ def load_sharegpt(path: str | Path | None = None, skipped: Counter | None = None
     path = Path(path) if path else packaged_file(SHAREGPT_DIST, SHAREGPT_FILE)
     t0 = time.perf_counter()
     records, counts = decode_sharegpt(path)
-
     out: list[tuple[str, str | list[dict]]] = []
     seen: dict[str, int] = {}
     for k, rec in enumerate(records):

@@ -238,3 +238,29 @@ def test_a_template_without_tool_support_is_refused_by_line_and_field(tmp_path, 
     with pytest.raises(InputError) as ei:
         build_set_with_meta("trajectory", tok_dir, 0, 0, path=path)
     assert ei.value.field == "line 2: messages[2].tool_calls" and "drops the tool call 'read_file'" in ei.value.problem
+
+
+def test_the_last_bin_ends_at_the_targets_positions_less_the_generation(tmp_path):
+    from dflash_eval.stages.prompts import last_bin_end
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    assert last_bin_end([1024], 0, 256, str(tmp_path), "x") == 4096 - 256
+    assert last_bin_end([1024], 2000, 256, str(tmp_path), "x") == 2000  # given: kept
+    assert last_bin_end([], 0, None, str(tmp_path), "x") == 0  # no bins: 0 stays "no limit"
+    with pytest.raises(InputError) as ei:
+        last_bin_end([1024], 0, None, str(tmp_path), "x")
+    assert ei.value.field == "prompt_sets.x.max_prompt_tokens" and "--max-new-tokens is not given" in ei.value.problem
+
+
+def test_a_tool_result_rendered_as_json_counts_as_rendered(tmp_path, tok_dir):
+    """Llama 3.1's template writes a tool result through tojson (quoted, newlines escaped): not a dropped result."""
+    from transformers import AutoTokenizer
+    d = tmp_path / "tok"
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    tok.chat_template = TOOL_TEMPLATE.replace("' + m.content + '", "' + (m.content | tojson) + '", 1)  # the tool result's
+    assert tok.chat_template != TOOL_TEMPLATE
+    tok.save_pretrained(str(d))
+    path = _jsonl(tmp_path / "t.jsonl", [{"id": "t1", "messages": AGENT}])
+    rows, _ = build_set_with_meta("trajectory", d, 0, 0, path=path)
+    r4 = next(r for r in rows if r["id"] == "t1/msg4")
+    assert '<tool_response>\n"def parse(s):\\n    return int(s)\\n"\n</tool_response>' in r4["text"]
