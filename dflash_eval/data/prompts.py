@@ -211,6 +211,12 @@ SKIP_REASONS = {
     "empty_user_turn": "empty or non-text user turn",
     "truncated_record": "record cut off at the end of the file",
     "too_long": "longer than max_prompt_tokens after templating",
+    # the long-context sources and context bins (dflash_eval/data/long_context.py, binned.py)
+    "no_follow_up": "no user turn after an assistant turn",
+    "split_part_not_joined": "a part of a split conversation that does not continue the parts before it",
+    "duplicate_content": "the same content as a prompt met earlier",
+    "too_short": "shorter than the first context bin after templating",
+    "bin_full": "its context bin already held per_bin prompts",
 }
 _USER, _ASSISTANT = {"human", "user"}, {"gpt", "assistant", "chatgpt", "bing", "bard", "model"}
 
