@@ -202,6 +202,11 @@ def test_trajectory_prefixes_are_the_assistant_turns_after_the_first(tmp_path, t
     assert r4["prompt"] == "Why does test_parse fail?"  # the last user turn
     again, _ = build_set_with_meta("trajectory", tool_tok_dir, 0, 0, path=path)
     assert again == rows
+    # one bin, one place: the prefix whose canonical JSON (messages, then tools) has the smaller sha256
+    keys = {f"t1/msg{i}": hashlib.sha256(canonical(AGENT[:i]) + canonical(TOOLS)).hexdigest() for i in (4, 6)}
+    one, meta = build_set_with_meta("trajectory", tool_tok_dir, 0, 0, path=path, context_bins=[1], per_bin=1,
+                                    max_prompt_tokens=10**6)
+    assert [r["id"] for r in one] == [min(keys, key=keys.get)] and meta["bins"][0]["taken"] == 1
 
 
 @pytest.mark.parametrize("line2, field", [
