@@ -7,14 +7,14 @@ vllm-project/speculators PR #1107 ``scripts/evaluate/rebin.py`` bins its results
 set with responses in 2 or more bins: a figure of tau against the bin's context (log-2 axis, one line per
 checkpoint, error bars of +-1.96 SE, bins past the trained length hollow in a shaded region) and a table of tau, n
 and SE per bin. :func:`regime_notes` gives the headline table's note on a set whose responses lie both within and
-beyond a checkpoint's trained length: its tau mixes two regimes.
-
-matplotlib is imported inside :func:`figure` only (``report --help`` stays matplotlib-free).
+beyond a checkpoint's trained length: its tau mixes two regimes. The figure:
+:func:`dflash_eval.report.figures.tau_vs_context` (this module stays matplotlib-free, like ``report --help``).
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -122,65 +122,9 @@ NOTE = ("tau per prompt-length bin (prompt tokens at request start, power-of-two
         "sequence length the drafter was trained on (`trained_max_len`, from its config).")
 
 
-def dodge(i: int, n: int) -> float:
-    """The x factor of the ``i``-th of ``n`` checkpoints in :func:`figure`: a small horizontal shift on the log axis
-    (``2 ** (0.05 (i - (n - 1) / 2))``) so that equal bins do not hide each other's points and bars."""
-    return 2 ** (0.05 * (i - (n - 1) / 2))
-
-
-def figure(frame: pd.DataFrame, prompt_set: str):
-    """tau against the bin's context for one prompt set (a matplotlib Figure): log-2 x axis, one line per checkpoint
-    with +-:data:`Z95` SE error bars, bins past the checkpoint's trained length hollow, the region past each trained
-    length shaded and labelled."""
-    from dflash_eval.report.figures import Figure, _cmap, _log2_axis  # deferred: matplotlib
-
-    long = context_frame(frame)
-    long = long[long["prompt_set"] == prompt_set]
-    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
-    ax = fig.subplots()
-    order = [c for c in checkpoint_order(frame) if c in set(long["checkpoint"])]
-    cmap = _cmap()
-    for i, ck in enumerate(order):
-        sub = long[long["checkpoint"] == ck].sort_values("lo")
-        x = sub["context"] * dodge(i, len(order))
-        color = cmap(0.85 * i / max(1, len(order) - 1))
-        yerr = (Z95 * sub["se"]).fillna(0.0)
-        trained = sub["trained_max_len"].iloc[0]
-        label = f"{ck} (trained length {'unknown' if pd.isna(trained) else int(trained)})"
-        ax.errorbar(x, sub["tau"], yerr=yerr, color=color, marker="none", capsize=3, label=label)
-        for beyond, face in ((False, color), (True, "white")):
-            part = sub["beyond"] == beyond
-            ax.plot(x[part], sub["tau"][part], linestyle="none", marker="o", color=color, markerfacecolor=face,
-                    markeredgewidth=1.5)
-    right = long["context"].max() * 1.6
-    left = long["context"].min() / 1.6
-    for trained in sorted(long["trained_max_len"].dropna().unique()):
-        ax.axvspan(int(trained), max(right, 2 * int(trained)), color="grey", alpha=0.12, linewidth=0)
-        ax.axvline(int(trained), color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(f"past trained length {int(trained)}", (int(trained), 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(3, -3), textcoords="offset points", ha="left", va="top", fontsize=7, color="dimgrey")
-    _log2_axis(ax)
-    ax.set_xlim(left, right)
-    ax.set_xlabel("prompt tokens at request start (bin midpoint)")
-    ax.set_ylabel("tau (tokens per verify step)")
-    ax.set_title(f"tau against context, {prompt_set}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig
-
-
 def figure_name(prompt_set: str) -> str:
     """The figure's file name: ``context_<set>.png`` (unsafe characters as ``_``)."""
-    import re
-
     return "context_" + re.sub(r"[^A-Za-z0-9_.-]", "_", prompt_set) + ".png"
-
-
-def figures(frame: pd.DataFrame) -> dict[str, tuple[str, bytes]]:
-    """``{file name: (caption, PNG bytes)}``, one per prompt set of :func:`context_sets` ({} when none)."""
-    from dflash_eval.report.figures import png  # deferred: matplotlib
-
-    return {figure_name(ps): (CAPTION.format(ps=ps), png(figure(frame, ps))) for ps in context_sets(frame)}
 
 
 def markdown(frame: pd.DataFrame, md_table) -> list[str]:

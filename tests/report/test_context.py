@@ -80,10 +80,12 @@ def test_section_absent_with_one_bin(ctx):
 def test_figure_marks_bins_past_the_trained_length(ctx):
     from matplotlib.colors import to_rgba
 
+    from dflash_eval.report.figures import tau_vs_context
+
     data = R.load_report_data(ctx)
-    ax = C.figure(data.frame, "ctx").axes[0]
+    ax = tau_vs_context(data.frame, "ctx").axes[0]
     hollow = [ln for ln in ax.lines if len(ln.get_xdata()) and to_rgba(ln.get_markerfacecolor()) == to_rgba("white")]
-    # early's 1024-2048 only, at its midpoint (shifted left by C.dodge: the first of two checkpoints)
+    # early's 1024-2048 only, at its midpoint (shifted left by figures.context_dodge: the first of two checkpoints)
     assert [list(ln.get_xdata()) for ln in hollow] == [pytest.approx([1024 * math.sqrt(2) * 2 ** -0.025])]
     assert ax.get_xscale() == "log"
     spans = [p for p in ax.patches if p.get_x() == 640]  # the shaded region starts at the trained length
