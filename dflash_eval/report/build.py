@@ -577,7 +577,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
-        sampled_note=sampled_sets_note(f), regime_notes=[_inline_html(n) for n in C.regime_notes(f)],
+        sampled_note=sampled_sets_note(f), regime_notes=C.regime_notes_html(f, _inline_html),
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

@@ -110,6 +110,13 @@ def regime_notes(frame: pd.DataFrame) -> list[str]:
     return out
 
 
+def regime_notes_html(frame: pd.DataFrame, inline) -> list[str]:
+    """:func:`regime_notes` as HTML (``inline``: the report's markdown-sentence-to-HTML function), each linking to the
+    section (``#context``)."""
+    return [inline(n).replace("see tau against context", f'see <a href="#{ANCHOR}">tau against context</a>')
+            for n in regime_notes(frame)]
+
+
 CAPTION = ("tau against context, {ps}: tau of the responses per prompt-length bin (prompt tokens at request start, "
            "power-of-two bins, plotted at the bin's geometric midpoint, checkpoints shifted slightly apart), one line "
            "per checkpoint, error bars +-1.96 "

@@ -104,7 +104,9 @@ def test_html_section_and_headline_note(ctx):
     html = R.render_html(data, figs)
     assert html.index('id="table"') < html.index("Mixed regimes") < html.index('id="context"')
     assert re.search(r'<img src="data:image/png;base64,[^"]+" alt="context ctx">', html)
-    assert 'data-table="context-ctx"' in html and "<code>early</code>" in html
+    assert 'data-table="context-ctx"' in html
+    assert ('<b>Mixed regimes:</b> ctx, <code>early</code>: mixes 2 prompts within and 2 beyond the trained length 640: '
+            'see <a href="#context">tau against context</a>') in html
 
 
 @pytest.mark.browser
