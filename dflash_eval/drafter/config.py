@@ -47,6 +47,9 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 #: the architecture name of each drafter variant (``config.json`` ``architectures``; vLLM and SGLang
 #: pick the DFlash 2 model class by it)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+#: where a drafter config records the sequence length it was trained on (:attr:`DrafterConfig.trained_max_len`):
+#: the training block of ``dflash_eval.drafter.train``; other trainers' checkpoints record none that is read
+TRAINED_MAX_LEN_FIELD = "dflash_config.training.max_len"
 #: the RoPE dicts of an HF config: transformers 5's name first, then the older one
 ROPE_DICTS = ("rope_parameters", "rope_scaling")
 #: keys ``--override`` / a checkpoint entry's ``overrides`` accept: the fields above, plus the
@@ -384,6 +387,15 @@ class DrafterConfig:
     def architecture(self) -> str:
         """The ``architectures`` entry of this variant (:data:`ARCHITECTURES`)."""
         return ARCHITECTURES[self.variant]
+
+    @property
+    def trained_max_len(self) -> int | None:
+        """The sequence length (tokens, prompt + completion) the drafter was trained on, where its config records it:
+        :data:`TRAINED_MAX_LEN_FIELD` (written by ``dflash_eval.drafter.train``); None when absent or not a positive
+        integer (it only labels the report's tau against context, so a malformed value is not an error)."""
+        value = (self.raw.get("dflash_config") or {}).get("training") or {}
+        value = value.get("max_len") if isinstance(value, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
     def rotary_config(self):
         """A ``transformers.Qwen3Config`` carrying only what RoPE needs (theta, scaling, head_dim); ``raw`` is not modified."""

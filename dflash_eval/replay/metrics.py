@@ -43,7 +43,15 @@ Companions:
 * ``prompt_tau[bin]`` -- ``tau`` (macro, as above) over the responses whose prompt length
   (templated prompt tokens) lies in that bin of :data:`PROMPT_BINS`, with ``prompt_samples[bin]``
   responses; shows whether acceptance falls with the context length. Empty (NaN / 0) when the
-  prompt lengths are not given.
+  prompt lengths are not given. The bins are by prompt length at request start with power-of-two
+  edges, as vllm-project/speculators PR #1107 (``scripts/evaluate/rebin.py``) bins its results.
+* ``tau_se`` / ``prompt_se[bin]`` -- the standard error of ``tau`` (of ``prompt_tau[bin]``) over
+  prompts: the sample standard deviation (``n - 1`` in the denominator) of the per-response taus
+  divided by ``sqrt(n)``; NaN for ``n < 2``. It assumes the prompts are i.i.d. draws from the set's
+  population and takes each response's tau as one observation (the verify steps of a response are
+  not independent, so they are not counted separately). At T > 0 it is the same over the
+  per-response expected taus ``E[tau_r]``: the spread over prompts, not the sampling noise of the
+  speculative sampler, which the expectation removes.
 
 DFlash 2 drafters also get :func:`selector_stats` (top-K recall per slot, the oracle accepted
 length of a perfect selector on the same candidates, the selector's pick rate).
@@ -56,6 +64,7 @@ every mean.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -90,6 +99,8 @@ class AcceptanceStats:
     position_steps: dict[str, int]  #: position bin label -> verify steps anchored in that bin
     prompt_tau: dict[str, float]  #: prompt-length bin label -> tau of the responses in it (NaN: none)
     prompt_samples: dict[str, int]  #: prompt-length bin label -> responses (with a verify step) in it
+    tau_se: float  #: standard error of ``tau`` over prompts (:func:`standard_error`; NaN for n < 2)
+    prompt_se: dict[str, float]  #: prompt-length bin label -> standard error of ``prompt_tau[bin]`` (NaN: n < 2)
 
     def as_dict(self) -> dict:
         """JSON-ready dict (integer keys as strings; NaN as None)."""
@@ -110,6 +121,15 @@ def _nan_to_none(x):
 def sample_tau(lengths: Sequence[int]) -> float:
     """Mean tokens per verify step of one response (NaN for a response without a verify step)."""
     return sum(lengths) / len(lengths) if len(lengths) else math.nan
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean of ``values`` (one tau per response): sample sd (``n - 1``) / sqrt(n).
+
+    Returns NaN for fewer than 2 values. Assumes the values are i.i.d. (prompts drawn independently from one
+    population); see the module docstring.
+    """
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) >= 2 else math.nan
 
 
 def _bin_index(pos: int, edges: Sequence[int] = POSITION_BINS) -> int:
@@ -146,7 +166,7 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int,
     bin_steps = [0] * len(labels)
     per_response, per_response_sglang = [], []
     prompt_labels = position_bin_labels(PROMPT_BINS)
-    prompt_sums, prompt_counts = [0.0] * len(prompt_labels), [0] * len(prompt_labels)
+    prompt_taus: list[list[float]] = [[] for _ in prompt_labels]
     if prompt_lens is not None and len(prompt_lens) != len(acceptance):
         raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(acceptance)} responses")
     steps = tokens = skipped = 0
@@ -155,9 +175,7 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int,
             skipped += 1
             continue
         if prompt_lens is not None:
-            b = _bin_index(int(prompt_lens[r]), PROMPT_BINS)
-            prompt_sums[b] += sample_tau(lengths)
-            prompt_counts[b] += 1
+            prompt_taus[_bin_index(int(prompt_lens[r]), PROMPT_BINS)].append(sample_tau(lengths))
         n_tokens = 1 + sum(lengths)
         pos = 0  # completion index of the step's anchor (0 = the prefill token)
         for n in lengths:
@@ -186,22 +204,25 @@ def aggregate(acceptance: Sequence[Sequence[int]], block_size: int,
         verify_steps=steps,
         committed_tokens=tokens,
         histogram=hist,
-        **_rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums, prompt_counts),
+        **_rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_taus, per_response),
     )
 
 
-def _rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums,
-                 prompt_counts) -> dict:
-    """The per-slot, per-position and per-prompt-length fields of :class:`TauStats` from their sums
-    (shared by :func:`aggregate` and :func:`aggregate_expected`; NaN where nothing was counted)."""
+def _rate_fields(B, accepted, compared, labels, bin_tokens, bin_steps, prompt_labels, prompt_taus,
+                 per_response) -> dict:
+    """The per-slot, per-position and per-prompt-length fields of :class:`AcceptanceStats` from their sums, the
+    per-bin lists of per-response taus and every response's tau (for the standard errors); shared by
+    :func:`aggregate` and :func:`aggregate_expected`; NaN where nothing was counted."""
     return dict(
         slot_acceptance={k: accepted[k] / compared[k] if compared[k] else math.nan for k in range(1, B)},
         slot_compared={k: compared[k] for k in range(1, B)},
         position_tau={lab: bin_tokens[i] / bin_steps[i] if bin_steps[i] else math.nan for i, lab in enumerate(labels)},
         position_steps={lab: bin_steps[i] for i, lab in enumerate(labels)},
-        prompt_tau={lab: prompt_sums[i] / prompt_counts[i] if prompt_counts[i] else math.nan
+        prompt_tau={lab: sum(prompt_taus[i]) / len(prompt_taus[i]) if prompt_taus[i] else math.nan
                     for i, lab in enumerate(prompt_labels)},
-        prompt_samples={lab: prompt_counts[i] for i, lab in enumerate(prompt_labels)},
+        prompt_samples={lab: len(prompt_taus[i]) for i, lab in enumerate(prompt_labels)},
+        tau_se=standard_error(per_response),
+        prompt_se={lab: standard_error(prompt_taus[i]) for i, lab in enumerate(prompt_labels)},
     )
 
 
@@ -240,15 +261,13 @@ def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequen
     """
     B = block_size
     prompt_labels = position_bin_labels(PROMPT_BINS)
-    prompt_sums, prompt_counts = [0.0] * len(prompt_labels), [0] * len(prompt_labels)
+    prompt_taus: list[list[float]] = [[] for _ in prompt_labels]
     if prompt_lens is not None:
         if len(prompt_lens) != len(responses):
             raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(responses)} responses")
         for r, n in zip(responses, prompt_lens):
             if r is not None:
-                b = _bin_index(int(n), PROMPT_BINS)
-                prompt_sums[b] += r.tau
-                prompt_counts[b] += 1
+                prompt_taus[_bin_index(int(n), PROMPT_BINS)].append(r.tau)
     live = [r for r in responses if r is not None]
     labels = position_bin_labels()
     hist = {k: 0.0 for k in range(1, B + 1)}
@@ -276,7 +295,7 @@ def aggregate_expected(responses: Sequence, block_size: int, prompt_lens: Sequen
         verify_steps=steps,
         committed_tokens=tokens,
         histogram=hist,
-        **_rate_fields(B, acc, comp, labels, bin_tokens, bin_steps, prompt_labels, prompt_sums, prompt_counts),
+        **_rate_fields(B, acc, comp, labels, bin_tokens, bin_steps, prompt_labels, prompt_taus, [r.tau for r in live]),
     )
 
 

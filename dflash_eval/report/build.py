@@ -26,6 +26,9 @@ Contents, each adapting to what the data has:
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
 * acceptance-length histograms per checkpoint and prompt set;
+* tau against context: per prompt set with responses in 2 or more prompt-length bins, tau per bin with +-1.96 SE
+  and the bins past the drafter's trained length marked (:mod:`dflash_eval.report.context`); the tau table notes
+  a set that mixes prompts within and beyond it;
 * per-slot conditional acceptance ``P(slot k accepted | slots < k accepted)`` of the chain
   and tau by position in the response, when the tau table has them (``accept_slot_<k>``,
   ``tau_pos_<lo>_<hi>`` columns, computed by :mod:`dflash_eval.replay.metrics`);
@@ -54,6 +57,8 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
 from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
+from dflash_eval.report import context as C
+from dflash_eval.report.agreement import agreement_frame
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
                                        costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
                                        selector_slot_text, selector_table, slot_text, variant_comparison,
@@ -139,32 +144,6 @@ def slot_curves(frame: pd.DataFrame) -> dict:
     return out
 
 
-def _agreement(caches: list[str]) -> tuple[pd.DataFrame, dict]:
-    from dflash_eval.cache.reader import CacheReader  # deferred: torch, only when the report reads caches (agreement)
-
-    rows, attrs = [], {}
-    for c in caches:
-        with CacheReader(c) as rd:
-            ps = str(rd.attrs.get("prompt_set") or Path(c).stem)
-            attrs[ps] = dict(rd.attrs)
-            agree, tokens = [], []
-            for i in range(len(rd)):
-                a = rd.sample_attrs(i)
-                agree.append(float(a["argmax_agreement"]))
-                tokens.append(a["length"] - int(a["prompt_len"]))
-        total = sum(tokens)
-        rows.append({
-            "prompt_set": ps,
-            "samples": len(agree),
-            "completion_tokens": total,
-            "agreement": sum(a * t for a, t in zip(agree, tokens)) / total if total else math.nan,
-            "lowest_sample": min(agree) if agree else math.nan,
-            "samples_below_1": sum(a < 1.0 for a in agree),
-        })
-    return pd.DataFrame(rows, columns=["prompt_set", "samples", "completion_tokens", "agreement", "lowest_sample",
-                                       "samples_below_1"]), attrs
-
-
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
                      config_sha256: str | None = None, run: str | None = None,
                      prompts_meta: list[str] | None = None, provenance=None) -> ReportData:
@@ -190,7 +169,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         r = json.loads(Path(p).read_text())
         hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), primary_histogram(r))
         drafter_notes.update({f"- `{r['checkpoint']}`: {n}": None for n in r.get("drafter_notes") or []})  # once each
-    agreement, cache_attrs = _agreement(list(caches))
+    agreement, cache_attrs = agreement_frame(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),
                       prompt_lengths=prompt_length_columns(frame), agreement=agreement, caches=cache_attrs,
                       config_sha256=config_sha256, run=run, provenance=read_json_object(provenance, "provenance",
@@ -401,6 +380,7 @@ def render_markdown(data: ReportData) -> str:
     note = sampled_sets_note(f)
     if note:
         parts += [note, ""]
+    parts += [f"> Mixed regimes: {n}\n" for n in C.regime_notes(f)]  # tau against context
     best = best_checkpoints(data)
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
@@ -452,6 +432,7 @@ def render_markdown(data: ReportData) -> str:
         parts += ["## Acceptance by prompt length", "",
                   "tau of the responses whose templated prompt has that many tokens (responses in brackets).", "",
                   _md_table(prompt_length_table(f, data.prompt_lengths)), ""]
+    parts += C.markdown(f, _md_table)
     if len(data.agreement):
         parts += ["## Target agreement", "",
                   "Share of completion tokens equal to the target's teacher-forced argmax in the cache.", "",
@@ -541,6 +522,8 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     if data.positions:
         add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
             "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
+    for ps in C.context_sets(data.frame):  # tau against context
+        add(C.figure_name(ps), C.CAPTION.format(ps=ps), F.tau_vs_context(data.frame, ps))
     return out
 
 
@@ -594,6 +577,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
-        sampled_note=sampled_sets_note(f),
+        sampled_note=sampled_sets_note(f), regime_notes=C.regime_notes_html(f, _inline_html),
+        context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

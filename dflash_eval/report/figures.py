@@ -18,6 +18,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, ScalarFormatter
 
+from dflash_eval.report.context import Z95 as CONTEXT_Z95, context_frame
 from dflash_eval.report.tau_table import (
     checkpoint_order,
     method_columns,
@@ -205,6 +206,51 @@ def position_tau(frame: pd.DataFrame, positions: list[tuple[str, str]]) -> Figur
     axes[0].set_ylabel("tokens per verify step")
     axes[0].legend(fontsize=7)
     fig.suptitle("Acceptance by position in the response")
+    return fig
+
+
+def context_dodge(i: int, n: int) -> float:
+    """The x factor of the ``i``-th of ``n`` checkpoints in :func:`tau_vs_context`: a small shift on the log axis
+    (``2 ** (0.05 (i - (n - 1) / 2))``) so that equal bins do not hide each other's points and bars."""
+    return 2 ** (0.05 * (i - (n - 1) / 2))
+
+
+def tau_vs_context(frame: pd.DataFrame, prompt_set: str) -> Figure:
+    """tau against the bin's context for one prompt set (:func:`dflash_eval.report.context.context_frame`): log-2 x
+    axis, one line per checkpoint with +-1.96 SE error bars, bins past the checkpoint's trained length hollow, the
+    region past each trained length shaded and labelled."""
+    long = context_frame(frame)
+    long = long[long["prompt_set"] == prompt_set]
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.subplots()
+    order = [c for c in checkpoint_order(frame) if c in set(long["checkpoint"])]
+    cmap = _cmap()
+    for i, ck in enumerate(order):
+        sub = long[long["checkpoint"] == ck].sort_values("lo")
+        x = sub["context"] * context_dodge(i, len(order))
+        color = cmap(0.85 * i / max(1, len(order) - 1))
+        yerr = (CONTEXT_Z95 * sub["se"]).fillna(0.0)
+        trained = sub["trained_max_len"].iloc[0]
+        label = f"{ck} (trained length {'unknown' if pd.isna(trained) else int(trained)})"
+        ax.errorbar(x, sub["tau"], yerr=yerr, color=color, marker="none", capsize=3, label=label)
+        for beyond, face in ((False, color), (True, "white")):
+            part = sub["beyond"] == beyond
+            ax.plot(x[part], sub["tau"][part], linestyle="none", marker="o", color=color, markerfacecolor=face,
+                    markeredgewidth=1.5)
+    right = long["context"].max() * 1.6
+    left = long["context"].min() / 1.6
+    for trained in sorted(long["trained_max_len"].dropna().unique()):
+        ax.axvspan(int(trained), max(right, 2 * int(trained)), color="grey", alpha=0.12, linewidth=0)
+        ax.axvline(int(trained), color="grey", linestyle="--", linewidth=0.8)
+        ax.annotate(f"past trained length {int(trained)}", (int(trained), 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, -3), textcoords="offset points", ha="left", va="top", fontsize=7, color="dimgrey")
+    _log2_axis(ax)
+    ax.set_xlim(left, right)
+    ax.set_xlabel("prompt tokens at request start (bin midpoint)")
+    ax.set_ylabel("tau (tokens per verify step)")
+    ax.set_title(f"tau against context, {prompt_set}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return fig
 
 

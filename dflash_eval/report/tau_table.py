@@ -46,7 +46,8 @@ COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "draft", "temperature
            "n_samples", "tau", "tau_tokens_per_step", "mean_accepted",
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
            "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
-    + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n") for label in position_bin_labels(PROMPT_BINS)]
+    + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n", "se") for label in position_bin_labels(PROMPT_BINS)] \
+    + ["tau_se", "trained_max_len", "n_beyond_trained"]
 
 
 def slot_columns(max_block_size: int) -> list[str]:
@@ -180,6 +181,9 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
         seen[key] = str(path)
         lens = [s.get("prompt_len") for s in r["samples"]]
         lens = lens if all(isinstance(x, int) for x in lens) else None
+        trained = r.get("trained_max_len")  # the drafter's training sequence length (evaluate), None: unknown
+        beyond = sum(n >= trained for n, s in zip(lens, r["samples"]) if s["acceptance_lengths"]) \
+            if trained and lens else None
         greedy = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"], lens)
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         drawn = r.get("completion_sampling") or {"temperature": 0.0}
@@ -222,6 +226,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                 "engine": "; ".join((st.get("engines") or {}).get(policy) or _default_engines(st, policy)),
                 "n_samples": stats.n_samples,
                 "tau": stats.tau,
+                "tau_se": stats.tau_se,
                 "tau_tokens_per_step": stats.tau_tokens_per_step,
                 "mean_accepted": stats.tau - 1.0,
                 "block_size": r["block_size"],
@@ -229,6 +234,8 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                 "verify_steps": stats.verify_steps,
                 "committed_tokens": stats.committed_tokens,
                 "random_init": r.get("random_init", False),
+                "trained_max_len": trained,
+                "n_beyond_trained": beyond,
                 "device": r.get("device"),
                 "dtype": r.get("dtype"),
                 "agreement_min": agree.min,
@@ -237,6 +244,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                 **{f"tau_pos_{label.replace('-', '_')}": v for label, v in stats.position_tau.items()},
                 **{f"tau_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_tau.items()},
                 **{f"n_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_samples.items()},
+                **{f"se_prompt_{label.replace('-', '_')}": v for label, v in stats.prompt_se.items()},
                 **{f"accept_slot_{k}": v for k, v in stats.slot_acceptance.items()},
                 **ddtree,
             })
@@ -244,7 +252,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
     extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
                       + extra)
-    df["step"] = df["step"].astype("Int64")
+    df = df.astype({"step": "Int64", "trained_max_len": "Int64", "n_beyond_trained": "Int64"})
     df["setting_order"] = df.groupby(["checkpoint", "prompt_set"]).cumcount()
     df = df.sort_values(["prompt_set", "step", "checkpoint", "setting_order"], na_position="last", kind="stable")
     return df.drop(columns="setting_order").reset_index(drop=True)

@@ -100,8 +100,9 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     ``prompt_len``, ``n_tokens``, ``max_new_tokens``, ``steps``, ``tau``, ``acceptance_lengths``,
     ``argmax_agreement``), the :class:`~dflash_eval.replay.metrics.AcceptanceStats` fields (``tau`` macro,
     ``tau_tokens_per_step`` micro, ``tau_sglang``, ``histogram``, ``slot_acceptance`` /
-    ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``);
-    what it ran with (``step``, ``random_init``, ``device``, ``dtype``, ``cache``); ``argmax_agreement``
+    ``slot_compared``, ``position_tau`` / ``position_steps``, ``n_samples``, ``n_skipped``, ``tau_se``, ...);
+    what it ran with (``step``, ``random_init``, ``trained_max_len``: the drafter's
+    :attr:`~dflash_eval.drafter.config.DrafterConfig.trained_max_len` or None, ``device``, ``dtype``, ``cache``); ``argmax_agreement``
     (:func:`~dflash_eval.drafter.compat.check_agreement`) and ``target_check``
     (:func:`~dflash_eval.drafter.compat.check_cache_target`). With DDTree budgets: ``ddtree_budgets``,
     ``ddtree_elapsed_s``, per sample ``acceptance_lengths_ddtree`` (``{"<B>": [...]}``) and
@@ -468,6 +469,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         **stats.as_dict(),
         "step": strip_info.get("step"),
         "random_init": bool(strip_info.get("random_init", False)),
+        "trained_max_len": inputs.drafter.cfg.trained_max_len,  # the report marks prompts beyond it
         # what strip noted that needs a look (layer types derived, large weights, ...): the report lists them
         "drafter_notes": [n for n in strip_info.get("notes") or [] if not str(n).endswith(SHARED_EQUAL_NOTE)],
         "device": str(inputs.device),

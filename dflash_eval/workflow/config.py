@@ -95,6 +95,20 @@ def check_prompt_sets(prompt_sets: dict) -> None:
                              f"({first.get('path') or 'the packaged mt-bench'})", "drop path: the first turn's is used")
 
 
+def check_set_checkpoints(prompt_sets: dict, checkpoints: dict) -> None:
+    """``prompt_sets.<name>.checkpoints`` names configured checkpoints only.
+
+    Raises:
+        InputError: naming the entry, the unknown names and the configured ones.
+    """
+    for name, ps in prompt_sets.items():
+        unknown = [c for c in ps.get("checkpoints") or [] if c not in checkpoints]
+        if unknown:
+            raise InputError("config", f"prompt_sets.{name}.checkpoints", f"{unknown} are not configured checkpoints "
+                             f"(configured: {sorted(checkpoints)})",
+                             "use names from the checkpoint table (checkpoints.list / glob / demo), or drop the key")
+
+
 def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions: int | None) -> None:
     """Parse-time checks of a prompt set's ``context_bins`` (``opts``: ``prompt_set`` overlaid with the entry): edges
     strictly ascending, ``max_prompt_tokens`` (when not 0) above the last edge, and, when the target's

@@ -33,7 +33,8 @@ from dflash_eval.target.spec import TargetSpec
 from dflash_eval.trackers.log import enabled
 from dflash_eval.workflow.checkpoints import (cache_layer_ids, check_checkpoint_configs, check_names,
                                               checkpoint_table, demo_args, strip_args)
-from dflash_eval.workflow.config import check_cache, check_context_bins, check_generation, check_prompt_sets
+from dflash_eval.workflow.config import (check_cache, check_context_bins, check_generation, check_prompt_sets,
+                                          check_set_checkpoints)
 from dflash_eval.workflow.sampling import (check_sampling_settings, evaluate_settings, greedy_only_note,
                                            needs_final_hidden, set_sampling, setting_key)
 
@@ -147,10 +148,15 @@ class Plan:
     def run_path(self, *parts: str) -> str:
         return os.path.join("results", self.run, *parts)
 
+    def set_checkpoints(self, prompt_set: str) -> list[str]:
+        """The checkpoints evaluated on ``prompt_set``: ``prompt_sets.<name>.checkpoints``, else all, in table order."""
+        only = self.config["prompt_sets"][prompt_set].get("checkpoints")
+        return [c for c in self.checkpoints if only is None or c in only]
+
     def evaluations(self, run: str | None = None) -> list[str]:
         """Every evaluate output of the run: exactly the configured (checkpoint, prompt set) pairs."""
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
-                for c in self.checkpoints for p in self.prompt_sets]
+                for c in self.checkpoints for p in self.prompt_sets if c in self.set_checkpoints(p)]
 
     def prompt_metas(self, run: str | None = None) -> list[str]:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
@@ -488,6 +494,7 @@ def build_plan(config: dict) -> Plan:
     spec = target_spec_if_known(target)
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)
+    check_set_checkpoints(config["prompt_sets"], checkpoints)
     for name, ps in config["prompt_sets"].items():
         check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config),
                            spec.max_position_embeddings if spec else None)

@@ -705,3 +705,20 @@ def test_huge_finite_weights_are_named_in_the_strip_notes(tmp_path, cfg, state):
     write_hf(tmp_path / "ok", cfg, state)
     ok = json.loads((strip_checkpoint(tmp_path / "ok", tmp_path / "out2") / "strip_info.json").read_text())["notes"]
     assert not [n for n in ok if "largest magnitude" in n]
+
+
+def test_trained_max_len_read_from_the_training_block():
+    """dflash_config.training.max_len (dflash_eval.drafter.train writes it; the demo drafters hold 640); absent or
+    malformed: None."""
+    import copy
+
+    from dflash_eval.drafter.config import DrafterConfig
+
+    cfg = json.loads((Path(__file__).parents[1] / "fixtures" / "trained_drafter" / "step300" / "config.json").read_text())
+    assert DrafterConfig.from_dict(cfg).trained_max_len == cfg["dflash_config"]["training"]["max_len"] > 0
+    for bad in (None, "640", 0, True):
+        c = copy.deepcopy(cfg)
+        c["dflash_config"]["training"]["max_len"] = bad
+        assert DrafterConfig.from_dict(c).trained_max_len is None, bad
+    del cfg["dflash_config"]["training"]
+    assert DrafterConfig.from_dict(cfg).trained_max_len is None

@@ -92,3 +92,20 @@ def test_anchor_pass_survival_equals_one_block_at_a_time(topk):
                                           st)
                     assert torch.allclose(d.survival[st.label][i : i + 1], want, atol=1e-5), (layout, s.sample_id, t)
         assert all((drafts[0].survival[st.label][:, 1:] > 0).any() for st in settings)  # some acceptance
+
+
+def test_expected_standard_error_is_over_the_expected_per_response_taus():
+    """At T > 0 tau_se is the SE over the per-response E[tau_r]: 1.5, 2.5 -> sd sqrt(0.5), SE 0.5; bins alike."""
+    from types import SimpleNamespace
+
+    from dflash_eval.replay.metrics import aggregate_expected
+
+    B = 3
+    zero = {k: 0.0 for k in range(1, B + 1)}
+    def resp(tau):
+        return SimpleNamespace(tau=tau, tau_sglang=tau, histogram=zero, slot_accepted={1: 0.0, 2: 0.0},
+                               slot_compared={1: 0.0, 2: 0.0}, bin_tokens=[0.0] * 8, bin_steps=[0.0] * 8, steps=1.0,
+                               committed=1)
+    s = aggregate_expected([resp(1.5), resp(2.5), None], B, prompt_lens=[10, 20, 30])
+    assert s.tau == 2.0 and s.tau_se == pytest.approx(0.5, abs=1e-15)
+    assert s.prompt_samples["0-128"] == 2 and s.prompt_se["0-128"] == pytest.approx(0.5, abs=1e-15)

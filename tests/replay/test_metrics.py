@@ -91,3 +91,20 @@ def test_prompt_length_bins_hand_built():
     assert all(math.isnan(v) for v in unknown.prompt_tau.values()) and sum(unknown.prompt_samples.values()) == 0
     with pytest.raises(ValueError, match="1 prompt lengths for 2 responses"):
         aggregate([[1], [1]], 4, prompt_lens=[3])
+
+
+def test_standard_error_over_prompts_hand_computed():
+    """tau_se = sample sd of the per-response taus / sqrt(n): taus 1.0, 2.0, 3.0 -> sd 1 -> 1/sqrt(3); per prompt-length
+    bin the same over the bin's responses; NaN below 2 responses."""
+    from dflash_eval.replay.metrics import standard_error
+
+    # taus 1.0 ([1, 1]), 2.0 ([2, 2, 2]) and 3.0 ([3]); prompts of 100, 300 and 400 tokens; one with no verify step
+    s = aggregate([[1, 1], [2, 2, 2], [3], []], 4, prompt_lens=[100, 300, 400, 50])
+    assert s.tau == 2.0 and s.tau_se == pytest.approx(1 / math.sqrt(3), abs=1e-15)
+    # bin 256-512 holds taus 2.0 and 3.0: sd sqrt(0.5), SE sqrt(0.5) / sqrt(2) = 0.5
+    assert s.prompt_samples["256-512"] == 2 and s.prompt_se["256-512"] == pytest.approx(0.5, abs=1e-15)
+    assert s.prompt_samples["0-128"] == 1 and math.isnan(s.prompt_se["0-128"])  # one response: no SE
+    assert math.isnan(s.prompt_se["128-256"])  # none
+    assert math.isnan(aggregate([[2, 2]], 4).tau_se)  # n = 1
+    assert aggregate([[2, 2]], 4).as_dict()["tau_se"] is None  # JSON: NaN as None
+    assert standard_error([4.0, 4.0]) == 0.0 and math.isnan(standard_error([]))

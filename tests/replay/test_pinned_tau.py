@@ -116,6 +116,7 @@ def check_trained(wd: Path, run: str = "tiny", with_table: bool = True) -> None:
         assert {h["id"]: (h["chain"], h["ddtree"]["2"], h["ddtree"]["8"]) for h in hand} == pins
         ev = json.loads((res / "eval" / "trained" / f"{ps}.json").read_text())
         assert ev["random_init"] is False and ev["step"] == 300 and ev["block_size"] == 4
+        assert ev["trained_max_len"] == 640  # the fixture config's dflash_config.training.max_len
         assert {s["id"]: (s["acceptance_lengths"], s["acceptance_lengths_ddtree"]["2"],
                           s["acceptance_lengths_ddtree"]["8"]) for s in ev["samples"]} == pins
         chains = [h["chain"] for h in hand]
@@ -129,6 +130,8 @@ def check_trained(wd: Path, run: str = "tiny", with_table: bool = True) -> None:
             row = rows[ps]
             assert (row.step, row.n_samples, row.block_size, row.random_init) == (300, len(pins), 4, False)
             assert row.verify_steps == sum(len(c) for c in chains) and row.committed_tokens == 23 * len(pins)
+            # every response of a set has the same tau (23 tokens in as many steps): SE 0; tiny prompts < 640 tokens
+            assert (row.tau_se, row.trained_max_len, row.n_beyond_trained) == (0.0, 640, 0)
             for col, key in (("tau", "chain"), ("tau_ddtree_2", "2"), ("tau_ddtree_8", "8")):
                 assert getattr(row, col) == round(float(PINNED_TAU[ps][key]), 4), (ps, col)  # 4 decimals in tau.csv
 

@@ -69,6 +69,31 @@ def test_tau_by_prompt_length_bins(tmp_path):
     assert pd.isna(old["tau_prompt_0_128"]) and old["n_prompt_0_128"] == 0
 
 
+def test_standard_errors_and_trained_length_columns(tmp_path):
+    """tau_se over prompts (taus 1.0, 2.0, 3.0 -> 1/sqrt(3)), se_prompt_<lo>_<hi> per bin, trained_max_len from the
+    evaluate output and n_beyond_trained (prompts of at least that many tokens); empty where unknown."""
+    ev = json.loads(open(_eval(tmp_path, "step1", "ctx", 1, [[1, 1], [2, 2], [3, 3, 3], []])).read())
+    for s, n in zip(ev["samples"], [300, 400, 700, 5000]):
+        s["prompt_len"] = n
+    ev["trained_max_len"] = 640
+    p = tmp_path / "ctx.json"
+    p.write_text(json.dumps(ev))
+    df = write_summary([str(p)], tmp_path / "t.csv", tmp_path / "t.parquet")
+    row = df.iloc[0]
+    assert row["tau"] == 2.0 and abs(row["tau_se"] - 3 ** -0.5) < 1e-12
+    # bin 256-512: taus 1.0 and 2.0 -> sd sqrt(0.5), SE 0.5; bin 512-1024: one response -> no SE
+    assert (row["tau_prompt_256_512"], row["n_prompt_256_512"], row["se_prompt_256_512"]) == (1.5, 2, 0.5)
+    assert row["n_prompt_512_1024"] == 1 and pd.isna(row["se_prompt_512_1024"])
+    assert row["trained_max_len"] == 640 and row["n_beyond_trained"] == 1  # 700 >= 640; 5000 has no verify step
+    assert str(df["trained_max_len"].dtype) == "Int64"
+    csv = pd.read_csv(tmp_path / "t.csv")
+    assert csv.loc[0, "tau_se"] == 0.5774 and csv.loc[0, "se_prompt_256_512"] == 0.5
+    i = list(df.columns).index("se_prompt_32768_inf")  # after the prompt-length bins, before the slot columns
+    assert list(df.columns[i + 1:i + 5]) == ["tau_se", "trained_max_len", "n_beyond_trained", "accept_slot_1"]
+    old = write_summary([_eval(tmp_path, "s2", "x", 2, [[2]])], tmp_path / "u.csv", tmp_path / "u.parquet").iloc[0]
+    assert pd.isna(old["trained_max_len"]) and pd.isna(old["n_beyond_trained"]) and pd.isna(old["tau_se"])
+
+
 def _with_settings(path, **options):
     """An evaluate output ``path`` with the provenance block evaluate writes, made with the evaluate ``options``."""
     from dflash_eval.core import options as options_mod

@@ -548,3 +548,20 @@ def test_context_bins_the_target_cannot_hold_are_refused_at_parse_time(tmp_path,
     with pytest.raises(InputError) as ei:
         build(path="missing-folder")
     assert ei.value.field == "prompt_sets.long.path" and "is not a folder" in ei.value.problem
+
+
+def test_a_set_evaluated_on_some_checkpoints_only(tmp_path):
+    """prompt_sets.<name>.checkpoints: the set's evaluate outputs are those checkpoints' only; an unknown name
+    is refused at parse time, naming the entry and the configured checkpoints."""
+    from dflash_eval.workflow.config import check_set_checkpoints
+
+    sets = {"a": {"source": "humaneval"}, "long": {"source": "humaneval", "checkpoints": ["ck2"]}}
+    p = plan.Plan({"prompt_sets": sets, "run": "r"}, "r", ["a", "long"],
+                  plan.TargetFiles("t", False, None, ["t/config.json"], ["t/model.safetensors"]),
+                  {"ck1": {}, "ck2": {}}, [1])
+    assert p.set_checkpoints("a") == ["ck1", "ck2"] and p.set_checkpoints("long") == ["ck2"]
+    assert p.evaluations() == ["results/r/eval/ck1/a.json", "results/r/eval/ck2/a.json", "results/r/eval/ck2/long.json"]
+    check_set_checkpoints(sets, {"ck1": {}, "ck2": {}})
+    with pytest.raises(InputError) as err:
+        check_set_checkpoints({"long": {"source": "humaneval", "checkpoints": ["ck3"]}}, {"ck1": {}, "ck2": {}})
+    assert err.value.field == "prompt_sets.long.checkpoints" and "['ck1', 'ck2']" in str(err.value)
