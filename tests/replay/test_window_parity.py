@@ -202,3 +202,34 @@ def test_length_dependent_rope_equal_within_its_length_refused_past_it(kind, mon
         check_rope_length(ours.cfg, 25, "config.json")
     assert rope_fixed_length(DrafterConfig.from_dict(CASES["trained-len-24-yarn"][0])) is None  # yarn: fixed
     assert rope_fixed_length(DrafterConfig.from_dict(tiny_config())) is None
+
+
+def test_evaluate_refuses_dynamic_rope_past_its_length(tmp_path):
+    """The evaluate stage runs :func:`check_rope_length` on the longest sample: a ``dynamic`` RoPE drafter with
+    ``max_position_embeddings`` below the longest sample + B - 2 is refused naming ``rope_scaling.rope_type``; the
+    same drafter with room for every position is evaluated."""
+    import json
+
+    from dflash_eval.core.errors import InputError
+    from dflash_eval.stages.evaluate import evaluate
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+    from tiny import make_tiny_pipeline
+
+    p = make_tiny_pipeline(tmp_path / "p", [1, 2], block_size=4, max_new_tokens=12)
+    d, target_dir = p["dir"], p["target_dir"]
+    extract_hidden_states(target_dir, d / "c.jsonl", d / "c.h5", layer_ids=[1, 2], device="cpu", dtype="float32")
+    longest = max(len(json.loads(line)["prompt_ids"]) + len(json.loads(line)["completion_ids"])
+                  for line in open(d / "c.jsonl"))
+    cfg_path = d / "drafter" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+
+    def run(max_pos: int):
+        cfg_path.write_text(json.dumps({**cfg, "max_position_embeddings": max_pos,
+                                        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+        return evaluate(d / "drafter", d / "c.h5", target_dir, d / f"e{max_pos}.json", device="cpu", dtype="float32")
+
+    with pytest.raises(InputError) as err:
+        run(longest + 4 - 3)
+    assert err.value.field == "rope_scaling.rope_type" and str(cfg_path) == err.value.file
+    assert f"past {longest + 1} tokens and the replay needs {longest + 2}" in err.value.problem
+    assert run(longest + 4 - 2)["n_samples"] == 3
