@@ -316,13 +316,7 @@ class DrafterConfig:
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         n_layers = need("num_hidden_layers")
-        layer_types = list(cfg.get("layer_types") or implied_layer_types(cfg, n_layers, source, notes))
-        if len(layer_types) != n_layers or any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise InputError(
-                source, "layer_types",
-                f"expected {n_layers} entries of 'full_attention'/'sliding_attention', got {layer_types}",
-                "fix layer_types or num_hidden_layers",
-            )
+        layer_types = check_layer_types(cfg, n_layers, source, notes)
         sliding = None
         if "sliding_attention" in layer_types:
             # transformers' Qwen3Config drops sliding_window unless use_sliding_window is true (so the
@@ -335,7 +329,20 @@ class DrafterConfig:
                     "set use_sliding_window: true and sliding_window to the trained window, or make every "
                     "layer full_attention (pass the corrected config with --drafter-config)",
                 )
-            sliding = need("sliding_window", QWEN3_SLIDING_WINDOW)
+            # no default: transformers' Qwen3Config would give 4096 (absent) or no window (null), the z-lab MLX
+            # reference (dflash model_mlx.py) refuses the config; a drafter trained with another window would be
+            # evaluated with the wrong one, silently
+            if cfg.get("sliding_window") is None:
+                raise InputError(
+                    source, "sliding_window",
+                    f"{'null' if 'sliding_window' in cfg else 'missing'} while layers "
+                    f"{[i for i, t in enumerate(layer_types) if t == 'sliding_attention']} are sliding_attention "
+                    f"(the reference would apply {'no window' if 'sliding_window' in cfg else 'transformers default 4096'}"
+                    "; dflash-eval does not guess the trained window)",
+                    "give sliding_window as trained (the training run's config, e.g. 2048) in the drafter's "
+                    "config.json (pass the corrected config with --drafter-config)",
+                )
+            sliding = need("sliding_window")
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             raise InputError(source, "is_causal", f"must be true/false, got {is_causal!r}", "fix is_causal")
@@ -424,6 +431,39 @@ def qwen3_config(**fields):
     from transformers import Qwen3Config  # deferred: DrafterConfig and the drafter build transformers-free (tests/core/test_startup.py)
 
     return Qwen3Config(**fields)
+
+
+#: the attention kinds a drafter layer can have (transformers ``Qwen3Config.layer_types``; the reference
+#: ``Qwen3DFlashAttention`` windows ``sliding_attention`` layers and nothing else)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(cfg: dict, n_layers: int, source: str, notes: list[str]) -> list[str]:
+    """The drafter's per-layer attention kinds: an explicit ``layer_types``, else :func:`implied_layer_types`.
+
+    An explicit ``layer_types`` decides alone, as in transformers' ``Qwen3Config`` (``max_window_layers``
+    derives the types only when ``layer_types`` is absent), so ``max_window_layers`` is then ignored, whatever it
+    holds: published configs keep it at the layer count as a leftover (SpecForge ``configs/qwen3-32b-dflash.json``:
+    ``max_window_layers: 10`` beside ten ``full_attention`` layers), and a sliding-first layout such as 4 sliding
+    + 1 full cannot be expressed by it (it makes layers ``>= max_window_layers`` slide).
+
+    Raises:
+        InputError: ``layer_types`` that is not a list of ``n_layers`` entries of :data:`LAYER_TYPES`
+            (field ``layer_types``), or a malformed ``max_window_layers`` where it is read.
+    """
+    given = cfg.get("layer_types")
+    if given is None:
+        return implied_layer_types(cfg, n_layers, source, notes)
+    if not isinstance(given, list) or len(given) != n_layers or any(t not in LAYER_TYPES for t in given):
+        bad = [t for t in given if t not in LAYER_TYPES] if isinstance(given, list) else given
+        raise InputError(
+            source, "layer_types",
+            f"expected a list of num_hidden_layers={n_layers} entries of {'/'.join(LAYER_TYPES)}, got "
+            f"{given!r}" + (f" ({len(given)} entries)" if isinstance(given, list) else "")
+            + (f"; unknown: {bad}" if isinstance(given, list) and bad else ""),
+            "fix layer_types or num_hidden_layers as the training run saved them",
+        )
+    return list(given)
 
 
 def implied_layer_types(cfg: dict, n_layers: int, source: str, notes: list[str]) -> list[str]:

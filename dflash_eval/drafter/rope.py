@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_eval.core.errors import InputError
 from dflash_eval.drafter.config import ROPE_DICTS, DrafterConfig
 
 
@@ -75,3 +76,55 @@ def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](conf, None)
     return RotaryEmbedding(inv_freq, scaling)
+
+
+#: RoPE types whose frequencies change with the longest position of each call (transformers
+#: ``modeling_rope_utils.dynamic_rope_update``): ``dynamic`` grows them once a call reaches past
+#: ``max_position_embeddings`` (and keeps them, module state, for later calls), ``longrope`` switches to
+#: ``long_factor`` past ``original_max_position_embeddings``
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_fixed_length(cfg: DrafterConfig) -> int | None:
+    """The longest sequence (tokens) over which the drafter's RoPE frequencies stay fixed; None when they always do.
+
+    ``dynamic``: ``max_position_embeddings``; ``longrope``: ``original_max_position_embeddings`` of the RoPE dict
+    (transformers ``dynamic_rope_update``). Beyond it the reference online loop (``dflash==0.1.0``
+    ``dflash_generate``) rotates each step's new keys with the frequencies of that step's longest position and
+    keeps the older keys as they were rotated, and the module keeps the grown frequencies for the next sample;
+    an offline replay computes every key at once and cannot reproduce that history
+    (``tests/replay/test_window_parity.py`` shows the difference).
+    """
+    rope = next((cfg.raw[k] for k in ROPE_DICTS if isinstance(cfg.raw.get(k), dict)), None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in LENGTH_DEPENDENT_ROPE:
+        return None
+    conf = cfg.rotary_config()
+    if conf.rope_parameters["rope_type"] == "longrope":
+        return int(conf.rope_parameters.get("original_max_position_embeddings") or conf.max_position_embeddings)
+    return int(conf.max_position_embeddings)
+
+
+def check_rope_length(cfg: DrafterConfig, longest: int, source) -> None:
+    """Refuse replaying positions past :func:`rope_fixed_length` (the replay would not be the reference's).
+
+    Args:
+        cfg: the drafter's config.
+        longest: the longest sequence the replay feeds the RoPE: the longest sample's tokens ``T`` plus ``B - 2``
+            (the last anchor ``T - 2`` and its block's ``B - 1`` positions after it), tokens.
+        source: the drafter's ``config.json`` (for the error).
+
+    Raises:
+        InputError: a ``dynamic`` / ``longrope`` drafter and ``longest`` past its fixed length, naming the RoPE
+            dict's ``rope_type``.
+    """
+    fixed = rope_fixed_length(cfg)
+    if fixed is not None and longest > fixed:
+        key = next(k for k in ROPE_DICTS if isinstance(cfg.raw.get(k), dict))
+        raise InputError(
+            source, f"{key}.rope_type",
+            f"'{cfg.rotary_config().rope_parameters['rope_type']}' RoPE changes its frequencies past {fixed} tokens "
+            f"and the replay needs {longest} (longest sample + block - 2): the reference online loop then rotates "
+            "each step's keys with that step's frequencies and keeps older keys as they were, a history an offline "
+            "replay does not reproduce (transformers dynamic_rope_update)",
+            f"evaluate samples whose prompt + generation.max_new_tokens + block - 2 stays within {fixed} tokens "
+            "(shorter prompts or a smaller max_new_tokens)")

@@ -29,6 +29,7 @@ from dflash_eval.drafter.compat import check_agreement, check_cache_target, chec
 from dflash_eval.replay.ddtree import replay_with_trees, walk_budgets
 from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
 from dflash_eval.drafter.files import read_strip_info
+from dflash_eval.drafter.rope import check_rope_length
 from dflash_eval.core.errors import InputError
 from dflash_eval.replay.expected import response_expectations, target_token_probs
 from dflash_eval.replay.metrics import aggregate, aggregate_expected, selector_stats
@@ -144,6 +145,8 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
     inputs = _Inputs.load(drafter_dir, cache_path, target_dir, opts, allow_backend_mismatch, target_fingerprint)
     try:
         B = int(block_size or inputs.drafter.cfg.block_size)
+        check_rope_length(inputs.drafter.cfg, max(inputs.reader.length(i) for i in range(inputs.n)) + B - 2,
+                          Path(inputs.drafter_dir) / "config.json")
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = draft_settings(opts, settings, inputs.drafter.cfg.variant)
         expectations: dict[str, list] = {st.label: [] for st in sampled}

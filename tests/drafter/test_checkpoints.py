@@ -523,6 +523,63 @@ def test_sliding_layers_need_use_sliding_window(tmp_path):
     assert_refused(exc, tmp_path / "d" / "config.json", "use_sliding_window", tmp_path / "out")
 
 
+def _drop(d: dict, key: str) -> dict:
+    return {k: v for k, v in d.items() if k != key}
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    # a sliding layer without its window: transformers would give 4096 (absent) or none (null); never assumed
+    (lambda c: _drop(c, "sliding_window"), "sliding_window", "missing while layers [0, 1] are sliding_attention"),
+    (lambda c: dict(c, sliding_window=None), "sliding_window", "null while layers [0, 1] are sliding_attention"),
+    # derived layer types (no layer_types; layers >= max_window_layers slide) without the window
+    (lambda c: dict(_drop(_drop(c, "layer_types"), "sliding_window"), max_window_layers=1), "sliding_window",
+     "missing while layers [1, 2] are sliding_attention"),
+    (lambda c: dict(c, sliding_window=0), "sliding_window", "must be a positive integer, got 0"),
+    (lambda c: dict(c, sliding_window=-8), "sliding_window", "must be a positive integer, got -8"),
+    (lambda c: dict(c, sliding_window="2048"), "sliding_window", "must be a positive integer, got '2048'"),
+    (lambda c: dict(c, sliding_window=8.5), "sliding_window", "must be a positive integer, got 8.5"),
+    (lambda c: dict(c, sliding_window=True), "sliding_window", "must be a positive integer, got True"),
+    (lambda c: dict(c, layer_types=c["layer_types"][:2]), "layer_types", "got ['sliding_attention', 'sliding_attention'] (2 entries)"),
+    (lambda c: dict(c, layer_types=c["layer_types"] + ["full_attention"]), "layer_types", "(4 entries)"),
+    (lambda c: dict(c, layer_types=[]), "layer_types", "got [] (0 entries)"),
+    (lambda c: dict(c, layer_types=["sliding_attention", "linear_attention", "full_attention"]), "layer_types",
+     "unknown: ['linear_attention']"),
+    (lambda c: dict(c, layer_types="sliding_attention"), "layer_types", "got 'sliding_attention'"),
+    (lambda c: dict(c, use_sliding_window=False), "use_sliding_window", "but use_sliding_window is False"),
+    (lambda c: _drop(c, "use_sliding_window"), "use_sliding_window", "but use_sliding_window is None"),
+    (lambda c: dict(_drop(c, "layer_types"), max_window_layers=-1), "max_window_layers",
+     "must be a non-negative integer, got -1"),
+])
+def test_window_and_layer_types_refused(tmp_path, edit, field, words):
+    """A window or layer types that are missing, malformed or contradictory: refused at strip, naming the field."""
+    cfg = tiny_config(sliding=True)  # layers [sliding, sliding, full], window 8
+    write_hf(tmp_path / "d", edit(cfg), random_state(cfg))
+    with pytest.raises(InputError) as exc:
+        strip_checkpoint(tmp_path / "d", tmp_path / "out")
+    assert_refused(exc, tmp_path / "d" / "config.json", field, tmp_path / "out")
+    assert exc.value.field == field and words in exc.value.problem, exc.value.problem
+    if field == "sliding_window" and "positive" not in words:
+        assert "give sliding_window as trained" in exc.value.fix
+
+
+@pytest.mark.parametrize("max_window_layers", [0, 1, 3, 28])
+def test_explicit_layer_types_decide_over_max_window_layers(tmp_path, max_window_layers):
+    """``max_window_layers`` is read only without ``layer_types`` (transformers Qwen3Config, so the reference): with
+    explicit types any value of it loads the same windows in the reference and here."""
+    import dflash.model as dflash_model
+    from transformers import Qwen3Config
+
+    from dflash_eval.drafter.config import DrafterConfig
+
+    cfg = dict(tiny_config(sliding=True), max_window_layers=max_window_layers)
+    ref = dflash_model.DFlashDraftModel(Qwen3Config(**json.loads(json.dumps(cfg))))
+    assert [layer.self_attn.sliding_window for layer in ref.layers] == [8, 8, None]
+    assert DrafterConfig.from_dict(cfg).layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    write_hf(tmp_path / "d", cfg, random_state(tiny_config(sliding=True)))
+    ours = load_drafter(strip_checkpoint(tmp_path / "d", tmp_path / "out"))
+    assert [layer.self_attn.window for layer in ours.layers] == [8, 8, None]
+
+
 @pytest.mark.parametrize("kind", ["txt", "empty-folder", "safetensors-file"])
 def test_unsupported_input_lists_formats(tmp_path, kind):
     path = {"txt": tmp_path / "notes.txt", "empty-folder": tmp_path / "empty",

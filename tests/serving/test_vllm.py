@@ -4,8 +4,8 @@
   equal the transformers source's float32 greedy completions token for token and the cache's target argmax
   agreement is 1.0 for every sample. The completions job is killed with SIGKILL mid-run: its vLLM is gone
   soon after (watchdog), Snakemake keeps the partial work, and the rerun generates only the missing prompts.
-* Fault tests against a vLLM server the test starts: killed mid-run and restarted (the rerun ends with every
-  prompt exactly once), HTTP 500s and dropped connections injected by a local proxy (retried), a target whose
+* Fault tests against a vLLM server the test starts: killed mid-run, while the job's third request waits for it,
+  and restarted (the rerun ends with every prompt exactly once), HTTP 500s and dropped connections injected by a local proxy (retried), a target whose
   tokenizer differs from the served one and too short a served max length (clear errors).
 
 Skipped unless vLLM is installed in its own venv: ``make venv-vllm`` (-> .venv-vllm) or
@@ -206,9 +206,11 @@ def served(smol):
 
 class FaultProxy:
     """HTTP proxy to ``upstream`` that answers the first completion requests from ``plan`` (a status code, or
-    ``"drop"``: close the connection without an answer; ``None``: forward)."""
+    ``"drop"``: close the connection without an answer; ``None``: forward). ``before(n)``, if given, runs before
+    the ``n``-th completion request (1-based) is forwarded. An upstream that cannot be reached (a killed server)
+    closes the client's connection without an answer, as the dead server itself would."""
 
-    def __init__(self, upstream: str, plan):
+    def __init__(self, upstream: str, plan, before=None):
         import httpx
 
         self.plan, self.lock, self.n_completions = list(plan), threading.Lock(), 0
@@ -227,22 +229,32 @@ class FaultProxy:
                     with proxy.lock:
                         proxy.n_completions += 1
                         fault = proxy.plan.pop(0) if proxy.plan else None
+                        n = proxy.n_completions
+                    if before is not None:
+                        before(n)
                     if fault == "drop":
-                        self.close_connection = True
-                        self.connection.shutdown(2)
+                        self._drop()
                         return
                     if fault is not None:
                         self.send_response(fault)
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
-                r = http.request(method, self.path, content=body or None,
-                                 headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                try:
+                    r = http.request(method, self.path, content=body or None,
+                                     headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                except httpx.TransportError:
+                    self._drop()
+                    return
                 self.send_response(r.status_code)
                 self.send_header("Content-Type", r.headers.get("content-type", "application/json"))
                 self.send_header("Content-Length", str(len(r.content)))
                 self.end_headers()
                 self.wfile.write(r.content)
+
+            def _drop(self):
+                self.close_connection = True
+                self.connection.shutdown(2)
 
             def do_GET(self):
                 self._relay("GET")
@@ -298,27 +310,42 @@ def test_wrong_tokenizer_and_short_max_length_are_clear_errors(smol, served, tmp
 
 
 def test_server_killed_mid_run_and_restarted(smol, served, tmp_path):
+    """The server is killed while the job's third request waits for it: a proxy holds that request until the server
+    is dead, so the job can never finish first (it did on an idle machine when the kill followed the second
+    committed row). The held request and its retries reach the dead server through the proxy, which closes each
+    connection without an answer, as a server killed mid-request does. The job exits 3 keeping exactly the two
+    answered prompts; the same command against the restarted server generates only the other two."""
     root, target, prompts, ref = smol
     out, partial = tmp_path / "c.jsonl", tmp_path / ".c.jsonl.partial"
+    kills: list[int] = []
+
+    def kill_before_third(n: int) -> None:
+        if n == 3 and not kills:
+            served.kill()
+            kills.append(n)
+
+    proxy = FaultProxy(served.server.url, [], before=kill_before_third)
     cmd = [sys.executable, "-m", "dflash_eval", "completions", "--target", str(target), "--prompts", str(prompts),
-           "--source", "openai", "--endpoint-url", served.server.url, "--max-new-tokens", str(MAX_NEW),
+           "--source", "openai", "--endpoint-url", proxy.url, "--max-new-tokens", str(MAX_NEW),
            "--concurrency", "1", "--retries", "2", "--out", str(out)]
-    with open(tmp_path / "1.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-        t0 = time.time()
-        while _rows_in(partial) < 2:
-            assert p.poll() is None and time.time() - t0 < 600, (tmp_path / "1.log").read_text()[-2000:]
-            time.sleep(0.05)
-        served.kill()
-        assert p.wait(timeout=300) == 3  # a server error: "Work already done is kept; rerun to resume."
-    assert "rerun to resume" in (tmp_path / "1.log").read_text()
-    k = _rows_in(partial)
-    assert 2 <= k < N_PROMPTS and not out.exists()
-    served.start()  # same port
-    p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    try:
+        with open(tmp_path / "1.log", "w") as log:
+            p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            rc = p.wait(timeout=600)
+        text = (tmp_path / "1.log").read_text()
+        assert rc == 3, text[-2000:]  # a server error: "Work already done is kept; rerun to resume."
+        assert kills == [3] and "rerun to resume" in text
+        # the held request's three attempts all met the dead server (the next request may have started one more)
+        assert "failed after 3 attempts: RemoteProtocolError: Server disconnected without sending a response" in text
+        assert proxy.n_completions >= 2 + 3
+        assert _rows_in(partial) == 2 and not out.exists()
+        served.start()  # same port
+        p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    finally:
+        proxy.close()
     assert p.returncode == 0, p.stderr[-3000:]
-    assert f"completions: {N_PROMPTS} prompts, {k} already done" in p.stderr
-    assert f"completions done: generated {N_PROMPTS - k} prompts" in p.stderr
+    assert f"completions: {N_PROMPTS} prompts, 2 already done" in p.stderr
+    assert f"completions done: generated {N_PROMPTS - 2} prompts" in p.stderr
     assert _ids(_rows(out)) == _ids(ref) and not partial.exists()
 
 
