@@ -125,7 +125,7 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
         row = {"context": C, "samples": samples[contexts.index(C)], "stage_tps": st["tokens"] / st["seconds"],
                "stage_rss_gb": st["rss_gb"], "stage_gpu_gb": st["peak_gpu_gb"], "held_tokens": st["held"][1]}
         if not no_loop:
-            b = max(1, loop_tokens // C)
+            b = max(1, min(row["samples"], loop_tokens // C))
             lp = json.loads(ex.run_child(["--child-loop", str(target), str(comps[C]), json.dumps(layers), str(b), dev,
                                           dtype, str(work / "loop.npz"), "0", "loop"], env).stdout.strip().splitlines()[-1])
             row.update(loop_batch=b, loop_tps=lp["tokens"] / lp["seconds"], loop_first_s=lp["warmup_s"],
