@@ -159,3 +159,29 @@ def test_out_of_memory_in_forward_names_sample(monkeypatch, target, tmp_path, ca
     assert isinstance(err.__cause__, torch.cuda.OutOfMemoryError)
     monkeypatch.setattr(hs, "forward_batch", real)
     finish_and_compare(target, comp, out, tmp_path, caplog, kept=1)
+
+
+def test_evaluate_out_of_memory_names_sample(monkeypatch, target, tmp_path):
+    """evaluate: an out-of-memory in a replay group (the replay patched to raise it) becomes an InputError naming the
+    group's longest sample (s0, 50 tokens) and the fix (evaluate.batch_size: 1); without the patch the same call
+    replays every sample."""
+    import dflash_eval.stages.evaluate as ev
+    from tiny import make_random_drafter
+
+    comp = completions(tmp_path / "c.jsonl", [50, 20, 20, 20])
+    cache = hs.extract_hidden_states(target, comp, tmp_path / "c.h5", LAYERS, device="cpu", dtype="float32")
+    make_random_drafter(tmp_path / "drafter", target, LAYERS, block_size=4)
+    kw = dict(device="cpu", dtype="float32", allow_low_agreement=True, ddtree_budgets=[])
+    real = ev.replay
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(ev, "replay", oom)
+    with pytest.raises(InputError) as err:
+        ev.evaluate(tmp_path / "drafter", cache, target, tmp_path / "e.json", **kw)
+    text = str(err.value)
+    assert "id s0" in text and "'s0' of 50 tokens (in a group of 4 samples) ran out of memory on cpu" in text
+    assert "evaluate.batch_size: 1" in text and not (tmp_path / "e.json").exists()
+    monkeypatch.setattr(ev, "replay", real)
+    assert ev.evaluate(tmp_path / "drafter", cache, target, tmp_path / "e.json", **kw)["n_samples"] == 4
