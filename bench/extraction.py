@@ -198,9 +198,11 @@ def sync(device: str) -> None:
 
 
 # --------------------------------------------------------------------------- children (own process each)
-def child_loop(target: str, completions: str, layers: list[int], batch: int, device: str, dtype: str,
+def child_loop(target: str, completions: str, layers: list[int], batch: str, device: str, dtype: str,
                parity_out: str, parity_n: int, mode: str = "loop") -> None:
-    """The plain HF loop (``mode='loop'``) or the forward-only ceiling (``mode='forward'``); prints one JSON line.
+    """The plain HF loop (``mode='loop'``) or the forward-only ceiling (``mode='forward'``); prints one JSON line
+    per completions file (``completions`` and ``batch``: comma-separated, one batch size per file; the model loaded
+    once; the peak GPU memory counted per file).
 
     ``loop``: as a user would write it: length-sorted right-padded batches, ``output_hidden_states``,
     per sample the stored layers sliced to its own length on the GPU, copied with ``non_blocking`` into
@@ -209,12 +211,22 @@ def child_loop(target: str, completions: str, layers: list[int], batch: int, dev
     Two passes over all batches: the first (every shape's first call: CUDA warm-up, fla's Triton compile and
     autotune) is ``warmup_s``, the second ``seconds`` (the figure).
     """
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     dt = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dt, attn_implementation="sdpa").to(device).eval()
+    for comp, b in zip(completions.split(","), batch.split(",")):
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        _loop_file(model, comp, layers, int(b), device, parity_out, parity_n, mode)
+
+
+def _loop_file(model, completions: str, layers: list[int], batch: int, device: str, parity_out: str, parity_n: int,
+               mode: str) -> None:
+    import numpy as np
+    import torch
+
     rows = [json.loads(line) for line in open(completions)]
     seqs = [r["prompt_ids"] + r["completion_ids"] for r in rows]
     order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
@@ -464,7 +476,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child_loop:
         t, c, layers, b, dev, dt, po, pn, mode = a.child_loop
-        return child_loop(t, c, json.loads(layers), int(b), dev, dt, po, int(pn), mode)
+        return child_loop(t, c, json.loads(layers), b, dev, dt, po, int(pn), mode)
     if a.child_stage:
         return child_stage(a.rest)
 

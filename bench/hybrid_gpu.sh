@@ -82,13 +82,13 @@ step() {  # step SECONDS NAME COMMAND...: only the steps named in $STEPS
   say "end $name: exit $?"
 }
 step 170 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
-step 220 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
+step 200 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH/hybrid-7b"
-step 240 long_context_hybrid $PY bench/long_context.py --models hybrid-7b "${L[@]}" --out-dir "$SCRATCH" \
+step 250 long_context_hybrid $PY bench/long_context.py --models hybrid-7b "${L[@]}" --out-dir "$SCRATCH" \
   --out "$OUT/long_context_hybrid.json"
 rm -rf "$SCRATCH/hybrid-7b"
 step 90 completions_llama $PY bench/completions_gpu.py --target llama-8b "${C[@]}" --out "$OUT/completions_llama.json"
-step 110 extraction_llama $PY bench/extraction.py --models llama-8b "${E[@]}" --out-dir "$SCRATCH"
+step 100 extraction_llama $PY bench/extraction.py --models llama-8b "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH/llama-8b"
 step 200 long_context_llama $PY bench/long_context.py --models llama-8b "${L[@]}" --out-dir "$SCRATCH" \
   --out "$OUT/long_context_llama.json"

@@ -11,7 +11,8 @@ of exactly C tokens (prompt C - 256, completion 256; ``--samples`` per context, 
   within 1.5x), the stage's peak host RSS and peak GPU memory (``torch.cuda.max_memory_allocated``);
 - the plain loop's tok/s on the same samples (``bench/extraction.py``'s loop: ``output_hidden_states``, padded,
   warm: its figure is its second pass over all batches) at batch ``max(1, --loop-tokens // C)``: batch 1 at 32k
-  (a user cannot pad 24 x 32k tokens), and its peak GPU memory;
+  (a user cannot pad 24 x 32k tokens), and its peak GPU memory (one process for every context, the model loaded
+  once);
 - the replay tok/s (completion tokens per second of ``python -m dflash_eval evaluate``'s replay, as the stage
   logs it) of a random one-layer DFlash drafter (:func:`dflash_eval.drafter.demo.drafter_config_for_target`:
   the target's hidden size and heads, the stored layers as its ``target_layer_ids``) on the cache just written,
@@ -118,16 +119,21 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
     print(f"  stage warm-up run over every context's samples (first fla use, Triton compile + autotune per shape; "
           f"not in the figures): {warm['tokens'] / warm['seconds']:,.0f} tok/s ({warm['seconds']:.1f} s)")
     drafter = write_drafter(target, layers, work / "drafter")
+    loops = {}
+    if not no_loop:  # one child, the model loaded once: per context its two passes and its peak GPU memory
+        bs = [max(1, min(n, loop_tokens // C)) for C, n in zip(contexts, samples)]
+        out = ex.run_child(["--child-loop", str(target), ",".join(str(comps[C]) for C in contexts), json.dumps(layers),
+                            ",".join(map(str, bs)), dev, dtype, str(work / "loop.npz"), "0", "loop"], env).stdout
+        lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
+        loops = {C: (b, lp) for C, b, lp in zip(contexts, bs, lines)}
     rows = []
-    for C in contexts:
+    for C, n in zip(contexts, samples):
         cache = work / f"ctx{C}.h5"
         st = ex.stage(target, comps[C], cache, layers, dev, dtype, batch_tokens, env)
-        row = {"context": C, "samples": samples[contexts.index(C)], "stage_tps": st["tokens"] / st["seconds"],
+        row = {"context": C, "samples": n, "stage_tps": st["tokens"] / st["seconds"],
                "stage_rss_gb": st["rss_gb"], "stage_gpu_gb": st["peak_gpu_gb"], "held_tokens": st["held"][1]}
-        if not no_loop:
-            b = max(1, min(row["samples"], loop_tokens // C))
-            lp = json.loads(ex.run_child(["--child-loop", str(target), str(comps[C]), json.dumps(layers), str(b), dev,
-                                          dtype, str(work / "loop.npz"), "0", "loop"], env).stdout.strip().splitlines()[-1])
+        if C in loops:
+            b, lp = loops[C]
             row.update(loop_batch=b, loop_tps=lp["tokens"] / lp["seconds"], loop_first_s=lp["warmup_s"],
                        loop_gpu_gb=lp.get("peak_gpu_gb"))
         ev = evaluate(drafter, cache, target, work / f"eval{C}.json", dev, env)
@@ -140,7 +146,7 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
         print(f"  context {C:6,} x {row['samples']}: stage {row['stage_tps']:10,.0f} tok/s (per-token cost "
               f"{cost:.2f}x the {base['context']:,}-token one; peak RSS {row['stage_rss_gb']:.2f} GB, peak GPU "
               f"{gb(row['stage_gpu_gb'])}; states held on the host at once: {row['held_tokens']:,} tokens)")
-        if not no_loop:
+        if C in loops:
             print(f"  context {C:6,} plain loop (batch {row['loop_batch']}, warm: second pass): {row['loop_tps']:10,.0f}"
                   f" tok/s (first pass {row['loop_first_s']:.1f} s; peak GPU {gb(row['loop_gpu_gb'])}); "
                   f"ratio stage / loop {row['stage_tps'] / row['loop_tps']:.2f}x")
