@@ -185,3 +185,40 @@ def test_evaluate_out_of_memory_names_sample(monkeypatch, target, tmp_path):
     assert "evaluate.batch_size: 1" in text and not (tmp_path / "e.json").exists()
     monkeypatch.setattr(ev, "replay", real)
     assert ev.evaluate(tmp_path / "drafter", cache, target, tmp_path / "e.json", **kw)["n_samples"] == 4
+
+
+def test_evaluate_replay_memory_linear_in_length(monkeypatch, target, tmp_path):
+    """evaluate's replay, one sample at a time (evaluate.batch_size 1): the largest tensor of the replay for one
+    256-token sample is at most 4x that of one 64-token sample (each with a 16-token completion: the context grows,
+    the drafted tokens do not) and the same for 4 such samples as for one (O(one sample), not O(samples)); the
+    default (batch_size 0) groups samples by the free memory instead."""
+    import dflash_eval.stages.evaluate as ev
+    from tiny import make_random_drafter
+
+    make_random_drafter(tmp_path / "drafter", target, LAYERS, block_size=4)
+    real = ev.replay
+
+    def largest(lengths: list[int]) -> int:
+        rng = np.random.default_rng(1)
+        comp = tmp_path / f"e{len(lengths)}_{max(lengths)}.jsonl"
+        comp.write_text("".join(json.dumps({"id": f"s{i}", "prompt_ids": rng.integers(4, 300, size=T - 16).tolist(),
+                                            "completion_ids": rng.integers(4, 300, size=16).tolist(),
+                                            "stop_reason": "length", "max_new_tokens": 16}) + "\n"
+                                for i, T in enumerate(lengths)))
+        cache = hs.extract_hidden_states(target, comp, tmp_path / f"{comp.stem}.h5", LAYERS, device="cpu",
+                                         dtype="float32")
+        mode = LargestTensor()
+
+        def measured(*a, **k):
+            with mode:
+                return real(*a, **k)
+
+        monkeypatch.setattr(ev, "replay", measured)
+        res = ev.evaluate(tmp_path / "drafter", cache, target, tmp_path / f"{comp.stem}.json", device="cpu",
+                          dtype="float32", allow_low_agreement=True, ddtree_budgets=[], batch_size=1)
+        assert res["n_samples"] == len(lengths)
+        return mode.largest
+
+    short, long, many = largest([64]), largest([256]), largest([256] * 4)
+    assert long == many
+    assert short < long <= 4 * short
