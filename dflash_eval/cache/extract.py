@@ -382,9 +382,6 @@ def check_packing(model, seqs: list[list[int]], layer_ids: list[int], device, pa
     return worst
 
 
-# --------------------------------------------------------------------------- the stage
-
-
 # --------------------------------------------------------------------------- device memory of one forward
 def device_free_bytes(device) -> int | None:
     """Bytes a forward on ``device`` can still allocate: CUDA's free memory (``torch.cuda.mem_get_info``) plus what
@@ -403,7 +400,7 @@ def forward_bytes(config, lens: list[int], n_layers_kept: int, element_size: int
     ``b x max(lens)`` padded): the MLP's gate, up and product (3 x intermediate) and ~6 hidden-wide tensors (residual,
     normed input, attention or linear-attention projections and output), and one chunk of logits
     (:data:`LOGITS_CHUNK_BYTES` at most). A lower bound of the real peak (the kernels' workspaces are not counted):
-    a batch above it cannot fit; one below may still run out (:func:`forward_oom_error` covers that).
+    a batch above it cannot fit; one below may still run out (:func:`too_large_error` names it then).
 
     Args:
         config: the target's text config (``hidden_size``, ``intermediate_size``, ``vocab_size``).
@@ -434,6 +431,7 @@ def too_large_error(completions, sample_id: str, n_tokens: int, batch_samples: i
     batch = f" (in a batch of {batch_samples} samples, {batch_tokens:,} tokens)" if batch_samples > 1 else ""
     return InputError(completions, f"id {sample_id}", f"the sample {sample_id!r} of {n_tokens:,} tokens{batch} {why}; "
                       f"{done} of {total} samples are committed in {partial} and a rerun resumes them",
-                      "leave such samples out (a smaller prompt_set.max_prompt_tokens or context bin), spread the "
+                      "leave such samples out (a lower prompt_set.max_prompt_tokens or prompt_sets.<set>."
+                      "max_prompt_tokens, the top of the last context bin), spread the "
                       "target over more GPUs (target.devices), or lower cache.batch_tokens when the batch holds "
                       "several samples (cache.storage: fp8 halves the cache's host and disk bytes, not the forward's)")

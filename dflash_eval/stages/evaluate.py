@@ -290,8 +290,8 @@ def _too_large(inputs: _Inputs, indices: list[int], lengths: list[int]) -> Input
     return InputError(inputs.cache_path, f"id {sid}", f"the replay of the sample {sid!r} of {lengths[big]:,} tokens"
                       f"{group} ran out of memory on {inputs.device}",
                       "set evaluate.batch_size: 1 (one sample at a time), or leave such samples out of the prompt set "
-                      "(a smaller prompt_set.max_prompt_tokens or context bin); nothing of this job was written, so "
-                      "the rerun replays every sample")
+                      "(a lower prompt_set.max_prompt_tokens or prompt_sets.<set>.max_prompt_tokens); nothing of this "
+                      "job was written, so the rerun replays every sample")
 
 
 def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, trees: dict,
