@@ -64,6 +64,9 @@ log = logging.getLogger(__name__)
 #: ``position_ids`` and nothing else per layer (no sliding window, sinks, soft-capping, linear attention)
 PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 VARLEN_ATTENTION = "dflash_eval_varlen"
+#: the LM head's logits are computed at most this many bytes at a time (:func:`forward_batch`): a 32k-token sample's
+#: full-vocabulary logits (32k x 152k x 2 bytes = 10 GB) never exist at once
+LOGITS_CHUNK_BYTES = 1 << 30
 
 
 def versions() -> dict:
@@ -326,7 +329,7 @@ def forward_batch(model, seqs: list[list[int]], layer_ids: list[int], device, pa
         last = last.index_select(0, _on(gather, last.device))
     head = model.get_output_embeddings()
     V = head.weight.shape[0]
-    chunk = max(1, (1 << 30) // (V * head.weight.element_size()))  # <= ~1 GiB of logits at once
+    chunk = max(1, LOGITS_CHUNK_BYTES // (V * head.weight.element_size()))  # <= ~1 GiB of logits at once
     argmax = torch.empty(N, dtype=torch.int32, device=dev)
     for t0 in range(0, N, chunk):
         argmax[t0 : t0 + chunk] = head(last[t0 : t0 + chunk]).argmax(-1)
@@ -379,4 +382,56 @@ def check_packing(model, seqs: list[list[int]], layer_ids: list[int], device, pa
     return worst
 
 
-# --------------------------------------------------------------------------- the stage
+# --------------------------------------------------------------------------- device memory of one forward
+def device_free_bytes(device) -> int | None:
+    """Bytes a forward on ``device`` can still allocate: CUDA's free memory (``torch.cuda.mem_get_info``) plus what
+    torch's caching allocator holds unused; None on other devices (host memory is not checked: swap, overcommit)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+
+
+def forward_bytes(config, lens: list[int], n_layers_kept: int, element_size: int, packed: bool) -> int:
+    """Estimated device bytes one :func:`forward_batch` of samples of ``lens`` tokens allocates beyond the weights.
+
+    The kept states ``[N, K, H]`` (N real tokens), one layer's activations over the forward's tokens (N packed,
+    ``b x max(lens)`` padded): the MLP's gate, up and product (3 x intermediate) and ~6 hidden-wide tensors (residual,
+    normed input, attention or linear-attention projections and output), and one chunk of logits
+    (:data:`LOGITS_CHUNK_BYTES` at most). A lower bound of the real peak (the kernels' workspaces are not counted):
+    a batch above it cannot fit; one below may still run out (:func:`too_large_error` names it then).
+
+    Args:
+        config: the target's text config (``hidden_size``, ``intermediate_size``, ``vocab_size``).
+        lens: tokens per sample of the batch.
+        n_layers_kept: K, the stored layers.
+        element_size: bytes per element of the forward's dtype (2 for bf16).
+        packed: one concatenated sequence (else right-padded).
+    """
+    H, V = int(config.hidden_size), int(config.vocab_size)
+    inter = int(getattr(config, "intermediate_size", None) or 4 * H)
+    N = sum(lens)
+    rows = N if packed else len(lens) * max(lens)
+    logits = min(LOGITS_CHUNK_BYTES, N * V * element_size)
+    return int(element_size * (N * n_layers_kept * H + rows * (3 * inter + 6 * H)) + logits)
+
+
+def too_large_error(completions, sample_id: str, n_tokens: int, batch_samples: int, batch_tokens: int, device,
+                    done: int, total: int, partial, need: int | None = None, free: int | None = None) -> InputError:
+    """The error of a batch whose target forward does not fit ``device`` (found beforehand or as an out-of-memory).
+
+    Names the batch's longest sample (id and tokens), the batch, what was committed (``done`` of ``total`` samples,
+    kept in ``partial`` for the rerun to resume) and the fixes. ``need``/``free``: the estimate and the free bytes
+    when the pre-check found it (None: the device ran out of memory during the forward).
+    """
+    gib = 1 << 30
+    why = (f"needs ~{need / gib:.1f} GiB on {device} for the target forward (estimated), {free / gib:.1f} GiB free"
+           if need is not None else f"ran out of memory on {device} in the target forward")
+    batch = f" (in a batch of {batch_samples} samples, {batch_tokens:,} tokens)" if batch_samples > 1 else ""
+    return InputError(completions, f"id {sample_id}", f"the sample {sample_id!r} of {n_tokens:,} tokens{batch} {why}; "
+                      f"{done} of {total} samples are committed in {partial} and a rerun resumes them",
+                      "leave such samples out (a lower prompt_set.max_prompt_tokens or prompt_sets.<set>."
+                      "max_prompt_tokens, the top of the last context bin), spread the "
+                      "target over more GPUs (target.devices), or lower cache.batch_tokens when the batch holds "
+                      "several samples (cache.storage: fp8 halves the cache's host and disk bytes, not the forward's)")

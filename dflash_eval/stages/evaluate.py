@@ -262,12 +262,15 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
     bar = Progress(n_comp, "replay", logger=log)
     for group in length_groups([lengths[i] for i in order], read_tokens, opts.batch_size):
         t1 = time.perf_counter()
-        if sampled:  # chain, every budget (DFlash 1) or the selector diagnostics (DFlash 2), every setting: one pass
-            samples, recs, tr = _sampled_pass(inputs, opts, B, [order[g] for g in group], budgets, mem, sampled,
-                                              expectations, walked)
-            trees.update({s.index: t for s, t in zip(samples, tr)})
-        else:
-            samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
+        try:
+            if sampled:  # chain, every budget (DFlash 1) or the selector diagnostics (DFlash 2), every setting: one pass
+                samples, recs, tr = _sampled_pass(inputs, opts, B, [order[g] for g in group], budgets, mem, sampled,
+                                                  expectations, walked)
+                trees.update({s.index: t for s, t in zip(samples, tr)})
+            else:
+                samples, recs = _greedy_group(inputs, opts, B, [order[g] for g in group], budgets, mem, trees, walked)
+        except torch.cuda.OutOfMemoryError as err:
+            raise _too_large(inputs, [order[g] for g in group], lengths) from err
         tree_s += time.perf_counter() - t1 if budgets else 0.0
         if drafter.take_nonfinite():
             raise InputError(Path(inputs.drafter_dir) / "model.safetensors", None, "the drafter's states are not "
@@ -281,6 +284,18 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
         log.debug("replayed %d/%d samples", len(results), n)
     bar.close()
     return results, trees, time.perf_counter() - t0, tree_s, n_comp, walked
+
+
+def _too_large(inputs: _Inputs, indices: list[int], lengths: list[int]) -> InputError:
+    """The error of a replay group that ran out of device memory: names its longest sample and the fixes."""
+    big = max(indices, key=lambda i: lengths[i])
+    sid = inputs.reader.sample_ids[big]
+    group = f" (in a group of {len(indices)} samples)" if len(indices) > 1 else ""
+    return InputError(inputs.cache_path, f"id {sid}", f"the replay of the sample {sid!r} of {lengths[big]:,} tokens"
+                      f"{group} ran out of memory on {inputs.device}",
+                      "set evaluate.batch_size: 1 (one sample at a time), or leave such samples out of the prompt set "
+                      "(a lower prompt_set.max_prompt_tokens or prompt_sets.<set>.max_prompt_tokens); nothing of this "
+                      "job was written, so the rerun replays every sample")
 
 
 def _greedy_group(inputs: _Inputs, opts, B: int, indices: list[int], budgets: list[int], mem: int, trees: dict,

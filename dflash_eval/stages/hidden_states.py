@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from dflash_eval.cache.disk_room import bytes_per_token, check_free_space, no_room_error
-from dflash_eval.cache.extract import check_layers, check_packing, forward_batch, packing_support, versions
+from dflash_eval.cache.extract import (check_layers, check_packing, device_free_bytes, forward_batch, forward_bytes,
+                                      packing_support, too_large_error, versions)
 from dflash_eval.cache.format import (FORMAT, FORMAT_VERSION, LAYER_CONVENTION, STORAGE_BF16, STORAGE_F32, STORAGE_FP8,
                                       completions_sampling, is_no_space, quantize_fp8)
 from dflash_eval.cache.shards import parse_shard, shard_plan
@@ -282,7 +283,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                 })
             if packed:
                 check_packing(model, [seqs[i] for b in todo[-1:] for i in b] or seqs[:3], layer_ids, dev, pad_id)
-            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8)
+            stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8, completions_path)
             n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
             log.info("computed %d samples, %d tokens in %.1f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
                      "params per token; attention scores not counted) on %s, %s, %s; peak host memory: states of %d "
@@ -315,8 +316,16 @@ def _bytes_needed(seqs, done, K: int, H: int | None, storage: str) -> int:
 
 
 @torch.inference_mode()
-def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8: bool = False) -> dict:
-    """Forward every batch of ``todo`` and stream its new samples into ``cache`` (see the module docstring)."""
+def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8: bool = False,
+                 completions=None) -> dict:
+    """Forward every batch of ``todo`` and stream its new samples into ``cache`` (see the module docstring).
+
+    A batch whose forward cannot fit the device (:func:`dflash_eval.cache.extract.forward_bytes` above
+    :func:`~dflash_eval.cache.extract.device_free_bytes`, checked before it runs) or runs out of device memory
+    (``torch.cuda.OutOfMemoryError``) stops the stage with :func:`~dflash_eval.cache.extract.too_large_error`
+    (InputError naming its longest sample, the sample's tokens and the fixes) after the batches before it are
+    written and committed: the partial cache keeps them and a rerun resumes.
+    """
     K, H = len(layer_ids), model.config.get_text_config().hidden_size
     cuda = dev.type == "cuda"
     total = {"n": len(cache.done), "of": len(cache.meta)}
@@ -340,11 +349,18 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
         for b in todo:
             batch_seqs = [seqs[i] for i in b]
             N = sum(len(s) for s in batch_seqs)
+            free = device_free_bytes(dev)
+            need = forward_bytes(model.config.get_text_config(), [len(s) for s in batch_seqs], K, dt.itemsize, packed)
+            if free is not None and need > free:
+                raise _TooLarge(b, need, free)
             writer.reserve()
-            hidden, argmax = forward_batch(model, batch_seqs, layer_ids, dev, pad_id, packed, out_dtype=dt)
-            scale = None
-            if fp8:  # quantised where the states are (the device): half the bytes cross to the host
-                hidden, scale = quantize_fp8(hidden)
+            try:
+                hidden, argmax = forward_batch(model, batch_seqs, layer_ids, dev, pad_id, packed, out_dtype=dt)
+                scale = None
+                if fp8:  # quantised where the states are (the device): half the bytes cross to the host
+                    hidden, scale = quantize_fp8(hidden)
+            except torch.cuda.OutOfMemoryError as err:
+                raise _TooLarge(b) from err
             if cuda:
                 buf = buffers.take()
                 copy_stream.wait_stream(torch.cuda.current_stream(dev))
@@ -373,13 +389,19 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
             writer.submit(Batch(samples, logical, ready, release, held=(len(b), N), scales=scales if fp8 else None))
             n_samples += len(samples)
             n_tokens += N
-    except BaseException:
+    except BaseException as err:
         try:
             writer.close()  # what is already on the host is written and committed
-        except BaseException as err:  # noqa: BLE001 - the first error is the one to report
-            log.error("cache writer: %s", err)
+        except BaseException as werr:  # noqa: BLE001 - the first error is the one to report
+            log.error("cache writer: %s", werr)
         finally:
             bar.close()
+        if isinstance(err, _TooLarge):
+            big = max(err.batch, key=lambda i: len(seqs[i]))
+            lens = [len(seqs[i]) for i in err.batch]
+            raise too_large_error(completions, cache.meta[big].sample_id, len(seqs[big]), len(lens),
+                                  sum(lens) if packed else len(lens) * max(lens), dev, len(cache.done),
+                                  len(cache.meta), cache.path, err.need, err.free) from err.__cause__
         raise
     try:
         writer.close()
@@ -389,3 +411,12 @@ def _run_batches(model, cache: PartialCache, seqs, todo, layer_ids, dev, dt, pad
     return {"samples": n_samples, "tokens": n_tokens, "seconds": time.perf_counter() - t0,
             "max_held_samples": writer.max_held_samples, "max_held_tokens": writer.max_held_tokens}
 
+
+
+class _TooLarge(Exception):
+    """A batch (sample indices) whose forward does not fit the device: ``need``/``free`` bytes from the pre-check,
+    None after an out-of-memory; turned into the stage's InputError once the batches before it are committed."""
+
+    def __init__(self, batch: list[int], need: int | None = None, free: int | None = None):
+        super().__init__(batch)
+        self.batch, self.need, self.free = batch, need, free

@@ -120,3 +120,24 @@ def test_hybrid_gpu_driver_smoke(tmp_path):
     hyb = (tmp_path / "extraction_hybrid.txt").read_text()
     assert "right-padded" in hyb and "stage, first run" in hyb and "argmax agreement 1.0000" in hyb
     assert "linear-attention kernel: torch" in (tmp_path / "completions_hybrid.txt").read_text()
+    assert "plain loop's first pass" in hyb and "forward only" not in hyb  # --no-ceiling
+    assert summary.count("per-token extraction cost at 256 vs 64 tokens") == 2
+    for model in ("hybrid", "llama"):
+        rows = json.loads((tmp_path / f"long_context_{model}.json").read_text())[f"{model}-{'7b' if model == 'hybrid' else '8b'}"]
+        assert [(r["context"], r["samples"]) for r in rows] == [(64, 2), (128, 1), (256, 1)]
+        assert all("loop_tps" not in r and r["replay_tps"] > 0 for r in rows)  # --no-loop in the driver's smoke
+
+
+def test_long_context_smoke(tmp_path):
+    """bench/long_context.py --smoke: the tiny hybrid at 128 / 512 / 1024-token samples (4, 2, 1 of them, 32-token
+    completions): per context the stage, the warm plain loop (batch min(samples, 1024 // context): 4, 2, 1) and
+    evaluate's replay, each with its peak RSS; the per-token cost line against the shortest context."""
+    out = bench("long_context.py", "--models", "hybrid-7b", "--out", str(tmp_path / "lc.json"))
+    rows = json.loads((tmp_path / "lc.json").read_text())["hybrid-7b"]
+    assert [(r["context"], r["samples"], r["loop_batch"]) for r in rows] == [(128, 4, 4), (512, 2, 2), (1024, 1, 1)]
+    assert all(r["stage_tps"] > 0 and r["loop_tps"] > 0 and r["replay_tps"] > 0 for r in rows)
+    assert all(r["stage_gpu_gb"] is None and 0 < r["stage_rss_gb"] < 4 for r in rows)  # CPU: no GPU figure
+    assert [r["held_tokens"] for r in rows] == [512, 1024, 1024]  # one batch of the context's samples at a time
+    assert "max_position_embeddings 1025" in out and "stage warm-up run over every context's samples" in out
+    assert "per-token extraction cost at 1,024 vs 128 tokens (hybrid-7b): " in out and "(goal <= 1.5x)" in out
+    assert out.count("plain loop (batch") == 3 and out.count("replay (evaluate, 1-layer random drafter)") == 3
