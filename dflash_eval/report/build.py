@@ -496,7 +496,7 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
             F.speedup_vs_budget(data.speedups, label))
         add("verify_costs.png", f"Measured target forward time over one decode step; {label}.",
             F.verify_costs(data.costs, label))
-        out.update({k: (cap, F.png(fig)) for k, (cap, fig) in context_figures(data, label).items()})
+        out.update({k: (cap, F.png(fig)) for k, (cap, fig) in context_figures(data, label, F).items()})
     for ps in data.prompt_sets:
         cks = [c for c in data.checkpoints if (c, ps) in data.hists]
         add(f"hist_{_slug(ps)}.png", f"Acceptance-length histograms, {ps}: fraction of verify steps that committed "

@@ -24,6 +24,7 @@ from dflash_eval.report.tau_table import (
     variant_label,
     variant_order,
 )
+from dflash_eval.target.cost_context import interpolate
 
 DPI = 100
 PANEL_W, PANEL_H = 4.2, 3.0
@@ -276,8 +277,6 @@ def break_even_vs_context(curves: pd.DataFrame) -> Figure:
     linear in context between the timed contexts and flat outside, as the model interpolates; markers at the
     timed contexts). x: context in tokens, log2 axis.
     """
-    from dflash_eval.target.cost_context import interpolate  # the model's own interpolation
-
     tau = curves[curves["kind"] == "tau"]
     be = curves[curves["kind"] == "break_even"]
     sets = sorted(tau["prompt_set"].unique()) or [""]

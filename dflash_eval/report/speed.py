@@ -183,13 +183,12 @@ def context_html(data, styled) -> dict | None:
                                   "context-speedup-" + re.sub(r"[^A-Za-z0-9_.-]", "_", ps)).to_html() for ps in data.prompt_sets}}
 
 
-def context_figures(data, label: str) -> dict:
-    """``{"break_even_context.png": (caption, Figure)}`` when the section applies, else ``{}``."""
+def context_figures(data, label: str, figures) -> dict:
+    """``{"break_even_context.png": (caption, Figure)}`` when the section applies, else ``{}``; ``figures``: the module
+    :mod:`dflash_eval.report.figures` (imported by the caller, when it draws: matplotlib)."""
     if not has_context_section(data):
         return {}
-    from dflash_eval.report import figures as F  # deferred: matplotlib (report --help stays matplotlib-free)
-
     return {"break_even_context.png": (
         f"Chain tau per prompt-length bin (at the bin's representative context) per checkpoint against the break-even "
         f"tau (t_verify + t_draft) / t_decode per batch size and drafter configuration, costs timed on {label}; a "
-        "checkpoint pays where its tau lies above the break-even curve.", F.break_even_vs_context(curve_frame(data)))}
+        "checkpoint pays where its tau lies above the break-even curve.", figures.break_even_vs_context(curve_frame(data)))}
