@@ -159,12 +159,20 @@ def curve_frame(data) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["kind", "prompt_set", "series", "batch", "context", "value"])
 
 
+def grid_warning(costs: dict) -> str | None:
+    """Which (context, batch) entries :func:`dflash_eval.target.cost_stats.assess` finds too noisy, or None."""
+    bad = [f"{e['context_tokens']} x {e['batch_size']}" for e in costs["grid"] if not assess(e)["reliable"]]
+    return (f"unreliable timings (runs spread beyond the bound, or a verify cost falling as n grows) at context x "
+            f"batch {', '.join(bad)}: re-run target_costs on a quiet machine") if bad else None
+
+
 def context_markdown(data, md_table) -> list[str]:
     """The section's markdown lines (``[]`` without 2+ timed contexts); ``md_table(df, digits)`` renders a table."""
     if not has_context_section(data):
         return []
+    warn = grid_warning(data.costs)
     parts = ["## Speedup and break-even against context", "", CONTEXT_NOTE, "",
-             "### Break-even tau per context (tokens) and batch", "", md_table(break_even_table(data.costs), 2), "",
+             *([f"> **Warning:** {warn}", ""] if warn else []), "### Break-even tau per context (tokens) and batch", "", md_table(break_even_table(data.costs), 2), "",
              "### Chain speedup per prompt-length bin (tokens) and batch", ""]
     cf = context_frame(data)
     for ps in data.prompt_sets:
@@ -178,7 +186,7 @@ def context_html(data, styled) -> dict | None:
     if not has_context_section(data):
         return None
     cf = context_frame(data)
-    return {"note": CONTEXT_NOTE, "break_even": styled(break_even_table(data.costs), 2, "break-even").to_html(),
+    return {"note": CONTEXT_NOTE, "warning": grid_warning(data.costs), "break_even": styled(break_even_table(data.costs), 2, "break-even").to_html(),
             "tables": {ps: styled(cf[cf["prompt_set"] == ps].drop(columns="prompt_set"), 2,
                                   "context-speedup-" + re.sub(r"[^A-Za-z0-9_.-]", "_", ps)).to_html() for ps in data.prompt_sets}}
 

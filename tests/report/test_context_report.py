@@ -83,8 +83,13 @@ def test_context_section_exact(ctx_run):
     assert "| early (+1 same config) | 1 | chain | 1.60 | 2.20 |" in md
     assert "| late | 1 | 2.50 | 1.00 | pays up to context 2048 |" in md
     assert "| late | 16 | 0.95 | 0.41 | never pays |" in md  # 2 * 30.36 / (142.16 + 6.072) at context 3072
+    assert "Warning:** unreliable timings" not in md  # one sample per measurement: no spread
     figs = R.build_figures(data)
     assert "break_even_context.png" in figs
+    costs = json.loads(Path(grid_costs(tmp_path)).read_text())
+    costs["grid"][3]["decode_samples_s"] = [0.04, 0.12, 0.12]  # 5000 x 16: median 3x the minimum
+    assert S.grid_warning(costs) == ("unreliable timings (runs spread beyond the bound, or a verify cost falling as n "
+                                     "grows) at context x batch 5000 x 16: re-run target_costs on a quiet machine")
     html = R.render_html(data, figs)
     assert "Speedup and break-even against context" in html and 'alt="break_even_context.png"' in html
 
