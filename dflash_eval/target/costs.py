@@ -58,9 +58,11 @@ def read_costs(path) -> dict:
 
 def with_grid(data: dict) -> dict:
     """A format 1/2 dict (one context, batch 1) with ``grid``, ``contexts`` and ``batch_sizes`` as format 3 has them;
-    a dict that has a ``grid`` is returned as is."""
+    a dict that has a ``grid`` is returned as is, one without ``context_tokens`` gets an empty grid."""
     if "grid" in data:
         return data
+    if data.get("context_tokens") is None:
+        return {**data, "grid": [], "contexts": [], "batch_sizes": []}
     entry = {"context_tokens": int(data["context_tokens"]), "batch_size": int(data.get("batch_size", 1)),
              "decode_s": data["decode_s"], "decode_samples_s": data.get("decode_samples_s"), "verify": data["verify"],
              "drafters": {k: {x: d[x] for x in DRAFT_KEYS if x in d} for k, d in data.get("drafters", {}).items()}}
