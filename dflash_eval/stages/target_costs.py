@@ -314,7 +314,7 @@ def _measure_entry(model, drafters: dict, embed, head, vocab: int, context: int,
                            "median_s": statistics.median(samples), "spread": spread(samples), "samples_s": samples})
             log.info("  verify forward of %d tokens (%s mask): %.3f ms (fit %.3f ms), %.2fx a decode step", n, mask,
                      1e3 * verify[-1]["min_s"], 1e3 * fit_s, fit_s / robust_s(decode))
-        del restore
+        restore = None  # the target cache is not needed for the drafter passes: free it
         draft = {}
         for sha, drafter in drafters.items():
             draft[sha] = _drafter_costs(drafter, embed, head, context, batch, budgets, repeats, warmup, dev, dt)
