@@ -86,6 +86,7 @@ def main() -> None:
             out = out_dir / f"target_costs_{shape}.json"
             cmd = [sys.executable, "-m", "dflash_eval", "target-costs", "--target", str(target), "--drafter-config",
                    str(drafter_cfg), "--budgets", args.budgets, "--context-tokens", str(args.context_tokens),
+                   "--contexts", str(args.context_tokens), "--batch-sizes", "1",  # this bench: one context, batch 1
                    "--repeats", str(args.repeats), "--device", args.device, "--out", str(out)]
             print("$", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -59,7 +59,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate-engine": ("stages.validate_engine", "acceptance and speed measured by vLLM (plain and DFlash servers) "
                                                   "vs the offline replay of the same samples"),
     "target-costs": ("stages.target_costs", "time the target's decode step, its verify forwards of n tokens and the "
-                                            "drafters' block pass at batch 1 (inputs of the report's speedup estimate)"),
+                                            "drafters' block pass per context and batch (inputs of the report's speedup estimate)"),
     "summary": ("stages.summary", "collect per-checkpoint results into tau.csv / tau.parquet"),
     "report": ("stages.report", "HTML + markdown report (tau curves and table, histograms, speedup estimate, "
                                 "target agreement, provenance)"),

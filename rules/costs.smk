@@ -1,7 +1,7 @@
-# Measured decode costs for the report's speedup estimate: on this run's device, at
-# batch 1, one decode step of the target, one verify forward of n tokens (n = each
-# drafter's block size, and budget + 1 per DDTree budget) and each drafter
-# architecture's block pass -> results/{run}/target_costs.json (dflash_eval/target/costs.py).
+# Measured decode costs for the report's speedup estimate: on this run's device, at each
+# context and batch of target_costs.contexts x batch_sizes, one decode step of the target, one
+# verify forward of n tokens (n = each drafter's block size, and budget + 1 per DDTree budget)
+# and each drafter architecture's block pass -> results/{run}/target_costs.json (dflash_eval/target/costs.py).
 # The drafters' config.json are the inputs (timing depends on shapes, not weights).
 
 

@@ -24,7 +24,8 @@ Contents, each adapting to what the data has:
   DDTree value, DFlash 2's, left out); the full tau.csv at the end;
 * the estimated decode speedup ``tau * t_decode / (t_verify(n) + t_draft)`` per checkpoint
   and method, the best method per checkpoint, from costs measured on the run's own device
-  (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device;
+  (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device; with costs timed
+  at 2+ contexts, the break-even tau and the speedup per prompt-length bin against context (:mod:`dflash_eval.report.speed`);
 * acceptance-length histograms per checkpoint and prompt set;
 * tau against context: per prompt set with responses in 2 or more prompt-length bins, tau per bin with +-1.96 SE
   and the bins past the drafter's trained length marked (:mod:`dflash_eval.report.context`); the tau table notes
@@ -65,7 +66,8 @@ from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE
                                        without_slot_columns)
 from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
                                           sampled_sets_note, speedup_frame, summary_frame, with_speedups)
-from dflash_eval.target.cost_stats import assess
+from dflash_eval.report.speed import context_figures, context_html, context_markdown, speedup_pivot
+from dflash_eval.report.speed import costs_warning as _costs_mismatch
 from dflash_eval.target.costs import FORMULA, ddtree_budgets, device_label, read_costs
 
 SLOT_PREFIX, POS_PREFIX, PROMPT_PREFIX = "accept_slot_", "tau_pos_", "tau_prompt_"
@@ -273,19 +275,6 @@ def ddtree_tables(data: ReportData) -> dict[str, pd.DataFrame]:
     return {ps: t for ps in data.prompt_sets if len(t := ddtree_pivot(data, ps))}
 
 
-def speedup_pivot(data: ReportData, prompt_set: str) -> pd.DataFrame:
-    """One prompt set: checkpoints x methods estimated speedup, plus the best method."""
-    s = data.speedups[data.speedups["prompt_set"] == prompt_set]
-    piv = s.pivot_table(index="checkpoint", columns="method", values="speedup", dropna=False).reindex(data.checkpoints)
-    methods = sorted(piv.columns, key=lambda m: (m != "chain", int(m.split("_")[-1]) if m != "chain" else 0))
-    out = pd.DataFrame({"checkpoint": data.checkpoints})
-    for m in methods:
-        out[m] = piv[m].to_numpy(dtype=float)
-    best = s[s["best"]].set_index("checkpoint")["method"].reindex(data.checkpoints)
-    out["best"] = best.fillna("").to_numpy()
-    return out
-
-
 def provenance(data: ReportData) -> pd.DataFrame:
     """Field x prompt set: target fingerprint, layers, kernels, versions, devices, dtypes."""
     fields = ["target_name", "target_sha256", "target_model_type", "num_target_layers", "target_layer_ids", "dtype",
@@ -328,24 +317,6 @@ def provenance(data: ReportData) -> pd.DataFrame:
     table = pd.DataFrame(cols) if cols else pd.DataFrame()
     run_rows = pd.DataFrame({ps: run for ps in (cols or {"run": None})})
     return pd.concat([table, run_rows]) if len(table) else run_rows
-
-
-def _costs_mismatch(data: ReportData) -> str | None:
-    """The warnings of the speedup section: costs of another target; a noisy estimate (:mod:`dflash_eval.target.cost_stats`)."""
-    if not data.costs:
-        return None
-
-    warnings = []
-    shas = {a.get("target_sha256") for a in data.caches.values()} - {None}
-    if shas and data.costs["target"]["sha256"] not in shas:
-        warnings.append(f"the costs were measured on a target with sha256 {data.costs['target']['sha256'][:16]}, the "
-                        f"caches hold {sorted(s[:16] for s in shas)}: re-run target_costs")
-    verdict = assess(data.costs)
-    if not verdict["reliable"]:
-        warnings.append(f"unreliable estimate (estimate_reliable = False): the timings are too noisy for these "
-                        f"numbers to mean much ({'; '.join(verdict['reasons'])}; bound {verdict['bound']:.0%}). "
-                        "Re-run target_costs on a quiet machine, or with more target_costs.repeats")
-    return " — ".join(warnings) or None
 
 
 # --------------------------------------------------------------------------- markdown
@@ -408,6 +379,7 @@ def render_markdown(data: ReportData) -> str:
             parts += [f"> **Warning:** {warn}", ""]
         for ps in data.prompt_sets:
             parts += [f"### {ps}", "", _md_table(speedup_pivot(data, ps), 2), ""]
+        parts += context_markdown(data, _md_table)  # speedup and break-even against context (2+ timed contexts)
     parts += ["## Full table", "", FULL_NOTE, "", _md_table(without_slot_columns(data.table if data.table is not None
                                                                                  else f)), ""]
     parts += ["## Acceptance histograms", "",
@@ -505,6 +477,7 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
             F.speedup_vs_budget(data.speedups, label))
         add("verify_costs.png", f"Measured target forward time over one decode step; {label}.",
             F.verify_costs(data.costs, label))
+        out.update({k: (cap, F.png(fig)) for k, (cap, fig) in context_figures(data, label, F).items()})
     for ps in data.prompt_sets:
         cks = [c for c in data.checkpoints if (c, ps) in data.hists]
         add(f"hist_{_slug(ps)}.png", f"Acceptance-length histograms, {ps}: fraction of verify steps that committed "
@@ -561,6 +534,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
             "tables": {ps: _row_best_html(d := speedup_pivot(data, ps), [c for c in d.columns if c not in ("checkpoint", "best")],
                                           2, f"speedup-{_slug(ps)}") for ps in data.prompt_sets},
             "costs_table": _styled(costs_table(data.costs), 3, "costs").to_html(),
+            "context": context_html(data, _styled),  # against context: None with one timed context
         }
     full = _styled(without_slot_columns(data.table if data.table is not None else f), 4, "tau-csv").to_html()
     sel = selector_table(f)

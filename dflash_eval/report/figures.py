@@ -25,6 +25,7 @@ from dflash_eval.report.tau_table import (
     variant_label,
     variant_order,
 )
+from dflash_eval.target.cost_context import interpolate
 
 DPI = 100
 PANEL_W, PANEL_H = 4.2, 3.0
@@ -311,4 +312,45 @@ def verify_costs(costs: dict, label: str) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(f"Target forward cost, {label}", fontsize=9)
+    return fig
+
+
+def break_even_vs_context(curves: pd.DataFrame) -> Figure:
+    """Chain tau per prompt-length bin against the break-even tau over context, one panel per prompt set.
+
+    ``curves``: :func:`dflash_eval.report.speed.curve_frame` (``kind`` ``tau``: one line per checkpoint, points at
+    the bins' representative contexts; ``break_even``: one black/grey curve per (drafter configuration, batch),
+    linear in context between the timed contexts and flat outside, as the model interpolates; markers at the
+    timed contexts). x: context in tokens, log2 axis.
+    """
+    tau = curves[curves["kind"] == "tau"]
+    be = curves[curves["kind"] == "break_even"]
+    sets = sorted(tau["prompt_set"].unique()) or [""]
+    fig, axes = _grid(len(sets), ncols=3, w=4.6, h=3.3)
+    lo, hi = curves["context"].min(), curves["context"].max()
+    xs = [lo * (hi / lo) ** (i / 63) for i in range(64)]
+    order = list(dict.fromkeys(tau["series"]))  # the tau table's order (curve_frame walks its rows)
+    cmap = _cmap()
+    styles = ["-", "--", ":", "-."]
+    batches, configs = sorted(be["batch"].unique()), list(dict.fromkeys(be["series"]))
+    for ax, ps in zip(axes, sets):
+        sub = tau[tau["prompt_set"] == ps]
+        for i, ck in enumerate(order):
+            pts = sub[sub["series"] == ck].sort_values("context")
+            if len(pts):
+                ax.plot(pts["context"], pts["value"], marker="o", color=cmap(0.85 * i / max(1, len(order) - 1)), label=ck)
+        for (name, batch), g in be.groupby(["series", "batch"], sort=False):
+            style = styles[batches.index(batch) % len(styles)]
+            grey = str(0.5 * configs.index(name) / max(1, len(configs) - 1))  # black, then lighter per drafter config
+            ax.plot(xs, [interpolate(g["context"], g["value"], x) for x in xs], color=grey, linestyle=style,
+                    label=f"break-even, batch {batch}" + (f" ({name})" if len(configs) > 1 else ""))
+            ax.plot(g["context"], g["value"], linestyle="none", marker="x", color=grey)
+        _log2_axis(ax)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(ps)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tau (chain) / break-even tau")
+    handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}  # every panel's, once
+    fig.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize=7)
+    fig.suptitle("Speedup against context: tau above the break-even curve pays")
     return fig

@@ -69,7 +69,8 @@ def test_hybrid_target_cache_copies(tmp_path):
 @pytest.mark.parametrize("kw, field", [
     ({"budgets": [0]}, "--budgets"),
     ({"repeats": 0}, "--repeats"),
-    ({"context_tokens": 600}, "target_costs.context_tokens"),  # tiny target: max_position_embeddings 512
+    # tiny target: max_position_embeddings 512; 600 and the default contexts 512, 2048, ... + 9 tokens exceed it
+    ({"context_tokens": 600}, "target_costs.contexts"),
 ])
 def test_errors(llama, tmp_path, kw, field):
     cfgs = _drafter_configs(tmp_path, llama, [("ck", 4)])
@@ -90,6 +91,7 @@ def test_tree_mask():
 def test_cli_defaults_from_schema():
     a = build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "a/config.json", "--out", "o"])
     assert a.budgets == [8, 16, 32, 64, 128, 256] and a.context_tokens == 512 and a.repeats == 9 and a.device == "auto"
+    assert a.contexts == [512, 2048, 8192, 32768] and a.batch_sizes == [1, 16] and a.tree_batch_sizes == [1]
     assert build_parser().parse_args(["target-costs", "--target", "t", "--drafter-config", "x", "--budgets", "",
                                       "--out", "o"]).budgets == []
 
@@ -131,7 +133,7 @@ def test_costs_are_minima_interleaved_and_monotone(llama, tmp_path, monkeypatch)
     monkeypatch.setattr(tc, "_timed_interleaved", spy)
     cfgs = _drafter_configs(tmp_path, llama, [("ck", 4)])
     r = measure_target_costs(llama, cfgs, tmp_path / "c.json", budgets=[3, 8], context_tokens=16, repeats=3,
-                             warmup=1, device="cpu")
+                             warmup=1, device="cpu", batch_sizes=[1])
     # decode + 3 verify shapes, in rounds (warmup round included): 0 1 2 3 0 1 2 3 ...
     assert order == [0, 1, 2, 3] * 4
     assert r["statistic"] == "min" and r["decode_s"] == min(r["decode_samples_s"])
@@ -141,7 +143,7 @@ def test_costs_are_minima_interleaved_and_monotone(llama, tmp_path, monkeypatch)
         assert v["min_s"] == min(v["samples_s"]) and v["spread"] >= 0
     assert r["drafters"]["ck"]["draft_s"] == min(r["drafters"]["ck"]["draft_samples_s"])
     assert isinstance(r["estimate_reliable"], bool) and r["reliability"]["bound"] == 0.25
-    assert read_costs(tmp_path / "c.json")["format_version"] == 2
+    assert read_costs(tmp_path / "c.json")["format_version"] == 3
 
 
 def test_costs_timed_at_another_block_size_are_refused_not_used():

@@ -304,7 +304,8 @@ def test_target_costs_and_report_args():
     assert p.target_costs_inputs("r") == {"target_config": ["t/config.json"], "target_weights": ["t/model.safetensors"],
                                           "drafter_configs": ["results/r/drafters/ck1/config.json",
                                                               "results/r/drafters/ck 2/config.json"]}
-    assert p.stage_flags("target_costs") == ("--budgets=4,16 --context-tokens=512 --repeats=3 --warmup=2 "
+    assert p.stage_flags("target_costs") == ("--budgets=4,16 --contexts=512,2048,8192,32768 --context-tokens=512 "
+                                             "--batch-sizes=1,16 --tree-batch-sizes=1 --repeats=3 --warmup=2 "
                                              "--device=auto --dtype=auto --linear-attn-backend=torch")
     # the placement of the target over GPUs is its only rerun-neutral option (changes no output)
     assert json.loads(p.runtime_env())["target_costs"] == {"devices": 0, "max_memory": {}}
