@@ -141,3 +141,20 @@ def test_long_context_smoke(tmp_path):
     assert "max_position_embeddings 1025" in out and "stage warm-up run over every context's samples" in out
     assert "per-token extraction cost at 1,024 vs 128 tokens (hybrid-7b): " in out and "(goal <= 1.5x)" in out
     assert out.count("plain loop (batch") == 3 and out.count("replay (evaluate, 1-layer random drafter)") == 3
+
+
+def test_context_costs_smoke(tmp_path):
+    """bench/context_costs.py: both tiny models timed at 2 contexts x 2 batches through the target-costs CLI; the
+    printed break-even tau is (verify + draft) / decode of the same row (speed-independent: checked per row)."""
+    out = tmp_path / "costs.json"
+    text = bench("context_costs.py", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert sorted(data) == ["hybrid-7b", "llama-8b"]
+    for name, costs in data.items():
+        assert costs["format_version"] == 3
+        assert sorted((e["context_tokens"], e["batch_size"]) for e in costs["grid"]) == [(64, 1), (64, 16), (256, 1), (256, 16)]
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0] in ("64", "256")]
+    assert len(rows) == 16  # 4 per model, printed twice (per model, then the summary)
+    for _c, _b, dec, ver, dra, be in rows:
+        assert abs((float(ver) + float(dra)) / float(dec) - float(be)) <= 0.02 * float(be) + 0.01
+    assert "context 256 / 64" in text
