@@ -200,7 +200,9 @@ def sync(device: str) -> None:
 # --------------------------------------------------------------------------- children (own process each)
 def child_loop(target: str, completions: str, layers: list[int], batch: str, device: str, dtype: str,
                parity_out: str, parity_n: int, mode: str = "loop") -> None:
-    """The plain HF loop (``mode='loop'``) or the forward-only ceiling (``mode='forward'``); prints one JSON line
+    """The plain HF loop (``mode='loop'``; ``'h5loop'``: the same loop writing every sample's states, as float16, and
+    its argmax to an HDF5 file, one dataset each, as a user keeps them) or the forward-only ceiling
+    (``mode='forward'``); prints one JSON line
     per completions file (``completions`` and ``batch``: comma-separated, one batch size per file; the model loaded
     once; the peak GPU memory counted per file).
 
@@ -253,6 +255,8 @@ def _loop_file(model, completions: str, layers: list[int], batch: int, device: s
             for r, i in enumerate(b):
                 T = len(seqs[i])
                 st = torch.stack([out.hidden_states[k + 1][r, :T] for k in layers], dim=1)  # [T, K, H] on the GPU
+                if mode == "h5loop":  # h5py has no bfloat16: a user stores float16 (same bytes), cast on the GPU
+                    st = st.to(torch.float16)
                 host = torch.empty(st.shape, dtype=st.dtype, pin_memory=pin)
                 am = torch.empty((T,), dtype=argmax.dtype, pin_memory=pin)
                 host.copy_(st, non_blocking=pin)
@@ -264,14 +268,25 @@ def _loop_file(model, completions: str, layers: list[int], batch: int, device: s
     def timed_pass(keep_states: bool) -> float:
         sync(device)
         t = time.perf_counter()
+        h5 = None
+        if mode == "h5loop":  # the loop a user writes to keep the states: one HDF5 dataset per sample
+            import h5py
+
+            h5 = h5py.File(f"{parity_out}.{int(keep_states)}.h5", "w")
         for b in batches:
             got = run(b)
-            if got is None or not keep_states:
+            if h5 is not None:
+                for (host, am), i in zip(got, b):
+                    h5.create_dataset(f"s{i}/hidden", data=host.numpy())
+                    h5.create_dataset(f"s{i}/argmax", data=am.numpy())
+            if got is None or not keep_states or mode == "h5loop":
                 continue
             for (host, am), i in zip(got, b):
                 if i in keep:
                     saved[f"h{i}"] = host.float().numpy()
                     saved[f"a{i}"] = am.numpy()
+        if h5 is not None:
+            h5.close()
         sync(device)
         return time.perf_counter() - t
 
@@ -282,6 +297,8 @@ def _loop_file(model, completions: str, layers: list[int], batch: int, device: s
     secs = timed_pass(True)
     if mode == "loop":
         np.savez(parity_out, **saved)
+    for k in (0, 1):
+        Path(f"{parity_out}.{k}.h5").unlink(missing_ok=True)
     print(json.dumps({"seconds": secs, "tokens": sum(len(s) for s in seqs), "warmup_s": warm,
                       "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if device.startswith("cuda") else None}))
 

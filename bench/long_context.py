@@ -98,7 +98,8 @@ def gb(x) -> str:
 
 
 def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: list[int], completion: int,
-              loop_tokens: int, dev: str, dtype: str, batch_tokens: int, root: Path, env: dict, no_loop: bool) -> list:
+              loop_tokens: int, dev: str, dtype: str, batch_tokens: int, root: Path, env: dict, no_loop: bool,
+              loop_mode: str = "loop") -> list:
     """Every context of one model (see the module docstring); returns one dict per context."""
     work = root / name
     target = work / "target"
@@ -123,7 +124,7 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
     if not no_loop:  # one child, the model loaded once: per context its two passes and its peak GPU memory
         bs = [max(1, min(n, loop_tokens // C)) for C, n in zip(contexts, samples)]
         out = ex.run_child(["--child-loop", str(target), ",".join(str(comps[C]) for C in contexts), json.dumps(layers),
-                            ",".join(map(str, bs)), dev, dtype, str(work / "loop.npz"), "0", "loop"], env).stdout
+                            ",".join(map(str, bs)), dev, dtype, str(work / "loop.npz"), "0", loop_mode], env).stdout
         lines = [json.loads(x) for x in out.strip().splitlines() if x.startswith("{")]
         loops = {C: (b, lp) for C, b, lp in zip(contexts, bs, lines)}
     rows = []
@@ -134,7 +135,7 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
                "stage_rss_gb": st["rss_gb"], "stage_gpu_gb": st["peak_gpu_gb"], "held_tokens": st["held"][1]}
         if C in loops:
             b, lp = loops[C]
-            row.update(loop_batch=b, loop_tps=lp["tokens"] / lp["seconds"], loop_first_s=lp["warmup_s"],
+            row.update(loop_writes=loop_mode == "h5loop", loop_batch=b, loop_tps=lp["tokens"] / lp["seconds"], loop_first_s=lp["warmup_s"],
                        loop_gpu_gb=lp.get("peak_gpu_gb"))
         ev = evaluate(drafter, cache, target, work / f"eval{C}.json", dev, env)
         row.update(replay_tps=ev["tps"], replay_s=ev["seconds"], tau=ev["tau"], replay_rss_gb=ev["rss_gb"],
@@ -147,7 +148,8 @@ def run_model(name: str, cfg, layers: list[int], contexts: list[int], samples: l
               f"{cost:.2f}x the {base['context']:,}-token one; peak RSS {row['stage_rss_gb']:.2f} GB, peak GPU "
               f"{gb(row['stage_gpu_gb'])}; states held on the host at once: {row['held_tokens']:,} tokens)")
         if C in loops:
-            print(f"  context {C:6,} plain loop (batch {row['loop_batch']}, warm: second pass): {row['loop_tps']:10,.0f}"
+            print(f"  context {C:6,} plain loop{' writing HDF5' if row.get('loop_writes') else ''} (batch {row['loop_batch']}, "
+                  f"warm: second pass): {row['loop_tps']:10,.0f}"
                   f" tok/s (first pass {row['loop_first_s']:.1f} s; peak GPU {gb(row['loop_gpu_gb'])}); "
                   f"ratio stage / loop {row['stage_tps'] / row['loop_tps']:.2f}x")
         print(f"  context {C:6,} replay (evaluate, 1-layer random drafter): {row['replay_tps']:10,.0f} completion "
@@ -171,6 +173,9 @@ def main(argv=None) -> None:
     ap.add_argument("--loop-tokens", type=int, default=None,
                     help="the plain loop's padded tokens per batch: batch max(1, this // context) (default 32768)")
     ap.add_argument("--no-loop", action="store_true", help="leave out the plain loop")
+    ap.add_argument("--loop-writes", action="store_true", help="the plain loop also writes every sample's states (float16) "
+                    "and argmax to an HDF5 file, one dataset each, as a user keeps them (the fair baseline of a "
+                    "stage that writes its cache)")
     ap.add_argument("--batch-tokens", type=int, default=None, help="the stage's (default: cache.batch_tokens)")
     ap.add_argument("--out-dir", default=None, help="where targets and caches are written (default: a temp dir)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -201,7 +206,8 @@ def main(argv=None) -> None:
         cfg, layers = table[model]
         out[model] = run_model(model, cfg, layers, contexts, samples, a.completion or (32 if a.smoke else 256),
                                a.loop_tokens or (1024 if a.smoke else 32768), dev, dtype,
-                               a.batch_tokens or schema_default("cache.batch_tokens"), root, env, a.no_loop)
+                               a.batch_tokens or schema_default("cache.batch_tokens"), root, env, a.no_loop,
+                               "h5loop" if a.loop_writes else "loop")
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
 

@@ -285,7 +285,7 @@ def extract_hidden_states(target_dir, completions_path, out, layer_ids: list[int
                 check_packing(model, [seqs[i] for b in todo[-1:] for i in b] or seqs[:3], layer_ids, dev, pad_id)
             stats = _run_batches(model, cache, seqs, todo, layer_ids, dev, dt, pad_id, packed, fp8, completions_path)
             n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-            log.info("computed %d samples, %d tokens in %.1f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
+            log.info("computed %d samples, %d tokens in %.3f s: %.0f tok/s, ~%.1f TFLOP/s (2 x %.0fM non-embedding "
                      "params per token; attention scores not counted) on %s, %s, %s; peak host memory: states of %d "
                      "samples (%d tokens) at once", stats["samples"], stats["tokens"], stats["seconds"],
                      stats["tokens"] / max(stats["seconds"], 1e-9),
