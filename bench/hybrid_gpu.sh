@@ -10,7 +10,7 @@
 #
 # Steps: completions_{hybrid,llama} (bench/completions_gpu.py), extraction_{hybrid,llama} (bench/extraction.py),
 # long_context_{hybrid,llama} (bench/long_context.py: 1k / 8k / 32k-token samples). Default on a GPU (< 9 min on
-# one H100): extraction_hybrid long_context_hybrid extraction_llama; with --smoke: all six.
+# one H100): extraction_hybrid (its loop now runs two passes) and long_context_hybrid (the loop writing HDF5); with --smoke: all six.
 #
 # Packages the GPU host may lack (fla, einops, h5py, safetensors, tenacity, jsonschema) are installed from wheels in the
 # git-ignored .whl/ (flat folder: einops, fla_core, flash_linear_attention, h5py, safetensors, tenacity, jsonschema,
@@ -66,10 +66,10 @@ if [ "$SMOKE" = 1 ]; then
   L=(--smoke --contexts 64,128,256 --samples 2,1,1 --no-loop)
   SCRATCH=$(mktemp -d)
 else
-  STEPS=${STEPS:-extraction_hybrid long_context_hybrid extraction_llama}
+  STEPS=${STEPS:-long_context_hybrid extraction_hybrid}
   C=(--batches 32 --n-batches 1 --rounds 2 --max-new 128 --prompt-min 64 --prompt-max 512 --static-batches "")
   E=(--no-rss --no-ceiling)
-  L=(--contexts 1024,8192,32768 --samples 8,4,2)
+  L=(--contexts 1024,8192,32768 --samples 8,4,2 --loop-writes)
   SCRATCH=/tmp/dflash-hybrid-bench
   avail=$(df -Pk /dev/shm 2>/dev/null | awk 'NR==2 {print $4}')
   [ "${avail:-0}" -gt 41943040 ] && SCRATCH=/dev/shm/dflash-hybrid-bench  # > 40 GiB free: off the disk
@@ -82,9 +82,9 @@ step() {  # step SECONDS NAME COMMAND...: only the steps named in $STEPS
   say "end $name: exit $?"
 }
 step 170 completions_hybrid $PY bench/completions_gpu.py --target hybrid-7b "${C[@]}" --out "$OUT/completions_hybrid.json"
-step 200 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
+step 280 extraction_hybrid $PY bench/extraction.py --models hybrid-7b --stage-runs 2 "${E[@]}" --out-dir "$SCRATCH"
 rm -rf "$SCRATCH/hybrid-7b"
-step 250 long_context_hybrid $PY bench/long_context.py --models hybrid-7b "${L[@]}" --out-dir "$SCRATCH" \
+step 260 long_context_hybrid $PY bench/long_context.py --models hybrid-7b "${L[@]}" --out-dir "$SCRATCH" \
   --out "$OUT/long_context_hybrid.json"
 rm -rf "$SCRATCH/hybrid-7b"
 step 90 completions_llama $PY bench/completions_gpu.py --target llama-8b "${C[@]}" --out "$OUT/completions_llama.json"
