@@ -495,8 +495,9 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
     if data.positions:
         add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
             "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
-    for ps in C.context_sets(data.frame):  # tau against context
-        add(C.figure_name(ps), C.CAPTION.format(ps=ps), F.tau_vs_context(data.frame, ps))
+    pooled = C.with_pooled(data.frame)
+    for ps in C.context_sets(pooled):  # tau against context (every greedy set pooled first)
+        add(C.figure_name(ps), C.CAPTION.format(ps=ps), F.tau_vs_context(pooled, ps))
     return out
 
 

@@ -24,6 +24,8 @@ TAU, N, SE = "tau_prompt_", "n_prompt_", "se_prompt_"
 #: the normal quantile of the figure's error bars (a 95 % interval of the mean under the i.i.d.-prompts assumption)
 Z95 = 1.96
 ANCHOR = "context"  #: the section's HTML id
+#: the prompt set name of the rows pooling every greedy set of a checkpoint (:func:`with_pooled`)
+POOLED = "all greedy sets"
 
 
 def bin_edges(suffix: str) -> tuple[int, float]:
@@ -74,11 +76,57 @@ def context_frame(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def with_pooled(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` plus, per checkpoint evaluated greedily (``sampling`` ``T0``) on 2 or more prompt sets, one row of
+    prompt set :data:`POOLED` whose bins pool those sets' responses: a short set's bins beside a long set's on one
+    axis, for the same checkpoint.
+
+    Per bin, with the sets' ``n_i``, ``tau_i``, ``se_i``: ``n = sum n_i``; ``tau = sum n_i tau_i / n`` (the macro tau
+    over the union of their responses); ``se = sqrt(var / n)`` with the union's sample variance
+    ``var = (sum (n_i - 1) s_i^2 + sum n_i (tau_i - tau)^2) / (n - 1)``, ``s_i = se_i sqrt(n_i)`` (exact, from the
+    per-set means and variances; NaN where a set of 2+ responses has no SE, or for ``n < 2``). Other columns are
+    left empty but ``checkpoint``, ``step``, ``trained_max_len``.
+    """
+    if "sampling" not in frame or not any(c.startswith(TAU) for c in frame.columns):
+        return frame
+    greedy = frame[frame["sampling"] == "T0"]
+    suffixes = [c[len(TAU):] for c in frame.columns if c.startswith(TAU)]
+    rows = []
+    for ck, sub in greedy.groupby("checkpoint", sort=False):
+        if sub["prompt_set"].nunique() < 2:
+            continue
+        row = {"checkpoint": ck, "prompt_set": POOLED, "sampling": "T0",
+               "step": sub["step"].iloc[0] if "step" in sub else None,
+               "trained_max_len": sub["trained_max_len"].iloc[0] if "trained_max_len" in sub else None}
+        for sfx in suffixes:
+            n_i = sub[N + sfx].fillna(0).astype(int) if N + sfx in sub else pd.Series(0, index=sub.index)
+            live = n_i > 0
+            n = int(n_i[live].sum())
+            row[N + sfx] = n
+            if not n:
+                row[TAU + sfx], row[SE + sfx] = math.nan, math.nan
+                continue
+            tau_i, m = sub[TAU + sfx][live].astype(float), n_i[live]
+            tau = float((m * tau_i).sum() / n)
+            se_i = sub[SE + sfx][live].astype(float) if SE + sfx in sub else pd.Series(math.nan, index=tau_i.index)
+            within = ((m - 1) * (se_i.fillna(0.0) ** 2) * m).where(m > 1, 0.0)
+            unknown = ((m > 1) & se_i.isna()).any()
+            var = (within.sum() + float((m * (tau_i - tau) ** 2).sum())) / (n - 1) if n > 1 else math.nan
+            row[TAU + sfx] = tau
+            row[SE + sfx] = math.nan if unknown or n < 2 else math.sqrt(var / n)
+        rows.append(row)
+    if not rows:
+        return frame
+    return pd.concat([frame, pd.DataFrame(rows)], ignore_index=True)
+
+
 def context_sets(frame: pd.DataFrame) -> list[str]:
-    """The prompt sets with responses in 2 or more prompt-length bins (those the section shows), sorted."""
+    """The prompt sets with responses in 2 or more prompt-length bins (those the section shows), sorted, with
+    :data:`POOLED` first when ``frame`` has its rows (:func:`with_pooled`)."""
     long = context_frame(frame)
     counts = long.groupby("prompt_set")["bin"].nunique()
-    return sorted(counts[counts >= 2].index)
+    sets = sorted(counts[counts >= 2].index)
+    return [POOLED] * (POOLED in sets) + [s for s in sets if s != POOLED]
 
 
 def context_table(frame: pd.DataFrame, prompt_set: str) -> pd.DataFrame:
@@ -126,7 +174,9 @@ NOTE = ("tau per prompt-length bin (prompt tokens at request start, power-of-two
         "`tau_prompt_<lo>_<hi>`, `n_prompt_<lo>_<hi>`, `se_prompt_<lo>_<hi>`) for the prompt sets with responses in 2 "
         "or more bins. SE: the standard error over prompts (sample sd of the per-response taus / sqrt(n); empty below "
         "2 responses), assuming the prompts are i.i.d.; *beyond trained*: the bin's midpoint lies at or past the "
-        "sequence length the drafter was trained on (`trained_max_len`, from its config).")
+        "sequence length the drafter was trained on (`trained_max_len`, from its config). *all greedy sets*: per "
+        "checkpoint evaluated at T = 0 on 2 or more sets, their responses pooled per bin (a short set's bins beside a "
+        "long set's; SE from the union's variance).")
 
 
 def figure_name(prompt_set: str) -> str:
@@ -136,6 +186,7 @@ def figure_name(prompt_set: str) -> str:
 
 def markdown(frame: pd.DataFrame, md_table) -> list[str]:
     """The section's markdown lines ([] when no prompt set has 2 bins); ``md_table``: the report's table writer."""
+    frame = with_pooled(frame)
     sets = context_sets(frame)
     if not sets:
         return []
@@ -149,6 +200,7 @@ def html(frame: pd.DataFrame, figs: dict, styled, inline) -> dict | None:
     """The template's ``context`` block: ``{"note" (HTML), "sets": [(prompt set, table HTML, (caption, img src))]}``;
     None when no prompt set has 2 bins. ``figs``: the page's ``{name: (caption, src)}``; ``styled``: the report's
     Styler factory (``(df, digits, table id)``); ``inline``: its markdown-sentence-to-HTML function."""
+    frame = with_pooled(frame)
     sets = context_sets(frame)
     if not sets:
         return None

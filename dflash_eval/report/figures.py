@@ -243,8 +243,8 @@ def tau_vs_context(frame: pd.DataFrame, prompt_set: str) -> Figure:
     for trained in sorted(long["trained_max_len"].dropna().unique()):
         ax.axvspan(int(trained), max(right, 2 * int(trained)), color="grey", alpha=0.12, linewidth=0)
         ax.axvline(int(trained), color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(f"past trained length {int(trained)}", (int(trained), 1.0), xycoords=("data", "axes fraction"),
-                    xytext=(3, -3), textcoords="offset points", ha="left", va="top", fontsize=7, color="dimgrey")
+        ax.annotate(f"past trained length {int(trained)}", (max(int(trained), left), 0.0), xycoords=("data", "axes fraction"),
+                    xytext=(3, 3), textcoords="offset points", ha="left", va="bottom", fontsize=7, color="dimgrey")
     _log2_axis(ax)
     ax.set_xlim(left, right)
     ax.set_xlabel("prompt tokens at request start (bin midpoint)")

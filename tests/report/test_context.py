@@ -123,3 +123,31 @@ def test_context_figure_renders_in_chromium(ctx, tmp_path):
     assert seen["tables"]["context-ctx"][0] == ["checkpoint", "prompt tokens", "n", "tau", "SE", "trained length",
                                                "beyond trained"]
     assert seen["tables"]["context-ctx"][2] == ["early", "1024-2048", "2", "2.500", "0.500", "640", "yes"]
+
+
+def test_greedy_sets_pooled_per_bin_hand_computed():
+    """with_pooled: one checkpoint's two greedy sets pooled per bin, the T > 0 set left out. Bin 0-128: set a has
+    taus {1, 3} (n 2, mean 2, se 1), set b {4} (n 1): pooled n 3, tau 8/3, union variance of {1, 3, 4} = 7/3, se
+    sqrt(7/9). Bin 2048-4096: only b, n 2, tau 1.5, se 0.5 as given."""
+    import math
+
+    import pandas as pd
+
+    from dflash_eval.report.context import POOLED, context_sets, with_pooled
+
+    def row(ps, sampling, n0, t0, s0, n1, t1, s1):
+        return {"checkpoint": "ck", "step": 5, "prompt_set": ps, "sampling": sampling, "trained_max_len": 640,
+                "tau_prompt_0_128": t0, "n_prompt_0_128": n0, "se_prompt_0_128": s0,
+                "tau_prompt_2048_4096": t1, "n_prompt_2048_4096": n1, "se_prompt_2048_4096": s1}
+
+    frame = pd.DataFrame([row("a", "T0", 2, 2.0, 1.0, 0, math.nan, math.nan),
+                          row("b", "T0", 1, 4.0, math.nan, 2, 1.5, 0.5),
+                          row("c", "T1_p0.95_k20", 5, 9.0, 0.1, 5, 9.0, 0.1)])
+    pooled = with_pooled(frame)
+    p = pooled[pooled["prompt_set"] == POOLED].iloc[0]
+    assert p["n_prompt_0_128"] == 3 and abs(p["tau_prompt_0_128"] - 8 / 3) < 1e-12
+    assert abs(p["se_prompt_0_128"] - math.sqrt(7 / 9)) < 1e-12
+    assert p["n_prompt_2048_4096"] == 2 and p["tau_prompt_2048_4096"] == 1.5 and abs(p["se_prompt_2048_4096"] - 0.5) < 1e-12
+    assert context_sets(pooled)[0] == POOLED
+    # one greedy set only: nothing pooled
+    assert POOLED not in set(with_pooled(frame.iloc[[0, 2]])["prompt_set"])

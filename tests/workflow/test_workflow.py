@@ -30,11 +30,11 @@ DEMO_JOBS = {
     "target_from_gguf": 1,
     "target_fingerprint": 1,
     "demo_checkpoint": len(DEMO_NAMES),
-    "prompts": 3,  # humaneval, sharegpt (greedy) and sharegpt-t1 (drawn at T = 1)
-    "completions": 3,
-    "hidden_states": 3,
+    "prompts": 4,  # humaneval, sharegpt (greedy), sharegpt-t1 (drawn at T = 1) and long-chat (greedy, long contexts)
+    "completions": 4,
+    "hidden_states": 4,
     "strip_drafter": len(DEMO_NAMES),
-    "evaluate": 3 * len(DEMO_NAMES),
+    "evaluate": 3 * len(DEMO_NAMES) + 2,  # long-chat on each run's final checkpoint only (prompt_sets.<name>.checkpoints)
     "target_costs": 1,
     "summary": 1,
     "report": 1,
@@ -176,6 +176,10 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert not args.cross_temperature
         if args.cmd == "prompts":
             assert args.n == 16
+            if args.source == "conversation":  # long-chat: two prompts per context bin of 2k-4k and 4k-6k tokens
+                assert (args.context_bins, args.per_bin, args.max_prompt_tokens) == ([2048, 4096], 2, 6144)
+        if args.cmd == "evaluate" and Path(args.cache).stem == "long-chat":
+            assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072")
         if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
             assert args.costs == "results/demo/target_costs.json"
         if args.cmd == "demo-checkpoint":
@@ -273,9 +277,10 @@ def test_dry_run_vllm_engine_config(tmp_path):
     parsed = [parser.parse_args(dflash_eval_argv(c)) for c in shell_commands(out)]
     cmds = {a.cmd: a for a in parsed}
     hs = [a for a in parsed if a.cmd == "hidden-states"]
-    assert len(hs) == 3 and all(a.source == "vllm" and a.vllm__env == {"VLLM_CPU_KVCACHE_SPACE": "1"} for a in hs)
+    assert len(hs) == 4 and all(a.source == "vllm" and a.vllm__env == {"VLLM_CPU_KVCACHE_SPACE": "1"} for a in hs)
     assert all(a.vllm__concurrency is None for a in hs)  # x-rerun: false, from DFLASH_EVAL_RUNTIME_OPTIONS
     assert sorted(a.server_log for a in hs) == ["logs/hidden_states/demo/humaneval.vllm.log",
+                                                "logs/hidden_states/demo/long-chat.vllm.log",
                                                 "logs/hidden_states/demo/sharegpt-t1.vllm.log",
                                                 "logs/hidden_states/demo/sharegpt.vllm.log"]
     ve = cmds["validate-engine"]
