@@ -13,7 +13,6 @@ from dflash_eval.data.benchmarks import (BENCHMARKS, MATH_SUFFIX, check_thinking
                                     mt_bench_turns, read_rows)
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.prompts import build_prompt_set_with_meta
-from tiny import make_tiny_tokenizer
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "prompt_sets"  # (not "benchmarks": .gitignore holds Snakemake's)
 EXPORTS = {"gsm8k": FIX / "gsm8k.jsonl", "math500": FIX / "math500.jsonl", "mbpp": FIX / "mbpp.jsonl",
@@ -21,13 +20,6 @@ EXPORTS = {"gsm8k": FIX / "gsm8k.jsonl", "math500": FIX / "math500.jsonl", "mbpp
 REFERENCE_SETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 
 ref = pytest.importorskip("dflash.benchmark")  # the reference wheel (envs/requirements-nodeps.txt)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    make_tiny_tokenizer(d)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,6 @@ AGENT = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    make_tiny_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def tool_tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tooltok")
     tok = make_tiny_tokenizer(d)

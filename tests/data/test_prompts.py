@@ -11,7 +11,6 @@ import pytest
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.prompts import (build_prompt_set, load_file, load_humaneval, load_sharegpt, read_prompts,
                                  template_prompt, write_prompts)
-from tiny import make_tiny_tokenizer
 
 HUMANEVAL_0 = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -23,13 +22,6 @@ HUMANEVAL_0 = (
     '    """\n'
     "\n```"
 )
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    make_tiny_tokenizer(d)
-    return d
 
 
 @pytest.fixture(scope="module")
