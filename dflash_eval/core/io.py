@@ -118,7 +118,7 @@ def iter_jsonl(fh: IO[str], path: str | Path, fix: str = "write one JSON object 
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise InputError(path, f"line {lineno}", f"malformed JSON ({err.msg} at column {err.colno})", fix) from None
+            raise InputError(path, f"line {lineno}", f"malformed JSON ({err.msg}, column {err.colno})", fix) from None
         if not isinstance(obj, dict):
             raise InputError(path, f"line {lineno}", f"expected a JSON object, got {type(obj).__name__}", fix)
         yield lineno, obj
