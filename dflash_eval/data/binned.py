@@ -308,8 +308,9 @@ def build_set_with_meta(source: str, tokenizer_dir: str | Path, n: int, seed: in
         if empty:
             raise InputError(path or source, field, "no candidate of " + str(len(cands)) + " falls in the bin(s) "
                              + ", ".join(f"[{b['lo']}, {b['hi']}]" for b in empty) + " after templating",
-                             "drop or lower that bin, raise max_prompt_tokens, or use a source with longer prompts "
-                             "(repository, trajectory, or a path with longer data)")
+                             "drop that bin or move it to where the source's prompts lie: lower it for short data; for "
+                             "data longer than the bin, an edge above it or a higher max_prompt_tokens; or use a source "
+                             "with longer prompts (repository, trajectory, or a path with longer data)")
         for b in bins:
             if b["taken"] < per_bin:
                 log.warning("%s: bin [%d, %d] holds %d of per_bin %d prompts (%d candidates fall in it)", where,

@@ -164,7 +164,7 @@ def test_a_bin_with_no_candidate_names_the_entry_and_a_short_bin_warns(tmp_path,
         build_set_with_meta("repository", tok_dir, 0, 0, path=tmp_path, context_bins=[100, 50000], per_bin=1,
                             max_prompt_tokens=60000, set_name="code")
     assert ei.value.field == "prompt_sets.code.context_bins" and "[50000, 60000]" in ei.value.problem
-    assert "drop or lower that bin" in ei.value.fix
+    assert "drop that bin or move it" in ei.value.fix and "lower it for short data" in ei.value.fix
     with caplog.at_level(logging.WARNING, logger="dflash_eval.data.binned"):
         rows, meta = build_set_with_meta("repository", tok_dir, 0, 0, path=tmp_path, context_bins=[100], per_bin=5,
                                          max_prompt_tokens=60000)
