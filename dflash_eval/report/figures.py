@@ -249,7 +249,7 @@ def tau_vs_context(frame: pd.DataFrame, prompt_set: str) -> Figure:
     ax.set_xlim(left, right)
     ax.set_xlabel("prompt tokens at request start (bin midpoint)")
     ax.set_ylabel("tau (tokens per verify step)")
-    ax.set_title(f"tau against context, {prompt_set}")
+    ax.set_title(f"tau against context, {prompt_set} (bars: 95 % interval, +-1.96 SE)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
