@@ -269,7 +269,7 @@ def test_dry_run_server_sources(tmp_path, monkeypatch):
     text = out.stdout + out.stderr
     assert secret not in text
     cmds = [c for c in shell_commands(out.stdout) if " completions " in c]
-    assert len(cmds) == 3  # the demo's humaneval, sharegpt and sharegpt-t1
+    assert len(cmds) == 4  # the demo's humaneval, sharegpt, sharegpt-t1 and long-chat
     args = build_parser().parse_args(dflash_eval_argv(cmds[0]))
     assert (args.source, args.endpoint__url, args.serve) == ("openai", "http://gpu-host:8000", "none")
     # requests in flight, timeouts, retries and the key's variable cannot change the completions: they travel in the
