@@ -30,11 +30,8 @@ the forward-only ceiling); ``--stage-runs 2`` reports the stage's first
 run (its own process, the bench's Triton cache directory empty at the bench's start) apart and takes the
 second as the figure. ``bench/hybrid_gpu.sh`` runs both.
 
-``--kernel-parity N``: only the ``kernel_parity`` stage (no drafters) on N samples against extracting them with
-each of its two kernels (fla and torch on CUDA), in this process, warm; the ratio with model load included on
-both sides (whole calls) and, when the stage loads one model for both, excluded on both sides
-(:func:`kernel_parity_timing`). On one GPU:
-``python3 bench/extraction.py --models hybrid-7b --kernel-parity 4 --no-rss --no-ceiling --out-dir /dev/shm/kp``.
+``--kernel-parity N``: only the ``kernel_parity`` stage against its two extractions (docs/measurements.md,
+"The kernel_parity stage against its two extractions", has the method and the commands).
 
 CPU smoke test (tiny models, float32, a minute here): ``.venv/bin/python bench/extraction.py --smoke``
 On one H200 (torch 2.11, transformers 5.17, h5py; no network), from the repository root:
