@@ -21,14 +21,8 @@ synthetic completions and the same stored layers, one run prints:
 Useful FLOPs per sample of T tokens: 2 x (parameters without the input embedding, LM head included) x T
 plus the causal attention scores, 2 x n_layers x hidden x T^2 (padding not counted, for either side).
 
-``--models hybrid-7b,llama-8b``: the user-scale pair (issue #43): an 8.16B Qwen3.5-style hybrid (3 Gated
-DeltaNet : 1 attention; right-padded batches in the stage, fla kernels on CUDA on both sides) and an 8.03B
-llama, 96 samples of 128-1200 tokens, the loop at batch 24 (~32k padded tokens). The plain loop's first pass
-(over every batch: each padded length is a new shape for fla's Triton kernels, which compile and
-autotune per shape) is timed apart and printed as its first pass, the figure is its second pass (the same for
-the forward-only ceiling); ``--stage-runs 2`` reports the stage's first
-run (its own process, the bench's Triton cache directory empty at the bench's start) apart and takes the
-second as the figure. ``bench/hybrid_gpu.sh`` runs both.
+``--models hybrid-7b,llama-8b``: the user-scale pair (an 8.16B Qwen3.5-style hybrid with fla kernels and an 8.03B
+llama; docs/measurements.md, "The target stages on a user-scale hybrid"); ``bench/hybrid_gpu.sh`` runs both.
 
 ``--kernel-parity N``: only the ``kernel_parity`` stage against its two extractions (docs/measurements.md,
 "The kernel_parity stage against its two extractions", has the method and the commands).
