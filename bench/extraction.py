@@ -6,10 +6,8 @@ synthetic completions and the same stored layers, one run prints:
 - tok/s of ``python -m dflash_eval hidden-states`` (the stage as the workflow runs it: packed
   batches, pinned copies, writer thread, per-sample sha256, the HDF5 cache written to ``--out-dir``;
   timed from its first batch to its last commit, model loading excluded) and of the plain loop
-  (``model(ids, attention_mask, output_hidden_states=True)`` over length-sorted right-padded batches of
-  the model's loop batch, per sample the stored layers sliced to its length on the GPU and copied
-  ``non_blocking`` into pinned host buffers, one sync per batch, the logits' argmax likewise; nothing
-  written), and of the forward-only ceiling (the same batches through the model with no states kept
+  (``output_hidden_states`` over length-sorted right-padded batches, the stored layers copied per sample into
+  pinned host buffers, one sync per batch; nothing  written), and of the forward-only ceiling (the same batches through the model with no states kept
   and no copies); the stage's ratio to both, and the useful TFLOP/s of each against a bf16 (fp32 on
   CPU) GEMM rate measured here;
 - how long the stage's cache writer thread was busy (hashing, HDF5 writes, flushes) against the stage's
