@@ -10,9 +10,7 @@ synthetic completions and the same stored layers, one run prints:
   pinned host buffers, one sync per batch; nothing  written), and of the forward-only ceiling (the same batches through the model with no states kept
   and no copies); the stage's ratio to both, and the useful TFLOP/s of each against a bf16 (fp32 on
   CPU) GEMM rate measured here;
-- how long the stage's cache writer thread was busy (hashing, HDF5 writes, flushes) against the stage's
-  time (near 100 % = the writer bounds the stage; see ``bench/cache_writer.py`` for the writer alone),
-  and a note when packed attention fell back to one SDPA call per sample and layer;
+- the cache writer thread's busy time against the stage's, and a note on any SDPA fallback of packed attention;
 - the cache's agreement with the loop (max relative L2 of the stored states per sample, argmax agreement);
 - peak RSS of the stage for ``--rss-samples`` samples and for 4x as many (streaming: it must not grow).
 
