@@ -1,7 +1,6 @@
 """Hidden-state extraction: dflash-eval's hidden-states stage vs the plain HF loop a user would write.
 
-For each model (random weights built from a transformers config: no hub, no GGUF), on the same
-synthetic completions and the same stored layers, one run prints:
+For each model (random weights from a transformers config), on the same synthetic completions and layers, it prints:
 
 - tok/s of ``python -m dflash_eval hidden-states`` (the stage as the workflow runs it: packed
   batches, pinned copies, writer thread, per-sample sha256, the HDF5 cache written to ``--out-dir``;
