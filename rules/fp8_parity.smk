@@ -1,5 +1,6 @@
 # cache.storage: fp8: per prompt set, its first fp8_parity.n_samples completions extracted in the run's dtype
-# and in FP8, compared per stored layer, and every configured drafter replayed on both ->
+# and in FP8, compared per stored layer, and the set's drafters (prompt_sets.<set>.checkpoints, else all) replayed
+# on both ->
 # results/{run}/fp8_parity/{prompt_set}.json (title + markdown for `report --extra`; dflash_eval/stages/fp8_parity.py).
 
 
@@ -8,9 +9,10 @@ rule fp8_parity:
         unpack(target_model_files),
         fingerprint=TARGET.fingerprint,
         completions="results/{run}/completions/{prompt_set}.jsonl",
-        drafters=expand(
-            "results/{{run}}/drafters/{ckpt}/{file}",
-            ckpt=list(CHECKPOINTS),
+        drafters=lambda wildcards: expand(
+            "results/{run}/drafters/{ckpt}/{file}",
+            run=wildcards.run,
+            ckpt=PLAN.set_checkpoints(wildcards.prompt_set),
             file=["model.safetensors", "config.json"],
         ),
     output:

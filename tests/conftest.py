@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -49,36 +48,6 @@ def vllm_smol(smollm2, tmp_path_factory):
 #: seconds the session end waits for threads and child processes started by tests to end by themselves
 LEFTOVER_GRACE_S = 10.0
 _BASELINE: dict = {}
-#: thread classes a library starts once per process and keeps (not a test's): tqdm's bar monitor
-PROCESS_THREADS = ("TMonitor",)
-
-
-def _children() -> list[tuple[int, str]]:
-    """``(pid, command line)`` of this process's live child processes (Linux ``/proc``; elsewhere ``[]``)."""
-    me, out = os.getpid(), []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[1]) == me and fields[0] != "Z":
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                out.append((int(entry.name), cmd[:200]))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def leftovers(baseline_threads: set[int], grace_s: float) -> tuple[list[str], list[tuple[int, str]]]:
-    """Threads (beyond ``baseline_threads`` idents) and child processes still alive after ``grace_s`` seconds."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        threads = [t for t in threading.enumerate() if t.ident not in baseline_threads and t.is_alive()
-                   and t is not threading.current_thread() and type(t).__name__ not in PROCESS_THREADS]
-        kids = _children()
-        if (not threads and not kids) or time.monotonic() >= deadline:
-            return [f"{t.name} (target {getattr(getattr(t, '_target', None), '__qualname__', '?')}, "
-                    f"daemon={t.daemon})" for t in threads], kids
-        time.sleep(0.2)
 
 
 def pytest_sessionstart(session):
@@ -94,6 +63,8 @@ def pytest_sessionfinish(session, exitstatus):
     """
     if "threads" not in _BASELINE or hasattr(session.config, "workerinput"):
         return
+    from leftovers import leftovers
+
     threads, kids = leftovers(_BASELINE["threads"], LEFTOVER_GRACE_S)
     if not threads and not kids:
         return

@@ -395,7 +395,7 @@ def test_session_end_check_finds_leftover_threads_and_children():
     import subprocess as sp
     import threading
 
-    import conftest
+    from leftovers import leftovers
 
     baseline = {t.ident for t in threading.enumerate()}
     stop = threading.Event()
@@ -405,7 +405,7 @@ def test_session_end_check_finds_leftover_threads_and_children():
     # Only this test's thread and child are asserted: a process another test started and is still ending (its
     # own grace period) may be alive too; the session-end check itself catches any that outlives the run.
     try:
-        threads, kids = conftest.leftovers(baseline, grace_s=0.3)
+        threads, kids = leftovers(baseline, grace_s=0.3)
         assert any(x.startswith("leaky-client (target Event.wait") for x in threads)
         assert child.pid in [pid for pid, _ in kids]
     finally:
@@ -413,7 +413,7 @@ def test_session_end_check_finds_leftover_threads_and_children():
         t.join()
         child.kill()
         child.wait()
-    threads, kids = conftest.leftovers(baseline, grace_s=2)
+    threads, kids = leftovers(baseline, grace_s=2)
     assert not any(x.startswith("leaky-client") for x in threads) and child.pid not in [pid for pid, _ in kids]
 
 

@@ -88,18 +88,21 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     from dflash_eval.cli import build_parser
     from test_workflow import dflash_eval_argv, job_counts, shell_commands
 
-    assert job_counts(out)["fp8_parity"] == 3 and job_counts(out)["hidden_states"] == 3
+    assert job_counts(out)["fp8_parity"] == 4 and job_counts(out)["hidden_states"] == 4
     parity = [dflash_eval_argv(c) for c in shell_commands(out) if " fp8-parity " in c]
-    args = [build_parser().parse_args(a) for a in parity]
-    assert sorted(Path(a.out).name for a in args) == ["humaneval.json", "sharegpt-t1.json", "sharegpt.json"]
-    assert all(a.layer_ids == [1, 8, 15, 22, 27] and len(a.drafter) == 6 for a in args)  # the six demo drafters
+    args = {Path(a.out).stem: a for a in (build_parser().parse_args(a) for a in parity)}
+    assert sorted(args) == ["humaneval", "long-chat", "sharegpt", "sharegpt-t1"]
+    assert all(a.layer_ids == [1, 8, 15, 22, 27] for a in args.values())
+    # the six demo drafters; long-chat names the final checkpoint of each run (prompt_sets.long-chat.checkpoints)
+    assert {k: len(a.drafter) for k, a in args.items()} == {"humaneval": 6, "sharegpt": 6, "sharegpt-t1": 6,
+                                                           "long-chat": 2}
     hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
     assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
     # FP8 caches are other files (<set>.fp8.h5): a float32 / bf16 cache of the same set is kept, and evaluate reads FP8
     assert sorted(Path(build_parser().parse_args(a).out).name for a in hs) == [
-        "humaneval.fp8.h5", "sharegpt-t1.fp8.h5", "sharegpt.fp8.h5"]
+        "humaneval.fp8.h5", "long-chat.fp8.h5", "sharegpt-t1.fp8.h5", "sharegpt.fp8.h5"]
     evals = [build_parser().parse_args(dflash_eval_argv(c)) for c in shell_commands(out) if " evaluate " in c]
-    assert len(evals) == 18 and all(Path(a.cache).name.endswith(".fp8.h5") for a in evals)
+    assert len(evals) == 3 * 6 + 2 and all(Path(a.cache).name.endswith(".fp8.h5") for a in evals)
 
 
 def test_gguf_header_gives_the_demo_targets_shape():
