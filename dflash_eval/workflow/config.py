@@ -109,16 +109,23 @@ def check_set_checkpoints(prompt_sets: dict, checkpoints: dict) -> None:
                              "use names from the checkpoint table (checkpoints.list / glob / demo), or drop the key")
 
 
-def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions: int | None) -> None:
+def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions: int | None,
+                       set_entry: dict | None = None) -> None:
     """Parse-time checks of a prompt set's ``context_bins`` (``opts``: ``prompt_set`` overlaid with the entry): edges
     strictly ascending, ``max_prompt_tokens`` (when not 0) above the last edge, and, when the target's
     ``max_position_embeddings`` is known, every edge and ``max_prompt_tokens`` plus ``generation.max_new_tokens``
     within it (the completions stage would refuse those prompts: :mod:`dflash_eval.target.context_limit`).
+    ``set_entry`` (the set's own entry): a ``per_bin`` given there without any ``context_bins`` is refused (it would
+    be ignored).
 
     Raises:
-        InputError: naming ``prompt_sets.<name>.context_bins`` (or ``.max_prompt_tokens``) and the fix.
+        InputError: naming ``prompt_sets.<name>.context_bins`` (or ``.max_prompt_tokens``, ``.per_bin``) and the fix.
     """
     bins, top = list(opts.get("context_bins") or ()), int(opts.get("max_prompt_tokens") or 0)
+    if not bins and set_entry is not None and "per_bin" in set_entry:
+        raise InputError("config", f"prompt_sets.{name}.per_bin", "is set but the set has no context_bins, so it "
+                         "would be ignored (the set takes prompt_set.n prompts by the seeded walk)",
+                         f"give prompt_sets.{name}.context_bins (lower edges, e.g. [2048, 4096]), or drop per_bin")
     if not bins:
         return
     field = f"prompt_sets.{name}.context_bins"

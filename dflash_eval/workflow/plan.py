@@ -497,7 +497,7 @@ def build_plan(config: dict) -> Plan:
     check_set_checkpoints(config["prompt_sets"], checkpoints)
     for name, ps in config["prompt_sets"].items():
         check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config),
-                           spec.max_position_embeddings if spec else None)
+                           spec.max_position_embeddings if spec else None, set_entry=ps)
     plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
     check_optional_rules(plan)
     check_sampling_settings(config)

@@ -549,6 +549,10 @@ def test_context_bins_the_target_cannot_hold_are_refused_at_parse_time(tmp_path,
     with pytest.raises(InputError) as ei:
         build(path="missing-folder")
     assert ei.value.field == "prompt_sets.long.path" and "is not a folder" in ei.value.problem
+    with pytest.raises(InputError) as ei:  # per_bin without bins would be ignored: refused, naming the fix
+        build(per_bin=4)
+    assert ei.value.field == "prompt_sets.long.per_bin" and "has no context_bins" in ei.value.problem
+    assert "prompt_sets.long.context_bins" in ei.value.fix
 
 
 def test_a_set_evaluated_on_some_checkpoints_only(tmp_path):
