@@ -51,8 +51,10 @@ def context_frame(frame: pd.DataFrame) -> pd.DataFrame:
     Returns:
         columns ``prompt_set``, ``checkpoint``, ``bin`` (``"1024-2048"``), ``lo``, ``hi`` (tokens, hi inf for the
         last), ``context`` (:func:`bin_context`), ``n`` (responses), ``tau``, ``se`` (NaN below 2 responses or for a
-        table without ``se_prompt_*`` columns), ``trained_max_len`` (NA: unknown) and ``beyond`` (the bin's context
-        lies at or past the trained length; False where it is unknown); in table order of the bins.
+        table without ``se_prompt_*`` columns), ``trained_max_len`` (NA: unknown), ``beyond`` (the bin's lower edge
+        is at or past the trained length, so every prompt in it is: the per-prompt rule of tau.csv's
+        ``n_beyond_trained``) and ``partly`` (the trained length falls inside the bin); both False where it is
+        unknown; in table order of the bins.
     """
     rows = []
     suffixes = [c[len(TAU):] for c in frame.columns if c.startswith(TAU)]
@@ -69,8 +71,10 @@ def context_frame(frame: pd.DataFrame) -> pd.DataFrame:
             rows.append({"prompt_set": r["prompt_set"], "checkpoint": r["checkpoint"], "bin": f"{lo}-{hi}",
                          "lo": lo, "hi": hi, "context": x, "n": int(n), "tau": float(r[TAU + sfx]),
                          "se": float(se) if se is not None and pd.notna(se) else math.nan,
-                         "trained_max_len": trained, "beyond": trained is not None and x >= trained})
-    cols = ["prompt_set", "checkpoint", "bin", "lo", "hi", "context", "n", "tau", "se", "trained_max_len", "beyond"]
+                         "trained_max_len": trained, "beyond": trained is not None and lo >= trained,
+                         "partly": trained is not None and lo < trained < hi})
+    cols = ["prompt_set", "checkpoint", "bin", "lo", "hi", "context", "n", "tau", "se", "trained_max_len", "beyond",
+            "partly"]
     out = pd.DataFrame(rows, columns=cols)
     out["trained_max_len"] = out["trained_max_len"].astype("Int64")
     return out
@@ -131,14 +135,16 @@ def context_sets(frame: pd.DataFrame) -> list[str]:
 
 def context_table(frame: pd.DataFrame, prompt_set: str) -> pd.DataFrame:
     """One prompt set's table: ``checkpoint``, ``prompt tokens`` (the bin), ``n``, ``tau``, ``SE``, ``trained length``
-    (empty: unknown) and ``beyond trained`` (``"yes"`` for a bin past it), checkpoints in training order."""
+    (empty: unknown) and ``beyond trained`` (``"yes"`` for a bin whose lower edge is at or past it, ``"partly"`` for
+    the bin it falls in), checkpoints in training order."""
     long = context_frame(frame)
     long = long[long["prompt_set"] == prompt_set]
     order = {c: i for i, c in enumerate(checkpoint_order(frame))}
     long = long.assign(rank=long["checkpoint"].map(order)).sort_values(["rank", "lo"], kind="stable")
     return pd.DataFrame({"checkpoint": long["checkpoint"], "prompt tokens": long["bin"], "n": long["n"],
                          "tau": long["tau"], "SE": long["se"], "trained length": long["trained_max_len"],
-                         "beyond trained": long["beyond"].map({True: "yes", False: ""})}).reset_index(drop=True)
+                         "beyond trained": ["yes" if b else "partly" if p else ""
+                                            for b, p in zip(long["beyond"], long["partly"])]}).reset_index(drop=True)
 
 
 def regime_notes(frame: pd.DataFrame) -> list[str]:
@@ -173,8 +179,9 @@ CAPTION = ("tau against context, {ps}: tau of the responses per prompt-length bi
 NOTE = ("tau per prompt-length bin (prompt tokens at request start, power-of-two bins; tau.csv's "
         "`tau_prompt_<lo>_<hi>`, `n_prompt_<lo>_<hi>`, `se_prompt_<lo>_<hi>`) for the prompt sets with responses in 2 "
         "or more bins. SE: the standard error over prompts (sample sd of the per-response taus / sqrt(n); empty below "
-        "2 responses), assuming the prompts are i.i.d.; *beyond trained*: the bin's midpoint lies at or past the "
-        "sequence length the drafter was trained on (`trained_max_len`, from its config). *all greedy sets*: per "
+        "2 responses), assuming the prompts are i.i.d.; *beyond trained*: every prompt of the bin is at or past the "
+        "sequence length the drafter was trained on (`trained_max_len`, from its config; *partly*: that length falls "
+        "inside the bin). *all greedy sets*: per "
         "checkpoint evaluated at T = 0 on 2 or more sets, their responses pooled per bin (a short set's bins beside a "
         "long set's; SE from the union's variance).")
 

@@ -38,16 +38,21 @@ def ctx(tmp_path):
             _eval(tmp_path, "early", "short", 100, [([2], 10), ([3], 20)], 640)]
 
 
-def test_per_bin_tau_n_se_and_beyond_the_trained_length(ctx):
+def test_per_bin_tau_n_se_and_beyond_the_trained_length(ctx, tmp_path):
     data = R.load_report_data(ctx)
     assert C.context_sets(data.frame) == ["ctx"]  # "short" has one bin
     t = C.context_table(data.frame, "ctx")
     assert list(t.columns) == ["checkpoint", "prompt tokens", "n", "tau", "SE", "trained length", "beyond trained"]
     assert t[["checkpoint", "prompt tokens", "n", "tau", "beyond trained"]].values.tolist() == [
-        ["early", "256-512", 2, 1.5, ""], ["early", "1024-2048", 2, 2.5, "yes"],  # midpoint 1448 >= 640
+        ["early", "256-512", 2, 1.5, ""], ["early", "1024-2048", 2, 2.5, "yes"],  # lower edge 1024 >= 640
         ["late", "256-512", 2, 3.0, ""], ["late", "1024-2048", 2, 2.0, ""]]  # late: trained length unknown
     assert t["SE"].tolist() == pytest.approx([0.5, 0.5, 1.0, 0.0], abs=1e-12)
     assert t["trained length"].tolist()[:2] == [640, 640] and t["trained length"].isna().tolist()[2:] == [True, True]
+    # the rule is tau.csv's per prompt (n_beyond_trained): a bin is beyond when all its prompts are, "partly" when the
+    # trained length falls inside it (trained 1500: bin 1024-2048 holds prompts of 1500 and 1600 tokens, and could
+    # hold shorter ones)
+    long = C.context_frame(R.load_report_data([_eval(tmp_path, "mid", "ctx2", 100, CTX["early"], 1500)]).frame)
+    assert long[["bin", "beyond", "partly"]].values.tolist() == [["256-512", False, False], ["1024-2048", False, True]]
     assert C.bin_context(1024, 2048) == pytest.approx(1024 * math.sqrt(2))
     assert C.bin_context(0, 128) == pytest.approx(64 * math.sqrt(2)) and C.bin_context(32768, math.inf) == pytest.approx(
         32768 * math.sqrt(2))
