@@ -511,7 +511,8 @@ def _best_lines(data: ReportData) -> list[dict]:
     lines = []
     for r in best_checkpoints(data).itertuples():
         line = {"prompt_set": r.prompt_set, "checkpoint": r.checkpoint, "tau": f"{r.tau:.4f}",
-                "step": "" if pd.isna(r.step) else str(int(r.step)), "speedup": ""}
+                "step": "" if pd.isna(r.step) else str(int(r.step)), "speedup": "",
+                "noise": K.best_verdict(data.comparisons, data.frame, r.prompt_set, r.checkpoint)}
         if data.speedups is not None and len(data.speedups):
             s = data.speedups[(data.speedups["prompt_set"] == r.prompt_set)].dropna(subset=["speedup"])
             if len(s):

@@ -245,10 +245,16 @@ def display_tables(cmp: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return out
 
 
-def best_verdicts(cmp: pd.DataFrame) -> dict[tuple, str]:
-    """``{(prompt set, sampling, draft): "<best>: <verdict>"}`` of :func:`compare_frame`'s table."""
-    b = cmp[cmp["checkpoint"] == cmp["best"]]
-    return {tuple(k): f"{c}: {v}" for k, c, v in zip(b[KIND].itertuples(index=False), b["checkpoint"], b["verdict"])}
+def best_verdict(cmp: pd.DataFrame | None, frame: pd.DataFrame, prompt_set: str, checkpoint: str) -> str:
+    """The verdict of ``checkpoint`` as the best of ``prompt_set`` at the set's first row kind in ``frame`` (the
+    report's per-set rows, :func:`~dflash_eval.report.tau_table.primary_rows`), e.g. ``"tied with step200"``; ``""``
+    when ``cmp`` (:func:`compare_frame`) has no such row or names another best."""
+    if cmp is None or cmp.empty:
+        return ""
+    first = frame[frame["prompt_set"] == prompt_set].iloc[0]
+    hit = cmp[(cmp["prompt_set"] == prompt_set) & (cmp["sampling"] == first["sampling"])
+              & (cmp["draft"] == first["draft"]) & (cmp["checkpoint"] == checkpoint) & (cmp["best"] == checkpoint)]
+    return "" if hit.empty else str(hit["verdict"].iloc[0])
 
 
 def section(cmp: pd.DataFrame | None, md_table, styled) -> tuple[str, str] | None:

@@ -143,4 +143,5 @@ def test_expected_rows_pair_their_expectations_and_the_summary_and_report_show_t
     md = (tmp_path / "report.md").read_text()
     assert "## Checkpoints within noise" in md and "### humaneval @ T1" in md
     assert "| b | 1.938 | +0.500 [+0.500, +0.500] |  | ahead beyond noise |" in md
-    assert 'id="noise"' in (tmp_path / "report.html").read_text()
+    html = (tmp_path / "report.html").read_text()
+    assert 'id="noise"' in html and '(<a href="#noise">tied with b</a>)' in html  # the best list carries it
