@@ -189,8 +189,9 @@ def compare_frame(frame: pd.DataFrame, values: pd.DataFrame, resamples: int = RE
             db, lb, hb, nb = interval(c, best) if c != best else (math.nan, math.nan, math.nan, 0)
             rows.append({**dict(zip(KIND, kind)), "checkpoint": c, "step": r.step, "n_samples": r.n_samples,
                          "tau": r.tau, "tau_se": r.tau_se, "previous": prev,
-                         "n_paired_prev": np_ if prev else pd.NA, "diff_prev": dp, "lo_prev": lp, "hi_prev": hp, "best": best, "n_paired_best": nb if c != best else pd.NA,
-                         "diff_best": db, "lo_best": lb, "hi_best": hb})
+                         "n_paired_prev": np_ if prev else pd.NA, "diff_prev": dp, "lo_prev": lp, "hi_prev": hp,
+                         "best": best, "n_paired_best": nb if c != best else pd.NA, "diff_best": db, "lo_best": lb,
+                         "hi_best": hb})
     out = pd.DataFrame(rows, columns=COLUMNS)
     out["verdict"] = _verdicts(out)
     return out.astype({"step": "Int64", "n_paired_prev": "Int64", "n_paired_best": "Int64"})
