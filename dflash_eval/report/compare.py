@@ -273,5 +273,6 @@ def section(cmp: pd.DataFrame | None, md_table, styled) -> tuple[str, str] | Non
     html = ["<p>" + re.sub(r"\*([^*]+)\*", r"<i>\1</i>", html_lib.escape(NOTE, quote=False)) + "</p>"]
     for i, (title, t) in enumerate(tables.items()):
         md += [f"### {title}", "", md_table(t, 3), ""]
-        html += [f"<h3>{html_lib.escape(title)}</h3>", f'<div class="scroll">{styled(t, 3, f"noise-{i}").to_html()}</div>']
+        html += [f"<h3>{html_lib.escape(title)}</h3>",
+                 f'<div class="scroll">{styled(t, 3, f"noise-{i}").to_html()}</div>']
     return "\n".join(md), "\n".join(html)

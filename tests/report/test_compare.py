@@ -74,7 +74,8 @@ def test_pairing_separates_what_the_unpaired_standard_errors_cannot(tmp_path):
 
 def test_verdicts_name_the_ties_and_runs_keep_their_own_previous():
     """Three DFlash 1 checkpoints and one DFlash 2 one on 3 prompts (values by hand): c is best; a is behind on
-    every prompt by 1..2 (ahead of it beyond noise); b differs by -0.5 / +0.5 / -0.5 (tied); d (another run) ties too."""
+    every prompt by 1..2 (c ahead of it beyond noise); b differs by -0.5 / +0.5 / -0.5 (tied); d (another run) ties
+    too."""
     frame = pd.DataFrame({"checkpoint": ["a", "b", "c", "d"], "step": [1, 2, 3, 1], "prompt_set": "s",
                           "sampling": "T0", "draft": "reference", "n_samples": 3,
                           "variant": ["dflash", "dflash", "dflash", "dflash2"]})
