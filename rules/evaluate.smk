@@ -50,6 +50,7 @@ rule summary:
         ),
         parquet="results/{run}/tau.parquet",
         provenance="results/{run}/tau.provenance.json",
+        compare="results/{run}/tau_compare.csv",
     log:
         "logs/summary/{run}.log",
     localrule: True
@@ -63,7 +64,7 @@ rule summary:
     shell:
         "python -m dflash_eval summary --evals {input.evals:q} {params.args} --expected-settings {params.expected:q}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} --out-provenance {output.provenance:q}"
-        " > {log:q} 2>&1"
+        " --out-compare {output.compare:q} > {log:q} 2>&1"
 
 
 rule report:

@@ -58,6 +58,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from dflash_eval import __version__
 from dflash_eval.core.io import read_json_object
 from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
+from dflash_eval.report import compare as K
 from dflash_eval.report import context as C
 from dflash_eval.report.agreement import agreement_frame
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
@@ -104,6 +105,7 @@ class ReportData:
     provenance: dict | None = None  #: tau.provenance.json: the dflash-eval commit and the settings
     prompt_lengths: list = field(default_factory=list)  #: [(bin label, tau_prompt column)] with data
     table: pd.DataFrame | None = None  #: tau.csv's rows and columns (every sampling setting, speedup columns)
+    comparisons: pd.DataFrame | None = None  #: paired checkpoint comparisons (:func:`dflash_eval.report.compare.compare_frame`)
 
     @property
     def checkpoints(self) -> list[str]:
@@ -180,6 +182,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
+    data.comparisons = K.comparisons(evals, every)  # every row kind: paired bootstrap intervals
     if prompts_meta:
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
         data.extra.append(prompt_sets_section(metas))
@@ -355,6 +358,8 @@ def render_markdown(data: ReportData) -> str:
     best = best_checkpoints(data)
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
+    noise = K.section(data.comparisons, _md_table, _styled)
+    parts += ["## Checkpoints within noise", "", noise[0], ""] if noise else []
 
     cmp = variant_comparison(f)
     if cmp is not None:
@@ -506,7 +511,8 @@ def _best_lines(data: ReportData) -> list[dict]:
     lines = []
     for r in best_checkpoints(data).itertuples():
         line = {"prompt_set": r.prompt_set, "checkpoint": r.checkpoint, "tau": f"{r.tau:.4f}",
-                "step": "" if pd.isna(r.step) else str(int(r.step)), "speedup": ""}
+                "step": "" if pd.isna(r.step) else str(int(r.step)), "speedup": "",
+                "noise": K.best_verdict(data.comparisons, data.frame, r.prompt_set, r.checkpoint)}
         if data.speedups is not None and len(data.speedups):
             s = data.speedups[(data.speedups["prompt_set"] == r.prompt_set)].dropna(subset=["speedup"])
             if len(s):
@@ -555,4 +561,5 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         sampled_note=sampled_sets_note(f), regime_notes=C.regime_notes_html(f, _inline_html),
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
-        comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)
+        comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE,
+        noise=(K.section(data.comparisons, _md_table, _styled) or (None, None))[1])

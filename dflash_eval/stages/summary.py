@@ -1,5 +1,8 @@
 """Stage ``summary`` (rule ``summary``): every evaluate output of the run -> ``tau.csv`` and ``tau.parquet``.
 
+With ``--out-compare`` it also writes ``tau_compare.csv``: every checkpoint against the previous one of its run and
+the best of its set, paired over the same prompts, with 95 % bootstrap intervals (:mod:`dflash_eval.report.compare`).
+
 The table's columns and their definitions: :mod:`dflash_eval.report.tau_table`. With the run's
 ``target_costs.json`` (``--costs``; the rule passes it when ``target_costs.enabled``) the table also
 carries the report's speedup estimate per row and whether it is reliable
@@ -21,6 +24,7 @@ import pandas as pd
 from dflash_eval.core.errors import atomic_path
 from dflash_eval.core.io import sha256_file
 from dflash_eval.data.provenance import block, check_settings, write_json
+from dflash_eval.report.compare import comparisons
 from dflash_eval.report.tau_table import summary_frame, table_csv, with_speedups, write_parquet
 from dflash_eval.target.costs import read_costs
 
@@ -33,6 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out-parquet", required=True, help="tau.parquet")
     p.add_argument("--out-provenance", default=None,
                    help="tau.provenance.json: the provenance block of the two tables (also in tau.parquet's metadata)")
+    p.add_argument("--out-compare", default=None,
+                   help="tau_compare.csv: paired bootstrap intervals between checkpoints (dflash_eval.report.compare)")
     p.add_argument("--costs", default=None,
                    help="target_costs.json: fills the speedup_* and estimate_reliable columns (empty without it)")
     p.add_argument("--expected-settings", default=None, metavar="JSON",
@@ -44,11 +50,11 @@ def add_arguments(p) -> None:
 def main(args, opts) -> None:
     expected = json.loads(args.expected_settings) if args.expected_settings else None
     write_summary(args.evals, args.out_csv, args.out_parquet, costs=args.costs, expected=expected,
-                  out_provenance=args.out_provenance)
+                  out_provenance=args.out_provenance, out_compare=args.out_compare)
 
 
 def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: dict | None = None,
-                  out_provenance=None) -> pd.DataFrame:
+                  out_provenance=None, out_compare=None) -> pd.DataFrame:
     """Write ``tau.csv``, ``tau.parquet`` and (``out_provenance``) ``tau.provenance.json`` atomically; returns the frame.
 
     Args:
@@ -59,6 +65,8 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         expected: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
             the provenance block of every evaluate output and of ``costs``; None: not compared.
         out_provenance: where to write the tables' provenance block (also stored in the parquet's metadata).
+        out_compare: where to write ``tau_compare.csv`` (:func:`dflash_eval.report.compare.comparisons`); None: not
+            written.
 
     Raises:
         InputError: an unreadable evaluate output (:func:`dflash_eval.report.tau_table.summary_frame`) or target costs
@@ -79,6 +87,9 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         write_parquet(df, tmp, prov)
     if out_provenance:
         write_json(out_provenance, prov)
+    if out_compare:
+        with atomic_path(out_compare) as tmp:
+            tmp.write_text(table_csv(comparisons(evals, df)))
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
     if costs:
         shown += ["speedup_chain", "estimate_reliable"]

@@ -24,7 +24,8 @@ from dflash_eval.core.io import read_json_object
 
 log = logging.getLogger(__name__)
 
-#: tau table columns logged as metrics (by name prefix)
+#: tau table columns logged as metrics (by name prefix): ``tau``, its standard error ``tau_se`` beside it, every other
+#: ``tau_*`` column and ``accept_slot_<k>``
 METRIC_PREFIXES = ("tau", "accept_slot_")
 TB_SUFFIX = ".dflash-eval"
 _TB_NAME = re.compile(r"^events\.out\.tfevents\.(\d+)\.(\d+)" + re.escape(TB_SUFFIX) + "$")

@@ -295,3 +295,23 @@ def test_wandb_ledger_missing_beside_its_runs_is_refused(tmp_path, monkeypatch):
     assert got["logged"] == 0 and "holds no folder of that run: if it was not synced" in got["warning"]
 
 
+
+
+def test_tau_se_is_logged_beside_tau(tmp_path, monkeypatch):
+    """tau_se (the standard error of tau over prompts) gets its own point at the checkpoint's step, beside tau, in
+    every setting's scope; read back from TensorBoard and from the MLflow file store."""
+    df = pd.DataFrame([("ck-a", 100, "humaneval", "T0", 1.5, 0.25), ("ck-a", 100, "humaneval", "T1", 1.25, 0.125),
+                       ("ck-b", 200, "humaneval", "T0", 2.0, 0.375), ("ck-b", 200, "humaneval", "T1", 1.75, math.nan)],
+                      columns=["checkpoint", "step", "prompt_set", "sampling", "tau", "tau_se"])
+    df["step"] = df["step"].astype("Int64")
+    want = {"dflash_eval/humaneval/tau": [(100, 1.5), (200, 2.0)],
+            "dflash_eval/humaneval/tau_se": [(100, 0.25), (200, 0.375)],
+            "dflash_eval/humaneval/T1/tau": [(100, 1.25), (200, 1.75)],
+            "dflash_eval/humaneval/T1/tau_se": [(100, 0.125)]}  # an empty SE (one response) is not logged
+    assert as_points(table_points(df)) == want
+    write_tensorboard(table_points(df), tmp_path / "tb")
+    assert tensorboard_scalars(tmp_path / "tb") == want
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    out = log_table(df, {"mlflow": {"enabled": True}}, "demo")["mlflow"]
+    assert mlflow_points(out["tracking_uri"], out["run_id"]) == want
