@@ -26,6 +26,8 @@ Contents, each adapting to what the data has:
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device; with costs timed
   at 2+ contexts, the break-even tau and the speedup per prompt-length bin against context (:mod:`dflash_eval.report.speed`);
+* tau without the samples whose completion loops beside tau in the headline table, and a note per prompt set
+  (:mod:`dflash_eval.report.loops`, the loop columns of ``tau.csv``);
 * acceptance-length histograms per checkpoint and prompt set;
 * tau against context: per prompt set with responses in 2 or more prompt-length bins, tau per bin with +-1.96 SE
   and the bins past the drafter's trained length marked (:mod:`dflash_eval.report.context`); the tau table notes
@@ -564,7 +566,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
-        sampled_note=sampled_sets_note(f), loop_notes=loop_notes(f, _summary_settings(data)), regime_notes=C.regime_notes_html(f, _inline_html),
+        sampled_note=sampled_sets_note(f), loop_notes=[_inline_html(n) for n in loop_notes(f, _summary_settings(data))], regime_notes=C.regime_notes_html(f, _inline_html),
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

@@ -145,9 +145,10 @@ def loop_notes(frame: pd.DataFrame, settings: dict | None = None) -> list[str]:
         r = sub.sort_values(["tau", "step"], ascending=[False, True], na_position="last").iloc[0]
         n = int(r["n_samples"]) + int(r["n_skipped"]) if "n_skipped" in r else int(r["n_samples"])
         line = f"{ps}: {int(r['n_loop'])} of {n} samples loop"
-        if r["n_loop"] > 0:
-            without = "n/a (every sample loops)" if pd.isna(r["tau_noloop"]) else f"{r['tau_noloop']:.3f} without"
-            line += f"; at `{r['checkpoint']}` tau {r['tau']:.3f} with them, {without}"
+        if r["n_loop"] > 0 and pd.isna(r["tau_noloop"]):
+            line += f" (every one: no tau without them); at `{r['checkpoint']}` tau {r['tau']:.3f}"
+        elif r["n_loop"] > 0:
+            line += f"; at `{r['checkpoint']}` tau {r['tau']:.3f} with them, {r['tau_noloop']:.3f} without"
         notes.append(line + ".")
     return notes
 
