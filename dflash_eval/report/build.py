@@ -351,9 +351,10 @@ def render_markdown(data: ReportData) -> str:
     if f["random_init"].any():
         parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
                   "pipeline runs. It is not a measurement of a drafter.", ""]
+    loops = has_loops(f)  # then each set's tau without the looping samples beside its tau
     piv = f.assign(step=f["step"].astype("string").fillna("")).pivot_table(
-        index=["checkpoint", "step"], columns="prompt_set", values=["tau", "tau_noloop"] if has_loops(f) else "tau").reset_index()
-    piv = side_by_side(piv) if has_loops(f) else piv
+        index=["checkpoint", "step"], columns="prompt_set", values=["tau", "tau_noloop"] if loops else "tau").reset_index()
+    piv = side_by_side(piv) if loops else piv
     piv = piv.set_index("checkpoint").reindex(data.checkpoints).reset_index()
     parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(piv), ""]
     note = sampled_sets_note(f)
@@ -566,7 +567,8 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         agreement=_styled(data.agreement, 4, "agreement").to_html() if len(data.agreement) else None,
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
-        sampled_note=sampled_sets_note(f), loop_notes=[_inline_html(n) for n in loop_notes(f, _summary_settings(data))], regime_notes=C.regime_notes_html(f, _inline_html),
+        sampled_note=sampled_sets_note(f), regime_notes=C.regime_notes_html(f, _inline_html),
+        loop_notes=[_inline_html(n) for n in loop_notes(f, _summary_settings(data))],
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE)

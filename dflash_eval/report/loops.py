@@ -18,7 +18,6 @@ takes these columns from ``tau.csv``: :func:`with_loop_columns`), never ``evalua
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +27,6 @@ import pandas as pd
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.repetition import read_repetition
-
-log = logging.getLogger(__name__)
 
 #: the tau table's loop columns (module docstring), after its other per-row statistics
 LOOP_COLUMNS = ["n_loop", "tau_noloop", "tau_noloop_se"]
