@@ -41,6 +41,7 @@ rule evaluate:
 rule summary:
     input:
         evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        completions=lambda wildcards: PLAN.completions(wildcards.run),  # the loop columns (config section loops)
         costs=PLAN.target_costs_outputs(),
     output:
         csv=report(
@@ -61,8 +62,10 @@ rule summary:
     params:
         args=lambda wildcards, input: PLAN.summary_args(input.get("costs", [])),
         expected=PLAN.expected_settings(),
+        options=PLAN.stage_flags("summary"),
     shell:
-        "python -m dflash_eval summary --evals {input.evals:q} {params.args} --expected-settings {params.expected:q}"
+        "python -m dflash_eval summary --evals {input.evals:q} --completions {input.completions:q} {params.options}"
+        " {params.args} --expected-settings {params.expected:q}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} --out-provenance {output.provenance:q}"
         " --out-compare {output.compare:q} > {log:q} 2>&1"
 

@@ -51,6 +51,7 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "validate_engine": ("validate_engine",),
     "target_costs": ("target_costs", "target.linear_attn_backend", "target.devices", "target.max_memory"),
     "trackers": ("trackers",),
+    "summary": ("loops",),
 }
 
 #: JSON ``{stage: {option path joined by ".": value}}`` of the ``x-rerun: false`` options (:func:`runtime_env`)

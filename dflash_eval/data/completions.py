@@ -2,7 +2,9 @@
 
 JSONL, one row per prompt in the prompts file's order: ``id``, ``prompt_ids``, ``completion_ids`` (the
 target's ids up to and including the first stop id: the cache and the replay condition on exactly
-these), ``text``, ``stop_reason``, ``max_new_tokens``, ``generation`` (provenance). Written by
+these), ``text``, ``stop_reason``, ``max_new_tokens``, ``generation`` (provenance), ``repeated_8gram_fraction`` (how much
+the completion repeats itself: :mod:`dflash_eval.data.repetition`; absent in files written before it, whose readers
+compute it from the ids). Written by
 :mod:`dflash_eval.stages.completions`, resumable through a ``.<out name>.partial`` sidecar.
 
 Row format and resume: docs/outputs.md, "The completions file".

@@ -26,6 +26,8 @@ Contents, each adapting to what the data has:
   and method, the best method per checkpoint, from costs measured on the run's own device
   (:mod:`dflash_eval.target.costs`), labelled as an estimate with that device; with costs timed
   at 2+ contexts, the break-even tau and the speedup per prompt-length bin against context (:mod:`dflash_eval.report.speed`);
+* tau without the samples whose completion loops beside tau in the headline table, and a note per prompt set
+  (:mod:`dflash_eval.report.loops`, the loop columns of ``tau.csv``);
 * acceptance-length histograms per checkpoint and prompt set;
 * tau against context: per prompt set with responses in 2 or more prompt-length bins, tau per bin with +-1.96 SE
   and the bins past the drafter's trained length marked (:mod:`dflash_eval.report.context`); the tau table notes
@@ -61,11 +63,12 @@ from dflash_eval.data.provenance import read_prompt_meta, skip_table_rows
 from dflash_eval.report import compare as K
 from dflash_eval.report import context as C
 from dflash_eval.report.agreement import agreement_frame
+from dflash_eval.report.loops import NOLOOP_HEADER, has_loops, loop_notes, side_by_side, with_loop_columns
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
                                        costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
                                        selector_slot_text, selector_table, slot_text, variant_comparison,
                                        without_slot_columns)
-from dflash_eval.report.tau_table import (checkpoint_order, method_columns, primary_histogram, primary_rows,
+from dflash_eval.report.tau_table import (TABLE_KEY, checkpoint_order, method_columns, primary_histogram, primary_rows,
                                           sampled_sets_note, speedup_frame, summary_frame, with_speedups)
 from dflash_eval.report.speed import context_figures, context_html, context_markdown, speedup_pivot
 from dflash_eval.report.speed import costs_warning as _costs_mismatch
@@ -150,7 +153,7 @@ def slot_curves(frame: pd.DataFrame) -> dict:
 
 def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra: list[str] | None = None,
                      config_sha256: str | None = None, run: str | None = None,
-                     prompts_meta: list[str] | None = None, provenance=None) -> ReportData:
+                     prompts_meta: list[str] | None = None, provenance=None, summary=None) -> ReportData:
     """Collect the report's data from the run's files.
 
     Args:
@@ -163,10 +166,11 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         prompts_meta: ``<set>.meta.json`` files of the prompts stage (:func:`dflash_eval.data.provenance.read_prompt_meta`),
             shown as one section with the skip counts per reason.
         provenance: ``tau.provenance.json`` (summary's block): the commit and the settings under provenance.
+        summary: ``tau.csv`` / ``tau.parquet``: the loop columns (:func:`dflash_eval.report.loops.with_loop_columns`).
 
     Raises:
         InputError: unreadable inputs."""
-    every = summary_frame(evals)
+    every = with_loop_columns(summary_frame(evals), summary, TABLE_KEY)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists, drafter_notes = {}, {}
     for p in evals:
@@ -245,6 +249,9 @@ def tau_pivot(data: ReportData, col: str = "tau") -> pd.DataFrame:
     for ps in data.prompt_sets:
         v = piv[ps].to_numpy(dtype=float) if ps in piv else [math.nan] * len(order)
         out[(ps, "tau")] = v
+        if has_loops(f):  # tau over the samples that do not loop, beside tau
+            noloop = f[f["prompt_set"] == ps].set_index("checkpoint")["tau_noloop"]
+            out[(ps, NOLOOP_HEADER)] = noloop.reindex(order).to_numpy(dtype=float)
         out[(ps, "Δ prev")] = pd.Series(v).groupby(runs).diff().to_numpy()
     if f["random_init"].any():
         out[("random_init", "")] = first["random_init"].to_numpy()
@@ -347,14 +354,17 @@ def render_markdown(data: ReportData) -> str:
     if f["random_init"].any():
         parts += ["> **Random-init drafters** (marked `random_init`) are untrained: their tau only shows that the "
                   "pipeline runs. It is not a measurement of a drafter.", ""]
+    loops = has_loops(f)  # then each set's tau without the looping samples beside its tau
     piv = f.assign(step=f["step"].astype("string").fillna("")).pivot_table(
-        index=["checkpoint", "step"], columns="prompt_set", values="tau").reset_index()
+        index=["checkpoint", "step"], columns="prompt_set", values=["tau", "tau_noloop"] if loops else "tau").reset_index()
+    piv = side_by_side(piv) if loops else piv
     piv = piv.set_index("checkpoint").reindex(data.checkpoints).reset_index()
     parts += ["## Acceptance length tau (per verify step, bonus token included)", "", _md_table(piv), ""]
     note = sampled_sets_note(f)
     if note:
         parts += [note, ""]
     parts += [f"> Mixed regimes: {n}\n" for n in C.regime_notes(f)]  # tau against context
+    parts += [f"{n}\n" for n in loop_notes(f, _summary_settings(data))]
     best = best_checkpoints(data)
     parts += ["Best checkpoint per prompt set: " + "; ".join(
         f"{r.prompt_set}: `{r.checkpoint}` (tau {r.tau:.3f})" for r in best.itertuples()), ""]
@@ -522,6 +532,11 @@ def _best_lines(data: ReportData) -> list[dict]:
     return lines
 
 
+def _summary_settings(data: ReportData) -> dict | None:
+    """The ``summary`` settings (``loops``) recorded in ``tau.provenance.json``, or None."""
+    return (((data.provenance or {}).get("settings") or {}).get("summary") or {}).get("run")
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
@@ -559,6 +574,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         provenance=_styled(provenance(data).reset_index(names="field"), 4, "provenance").to_html(),
         extra=[(title, html or markdown_html(md)) for title, md, html in data.extra], full_table=full, citations=CITATIONS, selector_note=SELECTOR_NOTE,
         sampled_note=sampled_sets_note(f), regime_notes=C.regime_notes_html(f, _inline_html),
+        loop_notes=[_inline_html(n) for n in loop_notes(f, _summary_settings(data))],
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE,

@@ -23,6 +23,7 @@ from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object
 from dflash_eval.core.schema import sampling_label
 from dflash_eval.data.provenance import check_settings
+from dflash_eval.report.loops import LOOP_COLUMNS, Loops, loop_columns
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 from dflash_eval.target.cost_stats import assess
 from dflash_eval.target.costs import ddtree_budgets, speedup
@@ -47,7 +48,7 @@ COLUMNS = ["checkpoint", "step", "prompt_set", "sampling", "draft", "temperature
            "block_size", "n_skipped", "verify_steps", "committed_tokens", "random_init", "device", "dtype",
            "agreement_min", "agreement_mean", "tau_sglang"] + [f"tau_pos_{label.replace('-', '_')}" for label in position_bin_labels()] \
     + [f"{kind}_prompt_{label.replace('-', '_')}" for kind in ("tau", "n", "se") for label in position_bin_labels(PROMPT_BINS)] \
-    + ["tau_se", "trained_max_len", "n_beyond_trained"]
+    + ["tau_se", "trained_max_len", "n_beyond_trained"] + LOOP_COLUMNS
 
 
 def slot_columns(max_block_size: int) -> list[str]:
@@ -152,7 +153,7 @@ def read_eval(path) -> dict:
     return r
 
 
-def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFrame:
+def summary_frame(evals: list[str], expected: dict | None = None, loops: Loops | None = None) -> pd.DataFrame:
     """Rows of the tau table from evaluate outputs (see module docstring).
 
     Every aggregate is recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the
@@ -161,10 +162,13 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
 
     ``expected``: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
     each output's provenance block (:func:`dflash_eval.data.provenance.check_settings`); None: not compared.
+    ``loops``: the run's repetition measures and threshold (:func:`dflash_eval.report.loops.read_loops`), which fill
+    the loop columns (:mod:`dflash_eval.report.loops`); None or a set it lacks: left empty.
 
     Raises:
         InputError: an evaluate output is missing or malformed (:func:`read_eval`), made with other settings than
-            ``expected`` gives, or two outputs are for the same (checkpoint, prompt set).
+            ``expected`` gives, two outputs are for the same (checkpoint, prompt set), or a sample is missing from
+            the completions ``loops`` holds for its set (:meth:`dflash_eval.report.loops.Loops.flags`).
     """
     rows, budgets = [], set()
     dflash2 = False
@@ -185,6 +189,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
         beyond = sum(n >= trained for n, s in zip(lens, r["samples"]) if s["acceptance_lengths"]) \
             if trained and lens else None
         greedy = aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"], lens)
+        looping = loops.flags(r, path) if loops is not None else None
         agree = agreement([s.get("argmax_agreement") for s in r["samples"]])
         drawn = r.get("completion_sampling") or {"temperature": 0.0}
         trajectory = sampling_label(drawn)
@@ -201,7 +206,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                            for pol in st.get("draft") or [REFERENCE_POLICY]]:
             key = policy_label(st["label"], policy)
             if float(st["temperature"]) == 0:
-                stats = greedy
+                stats, agg, per_sample = greedy, aggregate, [s["acceptance_lengths"] for s in r["samples"]]
             else:
                 exp = (r.get("expected") or {}).get(key)
                 if exp is None or len(exp.get("samples", [])) != len(r["samples"]):
@@ -209,7 +214,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                                      "re-run its evaluate job (snakemake -R evaluate)")
                 # the fields of dflash_eval.replay.expected.ResponseExpectation.as_dict (read without torch)
                 resp = [SimpleNamespace(**x) if x is not None else None for x in exp["samples"]]
-                stats = aggregate_expected(resp, r["block_size"], lens)
+                stats, agg, per_sample = aggregate_expected(resp, r["block_size"], lens), aggregate_expected, resp
             rows.append({
                 "checkpoint": r["checkpoint"],
                 "step": r.get("step"),
@@ -236,6 +241,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
                 "random_init": r.get("random_init", False),
                 "trained_max_len": trained,
                 "n_beyond_trained": beyond,
+                **loop_columns(agg, per_sample, r["block_size"], lens, looping),
                 "device": r.get("device"),
                 "dtype": r.get("dtype"),
                 "agreement_min": agree.min,
@@ -252,7 +258,7 @@ def summary_frame(evals: list[str], expected: dict | None = None) -> pd.DataFram
     extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
                       + extra)
-    df = df.astype({"step": "Int64", "trained_max_len": "Int64", "n_beyond_trained": "Int64"})
+    df = df.astype({"step": "Int64", "trained_max_len": "Int64", "n_beyond_trained": "Int64", "n_loop": "Int64"})
     df["setting_order"] = df.groupby(["checkpoint", "prompt_set"]).cumcount()
     df = df.sort_values(["prompt_set", "step", "checkpoint", "setting_order"], na_position="last", kind="stable")
     return df.drop(columns="setting_order").reset_index(drop=True)

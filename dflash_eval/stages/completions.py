@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dflash_eval.core import options as options_mod
 from dflash_eval.data.completions import STOP_EOS, PartialCompletions
+from dflash_eval.data.repetition import STORED_NGRAM, field_name, repeated_ngram_fraction
 from dflash_eval.target.context_limit import check_context_limit
 from dflash_eval.core.errors import InputError
 from dflash_eval.serving.generation import ServerSource, end_of_turn_ids, open_source, stop_token_ids
@@ -142,7 +143,8 @@ def generate_completions(target_dir: str | Path, prompts_path: str | Path, out: 
                     r = rows[i]
                     row = {"id": r["id"], "prompt_ids": r["prompt_ids"], "completion_ids": ids,
                            "text": tok.decode(ids, skip_special_tokens=False), "stop_reason": stop,
-                           "max_new_tokens": max_new_tokens, "generation": provenance, **extra}
+                           "max_new_tokens": max_new_tokens, "generation": provenance,
+                           field_name(STORED_NGRAM): repeated_ngram_fraction(ids, STORED_NGRAM), **extra}
                     line = json.dumps(row, ensure_ascii=False)
                     done[str(r["id"])] = line
                     lines.append(line)

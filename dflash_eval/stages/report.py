@@ -52,7 +52,7 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
     folder = Path(out).resolve().parent
     run = folder.name if folder.parent.name == "results" else None
     data = load_report_data(evals, caches, costs=costs, extra=extra, config_sha256=config_sha256, run=run,
-                            prompts_meta=prompts_meta, provenance=provenance)
+                            prompts_meta=prompts_meta, provenance=provenance, summary=summary_csv)
     with atomic_path(out) as tmp:
         tmp.write_text(render_markdown(data))
     if out_html or figures_dir:

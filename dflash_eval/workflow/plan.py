@@ -158,6 +158,10 @@ class Plan:
         return [os.path.join("results", run or self.run, "eval", c, f"{p}.json")
                 for c in self.checkpoints for p in self.prompt_sets if c in self.set_checkpoints(p)]
 
+    def completions(self, run: str | None = None) -> list[str]:
+        """Every configured prompt set's completions file (rule summary's loop columns)."""
+        return [os.path.join("results", run or self.run, "completions", f"{p}.jsonl") for p in self.prompt_sets]
+
     def prompt_metas(self, run: str | None = None) -> list[str]:
         """The prompts stage's ``<set>.meta.json`` (skip counts) of every configured prompt set."""
         return [os.path.join("results", run or self.run, "prompts", f"{p}.meta.json") for p in self.prompt_sets]

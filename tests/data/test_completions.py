@@ -12,6 +12,7 @@ from dflash_eval.serving.generation import SOURCES, TransformersSource, cut_at_e
 from dflash_eval.stages.completions import generate_completions
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.prompts import build_prompt_set, write_prompts
+from dflash_eval.data.repetition import repeated_ngram_fraction
 from dflash_eval.target.model import load_target
 from tiny import make_tiny_target
 
@@ -66,7 +67,8 @@ def test_matches_reference_loop_batched_and_single(setup):
         assert [g["id"] for g in got] == [r["id"] for r in rows]  # prompts' order, not length order
         for k, (g, r) in enumerate(zip(got, rows)):
             assert set(g) == {"id", "prompt_ids", "completion_ids", "text", "stop_reason", "max_new_tokens",
-                              "generation"}
+                              "generation", "repeated_8gram_fraction"}
+            assert g["repeated_8gram_fraction"] == repeated_ngram_fraction(g["completion_ids"], 8)
             assert g["generation"]["source"] == "transformers" and g["generation"]["stop_ids"] == [2]
             assert g["generation"]["dtype"] == "float32" and g["generation"]["device"] == "cpu"
             assert g["prompt_ids"] == r["prompt_ids"]

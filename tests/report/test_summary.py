@@ -89,7 +89,8 @@ def test_standard_errors_and_trained_length_columns(tmp_path):
     csv = pd.read_csv(tmp_path / "t.csv")
     assert csv.loc[0, "tau_se"] == 0.5774 and csv.loc[0, "se_prompt_256_512"] == 0.5
     i = list(df.columns).index("se_prompt_32768_inf")  # after the prompt-length bins, before the slot columns
-    assert list(df.columns[i + 1:i + 5]) == ["tau_se", "trained_max_len", "n_beyond_trained", "accept_slot_1"]
+    assert list(df.columns[i + 1:i + 8]) == ["tau_se", "trained_max_len", "n_beyond_trained", "n_loop", "tau_noloop",
+                                             "tau_noloop_se", "accept_slot_1"]
     old = write_summary([_eval(tmp_path, "s2", "x", 2, [[2]])], tmp_path / "u.csv", tmp_path / "u.parquet").iloc[0]
     assert pd.isna(old["trained_max_len"]) and pd.isna(old["n_beyond_trained"]) and pd.isna(old["tau_se"])
 
@@ -137,7 +138,9 @@ def test_summary_refuses_outputs_of_other_settings_naming_the_fix(tmp_path):
     write_summary([new], tmp_path / "tau.csv", tmp_path / "tau.parquet", expected=expected,
                   out_provenance=tmp_path / "tau.provenance.json")
     prov = json.loads((tmp_path / "tau.provenance.json").read_text())
-    assert prov["settings"] == expected and prov["stage"] == "summary" and list(prov["inputs_sha256"]) == [new]
+    # with summary's own settings (config section loops, the schema's defaults here)
+    assert prov["settings"] == {**expected, "summary": {"run": {"ngram": 8, "threshold": 0.3}}}
+    assert prov["stage"] == "summary" and list(prov["inputs_sha256"]) == [new]
     assert set(prov["dflash_eval"]) == {"version", "commit", "dirty"} and "python" in prov["packages"]
     meta = pq.read_table(tmp_path / "tau.parquet").schema.metadata[PARQUET_PROVENANCE]
     assert json.loads(meta) == prov

@@ -182,6 +182,10 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072")
         if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
             assert args.costs == "results/demo/target_costs.json"
+            # the loop columns: every prompt set's completions, config section loops (defaults)
+            assert args.completions == [f"results/demo/completions/{p}.jsonl"
+                                        for p in ("humaneval", "long-chat", "sharegpt", "sharegpt-t1")]
+            assert (args.ngram, args.threshold) == (8, 0.3)
         if args.cmd == "demo-checkpoint":
             entry = DEMO_ENTRIES[Path(args.out).stem]
             assert args.step == entry["step"]
@@ -753,6 +757,21 @@ def _copy_run(tiny_run, dst: Path) -> Path:
 def _overlay(wd: Path, text: str) -> list[str]:
     (wd / "overlay.yaml").write_text(text)
     return ["--configfile", "config/config.yaml", "overlay.yaml"]
+
+
+@pytest.mark.slow
+def test_a_new_loops_threshold_reruns_only_summary_and_report(tiny_run, tmp_path):
+    """loops.* are summary's options: a new threshold reruns summary and report, never evaluate or the target stages,
+    and the table's loop columns follow it (threshold 1: no sample loops, tau_noloop = tau)."""
+    import pandas as pd
+
+    wd = _copy_run(tiny_run, tmp_path / "wf")
+    args = _overlay(wd, "loops: {threshold: 1.0}\n")
+    out = smk(wd, "-n", "--workflow-profile", str(CI_PROFILE), *args)
+    assert job_counts(out.stdout + out.stderr) == {"summary": 1, "report": 1, "all": 1}
+    smk(wd, "--workflow-profile", str(CI_PROFILE), *args)
+    csv = pd.read_csv(wd / "results" / "tiny" / "tau.csv")
+    assert csv["n_loop"].eq(0).all() and (csv["tau_noloop"] - csv["tau"]).abs().max() < 1e-4
 
 
 @pytest.mark.slow
