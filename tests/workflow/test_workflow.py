@@ -177,7 +177,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
         if args.cmd == "prompts":
             assert args.n == 16
             if args.source == "conversation":  # long-chat: two prompts per context bin of 2k-4k and 4k-6k tokens
-                assert (args.context_bins, args.per_bin, args.max_prompt_tokens) == ([2048, 4096], 2, 6144)
+                assert (args.context_bins, args.per_bin, args.max_prompt_tokens) == ([2048, 3072], 2, 4096)
         if args.cmd == "evaluate" and Path(args.cache).stem == "long-chat":
             assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072")
         if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
