@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -139,7 +139,9 @@ def judge_logits(target_dir, rows: Sequence[Mapping], needed: Mapping[str, Itera
     needed = {str(k): set(v) for k, v in needed.items() if v}
     if not needed:
         return {}
-    from dflash_eval.target.model import load_target  # deferred: transformers only when a request differs
+    from dflash_eval.target.model import (
+        load_target,  # deferred: transformers only when a request differs
+    )
 
     by_id = {str(r["id"]): r for r in rows}
 
@@ -240,22 +242,24 @@ def headline(checks: Sequence[dict], plain_runs: Sequence[dict]) -> str:
 
 
 def table(checks: Sequence[dict], plain_runs: Sequence[dict], near_tie_ulps: float) -> str:
-    """The per-run table of the token check (markdown), the converted engine tau beside it where a run has one."""
-    lines = [f"Token check against the cached greedy completions: *near-tie* = the first differing token and the "
-             f"cached one both within {near_tie_ulps:g} bf16 ulps of the float32 target's top logit there, *break* = "
-             "further; *engine fault* = breaks with the drafter on a request the plain server does not break "
-             "(docs/serving-engines.md, Lossless under load).", "",
-             "| server | concurrency | equal | near-tie | break | engine fault | tau/step (converted) | output tok/s |",
+    """The per-run table of the token check (markdown), with the drafter's acceptance as vLLM counts it
+    (``acceptance_raw``: 1 + accepted / drafts over every request, wrong ones too) beside it."""
+    lines = [(f"Token check against the cached greedy completions: *near-tie* = the first differing token and the "
+              f"cached one both within {near_tie_ulps:g} bf16 ulps of the float32 target's top logit there, *break* = "
+              "further; *engine fault* = breaks with the drafter on a request the plain server does not break; "
+              "*acceptance*: vLLM's 1 + accepted / drafts over every request of the run (docs/serving-engines.md, "
+              "Lossless under load)."), "",
+             "| server | concurrency | equal | near-tie | break | engine fault | acceptance (vLLM raw) | output tok/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     rows = [("plain", p) for p in plain_runs] + [(c["checkpoint"], r) for c in checks for r in c["runs"]]
     for name, r in rows:
         k = r["counts"]
-        tau = r.get("tau_tokens_per_step")
+        tau = r.get("acceptance_raw")
         tps = r.get("output_tok_per_s")
         fault = r.get("n_faults")
         lines.append(f"| {name} | {r['concurrency']} | {k['equal']} | {k['near-tie']} | {k['break']} | "
                      f"{'n/a' if fault is None else ('**' + str(fault) + '**' if fault else '0')} | "
-                     f"{'n/a' if tau is None or tau != tau else f'{tau:.4f}'} | "
+                     f"{'n/a' if tau is None or math.isnan(tau) else f'{tau:.4f}'} | "
                      f"{'n/a' if tps is None else f'{tps:.1f}'} |")
     return "\n".join(lines)
 
@@ -268,7 +272,7 @@ def token_check(rows: Sequence[Mapping], plain: Sequence[dict], drafters: Sequen
         rows: completions rows (``id``, ``prompt_ids``, ``completion_ids``).
         plain: the plain server's runs, each ``{"concurrency", "requests", ...}`` (other keys are kept, e.g.
             ``output_tok_per_s``).
-        drafters: per checkpoint ``{"checkpoint", "runs": [run as in plain, e.g. with ``tau_tokens_per_step``]}``.
+        drafters: per checkpoint ``{"checkpoint", "runs": [run as in plain, e.g. with ``acceptance_raw``]}``.
         judge: ``{request id: positions} -> {(id, position): (V,) logits}`` (:func:`judge_logits`), called once with
             every first difference of every run.
         near_tie_ulps: :func:`classify`'s bound.

@@ -164,15 +164,16 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     return result
 
 
-def _runs(run: dict, eng, tau=None) -> list[dict]:
-    """A server's token-check runs: the measured one and those of ``extra`` (``tau``: requests -> converted tau)."""
+def _runs(run: dict, eng, drafter: bool) -> list[dict]:
+    """A server's token-check runs: the measured one and those of ``extra``; with the drafter each with
+    ``acceptance_raw``, vLLM's 1 + accepted / drafts over every request's steps (wrong ones too: what a user sees)."""
     out = [{"concurrency": eng.concurrency, "requests": run["requests"],
             "output_tok_per_s": run["timing"]["output_tok_per_s"]}]
     out += [{"concurrency": int(c), "requests": x["requests"], "output_tok_per_s": x["timing"]["output_tok_per_s"]}
             for c, x in (run.get("extra") or {}).items()]
-    for r in out:
-        if tau is not None:
-            r["tau_tokens_per_step"] = tau(r["requests"])
+    for r in out if drafter else ():
+        steps = sum(len(q.per_step_accepted) for q in r["requests"])
+        r["acceptance_raw"] = 1 + sum(sum(q.per_step_accepted) for q in r["requests"]) / steps if steps else math.nan
     return out
 
 
@@ -184,7 +185,7 @@ def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loade
     n_load = int(opts.load_concurrency)
     plain = serve_and_measure(target_dir, rows, max_new, work, work / "plain.vllm.log", eng,
                               more_concurrencies=[n_load])
-    plain_runs, drafter_runs = _runs(plain, eng), []
+    plain_runs, drafter_runs = _runs(plain, eng, False), []
     log.info("plain vLLM: %.1f output tok/s over %d requests (%s)", plain["timing"]["output_tok_per_s"], len(rows),
              plain["device"])
     result.update({"device": plain["device"], "server": plain["server"], "plain": plain["timing"],
@@ -199,8 +200,7 @@ def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loade
         name = ev.get("checkpoint", Path(drafter_dir).name)
         run = serve_and_measure(target_dir, rows, max_new, work, work / f"{name}.vllm.log", eng,
                                 drafter_dir=drafter_dir, block_size=B, more_concurrencies=[1, n_load])
-        drafter_runs.append({"checkpoint": name, "runs": _runs(
-            run, eng, lambda reqs, ev=ev, B=B: compare(rows, ev, reqs, B)["engine"]["tau_tokens_per_step"])})
+        drafter_runs.append({"checkpoint": name, "runs": _runs(run, eng, True)})
         cmp = compare(rows, ev, run["requests"], B)
         e, o = cmp["engine"], cmp["offline"]
         rel = (e["tau_tokens_per_step"] - o["tau_tokens_per_step"]) / o["tau_tokens_per_step"]

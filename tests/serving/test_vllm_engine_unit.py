@@ -178,8 +178,8 @@ def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatc
     tc = r["lossless"]  # every request equal: no target forward, no fault
     assert tc["judged_requests"] == 0 and tc["n_faults"] == 0 and tc["load_concurrency"] == 8
     assert [(p["concurrency"], p["counts"]["equal"]) for p in tc["plain"]] == [(1, 2), (8, 2)]
-    assert [(x["concurrency"], x["counts"]["equal"], x["n_faults"], x["tau_tokens_per_step"])
-            for x in tc["checkpoints"][0]["runs"]] == [(1, 2, 0, 3.0), (8, 2, 0, 3.0)]
+    assert [(x["concurrency"], x["counts"]["equal"], x["n_faults"], x["acceptance_raw"])
+            for x in tc["checkpoints"][0]["runs"]] == [(1, 2, 0, 1 + 14 / 6), (8, 2, 0, 1 + 14 / 6)]  # 14 accepted, 6 steps
     assert r["markdown"].startswith("**Token check**: lossless: every request at concurrency 1, 8")
     (c,) = r["checkpoints"]
     assert c["kinds"]["none"] == 1 and c["kinds"]["stop-counting"] == 1
