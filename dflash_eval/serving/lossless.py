@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from dflash_eval.target.model import load_target
+
 log = logging.getLogger(__name__)
 
 #: per-request classes of the token check, in the order they are shown
@@ -139,10 +141,6 @@ def judge_logits(target_dir, rows: Sequence[Mapping], needed: Mapping[str, Itera
     needed = {str(k): set(v) for k, v in needed.items() if v}
     if not needed:
         return {}
-    from dflash_eval.target.model import (
-        load_target,  # deferred: transformers only when a request differs
-    )
-
     by_id = {str(r["id"]): r for r in rows}
 
     def run(dev):
