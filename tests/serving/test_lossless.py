@@ -188,3 +188,24 @@ def test_stage_reports_a_corrupted_engine(tiny, tmp_path, monkeypatch):
     # the same swap under a bound just below its margin is a break
     assert classify(logits[(ids[1], tie_pos)], C[ids[1]][tie_pos], tie["top2"],
                     near_tie_ulps=tie["margin_ulps"] * 0.99)["class"] == "break"
+
+
+def test_serve_and_measure_reuses_its_server_for_more_concurrencies(tiny, tmp_path):
+    """serve_and_measure on a job-owned server (the stand-in as a fake vLLM entry point, tests/serving/test_serving.py):
+    the measured run at concurrency 1, then the same prompts at 3 on the same server (one start: one log, one
+    ``--port``); concurrency 1 asked again is not run twice. Every response equals the cached completion."""
+    import sys
+
+    from dflash_eval.serving.vllm.engine import EngineOptions, serve_and_measure
+    from test_serving import _fake_vllm
+
+    target, _, rows = tiny
+    log_path = tmp_path / "plain.log"
+    run = serve_and_measure(target, rows, 12, tmp_path, log_path, EngineOptions(python=sys.executable,
+                            env=_fake_vllm(tmp_path), dtype="float32", start_timeout_s=120),
+                            more_concurrencies=[1, 3])
+    assert sorted(run["extra"]) == [3] and run["server"]["concurrency"] == 1
+    for reqs in (run["requests"], run["extra"][3]["requests"]):
+        assert [q.completion_ids for q in reqs] == [r["completion_ids"] for r in rows]
+    assert run["extra"][3]["timing"]["requests"] == len(rows)
+    assert log_path.read_text().count("stand-in vLLM serving") == 1

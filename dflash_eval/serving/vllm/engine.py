@@ -452,7 +452,7 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
                         log_path=log_path, start_timeout_s=opts.start_timeout_s)
     stop = stop_token_ids(target_dir)[0]
     more = sorted({int(c) for c in more_concurrencies} - {int(opts.concurrency)})
-    extra = {}
+    more_runs = {}
     with server, OpenAIClient(server.url, timeout_s=opts.timeout_s, retries=opts.retries,
                               concurrency=max([opts.concurrency, *more])) as client:
         info = client.info()
@@ -466,8 +466,8 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
             after = before = None
         for c in more:
             more_reqs, more_wall = run_requests(client, rows, max_new_tokens, stop, c, sampling, seeds)
-            extra[c] = {"requests": more_reqs, "timing": latency_summary(more_reqs, more_wall)}
-    return {"requests": reqs, "counters": (after - before) if after is not None else None, "extra": extra,
+            more_runs[c] = {"requests": more_reqs, "timing": latency_summary(more_reqs, more_wall)}
+    return {"requests": reqs, "counters": (after - before) if after is not None else None, "extra": more_runs,
             "timing": latency_summary(reqs, wall), "device": device_label(cuda),
             "server": {"engine": "vllm", "version": info.version, "dtype": dt, "max_model_len": mml,
                        "flags": extra + list(opts.args), "cpu_fix": bool(fix and drafter_dir),
