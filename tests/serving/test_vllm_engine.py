@@ -82,7 +82,8 @@ def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path
     assert json.loads((tmp_path / "ve.json").read_text())["markdown"] == r["markdown"]
     # the token check under load, on the same two servers: plain at 1 (measured) and 4, the drafter at 1 and 4
     tc = r["lossless"]
-    print(tc["n_faults"], tc["judged_requests"], [(p["concurrency"], p["counts"]) for p in tc["plain"]],
+    print(tc["n_faults"], tc["judged_requests"], [(p["concurrency"], p["counts"], p["output_tok_per_s"])
+                                                  for p in tc["plain"]],
           [(x["concurrency"], x["counts"], x["acceptance_raw"], x["output_tok_per_s"])
            for x in tc["checkpoints"][0]["runs"]])
     assert [p["concurrency"] for p in tc["plain"]] == [1, 4] and tc["load_concurrency"] == 4
