@@ -15,7 +15,9 @@ It serves a local HF target with greedy HF ``generate`` (batch 1, all-ones atten
 Knobs for fault tests: ``faults`` (a list consumed one per generation request: an HTTP status to answer, or
 ``"drop"`` to close the connection without an answer, or ``None``), ``api_key`` (401 without it),
 ``trim_matched`` (drop the matched stop id from ``output_ids``, which SGLang may do), ``tokenizer_dir``
-(tokenize with another tokenizer), ``ignore_stop`` (generate past stop ids), ``max_model_len``.
+(tokenize with another tokenizer), ``ignore_stop`` (generate past stop ids), ``max_model_len``, ``edit`` (a callable
+``(prompt ids, completion ids) -> completion ids`` applied to each ``/v1/completions`` answer: a corrupted engine;
+it may be replaced between requests).
 
 Run as a fake ``vllm.entrypoints.openai.api_server`` (``--model DIR --port N [--max-model-len N]``),
 it also starts a child process that sleeps, like vLLM's engine core, to test process-group clean-up.
@@ -43,7 +45,7 @@ class _QuietServer(ThreadingHTTPServer):
 class StandIn:
     def __init__(self, target_dir, mode: str = "sglang", openai_ids: bool = True, tokenizer_dir=None, faults=(),
                  api_key: str | None = None, trim_matched: bool = False, ignore_stop: bool = False,
-                 max_model_len: int = 4096, port: int = 0):
+                 max_model_len: int = 4096, port: int = 0, edit=None):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -57,6 +59,7 @@ class StandIn:
         self.faults = list(faults)
         self.api_key, self.trim_matched, self.ignore_stop = api_key, trim_matched, ignore_stop
         self.max_model_len = max_model_len
+        self.edit = edit
         self.n_generate = 0
         self.lock = threading.Lock()
         self.httpd = _QuietServer(("127.0.0.1", port), self._handler())
@@ -180,6 +183,8 @@ class StandIn:
                     if isinstance(prompt, str):
                         prompt = srv.tok(prompt, add_special_tokens=False).input_ids
                     ids, matched = srv.greedy(prompt, int(req.get("max_tokens", 16)), req.get("stop_token_ids") or [])
+                    if srv.edit is not None:
+                        ids = list(srv.edit(list(prompt), list(ids)))
                     choice = {"index": 0, "text": srv.tok.decode(ids, skip_special_tokens=True),
                               "finish_reason": "stop" if matched is not None else "length", "stop_reason": None}
                     if srv.openai_ids and req.get("return_token_ids"):

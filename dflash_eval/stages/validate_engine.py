@@ -11,6 +11,11 @@ the checkpoint's evaluate JSON of the same samples after the stop-token conversi
 (:mod:`dflash_eval.target.costs`) when ``target_costs.json`` is given. Options: config section
 ``validate_engine`` (:mod:`dflash_eval.core.options`).
 
+Greedy tokens under load (:mod:`dflash_eval.serving.lossless`): each server, after its measured run, gets the same
+prompts again at ``load_concurrency`` (the drafter's also at concurrency 1); every request is equal to the cached
+greedy completion, a near-tie or a break (the float32 target's logits at the first difference), and a break with
+the drafter on a request the plain server does not break is an engine fault, shown first in the section.
+
 At temperature > 0 (``validate_engine.sampling``) each checkpoint is served once per draft policy with that
 policy's vLLM ``draft_sample_method`` (:mod:`dflash_eval.replay.policies`), each prompt sent ``seeds`` times; the
 engine's tau (mean +- standard error) is set beside evaluate's expected tau of the same setting and policy and
@@ -33,6 +38,7 @@ from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.replay.policies import applicable_policies, vllm_draft_sample_method
 from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.report.tau_table import policy_label, read_eval
+from dflash_eval.serving import lossless
 from dflash_eval.serving.clients import ServerError, ServerUnavailable
 from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
 from dflash_eval.serving.vllm.sampled import FLAG_SE, engine_failure, ranking, sampled_compare
@@ -102,9 +108,13 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
             ``expectation`` (the prompt set is drawn at the setting), or ``error`` (``cause``, ``workaround``,
             ``detail``: :func:`dflash_eval.serving.vllm.sampled.engine_failure`); ``ranking``: per setting and
             policy with two checkpoints or more, Spearman's rho of offline vs engine tau and the best checkpoint
-            by each (:func:`dflash_eval.serving.vllm.sampled.ranking`); ``seeds``.
+            by each (:func:`dflash_eval.serving.vllm.sampled.ranking`); ``seeds``; ``lossless`` (with a temperature-0
+            entry): the token check under load, :func:`dflash_eval.serving.lossless.token_check`'s output plus
+            ``load_concurrency`` (each checkpoint entry also has ``engine_faults``: concurrency -> faults); the
+            markdown opens with it.
         opts: the stage's options (config section ``validate_engine``): ``n_samples``, ``sampling`` (default
-            greedy only), ``seeds`` and the server settings of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
+            greedy only), ``seeds``, ``load_concurrency``, ``near_tie_ulps``, ``margin_device`` (the token check) and
+            the server settings of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
 
@@ -134,7 +144,7 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
                     "completions": str(completions_path), "checkpoints": [], "sampled": [],
                     "seeds": int(getattr(opts, "seeds", 1))}
     if greedy:
-        _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs)
+        _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs, opts)
     for job in planned:
         result["sampled"].append(_sampled_run(job, target_dir, rows, max_new, work, eng, result["seeds"]))
     result["ranking"] = _rankings(result)
@@ -142,17 +152,40 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
     alerts = _alerts(result)
     if alerts:  # the report's section heading carries it
         result["title"] += ": ENGINE DISAGREES OR FAILED at T > 0"
-    result["markdown"] = "\n\n".join(x for x in (alerts, _markdown(result) if greedy else "",
+    check = result.get("lossless")
+    if check and check["n_faults"]:
+        result["title"] += ": ENGINE FAULT (greedy tokens break with the drafter)"
+    tokens = "\n\n".join((lossless.headline(check["checkpoints"], check["plain"]),
+                           lossless.table(check["checkpoints"], check["plain"], check["near_tie_ulps"]))) if check else ""
+    result["markdown"] = "\n\n".join(x for x in (tokens, alerts, _markdown(result) if greedy else "",
                                                    _sampled_markdown(result)) if x)
     result["provenance"] = stage_block(STAGE, opts)
     result.update(write_json(out, result, default=float))
     return result
 
 
-def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs) -> None:
-    """The greedy check (every request equal to the replay after the stop-token conversion) and the measured
-    speedup: fills ``result``'s ``device``, ``server``, ``plain``, ``costs_device`` and ``checkpoints``."""
-    plain = serve_and_measure(target_dir, rows, max_new, work, work / "plain.vllm.log", eng)
+def _runs(run: dict, eng, drafter: bool) -> list[dict]:
+    """A server's token-check runs: the measured one and those of ``extra``; with the drafter each with
+    ``acceptance_raw``, vLLM's 1 + accepted / drafts over every request's steps (wrong ones too: what a user sees)."""
+    out = [{"concurrency": eng.concurrency, "requests": run["requests"],
+            "output_tok_per_s": run["timing"]["output_tok_per_s"]}]
+    out += [{"concurrency": int(c), "requests": x["requests"], "output_tok_per_s": x["timing"]["output_tok_per_s"]}
+            for c, x in (run.get("extra") or {}).items()]
+    for r in out if drafter else ():
+        steps = sum(len(q.per_step_accepted) for q in r["requests"])
+        r["acceptance_raw"] = 1 + sum(sum(q.per_step_accepted) for q in r["requests"]) / steps if steps else math.nan
+    return out
+
+
+def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loaded, costs, opts) -> None:
+    """The greedy check (every request equal to the replay after the stop-token conversion), the measured
+    speedup and the token check under load (:mod:`dflash_eval.serving.lossless`: the drafter at concurrency 1 and
+    ``load_concurrency``, the plain server at ``load_concurrency``, each on the server of the measured run): fills
+    ``result``'s ``device``, ``server``, ``plain``, ``costs_device``, ``checkpoints`` and ``lossless``."""
+    n_load = int(opts.load_concurrency)
+    plain = serve_and_measure(target_dir, rows, max_new, work, work / "plain.vllm.log", eng,
+                              more_concurrencies=[n_load])
+    plain_runs, drafter_runs = _runs(plain, eng, False), []
     log.info("plain vLLM: %.1f output tok/s over %d requests (%s)", plain["timing"]["output_tok_per_s"], len(rows),
              plain["device"])
     result.update({"device": plain["device"], "server": plain["server"], "plain": plain["timing"],
@@ -166,7 +199,8 @@ def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loade
         B = int(ev["block_size"])
         name = ev.get("checkpoint", Path(drafter_dir).name)
         run = serve_and_measure(target_dir, rows, max_new, work, work / f"{name}.vllm.log", eng,
-                                drafter_dir=drafter_dir, block_size=B)
+                                drafter_dir=drafter_dir, block_size=B, more_concurrencies=[1, n_load])
+        drafter_runs.append({"checkpoint": name, "runs": _runs(run, eng, True)})
         cmp = compare(rows, ev, run["requests"], B)
         e, o = cmp["engine"], cmp["offline"]
         rel = (e["tau_tokens_per_step"] - o["tau_tokens_per_step"]) / o["tau_tokens_per_step"]
@@ -190,6 +224,16 @@ def _greedy(result, target_dir, rows, max_new, work, eng, drafters, evals, loade
                  e["tau_tokens_per_step"], o["tau_tokens_per_step"], 100 * rel, pos,
                  {k: v for k, v in cmp["kinds"].items() if v}, speed)
         result["checkpoints"].append(entry)
+    result["lossless"] = lossless.token_check(
+        rows, plain_runs, drafter_runs, lambda needed: lossless.judge_logits(target_dir, rows, needed,
+                                                                             device=opts.margin_device),
+        float(opts.near_tie_ulps))
+    result["lossless"]["load_concurrency"] = n_load
+    for entry, check in zip(result["checkpoints"], result["lossless"]["checkpoints"]):
+        entry["engine_faults"] = {r["concurrency"]: r["n_faults"] for r in check["runs"]}
+    log.info("token check: %d engine faults; %s", result["lossless"]["n_faults"], "; ".join(
+        f"{c['checkpoint']}@{r['concurrency']}: {r['counts']}" for c in result["lossless"]["checkpoints"]
+        for r in c["runs"]))
 
 
 def _f(x, fmt="{:.4f}"):

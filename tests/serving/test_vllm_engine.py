@@ -8,7 +8,8 @@
   work-around: vLLM's greedy output equals the completions, and every request's per-step acceptance
   equals the replay's after the stop-token conversion (kinds ``none`` / ``stop-counting`` only); the
   Prometheus counters equal the sum of the per-request arrays; the stage's plain server gives the
-  baseline timing of the measured speedup.
+  baseline timing of the measured speedup; the token check under load (``load_concurrency`` 4, on the
+  same two servers) records the drafter at concurrency 1 and 4 and the plain server at 4, with no engine fault.
 
 Skipped without a vLLM venv, as ``tests/serving/test_vllm.py``. Starts vLLM twice.
 """
@@ -77,8 +78,20 @@ def test_validate_engine_stage_equals_the_replay_after_conversion(smol, tmp_path
     rows = read_completions(comp)
     evaluate(DRAFTER, hf, target, tmp_path / "offline.json", device="cpu", dtype="float32")
     r = validate_engine(target, comp, [str(DRAFTER)], [str(tmp_path / "offline.json")], tmp_path / "ve.json",
-                        n_samples=len(rows), python=VLLM_PYTHON, env=ENV, max_model_len=1024)
+                        n_samples=len(rows), python=VLLM_PYTHON, env=ENV, max_model_len=1024, load_concurrency=4)
     assert json.loads((tmp_path / "ve.json").read_text())["markdown"] == r["markdown"]
+    # the token check under load, on the same two servers: plain at 1 (measured) and 4, the drafter at 1 and 4
+    tc = r["lossless"]
+    print(tc["n_faults"], tc["judged_requests"], [(p["concurrency"], p["counts"], p["output_tok_per_s"])
+                                                  for p in tc["plain"]],
+          [(x["concurrency"], x["counts"], x["acceptance_raw"], x["output_tok_per_s"])
+           for x in tc["checkpoints"][0]["runs"]])
+    assert [p["concurrency"] for p in tc["plain"]] == [1, 4] and tc["load_concurrency"] == 4
+    runs = {x["concurrency"]: x for x in tc["checkpoints"][0]["runs"]}
+    assert set(runs) == {1, 4} and all(x["n"] == len(rows) for x in [*tc["plain"], *runs.values()])
+    assert runs[1]["counts"]["equal"] == len(rows) and tc["plain"][0]["counts"]["equal"] == len(rows)
+    assert tc["n_faults"] == 0 and r["markdown"].startswith("**Token check**")
+    assert runs[4]["acceptance_raw"] > 1 and "| dflash-smollm2-b8-step2283 | 4 |" in r["markdown"]
     assert r["plain"]["output_tokens"] == sum(len(x["completion_ids"]) for x in rows) and r["plain"]["output_tok_per_s"] > 0
     (c,) = r["checkpoints"]
     assert c["cpu_fix"] and c["block_size"] == 8 and c["n_compared"] == len(rows)

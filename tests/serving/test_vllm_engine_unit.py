@@ -159,19 +159,28 @@ def test_validate_engine_stage_bookkeeping_without_a_server(tmp_path, monkeypatc
                                  "dtype": "float32", "threads": 2}))
     calls = []
 
-    def fake(target_dir, rows_, max_new, work, log_path, opts, drafter_dir=None, block_size=0):
-        calls.append((drafter_dir, block_size, max_new, len(rows_)))
+    def fake(target_dir, rows_, max_new, work, log_path, opts, drafter_dir=None, block_size=0, more_concurrencies=()):
+        calls.append((drafter_dir, block_size, max_new, len(rows_), tuple(more_concurrencies)))
         wall = 2.0 if drafter_dir is None else 0.8  # 20 tokens: 10 tok/s plain, 25 tok/s DFlash
         reqs = [_req("a", list(range(10)), [3, 1, 2] if drafter_dir else []),
                 _req("b", list(range(10)), [3, 1, 4] if drafter_dir else [])]
-        return {"requests": reqs, "timing": latency_summary(reqs, wall), "device": "test cpu",
+        extra = {c: {"requests": reqs, "timing": latency_summary(reqs, wall / 2)} for c in more_concurrencies
+                 if c != opts.concurrency}
+        return {"requests": reqs, "timing": latency_summary(reqs, wall), "device": "test cpu", "extra": extra,
                 "counters": SpecCounters(6, 18, 14, (5, 3, 1)) if drafter_dir else None,
                 "server": {"engine": "vllm", "version": "0.32.0", "dtype": "float32", "concurrency": 1,
                            "cpu_fix": bool(drafter_dir), "flags": []}}
 
     monkeypatch.setattr(stage, "serve_and_measure", fake)
     r = stage.validate_engine("t", comp, ["d/ck"], [str(ev)], tmp_path / "ve.json", target_costs=str(costs))
-    assert calls == [(None, 0, 16, 2), ("d/ck", 4, 16, 2)]  # plain first, then the drafter with its block size
+    # plain first, then the drafter with its block size; each also at load_concurrency (8), the drafter at 1 too
+    assert calls == [(None, 0, 16, 2, (8,)), ("d/ck", 4, 16, 2, (1, 8))]
+    tc = r["lossless"]  # every request equal: no target forward, no fault
+    assert tc["judged_requests"] == 0 and tc["n_faults"] == 0 and tc["load_concurrency"] == 8
+    assert [(p["concurrency"], p["counts"]["equal"]) for p in tc["plain"]] == [(1, 2), (8, 2)]
+    assert [(x["concurrency"], x["counts"]["equal"], x["n_faults"], x["acceptance_raw"])
+            for x in tc["checkpoints"][0]["runs"]] == [(1, 2, 0, 1 + 14 / 6), (8, 2, 0, 1 + 14 / 6)]  # 14 accepted, 6 steps
+    assert r["markdown"].startswith("**Token check**: lossless: every request at concurrency 1, 8")
     (c,) = r["checkpoints"]
     assert c["kinds"]["none"] == 1 and c["kinds"]["stop-counting"] == 1
     assert c["mean_acceptance_length_raw"] == pytest.approx(1 + 14 / 6)  # vLLM's own count

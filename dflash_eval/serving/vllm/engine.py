@@ -421,15 +421,19 @@ def device_label(cuda: bool) -> str:
 
 def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, work_dir, log_path,
                       opts: EngineOptions, drafter_dir=None, block_size: int = 0,
-                      draft_sample_method: str | None = None, sampling: dict | None = None, seeds: int = 1) -> dict:
+                      draft_sample_method: str | None = None, sampling: dict | None = None, seeds: int = 1,
+                      more_concurrencies: Sequence[int] = ()) -> dict:
     """Start vLLM (plain, or with the drafter when ``drafter_dir``), send ``rows``, stop it.
 
     Greedy by default; with ``sampling`` above temperature 0 each prompt ``seeds`` times (:func:`run_requests`),
-    the drafter served with ``draft_sample_method`` (:func:`dflash_args`).
+    the drafter served with ``draft_sample_method`` (:func:`dflash_args`). ``more_concurrencies``: after the measured
+    run (at ``opts.concurrency``; the counters are read around it only) the same prompts again on the same server at
+    each of these concurrencies (those other than ``opts.concurrency``).
 
     Returns:
         ``{"requests": [EngineRequest], "counters": SpecCounters | None, "timing": latency_summary(...),
-        "server": {...}, "device": device_label(...)}``; ``counters`` = after - before (DFlash only).
+        "server": {...}, "device": device_label(...), "extra": {concurrency: {"requests", "timing"}}}``;
+        ``counters`` = after - before (DFlash only).
 
     Raises:
         InputError / ServerUnavailable: as :class:`dflash_eval.serving.clients.VLLMServer`; ServerError from requests.
@@ -447,8 +451,10 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
                         extra_args=extra + list(opts.args), env=server_env(opts.env, work_dir, fix and bool(drafter_dir)),
                         log_path=log_path, start_timeout_s=opts.start_timeout_s)
     stop = stop_token_ids(target_dir)[0]
+    more = sorted({int(c) for c in more_concurrencies} - {int(opts.concurrency)})
+    more_runs = {}
     with server, OpenAIClient(server.url, timeout_s=opts.timeout_s, retries=opts.retries,
-                              concurrency=opts.concurrency) as client:
+                              concurrency=max([opts.concurrency, *more])) as client:
         info = client.info()
         before = read_counters(client) if drafter_dir else None
         reqs, wall = run_requests(client, rows, max_new_tokens, stop, opts.concurrency, sampling, seeds)
@@ -458,7 +464,10 @@ def serve_and_measure(target_dir, rows: Sequence[dict], max_new_tokens: int, wor
             if not (sampling and float(sampling["temperature"]) > 0):
                 raise
             after = before = None
-    return {"requests": reqs, "counters": (after - before) if after is not None else None,
+        for c in more:
+            more_reqs, more_wall = run_requests(client, rows, max_new_tokens, stop, c, sampling, seeds)
+            more_runs[c] = {"requests": more_reqs, "timing": latency_summary(more_reqs, more_wall)}
+    return {"requests": reqs, "counters": (after - before) if after is not None else None, "extra": more_runs,
             "timing": latency_summary(reqs, wall), "device": device_label(cuda),
             "server": {"engine": "vllm", "version": info.version, "dtype": dt, "max_model_len": mml,
                        "flags": extra + list(opts.args), "cpu_fix": bool(fix and drafter_dir),
