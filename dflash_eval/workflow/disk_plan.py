@@ -10,7 +10,7 @@ Each prompt set's size is ``tokens x`` :func:`~dflash_eval.cache.disk_room.bytes
 the target's ``hidden_size`` ``H``, the storage), with ``tokens`` taken from the best of:
 
 * ``exact``: the completions file exists (prompt + completion tokens of every row);
-* ``estimate``: the prompts file exists (each prompt's tokens + ``generation.max_new_tokens``: an upper
+* ``estimate``: the prompts file exists (each prompt's tokens + the set's ``max_new_tokens``: an upper
   bound, as completions that stop early are shorter);
 * ``bound``: nothing yet (``prompt_set.n x (max_prompt_tokens + max_new_tokens)``, the limits the prompts
   stage keeps; unknown with ``n: 0`` or ``max_prompt_tokens: 0``; for a set with ``context_bins``,
@@ -35,6 +35,7 @@ import h5py
 from dflash_eval.cache.disk_room import HEADROOM, bytes_per_token
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import distribution_files
+from dflash_eval.workflow.plan import max_new_tokens
 from dflash_eval.workflow.sampling import needs_final_hidden
 
 
@@ -166,9 +167,9 @@ def planned_caches(plan) -> list[CacheSize]:
     cfg = plan.config
     storage, _ = storage_name(cfg["cache"])
     H, n_layers = target_shape(plan)
-    max_new = int(cfg["generation"]["max_new_tokens"])
     out = []
     for ps in plan.prompt_sets:
+        max_new = max_new_tokens(cfg, ps)
         cache = Path(plan.cache_path(ps))
         K = len(plan.cache_layer_ids)
         if needs_final_hidden(cfg, ps) and (n_layers is None or n_layers - 1 not in plan.cache_layer_ids):

@@ -236,7 +236,7 @@ class Plan:
         new = opts.get("context_bins") and not opts.get("max_prompt_tokens")
         return " ".join(([f"--path {shlex.quote(path)}"] if path else [])
                         + ([f"--turn1-completions {shlex.quote(turn1)}"] if turn1 else [])
-                        + ([f"--max-new-tokens {max_new_tokens(self.config)}"] if new else []))
+                        + ([f"--max-new-tokens {max_new_tokens(self.config, prompt_set)}"] if new else []))
 
     def trackers_outputs(self) -> list[str]:
         """``[results/<run>/trackers.json]`` when a tracker is enabled (config ``trackers``), else ``[]``."""
@@ -308,7 +308,7 @@ class Plan:
 
         ``prompts``: the ``prompt_set`` defaults overlaid with the prompt set's own keys; with ``prompt_set``
         also (:mod:`dflash_eval.workflow.sampling`) ``completions``: ``sampling`` = ``set_sampling`` (``generation.sampling``
-        overlaid with the set's own); ``hidden_states``: ``final_hidden`` = ``needs_final_hidden``; ``evaluate``:
+        overlaid with the set's own), ``max_new_tokens`` = the set's own when given (:func:`max_new_tokens`); ``hidden_states``: ``final_hidden`` = ``needs_final_hidden``; ``evaluate``:
         ``sampling`` = the set's ``evaluate_settings``; ``engine_parity``: ``final_hidden`` as its prompt set's cache;
         ``validate_online``: ``ddtree_budget`` null -> the smallest of ``evaluate.ddtree_budgets`` (0 without any);
         ``target_costs``: ``budgets`` with every ``evaluate.ddtree_budgets`` budget added;
@@ -325,6 +325,7 @@ class Plan:
             values["vllm"] = section_values(stage, {})["vllm"]  # unused by source hf: editing them reruns nothing
         if prompt_set is not None and stage == "completions":
             values["sampling"] = set_sampling(self.config, prompt_set)
+            values["max_new_tokens"] = max_new_tokens(self.config, prompt_set)
         if prompt_set is not None and stage == "hidden_states":
             values["final_hidden"] = needs_final_hidden(self.config, prompt_set)
         if prompt_set is not None and stage == "evaluate":
@@ -472,8 +473,12 @@ class Plan:
         return json.dumps(out, sort_keys=True, separators=(",", ":"))
 
 
-def max_new_tokens(config: dict) -> int:
-    """``generation.max_new_tokens`` of a config (the schema default when it is not filled in)."""
+def max_new_tokens(config: dict, prompt_set: str | None = None) -> int:
+    """``prompt_sets.<prompt_set>.max_new_tokens`` when given, else ``generation.max_new_tokens`` of a config (the
+    schema default when it is not filled in)."""
+    own = config.get("prompt_sets", {}).get(prompt_set, {}).get("max_new_tokens") if prompt_set else None
+    if own is not None:
+        return int(own)
     default = load_schema()["properties"]["generation"]["properties"]["max_new_tokens"]["default"]
     return int(config.get("generation", {}).get("max_new_tokens", default))
 
@@ -500,7 +505,7 @@ def build_plan(config: dict) -> Plan:
     check_checkpoint_configs(checkpoints, layers, spec)
     check_set_checkpoints(config["prompt_sets"], checkpoints)
     for name, ps in config["prompt_sets"].items():
-        check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config),
+        check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config, name),
                            spec.max_position_embeddings if spec else None, set_entry=ps)
     plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
     check_optional_rules(plan)

@@ -191,3 +191,7 @@ def test_a_context_binned_set_is_bounded_by_its_bins_then_measured(tmp_path, mon
                                                 for n in (2100, 2500, 5000, 7000)))
     [size] = planned_caches(p)
     assert (size.basis, size.tokens) == ("estimate", 2100 + 2500 + 5000 + 7000 + 4 * 256)
+    # the set's own max_new_tokens replaces generation.max_new_tokens in its bound
+    cfg["prompt_sets"]["long"]["max_new_tokens"] = 64
+    [size] = planned_caches(workflow_plan.build_plan(cfg))
+    assert (size.basis, size.tokens) == ("estimate", 2100 + 2500 + 5000 + 7000 + 4 * 64)

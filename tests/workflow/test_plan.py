@@ -555,6 +555,33 @@ def test_context_bins_the_target_cannot_hold_are_refused_at_parse_time(tmp_path,
     assert "prompt_sets.long.context_bins" in ei.value.fix
 
 
+def test_a_set_with_its_own_max_new_tokens(tmp_path, monkeypatch):
+    """prompt_sets.<name>.max_new_tokens: that set's completions job generates that many tokens at most (the others
+    generation.max_new_tokens), and the context-bin check and the prompts stage's last bin use it."""
+    monkeypatch.chdir(tmp_path)
+    _target(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 8192}))
+    (tmp_path / "c.pt").write_bytes(b"x")
+
+    def build(**entry):
+        return plan.build_plan(_config(
+            target={"name": "x", "path": "hf"}, generation={"source": "transformers", "max_new_tokens": 256},
+            prompt_set={"n": 2, "max_prompt_tokens": 0},
+            prompt_sets={"short": {"source": "humaneval"}, "long": {"source": "repository", **entry}},
+            checkpoints={"list": [{"name": "c", "path": "c.pt"}]}))
+
+    p = build(context_bins=[2048, 8000], max_new_tokens=128)  # 8000 + 128 fits 8192; + 256 would not
+    assert "--max-new-tokens=128" in p.stage_flags("completions", "long").split()
+    # a set without its own value: generation.max_new_tokens, the flags as before (no rerun of existing sets)
+    assert "--max-new-tokens=256" in p.stage_flags("completions", "short").split()
+    assert p.prompts_path_arg("long") == "--max-new-tokens 128"  # the last bin ends at 8192 - 128
+    assert plan.max_new_tokens(p.config, "long") == 128 and plan.max_new_tokens(p.config, "short") == 256
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048, 8000])
+    assert ei.value.field == "prompt_sets.long.context_bins" and "+ generation.max_new_tokens 256" in ei.value.problem
+
+
 def test_a_set_evaluated_on_some_checkpoints_only(tmp_path):
     """prompt_sets.<name>.checkpoints: the set's evaluate outputs are those checkpoints' only; an unknown name
     is refused at parse time, naming the entry and the configured checkpoints."""
