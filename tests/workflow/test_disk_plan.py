@@ -56,14 +56,14 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     out = dry.stdout + dry.stderr
     assert "hidden-state caches (float32" in out and "5 stored layers of hidden size 576" in out
     assert f"humaneval: {need / 1e6:.1f} MB to write (from the completions, 600 tokens)" in out
-    # the other sets: an upper bound from prompt_set.n (16) x (max_prompt_tokens 1024 + max_new_tokens 256)
-    bound = 16 * 1280 * bytes_per_token("float32", K, H)
+    # the other sets: an upper bound from prompt_set.n (16) x (max_prompt_tokens 1024 + the demo's max_new_tokens 192)
+    bound = 16 * 1216 * bytes_per_token("float32", K, H)
     assert f"sharegpt: {bound / 1e9:.2f} GB to write (prompt_set.n x (max_prompt_tokens + max_new_tokens)" in out
     # the set evaluated at T = 1 stores the final normed state too: one layer more, said on its line
-    bound_t1 = 16 * 1280 * bytes_per_token("float32", K + 1, H)
+    bound_t1 = 16 * 1216 * bytes_per_token("float32", K + 1, H)
     lines = {ln.split(":", 2)[1].strip(): ln for ln in out.splitlines() if ln.startswith("dflash-eval:   ")}
     assert lines["sharegpt-t1"].endswith(f"sharegpt-t1: {bound_t1 / 1e9:.2f} GB to write (prompt_set.n x (max_prompt_"
-                                         "tokens + max_new_tokens), at most, 20480 tokens, and the final normed state "
+                                         "tokens + max_new_tokens), at most, 19456 tokens, and the final normed state "
                                          "(evaluated at T > 0))"), lines
     assert "final normed state" not in lines["sharegpt"]
     assert "free in results/demo: 50.00 GB" in out

@@ -163,7 +163,8 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
         if args.cmd in ("completions", "hidden-states"):
             assert args.target_fingerprint is not None
         if args.cmd == "completions":
-            assert args.max_new_tokens == 256
+            # the demo's generation.max_new_tokens, and long-chat's own (prompt_sets.<name>.max_new_tokens)
+            assert args.max_new_tokens == (128 if Path(args.out).stem == "long-chat" else 192)
             # sharegpt-t1's own sampling (prompt_sets.<name>.sampling) over generation.sampling's greedy default
             drawn = (args.sampling__temperature, args.sampling__top_p, args.sampling__top_k, args.sampling__seed)
             assert drawn == ((1.0, 0.95, 20, 0) if Path(args.out).stem == "sharegpt-t1" else (0.0, 1.0, 0, 0))
@@ -176,7 +177,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             assert not args.cross_temperature
         if args.cmd == "prompts":
             assert args.n == 16
-            if args.source == "conversation":  # long-chat: two prompts per context bin of 2k-4k and 4k-6k tokens
+            if args.source == "conversation":  # long-chat: two prompts per context bin of 2k-3k and 3k-4k tokens
                 assert (args.context_bins, args.per_bin, args.max_prompt_tokens) == ([2048, 3072], 2, 4096)
         if args.cmd == "evaluate" and Path(args.cache).stem == "long-chat":
             assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072")
