@@ -130,7 +130,7 @@ def test_report_shows_tau_without_loops(tmp_path):
     assert "no loops" not in (tmp_path / "old.md").read_text()
 
 
-def test_the_config_threshold_reaches_the_summary_rule():
+def test_the_config_threshold_reaches_the_summary_rule(monkeypatch):
     """loops.* of the config are rule summary's flags (a params change: only summary and report rerun), parsed back
     by the stage into the same options; the rule passes every prompt set's completions."""
     import argparse
@@ -151,12 +151,8 @@ def test_the_config_threshold_reaches_the_summary_rule():
     cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
     cfg["loops"] = {"ngram": 6, "threshold": 0.45}
     validate(cfg, str(repo / "dflash_eval" / "schemas" / "config.schema.yaml"))
-    cwd = os.getcwd()
-    os.chdir(repo)
-    try:
-        plan = build_plan(cfg)
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(repo)
+    plan = build_plan(cfg)
     flags = plan.stage_flags("summary")
     parser = argparse.ArgumentParser()
     options.add_flags(parser, "summary")
