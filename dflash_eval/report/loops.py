@@ -113,7 +113,8 @@ def with_loop_columns(every: pd.DataFrame, summary, key: Sequence[str]) -> pd.Da
     out = every.drop(columns=[c for c in LOOP_COLUMNS if c in every]).astype({k: str for k in key})
     out = out.merge(loops, on=key, how="left", validate="one_to_one")
     out["n_loop"] = out["n_loop"].astype("Int64")
-    return out
+    order = [c for c in every.columns if c in out] + [c for c in out.columns if c not in every]
+    return out[order]  # tau.csv's column order (the report's full table shows it cell for cell)
 
 
 #: header of the headline table's no-loop column of a prompt set (beside its ``tau``)
