@@ -129,6 +129,9 @@ def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions
     if not bins:
         return
     field = f"prompt_sets.{name}.context_bins"
+    # the response length in force: the set's own, else generation's
+    new_key = (f"prompt_sets.{name}.max_new_tokens" if set_entry is not None and "max_new_tokens" in set_entry
+               else "generation.max_new_tokens")
     if any(b <= a for a, b in zip(bins, bins[1:])):
         raise InputError("config", field, f"{bins} is not strictly ascending", "list the lower edges in ascending "
                          "order, e.g. [2048, 4096, 8192]")
@@ -136,23 +139,23 @@ def check_context_bins(name: str, opts: dict, max_new_tokens: int, max_positions
         raise InputError("config", f"prompt_sets.{name}.max_prompt_tokens", f"{top} does not exceed the last bin edge "
                          f"{bins[-1]}, so the last bin [{bins[-1]}, {top}] is empty",
                          "raise max_prompt_tokens above the last edge, or set it to 0 (the last bin then ends at the "
-                         "target's max_position_embeddings less generation.max_new_tokens)")
+                         f"target's max_position_embeddings less {new_key})")
     if max_positions is None:
         return
     over = [b for b in bins if b + max_new_tokens > max_positions]
     if over:
-        raise InputError("config", field, f"bin edge(s) {over} + generation.max_new_tokens {max_new_tokens} exceed the "
+        raise InputError("config", field, f"bin edge(s) {over} + {new_key} {max_new_tokens} exceed the "
                          f"target's max_position_embeddings {max_positions}: the target cannot hold those prompts",
                          f"drop those bins or lower them to at most {max_positions - max_new_tokens}, lower "
-                         "generation.max_new_tokens, or use a target with more positions")
+                         f"{new_key}, or use a target with more positions")
     if top + max_new_tokens > max_positions:
-        raise InputError("config", f"prompt_sets.{name}.max_prompt_tokens", f"{top} + generation.max_new_tokens "
+        raise InputError("config", f"prompt_sets.{name}.max_prompt_tokens", f"{top} + {new_key} "
                          f"{max_new_tokens} exceeds the target's max_position_embeddings {max_positions}",
                          f"set max_prompt_tokens to at most {max_positions - max_new_tokens}, or 0 (up to that)")
     if not top and max_positions - max_new_tokens <= bins[-1]:
         raise InputError("config", field, f"the last bin [{bins[-1]}, max_position_embeddings {max_positions} - "
                          f"max_new_tokens {max_new_tokens}] is empty", "drop or lower the last bin, or lower "
-                         "generation.max_new_tokens")
+                         f"{new_key}")
 
 
 def check_generation(gen: dict) -> None:

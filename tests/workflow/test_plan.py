@@ -580,6 +580,10 @@ def test_a_set_with_its_own_max_new_tokens(tmp_path, monkeypatch):
     with pytest.raises(InputError) as ei:
         build(context_bins=[2048, 8000])
     assert ei.value.field == "prompt_sets.long.context_bins" and "+ generation.max_new_tokens 256" in ei.value.problem
+    with pytest.raises(InputError) as ei:  # the error names the key in force: the set's own
+        build(context_bins=[2048, 8100], max_new_tokens=128)
+    assert "+ prompt_sets.long.max_new_tokens 128 exceed" in ei.value.problem
+    assert "lower prompt_sets.long.max_new_tokens" in ei.value.fix
 
 
 def test_a_set_evaluated_on_some_checkpoints_only(tmp_path):
