@@ -180,6 +180,7 @@ def run_stages(wd: Path, name: str, path: str) -> Path:
     return wd
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_trained_drafter_without_snakemake(tmp_path):
     """:func:`check_trained` on the stage commands of :func:`run_stages` for the ``trained`` checkpoint."""
     check_trained(run_stages(tmp_path / "wf", "trained", "trained/step300"), with_table=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dflash_eval.replay.sampling import filtered_probs, rejection_sample, slot_alpha, slot_beta, survival_independent
@@ -93,6 +94,7 @@ def _se(x: torch.Tensor) -> float:
     return float(x.std() / math.sqrt(len(x)))
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_expected_tau_given_the_trajectory_equals_the_online_sampler():
     for variant in ("dflash1", "dflash2"):
         for k, setting in enumerate(SETTINGS):

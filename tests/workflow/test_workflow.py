@@ -195,6 +195,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
                     "evaluate", "summary", "report", "demo-checkpoint", "target-costs", "trackers"}
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_dry_run_kernel_parity_wiring(tmp_path):
     """kernel_parity.enabled adds the parity job; the report takes its JSON via --extra."""
     wd = copy_workflow(tmp_path / "wf")
@@ -219,6 +220,7 @@ def test_dry_run_kernel_parity_wiring(tmp_path):
     assert cmds["summary"].costs is None and cmds["report"].costs is None
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_dry_run_engine_parity_wiring(tmp_path):
     """engine_parity.enabled adds one job reading the prompt set's completions and the run's cache of that set,
     with the cache section's flags (the source the job does not use is the other one); its JSON goes to the
@@ -269,6 +271,7 @@ def test_dry_run_vllm_engine_t1_config(tmp_path):
     assert ev and all(a.sampling == [{"temperature": 1.0, "top_p": 1.0, "top_k": 0}] for a in ev)
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_dry_run_vllm_engine_config(tmp_path):
     """config/vllm-engine.yaml over the demo: hidden_states with --source=vllm (server options as flags, the
     rerun-neutral ones in the environment), one validate_engine job per run reading every checkpoint's drafter
@@ -306,6 +309,7 @@ def test_dry_run_vllm_engine_config(tmp_path):
     assert proc.returncode != 0 and "names your own server" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # 10-20 s on 2 cores
 def test_dry_run_validate_online_wiring(tmp_path):
     """validate_online.enabled adds one job that reads the chosen checkpoints' drafters and evaluations;
     the report takes its JSON via --extra; evaluate passes the DDTree budgets."""
