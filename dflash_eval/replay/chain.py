@@ -48,14 +48,13 @@ are in :mod:`dflash_eval.replay.metrics`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from dflash_eval.core.runtime import free_memory_bytes
 from dflash_eval.replay.anchors import block_forward, context_bytes_per_token, replay_batched
-from dflash_eval.replay.metrics import sample_tau
+from dflash_eval.replay.metrics import sample_tau, ulp_at
 
 SLOT_CHUNK = 4  # sequential replay: LM-head slots evaluated per pass while drafts keep matching
 REPLAY_MODES = ("batched", "sequential")
@@ -252,7 +251,7 @@ def explain_differences(drafter, embed_weight, head_weight, samples, first: list
         lg = _single_block_logits(drafter, embed_weight, head_weight, s, anchor, B)[j]
         top = torch.topk(lg, 2)
         top1, gap = float(top.values[0]), float(top.values[0] - top.values[1])
-        ulp = eps * 2.0 ** math.floor(math.log2(abs(top1))) if top1 else eps
+        ulp = ulp_at(top1, eps)
         other = lg.clone()
         other[target] = -float("inf")
         out.append({"sample_id": s.sample_id, "anchor": anchor, "step": k, "slot": j, "n_first": f[k],

@@ -81,6 +81,14 @@ def position_bin_labels(edges: Sequence[int] = POSITION_BINS) -> list[str]:
     return [f"{lo}-{hi if hi is not None else 'inf'}" for lo, hi in zip(edges[:-1], edges[1:])]
 
 
+def ulp_at(x: float, eps: float) -> float:
+    """The unit in the last place at ``|x|`` of a float format whose machine epsilon is ``eps``:
+    ``eps * 2**floor(log2 |x|)`` (``eps`` at 0). Units: those of ``x`` (logits here). bfloat16: ``eps = 2**-7``
+    (``torch.finfo(torch.bfloat16).eps``), so ``ulp_at(16.0, 2**-7) == 0.125``. The replay's flipped-decision
+    check and the engine's near-tie check both measure logit gaps in these units."""
+    return eps * 2.0 ** math.floor(math.log2(abs(x))) if x else eps
+
+
 @dataclass(frozen=True)
 class AcceptanceStats:
     """Aggregate of one (checkpoint, prompt set) replay; see the module docstring for each convention."""

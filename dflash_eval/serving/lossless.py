@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from dflash_eval.replay.metrics import ulp_at
 from dflash_eval.target.model import load_target
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,7 @@ NEAR_TIE_ULPS = 4.0
 def bf16_ulp(x: float) -> float:
     """The bfloat16 unit in the last place at ``|x|``: ``2**-7 * 2**floor(log2 |x|)`` (``eps`` at 0), as
     :func:`dflash_eval.replay.chain.explain_differences` computes it for its compute dtype."""
-    eps = torch.finfo(torch.bfloat16).eps
-    return eps * 2.0 ** math.floor(math.log2(abs(x))) if x else eps
+    return ulp_at(x, torch.finfo(torch.bfloat16).eps)
 
 
 def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
