@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import h5py
 
 from dflash_eval.cache.disk_room import HEADROOM, bytes_per_token
 from dflash_eval.core.errors import InputError
-from dflash_eval.core.io import distribution_files
+from dflash_eval.workflow.gguf_header import gguf_file, gguf_shape
 from dflash_eval.workflow.plan import max_new_tokens
 from dflash_eval.workflow.sampling import needs_final_hidden
 
@@ -70,46 +69,6 @@ def storage_name(cache_cfg: dict) -> tuple[str, str]:
     return ("bfloat16", "cache.dtype auto, a CUDA device") if cuda else ("float32", "cache.dtype auto, no CUDA device here")
 
 
-def gguf_shape(path: str | os.PathLike) -> tuple[int | None, int | None]:
-    """``(hidden_size, num_layers)`` of a GGUF file from its header (``<arch>.embedding_length``,
-    ``<arch>.block_count``), torch- and transformers-free: the key/value section of the GGUF specification
-    (ggml-org/ggml ``docs/gguf.md``), reading past arrays (the vocabulary) without decoding them.
-    ``(None, None)`` when the file is not a GGUF of version 2 or 3 or lacks the keys."""
-    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-    try:
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] not in (2, 3):
-                return None, None
-            _, n_kv = struct.unpack("<QQ", f.read(16))
-
-            def string() -> bytes:
-                return f.read(struct.unpack("<Q", f.read(8))[0])
-
-            def value(kind: int):
-                if kind == 8:
-                    return string()
-                if kind == 9:
-                    item, n = struct.unpack("<IQ", f.read(12))
-                    if item in scalar:
-                        f.seek(n * struct.calcsize(scalar[item]), 1)
-                    else:
-                        for _ in range(n):
-                            value(item)
-                    return None
-                fmt = "<" + scalar[kind]
-                return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-            meta = {}
-            for _ in range(n_kv):
-                key = string().decode("utf-8", "replace")
-                meta[key] = value(struct.unpack("<I", f.read(4))[0])
-    except (OSError, KeyError, struct.error):
-        return None, None
-    arch = meta.get("general.architecture")
-    arch = arch.decode() if isinstance(arch, bytes) else arch
-    return meta.get(f"{arch}.embedding_length"), meta.get(f"{arch}.block_count")
-
-
 def target_shape(plan) -> tuple[int | None, int | None]:
     """``(hidden_size, num_layers)`` of the plan's target: its config.json (an HF folder, or a GGUF already
     converted), else the GGUF's header, else ``(None, None)``."""
@@ -118,16 +77,8 @@ def target_shape(plan) -> tuple[int | None, int | None]:
         text = json.loads(cfg.read_text())
         text = text.get("text_config", text)
         return text.get("hidden_size"), text.get("num_hidden_layers")
-    spec = plan.target.gguf
-    if not spec:
-        return None, None
-    if spec.startswith("pkg:"):
-        try:
-            ggufs = [p for rel, p in distribution_files(spec[4:].strip()) if rel.lower().endswith(".gguf")]
-        except InputError:
-            return None, None
-        return gguf_shape(ggufs[0]) if ggufs else (None, None)
-    return gguf_shape(spec)
+    path = gguf_file(plan.target.gguf)
+    return gguf_shape(path) if path else (None, None)
 
 
 def _jsonl_lengths(path: Path, keys: tuple[str, ...]) -> list[int]:

@@ -35,6 +35,7 @@ from dflash_eval.workflow.checkpoints import (cache_layer_ids, check_checkpoint_
                                               checkpoint_table, demo_args, strip_args)
 from dflash_eval.workflow.config import (check_cache, check_context_bins, check_generation, check_prompt_sets,
                                           check_set_checkpoints)
+from dflash_eval.workflow.gguf_header import gguf_context_length
 from dflash_eval.workflow.sampling import (check_sampling_settings, evaluate_settings, greedy_only_note,
                                            needs_final_hidden, set_sampling, setting_key)
 
@@ -504,9 +505,10 @@ def build_plan(config: dict) -> Plan:
     layers = cache_layer_ids(config["cache"], checkpoints, spec)
     check_checkpoint_configs(checkpoints, layers, spec)
     check_set_checkpoints(config["prompt_sets"], checkpoints)
+    positions = spec.max_position_embeddings if spec else gguf_context_length(target.gguf)
     for name, ps in config["prompt_sets"].items():
-        check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config, name),
-                           spec.max_position_embeddings if spec else None, set_entry=ps)
+        check_context_bins(name, {**config.get("prompt_set", {}), **ps}, max_new_tokens(config, name), positions,
+                           set_entry=ps)
     plan = Plan(config, config["run"], sorted(config["prompt_sets"]), target, checkpoints, layers)
     check_optional_rules(plan)
     check_sampling_settings(config)

