@@ -24,6 +24,7 @@ from dflash_eval.core.io import read_json_object
 from dflash_eval.core.schema import sampling_label
 from dflash_eval.data.provenance import check_settings
 from dflash_eval.report.loops import LOOP_COLUMNS, Loops, loop_columns
+from dflash_eval.report.records import offline_jobs
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 from dflash_eval.target.cost_stats import assess
 from dflash_eval.target.costs import ddtree_budgets, speedup
@@ -156,9 +157,11 @@ def read_eval(path) -> dict:
 def summary_frame(evals: list[str], expected: dict | None = None, loops: Loops | None = None) -> pd.DataFrame:
     """Rows of the tau table from evaluate outputs (see module docstring).
 
-    Every aggregate is recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the
-    per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
-    with the per-sample data it summarises.
+    ``evals``: records files (``<job>.records.parquet``, :mod:`dflash_eval.report.records`) or evaluate JSONs, which
+    are made into the same records first (:func:`dflash_eval.report.records.offline_jobs`). Every aggregate is
+    recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the per-request ``accepted_lengths`` (at
+    temperature > 0 the per-request expectations) of the records, so the table cannot disagree with the per-request
+    data it summarises.
 
     ``expected``: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
     each output's provenance block (:func:`dflash_eval.data.provenance.check_settings`); None: not compared.
@@ -173,8 +176,7 @@ def summary_frame(evals: list[str], expected: dict | None = None, loops: Loops |
     rows, budgets = [], set()
     dflash2 = False
     seen: dict[tuple, str] = {}
-    for path in evals:
-        r = read_eval(path)
+    for path, r in offline_jobs(evals):  # every output as its records (dflash_eval.report.records)
         if expected:
             check_settings(path, r.get("provenance"), expected, str(r["prompt_set"]), "evaluate",
                            f"rerun the evaluate jobs with this config: snakemake --forcerun evaluate (or delete {path})")
