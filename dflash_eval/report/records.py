@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_eval.core.errors import InputError
+from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.core.io import read_json_object
 from dflash_eval.core.schema import sampling_label
 from dflash_eval.replay.metrics import sample_tau
 
@@ -64,6 +66,29 @@ EXPECTED_FIELDS = {"expected_tau_sglang": "tau_sglang", "expected_steps": "steps
                    "expected_bin_steps": "bin_steps"}
 GREEDY = {"label": "T0", "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 REFERENCE = "reference"
+
+
+EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
+
+
+def read_eval(path) -> dict:
+    """One evaluate output (per-sample JSON).
+
+    Raises:
+        InputError: missing file, not JSON, or lacking ``EVAL_KEYS`` / per-sample ``acceptance_lengths``.
+    """
+    if not Path(path).is_file():
+        raise InputError(path, None, "evaluate output not found",
+                         "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
+    r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
+    missing = [k for k in EVAL_KEYS if k not in r]
+    if not missing and (not isinstance(r["samples"], list)
+                        or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):
+        missing = ["samples[].acceptance_lengths"]
+    if missing:
+        raise InputError(path, missing[0], "missing: not an evaluate output of this version",
+                         "re-run its evaluate job (snakemake -R evaluate)")
+    return r
 
 
 def records_path(json_path) -> Path:
@@ -108,7 +133,6 @@ def validate(df: pd.DataFrame, path) -> pd.DataFrame:
 def write_records(path, df: pd.DataFrame, jobs: list[dict]) -> None:
     """Write the record table ``df`` (:func:`frame`) and its per-job objects ``jobs`` (JSON, under
     :data:`JOBS_KEY`) to ``path`` (Parquet, pyarrow; atomically)."""
-    from dflash_eval.core.errors import atomic_path
     table = pa.Table.from_pandas(validate(df, path), schema=SCHEMA, preserve_index=False)
     table = table.replace_schema_metadata({JOBS_KEY: json.dumps(jobs, sort_keys=True, default=_json).encode()})
     with atomic_path(path) as tmp:
@@ -254,24 +278,123 @@ def _plain(x):
     return None if x is None or (not isinstance(x, (list, str)) and pd.isna(x)) else x
 
 
-def offline_jobs(paths) -> list[tuple[str, dict]]:
-    """``(file, evaluate-output view)`` of every offline job of ``paths``, in the given order: records files
-    (:func:`read_records`; one view per job, :func:`job_view`) or evaluate JSONs of any version (made into records by
-    :func:`evaluate_records` first, so both go through the same rows).
+@dataclass(frozen=True)
+class Offline:
+    """The offline (evaluate) records of a run, read once (:func:`load_offline`)."""
+
+    records: pd.DataFrame  #: every offline row of every job (:data:`COLUMNS`)
+    jobs: list  #: ``(file, evaluate-output view)`` per job, in the given order (:func:`job_view`)
+
+
+def load_offline(paths) -> Offline:
+    """The offline jobs of ``paths``, in the given order: records files (:func:`read_records`; one view per job,
+    :func:`job_view`) or evaluate JSONs of any version (made into records by :func:`evaluate_records` first, so both
+    go through the same rows). An :class:`Offline` is returned as it is.
 
     Raises:
-        InputError: an unreadable file (:func:`read_records`, :func:`dflash_eval.report.tau_table.read_eval`).
+        InputError: an unreadable file (:func:`read_records`, :func:`read_eval`).
     """
-    from dflash_eval.report.tau_table import read_eval  # the JSON reader (tau_table imports this module)
-    out = []
+    if isinstance(paths, Offline):
+        return paths
+    parts, views = [], []
     for p in paths:
         if str(p).endswith(".json"):
-            r = read_eval(p)
-            out.append((str(p), job_view(*evaluate_records(r))))
+            df, job = evaluate_records(read_eval(p))
+            parts.append(df)
+            views.append((str(p), job_view(df, job)))
             continue
         df, jobs = read_records([p])
         for job in [j for j in jobs if j.get("source") == "offline"]:
             sub = df[(df["source"] == "offline") & (df["checkpoint"] == job["checkpoint"])
                      & (df["prompt_set"] == job["prompt_set"])]
-            out.append((str(p), job_view(sub, job)))
-    return out
+            parts.append(sub)
+            views.append((str(p), job_view(sub, job)))
+    return Offline(pd.concat(parts, ignore_index=True) if parts else frame([]), views)
+
+
+def _setting(ev: dict, label: str) -> dict:
+    """The sampling setting ``label`` of an evaluate output (``sampling_settings``), as record columns."""
+    st = next((x for x in ev.get("sampling_settings") or [GREEDY] if x["label"] == label), GREEDY)
+    return {"sampling": label, "temperature": float(st["temperature"]), "top_p": float(st.get("top_p", 1.0)),
+            "top_k": int(st.get("top_k", 0))}
+
+
+def _base(source: str, run, ev: dict, checkpoint: str, prompt_set) -> dict:
+    """The job columns of a validation's rows of one checkpoint (its evaluate output ``ev``)."""
+    return {"run": run, "source": source, "checkpoint": checkpoint, "step": ev.get("step"),
+            "variant": ev.get("variant", "dflash"), "prompt_set": ev.get("prompt_set") or prompt_set,
+            "block_size": int(ev["block_size"]), "runs": 1,
+            "trajectory": sampling_label(ev.get("completion_sampling") or {"temperature": 0.0})}
+
+
+def _request(base: dict, i: int, row: dict, lens, **kw) -> dict:
+    """One record of the completions row ``row`` (``id``, ``prompt_ids``, ``max_new_tokens``), the ``i``-th sent;
+    ``lens``: its accepted lengths or None (response length then unknown)."""
+    n = None if lens is None else 1 + sum(lens)  # the prefill token + every token a verify step committed
+    cap = row.get("max_new_tokens")
+    return {**base, "sample_index": i, "sample_id": str(row["id"]), "prompt_len": len(row.get("prompt_ids") or []),
+            "response_len": n, "max_new_tokens": cap, "truncated": None if n is None or cap is None else n >= int(cap),
+            "accepted_lengths": lens, "tau": math.nan if lens is None else sample_tau(lens), **kw}
+
+
+def online_records(result: dict, evals: list[dict], rows: list[dict], run: str | None = None) -> pd.DataFrame:
+    """The records of a ``validate_online`` output ``result`` (:func:`dflash_eval.stages.validate_online.validate_online`):
+    source ``online``; per checkpoint (``evals``: its evaluate outputs, in ``result["checkpoints"]`` order) and mode
+    (``chain``, ``ddtree_<budget>``) one greedy row per prompt of ``rows`` (the completions rows decoded) with the
+    online ``accepted_lengths`` and ``same_output``; per sampled setting one row per prompt and run (``seed``: the
+    run's generator seed, ``tau``: the run's tau; its steps are not kept, ``accepted_lengths`` null)."""
+    out = []
+    for entry, ev in zip(result["checkpoints"], evals):
+        base = _base("online", run, ev, entry["checkpoint"], entry.get("prompt_set"))
+        greedy = {**_setting(ev, "T0"), "draft": REFERENCE}
+        for mode, m in entry.get("modes", {}).items():
+            by = {str(s["id"]): s for s in m["samples"]}
+            out += [_request(base, i, r, by[str(r["id"])]["online"], method=mode, **greedy,
+                             same_output=by[str(r["id"])]["same_output"])
+                    for i, r in enumerate(rows) if str(r["id"]) in by]
+        for label, m in (entry.get("sampling") or {}).items():
+            by = {str(s["id"]): s for s in m["samples"]}
+            for i, r in enumerate(rows):
+                for k, t in enumerate((by.get(str(r["id"])) or {}).get("taus", [])):
+                    out.append({**_request(base, i, r, None, method="chain", **_setting(ev, label), draft=REFERENCE),
+                                "seed": int(result["seed"]) + i * int(result["seeds"]) + k,
+                                "tau": math.nan if t is None else float(t)})
+    return frame(out)
+
+
+def engine_records(result: dict, evals: list[dict], rows: list[dict], run: str | None = None) -> pd.DataFrame:
+    """The records of a ``validate_engine`` output ``result`` (:func:`dflash_eval.stages.validate_engine.validate_engine`):
+    source ``engine``; per greedy checkpoint entry (``evals``: the evaluate outputs of ``result``'s checkpoints, in
+    the order of the stage's ``--evals``, matched by checkpoint) one row per request: the engine's per-step counts
+    converted to the replay's convention (``accepted_lengths``; null where they could not be converted),
+    ``same_output`` (tokens equal to the cached completion), ``divergence`` (the kind,
+    :data:`dflash_eval.serving.vllm.engine.DIVERGENCES`), ``latency_s``; per sampled run (setting, policy) one row
+    per prompt: ``tau`` the mean over its ``runs`` requests (the seeds; per-request steps are not kept)."""
+    by_ckpt = {str(ev.get("checkpoint")): ev for ev in evals}
+    index = {str(r["id"]): i for i, r in enumerate(rows)}
+    out = []
+    for entry in result.get("checkpoints", []):
+        ev = by_ckpt[str(entry["checkpoint"])]
+        base = _base("engine", run, ev, entry["checkpoint"], entry.get("prompt_set"))
+        for q in entry.get("requests", []):
+            i = index[str(q["id"])]
+            out.append(_request(base, i, rows[i], q.get("engine"), method="chain", **_setting(ev, "T0"),
+                                draft=REFERENCE, same_output=q.get("tokens_equal"), divergence=q.get("kind"),
+                                latency_s=q.get("latency_s")))
+    for s in result.get("sampled", []):
+        ev = by_ckpt[str(s["checkpoint"])]
+        base = _base("engine", run, ev, s["checkpoint"], s.get("prompt_set"))
+        for p in s.get("per_prompt") or []:
+            i = index[str(p["id"])]
+            out.append({**_request(base, i, rows[i], None, method="chain", **_setting(ev, s["sampling"]),
+                                   draft=s["draft"]), "runs": int(p["n"]), "tau": float(p["engine"])})
+    return frame(out)
+
+
+def validation_jobs(df: pd.DataFrame, result: dict) -> list[dict]:
+    """The job objects of a validation's records ``df``: per (source, checkpoint, prompt set) its ``run``, and the
+    result's ``device`` / ``dtype`` / ``provenance`` where it has them."""
+    keys = df[["run", "source", "checkpoint", "prompt_set"]].drop_duplicates()
+    extra = {k: result[k] for k in ("device", "dtype", "provenance") if k in result}
+    return [{**{k: (None if pd.isna(v) else str(v)) for k, v in zip(keys.columns, t)}, **extra}
+            for t in keys.itertuples(index=False)]
