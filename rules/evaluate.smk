@@ -71,6 +71,26 @@ rule summary:
         " --out-compare {output.compare:q} > {log:q} 2>&1"
 
 
+# asked for by name (snakemake results/<run>/tau_reslice.csv --config 'reslice={position_bins: [0, 32, 96]}'):
+# re-bins the records, runs no target or drafter
+rule reslice:
+    input:
+        records=lambda wildcards: records_of(PLAN.evaluations(wildcards.run)),
+    output:
+        "results/{run}/tau_reslice.csv",
+    log:
+        "logs/reslice/{run}.log",
+    localrule: True
+    conda:
+        "../envs/cpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    params:
+        options=PLAN.stage_flags("reslice"),
+    shell:
+        "python -m dflash_eval reslice --records {input.records:q} {params.options} --out {output:q} > {log:q} 2>&1"
+
+
 rule report:
     input:
         summary="results/{run}/tau.csv",
