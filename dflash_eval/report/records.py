@@ -126,7 +126,7 @@ def validate(df: pd.DataFrame, path) -> pd.DataFrame:
         raise InputError(path, "source", f"{sorted(bad) or 'null'} is not one of {list(SOURCES)}", fix)
     for b, lens in zip(df["block_size"], df["accepted_lengths"]):
         if lens is not None and len(lens) and (min(lens) < 1 or (pd.notna(b) and max(lens) > int(b))):
-            raise InputError(path, "accepted_lengths", f"an entry of {list(lens)[:8]} is outside 1..{b}", fix)
+            raise InputError(path, "accepted_lengths", f"an entry of {[int(x) for x in lens][:8]} is outside 1..{b}", fix)
     return df
 
 
