@@ -60,12 +60,13 @@ NOTE = (f"Paired bootstrap over prompts ({RESAMPLES} resamples, seed {SEED}; Efr
         "cannot be told apart from on this many prompts (docs/design.md, Comparing checkpoints: paired intervals).")
 
 
-def sample_values(records: pd.DataFrame) -> pd.DataFrame:
+def sample_values(records) -> pd.DataFrame:
     """Per-response tau of every tau-table row, from the run's offline records.
 
     Args:
-        records: record rows (:mod:`dflash_eval.report.records`; :attr:`~dflash_eval.report.records.Offline.records`);
-            the ``offline`` rows of method ``chain`` are used: at ``T0`` the greedy walk, above it the expectation.
+        records: record rows (:mod:`dflash_eval.report.records`; :attr:`~dflash_eval.report.records.Offline.records`),
+            or records files / evaluate JSONs (:func:`~dflash_eval.report.records.load_offline`); the ``offline`` rows
+            of method ``chain`` are used: at ``T0`` the greedy walk, above it the expectation.
 
     Returns:
         long DataFrame, one row per (job, sampling setting, draft policy, sample): ``checkpoint``, ``prompt_set``,
@@ -76,6 +77,7 @@ def sample_values(records: pd.DataFrame) -> pd.DataFrame:
         table's kinds only.
     """
     cols = ["checkpoint"] + KIND + ["sample", "tau"]
+    records = records if isinstance(records, pd.DataFrame) else load_offline(records).records
     rows = records[(records["source"] == "offline") & (records["method"] == "chain")]
     if rows.empty:
         return pd.DataFrame(columns=cols)
