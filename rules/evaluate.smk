@@ -71,8 +71,8 @@ rule summary:
         " --out-compare {output.compare:q} > {log:q} 2>&1"
 
 
-# asked for by name (snakemake results/<run>/tau_reslice.csv --config 'reslice={position_bins: [0, 32, 96]}'):
-# re-bins the records, runs no target or drafter
+# asked for by name (snakemake results/<run>/tau_reslice.csv, the bins in config section reslice): re-bins the
+# records, runs no target or drafter
 rule reslice:
     input:
         records=lambda wildcards: records_of(PLAN.evaluations(wildcards.run)),
