@@ -148,7 +148,8 @@ def read_records(paths) -> tuple[pd.DataFrame, list[dict]]:
     and every file's job objects (each with ``file``: the path it came from).
 
     Raises:
-        InputError: a missing or unreadable file, or one that is not a record table (:func:`validate`).
+        InputError: a missing or unreadable file, or one that is not a record table (another Arrow schema than
+            :data:`SCHEMA`, :func:`validate`).
     """
     files = []
     for p in [Path(x) for x in ([paths] if isinstance(paths, (str, Path)) else paths)]:
@@ -160,6 +161,11 @@ def read_records(paths) -> tuple[pd.DataFrame, list[dict]]:
         except (OSError, ValueError) as err:
             raise InputError(f, None, f"not a readable records file ({err})",
                              "rerun the stage that wrote it (snakemake --forcerun <its rule>)") from None
+        got = table.schema.remove_metadata()
+        if not got.equals(SCHEMA):
+            diff = [f"{x.name}: {x.type}" for x in got if x.name not in SCHEMA.names or SCHEMA.field(x.name).type != x.type]
+            raise InputError(f, "schema", f"not the record schema ({diff[:4] or 'other columns'})",
+                             "rewrite it with the stage of this version (snakemake --forcerun <its rule>)")
         parts.append(validate(table.to_pandas(types_mapper=_types), f))
         meta = (table.schema.metadata or {}).get(JOBS_KEY)
         jobs += [{**j, "file": str(f)} for j in (json.loads(meta) if meta else [])]

@@ -7,6 +7,7 @@ import json
 import math
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -120,6 +121,11 @@ def test_records_refuse_another_schema(tmp_path):
         frame([{"source": "offline", "block_size": 4, "accepted_lengths": [1, 5]}])
     with pytest.raises(InputError, match="differ from the record schema"):
         write_records(tmp_path / "x.records.parquet", df.drop(columns="tau"), [])
+    other = SCHEMA.set(SCHEMA.get_field_index("tau"), pa.field("tau", pa.string()))  # tau as text
+    pq.write_table(pa.Table.from_pandas(df.astype({"tau": str}), schema=other, preserve_index=False),
+                   tmp_path / "y.records.parquet")
+    with pytest.raises(InputError, match=r"schema: not the record schema \(\['tau: string'\]\)"):
+        read_records([tmp_path / "y.records.parquet"])
 
 
 def test_tau_from_records_equals_the_json(tiny_run):
