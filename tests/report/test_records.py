@@ -202,3 +202,30 @@ def test_evaluate_records_of_a_sampled_job_rebuild_its_expectations():
     view = job_view(df, job)  # what the tau table reads: the JSON's per-sample lists and expectations again
     assert view["expected"]["T1"]["samples"] == [exp, None]
     assert [s["acceptance_lengths"] for s in view["samples"]] == [[2, 3], []]
+
+
+def test_validation_records_of_sampled_runs():
+    """validate_online at T > 0: one row per prompt and seed (seed = seed + i * seeds + k); validate_engine at T > 0:
+    one row per prompt holding the mean over its runs."""
+    from dflash_eval.report.records import engine_records, online_records
+
+    ev = {"checkpoint": "ck", "prompt_set": "s", "block_size": 4, "step": 3, "completion_sampling": {"temperature": 1.0},
+          "sampling_settings": [{"label": "T1", "temperature": 1.0, "top_p": 1.0, "top_k": 0}]}
+    rows = [{"id": "a", "prompt_ids": [1, 2], "max_new_tokens": 8}, {"id": "b", "prompt_ids": [1], "max_new_tokens": 8}]
+    online = {"seed": 100, "seeds": 2, "checkpoints": [{"checkpoint": "ck", "prompt_set": "s", "modes": {
+        "chain": {"samples": [{"id": "a", "online": [2, 3], "same_output": True},
+                              {"id": "b", "online": [1], "same_output": False}]}},
+        "sampling": {"T1": {"samples": [{"id": "a", "taus": [2.0, 3.0]}, {"id": "b", "taus": [None, 1.5]}]}}}]}
+    on = online_records(online, [ev], rows, "r")
+    greedy = on[on["sampling"] == "T0"]
+    assert list(greedy["response_len"]) == [6, 2] and list(greedy["same_output"]) == [True, False]
+    assert list(greedy["truncated"]) == [False, False] and list(greedy["prompt_len"]) == [2, 1]
+    t1 = on[on["sampling"] == "T1"]
+    assert list(t1["seed"]) == [100, 101, 102, 103] and list(t1["sample_id"]) == ["a", "a", "b", "b"]
+    assert t1["tau"].tolist()[:2] == [2.0, 3.0] and math.isnan(t1["tau"].iloc[2]) and t1["tau"].iloc[3] == 1.5
+    assert set(t1["temperature"]) == {1.0} and t1["accepted_lengths"].isna().all()
+    engine = {"checkpoints": [], "sampled": [{"checkpoint": "ck", "prompt_set": "s", "sampling": "T1",
+                                              "draft": "argmax", "per_prompt": [{"id": "b", "engine": 1.75, "n": 4}]}]}
+    eng = engine_records(engine, [ev], rows, "r")
+    assert eng[["sample_id", "sample_index", "runs", "tau", "draft"]].values.tolist() == [["b", 1, 4, 1.75, "argmax"]]
+    assert set(on["source"]) == {"online"} and set(eng["source"]) == {"engine"} and list(eng.columns) == SCHEMA.names
