@@ -1,4 +1,7 @@
-"""Stage ``summary`` (rule ``summary``): every evaluate output of the run -> ``tau.csv`` and ``tau.parquet``.
+"""Stage ``summary`` (rule ``summary``): every evaluate job's per-request records -> ``tau.csv`` and ``tau.parquet``.
+
+The rule passes the records (``results/<run>/eval/<ckpt>/<set>.records.parquet``, :mod:`dflash_eval.report.records`),
+read once; evaluate JSONs given instead are made into the same records.
 
 With ``--out-compare`` it also writes ``tau_compare.csv``: every checkpoint against the previous one of its run and
 the best of its set, paired over the same prompts, with 95 % bootstrap intervals (:mod:`dflash_eval.report.compare`).
