@@ -64,12 +64,12 @@ def _step_bins(df: pd.DataFrame, edges: list[int]) -> pd.DataFrame:
         parts.append(steps.rename_axis("row").reset_index())
     sampled = df[df["accepted_lengths"].isna() & df["expected_bin_steps"].notna()]
     if len(sampled):
-        merged = set(edges) <= set(POSITION_BINS)
-        fine = _bins(pd.Series(POSITION_BINS), edges).to_numpy() if merged else None
-        for row, tok, st in zip(sampled.index, sampled["expected_bin_tokens"], sampled["expected_bin_steps"]):
-            for i, (t, s) in enumerate(zip(tok, st)):
-                parts.append(pd.DataFrame({"row": [row], "bin": [fine[i] if merged else -2], "tokens": [float(t)],
-                                           "steps": [float(s)]}))
+        merged = set(edges) <= set(POSITION_BINS)  # each POSITION_BINS bin lies in one new bin: their sums merge
+        fine = _bins(pd.Series(POSITION_BINS), edges).to_numpy() if merged else np.full(len(POSITION_BINS), -2)
+        n = len(POSITION_BINS)
+        parts.append(pd.DataFrame({"row": np.repeat(sampled.index.to_numpy(), n), "bin": np.tile(fine, len(sampled)),
+                                   "tokens": np.concatenate([np.asarray(t, float) for t in sampled["expected_bin_tokens"]]),
+                                   "steps": np.concatenate([np.asarray(t, float) for t in sampled["expected_bin_steps"]])}))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["row", "bin", "tokens", "steps"])
 
 
