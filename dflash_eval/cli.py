@@ -61,6 +61,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "target-costs": ("stages.target_costs", "time the target's decode step, its verify forwards of n tokens and the "
                                             "drafters' block pass per context and batch (inputs of the report's speedup estimate)"),
     "summary": ("stages.summary", "collect per-checkpoint results into tau.csv / tau.parquet"),
+    "reslice": ("stages.reslice", "tau table by new position / prompt-length bins or a sample subset, from the "
+                                  "per-request records only (no target or drafter runs)"),
     "report": ("stages.report", "HTML + markdown report (tau curves and table, histograms, speedup estimate, "
                                 "target agreement, provenance)"),
     "trackers": ("stages.trackers", "log the tau table to TensorBoard / W&B / MLflow at each checkpoint's step"),

@@ -186,6 +186,12 @@ def _check_container_image():
 _check_container_image()
 
 
+def records_of(paths):
+    """The per-request records file beside each job JSON of ``paths`` (``<job>.json`` -> ``<job>.records.parquet``,
+    dflash_eval/report/records.py)."""
+    return [p[: -len(".json")] + ".records.parquet" for p in paths]
+
+
 def target_model_files(wildcards):
     """Target config + weights (what the GPU stages and strip/evaluate read)."""
     return PLAN.target_files()

@@ -13,7 +13,8 @@ rule evaluate:
         strip_info="results/{run}/drafters/{ckpt}/strip_info.json",
         cache=f"results/{{run}}/cache/{{prompt_set}}{CACHE_SUFFIX}",
     output:
-        "results/{run}/eval/{ckpt}/{prompt_set}.json",
+        json="results/{run}/eval/{ckpt}/{prompt_set}.json",
+        records="results/{run}/eval/{ckpt}/{prompt_set}.records.parquet",  # one row per request and method
     log:
         "logs/evaluate/{run}/{ckpt}/{prompt_set}.log",
     benchmark:
@@ -33,14 +34,14 @@ rule evaluate:
         "python -m dflash_eval evaluate --drafter {params.drafter:q}"
         " --cache {input.cache:q} --target {params.target:q}"
         " --target-fingerprint {input.fingerprint:q} {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output.json:q} --out-records {output.records:q} --run {wildcards.run:q} > {log:q} 2>&1"
 
 
 # summary compares the settings each evaluate output (and target_costs.json) records with this config's
 # (params.expected): results copied without .snakemake/ and an option changed since are refused, naming the fix.
 rule summary:
     input:
-        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        records=lambda wildcards: records_of(PLAN.evaluations(wildcards.run)),  # tau.csv is computed from them
         completions=lambda wildcards: PLAN.completions(wildcards.run),  # the loop columns (config section loops)
         costs=PLAN.target_costs_outputs(),
     output:
@@ -64,10 +65,30 @@ rule summary:
         expected=PLAN.expected_settings(),
         options=PLAN.stage_flags("summary"),
     shell:
-        "python -m dflash_eval summary --evals {input.evals:q} --completions {input.completions:q} {params.options}"
+        "python -m dflash_eval summary --evals {input.records:q} --completions {input.completions:q} {params.options}"
         " {params.args} --expected-settings {params.expected:q}"
         " --out-csv {output.csv:q} --out-parquet {output.parquet:q} --out-provenance {output.provenance:q}"
         " --out-compare {output.compare:q} > {log:q} 2>&1"
+
+
+# asked for by name (snakemake results/<run>/tau_reslice.csv, the bins in config section reslice): re-bins the
+# records, runs no target or drafter
+rule reslice:
+    input:
+        records=lambda wildcards: records_of(PLAN.evaluations(wildcards.run)),
+    output:
+        "results/{run}/tau_reslice.csv",
+    log:
+        "logs/reslice/{run}.log",
+    localrule: True
+    conda:
+        "../envs/cpu.yaml"
+    container:
+        config["containers"]["cuda"]
+    params:
+        options=PLAN.stage_flags("reslice"),
+    shell:
+        "python -m dflash_eval reslice --records {input.records:q} {params.options} --out {output:q} > {log:q} 2>&1"
 
 
 rule report:

@@ -23,7 +23,8 @@ rule validate_engine:
         ),
         costs=PLAN.target_costs_outputs(),
     output:
-        "results/{run}/validate_engine.json",
+        json="results/{run}/validate_engine.json",
+        records="results/{run}/validate_engine.records.parquet",  # one row per request (dflash_eval/report/records.py)
     log:
         "logs/validate_engine/{run}.log",
     benchmark:
@@ -50,4 +51,4 @@ rule validate_engine:
         "python -m dflash_eval validate-engine --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} {params.costs} --work-dir {params.work} {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output.json:q} --out-records {output.records:q} --run {wildcards.run:q} > {log:q} 2>&1"

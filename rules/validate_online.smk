@@ -23,7 +23,8 @@ rule validate_online:
             prompt_set=PLAN.validate_online_prompt_set,
         ),
     output:
-        "results/{run}/validate_online.json",
+        json="results/{run}/validate_online.json",
+        records="results/{run}/validate_online.records.parquet",  # one row per request (dflash_eval/report/records.py)
     log:
         "logs/validate_online/{run}.log",
     benchmark:
@@ -46,4 +47,4 @@ rule validate_online:
         "python -m dflash_eval validate-online --target {params.target:q}"
         " --completions {input.completions:q} --drafter {params.drafters}"
         " --evals {input.evals:q} --target-fingerprint {input.fingerprint:q} {params.options}"
-        " --out {output:q} > {log:q} 2>&1"
+        " --out {output.json:q} --out-records {output.records:q} --run {wildcards.run:q} > {log:q} 2>&1"

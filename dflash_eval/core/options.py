@@ -52,6 +52,7 @@ STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "target_costs": ("target_costs", "target.linear_attn_backend", "target.devices", "target.max_memory"),
     "trackers": ("trackers",),
     "summary": ("loops",),
+    "reslice": ("reslice",),
 }
 
 #: JSON ``{stage: {option path joined by ".": value}}`` of the ``x-rerun: false`` options (:func:`runtime_env`)

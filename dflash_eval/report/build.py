@@ -64,6 +64,7 @@ from dflash_eval.report import compare as K
 from dflash_eval.report import context as C
 from dflash_eval.report.agreement import agreement_frame
 from dflash_eval.report.loops import NOLOOP_HEADER, has_loops, loop_notes, side_by_side, with_loop_columns
+from dflash_eval.report.records import load_offline
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
                                        costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
                                        selector_slot_text, selector_table, slot_text, variant_comparison,
@@ -170,7 +171,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
 
     Raises:
         InputError: unreadable inputs."""
-    every = with_loop_columns(summary_frame(evals), summary, TABLE_KEY)
+    offline = load_offline(evals)  # the evaluate outputs as records, read once: the tables and the paired bootstrap
+    every = with_loop_columns(summary_frame(offline), summary, TABLE_KEY)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists, drafter_notes = {}, {}
     for p in evals:
@@ -186,7 +188,7 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
         data.costs = read_costs(costs)
         data.speedups = speedup_frame(frame, data.costs)
     data.table = with_speedups(every, data.costs)
-    data.comparisons = K.comparisons(evals, every)  # every row kind: paired bootstrap intervals
+    data.comparisons = K.comparisons(offline, every)  # every row kind: paired bootstrap intervals
     if prompts_meta:
         metas = {Path(p).name[: -len(".meta.json")]: read_prompt_meta(p) for p in prompts_meta}
         data.extra.append(prompt_sets_section(metas))

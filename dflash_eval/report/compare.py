@@ -34,10 +34,8 @@ import re
 import numpy as np
 import pandas as pd
 
-from dflash_eval.core.errors import InputError
-from dflash_eval.replay.metrics import sample_tau
-from dflash_eval.report.tau_table import (GREEDY_SETTING, REFERENCE_POLICY, checkpoint_order, policy_label,
-                                          read_eval)
+from dflash_eval.report.records import load_offline
+from dflash_eval.report.tau_table import checkpoint_order
 
 #: bootstrap resamples per comparison
 RESAMPLES = 2000
@@ -62,45 +60,34 @@ NOTE = (f"Paired bootstrap over prompts ({RESAMPLES} resamples, seed {SEED}; Efr
         "cannot be told apart from on this many prompts (docs/design.md, Comparing checkpoints: paired intervals).")
 
 
-def sample_values(evals: list[str]) -> pd.DataFrame:
-    """Per-response tau of every tau-table row, read from the evaluate outputs.
+def sample_values(records) -> pd.DataFrame:
+    """Per-response tau of every tau-table row, from the run's offline records.
 
     Args:
-        evals: evaluate JSONs (:func:`dflash_eval.report.tau_table.read_eval`).
+        records: record rows (:mod:`dflash_eval.report.records`; :attr:`~dflash_eval.report.records.Offline.records`),
+            or records files / evaluate JSONs (:func:`~dflash_eval.report.records.load_offline`); the ``offline`` rows
+            of method ``chain`` are used: at ``T0`` the greedy walk, above it the expectation.
 
     Returns:
-        long DataFrame, one row per (evaluate output, sampling setting, draft policy, sample): ``checkpoint``,
-        ``prompt_set``, ``sampling``, ``draft``, ``sample`` (the sample's ``id``, str; ``#<index>`` when the output
-        has no ids or repeats one) and ``tau`` (float64 tokens per verify step, the value the row's ``tau`` averages;
-        NaN for a response without a verify step, left out of the row's tau as well).
-
-    Raises:
-        InputError: an unreadable output (:func:`~dflash_eval.report.tau_table.read_eval`), or a temperature > 0
-            setting without one expectation per sample.
+        long DataFrame, one row per (job, sampling setting, draft policy, sample): ``checkpoint``, ``prompt_set``,
+        ``sampling``, ``draft``, ``sample`` (the sample's ``sample_id``, str; ``#<sample_index>`` when a job has no
+        ids or repeats one) and ``tau`` (float64 tokens per verify step, the value the row's ``tau`` averages; NaN for
+        a response without a verify step, left out of the row's tau as well). Kinds the tau table does not show (a
+        ``T0`` walk of a job configured at temperature > 0 only) are harmless: :func:`compare_frame` looks up the
+        table's kinds only.
     """
-    parts = []
-    for path in evals:
-        r = read_eval(path)
-        ids = [str(s.get("id")) if s.get("id") is not None else None for s in r["samples"]]
-        if None in ids or len(set(ids)) < len(ids):
-            ids = [f"#{i}" for i in range(len(ids))]
-        greedy = [sample_tau(s["acceptance_lengths"]) for s in r["samples"]]
-        for st in r.get("sampling_settings") or [GREEDY_SETTING]:
-            for policy in st.get("draft") or [REFERENCE_POLICY]:
-                if float(st["temperature"]) == 0:
-                    taus = greedy
-                else:
-                    key = policy_label(st["label"], policy)
-                    exp = (r.get("expected") or {}).get(key)
-                    if exp is None or len(exp.get("samples", [])) != len(r["samples"]):
-                        raise InputError(path, f"expected.{key}", "missing or not one entry per sample",
-                                         "re-run its evaluate job (snakemake -R evaluate)")
-                    taus = [math.nan if x is None else float(x["tau"]) for x in exp["samples"]]
-                parts.append(pd.DataFrame({"checkpoint": r["checkpoint"], "prompt_set": r["prompt_set"],
-                                           "sampling": st["label"], "draft": policy, "sample": ids,
-                                           "tau": np.asarray(taus, dtype=np.float64)}))
     cols = ["checkpoint"] + KIND + ["sample", "tau"]
-    return pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
+    records = records if isinstance(records, pd.DataFrame) else load_offline(records).records
+    rows = records[(records["source"] == "offline") & (records["method"] == "chain")]
+    if rows.empty:
+        return pd.DataFrame(columns=cols)
+    rows = rows.assign(sample=rows["sample_id"].astype(object))
+    job = ["run", "checkpoint", "prompt_set", "sampling", "draft"]
+    ids = rows.groupby(job, dropna=False)["sample"]
+    bad = ids.transform(lambda x: x.isna().any() or x.duplicated().any())
+    rows.loc[bad, "sample"] = "#" + rows.loc[bad, "sample_index"].astype(str)
+    out = rows.assign(sample=rows["sample"].astype(str), tau=rows["tau"].astype(np.float64))
+    return out[cols].astype({c: object for c in ["checkpoint"] + KIND}).reset_index(drop=True)
 
 
 def paired_interval(a, b, resamples: int = RESAMPLES, seed: int = SEED,
@@ -213,13 +200,14 @@ def _verdicts(cmp: pd.DataFrame) -> list[str]:
     return out
 
 
-def comparisons(evals: list[str], frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = SEED) -> pd.DataFrame:
-    """:func:`compare_frame` of the tau table ``frame`` built from ``evals`` (read again for their per-sample taus).
+def comparisons(evals, frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = SEED) -> pd.DataFrame:
+    """:func:`compare_frame` of the tau table ``frame`` built from ``evals`` (records files or evaluate JSONs, or
+    those already read: :func:`dflash_eval.report.records.load_offline`), on their per-request taus.
 
     Raises:
-        InputError: see :func:`sample_values`.
+        InputError: an unreadable input (:func:`~dflash_eval.report.records.load_offline`).
     """
-    return compare_frame(frame, sample_values(evals), resamples, seed)
+    return compare_frame(frame, sample_values(load_offline(evals).records), resamples, seed)
 
 
 def _cell(diff, lo, hi) -> str:

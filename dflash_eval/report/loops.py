@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.data.repetition import read_repetition
+from dflash_eval.data.repetition import STORED_NGRAM, read_repetition
 
 #: the tau table's loop columns (module docstring), after its other per-row statistics
 LOOP_COLUMNS = ["n_loop", "tau_noloop", "tau_noloop_se"]
@@ -72,6 +72,19 @@ def read_loops(completions: Sequence, ngram: int, threshold: float) -> Loops:
         InputError: a missing or malformed completions file (:func:`dflash_eval.data.completions.read_completions`).
     """
     return Loops(float(threshold), int(ngram), {set_name(p): read_repetition(p, ngram) for p in completions})
+
+
+def records_loops(records: pd.DataFrame, ngram: int, threshold: float) -> Loops | None:
+    """:class:`Loops` of the per-request records (:mod:`dflash_eval.report.records`: ``repeated_8gram_fraction``,
+    measured by evaluate on the cached completion), for the prompt sets whose every sample has it; None when
+    ``ngram`` is not :data:`~dflash_eval.data.repetition.STORED_NGRAM` (the records hold the 8-gram measure only:
+    pass the completions then) or no set has it."""
+    if int(ngram) != STORED_NGRAM or records.empty:
+        return None
+    rows = records[(records["method"] == "chain") & (records["sampling"] == "T0") & records["sample_id"].notna()]
+    by_set = {str(ps): dict(zip(g["sample_id"].astype(str), g["repeated_8gram_fraction"].astype(float)))
+              for ps, g in rows.groupby("prompt_set") if g["repeated_8gram_fraction"].notna().all()}
+    return Loops(float(threshold), int(ngram), by_set) if by_set else None
 
 
 def loop_columns(agg: Callable, per_sample: Sequence, block_size: int, lens: Sequence[int] | None,

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.core.io import read_json_object
 from dflash_eval.core.schema import sampling_label
 from dflash_eval.data.provenance import check_settings
 from dflash_eval.report.loops import LOOP_COLUMNS, Loops, loop_columns
+from dflash_eval.report.records import Offline, load_offline
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
 from dflash_eval.target.cost_stats import assess
 from dflash_eval.target.costs import ddtree_budgets, speedup
@@ -130,35 +130,14 @@ def table_csv(df: pd.DataFrame) -> str:
     return df.to_csv(index=False, float_format=CSV_FLOAT_FORMAT)
 
 
-EVAL_KEYS = ("checkpoint", "prompt_set", "block_size", "samples")  #: what the table needs of an evaluate output
-
-
-def read_eval(path) -> dict:
-    """One evaluate output (per-sample JSON).
-
-    Raises:
-        InputError: missing file, not JSON, or lacking ``EVAL_KEYS`` / per-sample ``acceptance_lengths``.
-    """
-    if not Path(path).is_file():
-        raise InputError(path, None, "evaluate output not found",
-                         "run its evaluate job first (python -m dflash_eval evaluate ... --out <it>), or fix the path")
-    r = read_json_object(path, "evaluate output", "re-run its evaluate job (snakemake -R evaluate)")
-    missing = [k for k in EVAL_KEYS if k not in r]
-    if not missing and (not isinstance(r["samples"], list)
-                        or not all(isinstance(x, dict) and "acceptance_lengths" in x for x in r["samples"])):
-        missing = ["samples[].acceptance_lengths"]
-    if missing:
-        raise InputError(path, missing[0], "missing: not an evaluate output of this version",
-                         "re-run its evaluate job (snakemake -R evaluate)")
-    return r
-
-
-def summary_frame(evals: list[str], expected: dict | None = None, loops: Loops | None = None) -> pd.DataFrame:
+def summary_frame(evals: list[str] | Offline, expected: dict | None = None, loops: Loops | None = None) -> pd.DataFrame:
     """Rows of the tau table from evaluate outputs (see module docstring).
 
-    Every aggregate is recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the
-    per-sample ``acceptance_lengths`` of each evaluate JSON, so the table cannot disagree
-    with the per-sample data it summarises.
+    ``evals``: records files (``<job>.records.parquet``, :mod:`dflash_eval.report.records`) or evaluate JSONs, which
+    are made into the same records first, or those already read (:func:`dflash_eval.report.records.load_offline`). Every aggregate is
+    recomputed with :func:`dflash_eval.replay.metrics.aggregate` from the per-request ``accepted_lengths`` (at
+    temperature > 0 the per-request expectations) of the records, so the table cannot disagree with the per-request
+    data it summarises.
 
     ``expected``: the settings the config gives (:meth:`dflash_eval.workflow.plan.Plan.expected_settings`), compared with
     each output's provenance block (:func:`dflash_eval.data.provenance.check_settings`); None: not compared.
@@ -166,15 +145,14 @@ def summary_frame(evals: list[str], expected: dict | None = None, loops: Loops |
     the loop columns (:mod:`dflash_eval.report.loops`); None or a set it lacks: left empty.
 
     Raises:
-        InputError: an evaluate output is missing or malformed (:func:`read_eval`), made with other settings than
+        InputError: an evaluate output is missing or malformed (:func:`dflash_eval.report.records.read_eval`), made with other settings than
             ``expected`` gives, two outputs are for the same (checkpoint, prompt set), or a sample is missing from
             the completions ``loops`` holds for its set (:meth:`dflash_eval.report.loops.Loops.flags`).
     """
     rows, budgets = [], set()
     dflash2 = False
     seen: dict[tuple, str] = {}
-    for path in evals:
-        r = read_eval(path)
+    for path, r in load_offline(evals).jobs:  # every output as its records (dflash_eval.report.records)
         if expected:
             check_settings(path, r.get("provenance"), expected, str(r["prompt_set"]), "evaluate",
                            f"rerun the evaluate jobs with this config: snakemake --forcerun evaluate (or delete {path})")

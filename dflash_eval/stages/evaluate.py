@@ -36,6 +36,8 @@ from dflash_eval.replay.metrics import aggregate, aggregate_expected, selector_s
 from dflash_eval.core.progress import Progress
 from dflash_eval.replay.chain import SampleResult, replay
 from dflash_eval.data.provenance import stage_block, write_json
+from dflash_eval.data.repetition import repeated_ngram_fraction
+from dflash_eval.report.records import evaluate_records, records_path, write_records
 from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
 from dflash_eval.replay.policies import (DraftSetting, applicable_policies, check_policy, engine_settings,
                                          vllm_draft_sample_method)
@@ -62,18 +64,22 @@ def add_arguments(p) -> None:
     p.add_argument("--target-fingerprint", default=None, metavar="JSON",
                    help="record written by 'target-fingerprint' (the weights are not hashed again while it matches)")
     p.add_argument("--out", required=True, help="per-sample results JSON")
+    p.add_argument("--out-records", default=None,
+                   help="per-request records (default: <out>.records.parquet beside --out; dflash_eval.report.records)")
+    p.add_argument("--run", default=None, help="the run's name, the records' run column (the workflow passes it)")
 
 
 def main(args, opts) -> None:
     evaluate(args.drafter, args.cache, args.target, args.out, opts, block_size=args.block_size or None,
              checkpoint_name=args.checkpoint_name, prompt_set=args.prompt_set,
-             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint)
+             allow_backend_mismatch=args.allow_backend_mismatch, target_fingerprint=args.target_fingerprint,
+             out_records=args.out_records, run=args.run)
 
 
 def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size: int | None = None,
              checkpoint_name: str | None = None, prompt_set: str | None = None,
              allow_backend_mismatch: bool = False, target_fingerprint: str | Path | None = None,
-             **overrides) -> dict:
+             out_records=None, run: str | None = None, **overrides) -> dict:
     """Replay one drafter over one cache and write per-sample acceptance as JSON.
 
     Args:
@@ -95,6 +101,10 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         checkpoint_name, prompt_set: row labels (default: the drafter folder name, the cache file stem).
         allow_backend_mismatch: evaluate a cache made with another linear-attention kernel.
         target_fingerprint: the ``target-fingerprint`` record (the weights are not hashed again).
+        out_records: the per-request records (:func:`dflash_eval.report.records.evaluate_records` of the JSON, with
+            each completion's repeated 8-gram fraction measured on the cached tokens); None: ``<out stem>.records.parquet``
+            beside ``out`` (:func:`dflash_eval.report.records.records_path`).
+        run: the records' ``run`` column (None: null).
         **overrides: option values, when ``opts`` is not given (``evaluate(..., device="cpu")``).
 
     Output JSON keys: ``checkpoint``, ``prompt_set``, ``block_size``, ``replay``, ``samples`` (``id``,
@@ -150,7 +160,9 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
         sampled = draft_settings(opts, settings, inputs.drafter.cfg.variant)
         expectations: dict[str, list] = {st.label: [] for st in sampled}
-        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations)
+        repetition: dict[int, float] = {}
+        results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations,
+                                                                      repetition)
         result = _result(inputs, opts, B, results, trees, elapsed, tree_s, checkpoint_name, prompt_set)
         if walked:
             _add_selector(result, walked, B, inputs.n)
@@ -163,6 +175,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         "drafter_weights": (strip_info.get("sha256") or {}).get("model.safetensors"),
         "completions": result["cache"]["completions_sha256"], "cache_header": result["cache"]["header_sha256"]})
     write_json(out, result)
+    write_records(out_records or records_path(out), *_records(result, run, repetition))
     log.info("evaluate %s on %s: tau %.4f over %d samples (%d verify steps, %.1f s, %.0f tok/s, %s %s, %s replay)",
              result["checkpoint"], result["prompt_set"], result["tau"], result["n_samples"], result["verify_steps"],
              elapsed, n_comp / max(elapsed, 1e-9), result["device"], result["dtype"], opts.replay)
@@ -231,12 +244,13 @@ def _check_backend(attrs: dict, cache_path, training_backend: str, allow_mismatc
                          "re-extract with target.linear_attn_backend matching training, or pass --allow-backend-mismatch")
 
 
-def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
+def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, repetition=None):
     """Replay every sample (longest first, in memory-sized groups); returns per-index results and trees.
 
     With ``sampled`` settings (temperature > 0; DFlash 1) the chain, every DDTree budget and every setting's
     expectation come from one all-anchor pass (:func:`_sampled_pass`); ``expectations[label]`` gets
-    ``(index, ResponseExpectation | None)`` per sample."""
+    ``(index, ResponseExpectation | None)`` per sample; ``repetition[index]`` the repeated 8-gram fraction of each
+    sample's cached completion (:func:`dflash_eval.data.repetition.repeated_ngram_fraction`)."""
     reader, drafter, n = inputs.reader, inputs.drafter, inputs.n
     cfg = drafter.cfg
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
@@ -280,6 +294,8 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None):
         for s, rec in zip(samples, recs):
             results[s.index] = SampleResult(s.sample_id, s.prompt_len, len(s.input_ids) - s.prompt_len, rec,
                                             s.max_new_tokens)
+            if repetition is not None:
+                repetition[s.index] = repeated_ngram_fraction(s.input_ids[s.prompt_len:].tolist())
         bar.update(sum(len(s.input_ids) - s.prompt_len for s in samples))
         log.debug("replayed %d/%d samples", len(results), n)
     bar.close()
@@ -521,6 +537,12 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
             row["acceptance_lengths_ddtree"] = {str(b): trees[i][b] for b in budgets}
         log.info("DDTree tau by node budget: %s", {b: round(result["ddtree"][str(b)]["tau"], 3) for b in budgets})
     return result
+
+
+def _records(result: dict, run: str | None, repetition: dict) -> tuple:
+    """The per-request records and job object of the output ``result`` (:func:`dflash_eval.report.records.evaluate_records`)."""
+    df, job = evaluate_records(result, run, repetition)
+    return df, [job]
 
 
 def _add_selector(result: dict, walked: dict, B: int, n: int) -> None:

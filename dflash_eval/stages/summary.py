@@ -1,4 +1,7 @@
-"""Stage ``summary`` (rule ``summary``): every evaluate output of the run -> ``tau.csv`` and ``tau.parquet``.
+"""Stage ``summary`` (rule ``summary``): every evaluate job's per-request records -> ``tau.csv`` and ``tau.parquet``.
+
+The rule passes the records (``results/<run>/eval/<ckpt>/<set>.records.parquet``, :mod:`dflash_eval.report.records`),
+read once; evaluate JSONs given instead are made into the same records.
 
 With ``--out-compare`` it also writes ``tau_compare.csv``: every checkpoint against the previous one of its run and
 the best of its set, paired over the same prompts, with 95 % bootstrap intervals (:mod:`dflash_eval.report.compare`).
@@ -30,7 +33,8 @@ from dflash_eval.core.errors import atomic_path
 from dflash_eval.core.io import sha256_file
 from dflash_eval.data.provenance import block, check_settings, settings_of, write_json
 from dflash_eval.report.compare import comparisons
-from dflash_eval.report.loops import read_loops
+from dflash_eval.report.loops import read_loops, records_loops
+from dflash_eval.report.records import load_offline
 from dflash_eval.report.tau_table import summary_frame, table_csv, with_speedups, write_parquet
 from dflash_eval.target.costs import read_costs
 
@@ -40,7 +44,9 @@ STAGE = "summary"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs (results/<run>/eval/<ckpt>/<set>.json)")
+    p.add_argument("--evals", nargs="+", required=True,
+                   help="the evaluate jobs' records (results/<run>/eval/<ckpt>/<set>.records.parquet; the workflow "
+                        "passes these) or their JSONs (<set>.json, made into the same records when read)")
     p.add_argument("--out-csv", required=True, help="tau.csv")
     p.add_argument("--out-parquet", required=True, help="tau.parquet")
     p.add_argument("--out-provenance", default=None,
@@ -71,7 +77,8 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
     """Write ``tau.csv``, ``tau.parquet`` and (``out_provenance``) ``tau.provenance.json`` atomically; returns the frame.
 
     Args:
-        evals: evaluate outputs.
+        evals: the evaluate jobs' records files (:mod:`dflash_eval.report.records`) or their JSONs (made into the
+            same records when read: :func:`dflash_eval.report.records.load_offline`); read once.
         out_csv, out_parquet: the two tables.
         costs: ``target_costs.json`` path, or None: the speedup columns (:func:`dflash_eval.report.tau_table.speedup_columns`)
             are filled from it, else left empty.
@@ -81,7 +88,8 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         out_compare: where to write ``tau_compare.csv`` (:func:`dflash_eval.report.compare.comparisons`); None: not
             written.
         completions: the completions files of the prompt sets (named ``<set>.jsonl``), for the loop columns
-            (:func:`dflash_eval.report.loops.read_loops`); None or []: those columns are empty.
+            (:func:`dflash_eval.report.loops.read_loops`); None or []: the records' ``repeated_8gram_fraction`` at
+            ``loops.ngram`` 8 (:func:`dflash_eval.report.loops.records_loops`), else those columns are empty.
         opts: the stage's options (:func:`dflash_eval.core.options.make`; config section ``loops``); None: the
             schema's defaults.
 
@@ -92,8 +100,10 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
             (:meth:`dflash_eval.report.loops.Loops.flags`).
     """
     opts = opts if opts is not None else options_mod.make(STAGE)
-    loops = read_loops(completions, opts.ngram, opts.threshold) if completions else None
-    df = summary_frame(evals, expected, loops)
+    offline = load_offline(evals)  # every job's records, read once: the tau table and the paired bootstrap
+    loops = read_loops(completions, opts.ngram, opts.threshold) if completions else \
+        records_loops(offline.records, opts.ngram, opts.threshold)
+    df = summary_frame(offline, expected, loops)
     cost_data = read_costs(costs) if costs else None
     if cost_data is not None and expected:
         check_settings(costs, cost_data.get("provenance"), expected, "run", "target_costs",
@@ -110,7 +120,7 @@ def write_summary(evals: list[str], out_csv, out_parquet, costs=None, expected: 
         write_json(out_provenance, prov)
     if out_compare:
         with atomic_path(out_compare) as tmp:
-            tmp.write_text(table_csv(comparisons(evals, df)))
+            tmp.write_text(table_csv(comparisons(offline, df)))
     shown = ["checkpoint", "step", "prompt_set", "n_samples", "tau", "tau_tokens_per_step"]
     if loops is not None:
         shown += ["n_loop", "tau_noloop"]

@@ -37,7 +37,8 @@ from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.replay.policies import applicable_policies, vllm_draft_sample_method
 from dflash_eval.replay.sampling import SamplingSetting
-from dflash_eval.report.tau_table import policy_label, read_eval
+from dflash_eval.report.records import engine_records, read_eval, records_path, validation_jobs, write_records
+from dflash_eval.report.tau_table import policy_label
 from dflash_eval.serving import lossless
 from dflash_eval.serving.clients import ServerError, ServerUnavailable
 from dflash_eval.serving.vllm.engine import DIVERGENCES, EngineOptions, compare, serve_and_measure
@@ -63,11 +64,14 @@ def add_arguments(p) -> None:
     p.add_argument("--work-dir", default=None, help="scratch folder for the servers' logs and helper modules "
                                                     "(default: beside --out)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the numbers")
+    p.add_argument("--out-records", default=None, help="per-request records (default: <out>.records.parquet beside "
+                                                       "--out; dflash_eval.report.records)")
+    p.add_argument("--run", default=None, help="the run's name, the records' run column (the workflow passes it)")
 
 
 def main(args, opts) -> None:
     validate_engine(args.target, args.completions, args.drafter, args.evals, args.out, opts,
-                    target_costs=args.target_costs, work_dir=args.work_dir)
+                    target_costs=args.target_costs, work_dir=args.work_dir, out_records=args.out_records, run=args.run)
 
 
 def _engine_options(opts) -> EngineOptions:
@@ -86,7 +90,7 @@ def _estimate(costs: dict | None, checkpoint: str, tau: float, block_size: int) 
 
 
 def validate_engine(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None, *,
-                    target_costs=None, work_dir=None,
+                    target_costs=None, work_dir=None, out_records=None, run: str | None = None,
                     **overrides) -> dict:
     """vLLM's acceptance and speed for every drafter next to the offline replay of the same samples.
 
@@ -117,6 +121,9 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
             the server settings of :class:`dflash_eval.serving.vllm.engine.EngineOptions`.
         target_costs: ``target_costs.json`` (optional) for the cost-model estimate.
         work_dir: scratch folder (default ``<out>.work``).
+        out_records: the per-request records (source ``engine``,
+            :func:`dflash_eval.report.records.engine_records`); None: ``<out stem>.records.parquet`` beside ``out``.
+        run: the records' ``run`` column (None: null).
 
 
     Raises:
@@ -161,6 +168,8 @@ def validate_engine(target_dir, completions_path, drafters: list[str], evals: li
                                                    _sampled_markdown(result)) if x)
     result["provenance"] = stage_block(STAGE, opts)
     result.update(write_json(out, result, default=float))
+    records = engine_records(result, loaded, rows, run)
+    write_records(out_records or records_path(out), records, validation_jobs(records, result))
     return result
 
 

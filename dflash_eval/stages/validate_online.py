@@ -29,7 +29,7 @@ from dflash_eval.replay.expected import response_expectations
 from dflash_eval.replay.metrics import aggregate
 from dflash_eval.replay.online import check_target_supported, spec_generate
 from dflash_eval.replay.sampling import SamplingSetting, token_probs
-from dflash_eval.report.tau_table import read_eval
+from dflash_eval.report.records import online_records, read_eval, records_path, validation_jobs, write_records
 from dflash_eval.serving.generation import stop_token_ids
 from dflash_eval.target.model import load_target
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
@@ -54,11 +54,14 @@ def add_arguments(p) -> None:
                         "passes it)")
     p.add_argument("--out", required=True, help="JSON with title + markdown (for report --extra) and the per-sample "
                                                 "comparison")
+    p.add_argument("--out-records", default=None, help="per-request records (default: <out>.records.parquet beside "
+                                                       "--out; dflash_eval.report.records)")
+    p.add_argument("--run", default=None, help="the run's name, the records' run column (the workflow passes it)")
 
 
 def main(args, opts) -> None:
     validate_online(args.target, args.completions, args.drafter, args.evals, args.out, opts,
-                    target_fingerprint=args.target_fingerprint)
+                    target_fingerprint=args.target_fingerprint, out_records=args.out_records, run=args.run)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -70,7 +73,7 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 
 def validate_online(target_dir, completions_path, drafters: list[str], evals: list[str], out, opts=None,
-                    target_fingerprint=None, **overrides) -> dict:
+                    target_fingerprint=None, out_records=None, run: str | None = None, **overrides) -> dict:
     """Online speculative decoding of the first ``n_samples`` prompts vs the offline replay of the same samples.
 
     Per drafter (paired with its evaluate JSON on the same prompt set) and per mode (``chain``, and
@@ -116,6 +119,9 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
             prompt and setting), ``seed`` (run k of the i-th prompt draws from a ``torch.Generator``
             seeded with ``seed + i * seeds + k``), ``device``, ``dtype`` (``auto``: cuda/bf16 if
             available, else cpu/float32).
+        out_records: the per-request records (source ``online``,
+            :func:`dflash_eval.report.records.online_records`); None: ``<out stem>.records.parquet`` beside ``out``.
+        run: the records' ``run`` column (None: null).
         **overrides: option values, when ``opts`` is not given.
 
     Raises:
@@ -205,6 +211,8 @@ def validate_online(target_dir, completions_path, drafters: list[str], evals: li
     result["provenance"] = stage_block(STAGE, opts, {"target": target_sha, **{
         str(e): (ev.get("provenance") or {}).get("inputs_sha256", {}).get("drafter_weights") for e, ev in zip(evals, loaded)}})
     result.update(write_json(out, result))
+    records = online_records(result, loaded, rows, run)
+    write_records(out_records or records_path(out), records, validation_jobs(records, result))
     return result
 
 

@@ -220,7 +220,8 @@ def test_rule_files_hold_only_rules():
 
 
 @pytest.mark.parametrize("stage", ["prompts", "completions", "hidden_states", "evaluate", "kernel_parity", "fp8_parity",
-                                   "engine_parity", "validate_online", "validate_engine", "target_costs", "summary"])
+                                   "engine_parity", "validate_online", "validate_engine", "target_costs", "summary",
+                                   "reslice"])
 def test_every_schema_option_of_a_stage_is_a_flag_and_a_field(stage):
     """One definition: the schema entries a stage reads are its dataclass fields and CLI flags, with the schema's
     defaults; the rule passes every one of them."""
