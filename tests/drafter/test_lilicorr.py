@@ -1,0 +1,237 @@
+"""LiLiCorr: the strict geometry, the path walks on hand-computed lattices, the checkpoint layout and the trainer."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_eval.core.errors import InputError
+from dflash_eval.drafter.families.lilicorr import ARCHITECTURE, LiLiCorr, LiLiCorrConfig, export_config
+from dflash_eval.drafter.lilicorr_drafter import (build_lilicorr, greedy_indices, greedy_path, lattice_transitions,
+                                                  load_lilicorr, rerank_block, sample_path_sglang, sample_path_vllm,
+                                                  save_lilicorr, strip_lilicorr)
+
+GEOMETRY = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16, "lilicorr_num_layers": 2,
+            "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0, "lilicorr_factor_dim": 8,
+            "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 8.0}
+
+
+def drafter_config(**geometry) -> dict:
+    """A one-layer DFlash 1 backbone (hidden 32, vocab 50, block 4) with the LiLiCorr geometry."""
+    return {"architectures": [ARCHITECTURE], "model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64,
+            "vocab_size": 50, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 128,
+            "dflash_config": {"target_layer_ids": [0, 1], "block_size": 4, "mask_token_id": 49,
+                              **{k: v for k, v in {**GEOMETRY, **geometry}.items() if v is not None}}}
+
+
+# ----------------------------------------------------------------------------- strict geometry
+
+def test_missing_logit_scale_is_refused_naming_it():
+    with pytest.raises(InputError) as err:
+        LiLiCorrConfig.from_dict(drafter_config(lilicorr_logit_scale=None), "c.json")
+    assert err.value.field == "dflash_config.lilicorr_logit_scale" and "missing" in err.value.problem
+
+
+def test_nonfinite_vector_eps_is_refused_naming_it():
+    with pytest.raises(InputError) as err:
+        LiLiCorrConfig.from_dict(drafter_config(lilicorr_vector_eps=float("nan")), "c.json")
+    assert err.value.field == "dflash_config.lilicorr_vector_eps" and "finite" in err.value.problem
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("lilicorr_num_layers", 2.0, "integer"), ("lilicorr_candidate_topk", True, "integer"),
+    ("lilicorr_mlp_ratio", "2", "number"), ("lilicorr_logit_scale", 0.0, "> 0"),
+    ("lilicorr_logit_scale", float("inf"), "finite"), ("lilicorr_vector_eps", 0.5, "(0, 0.5)"),
+    ("lilicorr_num_heads", 3, "divide"), ("lilicorr_hidden_size", -1, ">= 0")])
+def test_wrong_values_are_refused_naming_the_field(field, value, words):
+    with pytest.raises(InputError) as err:
+        LiLiCorrConfig.from_dict(drafter_config(**{field: value}), "c.json", model_hidden=32)
+    assert err.value.field == f"dflash_config.{field}" and words in err.value.problem
+
+
+def test_geometry_is_read_as_given_and_written_back():
+    g = LiLiCorrConfig.from_dict(drafter_config(lilicorr_candidate_topk=3, lilicorr_hidden_size=0), model_hidden=32)
+    assert (g.candidate_topk, g.hidden_size, g.logit_scale, g.vector_eps) == (3, 0, 8.0, 1e-4)
+    assert any("power of two" in n for n in g.notes) and any("TensorRT-LLM" in n for n in g.notes)
+    out = export_config({"dflash_config": {"selector_top_k": 8, "selector_rank": 4, "block_size": 4}}, g)
+    assert out["architectures"] == [ARCHITECTURE] and "selector_top_k" not in out["dflash_config"]
+    assert out["dflash_config"]["lilicorr_logit_scale"] == 8.0 and out["dflash_config"]["lilicorr_enabled"] is True
+
+
+def test_family_claims_and_reads_its_fields():
+    fam, cfg, notes = LiLiCorr(), drafter_config(), []
+    assert fam.claims(cfg, cfg["dflash_config"]) and not fam.claims({}, {"block_size": 4})
+    fields = fam.read_fields(cfg, cfg["dflash_config"], "c.json", {"hidden_size": 32, "vocab_size": 50}, notes)
+    assert fields == GEOMETRY
+    with pytest.raises(InputError, match="exceed vocab_size 3"):
+        fam.read_fields(cfg, cfg["dflash_config"], "c.json", {"hidden_size": 32, "vocab_size": 3}, notes)
+
+
+# ----------------------------------------------------------------------------- the path, by hand
+
+IDS = torch.tensor([[[10, 11, 12], [20, 21, 22], [30, 31, 32]]])
+START = torch.tensor([[3.0, 2.0, 0.0]])
+PAIR = torch.tensor([[[[0.0, 1.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]],     # slot 1 -> slot 2, rows = from
+                      [[0.0, 2.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]]])   # slot 2 -> slot 3
+
+
+def test_greedy_is_left_to_right_not_the_slot_argmax_nor_the_best_path():
+    # slot 1: argmax [3, 2, 0] = rank 0 (10); slot 2: row 0 of pair 1 = [0, 1, 0] -> rank 1 (21);
+    # slot 3: row 1 of pair 2 = [0, 0, 1] -> rank 2 (32); path score 3 + 1 + 1 = 5
+    assert greedy_indices(START, PAIR).tolist() == [[0, 1, 2]]
+    assert greedy_path(START, PAIR, IDS).tolist() == [[10, 21, 32]]
+    assert IDS[..., 0].tolist() == [[10, 20, 30]]  # the backbone's chain (rank 0 everywhere)
+    score = {p: START[0, p[0]] + PAIR[0, 0, p[0], p[1]] + PAIR[0, 1, p[1], p[2]]
+             for p in itertools.product(range(3), repeat=3)}
+    best = max(score, key=score.get)
+    assert best == (1, 0, 1) and float(score[best]) == 9.0  # 2 + 5 + 2: Viterbi's path, tokens 11, 20, 31
+
+
+def test_greedy_ties_go_to_the_lower_rank():
+    assert greedy_indices(torch.tensor([[1.0, 1.0]]), torch.tensor([[[[0.0, 0.0], [3.0, 0.0]]]])).tolist() == [[0, 0]]
+
+
+LOG = torch.log
+SAMPLED_START = LOG(torch.tensor([[0.5, 0.25, 0.25]]))
+SAMPLED_PAIR = torch.stack([torch.stack([LOG(torch.tensor([1 / 3] * 3)), LOG(torch.tensor([0.2, 0.6, 0.2])),
+                                         LOG(torch.tensor([1 / 3] * 3))]),
+                            torch.stack([LOG(torch.tensor([0.1, 0.3, 0.6])), LOG(torch.tensor([1 / 3] * 3)),
+                                         LOG(torch.tensor([1 / 3] * 3))])])[None]
+
+
+def test_sglang_sampled_commit_with_fixed_uniforms():
+    # slot 1: cdf [.5, .75, 1], u .6 -> 1 cdf entry <= u -> rank 1 (11)
+    # slot 2: row 1 = [.2, .6, .2], cdf [.2, .8, 1], u .1 -> rank 0 (20)
+    # slot 3: row 0 = [.1, .3, .6], cdf [.1, .4, 1], u .35 -> rank 1 (31)
+    tokens, q = sample_path_sglang(SAMPLED_START, SAMPLED_PAIR, IDS, torch.tensor([[0.6, 0.1, 0.35]]), 1.0)
+    assert tokens.tolist() == [[11, 20, 31]]
+    assert torch.allclose(q[0], torch.tensor([[0.5, 0.25, 0.25], [0.2, 0.6, 0.2], [0.1, 0.3, 0.6]]), atol=1e-6)
+    # temperature 2: slot 1 is softmax(log p / 2) = sqrt(p) normalised = [.4142, .2929, .2929]; u .39 -> rank 0
+    tokens, q = sample_path_sglang(SAMPLED_START, SAMPLED_PAIR, IDS, torch.tensor([[0.39, 0.1, 0.35]]), 2.0)
+    assert tokens[0, 0] == 10 and abs(float(q[0, 0, 0]) - math.sqrt(0.5) / (math.sqrt(0.5) + 1)) < 1e-6
+    # a greedy row (T = 0) walks the greedy path and reports one-hot q
+    tokens, q = sample_path_sglang(START, PAIR, IDS, torch.tensor([[0.99, 0.99, 0.99]]), 0.0)
+    assert tokens.tolist() == [[10, 21, 32]] and q[0].argmax(-1).tolist() == [0, 1, 2] and float(q.sum()) == 3.0
+
+
+def test_vllm_gumbel_walk_with_fixed_noise():
+    # slot 1: log[.5, .25, .25] + [0, 1, 0] = [-.69, .31, -1.39] -> rank 1; slot 2: row 1 log[.2, .6, .2] + 0 ->
+    # rank 1 (21); slot 3: pair 2 row 1 is uniform, noise [0, 0, .5] -> rank 2 (32)
+    noise = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.5]]])
+    tokens, q = sample_path_vllm(SAMPLED_START, SAMPLED_PAIR, IDS, noise, 1.0)
+    assert tokens.tolist() == [[11, 21, 32]]
+    assert torch.allclose(q[0, 1], torch.tensor([0.2, 0.6, 0.2]), atol=1e-6)
+    assert sample_path_vllm(START, PAIR, IDS, noise, 0.0)[0].tolist() == [[10, 21, 32]]
+
+
+def test_lattice_transitions():
+    first, trans = lattice_transitions(SAMPLED_START, SAMPLED_PAIR, 1.0)
+    assert torch.allclose(first, torch.tensor([[0.5, 0.25, 0.25]])) and torch.allclose(trans[0, 1, 0],
+                                                                                          torch.tensor([0.1, 0.3, 0.6]))
+    first, trans = lattice_transitions(START, PAIR, 0.0)
+    assert first.tolist() == [[1.0, 0.0, 0.0]] and trans[0, 0, 1].tolist() == [1.0, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- the model and its layout
+
+def random_model(seed: int = 0, **geometry):
+    torch.manual_seed(seed)
+    model = build_lilicorr(drafter_config(**geometry))
+    with torch.no_grad():
+        for p in list(model.backbone.parameters()) + list(model.head.parameters()):
+            p.copy_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def test_head_keys_are_the_engines():
+    head = random_model().head.state_dict()
+    for key in ("feature_mlp.0.weight", "feature_mlp.1.bias", "feature_mlp.3.weight", "layers.1.mlp.0.weight",
+                "layers.1.mlp.2.bias", "layers.0.attn.in_proj_weight", "layers.0.attn.out_proj.weight",
+                "token_proj.weight", "anchor_out_head.bias", "output_norm.weight", "anchor_norm.weight"):
+        assert key in head, key
+    assert head["slot_embedding"].shape == (1, 1, 3, 1, 16) and head["rank_embedding"].shape == (1, 1, 1, 4, 16)
+    assert head["relative_slot_bias"].shape == (2, 7)
+    assert "token_proj.weight" not in random_model(lilicorr_hidden_size=0).head.state_dict()  # identity at 32 wide
+
+
+def _inputs(model, n=2, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, 3, 32, generator=g)
+    embed, head = torch.randn(50, 32, generator=g), torch.randn(50, 32, generator=g)
+    anchor = torch.randn(n, 32, generator=g)
+    return hidden, head, embed, anchor
+
+
+def test_round_trip_of_the_format(tmp_path):
+    model = random_model()
+    folder = save_lilicorr(model, tmp_path / "out")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHITECTURE] and cfg["dflash_config"]["lilicorr_vector_eps"] == 1e-4
+    assert {"lilicorr.out_head.weight", "fc.weight", "layers.0.mlp.gate_proj.weight"} <= set(
+        load_file(str(folder / "model.safetensors")))
+    back = load_lilicorr(folder)
+    ref = {k: v.to(torch.bfloat16).float() for k, v in model.head.state_dict().items()}
+    assert all(torch.equal(back.head.state_dict()[k], ref[k]) for k in ref)
+    with torch.no_grad():  # the reloaded head scores the bf16-rounded model's lattice exactly
+        for p in list(model.head.parameters()) + list(model.backbone.parameters()):
+            p.copy_(p.to(torch.bfloat16).float())
+    hidden, head, embed, anchor = _inputs(model)
+    a, b = rerank_block(model, hidden, head, embed, anchor), rerank_block(back, hidden, head, embed, anchor)
+    assert torch.equal(a.start, b.start) and torch.equal(a.pair, b.pair) and torch.equal(a.path, b.path)
+
+
+def test_missing_or_unexpected_head_keys_are_refused(tmp_path):
+    folder = save_lilicorr(random_model(), tmp_path / "out")
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "lilicorr.in_head.bias"}, str(folder / "model.safetensors"))
+    with pytest.raises(InputError) as err:
+        load_lilicorr(folder)
+    assert err.value.field == "lilicorr.in_head.bias"
+    save_file({**state, "lilicorr.extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"))
+    with pytest.raises(InputError) as err:
+        load_lilicorr(folder)
+    assert err.value.field == "lilicorr.extra.weight"
+
+
+def test_rerank_block_diagnostics():
+    model = random_model()
+    hidden, head, embed, anchor = _inputs(model)
+    out = rerank_block(model, hidden, head, embed, anchor)
+    assert out.path.tolist() == greedy_path(out.start, out.pair, out.candidates).tolist()
+    assert out.chain.tolist() == out.candidates[..., 0].tolist()
+    assert torch.allclose(out.log_probs.exp().sum(-1) <= 1.0 + 1e-6, torch.tensor(True))
+    c = out.candidates
+    target = torch.stack([c[:, 0, 1], c[:, 1, 2], torch.full_like(c[:, 0, 0], 10_000)], dim=1)
+    out = rerank_block(model, hidden, head, embed, anchor, target=target)
+    assert out.in_candidates.tolist() == [[True, True, False]] * 2
+    assert out.oracle_prefix.tolist() == [2, 2] and out.chain_prefix.tolist() == [0, 0]
+    assert out.path_prefix.tolist() == [int(p) for p in ((out.path == target).long().cumprod(-1).sum(-1))]
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+def test_trainer_loss_decreases_and_strips(tmp_path):
+    from tiny import make_tiny_pipeline  # tests/ on sys.path (tests/conftest.py)
+
+    from dflash_eval.drafter.train_lilicorr import LiLiCorrTrainConfig, train_lilicorr
+
+    d = make_tiny_pipeline(tmp_path / "p", layer_ids=[1, 2], block_size=4, max_new_tokens=24)
+    cfg = LiLiCorrTrainConfig(candidate_topk=8, hidden_size=16, num_layers=1, num_heads=2, factor_dim=8,
+                              seqs_per_step=3, anchors=8, max_steps=20, log_every=1, lr=3e-3, w_ce=1.0,
+                              w_pen=0.25, init_from=str(d["dir"] / "drafter"))
+    saved = train_lilicorr(d["target_dir"], d["dir"] / "c.jsonl", tmp_path / "out", cfg, device="cpu")
+    assert [p.name for p in saved] == ["step20.pt"]
+    log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log]
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+    assert log[0]["supervised"] > 0
+    model = load_lilicorr(strip_lilicorr(saved[0], tmp_path / "stripped"))
+    assert model.geometry.candidate_topk == 8 and model.head.hidden == 16
+    assert load_lilicorr(tmp_path / "out" / "stripped").geometry == model.geometry
