@@ -187,6 +187,18 @@ def test_round_trip_of_the_format(tmp_path):
     assert torch.equal(a.start, b.start) and torch.equal(a.pair, b.pair) and torch.equal(a.path, b.path)
 
 
+def test_a_dflash2_backbone_keeps_its_convs_and_drops_the_selector(tmp_path):
+    model = random_model(conv_kernel_size=2, conv_group_size=8)
+    assert model.backbone.candidate_selector is None and model.backbone.layers[0].attention_conv is not None
+    folder = save_lilicorr(model, tmp_path / "out")
+    cfg, keys = json.loads((folder / "config.json").read_text()), set(load_file(str(folder / "model.safetensors")))
+    assert cfg["dflash_config"]["conv_kernel_size"] == 2 and "selector_top_k" not in cfg["dflash_config"]
+    assert "layers.0.attention_conv.base_kernel" in keys and not any("candidate_selector" in k for k in keys)
+    back = load_lilicorr(folder)
+    assert torch.equal(back.backbone.layers[0].mlp_conv.base_kernel,
+                       model.backbone.layers[0].mlp_conv.base_kernel.to(torch.bfloat16).float())
+
+
 def test_missing_or_unexpected_head_keys_are_refused(tmp_path):
     folder = save_lilicorr(random_model(), tmp_path / "out")
     state = load_file(str(folder / "model.safetensors"))
