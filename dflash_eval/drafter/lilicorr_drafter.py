@@ -224,16 +224,38 @@ def _temperatures(temperature, n: int, device) -> torch.Tensor:
     return torch.as_tensor(temperature, dtype=torch.float32, device=device).reshape(-1).expand(n)
 
 
-def sample_path_sglang(start_scores: torch.Tensor, pair_scores: torch.Tensor, candidate_ids: torch.Tensor,
-                       uniforms: torch.Tensor, temperature) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's sampled commit (``lilicorr_sample_path``, torch reference ``_sample_path_torch``).
+def _candidate_filter(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``top_p(top_k(probs))`` renormalised over the last axis (SGLang ``build_draft_probs``: top-k keeps the k most
+    probable candidates, top-p each one whose more probable candidates' mass is ``< top_p``; 0 / 1 = off)."""
+    if (not top_k or top_k >= probs.shape[-1]) and top_p >= 1:
+        return probs
+    ranked, order = probs.sort(-1, descending=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if top_k and top_k < probs.shape[-1]:
+        keep[..., top_k:] = False
+    ranked = ranked * keep
+    ranked = ranked / ranked.sum(-1, keepdim=True)
+    if top_p < 1:
+        ranked = ranked * ((ranked.cumsum(-1) - ranked) < top_p)
+        ranked = ranked / ranked.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter(-1, order, ranked)
 
-    Slot j: ``q = softmax(row_j / T)`` in float32 over the K candidates, pick = the number of cumulative sums
-    ``<= u_j`` (clamped to ``K - 1``); a row with ``T = 0`` takes the argmax and reports one-hot q.
+
+def sample_path_sglang(start_scores: torch.Tensor, pair_scores: torch.Tensor, candidate_ids: torch.Tensor,
+                       uniforms: torch.Tensor, temperature, top_k: int = 0,
+                       top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's sampled commit (``lilicorr_sample_path``; served only with ``SGLANG_ENABLE_LILICORR_SAMPLING``).
+
+    Slot j: ``q = softmax(row_j / T)`` in float32 over the K candidates (``models/lilicorr.py`` 085551a8 and its
+    kernels' ``_sample_path_torch``: temperature only); the newest kernels file (0b79ccf2, ``candidate_probs`` ->
+    ``build_draft_probs``) then applies the request's draft ``top_k`` / ``top_p`` to the K candidates
+    (:func:`_candidate_filter`). Pick = the number of cumulative sums ``<= u_j``, clamped to the last candidate
+    with ``q > 0`` (0b79ccf2 ``sample_indices_from_probs``; ``K - 1`` before, the same where nothing is filtered).
+    A row with ``T = 0`` takes the argmax and reports one-hot q.
 
     Args:
         start_scores, pair_scores, candidate_ids: as :func:`greedy_path`. uniforms: ``[N, S]`` float in [0, 1).
-        temperature: float or ``[N]`` (0 = greedy row).
+        temperature: float or ``[N]`` (0 = greedy row). top_k, top_p: the draft filter (0 / 1 = off).
 
     Returns:
         ``(tokens [N, S] int64, q [N, S, K] float32)``.
@@ -242,11 +264,13 @@ def sample_path_sglang(start_scores: torch.Tensor, pair_scores: torch.Tensor, ca
     temps = _temperatures(temperature, n, start_scores.device)
     greedy = temps == 0
     index = torch.zeros(n, dtype=torch.long, device=start_scores.device)
+    rank = torch.arange(k, device=start_scores.device)
     picks, qs = [], []
     for j in range(slots):
         row = _rows(start_scores, pair_scores, index, j)
-        probs = torch.softmax(row / temps.clamp_min(1e-5)[:, None], dim=-1)
-        drawn = (uniforms[:, j:j + 1].float() >= probs.cumsum(-1)).sum(-1).clamp_max(k - 1)
+        probs = _candidate_filter(torch.softmax(row / temps.clamp_min(1e-5)[:, None], dim=-1), top_k, top_p)
+        last = torch.where(probs > 0, rank, 0).amax(-1)
+        drawn = torch.minimum((uniforms[:, j:j + 1].float() >= probs.cumsum(-1)).sum(-1), last)
         index = torch.where(greedy, row.argmax(-1), drawn)
         qs.append(torch.where(greedy[:, None], torch.nn.functional.one_hot(index, k).float(), probs))
         picks.append(index)

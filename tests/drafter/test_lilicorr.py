@@ -121,6 +121,18 @@ def test_sglang_sampled_commit_with_fixed_uniforms():
     assert tokens.tolist() == [[10, 21, 32]] and q[0].argmax(-1).tolist() == [0, 1, 2] and float(q.sum()) == 3.0
 
 
+def test_sglang_draft_top_p_narrows_the_candidates():
+    # slot 1 [.5, .25, .25] with top-p .7: preceding mass [0, .5, .75] < .7 keeps ranks 0, 1 -> [2/3, 1/3, 0];
+    # cdf [.667, 1, 1], u .9 -> rank 1 (11); slot 2 row 1 [.2, .6, .2] -> ranks 1, 0 kept -> [.25, .75, 0], u .3 ->
+    # rank 1 (21); with top-k 1 slot 1 is rank 0 whatever u, with one-hot q
+    tokens, q = sample_path_sglang(SAMPLED_START, SAMPLED_PAIR, IDS, torch.tensor([[0.9, 0.3, 0.99]]), 1.0, top_p=0.7)
+    assert tokens[0, :2].tolist() == [11, 21]
+    assert torch.allclose(q[0, :2], torch.tensor([[2 / 3, 1 / 3, 0.0], [0.25, 0.75, 0.0]]), atol=1e-6)
+    tokens, q = sample_path_sglang(SAMPLED_START, SAMPLED_PAIR, IDS, torch.tensor([[0.9, 0.3, 0.99]]), 1.0, top_k=1)
+    assert tokens[0, 0] == 10
+    assert q[0, 0].tolist() == [1.0, 0.0, 0.0]
+
+
 def test_vllm_gumbel_walk_with_fixed_noise():
     # slot 1: log[.5, .25, .25] + [0, 1, 0] = [-.69, .31, -1.39] -> rank 1; slot 2: row 1 log[.2, .6, .2] + 0 ->
     # rank 1 (21); slot 3: pair 2 row 1 is uniform, noise [0, 0, .5] -> rank 2 (32)
@@ -159,6 +171,20 @@ def test_head_keys_are_the_engines():
     assert head["slot_embedding"].shape == (1, 1, 3, 1, 16) and head["rank_embedding"].shape == (1, 1, 1, 4, 16)
     assert head["relative_slot_bias"].shape == (2, 7)
     assert "token_proj.weight" not in random_model(lilicorr_hidden_size=0).head.state_dict()  # identity at 32 wide
+
+
+def test_lattice_attention_is_the_trained_multihead_attention():
+    # Model-Optimizer trains nn.MultiheadAttention(batch_first) with a [N * heads, L, L] float mask; the head runs the
+    # same parameters (loaded strictly under the same names) through SDPA
+    head = random_model().head
+    attn = head.layers[0].attn
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    mha.load_state_dict(attn.state_dict(), strict=True)
+    x, bias = torch.randn(3, 12, 16), head.attention_bias(3).detach()
+    assert bias.shape == (2, 12, 12)
+    assert bias[1, 0, 5] == head.relative_slot_bias[1, 0 - 1 + 3]  # row: slot 0, column: slot 1 (offset B - 1 = 3)
+    ref = mha(x, x, x, attn_mask=bias[None].expand(3, -1, -1, -1).reshape(6, 12, 12), need_weights=False)[0]
+    assert torch.allclose(attn(x, bias), ref, atol=1e-5)
 
 
 def _inputs(model, n=2, seed=1):
