@@ -24,9 +24,18 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_eval.core.errors import InputError, atomic_dir
-from dflash_eval.drafter.checkpoints import IGNORABLE_BUFFERS, SHARED_KEYS, load_checkpoint
+from dflash_eval.drafter.checkpoints import (
+    IGNORABLE_BUFFERS,
+    SHARED_KEYS,
+    load_checkpoint,
+)
 from dflash_eval.drafter.config import DFLASH2_FIELDS, DrafterConfig
-from dflash_eval.drafter.families.lilicorr import ARCHITECTURE, LiLiCorrConfig, export_config, is_lilicorr
+from dflash_eval.drafter.families.lilicorr import (
+    ARCHITECTURE,
+    LiLiCorrConfig,
+    export_config,
+    is_lilicorr,
+)
 from dflash_eval.drafter.files import file_checksums, read_drafter_weights
 from dflash_eval.drafter.lilicorr_model import LiLiCorrHead
 from dflash_eval.drafter.model import DFlashDrafter
@@ -73,7 +82,7 @@ class LiLiCorrDrafter:
     geometry: LiLiCorrConfig
     config: dict
 
-    def to(self, device=None, dtype=None) -> "LiLiCorrDrafter":
+    def to(self, device=None, dtype=None) -> LiLiCorrDrafter:
         self.backbone.to(device=device, dtype=dtype)
         self.head.to(device=device, dtype=dtype)
         return self

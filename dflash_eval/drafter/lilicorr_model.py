@@ -126,7 +126,7 @@ class LiLiCorrHead(nn.Module):
         self.in_head = nn.Linear(h, self.factor_dim)
         self.anchor_out_head = nn.Linear(h, self.factor_dim)
 
-    def init_weights_(self, std: float = 0.02) -> "LiLiCorrHead":
+    def init_weights_(self, std: float = 0.02) -> LiLiCorrHead:
         """Training init (Model-Optimizer ``_init_head_weights`` + ``reset_factor_heads``): every Linear ~ N(0, std)
         with zero bias, the embeddings and attention biases zero, norms one. Returns ``self``."""
         for m in self.modules():

@@ -41,9 +41,22 @@ from dflash_eval.cache.extract import capture_layers, pad_right
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.runtime import resolve_device
 from dflash_eval.data.completions import read_completions
-from dflash_eval.drafter.families.lilicorr import GEOMETRY_FIELDS, LiLiCorrConfig, export_config, is_lilicorr
-from dflash_eval.drafter.lilicorr_drafter import (PREFIX, LiLiCorrDrafter, anchor_rows, greedy_indices,
-                                                  lattice_inputs, load_lilicorr, prefix_length, save_lilicorr)
+from dflash_eval.drafter.families.lilicorr import (
+    GEOMETRY_FIELDS,
+    LiLiCorrConfig,
+    export_config,
+    is_lilicorr,
+)
+from dflash_eval.drafter.lilicorr_drafter import (
+    PREFIX,
+    LiLiCorrDrafter,
+    anchor_rows,
+    greedy_indices,
+    lattice_inputs,
+    load_lilicorr,
+    prefix_length,
+    save_lilicorr,
+)
 from dflash_eval.drafter.lilicorr_model import LiLiCorrHead
 from dflash_eval.drafter.model import load_drafter
 from dflash_eval.drafter.train import block_states, sample_anchors
@@ -101,7 +114,7 @@ def lattice_loss(log_start: torch.Tensor, log_pair: torch.Tensor, candidates: to
         ``supervised`` (slots), ``selected_prefix``, ``top1_prefix``, ``oracle_prefix`` (means over ``block_ok``
         blocks) and ``recall`` (the data token among the candidates, over their slots).
     """
-    n, slots, k = candidates.shape
+    _, slots, k = candidates.shape
     hit = candidates == labels[..., None]
     in_cand = hit.any(-1)
     gt = hit.long().argmax(-1)  # [N, S]; 0 where absent (those slots are not supervised)

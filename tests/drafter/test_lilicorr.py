@@ -11,10 +11,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.drafter.families.lilicorr import ARCHITECTURE, LiLiCorr, LiLiCorrConfig, export_config
-from dflash_eval.drafter.lilicorr_drafter import (build_lilicorr, greedy_indices, greedy_path, lattice_transitions,
-                                                  load_lilicorr, rerank_block, sample_path_sglang, sample_path_vllm,
-                                                  save_lilicorr, strip_lilicorr)
+from dflash_eval.drafter.families.lilicorr import (
+    ARCHITECTURE,
+    LiLiCorr,
+    LiLiCorrConfig,
+    export_config,
+)
+from dflash_eval.drafter.lilicorr_drafter import (
+    build_lilicorr,
+    greedy_indices,
+    greedy_path,
+    lattice_transitions,
+    load_lilicorr,
+    rerank_block,
+    sample_path_sglang,
+    sample_path_vllm,
+    save_lilicorr,
+    strip_lilicorr,
+)
 from dflash_eval.drafter.train_lilicorr import lattice_loss
 
 GEOMETRY = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16, "lilicorr_num_layers": 2,
@@ -72,6 +86,18 @@ def test_family_claims_and_reads_its_fields():
     assert fields == GEOMETRY
     with pytest.raises(InputError, match="exceed vocab_size 3"):
         fam.read_fields(cfg, cfg["dflash_config"], "c.json", {"hidden_size": 32, "vocab_size": 3}, notes)
+
+
+def test_family_policies_and_engines():
+    from types import SimpleNamespace
+
+    fam, hot = LiLiCorr(), SimpleNamespace(greedy=False, top_p=1.0, top_k=0)
+    assert fam.draft_policies(SimpleNamespace(greedy=True, top_p=1.0, top_k=0)) == ["reference"]
+    assert fam.draft_policies(SimpleNamespace(greedy=False, top_p=0.9, top_k=0)) == ["reference", "argmax"]
+    assert fam.vllm_draft_sample_method(hot, "reference") == "probabilistic"
+    assert fam.vllm_draft_sample_method(hot, "argmax") == "greedy"
+    assert any("SGLANG_ENABLE_LILICORR_SAMPLING=1" in e for e in fam.engine_settings(hot, "reference"))
+    assert not fam.ddtree_applicable and fam.selects_candidates
 
 
 # ----------------------------------------------------------------------------- the path, by hand
@@ -301,9 +327,9 @@ def _tiny_training(tmp_path, **options):
     from dflash_eval.drafter.train_lilicorr import LiLiCorrTrainConfig, train_lilicorr
 
     d = make_tiny_pipeline(tmp_path / "p", layer_ids=[1, 2], block_size=4, max_new_tokens=24)
-    cfg = LiLiCorrTrainConfig(**{**dict(hidden_size=16, num_layers=1, num_heads=2, factor_dim=8, seqs_per_step=3,
-                                        anchors=8, log_every=1, lr=3e-3, w_ce=1.0, w_pen=0.25,
-                                        init_from=str(d["dir"] / "drafter")), **options})
+    base = {"hidden_size": 16, "num_layers": 1, "num_heads": 2, "factor_dim": 8, "seqs_per_step": 3, "anchors": 8,
+            "log_every": 1, "lr": 3e-3, "w_ce": 1.0, "w_pen": 0.25, "init_from": str(d["dir"] / "drafter")}
+    cfg = LiLiCorrTrainConfig(**{**base, **options})
     saved = train_lilicorr(d["target_dir"], d["dir"] / "c.jsonl", tmp_path / "out", cfg, device="cpu")
     log = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
     return saved, log
@@ -325,7 +351,7 @@ def test_trainer_loss_decreases_over_20_steps(tmp_path):
     # a vocabulary-wide lattice (K = 384, the tiny tokenizer's size), as Model-Optimizer's own tests do: the random
     # backbone's top-8 holds the data token at ~6 % of slots, so a narrow lattice supervises almost nothing.
     # Measured: 7.29 at step 1, 4.24 at step 20 (65 s on 2 shared CPU cores)
-    saved, log = _tiny_training(tmp_path, candidate_topk=384, max_steps=20)
+    _, log = _tiny_training(tmp_path, candidate_topk=384, max_steps=20)
     losses = [r["loss"] for r in log]
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     assert log[0]["recall"] == 1.0 and log[-1]["selected_prefix"] > log[0]["selected_prefix"]

@@ -27,12 +27,14 @@ refuses 0).
 **The path**: ``c_1 = argmax start``, ``c_j = argmax_c pair[j - 1][c_{j-1}, c]``, left to right, ties to the
 lower rank -- locally optimal, not Viterbi (SGLang ``lilicorr_greedy_path``; Model-Optimizer's docstring: under
 prefix acceptance, trading an early slot for a better tail is self-defeating). At T > 0 the engines sample the
-same walk, slot j from ``softmax(row_j / T)`` with ``row_j`` the log-potentials out of the sampled predecessor, no
-prior and no top-p / top-k: SGLang (``lilicorr_sample_path``, only with ``SGLANG_ENABLE_LILICORR_SAMPLING``;
-otherwise it commits the greedy path at every temperature) by inverse CDF from one uniform per slot; vLLM with
-``_selector_walk_kernel``, a Gumbel-max draw keyed by seed, position and candidate id (same distribution, other
-draws). Both verify with ``q = softmax(row_j / T)``. So, as for DFlash 2, vLLM's ``probabilistic`` walk is the
-reference's distribution, and the family's policies are DFlash 2's.
+same walk, slot j from ``softmax(row_j / T)`` with ``row_j`` the log-potentials out of the sampled predecessor and
+no log-prob prior: SGLang (``lilicorr_sample_path``, only with ``SGLANG_ENABLE_LILICORR_SAMPLING``; otherwise it
+commits the greedy path at every temperature) by inverse CDF from one uniform per slot (its newest kernels file,
+0b79ccf2, also applies the request's draft top-k / top-p to the K candidates); vLLM with ``_selector_walk_kernel``,
+a Gumbel-max draw keyed by seed, position and candidate id (same distribution, other draws). Both verify with that
+q. The family's ``reference`` policy is this sampled walk at the temperature only (vLLM
+``draft_sample_method=probabilistic``, SGLang with sampling enabled), ``argmax`` the greedy walk with one-hot q
+(vLLM ``greedy``, SGLang's default); there is no ``dflash`` reference implementation of LiLiCorr.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ import math
 from dataclasses import dataclass, field
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.drafter.families.base import DrafterFamily
+from dflash_eval.drafter.families.base import (
+    ARGMAX,
+    VLLM_ANY,
+    VLLM_GREEDY,
+    VLLM_PROBABILISTIC,
+    DrafterFamily,
+)
 
 #: ``config.json`` ``architectures`` of a LiLiCorr drafter (SGLang, vLLM and TensorRT-LLM route on it)
 ARCHITECTURE = "LiLiCorrDraftModel"
@@ -54,6 +62,9 @@ GEOMETRY_FIELDS = (("candidate_topk", int, 1), ("hidden_size", int, 0), ("num_la
 #: widest head SGLang's and vLLM's fused walk serve (a power of two; ``lilicorr_utils.py``
 #: ``MAX_FUSED_CANDIDATE_TOPK``, vLLM ``LiLiCorrHead``)
 ENGINE_MAX_TOPK = 16
+#: SGLang's LiLiCorr commits (``python/sglang/srt/speculative/lilicorr_utils.py`` ``resolve_sampling_enabled``)
+SGLANG_GREEDY = "SGLang LiLiCorr, SGLANG_ENABLE_LILICORR_SAMPLING unset (the default: the greedy commit)"
+SGLANG_SAMPLED = "SGLang LiLiCorr, SGLANG_ENABLE_LILICORR_SAMPLING=1"
 RESTORE_FIX = "restore the value the training run saved (Model-Optimizer exports every lilicorr_* field)"
 
 
@@ -72,7 +83,7 @@ class LiLiCorrConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config.json", model_hidden: int | None = None) -> "LiLiCorrConfig":
+    def from_dict(cls, cfg: dict, source: str = "config.json", model_hidden: int | None = None) -> LiLiCorrConfig:
         """Read ``cfg["dflash_config"]["lilicorr_*"]`` (where the engines read them) with no default.
 
         Args:
@@ -191,3 +202,14 @@ class LiLiCorr(DrafterFamily):
         TensorRT-LLM read them) and ``architectures`` = :data:`ARCHITECTURE` (what they route on)."""
         config_out["dflash_config"].update({"projector_type": "lilicorr", "lilicorr_enabled": True, **fields})
         config_out["architectures"] = [self.architecture]
+
+    def engine_settings(self, setting, policy: str) -> list[str]:
+        """The serving configurations whose drafts follow ``policy`` at ``setting`` (module docstring): T = 0 every
+        engine; ``argmax``: vLLM ``greedy`` and SGLang's default; ``reference``: vLLM ``probabilistic`` and SGLang
+        with sampling enabled (its newest kernels also filter the candidates by the setting's top-k / top-p)."""
+        if setting.greedy:
+            return [SGLANG_GREEDY, VLLM_ANY]
+        if policy == ARGMAX:
+            return [VLLM_GREEDY, SGLANG_GREEDY]
+        filters = setting.top_p < 1 or bool(setting.top_k)
+        return [VLLM_PROBABILISTIC, SGLANG_SAMPLED + (" (newer SGLang also applies top-k / top-p)" if filters else "")]
