@@ -333,6 +333,30 @@ def lattice_transitions(start_scores: torch.Tensor, pair_scores: torch.Tensor,
     return dist(start_scores), dist(pair_scores)
 
 
+def trajectory_probs(start_scores: torch.Tensor, pair_scores: torch.Tensor, candidate_ids: torch.Tensor,
+                     tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The walk's probability of drafting ``tokens`` slot by slot, each slot after the trajectory's previous token as
+    predecessor: what the replay's estimator given the trajectory needs (``q_j(x_j | x_{j-1})``, as
+    ``dflash_eval.replay.sampling.selector_path_probs`` for DFlash 2).
+
+    Args:
+        start_scores, pair_scores, candidate_ids: as :func:`greedy_path`. tokens: ``[N, S]`` int64. temperature: >= 0.
+
+    Returns:
+        ``[N, S]`` float32: slot 1 ``softmax(start / T)`` at the token's rank, slot j the row of ``pair`` out of the rank
+        of ``tokens[:, j - 1]`` (one-hot argmax at ``T = 0``); 0 where the token is not a candidate, or its
+        predecessor is not one (the walk cannot reach that slot with the trajectory's tokens).
+    """
+    first, trans = lattice_transitions(start_scores, pair_scores, temperature)
+    hit = candidate_ids == tokens[..., None]
+    rank, found = hit.long().argmax(-1), hit.any(-1)
+    rows = [first] + [trans[:, j - 1].gather(1, rank[:, j - 1, None, None].expand(-1, 1, trans.shape[-1]))[:, 0]
+                      for j in range(1, tokens.shape[1])]
+    q = torch.stack(rows, 1).gather(-1, rank[..., None])[..., 0] * found
+    q[:, 1:] = q[:, 1:] * found[:, :-1]
+    return q
+
+
 def prefix_length(match: torch.Tensor) -> torch.Tensor:
     """``[N, S]`` bool -> ``[N]`` int64: the leading run of True."""
     return match.long().cumprod(-1).sum(-1)
