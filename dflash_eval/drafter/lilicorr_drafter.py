@@ -352,9 +352,8 @@ def trajectory_probs(start_scores: torch.Tensor, pair_scores: torch.Tensor, cand
     rank, found = hit.long().argmax(-1), hit.any(-1)
     rows = [first] + [trans[:, j - 1].gather(1, rank[:, j - 1, None, None].expand(-1, 1, trans.shape[-1]))[:, 0]
                       for j in range(1, tokens.shape[1])]
-    q = torch.stack(rows, 1).gather(-1, rank[..., None])[..., 0] * found
-    q[:, 1:] = q[:, 1:] * found[:, :-1]
-    return q
+    reached = torch.cat([torch.ones_like(found[:, :1]), found[:, :-1]], dim=1)
+    return torch.stack(rows, 1).gather(-1, rank[..., None])[..., 0] * (found & reached)
 
 
 def prefix_length(match: torch.Tensor) -> torch.Tensor:

@@ -173,9 +173,10 @@ def test_vllm_gumbel_walk_with_fixed_noise():
 def test_trajectory_probs_by_hand():
     # tokens 11, 20, 31: slot 1 [.5, .25, .25] at rank 1 = .25; slot 2 row out of rank 1 [.2, .6, .2] at rank 0 = .2;
     # slot 3 row out of rank 0 [.1, .3, .6] at rank 1 = .3. A token outside the candidates: 0 there and after it
-    q = trajectory_probs(SAMPLED_START, SAMPLED_PAIR, IDS, torch.tensor([[11, 20, 31], [11, 99, 31]]), 1.0)
+    two = [t.expand(2, *t.shape[1:]) for t in (SAMPLED_START, SAMPLED_PAIR, IDS, START, PAIR)]
+    q = trajectory_probs(*two[:3], torch.tensor([[11, 20, 31], [11, 99, 31]]), 1.0)
     assert torch.allclose(q, torch.tensor([[0.25, 0.2, 0.3], [0.25, 0.0, 0.0]]), atol=1e-6)
-    greedy = trajectory_probs(START, PAIR, IDS, torch.tensor([[10, 21, 32], [10, 20, 32]]), 0.0)
+    greedy = trajectory_probs(two[3], two[4], two[2], torch.tensor([[10, 21, 32], [10, 20, 32]]), 0.0)
     assert greedy.tolist() == [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
 
 
