@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_eval.core.errors import InputError, atomic_dir
+from dflash_eval.core.io import read_json_object
 from dflash_eval.drafter.checkpoints import (
     IGNORABLE_BUFFERS,
     SHARED_KEYS,
@@ -145,7 +146,7 @@ def load_lilicorr(folder, device: str | torch.device = "cpu", dtype: torch.dtype
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise InputError(folder, "config.json", "not found", "strip the checkpoint first (strip_lilicorr)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_json_object(cfg_path, "the drafter's config.json", "strip the checkpoint again (strip_lilicorr)")
     if not is_lilicorr(cfg):
         raise InputError(cfg_path, "architectures", f"{cfg.get('architectures')!r}: not a LiLiCorr drafter",
                          f"evaluate it as DFlash, or give a config naming {ARCHITECTURE} with its lilicorr_* fields")
@@ -186,9 +187,11 @@ def strip_lilicorr(checkpoint, out_dir) -> Path:
     ck = load_checkpoint(checkpoint)
     if ck.config is None:
         raise InputError(checkpoint, "config", "the checkpoint carries no config", "strip from a folder with config.json")
-    model = build_lilicorr(ck.config, str(ck.config_source or checkpoint))
     if not is_lilicorr(ck.config):
-        raise InputError(checkpoint, "architectures", "not a LiLiCorr config", f"name {ARCHITECTURE}")
+        raise InputError(checkpoint, "architectures", f"{ck.config.get('architectures')!r}: not a LiLiCorr config",
+                         f"strip it with strip-drafter, or give a config naming {ARCHITECTURE} with its lilicorr_* "
+                         "fields")
+    model = build_lilicorr(ck.config, str(ck.config_source or checkpoint))
     state = {k: v for k, v in ck.state.items() if k not in SHARED_KEYS and not IGNORABLE_BUFFERS.search(k)}
     load_state(model, state, checkpoint)
     return save_lilicorr(model, out_dir, {"source": str(checkpoint), "format": ck.format, "step": ck.meta.get("step"),

@@ -275,6 +275,16 @@ def test_missing_or_unexpected_head_keys_are_refused(tmp_path):
     assert err.value.field == "lilicorr.extra.weight"
 
 
+def test_strip_refuses_a_checkpoint_that_is_not_lilicorr(tmp_path):
+    cfg = drafter_config()
+    cfg["architectures"] = ["DFlashDraftModel"]
+    cfg["dflash_config"] = {k: v for k, v in cfg["dflash_config"].items() if not k.startswith("lilicorr_")}
+    torch.save({"draft_config": cfg, "model": {"fc.weight": torch.zeros(32, 64)}}, tmp_path / "step1.pt")
+    with pytest.raises(InputError) as err:
+        strip_lilicorr(tmp_path / "step1.pt", tmp_path / "out")
+    assert err.value.field == "architectures" and not (tmp_path / "out").exists()
+
+
 def test_rerank_block_diagnostics():
     model = random_model()
     hidden, head, embed, anchor = _inputs(model)
