@@ -30,12 +30,14 @@ from dflash_eval.drafter.checkpoints import (
     SHARED_KEYS,
     load_checkpoint,
 )
-from dflash_eval.drafter.config import DFLASH2_FIELDS, DrafterConfig
+from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.drafter.families.lilicorr import (
     ARCHITECTURE,
     LiLiCorrConfig,
+    backbone_dict,
     export_config,
     is_lilicorr,
+    without_selector,
 )
 from dflash_eval.drafter.files import file_checksums, read_drafter_weights
 from dflash_eval.drafter.lilicorr_model import LiLiCorrHead
@@ -46,32 +48,18 @@ PREFIX = "lilicorr."
 
 
 def backbone_config(cfg: dict, source: str = "config.json") -> DrafterConfig:
-    """The DFlash backbone's :class:`DrafterConfig` of a LiLiCorr ``config.json`` (the ``lilicorr_*`` fields dropped).
-
-    A backbone with DFlash 2's convs and no selector (Model-Optimizer ``_install_sublayer_convs``) is parsed with
-    placeholder selector fields (``selector_rank`` 1, ``selector_top_k`` = ``candidate_topk``) so the convs are
-    built; :func:`build_backbone` then removes the selector.
+    """The DFlash backbone's :class:`DrafterConfig` of a LiLiCorr ``config.json``
+    (:func:`~dflash_eval.drafter.families.lilicorr.backbone_dict`).
 
     Raises:
         InputError: as :meth:`DrafterConfig.from_dict`.
     """
-    raw = copy.deepcopy(cfg)
-    dcfg = raw.setdefault("dflash_config", {})
-    k = dcfg.get("lilicorr_candidate_topk", 1)
-    for key in [k_ for k_ in dcfg if str(k_).startswith("lilicorr_")] + ["projector_type"]:
-        dcfg.pop(key, None)
-    raw["architectures"] = [a for a in raw.get("architectures") or [] if a != ARCHITECTURE]
-    conv = [f for f in DFLASH2_FIELDS[:2] if f in dcfg or f in raw]
-    if conv and not any(f in dcfg or f in raw for f in DFLASH2_FIELDS[2:]):
-        dcfg.update(selector_rank=1, selector_top_k=k if isinstance(k, int) and k > 0 else 1)
-    return DrafterConfig.from_dict(raw, source=source)
+    return DrafterConfig.from_dict(backbone_dict(cfg), source=source)
 
 
 def build_backbone(cfg: DrafterConfig) -> DFlashDrafter:
     """A DFlash backbone for ``cfg`` without a candidate selector (LiLiCorr drafts from the unary logits)."""
-    model = DFlashDrafter(cfg)
-    model.candidate_selector = None
-    return model
+    return without_selector(DFlashDrafter(cfg))
 
 
 @dataclass

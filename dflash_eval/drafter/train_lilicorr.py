@@ -46,6 +46,7 @@ from dflash_eval.drafter.families.lilicorr import (
     LiLiCorrConfig,
     export_config,
     is_lilicorr,
+    without_selector,
 )
 from dflash_eval.drafter.lilicorr_drafter import (
     PREFIX,
@@ -169,8 +170,7 @@ def initial_model(cfg: LiLiCorrTrainConfig) -> LiLiCorrDrafter:
     if is_lilicorr(raw):
         log.info("continuing the LiLiCorr drafter %s (its geometry; the geometry options are ignored)", folder)
         return load_lilicorr(folder)
-    backbone = load_drafter(folder)
-    backbone.candidate_selector = None  # LiLiCorr drafts from the backbone's unary logits
+    backbone = without_selector(load_drafter(folder))  # LiLiCorr drafts from the backbone's unary logits
     dcfg = {f"lilicorr_{name}": getattr(cfg, name) for name, _, _ in GEOMETRY_FIELDS}
     geometry = LiLiCorrConfig.from_dict({"dflash_config": dcfg}, "train-lilicorr options", backbone.cfg.hidden_size)
     head = LiLiCorrHead(geometry, backbone.cfg.hidden_size, backbone.cfg.block_size,

@@ -144,12 +144,42 @@ def is_lilicorr(cfg: dict) -> bool:
     return ARCHITECTURE in (cfg.get("architectures") or []) or any(str(k).startswith("lilicorr_") for k in dcfg)
 
 
+#: DFlash 2's conv fields (a LiLiCorr backbone may carry them) and its selector fields (a LiLiCorr drafter has none)
+CONV_FIELDS, SELECTOR_FIELDS = ("conv_kernel_size", "conv_group_size"), ("selector_rank", "selector_top_k")
+
+
+def backbone_dict(cfg: dict) -> dict:
+    """The DFlash backbone's config dict of a LiLiCorr ``config.json`` (a copy): the ``lilicorr_*`` fields,
+    ``projector_type`` and :data:`ARCHITECTURE` dropped. A backbone with DFlash 2's convs and no selector
+    (Model-Optimizer ``_install_sublayer_convs``) gets placeholder selector fields (``selector_rank`` 1,
+    ``selector_top_k`` = ``candidate_topk``) so that the DFlash 2 backbone with its convs is built;
+    :func:`without_selector` then removes the selector."""
+    raw = copy.deepcopy(cfg)
+    dcfg = raw.setdefault("dflash_config", {})
+    k = dcfg.get("lilicorr_candidate_topk", 1)
+    for key in [key for key in dcfg if str(key).startswith("lilicorr_")] + ["projector_type"]:
+        dcfg.pop(key, None)
+    raw["architectures"] = [a for a in raw.get("architectures") or [] if a != ARCHITECTURE]
+    has = [f for f in CONV_FIELDS + SELECTOR_FIELDS if f in dcfg or f in raw]
+    if set(CONV_FIELDS) & set(has) and not set(SELECTOR_FIELDS) & set(has):
+        dcfg.update(dict(zip(SELECTOR_FIELDS, (1, k if isinstance(k, int) and not isinstance(k, bool) and k > 0
+                                                 else 1))))
+    return raw
+
+
+def without_selector(model):
+    """``model`` (a :class:`~dflash_eval.drafter.model.DFlashDrafter`) with its candidate selector removed, in place:
+    LiLiCorr drafts from the backbone's unary logits, and its checkpoint holds no selector."""
+    model.candidate_selector = None
+    return model
+
+
 def export_config(backbone_cfg: dict, geometry: LiLiCorrConfig) -> dict:
     """The ``config.json`` of a LiLiCorr drafter from its backbone's config dict: :data:`ARCHITECTURE`, the geometry in
     ``dflash_config`` (:meth:`LiLiCorrConfig.to_dflash_config`), the DFlash 2 selector fields removed."""
     cfg = copy.deepcopy(backbone_cfg)
     dcfg = cfg.setdefault("dflash_config", {})
-    for key in ("selector_rank", "selector_top_k"):
+    for key in SELECTOR_FIELDS:
         dcfg.pop(key, None)
         cfg.pop(key, None)
     dcfg.update(geometry.to_dflash_config())
