@@ -67,6 +67,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                 "target agreement, provenance)"),
     "trackers": ("stages.trackers", "log the tau table to TensorBoard / W&B / MLflow at each checkpoint's step"),
     "train": ("drafter.train", "train a DFlash drafter on target-generated completions (the demo drafters)"),
+    "train-lilicorr": ("drafter.train_lilicorr", "train a LiLiCorr reranker head on a frozen DFlash backbone "
+                                                 "(writes step<N>.pt and the stripped engines' layout)"),
     "watch": ("watch", "follow a training output folder and evaluate each checkpoint once it is complete "
                        "(not a rule: runs Snakemake per checkpoint)"),
 }
