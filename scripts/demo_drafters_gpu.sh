@@ -21,6 +21,9 @@
 #           waits until $CALL_S (570) and returns the training completions and the progress so far
 #   collect (GPU) wait (at most $WAIT_S, 540) for launch's work to finish, then copy WORKDIR/out into $OUT
 #   pack    (GPU) $OUT: drafters-<variant>.tar.xz (split into <=15 MiB parts), logs.tar.gz
+#   VARIANTS=lilicorr: train stage runs `train-lilicorr` (the LiLiCorr head on the frozen backbone $BACKBONE, a
+#           stripped folder carried in the checkout; geometry LILI_K, LILI_LAYERS, LILI_HEADS; docs/trainers.md)
+#           instead of `train`; EVAL_CACHES=0 makes gen stop after the training completions
 #   all     gen + train (+ pack): one call
 # Defaults: WORKDIR $HOME/dflash-demo (outside the checkout: it outlives the calls), OUTDIR $OUT. Environment: DATA,
 # GGUF (a .gguf instead of the parts), TARGET (an HF target folder instead of the GGUF), LAYERS, BUDGET (training
@@ -38,7 +41,9 @@ FINISH_AT=${FINISH_AT:-1090}; CALL_S=${CALL_S:-570}; WAIT_S=${WAIT_S:-540}
 SEQS=${SEQS:-64}; ANCHORS=${ANCHORS:-32}; NUM_LAYERS=${NUM_LAYERS:-2}; MLP=${MLP:-704}; BLOCK=${BLOCK:-8}
 RANK=${RANK:-16}; TOPK=${TOPK:-16}; VARIANTS=${VARIANTS:-dflash dflash2}
 TRAIN_N=${TRAIN_N:-0}; GEN_N=${GEN_N:-0}; EVAL_N=${EVAL_N:-32}; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=${GEN_BATCH:-1280}
-PY=${PY:-python3}; DEV=${DEV:-cuda}
+PY=${PY:-python3}; DEV=${DEV:-cuda}; EVAL_CACHES=${EVAL_CACHES:-1}
+BACKBONE=${BACKBONE:-demo/drafters/dflash2-smollm2-b8-step2072}; LILI_K=${LILI_K:-8}; LILI_LAYERS=${LILI_LAYERS:-2}
+LILI_HEADS=${LILI_HEADS:-4}
 export PYTHONUNBUFFERED=1
 run() { echo "+ $*" >&2; "$@"; }
 T0=$(date +%s)
@@ -102,6 +107,7 @@ gen() {
   # for the drafters
   [ "$stage" = gen ] && gzip -c "$W/train.jsonl" > "$OUTD/train_completions.jsonl.gz"
   stamp "training completions: $(wc -l < "$W/train.jsonl") responses"
+  [ "$EVAL_CACHES" = 1 ] || return 0
   for s in humaneval sharegpt; do
     run $PY -m dflash_eval completions --target "$W_TARGET" --prompts "$DATA/eval_$s.jsonl" \
         --max-new-tokens "$MAX_NEW" --batch-size 32 --device "$DEV" --out "$W/eval/completions/$s.jsonl"
@@ -114,7 +120,23 @@ gen() {
   stamp "eval caches"
 }
 
+train_lilicorr() {
+  W_TARGET=${TARGET:-$W/target}
+  rm -rf "$W/run-lilicorr"; mkdir -p "$W/run-lilicorr"
+  run $PY -m dflash_eval train-lilicorr --target "$W_TARGET" --data "$W/train.jsonl" --init-from "$BACKBONE" \
+      --out-dir "$W/run-lilicorr" --time-budget-s "$BUDGET" --max-steps 1000000 --device "$DEV" --seed 0 \
+      --candidate-topk "$LILI_K" --num-layers "$LILI_LAYERS" --num-heads "$LILI_HEADS" \
+      > "$W/run-lilicorr/train.log" 2>&1 || { tail -n 30 "$W/run-lilicorr/train.log" >&2; exit 3; }
+  local last step
+  last=$(ls "$W"/run-lilicorr/step*.pt | sort -V | tail -1); step=$(basename "$last" .pt); step=${step#step}
+  mkdir -p "$W/drafters/lilicorr"
+  cp -r "$W/run-lilicorr/stripped" "$W/drafters/lilicorr/lilicorr-smollm2-b$BLOCK-step$step"
+  cp "$W/run-lilicorr/train_log.jsonl" "$W/run-lilicorr/train_log.jsonl" 2>/dev/null || true
+  stamp "lilicorr trained: step $step"
+}
+
 train_all() {
+  [ "$VARIANTS" = lilicorr ] && { train_lilicorr; return; }
   W_TARGET=${TARGET:-$W/target}
   local pids=() v steps_opts
   # a time budget sets the lr schedule and the checkpoints (SAVE_FRACS of it); else STEPS steps
