@@ -22,7 +22,7 @@
 #   collect (GPU) wait (at most $WAIT_S, 540) for launch's work to finish, then copy WORKDIR/out into $OUT
 #   pack    (GPU) $OUT: drafters-<variant>.tar.xz (split into <=15 MiB parts), logs.tar.gz
 #   VARIANTS=lilicorr: train stage runs `train-lilicorr` (the LiLiCorr head on the frozen backbone $BACKBONE, a
-#           stripped folder carried in the checkout; geometry LILI_K, LILI_LAYERS, LILI_HEADS; docs/trainers.md)
+#           stripped folder carried in the checkout; geometry LILI_K, LILI_HIDDEN, LILI_LAYERS, LILI_HEADS; docs/trainers.md)
 #           instead of `train`; EVAL_CACHES=0 makes gen stop after the training completions
 #   all     gen + train (+ pack): one call
 # Defaults: WORKDIR $HOME/dflash-demo (outside the checkout: it outlives the calls), OUTDIR $OUT. Environment: DATA,
@@ -43,7 +43,7 @@ RANK=${RANK:-16}; TOPK=${TOPK:-16}; VARIANTS=${VARIANTS:-dflash dflash2}
 TRAIN_N=${TRAIN_N:-0}; GEN_N=${GEN_N:-0}; EVAL_N=${EVAL_N:-32}; MAX_NEW=${MAX_NEW:-256}; GEN_BATCH=${GEN_BATCH:-1280}
 PY=${PY:-python3}; DEV=${DEV:-cuda}; EVAL_CACHES=${EVAL_CACHES:-1}
 BACKBONE=${BACKBONE:-demo/drafters/dflash2-smollm2-b8-step2072}; LILI_K=${LILI_K:-8}; LILI_LAYERS=${LILI_LAYERS:-2}
-LILI_HEADS=${LILI_HEADS:-4}
+LILI_HEADS=${LILI_HEADS:-4}; LILI_HIDDEN=${LILI_HIDDEN:-256}
 export PYTHONUNBUFFERED=1
 run() { echo "+ $*" >&2; "$@"; }
 T0=$(date +%s)
@@ -125,7 +125,7 @@ train_lilicorr() {
   rm -rf "$W/run-lilicorr"; mkdir -p "$W/run-lilicorr"
   run $PY -m dflash_eval train-lilicorr --target "$W_TARGET" --data "$W/train.jsonl" --init-from "$BACKBONE" \
       --out-dir "$W/run-lilicorr" --time-budget-s "$BUDGET" --max-steps 1000000 --device "$DEV" --seed 0 \
-      --candidate-topk "$LILI_K" --num-layers "$LILI_LAYERS" --num-heads "$LILI_HEADS" \
+      --candidate-topk "$LILI_K" --hidden-size "$LILI_HIDDEN" --num-layers "$LILI_LAYERS" --num-heads "$LILI_HEADS" \
       > "$W/run-lilicorr/train.log" 2>&1 || { tail -n 30 "$W/run-lilicorr/train.log" >&2; exit 3; }
   local last step
   last=$(ls "$W"/run-lilicorr/step*.pt | sort -V | tail -1); step=$(basename "$last" .pt); step=${step#step}
