@@ -30,7 +30,7 @@ from typing import Any
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import non_finite_entry
-from dflash_eval.drafter.families import FAMILIES, SHARED_FIELDS, DrafterFamily, family_of_config
+from dflash_eval.drafter.families import DEFAULT, FAMILIES, SHARED_FIELDS, DrafterFamily, family_of_config
 
 # Config keys of DFlash variants this implementation does not model. A checkpoint
 # carrying them would load "successfully" with the wrong maths, so refuse it.
@@ -224,7 +224,7 @@ class DrafterConfig:
     final_logit_softcapping: float | None = None
     is_causal: bool | None = None
     #: the drafter's family (:data:`dflash_eval.drafter.families.FAMILIES` name; tau.csv ``variant``)
-    variant: str = "dflash"
+    variant: str = DEFAULT
     #: the family's own fields (its ``config_fields``), read as attributes (:meth:`__getattr__`)
     family_fields: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict, repr=False)
