@@ -18,9 +18,11 @@ if TYPE_CHECKING:  # torch-free at import: the tensors are annotations only
 SHARED_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "final_logit_softcapping",
                  "input_embedding_scale", "output_multiplier")
 
+
 @dataclass
 class Selection:
-    """The drafts of a block's slots (``DFlashDrafter.propose`` / ``select``: the proposal path of a family); ``N`` blocks, ``S`` drafted slots.
+    """The drafts of a block's slots (``DFlashDrafter.propose`` / ``select``, the proposal path of a family); ``N``
+    blocks, ``S`` drafted slots.
 
     Attributes:
         path: ``[N, S]`` int64, the drafted token per slot (slot ``j`` drafts position ``start + j``).
@@ -68,7 +70,8 @@ class DrafterFamily:
     * ``architecture``: its ``config.json`` ``architectures`` entry (vLLM and SGLang pick the model class by it).
     * ``speculators_model_type``: its ``speculators_model_type`` in a speculators checkpoint (None: not read).
     * ``config_fields``: the ``dflash_config`` fields only this family has, all required (no defaults; read from
-      ``dflash_config`` or the top level, as the shared fields are); a config holding any of them is of this family.
+      ``dflash_config`` or the top level, as the shared fields are); a config holding any of them is of this family
+      (:meth:`claims`; two families whose fields overlap override it, else such a config is refused).
     * ``model``: the dotted name of its nn.Module (documentation; built by :func:`dflash_eval.drafter.model.load_drafter`).
     * ``parts``: the optional parts of :class:`~dflash_eval.drafter.model.DFlashDrafter` its model has:
       ``"conv"`` (a grouped dynamic causal conv around each sublayer), ``"selector"`` (the candidate selector).
@@ -83,7 +86,8 @@ class DrafterFamily:
       are NaN and DDTree budgets are skipped).
     * ``probabilistic_is_reference``: whether vLLM's ``draft_sample_method=probabilistic`` drafts as the reference
       does at every setting (then the ``probabilistic`` policy is not a distinct expectation and is refused).
-    * ``report_sections``: the report's family-specific sections (``"selector"``: the candidate diagnostics).
+    * ``report_sections``: the report's family-specific sections (``"selector"``: the candidate diagnostics);
+      ``report_note``: the note the report prints with them.
     * ``order``: its place in the report (runs, legends, the family comparison), lowest first.
     """
 
