@@ -69,13 +69,17 @@ def family_of(cfg_or_name: Any) -> DrafterFamily:
 
 
 def family_of_config(cfg: dict, dcfg: dict | None = None, source=None) -> DrafterFamily:
-    """The family a drafter ``config.json`` dict is of: the one non-default family that claims it
-    (:meth:`DrafterFamily.claims`), else :data:`DEFAULT`; ``dcfg``: its ``dflash_config`` (default: read from
-    ``cfg``), ``source``: the file named in errors.
+    """The family a drafter ``config.json`` dict is of: the one non-default family its ``architectures`` names, else
+    the one non-default family that claims it by its fields (:meth:`DrafterFamily.claims`), else :data:`DEFAULT`;
+    ``dcfg``: its ``dflash_config`` (default: read from ``cfg``), ``source``: the file named in errors.
 
     Raises:
-        InputError: more than one family claims it (their fields are mixed)."""
+        InputError: no architecture decides and more than one family claims it (their fields are mixed)."""
     dcfg = cfg.get("dflash_config") or {} if dcfg is None else dcfg
+    archs = cfg.get("architectures") or []
+    named = [f for n, f in FAMILIES.items() if n != DEFAULT and f.architecture in archs]
+    if len(named) == 1:
+        return named[0]
     claims = [f for n, f in FAMILIES.items() if n != DEFAULT and f.claims(cfg, dcfg)]
     if len(claims) > 1:
         raise InputError(source, "dflash_config", f"the fields of several drafter families are set: "

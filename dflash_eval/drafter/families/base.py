@@ -71,7 +71,8 @@ class DrafterFamily:
     * ``speculators_model_type``: its ``speculators_model_type`` in a speculators checkpoint (None: not read).
     * ``config_fields``: the ``dflash_config`` fields only this family has, all required (no defaults; read from
       ``dflash_config`` or the top level, as the shared fields are); a config holding any of them is of this family
-      (:meth:`claims`; two families whose fields overlap override it, else such a config is refused).
+      (:meth:`claims`), unless its ``architectures`` names another family's :attr:`architecture`
+      (:func:`~dflash_eval.drafter.families.family_of_config`: families may share field names).
     * ``model``: the dotted name of its nn.Module (documentation; built by :func:`dflash_eval.drafter.model.load_drafter`).
     * ``parts``: the optional parts of :class:`~dflash_eval.drafter.model.DFlashDrafter` its model has:
       ``"conv"`` (a grouped dynamic causal conv around each sublayer), ``"selector"`` (the candidate selector).
