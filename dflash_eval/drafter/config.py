@@ -30,6 +30,7 @@ from typing import Any
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import non_finite_entry
+from dflash_eval.drafter.families import DEFAULT, FAMILIES, SHARED_FIELDS, DrafterFamily, family_of_config
 
 # Config keys of DFlash variants this implementation does not model. A checkpoint
 # carrying them would load "successfully" with the wrong maths, so refuse it.
@@ -38,15 +39,9 @@ UNSUPPORTED_DFLASH_KEYS = ("attention_sink_bias",)
 UNSUPPORTED_DFLASH_SWITCHES = ("use_swa", "causal")
 # Target-only fields that must not leak into the drafter (speculators #613/#738).
 IGNORED_TARGET_FIELDS = ("partial_rotary_factor",)
-#: ``dflash_config`` fields the drafter reads; older checkpoints keep them at the top level
-DFLASH_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "final_logit_softcapping",
-                 "input_embedding_scale", "output_multiplier")
-#: DFlash 2 fields (``dflash==0.1.0`` ``DFlash2DraftModel``: the grouped dynamic causal conv and the
-#: candidate selector); all four or none, read from ``dflash_config`` or the top level like the above
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-#: the architecture name of each drafter variant (``config.json`` ``architectures``; vLLM and SGLang
-#: pick the DFlash 2 model class by it)
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+#: ``dflash_config`` fields every drafter reads; older checkpoints keep them at the top level (a family's own
+#: fields: its ``config_fields``, :mod:`dflash_eval.drafter.families`)
+DFLASH_FIELDS = SHARED_FIELDS
 #: where a drafter config records the sequence length it was trained on (:attr:`DrafterConfig.trained_max_len`):
 #: the training block of ``dflash_eval.drafter.train``; other trainers' checkpoints record none that is read
 TRAINED_MAX_LEN_FIELD = "dflash_config.training.max_len"
@@ -81,7 +76,7 @@ def _rope_dict(d: dict) -> dict:
 def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
     """Every copy of each field a drafter config can hold twice: ``{field: [(location, value), ...]}``.
 
-    Fields: each of :data:`DFLASH_FIELDS` and :data:`DFLASH2_FIELDS` (``dflash_config.<f>`` and
+    Fields: each of :data:`DFLASH_FIELDS` and of every family's ``config_fields`` (``dflash_config.<f>`` and
     top-level ``<f>``), ``dtype``
     (``dtype``, ``torch_dtype``), ``rope_theta`` (top level, ``rope_parameters.rope_theta``,
     ``rope_scaling.rope_theta``) and ``rope_parameters`` (the ``rope_parameters`` and
@@ -91,7 +86,7 @@ def field_locations(cfg: dict) -> dict[str, list[tuple[str, Any]]]:
     """
     dcfg = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     out: dict[str, list[tuple[str, Any]]] = {}
-    for name in DFLASH_FIELDS + DFLASH2_FIELDS:
+    for name in DFLASH_FIELDS + tuple(f for fam in FAMILIES.values() for f in fam.config_fields):
         out[name] = [(loc, d[name]) for loc, d in ((f"dflash_config.{name}", dcfg), (name, cfg)) if name in d]
     out["dtype"] = [(k, cfg[k]) for k in ("dtype", "torch_dtype") if k in cfg and cfg[k] is not None]
     ropes = [(k, cfg[k]) for k in ROPE_DICTS if isinstance(cfg.get(k), dict)]
@@ -201,8 +196,9 @@ class DrafterConfig:
     ``dflash_config`` or the top level (older checkpoints), as ``dflash==0.1.0``
     ``_draft_value`` does; a field stored in both places with different values is
     refused (module docstring). They are never recomputed.
-    The DFlash 2 fields (:data:`DFLASH2_FIELDS`) are read the same way; all four or none
-    (:attr:`variant`).
+    The family's own fields (its ``config_fields``, e.g. DFlash 2's conv and selector sizes) are read the same
+    way, by the family (:mod:`dflash_eval.drafter.families`), into :attr:`family_fields`, and read back as
+    attributes (``cfg.selector_top_k``); :attr:`variant` names the family.
     ``sliding_window`` is set only for configs with ``sliding_attention`` layers
     (which require ``use_sliding_window: true``); ``is_causal`` is the optional
     top-level override of every layer's causality (reference semantics).
@@ -227,12 +223,10 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     is_causal: bool | None = None
-    #: DFlash 2 (:data:`DFLASH2_FIELDS`; None for DFlash 1): conv taps, channels per conv group,
-    #: rank of the selector's bilinear term, candidates per slot
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
+    #: the drafter's family (:data:`dflash_eval.drafter.families.FAMILIES` name; tau.csv ``variant``)
+    variant: str = DEFAULT
+    #: the family's own fields (its ``config_fields``), read as attributes (:meth:`__getattr__`)
+    family_fields: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict, repr=False)
     notes: list[str] = field(default_factory=list, repr=False)
 
@@ -359,7 +353,9 @@ class DrafterConfig:
         if act not in ("silu", "swish"):
             raise InputError(source, "hidden_act", f"'{act}' not supported (DFlash drafters use silu)", "use silu")
         softcap = pick("final_logit_softcapping", required=False)
-        dflash2 = _dflash2_fields(cfg, dcfg, source, hidden, need("vocab_size"), block_size, notes)
+        family = family_of_config(cfg, dcfg, source)
+        fields = family.read_fields(cfg, dcfg, source, {"hidden_size": hidden, "vocab_size": need("vocab_size"),
+                                                        "block_size": block_size}, notes)
         return cls(
             hidden_size=hidden,
             num_hidden_layers=n_layers,
@@ -380,20 +376,31 @@ class DrafterConfig:
             output_multiplier=float(pick("output_multiplier", required=False, default=1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
             is_causal=is_causal,
-            **dflash2,
+            variant=family.name,
+            family_fields=fields,
             raw=cfg,
             notes=notes,
         )
 
+    def __getattr__(self, name: str):
+        """A field of the drafter's family (``cfg.selector_top_k``; its ``config_fields``).
+
+        Raises:
+            AttributeError: not a field of the family."""
+        fields = self.__dict__.get("family_fields") or {}
+        if name in fields:
+            return fields[name]
+        raise AttributeError(f"{type(self).__name__} of family {self.__dict__.get('variant')!r} has no {name!r}")
+
     @property
-    def variant(self) -> str:
-        """``'dflash2'`` when the DFlash 2 fields are set (conv + candidate selector), else ``'dflash'``."""
-        return "dflash2" if self.selector_top_k is not None else "dflash"
+    def family(self) -> DrafterFamily:
+        """The drafter's family (:mod:`dflash_eval.drafter.families`)."""
+        return FAMILIES[self.variant]
 
     @property
     def architecture(self) -> str:
-        """The ``architectures`` entry of this variant (:data:`ARCHITECTURES`)."""
-        return ARCHITECTURES[self.variant]
+        """The ``architectures`` entry of the drafter's family."""
+        return self.family.architecture
 
     @property
     def trained_max_len(self) -> int | None:
@@ -517,54 +524,3 @@ def check_finite_numbers(cfg: dict, source: str) -> None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise InputError(source, name, f"must be a positive number, got {v!r}", f"restore the trained {name}")
-
-
-def _dflash2_fields(cfg: dict, dcfg: dict, source: str, hidden: int, vocab: int, block_size: int,
-                    notes: list[str]) -> dict:
-    """The DFlash 2 fields of a config (``{}`` for DFlash 1), validated; appends notes.
-
-    All four :data:`DFLASH2_FIELDS` or none: the reference ``DFlash2DraftModel`` and vLLM's
-    ``qwen3_dflash2`` need every one. ``conv_group_size`` must divide ``hidden_size`` (the conv's
-    groups) and ``selector_top_k`` be at most ``vocab_size``. ``architectures`` naming
-    ``DFlash2DraftModel`` without the fields is refused; the fields under another architecture are
-    noted (the stripped config names ``DFlash2DraftModel``, which vLLM and SGLang dispatch on).
-
-    Raises:
-        InputError: a partial set (naming the missing fields), a value that is not a positive integer,
-            a group size not dividing the hidden size, top-K above the vocabulary, or the
-            architecture without the fields.
-    """
-    present = {k: (dcfg[k] if k in dcfg else cfg[k]) for k in DFLASH2_FIELDS if k in dcfg or k in cfg}
-    archs = cfg.get("architectures") or []
-    if not present:
-        if ARCHITECTURES["dflash2"] in archs:
-            raise InputError(source, "dflash_config.conv_kernel_size",
-                             f"architectures names {ARCHITECTURES['dflash2']} but none of {list(DFLASH2_FIELDS)} "
-                             "is set (the conv and the selector cannot be built)",
-                             "add the DFlash 2 fields to dflash_config (as the training run saved them)")
-        return {}
-    missing = [k for k in DFLASH2_FIELDS if k not in present]
-    if missing:
-        raise InputError(source, f"dflash_config.{missing[0]}",
-                         f"a DFlash 2 config needs all of {list(DFLASH2_FIELDS)}; {missing} missing "
-                         f"(present: {present})",
-                         "add the missing fields to dflash_config as the training run saved them "
-                         "(reference dflash==0.1.0 DFlash2DraftModel reads all four)")
-    for k, v in present.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(source, f"dflash_config.{k}", f"must be a positive integer, got {v!r}", f"fix {k}")
-    if hidden % present["conv_group_size"]:
-        raise InputError(source, "dflash_config.conv_group_size",
-                         f"{present['conv_group_size']} does not divide hidden_size {hidden} (channels per conv group)",
-                         "fix conv_group_size or hidden_size")
-    if present["selector_top_k"] > vocab:
-        raise InputError(source, "dflash_config.selector_top_k",
-                         f"{present['selector_top_k']} candidates per slot exceed vocab_size {vocab}",
-                         "fix selector_top_k")
-    if present["conv_kernel_size"] > block_size:
-        notes.append(f"conv_kernel_size {present['conv_kernel_size']} > block_size {block_size}: taps past the "
-                     "block start read zeros (SpecForge and speculators refuse to train this)")
-    if archs and ARCHITECTURES["dflash2"] not in archs:
-        notes.append(f"architectures {archs} with the DFlash 2 fields: read as {ARCHITECTURES['dflash2']} "
-                     "(the stripped config.json names it)")
-    return dict(present)

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from dflash_eval.core.errors import InputError, atomic_path
+from dflash_eval.drafter.families import DFLASH, DFLASH2, family_of
+from dflash_eval.drafter.families.dflash2 import DEMO_FIELDS
 from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.spec import TargetSpec, as_spec
 
@@ -48,9 +50,10 @@ def pick_mask_token(tokenizer, data: list[list[int]] = ()) -> int:
     return cands[0]
 
 
-#: DFlash 2 fields of a random-init demo drafter: the published z-lab DFlash 2 drafter's taps and
-#: group size (docs/checkpoint-formats.md), rank and top-K capped by the target's width / vocabulary
-DFLASH2_DEMO_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+#: DFlash 2 fields of a random-init demo drafter (:data:`dflash_eval.drafter.families.dflash2.DEMO_FIELDS`)
+DFLASH2_DEMO_FIELDS = DEMO_FIELDS
+#: the families the demo trainer and the random-init demo checkpoint build (``--variant`` choices)
+DEMO_FAMILIES = (DFLASH.name, DFLASH2.name)
 
 
 def drafter_config_for_target(target: "TargetSpec | str | Path", layer_ids, block_size: int, num_layers: int,
@@ -58,22 +61,23 @@ def drafter_config_for_target(target: "TargetSpec | str | Path", layer_ids, bloc
     """A drafter ``config.json`` dict for ``target`` (hidden size and head layout copied from it).
 
     ``layer_ids`` None = five layers spread over the target (``round(1 + i * (N - 4) / 4)``).
-    ``variant`` ``'dflash2'`` adds :data:`DFLASH2_DEMO_FIELDS` to ``dflash_config`` (group size 1 when
-    16 does not divide the hidden size; rank at most the hidden size, top-K at most the vocabulary)
-    and names ``DFlash2DraftModel``.
+    ``variant``: one of :data:`DEMO_FAMILIES`; the family's fields (``demo_fields``: DFlash 2's
+    :data:`DFLASH2_DEMO_FIELDS`, group size 1 when 16 does not divide the hidden size; rank at most the hidden
+    size, top-K at most the vocabulary) go to ``dflash_config`` and its architecture to ``architectures``.
 
     Raises:
         ValueError: an unknown ``variant``.
     """
-    if variant not in ("dflash", "dflash2"):
-        raise ValueError(f"variant {variant!r} not in ('dflash', 'dflash2')")
+    if variant not in DEMO_FAMILIES:
+        raise ValueError(f"variant {variant!r} not in {DEMO_FAMILIES}")
+    family = family_of(variant)
     spec = as_spec(target)
     t = spec.config.get("text_config") or spec.config
     if layer_ids is None:
         layer_ids = [round(1 + i * (spec.num_layers - 4) / 4) for i in range(5)]
     heads = int(t["num_attention_heads"])
     cfg = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [family.architecture],
         "model_type": "qwen3",
         "hidden_size": spec.hidden_size,
         "intermediate_size": int(t["intermediate_size"]),
@@ -92,13 +96,7 @@ def drafter_config_for_target(target: "TargetSpec | str | Path", layer_ids, bloc
         "block_size": block_size,
         "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": int(mask_token_id), "block_size": block_size},
     }
-    if variant == "dflash2":
-        f = dict(DFLASH2_DEMO_FIELDS)
-        f["conv_group_size"] = f["conv_group_size"] if spec.hidden_size % f["conv_group_size"] == 0 else 1
-        f["selector_rank"] = min(f["selector_rank"], spec.hidden_size)
-        f["selector_top_k"] = min(f["selector_top_k"], spec.vocab_size)
-        cfg["dflash_config"].update(f)
-        cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["dflash_config"].update(family.demo_fields(spec.hidden_size, spec.vocab_size))
     return cfg
 
 

@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -92,6 +91,7 @@ from torch import nn
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.families import Selection  # the proposal's result (the family interface)
 from dflash_eval.drafter.files import read_drafter_weights
 from dflash_eval.drafter.rope import rotary_embedding
 
@@ -223,26 +223,6 @@ class GroupedDynamicCausalConv(nn.Module):
         return out.view(n, length, h)
 
 
-@dataclass
-class Selection:
-    """The drafts of a block's slots (:meth:`DFlashDrafter.propose`); ``N`` blocks, ``S`` drafted slots.
-
-    Attributes:
-        path: ``[N, S]`` int64, the drafted token per slot (slot ``j`` drafts position ``start + j``).
-        candidates: ``[N, S, K]`` int64, DFlash 2: the top-K logit candidates per slot, descending
-            logit; None for DFlash 1.
-        scores: ``[N, S, K]`` float32, DFlash 2: the selector's score of each candidate given the
-            predecessor used at that slot; None for DFlash 1.
-        probs: ``[N, S, K]`` float32, DFlash 2 at temperature > 0: ``softmax(scores / T)``, the
-            distribution the slot's draft was sampled from; None otherwise.
-    """
-
-    path: torch.Tensor
-    candidates: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    probs: torch.Tensor | None = None
-
-
 class CandidateSelector(nn.Module):
     """DFlash 2 candidate selector (module docstring, item 7). Parameters under the reference's saved names."""
 
@@ -317,7 +297,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.attention_conv = self.mlp_conv = None
-        if cfg.variant == "dflash2":
+        if "conv" in cfg.family.parts:
             self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
@@ -352,7 +332,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = rotary_embedding(cfg)  # non-persistent inv_freq
-        self.candidate_selector = CandidateSelector(cfg) if cfg.variant == "dflash2" else None
+        self.candidate_selector = CandidateSelector(cfg) if "selector" in cfg.family.parts else None
+        self.family = cfg.family  #: what replay/, the stages and report/ ask (dflash_eval.drafter.families)
         self._nonfinite: torch.Tensor | None = None  # see take_nonfinite
 
     #: whether :meth:`logits` watches the drafted states for NaN / inf (:meth:`take_nonfinite`); a switch only for
@@ -510,6 +491,12 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def select(self, hidden, logits, anchor_ids, temperature=0.0, predecessors=None, generator=None) -> Selection:
+        """The candidate walk of a family whose ``selects_candidates`` is true: DFlash 2's candidate selector
+        (:meth:`CandidateSelector.forward`: its arguments and result). Raises ValueError without one (DFlash 1)."""
+        if self.candidate_selector is None:
+            raise ValueError(f"a {self.family.name} drafter has no candidate walk (its drafts are each slot's argmax)")
+        return self.candidate_selector(hidden, logits, anchor_ids, temperature, predecessors, generator)
 
     def propose(
         self,
@@ -526,20 +513,21 @@ class DFlashDrafter(nn.Module):
             hidden: ``[N, S, H]`` states of the drafted slots (``forward(...)[:, 1:vs]``).
             anchor_ids: ``[N]`` int64 anchor tokens (the selector's first predecessor).
             lm_head_weight: target ``lm_head`` ``[V, H]``.
-            temperature, predecessors, generator: DFlash 2 only, see :meth:`CandidateSelector.forward`.
+            temperature, predecessors, generator: a candidate walk only (:meth:`select`).
 
         Returns:
-            :class:`Selection`; DFlash 1: the argmax of the logits per slot (greedy only).
+            :class:`Selection`: the candidate walk's (:meth:`select`) where the family's ``selects_candidates``,
+            else the argmax of the logits per slot (greedy only).
 
         Raises:
-            ValueError: DFlash 1 with ``temperature > 0`` (its sampling is the target-side verify's).
+            ValueError: an argmax drafter with ``temperature > 0`` (its sampling is the target-side verify's).
         """
         logits = self.logits(hidden, lm_head_weight)
-        if self.candidate_selector is None:
+        if not self.family.selects_candidates:
             if temperature > 0:
                 raise ValueError("DFlash 1 drafts greedily here; sample its logits directly")
             return Selection(logits.argmax(-1))
-        return self.candidate_selector(hidden, logits, anchor_ids, temperature, predecessors, generator)
+        return self.select(hidden, logits, anchor_ids, temperature, predecessors, generator)
 
 
 def load_drafter(

@@ -43,15 +43,16 @@ import torch
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.drafter.config import qwen3_config
+from dflash_eval.drafter.families import FAMILIES, family_of_speculators
 
-#: speculators model types read here and the z-lab architecture each becomes
-MODEL_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+#: speculators model types read here and the z-lab architecture each becomes (each family's
+#: ``speculators_model_type`` and ``architecture``)
+MODEL_TYPES = {f.speculators_model_type: f.architecture for f in FAMILIES.values() if f.speculators_model_type}
 #: Qwen3 fields the drafter reads; filled from ``Qwen3Config`` when ``to_diff_dict`` left them out
 FILLED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "num_hidden_layers", "vocab_size", "rms_norm_eps", "attention_bias", "hidden_act",
                  "max_position_embeddings", "layer_types", "use_sliding_window", "sliding_window",
                  "max_window_layers")
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 #: speculators-only tensors that are not part of the drafter
 VERIFIER_KEYS = ("verifier_norm.weight",)
 VOCAB_MAPS = ("t2d", "d2t")
@@ -71,7 +72,8 @@ def to_zlab_config(cfg: dict, source) -> tuple[dict, list[str]]:
             refused variant (module docstring), naming ``source`` and the field.
     """
     kind = cfg.get("speculators_model_type")
-    if kind not in MODEL_TYPES:
+    family = family_of_speculators(kind)
+    if family is None:
         raise InputError(source, "speculators_model_type", f"{kind!r} is not a DFlash speculator "
                          f"(read: {sorted(MODEL_TYPES)})", "evaluate a speculators dflash or dflash2 checkpoint")
     tl = cfg.get("transformer_layer_config")
@@ -101,14 +103,15 @@ def to_zlab_config(cfg: dict, source) -> tuple[dict, list[str]]:
         dcfg["target_layer_ids"] = [i - 1 for i in aux]
         notes.append(f"speculators aux_hidden_state_layer_ids {aux} read as dflash_config.target_layer_ids "
                      f"{dcfg['target_layer_ids']} (id - 1)")
-    for key in ("mask_token_id", "block_size") + (DFLASH2_KEYS if kind == "dflash2" else ()):
+    for key in ("mask_token_id", "block_size"):
         if cfg.get(key) is not None:
             dcfg[key] = cfg[key]
+    dcfg.update(family.speculators_fields(cfg))  # DFlash 2: its four fields, flat in speculators
     layer_types = out.get("layer_types") or []
     if cfg.get("sliding_window_non_causal") and "sliding_attention" in layer_types:
         out["is_causal"] = False
         notes.append("speculators sliding_window_non_causal: true read as is_causal: false")
-    out.update(architectures=[MODEL_TYPES[kind]], model_type=tl.get("model_type", "qwen3"), dflash_config=dcfg)
+    out.update(architectures=[family.architecture], model_type=tl.get("model_type", "qwen3"), dflash_config=dcfg)
     return out, notes
 
 

@@ -64,6 +64,7 @@ from dflash_eval.data.completions import read_completions
 from dflash_eval.data.prompts import build_prompt_set, write_prompts
 from dflash_eval.drafter.config import DrafterConfig
 from dflash_eval.drafter.demo import (
+    DEMO_FAMILIES,
     DFLASH2_DEMO_FIELDS,
     drafter_config_for_target,
     identity_convs_,
@@ -71,6 +72,7 @@ from dflash_eval.drafter.demo import (
     random_init_,
     save_training_checkpoint,
 )
+from dflash_eval.drafter.families import family_of
 from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.model import load_target
 from dflash_eval.target.spec import TargetSpec
@@ -207,7 +209,7 @@ def block_loss(drafter, embed, head, hidden, ids, lens, anchors, valid, block_si
         correct = (logits.argmax(-1) == labels) & mask
         acc = (correct.float().sum(0) / mask.float().sum(0).clamp(min=1)).tolist()
         stats = {"acc": acc, "tau_proxy": _accept_proxy(correct, mask)}
-    if drafter.candidate_selector is not None:
+    if "selector" in drafter.family.parts:
         sel, sel_stats = selector_loss(drafter.candidate_selector, h, logits, ids[row_seq, block_pos[:, 0]], labels,
                                        wm, selector_stats)
         if selector_stats:
@@ -309,11 +311,9 @@ def train(
     dcfg = drafter_config_for_target(spec, cfg.target_layer_ids, cfg.block_size, cfg.num_layers, mask_id, cfg.variant)
     if cfg.intermediate_size:
         dcfg["intermediate_size"] = cfg.intermediate_size
-    if cfg.variant == "dflash2":
-        dc = dcfg["dflash_config"]
-        dc.update({k: int(getattr(cfg, k)) for k in DFLASH2_DEMO_FIELDS if getattr(cfg, k)})
-        dc["selector_rank"] = min(dc["selector_rank"], spec.hidden_size)
-        dc["selector_top_k"] = min(dc["selector_top_k"], spec.vocab_size)
+    family = family_of(cfg.variant)  # its fields from the flags over its defaults (DFlash 2: DFLASH2_DEMO_FIELDS)
+    dcfg["dflash_config"].update(family.demo_fields(spec.hidden_size, spec.vocab_size,
+                                                    {k: getattr(cfg, k) for k in family.config_fields}))
     dcfg["dflash_config"]["training"] = {"trainer": "dflash_eval.drafter.train", **{k: v for k, v in asdict(cfg).items() if k not in ("save_steps", "save_fracs")}}
     drafter = identity_convs_(random_init_(DFlashDrafter(DrafterConfig.from_dict(dcfg, source="dflash-eval train")))).to(dev)
     with torch.no_grad():
@@ -461,7 +461,7 @@ def add_arguments(p) -> None:
     p.add_argument("--log-every", type=int, default=50, help="steps between train_log.jsonl lines (and the first step)")
     p.add_argument("--init-from", default=None, help="training checkpoint (.pt) to start from")
     p.add_argument("--device", default="auto", help="torch device ('auto' = cuda if available, else cpu)")
-    p.add_argument("--variant", choices=("dflash", "dflash2"), default="dflash",
+    p.add_argument("--variant", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
                    help="dflash2: add the grouped dynamic causal convs and the candidate selector, trained with the "
                         "selector loss (speculators PR #1006, SpecForge PR #772; dflash_eval.drafter.train docstring)")
     d2 = DFLASH2_DEMO_FIELDS
@@ -482,7 +482,7 @@ def main(args, opts) -> None:
         raise InputError(None, "train", "block size >= 2, and layers, sequences per step, anchors, max steps, log every >= 1, "
                          "max length >= 2 are required", "fix the flags")
     d2 = (args.conv_kernel_size, args.conv_group_size, args.selector_rank, args.selector_top_k)
-    if args.variant == "dflash2" and min(d2) < 1:
+    if family_of(args.variant).config_fields and min(d2) < 1:
         raise InputError(None, "train", f"conv kernel size, conv group size, selector rank and top-K must be >= 1, got {d2}",
                          "fix the --conv-* / --selector-* flags")
     train(args.target, args.data, args.out_dir, TrainConfig(

@@ -21,11 +21,11 @@ import torch
 
 from dflash_eval.core.runtime import free_memory_bytes
 from dflash_eval.replay.expected import chain_survival, selector_survival
-from dflash_eval.replay.layouts import block_forward, groups_forward, is_dflash2, packed_forward, rows_forward
+from dflash_eval.replay.layouts import block_forward, groups_forward, packed_forward, rows_forward
 from dflash_eval.replay.policies import REFERENCE, DraftSetting
 from dflash_eval.replay.sampling import token_probs_topk
 
-__all__ = ["block_forward", "is_dflash2"]  # re-exported: replay.py and ddtree read them here
+__all__ = ["block_forward"]  # re-exported: replay.py and ddtree read it here
 
 #: batched replay, how one drafter call holds its anchors' blocks (see :func:`iter_anchor_drafts`):
 #: ``rows`` = one row per anchor (per-row copies of the context K/V), ``packed`` = all blocks as
@@ -326,7 +326,8 @@ def iter_anchor_drafts(
     sampling = list(sampling)
     if sampling and (p_tokens is None or len(p_tokens) != len(samples)):
         raise ValueError("sampling settings need the target's token probabilities of every sample (p_tokens)")
-    full = full or is_dflash2(drafter) or bool(sampling)  # the selector / every setting walks every slot
+    # a candidate walk (drafter.family.selects_candidates) / every setting walks every slot
+    full = full or drafter.family.selects_candidates or bool(sampling)
     plan = _Plan(cfg, B, elem, V, mem, dev, K, full, layout, len(sampling))
     if stats is not None:
         for key in ("query_tokens", "pad_query_tokens", "attn_pairs", "context_tokens", "head_rows", "calls"):
@@ -357,7 +358,7 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
     off_t = torch.tensor(off[:-1], device=dev)
     max_len_t = torch.tensor([p + s.max_new_tokens for p, s in zip(P, samples)], device=dev)
 
-    sel2 = is_dflash2(drafter)
+    sel2 = drafter.family.selects_candidates  # the candidate walk and its diagnostics
     out = []
     for i, s in enumerate(samples):
         anchors = torch.arange(P[i], P[i] + n[i], device=dev)
@@ -455,14 +456,14 @@ def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_
     for r0 in range(0, C, step):
         r = slice(r0, r0 + step)
         lg = drafter.logits(h[r, 1:], head)  # [n, B-1, V]
-        sel = drafter.candidate_selector(h[r, 1:], lg, anchor_ids[r])
+        sel = drafter.select(h[r, 1:], lg, anchor_ids[r])
         path[r], unary[r] = sel.path, lg.argmax(-1)
         hit[r] = (sel.candidates == want[r, 1:, None]).any(-1)
         if K:
             logp[r], topi[r] = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
         if p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
             tok = want[r, 1:].clamp_min(0)
-            forced = drafter.candidate_selector(h[r, 1:], lg, anchor_ids[r], predecessors=tok)
+            forced = drafter.select(h[r, 1:], lg, anchor_ids[r], predecessors=tok)
             for st, p in p_rows:
                 setting, policy = _split(st)
                 surv[st.label][r] = selector_survival(forced.scores, forced.candidates, tok, p[r], limit[r], setting,

@@ -143,7 +143,7 @@ def replay_batch(
         want = ids[rows[:, None], block_pos]  # x[start + j]
         acc = torch.zeros(len(rows), dtype=torch.long, device=dev)
         alive = torch.ones(len(rows), dtype=torch.bool, device=dev)
-        if getattr(drafter, "candidate_selector", None) is not None:  # DFlash 2: the selector's path over the block's slots
+        if drafter.family.selects_candidates:  # DFlash 2: the selector's path over the block's slots
             draft = drafter.propose(h[:, 1:], ids[rows, st], head_weight).path
             acc = ((draft == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])).long().cumprod(-1).sum(-1)
             alive[:] = False

@@ -53,7 +53,7 @@ from typing import Sequence
 import torch
 
 from dflash_eval.core.errors import InputError
-from dflash_eval.replay.anchors import chain_walk, is_dflash2, iter_anchor_drafts
+from dflash_eval.replay.anchors import chain_walk, iter_anchor_drafts
 
 
 @dataclass
@@ -320,10 +320,11 @@ def replay_with_trees(drafter, embed_weight: torch.Tensor, head_weight: torch.Te
             defines a tree over it (a tree over the per-slot marginals would be DFlash 1's tree of
             the same logits, not DFlash 2's); ``evaluate`` reports DDTree as not applicable.
     """
-    if is_dflash2(drafter):
-        raise InputError(None, "evaluate.ddtree_budgets", "DDTree is not defined for DFlash 2 drafters (the serving "
+    if not drafter.family.ddtree_applicable:
+        label = drafter.family.label
+        raise InputError(None, "evaluate.ddtree_budgets", f"DDTree is not defined for {label} drafters (the serving "
                          "engines draft one candidate-selector path per verify step)",
-                         "evaluate DFlash 2 drafters in chain mode (their DDTree columns are NaN)")
+                         f"evaluate {label} drafters in chain mode (their DDTree columns are NaN)")
     budgets = sorted({int(b) for b in budgets})
     if not budgets or budgets[0] < 1:
         raise ValueError(f"DDTree budgets {budgets}: need at least one budget, all >= 1")

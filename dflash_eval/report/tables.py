@@ -16,6 +16,7 @@ import re
 import markdown
 import pandas as pd
 
+from dflash_eval.drafter.families import FAMILIES
 from dflash_eval.report.tau_table import checkpoint_order, variant_label, variant_order
 
 
@@ -71,18 +72,8 @@ def best_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["prompt_set", "checkpoint", "step", "tau"])
 
 
-SELECTOR_NOTE = ("DFlash 2 drafters (variant `dflash2`) draft the candidate selector's path, at temperature 0: "
-                 "tau_unary is the per-slot argmax of the same logits (the selector switched off), tau_oracle a "
-                 "perfect selector over the same top-K candidates; recall@K is the mean over draft slots of "
-                 "P(slot k's target token is among its top-K candidates), pick rate the share of slots where the "
-                 "selector picked it, given the earlier picks were right and it was a candidate (pooled over "
-                 "slots), oracle path the share of verify steps where the selector accepted the whole oracle "
-                 "prefix. The figure shows both rates slot by slot (tau.csv: topk_recall_slot_k, "
-                 "pick_rate_slot_k). Sets evaluated only at temperature > 0 are left out: their selector columns "
-                 "are those of the greedy path on the sampled completions, the same in every draft-policy row. "
-                 "DDTree is not evaluated for DFlash 2 drafters: their DDTree columns in tau.csv are NaN and the "
-                 "DDTree tables leave them out, since no serving engine builds a tree over the selector's path "
-                 "(ddtree_applicable false).")
+#: the note of the report's selector section: the ``report_note`` of each family with that section (DFlash 2's)
+SELECTOR_NOTE = " ".join(f.report_note for f in FAMILIES.values() if "selector" in f.report_sections and f.report_note)
 
 #: the per-slot columns of the tau table: in tau.csv, drawn as figures (never a column of a report table)
 PER_SLOT = re.compile(r"^(accept|topk_recall|pick_rate)_slot_\d+$")
@@ -94,10 +85,11 @@ def without_slot_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def selector_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """The DFlash 2 rows at temperature 0 (every column), or an empty frame."""
+    """The rows at temperature 0 (every column) of the families with the report's selector section (their
+    ``report_sections``: DFlash 2), or an empty frame."""
     if "tau_oracle" not in frame.columns or "variant" not in frame.columns:
         return frame.iloc[:0]
-    keep = frame["variant"] == "dflash2"
+    keep = frame["variant"].map(lambda v: v in FAMILIES and "selector" in FAMILIES[v].report_sections).astype(bool)
     if "temperature" in frame:
         keep &= frame["temperature"].astype(float) == 0
     return frame[keep]

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.schema import sampling_label
 from dflash_eval.data.provenance import check_settings
+from dflash_eval.drafter.families import family_of, label, ordered
 from dflash_eval.report.loops import LOOP_COLUMNS, Loops, loop_columns
 from dflash_eval.report.records import Offline, load_offline
 from dflash_eval.replay.metrics import PROMPT_BINS, aggregate, aggregate_expected, agreement, position_bin_labels
@@ -57,36 +58,9 @@ def slot_columns(max_block_size: int) -> list[str]:
 
 
 
-#: after the DDTree and slot columns: every table has them
+#: after the DDTree and slot columns: every table has them; then each family's own columns (its ``table_columns``:
+#: DFlash 2's selector diagnostics), for the families with a row in the table
 VARIANT_COLUMNS = ["variant", "ddtree_applicable"]
-#: then, in a table with a DFlash 2 row, :func:`selector_slot_columns` after these
-SELECTOR_COLUMNS = ["tau_oracle", "tau_unary", "sel_accepted", "sel_oracle_accepted", "sel_pick_rate",
-                    "sel_oracle_path_rate"]
-
-
-def selector_slot_columns(max_block_size: int) -> list[str]:
-    """``topk_recall_slot_1 .. _<B-1>`` then ``pick_rate_slot_1 .. _<B-1>`` (DFlash 2 selector diagnostics)."""
-    return [f"{kind}_slot_{k}" for kind in ("topk_recall", "pick_rate") for k in range(1, max_block_size)]
-
-
-def _nan(x) -> float:
-    return math.nan if x is None else float(x)
-
-
-def _selector_columns(r: dict) -> dict:
-    """The DFlash 2 columns of one evaluate output (its per-sample oracle/unary chains, its ``selector`` aggregate)."""
-    B, sel = r["block_size"], r["selector"]
-    out = {"tau_oracle": aggregate([s["acceptance_lengths_oracle"] for s in r["samples"]], B).tau,
-           "tau_unary": aggregate([s["acceptance_lengths_unary"] for s in r["samples"]], B).tau,
-           "sel_accepted": _nan(sel["accepted"]), "sel_oracle_accepted": _nan(sel["oracle_accepted"]),
-           "sel_pick_rate": _nan(sel["pick_rate_all"]), "sel_oracle_path_rate": _nan(sel["oracle_path_rate"])}
-    for k, v in sel["topk_recall"].items():
-        out[f"topk_recall_slot_{k}"] = _nan(v)
-    for k, v in sel["pick_rate"].items():
-        out[f"pick_rate_slot_{k}"] = _nan(v)
-    return out
-
-
 #: ``tau.parquet``'s schema metadata key holding the provenance block of the table (``tau.provenance.json``)
 PARQUET_PROVENANCE = b"dflash_eval.data.provenance"
 
@@ -150,7 +124,7 @@ def summary_frame(evals: list[str] | Offline, expected: dict | None = None, loop
             the completions ``loops`` holds for its set (:meth:`dflash_eval.report.loops.Loops.flags`).
     """
     rows, budgets = [], set()
-    dflash2 = False
+    families: set[str] = set()  # the families whose own columns the table has
     seen: dict[tuple, str] = {}
     for path, r in load_offline(evals).jobs:  # every output as its records (dflash_eval.report.records)
         if expected:
@@ -172,14 +146,16 @@ def summary_frame(evals: list[str] | Offline, expected: dict | None = None, loop
         drawn = r.get("completion_sampling") or {"temperature": 0.0}
         trajectory = sampling_label(drawn)
         applicable = bool(r.get("ddtree_applicable", True))
-        ddtree = {"variant": r.get("variant", "dflash"), "ddtree_applicable": applicable}
+        family = family_of(r.get("variant"))  # an output without variant: DFlash 1 (the default family)
+        ddtree = {"variant": family.name, "ddtree_applicable": applicable}
         for b in r.get("ddtree_budgets", []):
             budgets.add(int(b))
             ddtree[f"tau_ddtree_{b}"] = math.nan if not applicable else aggregate(
                 [s["acceptance_lengths_ddtree"][str(b)] for s in r["samples"]], r["block_size"]).tau
-        if "selector" in r:
-            dflash2 = True
-            ddtree.update(_selector_columns(r))
+        own = family.table_values(r)
+        if own:
+            families.add(family.name)
+            ddtree.update(own)
         for st, policy in [(st, pol) for st in r.get("sampling_settings") or [GREEDY_SETTING]
                            for pol in st.get("draft") or [REFERENCE_POLICY]]:
             key = policy_label(st["label"], policy)
@@ -233,7 +209,7 @@ def summary_frame(evals: list[str] | Offline, expected: dict | None = None, loop
                 **ddtree,
             })
     max_block = max((r["block_size"] for r in rows), default=1)
-    extra = VARIANT_COLUMNS + (SELECTOR_COLUMNS + selector_slot_columns(max_block) if dflash2 else [])
+    extra = VARIANT_COLUMNS + [c for name in ordered(families) for c in family_of(name).table_columns(max_block)]
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
                       + extra)
     df = df.astype({"step": "Int64", "trained_max_len": "Int64", "n_beyond_trained": "Int64", "n_loop": "Int64"})
@@ -388,20 +364,18 @@ def method_columns(frame: pd.DataFrame) -> list[tuple[str, str]]:
     return [("tau", "chain (DFlash)")] + [(f"tau_ddtree_{b}", f"DDTree, budget {b}") for b in ddtree_budgets(frame)]
 
 
-#: legend and table names of the drafter variants (tau.csv ``variant``)
-VARIANT_LABELS = {"dflash": "DFlash 1", "dflash2": "DFlash 2"}
-
-
 def variant_label(variant: str) -> str:
-    """``"DFlash 1"`` / ``"DFlash 2"`` for ``dflash`` / ``dflash2``; another variant: its name."""
-    return VARIANT_LABELS.get(variant, variant)
+    """The family's label of a ``variant`` (``"DFlash 1"`` / ``"DFlash 2"`` for ``dflash`` / ``dflash2``,
+    :func:`dflash_eval.drafter.families.label`); an unknown variant: its name."""
+    return label(variant)
 
 
 def variant_order(frame: pd.DataFrame) -> list[str]:
-    """The ``variant`` values of ``frame``, DFlash 1 then DFlash 2 then any other by name; [] without the column."""
+    """The ``variant`` values of ``frame`` in the families' report order (DFlash 1, DFlash 2), then any other by name
+    (:func:`dflash_eval.drafter.families.ordered`); [] without the column."""
     if "variant" not in frame:
         return []
-    return sorted(frame["variant"].dropna().unique(), key=lambda v: (v not in VARIANT_LABELS, variant_label(v)))
+    return ordered(frame["variant"].dropna().unique())
 
 
 def checkpoint_order(frame: pd.DataFrame) -> list[str]:

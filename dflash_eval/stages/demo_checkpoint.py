@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dflash_eval.core.errors import InputError
 from dflash_eval.core.options import schema_type
 from dflash_eval.drafter.config import DrafterConfig
-from dflash_eval.drafter.demo import drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
+from dflash_eval.drafter.demo import DEMO_FAMILIES, drafter_config_for_target, pick_mask_token, random_init_, save_training_checkpoint
 from dflash_eval.drafter.model import DFlashDrafter
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
 
@@ -40,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--step", type=schema_type("checkpoints.demo.step"), default=0,
                    help="training step recorded in the checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    p.add_argument("--variant", choices=("dflash", "dflash2"), default="dflash",
+    p.add_argument("--variant", choices=DEMO_FAMILIES, default=DEMO_FAMILIES[0],
                    help="variant of a random-init drafter (dflash2: DFlash 2, dflash_eval.drafter.demo.DFLASH2_DEMO_FIELDS)")
     p.add_argument("--out", required=True, help="the .pt checkpoint")
 

@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from dflash_eval.core import options as options_mod
-from dflash_eval.replay.anchors import chain_walk, context_bytes_per_token, is_dflash2, iter_anchor_drafts, length_groups
+from dflash_eval.replay.anchors import chain_walk, context_bytes_per_token, iter_anchor_drafts, length_groups
 from dflash_eval.cache.format import completion_sampling, final_hidden_index
 from dflash_eval.cache.reader import CacheReader
 from dflash_eval.drafter.compat import check_agreement, check_cache_target, check_compat
+from dflash_eval.drafter.families import DrafterFamily, family_of
 from dflash_eval.replay.ddtree import replay_with_trees, walk_budgets
 from dflash_eval.drafter.model import NONFINITE_FIX, load_drafter
 from dflash_eval.drafter.files import read_strip_info
@@ -39,8 +40,7 @@ from dflash_eval.data.provenance import stage_block, write_json
 from dflash_eval.data.repetition import repeated_ngram_fraction
 from dflash_eval.report.records import evaluate_records, records_path, write_records
 from dflash_eval.core.runtime import dtype_name, free_memory_bytes, resolve_device, resolve_dtype
-from dflash_eval.replay.policies import (DraftSetting, applicable_policies, check_policy, engine_settings,
-                                         vllm_draft_sample_method)
+from dflash_eval.replay.policies import DraftSetting
 from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.replay.selector import walks
 from dflash_eval.target.spec import TargetSpec, load_embed_and_head
@@ -158,7 +158,7 @@ def evaluate(drafter_dir, cache_path, target_dir, out, opts=None, *, block_size:
         check_rope_length(inputs.drafter.cfg, max(inputs.reader.length(i) for i in range(inputs.n)) + B - 2,
                           Path(inputs.drafter_dir) / "config.json")
         settings = sampling_settings(opts, inputs.reader.attrs, inputs.cache_path)
-        sampled = draft_settings(opts, settings, inputs.drafter.cfg.variant)
+        sampled = draft_settings(opts, settings, inputs.drafter.family)
         expectations: dict[str, list] = {st.label: [] for st in sampled}
         repetition: dict[int, float] = {}
         results, trees, elapsed, tree_s, n_comp, walked = _replay_all(inputs, opts, B, sampled, expectations,
@@ -260,12 +260,11 @@ def _replay_all(inputs: _Inputs, opts, B: int, sampled=(), expectations=None, re
     # samples read from the cache at a time: what one batched group / sequential batch holds
     per_token = context_bytes_per_token(cfg, torch.finfo(inputs.embed.dtype).bits // 8)
     read_tokens = max(1, mem // 4 // per_token)
-    dflash2 = is_dflash2(drafter)
-    if dflash2 and budgets:
+    if budgets and not drafter.family.ddtree_applicable:
         # info, not a warning: a run that evaluates DFlash 1 and DFlash 2 checkpoints (the demo) configures budgets
         # for the former; tau.csv's ddtree_applicable column says it per row
-        log.info("DDTree budgets %s not applicable to the DFlash 2 drafter %s: its drafts are the selector's "
-                 "path, no serving engine builds a tree over it; chain only", budgets, inputs.drafter_dir)
+        log.info("DDTree budgets %s not applicable to the %s drafter %s: no serving engine builds a tree over its "
+                 "drafts; chain only", budgets, drafter.family.label, inputs.drafter_dir)
         budgets = []
     results: dict[int, SampleResult] = {}
     trees: dict[int, dict[int, list[int]]] = {}
@@ -332,13 +331,13 @@ def _greedy_replay(inputs: _Inputs, opts, B: int, samples, budgets: list[int], m
         both = replay_with_trees(drafter, inputs.embed, inputs.head, samples, budgets, B, mem, opts.batch_size)
         for s, (_, tr) in zip(samples, both):
             trees[s.index] = tr
-    if is_dflash2(drafter):  # one all-anchor pass: the selector's chain, the oracle and unary chains, the diagnostics
+    if drafter.family.selects_candidates:  # one all-anchor pass: the walk's chain, the oracle and unary chains, the diagnostics
         for s, d in zip(samples, iter_anchor_drafts(drafter, inputs.embed, inputs.head, samples, B,
                                                     memory_bytes=mem, max_group_samples=opts.batch_size)):
             walked[s.index] = _selector_walks(d)
     if budgets and opts.replay == "batched":
         return [chain for chain, _ in both]
-    if is_dflash2(drafter) and opts.replay == "batched":
+    if drafter.family.selects_candidates and opts.replay == "batched":
         return [walked[s.index].chain for s in samples]
     return replay(drafter, inputs.embed, inputs.head, samples, B, opts.replay, mem, opts.batch_size)
 
@@ -397,21 +396,21 @@ def _drawn_label(drawn: dict) -> str:
     return SamplingSetting(float(drawn["temperature"]), float(drawn.get("top_p", 1.0)), int(drawn.get("top_k", 0))).label
 
 
-def draft_settings(opts, settings: list[SamplingSetting], variant: str) -> list[DraftSetting]:
+def draft_settings(opts, settings: list[SamplingSetting], family: DrafterFamily) -> list[DraftSetting]:
     """Every (setting, draft policy) evaluated above temperature 0, in the configured order: each
-    ``evaluate.sampling`` entry's ``draft`` list, or every policy that applies to ``variant``
-    (:func:`dflash_eval.replay.policies.applicable_policies`).
+    ``evaluate.sampling`` entry's ``draft`` list, or every policy that applies to the drafter's ``family``
+    (:meth:`dflash_eval.drafter.families.DrafterFamily.draft_policies`).
 
     Raises:
-        InputError: a policy that does not apply to the variant (:func:`dflash_eval.replay.policies.check_policy`).
+        InputError: a policy that does not apply to the family (:meth:`~dflash_eval.drafter.families.DrafterFamily.check_policy`).
     """
     out = []
     for i, (entry, st) in enumerate(zip(opts.sampling, settings)):
         if st.greedy:
             continue
-        policies = entry.get("draft") or applicable_policies(variant, st)
+        policies = entry.get("draft") or family.draft_policies(st)
         for pol in policies:
-            check_policy(variant, st, pol, None, f"evaluate.sampling[{i}]")
+            family.check_policy(st, pol, None, f"evaluate.sampling[{i}]")
             out.append(DraftSetting(st, pol))
     return out
 
@@ -456,15 +455,15 @@ def _add_sampling(result: dict, cache_attrs: dict, settings, expectations: dict,
     """The output's sampling part (see :func:`evaluate`): ``sampling_settings``, ``completion_sampling``,
     ``cross_temperature`` and per sampled setting ``expected`` (aggregate + per-sample expectations)."""
     n = len(result["samples"])
-    variant = result.get("variant", "dflash")
+    family = family_of(result.get("variant"))
     policies: dict[str, list[str]] = {}
     for d in expectations_order(expectations):
         policies.setdefault(d[0], []).append(d[1])
     result["sampling_settings"] = [
         {"label": st.label, "temperature": st.temperature, "top_p": st.top_p, "top_k": st.top_k,
          "draft": policies.get(st.label, ["reference"]),
-         "engines": {p: engine_settings(variant, st, p) for p in policies.get(st.label, ["reference"])},
-         "vllm_draft_sample_method": {p: vllm_draft_sample_method(variant, st, p)
+         "engines": {p: family.engine_settings(st, p) for p in policies.get(st.label, ["reference"])},
+         "vllm_draft_sample_method": {p: family.vllm_draft_sample_method(st, p)
                                       for p in policies.get(st.label, ["reference"])}}
         for st in settings]
     result["completion_sampling"] = completion_sampling(cache_attrs)
@@ -524,7 +523,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
     }
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
     result["variant"] = inputs.drafter.cfg.variant
-    result["ddtree_applicable"] = not is_dflash2(inputs.drafter)
+    result["ddtree_applicable"] = inputs.drafter.family.ddtree_applicable
     if budgets and not result["ddtree_applicable"]:
         result["ddtree_budgets"] = budgets
         result["ddtree"] = {str(b): None for b in budgets}

@@ -25,7 +25,7 @@ from dflash_eval.data.provenance import block
 from dflash_eval.drafter.checkpoints import (IGNORABLE_BUFFERS, RESAVE, SHARED_KEYS, LoadedCheckpoint,
                                              load_checkpoint, unread_step)
 from dflash_eval.drafter.compat import check_compat
-from dflash_eval.drafter.config import DFLASH2_FIELDS, DFLASH_FIELDS, OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from dflash_eval.drafter.config import OVERRIDE_KEYS, DrafterConfig, check_override_keys
 from dflash_eval.drafter.files import file_checksums
 from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
 from dflash_eval.drafter.speculators import drop_extra_tensors, is_speculators_config, to_zlab_config
@@ -199,14 +199,9 @@ def strip_checkpoint(
         notes.append(f"num_target_layers {spec.num_layers} (the target's) written: the reference needs it to load")
     dcfg = config_out.get("dflash_config") or {}
     dcfg.update(target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id, block_size=cfg.block_size)
-    if cfg.variant == "dflash2":  # vLLM's qwen3_dflash2 reads these from dflash_config only
-        dcfg.update({k: getattr(cfg, k) for k in DFLASH2_FIELDS})
-        dcfg.update({k: config_out[k] for k in DFLASH_FIELDS if k in config_out and k not in dcfg})
     config_out["dflash_config"] = dcfg
     config_out["block_size"] = cfg.block_size  # z-lab HEAD reads the top level (both copies agree: DrafterConfig)
-    if cfg.variant == "dflash2":  # vLLM and SGLang pick the DFlash 2 model class by this name
-        config_out["architectures"] = [cfg.architecture]
-    config_out.setdefault("architectures", [cfg.architecture])
+    cfg.family.strip_config(config_out, cfg.family_fields)  # the family's fields and architectures
     config_out.setdefault("model_type", "qwen3")
     config_out["torch_dtype"] = config_out["dtype"] = "bfloat16"  # what model.safetensors now holds
     info = {

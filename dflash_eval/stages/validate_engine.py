@@ -35,7 +35,7 @@ from dflash_eval.core import options as options_mod
 from dflash_eval.core.errors import InputError
 from dflash_eval.data.completions import read_completions
 from dflash_eval.data.provenance import stage_block, write_json
-from dflash_eval.replay.policies import applicable_policies, vllm_draft_sample_method
+from dflash_eval.drafter.families import family_of
 from dflash_eval.replay.sampling import SamplingSetting
 from dflash_eval.report.records import engine_records, read_eval, records_path, validation_jobs, write_records
 from dflash_eval.report.tau_table import policy_label
@@ -298,7 +298,7 @@ def _sampled_plan(entries: list[dict], drafters, evals, loaded, rows) -> list[di
     """Every (checkpoint, setting, draft policy) served at temperature > 0, checked before any server starts.
 
     Policies: the entry's ``draft``, else those its evaluate output holds for the setting, else every policy that
-    applies to the drafter's variant (:func:`dflash_eval.replay.policies.applicable_policies`).
+    applies to the drafter's family (:meth:`dflash_eval.drafter.families.DrafterFamily.draft_policies`).
 
     Raises:
         InputError: an evaluate output without the setting's expectation for a policy, or without one of the
@@ -306,7 +306,8 @@ def _sampled_plan(entries: list[dict], drafters, evals, loaded, rows) -> list[di
     """
     jobs = []
     for drafter_dir, eval_path, ev in zip(drafters, evals, loaded):
-        variant = ev.get("variant", "dflash")
+        family = family_of(ev.get("variant"))  # an output without variant: DFlash 1 (the default family)
+        variant = family.name
         have = {s["id"] for s in ev["samples"]}
         missing = [r["id"] for r in rows if r["id"] not in have]
         for i, e in enumerate(entries):
@@ -317,7 +318,7 @@ def _sampled_plan(entries: list[dict], drafters, evals, loaded, rows) -> list[di
                 raise InputError(eval_path, "samples", f"no offline result for {missing[:5]}",
                                  "evaluate the drafter on the cache built from these completions")
             recorded = next((x.get("draft") for x in ev.get("sampling_settings") or [] if x["label"] == st.label), None)
-            for pol in e.get("draft") or recorded or applicable_policies(variant, st):
+            for pol in e.get("draft") or recorded or family.draft_policies(st):
                 key = policy_label(st.label, pol)
                 if key not in (ev.get("expected") or {}):
                     raise InputError(eval_path, f"expected.{key}", f"validate_engine.sampling[{i}] asks for {st.label} "
@@ -330,7 +331,7 @@ def _sampled_plan(entries: list[dict], drafters, evals, loaded, rows) -> list[di
                 jobs.append({"drafter": drafter_dir, "eval": ev, "setting": st, "policy": pol, "key": key,
                              "variant": variant, "block_size": int(ev["block_size"]),
                              "checkpoint": ev.get("checkpoint", Path(drafter_dir).name),
-                             "method": vllm_draft_sample_method(variant, st, pol),
+                             "method": family.vllm_draft_sample_method(st, pol),
                              "expectation": drawn_label == st.label, "trajectory": drawn_label})
     return jobs
 

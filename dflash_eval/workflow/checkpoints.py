@@ -22,6 +22,7 @@ from dflash_eval.core.errors import InputError
 from dflash_eval.core.io import read_json_object
 from dflash_eval.drafter.compat import check_compat
 from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.families import DEFAULT
 
 #: files of a checkpoint folder that are inputs of its strip job (never the folder: its mtime misses in-place edits)
 CHECKPOINT_FILE_PATTERNS = ("*.safetensors", "*.json", "*.pt", "*.pth", "*.bin", "*.distcp", ".metadata")
@@ -298,7 +299,7 @@ def demo_args(row: dict) -> list[str]:
     if row.get("layer_ids"):
         args += ["--layer-ids", ",".join(str(i) for i in row["layer_ids"])]
     args += ["--block-size", str(row["block_size"]), "--num-layers", str(row["num_layers"])]
-    return args + (["--variant", row["variant"]] if row.get("variant", "dflash") != "dflash" else [])
+    return args + (["--variant", row["variant"]] if row.get("variant", DEFAULT) != DEFAULT else [])
 
 
 def checkpoint_config_file(row: dict) -> str | None:

@@ -25,6 +25,7 @@ from dflash_eval.cache.format import CacheSample
 from dflash_eval.drafter.checkpoints import saved_codebook_names
 from dflash_eval.drafter.model import CandidateSelector, DFlashDrafter, GroupedDynamicCausalConv, load_drafter
 from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.families import DFLASH, FAMILIES
 from dflash_eval.core.errors import InputError
 from dflash_eval.replay.anchors import LAYOUTS as LAYOUTS_ANCHORS, chain_walk, iter_anchor_drafts, replay_batched
 from dflash_eval.replay.chain import replay_batch
@@ -256,10 +257,10 @@ def test_sequential_replay_matches_reference_dflash_generate(kind, monkeypatch):
         assert replay_batched(ours, embed, head, samples, layout=layout, memory_bytes=2**19) == want  # small chunks
     drafts = list(iter_anchor_drafts(ours, embed, head, samples))
     assert all(bool((d.accepted <= d.oracle).all()) and bool((d.oracle <= d.limit).all()) for d in drafts)
-    ours.candidate_selector, selector = None, ours.candidate_selector
+    ours.family = DFLASH  # the selector switched off: each slot's argmax (the replay asks the family)
     unary = replay_batch(ours, embed, head, samples)
     assert unary != want
-    ours.candidate_selector = selector
+    ours.family = FAMILIES["dflash2"]
     # the unary chain of the DFlash 2 pass is the replay with the selector switched off
     assert [chain_walk(d.unary_accepted.tolist(), d.prompt_len, d.n_tokens) for d in drafts] == unary
 

@@ -27,8 +27,8 @@ import torch
 from dflash_eval.replay.anchors import chain_walk
 from dflash_eval.replay.expected import chain_survival, response_expectations, selector_survival
 from dflash_eval.replay.metrics import aggregate
-from dflash_eval.replay.policies import (ARGMAX, PROBABILISTIC, REFERENCE, applicable_policies, engine_settings,
-                                         vllm_draft_sample_method, vllm_rejection_sample)
+from dflash_eval.drafter.families import DFLASH, DFLASH2, DRAFT_POLICIES
+from dflash_eval.replay.policies import ARGMAX, PROBABILISTIC, REFERENCE, vllm_rejection_sample
 from dflash_eval.replay.sampling import SamplingSetting, filtered_probs, rejection_sample
 
 V, B, P, M = 6, 4, 1, 12  # vocabulary, block size, prompt length, max_new_tokens
@@ -136,7 +136,7 @@ def _se(x):
 
 
 CASES = [(v, s, pol) for v in ("dflash1", "dflash2") for s in (PLAIN, FILTERED)
-         for pol in applicable_policies("dflash2" if v == "dflash2" else "dflash", s)]
+         for pol in (DFLASH2 if v == "dflash2" else DFLASH).draft_policies(s)]
 
 
 @pytest.mark.slow
@@ -188,14 +188,15 @@ def test_argmax_policy_is_the_greedy_walk_on_the_trajectory(variant, setting):
 
 
 def test_engine_settings_name_vllm_draft_sample_method():
-    assert applicable_policies("dflash", PLAIN) == [REFERENCE, ARGMAX]
-    assert applicable_policies("dflash", FILTERED) == [REFERENCE, ARGMAX, PROBABILISTIC]
-    assert applicable_policies("dflash2", FILTERED) == [REFERENCE, ARGMAX]
-    assert vllm_draft_sample_method("dflash", PLAIN, REFERENCE) == "probabilistic"
-    assert vllm_draft_sample_method("dflash", FILTERED, REFERENCE) is None  # vLLM drops q's filters
-    assert vllm_draft_sample_method("dflash", FILTERED, ARGMAX) == "greedy"
-    assert vllm_draft_sample_method("dflash2", FILTERED, REFERENCE) == "probabilistic"
-    assert "vLLM draft_sample_method=greedy (the default)" in engine_settings("dflash", PLAIN, ARGMAX)
+    assert DRAFT_POLICIES == (REFERENCE, ARGMAX, PROBABILISTIC)  # the families name the policies without torch
+    assert DFLASH.draft_policies(PLAIN) == [REFERENCE, ARGMAX]
+    assert DFLASH.draft_policies(FILTERED) == [REFERENCE, ARGMAX, PROBABILISTIC]
+    assert DFLASH2.draft_policies(FILTERED) == [REFERENCE, ARGMAX]
+    assert DFLASH.vllm_draft_sample_method(PLAIN, REFERENCE) == "probabilistic"
+    assert DFLASH.vllm_draft_sample_method(FILTERED, REFERENCE) is None  # vLLM drops q's filters
+    assert DFLASH.vllm_draft_sample_method(FILTERED, ARGMAX) == "greedy"
+    assert DFLASH2.vllm_draft_sample_method(FILTERED, REFERENCE) == "probabilistic"
+    assert "vLLM draft_sample_method=greedy (the default)" in DFLASH.engine_settings(PLAIN, ARGMAX)
     with pytest.raises(ValueError):
         selector_survival(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, dtype=torch.long), torch.zeros(1, 1,
                           dtype=torch.long), torch.ones(1, 1), torch.ones(1, dtype=torch.long), PLAIN, PROBABILISTIC)

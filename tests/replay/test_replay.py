@@ -16,6 +16,7 @@ import torch
 from dflash_eval.cache.format import CacheSample
 from dflash_eval.replay.anchors import anchor_drafts, chain_walk, replay_batched
 from dflash_eval.drafter.model import DFlashDrafter
+from dflash_eval.drafter.families import DFLASH
 from dflash_eval.replay.chain import SampleResult, replay
 
 MODES = ("sequential", "batched")
@@ -45,7 +46,9 @@ class OracleDrafter:
     def context_kv(self, hidden, positions):
         return []
 
-    def __call__(self, emb, block_pos, kv, ctx_pos, ctx_valid, block_valid):
+    family = DFLASH  # the replay asks the drafter's family (DFlash 1: each slot's argmax)
+
+    def __call__(self, emb, block_pos, kv, ctx_pos, ctx_valid, block_valid, conv_segment=None):
         n, b = block_pos.shape
         out = torch.zeros(n, b, V)
         if ctx_valid.dim() == 3:  # batched replay, packed layout: blocks of B queries in one row

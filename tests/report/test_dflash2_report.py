@@ -13,13 +13,8 @@ import pytest
 
 from dflash_eval.report import build as R
 from dflash_eval.report import figures as F
-from dflash_eval.report.tau_table import (
-    COLUMNS,
-    SELECTOR_COLUMNS,
-    VARIANT_COLUMNS,
-    primary_rows,
-    selector_slot_columns,
-)
+from dflash_eval.drafter.families import DFLASH2
+from dflash_eval.report.tau_table import COLUMNS, VARIANT_COLUMNS, primary_rows
 
 T1 = "T1_p0.95_k20"
 STEPS = (1000, 2000, 3000)
@@ -66,7 +61,7 @@ def table(variants=("dflash", "dflash2")) -> pd.DataFrame:
                     rows.append(_row(v, ps, i))
     cols = COLUMNS + ["tau_ddtree_8", "accept_slot_1", "accept_slot_2"] + VARIANT_COLUMNS
     if "dflash2" in variants:
-        cols += SELECTOR_COLUMNS + selector_slot_columns(8)
+        cols += DFLASH2.table_columns(8)
     return pd.DataFrame(rows, columns=cols).astype({"step": "Int64"})
 
 

@@ -26,6 +26,7 @@ from dflash_eval.drafter.families.base import (
     DRAFT_POLICIES,
     SHARED_FIELDS,
     DrafterFamily,
+    Selection,
 )
 from dflash_eval.drafter.families.dflash import DFlash
 from dflash_eval.drafter.families.dflash2 import DFlash2
@@ -67,16 +68,21 @@ def family_of(cfg_or_name: Any) -> DrafterFamily:
     return FAMILIES[name]
 
 
-def family_of_config(cfg: dict, dcfg: dict | None = None) -> DrafterFamily:
-    """The family a drafter ``config.json`` dict is of: the one non-default family that claims it
-    (:meth:`DrafterFamily.claims`), else :data:`DEFAULT`.
+def family_of_config(cfg: dict, dcfg: dict | None = None, source=None) -> DrafterFamily:
+    """The family a drafter ``config.json`` dict is of: the one non-default family its ``architectures`` names, else
+    the one non-default family that claims it by its fields (:meth:`DrafterFamily.claims`), else :data:`DEFAULT`;
+    ``dcfg``: its ``dflash_config`` (default: read from ``cfg``), ``source``: the file named in errors.
 
     Raises:
-        InputError: more than one family claims it (their fields are mixed)."""
+        InputError: no architecture decides and more than one family claims it (their fields are mixed)."""
     dcfg = cfg.get("dflash_config") or {} if dcfg is None else dcfg
+    archs = cfg.get("architectures") or []
+    named = [f for n, f in FAMILIES.items() if n != DEFAULT and f.architecture in archs]
+    if len(named) == 1:
+        return named[0]
     claims = [f for n, f in FAMILIES.items() if n != DEFAULT and f.claims(cfg, dcfg)]
     if len(claims) > 1:
-        raise InputError(None, "dflash_config", f"the fields of several drafter families are set: "
+        raise InputError(source, "dflash_config", f"the fields of several drafter families are set: "
                          f"{[f.name for f in claims]}", "keep the fields of the drafter's own family")
     return claims[0] if claims else FAMILIES[DEFAULT]
 
@@ -102,7 +108,7 @@ def label(name) -> str:
     return FAMILIES[name].label if name in FAMILIES else str(name)
 
 
-__all__ = ["DEFAULT", "DRAFT_POLICIES", "FAMILIES", "SHARED_FIELDS", "DrafterFamily", "family_of", "family_of_architecture",
+__all__ = ["DEFAULT", "DRAFT_POLICIES", "FAMILIES", "SHARED_FIELDS", "DrafterFamily", "Selection", "family_of", "family_of_architecture",
            "family_of_config", "family_of_speculators", "label", "ordered", "register"]
 
 # the registry lines: one per family module

@@ -5,14 +5,40 @@ The registry and the families: :mod:`dflash_eval.drafter.families`; adding a fam
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from dflash_eval.core.errors import InputError
+
+if TYPE_CHECKING:  # torch-free at import: the tensors are annotations only
+    import torch
 
 #: the ``dflash_config`` fields every family reads (older checkpoints keep them at the top level; reference
 #: ``dflash==0.1.0`` ``dflash/model.py`` ``_draft_value``): :mod:`dflash_eval.drafter.config` reads them
 SHARED_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "final_logit_softcapping",
                  "input_embedding_scale", "output_multiplier")
+
+
+@dataclass
+class Selection:
+    """The drafts of a block's slots (``DFlashDrafter.propose`` / ``select``, the proposal path of a family); ``N``
+    blocks, ``S`` drafted slots.
+
+    Attributes:
+        path: ``[N, S]`` int64, the drafted token per slot (slot ``j`` drafts position ``start + j``).
+        candidates: ``[N, S, K]`` int64, DFlash 2: the top-K logit candidates per slot, descending
+            logit; None for DFlash 1.
+        scores: ``[N, S, K]`` float32, DFlash 2: the selector's score of each candidate given the
+            predecessor used at that slot; None for DFlash 1.
+        probs: ``[N, S, K]`` float32, DFlash 2 at temperature > 0: ``softmax(scores / T)``, the
+            distribution the slot's draft was sampled from; None otherwise.
+    """
+
+    path: torch.Tensor
+    candidates: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+
 
 # ----------------------------------------------------------------------------- draft policies at T > 0
 
@@ -44,8 +70,12 @@ class DrafterFamily:
     * ``architecture``: its ``config.json`` ``architectures`` entry (vLLM and SGLang pick the model class by it).
     * ``speculators_model_type``: its ``speculators_model_type`` in a speculators checkpoint (None: not read).
     * ``config_fields``: the ``dflash_config`` fields only this family has, all required (no defaults; read from
-      ``dflash_config`` or the top level, as the shared fields are); a config holding any of them is of this family.
+      ``dflash_config`` or the top level, as the shared fields are); a config holding any of them is of this family
+      (:meth:`claims`), unless its ``architectures`` names another family's :attr:`architecture`
+      (:func:`~dflash_eval.drafter.families.family_of_config`: families may share field names).
     * ``model``: the dotted name of its nn.Module (documentation; built by :func:`dflash_eval.drafter.model.load_drafter`).
+    * ``parts``: the optional parts of :class:`~dflash_eval.drafter.model.DFlashDrafter` its model has:
+      ``"conv"`` (a grouped dynamic causal conv around each sublayer), ``"selector"`` (the candidate selector).
     * ``selects_candidates``: its proposal path. False: each drafted slot is the argmax of its own logits,
       independent of the other slots (the replay may stop at the first rejected slot; DDTree's per-slot top-k
       tree is defined). True: a walk over each slot's top-K logit candidates, slot by slot, by the nn.Module's
@@ -57,7 +87,8 @@ class DrafterFamily:
       are NaN and DDTree budgets are skipped).
     * ``probabilistic_is_reference``: whether vLLM's ``draft_sample_method=probabilistic`` drafts as the reference
       does at every setting (then the ``probabilistic`` policy is not a distinct expectation and is refused).
-    * ``report_sections``: the report's family-specific sections (``"selector"``: the candidate diagnostics).
+    * ``report_sections``: the report's family-specific sections (``"selector"``: the candidate diagnostics);
+      ``report_note``: the note the report prints with them.
     * ``order``: its place in the report (runs, legends, the family comparison), lowest first.
     """
 
@@ -67,6 +98,7 @@ class DrafterFamily:
     speculators_model_type: str | None = None
     config_fields: tuple[str, ...] = ()
     model: str = "dflash_eval.drafter.model.DFlashDrafter"
+    parts: tuple[str, ...] = ()
     selects_candidates: bool = False
     ddtree_applicable: bool = True
     probabilistic_is_reference: bool = False
@@ -106,6 +138,13 @@ class DrafterFamily:
         place; its ``dflash_config`` already holds the shared fields): the family's fields where the engines read
         them, and :attr:`architecture` where ``architectures`` is unset."""
         config_out.setdefault("architectures", [self.architecture])
+
+    def demo_fields(self, hidden_size: int, vocab_size: int, given: dict | None = None) -> dict:
+        """The family's fields of a drafter built by ``dflash-eval train`` or the random-init demo checkpoint
+        (:func:`dflash_eval.drafter.demo.drafter_config_for_target`) for a target of that hidden size and
+        vocabulary: the family's defaults, with the non-None values of ``given`` (the trainer's flags) over them;
+        {} for a family without fields."""
+        return {}
 
     def speculators_fields(self, cfg: dict) -> dict:
         """The ``dflash_config`` entries of a speculators (flat) ``config.json`` for this family's fields."""

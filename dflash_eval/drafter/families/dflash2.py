@@ -22,6 +22,9 @@ from dflash_eval.replay.metrics import aggregate
 #: the DFlash 2 fields, all four required (the reference ``DFlash2DraftModel`` and vLLM's ``qwen3_dflash2`` read
 #: every one): conv taps, channels per conv group, rank of the selector's bilinear term, candidates per slot
 FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+#: the fields of a random-init demo drafter and the trainer's defaults: the published z-lab DFlash 2 drafter's taps
+#: and group size (docs/checkpoint-formats.md), rank and top-K capped by the target's width / vocabulary
+DEMO_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 #: the candidate diagnostics of tau.csv, then :func:`slot_columns`
 COLUMNS = ["tau_oracle", "tau_unary", "sel_accepted", "sel_oracle_accepted", "sel_pick_rate", "sel_oracle_path_rate"]
 #: the report's note on its selector section
@@ -56,6 +59,7 @@ class DFlash2(DrafterFamily):
     architecture = "DFlash2DraftModel"
     speculators_model_type = "dflash2"  # speculators PR #1006 models/dflash2/config.py
     config_fields = FIELDS
+    parts = ("conv", "selector")
     selects_candidates = True
     ddtree_applicable = False
     probabilistic_is_reference = True
@@ -114,6 +118,16 @@ class DFlash2(DrafterFamily):
         dcfg.update({k: fields[k] for k in FIELDS})
         dcfg.update({k: config_out[k] for k in SHARED_FIELDS if k in config_out and k not in dcfg})
         config_out["architectures"] = [self.architecture]
+
+    def demo_fields(self, hidden_size: int, vocab_size: int, given: dict | None = None) -> dict:
+        """:data:`DEMO_FIELDS` (group size 1 when 16 does not divide the hidden size), the non-None ``given`` values
+        over them, then rank capped at the hidden size and top-K at the vocabulary."""
+        f = dict(DEMO_FIELDS)
+        f["conv_group_size"] = f["conv_group_size"] if hidden_size % f["conv_group_size"] == 0 else 1
+        f.update({k: int(v) for k, v in (given or {}).items() if k in FIELDS and v})
+        f["selector_rank"] = min(f["selector_rank"], hidden_size)
+        f["selector_top_k"] = min(f["selector_top_k"], vocab_size)
+        return f
 
     def table_columns(self, max_block_size: int) -> list[str]:
         """:data:`COLUMNS` then :func:`slot_columns`."""
