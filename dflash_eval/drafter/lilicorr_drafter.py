@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from dflash_eval.core.errors import InputError, atomic_dir
 from dflash_eval.core.io import read_json_object
@@ -31,6 +32,7 @@ from dflash_eval.drafter.checkpoints import (
     load_checkpoint,
 )
 from dflash_eval.drafter.config import DrafterConfig
+from dflash_eval.drafter.families import Selection, WalkContext, family_of_architecture
 from dflash_eval.drafter.families.lilicorr import (
     ARCHITECTURE,
     LiLiCorrConfig,
@@ -62,19 +64,118 @@ def build_backbone(cfg: DrafterConfig) -> DFlashDrafter:
     return without_selector(DFlashDrafter(cfg))
 
 
-@dataclass
-class LiLiCorrDrafter:
-    """A loaded LiLiCorr drafter: the DFlash ``backbone``, the ``head``, its ``geometry`` and the ``config`` dict."""
+class LiLiCorrDrafter(nn.Module):
+    """A loaded LiLiCorr drafter: the DFlash ``backbone``, the ``head``, its ``geometry`` and the ``config`` dict.
 
-    backbone: DFlashDrafter
-    head: LiLiCorrHead
-    geometry: LiLiCorrConfig
-    config: dict
+    To the replay it is a drafter as :class:`~dflash_eval.drafter.model.DFlashDrafter` is: ``cfg``, ``fuse``,
+    ``context_kv``, ``make_block``, ``forward`` and ``logits`` are the backbone's; ``family`` is LiLiCorr's
+    (``selects_candidates``, ``walk_reads_context``), and :meth:`select` walks the head's lattice.
+    """
 
-    def to(self, device=None, dtype=None) -> LiLiCorrDrafter:
-        self.backbone.to(device=device, dtype=dtype)
-        self.head.to(device=device, dtype=dtype)
-        return self
+    def __init__(self, backbone: DFlashDrafter, head: LiLiCorrHead, geometry: LiLiCorrConfig, config: dict):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+        self.geometry, self.config = geometry, config
+        self.family = family_of_architecture(ARCHITECTURE)
+
+    def to(self, *args, device=None, dtype=None, **kwargs) -> LiLiCorrDrafter:
+        """``nn.Module.to``; ``device`` / ``dtype`` None are left as they are."""
+        kwargs.update({k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None})
+        return super().to(*args, **kwargs) if args or kwargs else self
+
+    # the backbone's drafter interface (the replay's calls)
+    @property
+    def cfg(self) -> DrafterConfig:
+        return self.backbone.cfg
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.backbone.fuse(target_hidden)
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor):
+        return self.backbone.rope(like, positions)
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor):
+        return self.backbone.context_kv(target_hidden, positions)
+
+    def make_block(self, anchor_ids: torch.Tensor, embed_weight: torch.Tensor, block_size: int | None = None):
+        return self.backbone.make_block(anchor_ids, embed_weight, block_size)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """The backbone's block forward (:meth:`DFlashDrafter.forward`)."""
+        return self.backbone(*args, **kwargs)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        return self.backbone.logits(hidden, lm_head_weight)
+
+    def take_nonfinite(self) -> bool:
+        return self.backbone.take_nonfinite()
+
+    def walk_context(self, embed_weight: torch.Tensor, anchor_hidden: torch.Tensor,
+                     anchor_valid: torch.Tensor) -> WalkContext:
+        """The :class:`WalkContext` the replay passes to :meth:`select` (its attributes' shapes there); the replay
+        calls this where ``family.walk_reads_context``, as it cannot import the drafter package."""
+        return WalkContext(embed_weight, anchor_hidden, anchor_valid)
+
+    def propose(self, hidden, anchor_ids, lm_head_weight, temperature=0.0, predecessors=None, generator=None,
+                context: WalkContext | None = None) -> Selection:
+        """:meth:`select` on the backbone's logits of ``hidden``."""
+        return self.select(hidden, self.logits(hidden, lm_head_weight), anchor_ids, temperature, predecessors,
+                           generator, context)
+
+    @torch.no_grad()
+    def select(self, hidden, logits, anchor_ids, temperature=0.0, predecessors=None, generator=None,
+               context: WalkContext | None = None) -> Selection:
+        """The head's walk over ``N`` blocks: the candidate interface of ``DFlashDrafter.select``.
+
+        Args:
+            hidden: ``[N, S, H]`` the backbone's final-normed states of the drafted slots. logits: ``[N, S, V]``.
+            anchor_ids: ``[N]`` (unused: the head's first slot reads the anchor row, not the anchor token).
+            temperature: 0 = the greedy walk (:func:`greedy_indices`: argmax per slot, ties to the lower rank);
+                > 0 samples slot j from ``softmax(row_j / T)`` by inverse CDF, one uniform per slot from
+                ``generator`` (SGLang ``lilicorr_sample_path``; vLLM's Gumbel-max walk has the same distribution).
+            predecessors: optional ``[N, S]`` int64: slot ``j + 1``'s row is read out of the rank of
+                ``predecessors[:, j]`` among slot j's candidates (the walk teacher-forced on a trajectory); a
+                predecessor that is no candidate reads rank 0's row (the walk cannot reach it: its q is 0).
+            context: :class:`WalkContext` (required): the target's embeddings and the anchor rows.
+
+        Returns:
+            :class:`Selection`: ``path`` ``[N, S]``, ``candidates`` ``[N, S, K]`` (top-K of the full-vocabulary
+            log-softmax), ``scores`` ``[N, S, K]`` float32 (each slot's log-potential row given the predecessor
+            used), ``probs`` ``softmax(scores / T)`` at T > 0.
+
+        Raises:
+            ValueError: no ``context``.
+        """
+        if context is None:
+            raise ValueError("LiLiCorr's walk reads the target's embeddings and the anchor row: pass a WalkContext")
+        logits = logits.float()
+        vals, cand = logits.topk(self.geometry.candidate_topk, dim=-1)
+        log_probs = vals - torch.logsumexp(logits, dim=-1, keepdim=True)
+        dt = hidden.dtype
+        anchor = self.backbone.fuse(context.anchor_hidden[:, None].to(dt))[:, 0]
+        valid = context.anchor_valid
+        anchor = anchor * valid[:, None].to(dt)
+        start, pair = self.head.log_factors(*self.head(context.embed_weight[cand].to(dt), log_probs.to(dt), hidden,
+                                                       anchor, valid))
+        n, slots, k = cand.shape
+        index = torch.zeros(n, dtype=torch.long, device=cand.device)
+        scores = torch.empty((n, slots, k), dtype=torch.float32, device=cand.device)
+        picks = torch.empty((n, slots), dtype=torch.long, device=cand.device)
+        rank = torch.arange(k, device=cand.device)
+        for j in range(slots):
+            if j and predecessors is not None:
+                hit = cand[:, j - 1] == predecessors[:, j - 1, None]
+                index = hit.long().argmax(-1)
+            scores[:, j] = _rows(start, pair, index, j)
+            if temperature > 0:
+                probs = torch.softmax(scores[:, j] / temperature, dim=-1)
+                u = torch.rand(n, 1, generator=generator, device=cand.device)
+                index = torch.minimum((u >= probs.cumsum(-1)).sum(-1), torch.where(probs > 0, rank, 0).amax(-1))
+            else:
+                index = scores[:, j].argmax(-1)
+            picks[:, j] = index
+        path = cand.gather(2, picks[..., None])[..., 0]
+        return Selection(path, cand, scores, torch.softmax(scores / temperature, -1) if temperature > 0 else None)
 
 
 def build_lilicorr(cfg: dict, source: str = "config.json") -> LiLiCorrDrafter:

@@ -91,7 +91,7 @@ from torch import nn
 
 from dflash_eval.core.errors import InputError
 from dflash_eval.drafter.config import DrafterConfig
-from dflash_eval.drafter.families import Selection  # the proposal's result (the family interface)
+from dflash_eval.drafter.families import Selection, family_of_config  # the proposal's result (the family interface)
 from dflash_eval.drafter.files import read_drafter_weights
 from dflash_eval.drafter.rope import rotary_embedding
 
@@ -491,9 +491,12 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def select(self, hidden, logits, anchor_ids, temperature=0.0, predecessors=None, generator=None) -> Selection:
+    def select(self, hidden, logits, anchor_ids, temperature=0.0, predecessors=None, generator=None,
+               context=None) -> Selection:
         """The candidate walk of a family whose ``selects_candidates`` is true: DFlash 2's candidate selector
-        (:meth:`CandidateSelector.forward`: its arguments and result). Raises ValueError without one (DFlash 1)."""
+        (:meth:`CandidateSelector.forward`: its arguments and result; ``context``, a
+        :class:`~dflash_eval.drafter.families.WalkContext` for a family that reads one, is not read). Raises
+        ValueError without one (DFlash 1)."""
         if self.candidate_selector is None:
             raise ValueError(f"a {self.family.name} drafter has no candidate walk (its drafts are each slot's argmax)")
         return self.candidate_selector(hidden, logits, anchor_ids, temperature, predecessors, generator)
@@ -506,6 +509,7 @@ class DFlashDrafter(nn.Module):
         temperature: float = 0.0,
         predecessors: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        context=None,
     ) -> Selection:
         """The drafts of ``N`` blocks (reference ``DFlash2DraftModel.propose`` for DFlash 2).
 
@@ -513,7 +517,7 @@ class DFlashDrafter(nn.Module):
             hidden: ``[N, S, H]`` states of the drafted slots (``forward(...)[:, 1:vs]``).
             anchor_ids: ``[N]`` int64 anchor tokens (the selector's first predecessor).
             lm_head_weight: target ``lm_head`` ``[V, H]``.
-            temperature, predecessors, generator: a candidate walk only (:meth:`select`).
+            temperature, predecessors, generator, context: a candidate walk only (:meth:`select`).
 
         Returns:
             :class:`Selection`: the candidate walk's (:meth:`select`) where the family's ``selects_candidates``,
@@ -535,7 +539,9 @@ def load_drafter(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
-    """Load a stripped drafter folder (``config.json`` + ``model.safetensors``) with an exact key check.
+    """Load a stripped drafter folder (``config.json`` + ``model.safetensors``) with an exact key check; a family with
+    a layout of its own loads it itself (:meth:`DrafterFamily.load <dflash_eval.drafter.families.DrafterFamily.load>`:
+    LiLiCorr's backbone and head, :func:`dflash_eval.drafter.lilicorr_drafter.load_lilicorr`), in eval mode.
 
     Raises:
         InputError: missing/unexpected keys or shape mismatches (all listed), a bad config, a file not
@@ -544,9 +550,13 @@ def load_drafter(
     folder = Path(folder)
     cfg_path = folder / "config.json"
     try:
-        cfg = DrafterConfig.from_dict(json.loads(cfg_path.read_text()), source=str(cfg_path))
+        raw = json.loads(cfg_path.read_text())
     except FileNotFoundError:
         raise InputError(folder, "config.json", "not found", "run the strip_drafter rule (dflash-eval strip) first") from None
+    own = family_of_config(raw, source=str(cfg_path)).load(folder, device, dtype)  # a family with its own layout
+    if own is not None:
+        return own.eval()
+    cfg = DrafterConfig.from_dict(raw, source=str(cfg_path))
     for note in cfg.notes:
         log.warning("%s: %s", cfg_path, note)
     weights = folder / "model.safetensors"

@@ -31,7 +31,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -169,9 +169,14 @@ def initial_model(cfg: LiLiCorrTrainConfig) -> LiLiCorrDrafter:
     raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     if is_lilicorr(raw):
         log.info("continuing the LiLiCorr drafter %s (its geometry; the geometry options are ignored)", folder)
-        return load_lilicorr(folder)
+        model = load_lilicorr(folder)
+        if not model.geometry.hidden_size:  # written resolved: TensorRT-LLM refuses lilicorr_hidden_size 0
+            model.geometry = replace(model.geometry, hidden_size=model.cfg.hidden_size, notes=())
+        return model
     backbone = without_selector(load_drafter(folder))  # LiLiCorr drafts from the backbone's unary logits
     dcfg = {f"lilicorr_{name}": getattr(cfg, name) for name, _, _ in GEOMETRY_FIELDS}
+    # 0 means the drafter's width in vLLM / SGLang; written resolved, since TensorRT-LLM refuses 0
+    dcfg["lilicorr_hidden_size"] = dcfg["lilicorr_hidden_size"] or backbone.cfg.hidden_size
     geometry = LiLiCorrConfig.from_dict({"dflash_config": dcfg}, "train-lilicorr options", backbone.cfg.hidden_size)
     head = LiLiCorrHead(geometry, backbone.cfg.hidden_size, backbone.cfg.block_size,
                         backbone.cfg.rms_norm_eps).init_weights_()

@@ -351,6 +351,8 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
     pos = torch.cat([torch.arange(t) for t in T]).to(dev)
     hidden = torch.cat([s.hidden.reshape(len(s.input_ids), -1) for s in samples]).to(device=dev, dtype=dt)
     ctx_kv = drafter.context_kv(hidden[None], pos[None])  # per layer [1, n_kv, sum T, hd]
+    # a walk reading the target row before each anchor (family.walk_reads_context) keeps the flat rows
+    walk_rows = hidden if drafter.family.walk_reads_context else None
     del hidden
     if stats is not None:
         stats["context_tokens"] += off[-1]
@@ -405,8 +407,10 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         comparable = slot[None, 1:] <= limit[:, None]
         surv = {}
         if sel2:
+            ctx = None if walk_rows is None else drafter.walk_context(
+                embed, walk_rows[(base + anchors - 1).clamp_min(0)], anchors > 0)
             greedy, logp, topi, unary, hit, surv = _selector_head(drafter, head, h, ids[base + anchors], want, limit, K,
-                                                                  plan, stats, p_rows)
+                                                                  plan, stats, p_rows, ctx)
             hit &= comparable
             per_slot = {"oracle": hit.long().cumprod(-1).sum(-1),
                         "unary_accepted": ((unary == want[:, 1:]) & comparable).long().cumprod(-1).sum(-1),
@@ -438,8 +442,9 @@ def _group_drafts(drafter, embed, head, samples, B, K, full, plan, stats, sampli
         yield AnchorDrafts(sample_id=s.sample_id, prompt_len=P[i], n_tokens=T[i], block_size=B, **out[i])
 
 
-def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_rows=()):
-    """DFlash 2: the selector's path ``[C, B-1]`` over every slot (its loop runs over the slots, batched
+def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_rows=(), ctx=None):
+    """A candidate walk (DFlash 2's selector, LiLiCorr's head with ``ctx``, the drafter's ``walk_context`` of the
+    anchors): the walk's path ``[C, B-1]`` over every slot (its loop runs over the slots, batched
     over the anchors, :meth:`DFlashDrafter.propose`), top-K log-probs/ids (with K), the per-slot
     argmax ``[C, B-1]``, whether each slot's target token is a candidate ``[C, B-1]`` bool, and per
     sampling setting of ``p_rows`` ``P(a >= k | x)`` ``[C, B]``: the selector teacher-forced on the cached
@@ -456,14 +461,15 @@ def _selector_head(drafter, head, h, anchor_ids, want, limit, K, plan, stats, p_
     for r0 in range(0, C, step):
         r = slice(r0, r0 + step)
         lg = drafter.logits(h[r, 1:], head)  # [n, B-1, V]
-        sel = drafter.select(h[r, 1:], lg, anchor_ids[r])
+        walk = {} if ctx is None else {"context": ctx.rows(r)}
+        sel = drafter.select(h[r, 1:], lg, anchor_ids[r], **walk)
         path[r], unary[r] = sel.path, lg.argmax(-1)
         hit[r] = (sel.candidates == want[r, 1:, None]).any(-1)
         if K:
             logp[r], topi[r] = torch.topk(lg.float().log_softmax(-1), K, dim=-1)
         if p_rows:  # slot j's cached token x[t + j] (-1 past the sample: masked by limit)
             tok = want[r, 1:].clamp_min(0)
-            forced = drafter.select(h[r, 1:], lg, anchor_ids[r], predecessors=tok)
+            forced = drafter.select(h[r, 1:], lg, anchor_ids[r], predecessors=tok, **walk)
             for st, p in p_rows:
                 setting, policy = _split(st)
                 surv[st.label][r] = selector_survival(forced.scores, forced.candidates, tok, p[r], limit[r], setting,

@@ -119,6 +119,7 @@ def replay_batch(
         hidden[r, : len(s.input_ids)] = s.hidden.reshape(len(s.input_ids), -1).to(device=dev, dtype=dt)
     positions = torch.arange(Tmax, device=dev)
     ctx_kv = drafter.context_kv(hidden, positions[None].expand(S, -1))
+    walk_rows = hidden if drafter.family.walk_reads_context else None  # the target row before each anchor
     del hidden
 
     start = P.clone()
@@ -144,7 +145,9 @@ def replay_batch(
         acc = torch.zeros(len(rows), dtype=torch.long, device=dev)
         alive = torch.ones(len(rows), dtype=torch.bool, device=dev)
         if drafter.family.selects_candidates:  # DFlash 2: the selector's path over the block's slots
-            draft = drafter.propose(h[:, 1:], ids[rows, st], head_weight).path
+            walk = {} if walk_rows is None else {"context": drafter.walk_context(
+                embed_weight, walk_rows[rows, (st - 1).clamp_min(0)], st > 0)}
+            draft = drafter.propose(h[:, 1:], ids[rows, st], head_weight, **walk).path
             acc = ((draft == want[:, 1:]) & (slot[None, 1:] <= limit[:, None])).long().cumprod(-1).sum(-1)
             alive[:] = False
         for j0 in range(1, B, SLOT_CHUNK):

@@ -197,8 +197,11 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
     else:
         first = out.logits[0, -1].argmax()
     seq = list(prompt_ids) + [int(first)]
-    ctx_kv = drafter.context_kv(_tap(out.hidden_states, cfg.target_layer_ids).to(embed_weight.dtype),
-                                torch.arange(P, device=dev)[None])
+    taps = _tap(out.hidden_states, cfg.target_layer_ids).to(embed_weight.dtype)
+    ctx_kv = drafter.context_kv(taps, torch.arange(P, device=dev)[None])
+    # a walk reading the last accepted target row (family.walk_reads_context, LiLiCorr's anchor row)
+    reads_row = drafter.family.walk_reads_context
+    last_row = taps[:, -1]  # [1, K*H]: the row at start - 1
     res = OnlineResult()
     start = P
     stopped = seq[P] in stops
@@ -209,10 +212,12 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
         h = drafter(emb, torch.arange(start, start + vs, device=dev)[None], ctx_kv, ctx_pos,
                     torch.ones(1, start, dtype=torch.bool, device=dev))
         logits = drafter.logits(h[0, 1:], head_weight).float()  # [vs-1, V]
+        walk = {"context": drafter.walk_context(embed_weight, last_row, torch.ones(1, dtype=torch.bool, device=dev))
+                } if reads_row else {}
         if sampled:
             if selector:  # DFlash 2: the selector samples its path; q lives on its candidates (reference select)
                 sel = drafter.select(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev),
-                                     temperature=sampling.temperature, generator=generator)
+                                     temperature=sampling.temperature, generator=generator, **walk)
                 drafts = sel.path[0]
                 q = torch.zeros_like(logits).scatter_(-1, sel.candidates[0], sel.probs[0])  # [vs-1, V]
             else:
@@ -226,7 +231,8 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
             accepted, bonus = list(range(int(a) + 1)), int(z)
         elif budget is None:
             if selector:  # DFlash 2: the selector's path (reference propose), on this step's logits
-                drafts = drafter.select(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev)).path[0].tolist()
+                drafts = drafter.select(h[:, 1:], logits[None], torch.tensor([seq[start]], device=dev),
+                                        **walk).path[0].tolist()
             else:
                 drafts = logits.argmax(-1).tolist()
             verify = [seq[start]] + drafts
@@ -259,6 +265,7 @@ def spec_generate(target, drafter, embed_weight: torch.Tensor, head_weight: torc
             keep_kv_rows(cache, start, rows)
             hid = _tap(out.hidden_states, cfg.target_layer_ids)[:, rows].to(embed_weight.dtype)
         new_kv = drafter.context_kv(hid, torch.arange(start, start + produced, device=dev)[None])
+        last_row = hid[:, -1]
         ctx_kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(ctx_kv, new_kv)]
         res.acceptance_lengths.append(produced)
         start += produced

@@ -522,7 +522,7 @@ def _result(inputs: _Inputs, opts, B: int, results, trees, elapsed, tree_s, chec
         ],
     }
     budgets = sorted({int(b) for b in opts.ddtree_budgets})
-    result["variant"] = inputs.drafter.cfg.variant
+    result["variant"] = inputs.drafter.family.name
     result["ddtree_applicable"] = inputs.drafter.family.ddtree_applicable
     if budgets and not result["ddtree_applicable"]:
         result["ddtree_budgets"] = budgets

@@ -26,6 +26,7 @@ from dflash_eval.drafter.checkpoints import (IGNORABLE_BUFFERS, RESAVE, SHARED_K
                                              load_checkpoint, unread_step)
 from dflash_eval.drafter.compat import check_compat
 from dflash_eval.drafter.config import OVERRIDE_KEYS, DrafterConfig, check_override_keys
+from dflash_eval.drafter.families import family_of_config
 from dflash_eval.drafter.files import file_checksums
 from dflash_eval.drafter.model import DFlashDrafter, check_state_dict
 from dflash_eval.drafter.speculators import drop_extra_tensors, is_speculators_config, to_zlab_config
@@ -159,6 +160,10 @@ def strip_checkpoint(
         allow_fp16: accept fp16 weights (acceptance collapses in fp16: vLLM #55250, lmdeploy #4991).
         allow_shared_mismatch: accept shared tensors that differ from the target's.
 
+    A checkpoint whose own config is of a family with a layout of its own (LiLiCorr: backbone + head) is stripped
+    by the family (:meth:`DrafterFamily.strip <dflash_eval.drafter.families.DrafterFamily.strip>`), without
+    ``drafter_config`` / ``overrides``.
+
     Returns:
         ``Path(out_dir)``. Weights are written as bf16 (``tensor.to(torch.bfloat16)`` of the stored
         values, so bf16 sources are copied bit for bit).
@@ -168,6 +173,11 @@ def strip_checkpoint(
     """
     check_override_keys(overrides)  # before reading a possibly large checkpoint
     ck = load_checkpoint(checkpoint)
+    if ck.config is not None and not drafter_config and not overrides:  # a family with a layout of its own
+        own = family_of_config(ck.config, source=str(ck.config_source or checkpoint)).strip(checkpoint, out_dir,
+                                                                                             target_dir)
+        if own is not None:
+            return Path(own)
     cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)
     notes = ck.notes + cfg_notes + list(cfg.notes)
     state = dict(ck.state)

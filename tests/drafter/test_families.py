@@ -35,6 +35,7 @@ from dflash_eval.drafter.families import (
     DFLASH,
     DFLASH2,
     FAMILIES,
+    LILICORR,
     family_of,
     family_of_architecture,
     family_of_config,
@@ -163,8 +164,14 @@ def applicable_policies(variant, setting):
 
 
 def test_registry_names_labels_architectures():
-    assert list(FAMILIES) == ["dflash", "dflash2"] and DEFAULT == "dflash"
-    assert (DFLASH.label, DFLASH2.label) == ("DFlash 1", "DFlash 2")
+    assert list(FAMILIES) == ["dflash", "dflash2", "lilicorr"] and DEFAULT == "dflash"
+    assert (DFLASH.label, DFLASH2.label, LILICORR.label) == ("DFlash 1", "DFlash 2", "LiLiCorr")
+    assert family_of_architecture("LiLiCorrDraftModel") is LILICORR and LILICORR.speculators_model_type is None
+    assert (LILICORR.selects_candidates, LILICORR.ddtree_applicable, LILICORR.walk_reads_context) == (True, False, True)
+    assert not DFLASH2.walk_reads_context and ordered(["lilicorr", "dflash2"]) == ["dflash2", "lilicorr"]
+    # LiLiCorr's tau.csv columns are DFlash 2's candidate columns (backbone chain = tau_unary, lattice oracle)
+    assert LILICORR.table_columns(3) == DFLASH2.table_columns(3)[:6] + [
+        "topk_recall_slot_1", "topk_recall_slot_2", "pick_rate_slot_1", "pick_rate_slot_2"]
     assert (DFLASH.architecture, DFLASH2.architecture) == ("DFlashDraftModel", "DFlash2DraftModel")
     assert family_of_architecture("DFlash2DraftModel") is DFLASH2 and family_of_architecture("X") is None
     assert family_of_speculators("dflash") is DFLASH and family_of_speculators("eagle3") is None
@@ -182,7 +189,7 @@ def test_registry_names_labels_architectures():
 def test_the_registry_imports_without_torch():
     code = "import sys, dflash_eval.drafter.families as f; print(len(f.FAMILIES), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["2", "False"]
+    assert out.stdout.split() == ["3", "False"]
 
 
 FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}

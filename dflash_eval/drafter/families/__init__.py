@@ -27,9 +27,11 @@ from dflash_eval.drafter.families.base import (
     SHARED_FIELDS,
     DrafterFamily,
     Selection,
+    WalkContext,
 )
 from dflash_eval.drafter.families.dflash import DFlash
 from dflash_eval.drafter.families.dflash2 import DFlash2
+from dflash_eval.drafter.families.lilicorr import LiLiCorr
 
 #: the registry: family name -> family (each family module has its registry line at the bottom of this file)
 FAMILIES: dict[str, DrafterFamily] = {}
@@ -108,9 +110,10 @@ def label(name) -> str:
     return FAMILIES[name].label if name in FAMILIES else str(name)
 
 
-__all__ = ["DEFAULT", "DRAFT_POLICIES", "FAMILIES", "SHARED_FIELDS", "DrafterFamily", "Selection", "family_of", "family_of_architecture",
+__all__ = ["DEFAULT", "DFLASH", "DFLASH2", "LILICORR", "DRAFT_POLICIES", "FAMILIES", "SHARED_FIELDS", "DrafterFamily", "Selection", "WalkContext", "family_of", "family_of_architecture",
            "family_of_config", "family_of_speculators", "label", "ordered", "register"]
 
 # the registry lines: one per family module
 DFLASH = register(DFlash())
 DFLASH2 = register(DFlash2())
+LILICORR = register(LiLiCorr())

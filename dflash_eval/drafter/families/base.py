@@ -40,6 +40,28 @@ class Selection:
     probs: torch.Tensor | None = None
 
 
+@dataclass
+class WalkContext:
+    """What a candidate walk may read beyond the slots' states and logits, for ``N`` blocks; the replay (all-anchor
+    pass, sequential chain, online loop) builds it where the family's :attr:`DrafterFamily.walk_reads_context`.
+
+    Attributes:
+        embed_weight: ``[V, H]`` the target's input embeddings (``embed_tokens``, no ``input_embedding_scale``).
+        anchor_hidden: ``[N, K*H]`` the target's concatenated states (the drafter's ``target_layer_ids``) at the
+            position before each block's anchor token (``start - 1``: the last accepted target row of a verify
+            step); zeros where ``start`` is 0.
+        anchor_valid: ``[N]`` bool, False where ``start`` is 0 (no such row).
+    """
+
+    embed_weight: torch.Tensor
+    anchor_hidden: torch.Tensor
+    anchor_valid: torch.Tensor
+
+    def rows(self, index) -> WalkContext:
+        """The context of the blocks ``index`` (a slice, int64 indices or a bool mask)."""
+        return WalkContext(self.embed_weight, self.anchor_hidden[index], self.anchor_valid[index])
+
+
 # ----------------------------------------------------------------------------- draft policies at T > 0
 
 #: the draft policies at temperature > 0 (their maths and sources: :mod:`dflash_eval.replay.policies`, whose
@@ -83,6 +105,8 @@ class DrafterFamily:
       (``path``, ``candidates``, ``scores``, ``probs``); the replay walks every slot and adds the candidate
       diagnostics (a perfect selector's tau, the unary chain, top-K recall and pick rate by slot), and at
       temperature > 0 drafts the walk's sampled path with q on its candidates.
+    * ``walk_reads_context``: whether its candidate walk reads a :class:`WalkContext` (the target's embedding
+      table and the target row before the anchor; ``select(..., context=...)``): the replay then builds one.
     * ``ddtree_applicable``: whether a serving engine builds a DDTree over its drafts (False: the DDTree columns
       are NaN and DDTree budgets are skipped).
     * ``probabilistic_is_reference``: whether vLLM's ``draft_sample_method=probabilistic`` drafts as the reference
@@ -100,6 +124,7 @@ class DrafterFamily:
     model: str = "dflash_eval.drafter.model.DFlashDrafter"
     parts: tuple[str, ...] = ()
     selects_candidates: bool = False
+    walk_reads_context: bool = False
     ddtree_applicable: bool = True
     probabilistic_is_reference: bool = False
     report_sections: tuple[str, ...] = ()
@@ -149,6 +174,20 @@ class DrafterFamily:
     def speculators_fields(self, cfg: dict) -> dict:
         """The ``dflash_config`` entries of a speculators (flat) ``config.json`` for this family's fields."""
         return {k: cfg[k] for k in self.config_fields if cfg.get(k) is not None}
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, folder, device, dtype):
+        """The drafter module of a stripped folder of this family, or None where the DFlash loader
+        (:func:`dflash_eval.drafter.model.load_drafter`: :class:`~dflash_eval.drafter.model.DFlashDrafter` and its
+        exact key check) builds it. A family whose checkpoint holds more than a DFlash drafter loads it itself."""
+        return None
+
+    def strip(self, checkpoint, out_dir, target_dir=None):
+        """Strip ``checkpoint`` to ``out_dir`` in the engines' layout and return ``out_dir``, or None where
+        ``strip_drafter``'s DFlash path (its key check against :class:`~dflash_eval.drafter.model.DFlashDrafter`)
+        strips it."""
+        return None
 
     # ------------------------------------------------------------------ draft policies at T > 0
 

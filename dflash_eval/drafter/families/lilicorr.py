@@ -51,6 +51,7 @@ from dflash_eval.drafter.families.base import (
     VLLM_PROBABILISTIC,
     DrafterFamily,
 )
+from dflash_eval.drafter.families.dflash2 import DFlash2
 
 #: ``config.json`` ``architectures`` of a LiLiCorr drafter (SGLang, vLLM and TensorRT-LLM route on it)
 ARCHITECTURE = "LiLiCorrDraftModel"
@@ -65,6 +66,12 @@ ENGINE_MAX_TOPK = 16
 #: SGLang's LiLiCorr commits (``python/sglang/srt/speculative/lilicorr_utils.py`` ``resolve_sampling_enabled``)
 SGLANG_GREEDY = "SGLang LiLiCorr, SGLANG_ENABLE_LILICORR_SAMPLING unset (the default: the greedy commit)"
 SGLANG_SAMPLED = "SGLang LiLiCorr, SGLANG_ENABLE_LILICORR_SAMPLING=1"
+#: the report's note on a LiLiCorr drafter's rows of the selector section
+NOTE = ("LiLiCorr drafters (variant `lilicorr`) draft the head's path through each slot's top-K candidate lattice; "
+        "at temperature 0 tau_unary is the backbone's own chain (each slot's argmax, the head switched off), "
+        "tau_oracle a perfect path over the same top-K candidates, pick rate the share of slots where the head "
+        "picked the target's token given the earlier picks were right and it was a candidate. DDTree is not "
+        "evaluated (no engine builds a tree over the head's path).")
 RESTORE_FIX = "restore the value the training run saved (Model-Optimizer exports every lilicorr_* field)"
 
 
@@ -206,8 +213,33 @@ class LiLiCorr(DrafterFamily):
     selects_candidates = True
     ddtree_applicable = False
     probabilistic_is_reference = True
+    walk_reads_context = True  # the head reads the candidates' target embeddings and the anchor row
     report_sections = ("selector",)
+    report_note = NOTE
     order = 3
+
+    def load(self, folder, device, dtype):
+        """:func:`dflash_eval.drafter.lilicorr_drafter.load_lilicorr` (backbone + head, keys checked both ways)."""
+        from dflash_eval.drafter.lilicorr_drafter import load_lilicorr  # torch: only when a LiLiCorr drafter loads
+
+        return load_lilicorr(folder, device=device, dtype=dtype)
+
+    def strip(self, checkpoint, out_dir, target_dir=None):
+        """:func:`dflash_eval.drafter.lilicorr_drafter.strip_lilicorr` (the shared target tensors dropped without
+        comparison; the target is not read)."""
+        from dflash_eval.drafter.lilicorr_drafter import strip_lilicorr
+
+        return strip_lilicorr(checkpoint, out_dir)
+
+    def table_columns(self, max_block_size: int) -> list[str]:
+        """DFlash 2's candidate columns (:data:`dflash_eval.drafter.families.dflash2.COLUMNS`, the slot columns):
+        ``tau_unary`` is the backbone's own chain, ``tau_oracle`` the oracle over the top-K lattice,
+        ``sel_pick_rate`` how often the head picked the target's candidate."""
+        return DFlash2.table_columns(self, max_block_size)
+
+    def table_values(self, result: dict) -> dict:
+        """As :meth:`DFlash2.table_values` (the evaluate output's ``selector`` block and per-sample chains)."""
+        return DFlash2.table_values(self, result)
 
     def claims(self, cfg: dict, dcfg: dict) -> bool:
         """A ``lilicorr_*`` field anywhere in ``dflash_config`` or the top level, or ``architectures`` naming
