@@ -17,7 +17,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny import make_random_drafter, make_tiny_target  # noqa: E402
+from test_workflow import PROMPTS_A, PROMPTS_B, TRAINED_DRAFTER  # noqa: E402
+from tiny import make_tiny_target  # noqa: E402
 
 from dflash_eval.cache.format import CacheSample  # noqa: E402
 from dflash_eval.drafter.families import LILICORR  # noqa: E402
@@ -33,50 +34,59 @@ from dflash_eval.replay.policies import DraftSetting  # noqa: E402
 from dflash_eval.replay.sampling import SamplingSetting  # noqa: E402
 from dflash_eval.replay.selector import walks  # noqa: E402
 
-LAYERS, B = [1, 3], 5
+B = 4
 GEOMETRY = {"lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 16, "lilicorr_num_layers": 1,
             "lilicorr_num_heads": 2, "lilicorr_mlp_ratio": 2.0, "lilicorr_factor_dim": 8,
             "lilicorr_vector_eps": 1e-4, "lilicorr_logit_scale": 8.0}
-PROMPTS = [[1, 40, 41, 42, 2, 1, 50], [1, 60, 61, 2, 1, 50, 51, 52], [1, 70, 2, 1, 50]]
+MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The tiny target, the trained tiny DFlash 1 drafter (tests/fixtures/trained_drafter, block 4, layers 1-3) as
+    the backbone of a random LiLiCorr head (saved and loaded: bf16 weights), the tiny workflow's prompts."""
+    from transformers import AutoTokenizer
+
     from dflash_eval.target.model import load_target
     from dflash_eval.target.spec import load_embed_and_head
 
     d = tmp_path_factory.mktemp("lilicorr")
     target_dir = make_tiny_target(d / "target", arch="llama", num_layers=4, hidden=64, seed=0)
-    cfg, backbone = make_random_drafter(d / "backbone", target_dir, LAYERS, block_size=B)
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            enable_thinking=False, return_dict=False)) for p in PROMPTS_A + PROMPTS_B]
+    backbone = load_drafter(TRAINED_DRAFTER)
     geometry = LiLiCorrConfig.from_dict({"dflash_config": GEOMETRY}, model_hidden=64)
     torch.manual_seed(1)
     head = LiLiCorrHead(geometry, 64, B, 1e-6)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.5)
-    model = LiLiCorrDrafter(without_selector(backbone), head, geometry, export_config(cfg, geometry))
+    model = LiLiCorrDrafter(without_selector(backbone), head, geometry, export_config(backbone.cfg.raw, geometry))
     folder = save_lilicorr(model, d / "lilicorr")  # bf16 on disk; everything below uses the loaded drafter
     target, _, _ = load_target(target_dir, "cpu", "float32")
     embed, lm_head = (w.float() for w in load_embed_and_head(target_dir))
-    return {"target": target, "drafter": load_drafter(folder), "embed": embed, "head": lm_head}
+    drafter = load_drafter(folder)
+    return {"dir": d, "target_dir": target_dir, "folder": folder, "target": target, "drafter": drafter,
+            "embed": embed, "head": lm_head, "prompts": prompts, "layers": drafter.cfg.target_layer_ids}
 
 
-def _sample(target, ids: list[int], P: int, index: int, max_new: int) -> CacheSample:
-    """The cache's sample of a completion: the target's states at LAYERS over prompt + completion."""
+def _sample(target, layers, ids: list[int], P: int, index: int, max_new: int) -> CacheSample:
+    """The cache's sample of a completion: the target's states at ``layers`` over prompt + completion."""
     full = torch.tensor(ids)
     with torch.inference_mode():
         o = target(input_ids=full[None], output_hidden_states=True)
-    hidden = torch.stack([o.hidden_states[k + 1][0] for k in LAYERS], dim=1)
+    hidden = torch.stack([o.hidden_states[k + 1][0] for k in layers], dim=1)
     return CacheSample(index, f"s{index}", full, P, hidden, o.logits[0].argmax(-1), "length", max_new)
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny):
-    """Per prompt: the online loop's result and the cache sample of its completion (max_new_tokens 20)."""
+    """Per prompt: the online loop's result and the cache sample of its completion (no stop token)."""
     out = []
-    for i, prompt in enumerate(PROMPTS):
-        o = spec_generate(tiny["target"], tiny["drafter"], tiny["embed"], tiny["head"], prompt, 20, stop_ids=[])
-        out.append((o, _sample(tiny["target"], prompt + o.completion_ids, len(prompt), i, 20)))
+    for i, prompt in enumerate(tiny["prompts"]):
+        o = spec_generate(tiny["target"], tiny["drafter"], tiny["embed"], tiny["head"], prompt, MAX_NEW, stop_ids=[])
+        out.append((o, _sample(tiny["target"], tiny["layers"], prompt + o.completion_ids, len(prompt), i, MAX_NEW)))
     return out
 
 
@@ -92,9 +102,9 @@ def test_online_equals_offline_per_step_at_temperature_zero(tiny, greedy):
     drafts = list(iter_anchor_drafts(d, embed, head, samples, B))
     for (online, s), seq, dr in zip(greedy, sequential, drafts):
         with torch.inference_mode():  # lossless: the online completion is the target's greedy decoding
-            ref = tiny["target"].generate(s.input_ids[None, : s.prompt_len], max_new_tokens=20, do_sample=False,
-                                          eos_token_id=None, pad_token_id=3)[0, s.prompt_len:].tolist()
-        assert online.completion_ids == ref and sum(online.acceptance_lengths) == 20 - 1
+            ref = tiny["target"].generate(s.input_ids[None, : s.prompt_len], max_new_tokens=MAX_NEW,
+                                          do_sample=False, eos_token_id=None, pad_token_id=3)[0, s.prompt_len:].tolist()
+        assert online.completion_ids == ref and sum(online.acceptance_lengths) == MAX_NEW - 1
         assert online.acceptance_lengths == seq == chain_walk(dr.accepted.tolist(), dr.prompt_len, dr.n_tokens)
     w = [walks(dr.accepted.tolist(), dr.oracle.tolist(), dr.unary_accepted.tolist(), dr.limit.tolist(),
                dr.in_candidates.tolist(), dr.prompt_len, dr.n_tokens) for dr in drafts]
@@ -102,6 +112,9 @@ def test_online_equals_offline_per_step_at_temperature_zero(tiny, greedy):
     assert any(bool((dr.accepted != dr.unary_accepted).any()) for dr in drafts)
     assert all(bool((dr.accepted <= dr.oracle).all()) for dr in drafts)
     assert [len(x.chain) for x in w] == [len(o.acceptance_lengths) for o, _ in greedy]
+    steps = [a for o, _ in greedy for a in o.acceptance_lengths]
+    print(f"\nLiLiCorr online == offline on {len(steps)} verify steps; tau {len(steps) and sum(steps) / len(steps):.3f}")
+    assert max(steps) > 1  # drafts were accepted: the comparison is not 1 == 1
 
 
 def test_expected_survival_argmax_is_the_greedy_walk_and_reference_tends_to_it(tiny, greedy):
@@ -118,3 +131,46 @@ def test_expected_survival_argmax_is_the_greedy_walk_and_reference_tends_to_it(t
                                     [dr.n_tokens for dr in drafts], B)
         # with p = 1, beta = min(1, q / p) = q: the argmax policy accepts exactly the greedy walk's drafts
         assert [e.tau for e in exp] == pytest.approx(greedy_tau, abs=1e-6)
+
+
+@pytest.mark.slow  # about 30 s on 2 shared cores (completions, cache, evaluate at T = 0 and T = 1)
+def test_evaluate_and_tau_table_show_the_backbone_and_oracle_beside_lilicorr(tiny, greedy):
+    import json
+
+    from dflash_eval.report.tau_table import summary_frame
+    from dflash_eval.stages.completions import generate_completions
+    from dflash_eval.stages.evaluate import evaluate
+    from dflash_eval.stages.hidden_states import extract_hidden_states
+
+    d = tiny["dir"]
+    rows = [{"id": f"p{i}", "source": "file", "prompt": "", "text": "", "prompt_ids": p}
+            for i, p in enumerate(tiny["prompts"])]
+    (d / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    generate_completions(tiny["target_dir"], d / "prompts.jsonl", d / "c.jsonl", max_new_tokens=MAX_NEW,
+                         batch_size=len(rows), device="cpu", dtype="float32")
+    extract_hidden_states(tiny["target_dir"], d / "c.jsonl", d / "c.h5", layer_ids=tiny["layers"], device="cpu",
+                          dtype="float32", final_hidden=True)
+    ev = evaluate(tiny["folder"], d / "c.h5", tiny["target_dir"], d / "ev.json", device="cpu", dtype="float32",
+                  ddtree_budgets=[4], sampling=[{"temperature": 0.0}, {"temperature": 1.0}], cross_temperature=True,
+                  checkpoint_name="lili", prompt_set="set")
+    assert ev["variant"] == "lilicorr"
+    by_id = {s["id"]: s for s in ev["samples"]}
+    for i, (online, _) in enumerate(greedy):  # evaluate's chain is the online loop's, step by step
+        assert by_id[f"p{i}"]["acceptance_lengths"] == online.acceptance_lengths
+    tau = ev["tau"]
+    assert ev["tau_unary"] != tau and ev["tau_oracle"] >= tau  # the head changes the chain; the oracle bounds it
+    frame = summary_frame([str(d / "ev.json")])
+    t0 = frame[frame["sampling"] == "T0"].iloc[0]
+    assert t0["variant"] == "lilicorr" and t0["tau"] == pytest.approx(tau)
+    assert t0["tau_unary"] == pytest.approx(ev["tau_unary"]) and t0["tau_oracle"] == pytest.approx(ev["tau_oracle"])
+    assert 0 <= t0["sel_pick_rate"] <= 1 and 0 <= t0["topk_recall_slot_1"] <= 1
+    assert not t0["ddtree_applicable"] and pd_isnan(t0.get("tau_ddtree_4"))
+    t1 = frame[frame["sampling"] != "T0"]
+    assert sorted(t1["draft"]) == ["argmax", "reference"]
+    engines = dict(zip(t1["draft"], t1["engine"]))
+    assert "SGLANG_ENABLE_LILICORR_SAMPLING=1" in engines["reference"] and "unset" in engines["argmax"]
+    assert all(1.0 <= x <= 5.0 for x in t1["tau"])
+
+
+def pd_isnan(x) -> bool:
+    return x is None or x != x
