@@ -174,8 +174,7 @@ def strip_checkpoint(
     check_override_keys(overrides)  # before reading a possibly large checkpoint
     ck = load_checkpoint(checkpoint)
     if ck.config is not None and not drafter_config and not overrides:  # a family with a layout of its own
-        own = family_of_config(ck.config, source=str(ck.config_source or checkpoint)).strip(checkpoint, out_dir,
-                                                                                             target_dir)
+        own = family_of_config(ck.config, source=str(ck.config_source or checkpoint)).strip(checkpoint, out_dir)
         if own is not None:
             return Path(own)
     cfg, cfg_src, cfg_notes = _resolve_config(ck, drafter_config, overrides)

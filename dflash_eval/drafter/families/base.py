@@ -5,6 +5,7 @@ The registry and the families: :mod:`dflash_eval.drafter.families`; adding a fam
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,12 @@ VLLM_GREEDY = "vLLM draft_sample_method=greedy (the default)"
 VLLM_PROBABILISTIC = "vLLM draft_sample_method=probabilistic"
 
 
+def _resolve(ref: str):
+    """The function ``"module:function"`` names (:attr:`DrafterFamily.loader`, :attr:`DrafterFamily.stripper`)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _filters(setting) -> bool:
     """Whether a sampling setting (``top_p`` < 1 or ``top_k`` > 0) filters the distribution beyond its temperature."""
     return setting.top_p < 1 or bool(setting.top_k)
@@ -114,6 +121,10 @@ class DrafterFamily:
     * ``report_sections``: the report's family-specific sections (``"selector"``: the candidate diagnostics);
       ``report_note``: the note the report prints with them.
     * ``order``: its place in the report (runs, legends, the family comparison), lowest first.
+    * ``loader``, ``stripper``: ``"module:function"`` of a family whose checkpoint holds more than a DFlash
+      drafter (LiLiCorr: backbone + head), which loads (``(folder, device=, dtype=) -> module``) and strips
+      (``(checkpoint, out_dir) -> out_dir``) it itself (:meth:`load`, :meth:`strip`); None: the DFlash path.
+      Named, not imported: the registry stays torch-free and below the modules that build drafters.
     """
 
     name: str = ""
@@ -130,6 +141,8 @@ class DrafterFamily:
     report_sections: tuple[str, ...] = ()
     report_note: str | None = None
     order: int = 0
+    loader: str | None = None
+    stripper: str | None = None
 
     def __repr__(self) -> str:
         return f"<drafter family {self.name}>"
@@ -178,16 +191,15 @@ class DrafterFamily:
     # ------------------------------------------------------------------ loading
 
     def load(self, folder, device, dtype):
-        """The drafter module of a stripped folder of this family, or None where the DFlash loader
-        (:func:`dflash_eval.drafter.model.load_drafter`: :class:`~dflash_eval.drafter.model.DFlashDrafter` and its
-        exact key check) builds it. A family whose checkpoint holds more than a DFlash drafter loads it itself."""
-        return None
+        """The drafter module of a stripped folder of this family, by :attr:`loader` (called with ``folder``,
+        ``device=``, ``dtype=``), or None where the DFlash loader (:func:`dflash_eval.drafter.model.load_drafter`:
+        :class:`~dflash_eval.drafter.model.DFlashDrafter` and its exact key check) builds it."""
+        return None if self.loader is None else _resolve(self.loader)(folder, device=device, dtype=dtype)
 
-    def strip(self, checkpoint, out_dir, target_dir=None):
-        """Strip ``checkpoint`` to ``out_dir`` in the engines' layout and return ``out_dir``, or None where
-        ``strip_drafter``'s DFlash path (its key check against :class:`~dflash_eval.drafter.model.DFlashDrafter`)
-        strips it."""
-        return None
+    def strip(self, checkpoint, out_dir):
+        """Strip ``checkpoint`` to ``out_dir`` in the engines' layout by :attr:`stripper` and return ``out_dir``, or
+        None where ``strip_drafter``'s DFlash path strips it."""
+        return None if self.stripper is None else _resolve(self.stripper)(checkpoint, out_dir)
 
     # ------------------------------------------------------------------ draft policies at T > 0
 

@@ -214,22 +214,13 @@ class LiLiCorr(DrafterFamily):
     ddtree_applicable = False
     probabilistic_is_reference = True
     walk_reads_context = True  # the head reads the candidates' target embeddings and the anchor row
+    # backbone + head under lilicorr.*, keys checked both ways (SGLang check_head_weight_coverage); the target's
+    # shared tensors are dropped without comparison (the stripper reads no target)
+    loader = "dflash_eval.drafter.lilicorr_drafter:load_lilicorr"
+    stripper = "dflash_eval.drafter.lilicorr_drafter:strip_lilicorr"
     report_sections = ("selector",)
     report_note = NOTE
     order = 3
-
-    def load(self, folder, device, dtype):
-        """:func:`dflash_eval.drafter.lilicorr_drafter.load_lilicorr` (backbone + head, keys checked both ways)."""
-        from dflash_eval.drafter.lilicorr_drafter import load_lilicorr  # torch: only when a LiLiCorr drafter loads
-
-        return load_lilicorr(folder, device=device, dtype=dtype)
-
-    def strip(self, checkpoint, out_dir, target_dir=None):
-        """:func:`dflash_eval.drafter.lilicorr_drafter.strip_lilicorr` (the shared target tensors dropped without
-        comparison; the target is not read)."""
-        from dflash_eval.drafter.lilicorr_drafter import strip_lilicorr
-
-        return strip_lilicorr(checkpoint, out_dir)
 
     def table_columns(self, max_block_size: int) -> list[str]:
         """DFlash 2's candidate columns (:data:`dflash_eval.drafter.families.dflash2.COLUMNS`, the slot columns):
