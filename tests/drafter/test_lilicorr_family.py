@@ -95,3 +95,19 @@ def test_sampled_walk_hand_computed():
         assert int(sel.path[0, 0]) == pick
         torch.testing.assert_close(sel.probs[0, 0], torch.tensor([0.75, 0.25]))
         torch.testing.assert_close(sel.probs[0, 1], torch.tensor([0.5, 0.5]))  # flat pair rows
+
+
+def test_train_lilicorr_writes_the_resolved_head_width(tmp_path):
+    """``--hidden-size 0`` (the backbone's width, read as such by vLLM / SGLang) is written as the width: 64 for the
+    trained tiny backbone; a LiLiCorr folder saved with 0 is continued with the width too."""
+    from test_workflow import TRAINED_DRAFTER
+
+    from dflash_eval.drafter.train_lilicorr import LiLiCorrTrainConfig, initial_model
+
+    model = initial_model(LiLiCorrTrainConfig(candidate_topk=4, hidden_size=0, num_heads=2, factor_dim=8,
+                                              init_from=str(TRAINED_DRAFTER)))
+    assert model.geometry.hidden_size == 64 and model.head.hidden == 64
+    zero = random_model(lilicorr_hidden_size=0)  # a 32-wide backbone saved with lilicorr_hidden_size 0
+    folder = save_lilicorr(zero, tmp_path / "zero")
+    assert json.loads((folder / "config.json").read_text())["dflash_config"]["lilicorr_hidden_size"] == 0
+    assert initial_model(LiLiCorrTrainConfig(init_from=str(folder))).geometry.hidden_size == 32

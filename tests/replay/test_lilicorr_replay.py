@@ -139,7 +139,6 @@ def test_expected_survival_argmax_is_the_greedy_walk_and_reference_tends_to_it(t
         assert [e.tau for e in exp] == pytest.approx(greedy_tau, abs=1e-6)
 
 
-@pytest.mark.slow  # about 30 s on 2 shared cores (completions, cache, evaluate at T = 0 and T = 1)
 def test_evaluate_and_tau_table_show_the_backbone_and_oracle_beside_lilicorr(tiny, greedy):
     import json
 
