@@ -16,6 +16,7 @@ online loop's incremental target states and the cache's full forward past the T 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from dflash_eval.drafter.families.lilicorr import LiLiCorrConfig, export_config 
 from dflash_eval.drafter.lilicorr_drafter import LiLiCorrDrafter, save_lilicorr, without_selector  # noqa: E402
 from dflash_eval.drafter.lilicorr_model import LiLiCorrHead  # noqa: E402
 from dflash_eval.drafter.model import load_drafter  # noqa: E402
-from dflash_eval.replay.anchors import chain_walk, iter_anchor_drafts  # noqa: E402
+from dflash_eval.replay.anchors import LAYOUTS, chain_walk, iter_anchor_drafts  # noqa: E402
 from dflash_eval.replay.chain import replay_batch  # noqa: E402
 from dflash_eval.replay.expected import response_expectations  # noqa: E402
 from dflash_eval.replay.online import spec_generate  # noqa: E402
@@ -112,6 +113,10 @@ def test_online_equals_offline_per_step_at_temperature_zero(tiny, greedy):
                                           do_sample=False, eos_token_id=None, pad_token_id=3)[0, s.prompt_len:].tolist()
         assert online.completion_ids == ref and sum(online.acceptance_lengths) == MAX_NEW - 1
         assert online.acceptance_lengths == seq == chain_walk(dr.accepted.tolist(), dr.prompt_len, dr.n_tokens)
+    for layout in LAYOUTS:  # every layout of the all-anchor pass gives the same walk
+        other = list(iter_anchor_drafts(d, embed, head, samples, B, layout=layout))
+        assert all(torch.equal(a.accepted, b.accepted) and torch.equal(a.greedy, b.greedy)
+                   for a, b in zip(drafts, other)), layout
     w = [walks(dr.accepted.tolist(), dr.oracle.tolist(), dr.unary_accepted.tolist(), dr.limit.tolist(),
                dr.in_candidates.tolist(), dr.prompt_len, dr.n_tokens) for dr in drafts]
     # the head matters (its path is not the backbone's chain at some anchor) and never beats the lattice oracle
@@ -169,16 +174,13 @@ def test_evaluate_and_tau_table_show_the_backbone_and_oracle_beside_lilicorr(tin
     assert t0["variant"] == "lilicorr" and t0["tau"] == pytest.approx(tau)
     assert t0["tau_unary"] == pytest.approx(ev["tau_unary"]) and t0["tau_oracle"] == pytest.approx(ev["tau_oracle"])
     assert 0 <= t0["sel_pick_rate"] <= 1 and 0 <= t0["topk_recall_slot_1"] <= 1
-    assert not t0["ddtree_applicable"] and pd_isnan(t0.get("tau_ddtree_4"))
+    assert not t0["ddtree_applicable"] and math.isnan(t0.get("tau_ddtree_4", math.nan))
     t1 = frame[frame["sampling"] != "T0"]
     assert sorted(t1["draft"]) == ["argmax", "reference"]
     engines = dict(zip(t1["draft"], t1["engine"]))
     assert "SGLANG_ENABLE_LILICORR_SAMPLING=1" in engines["reference"] and "unset" in engines["argmax"]
     assert all(1.0 <= x <= 5.0 for x in t1["tau"])
 
-
-def pd_isnan(x) -> bool:
-    return x is None or x != x
 
 
 def test_online_sampler_equals_offline_survival_per_step(tiny, monkeypatch):

@@ -110,8 +110,25 @@ def label(name) -> str:
     return FAMILIES[name].label if name in FAMILIES else str(name)
 
 
-__all__ = ["DEFAULT", "DFLASH", "DFLASH2", "LILICORR", "DRAFT_POLICIES", "FAMILIES", "SHARED_FIELDS", "DrafterFamily", "Selection", "WalkContext", "family_of", "family_of_architecture",
-           "family_of_config", "family_of_speculators", "label", "ordered", "register"]
+__all__ = [
+    "DEFAULT",
+    "DFLASH",
+    "DFLASH2",
+    "DRAFT_POLICIES",
+    "FAMILIES",
+    "LILICORR",
+    "SHARED_FIELDS",
+    "DrafterFamily",
+    "Selection",
+    "WalkContext",
+    "family_of",
+    "family_of_architecture",
+    "family_of_config",
+    "family_of_speculators",
+    "label",
+    "ordered",
+    "register",
+]
 
 # the registry lines: one per family module
 DFLASH = register(DFlash())
