@@ -180,6 +180,19 @@ def test_evaluate_and_tau_table_show_the_backbone_and_oracle_beside_lilicorr(tin
     engines = dict(zip(t1["draft"], t1["engine"]))
     assert "SGLANG_ENABLE_LILICORR_SAMPLING=1" in engines["reference"] and "unset" in engines["argmax"]
     assert all(1.0 <= x <= 5.0 for x in t1["tau"])
+    # the report's candidate section holds the LiLiCorr row (backbone and oracle beside it) and its note
+    from dflash_eval.report.tables import SELECTOR_NOTE, selector_table
+
+    sel = selector_table(frame).iloc[0]
+    assert (sel["checkpoint"], sel["tau"], sel["tau_unary"]) == ("lili", t0["tau"], t0["tau_unary"])
+    assert "LiLiCorr drafters (variant `lilicorr`)" in SELECTOR_NOTE
+    # the validate_online stage: the online loop reproduces evaluate's per-step acceptance (float32, chain)
+    from dflash_eval.stages.validate_online import validate_online
+
+    r = validate_online(tiny["target_dir"], d / "c.jsonl", [tiny["folder"]], [d / "ev.json"], d / "vo.json",
+                        n_samples=3, ddtree_budget=0, device="cpu", dtype="float32", sampling=[])
+    chain = r["checkpoints"][0]["modes"]["chain"]
+    assert chain["n_same_output"] == chain["n_identical_steps"] == 3 and chain["rel_diff"] == 0
 
 
 
