@@ -1,14 +1,16 @@
 """LiLiCorr in the replay: a tiny random DFlash backbone with a random LiLiCorr head on the tiny target (CPU float32).
 
 * T = 0: the online loop (target in the loop, anchor row = the last accepted target row), the sequential chain
-  replay and the all-anchor pass commit the same tokens per verify step; the head's path is not the backbone's
-  chain (tau_unary) and never beats the lattice oracle.
+  replay and the all-anchor pass (every layout) commit the same tokens per verify step, on a DFlash 1 backbone and
+  on a DFlash 2 backbone with its convs; the head's path is not the backbone's chain (tau_unary) and never beats
+  the lattice oracle.
 * T > 0: the all-anchor pass's expected survival under the argmax policy (the greedy walk given the trajectory)
   is the greedy chain, and under the reference at T -> 0 tends to it; per online verify step of the seeded sampler
   (the reference: the sampled walk, q on the candidates), its q of the accepted drafts and of the next token equals
   the offline pass's walk teacher-forced on the online trajectory.
-* evaluate and the tau table: variant ``lilicorr``, tau_unary / tau_oracle / recall / pick rate beside tau, no
-  DDTree, the T > 0 rows' engine settings.
+* evaluate, the tau table and validate_online: variant ``lilicorr``, tau_unary / tau_oracle / recall / pick rate
+  beside tau, no DDTree, the T > 0 rows' engine settings, the report's candidate table and note, the online chain
+  reproducing evaluate per step.
 
 The head's weights are N(0, 0.2^2): at N(0, 0.5^2) the random head amplifies the float32 difference between the
 online loop's incremental target states and the cache's full forward past the T > 0 check's tolerance.
@@ -62,7 +64,18 @@ def tiny(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                             enable_thinking=False, return_dict=False)) for p in PROMPTS_A + PROMPTS_B]
-    backbone = load_drafter(TRAINED_DRAFTER)
+    folder = _lilicorr(TRAINED_DRAFTER, d / "lilicorr")
+    target, _, _ = load_target(target_dir, "cpu", "float32")
+    embed, lm_head = (w.float() for w in load_embed_and_head(target_dir))
+    drafter = load_drafter(folder)
+    return {"dir": d, "target_dir": target_dir, "folder": folder, "target": target, "drafter": drafter,
+            "embed": embed, "head": lm_head, "prompts": prompts, "layers": drafter.cfg.target_layer_ids}
+
+
+def _lilicorr(backbone_dir, out: Path) -> Path:
+    """A random LiLiCorr head (N(0, 0.2^2) weights, seed 1) on the backbone of ``backbone_dir`` (its candidate
+    selector dropped, DFlash 2's convs kept), saved in the engines' layout (bf16) to ``out``."""
+    backbone = load_drafter(backbone_dir)
     geometry = LiLiCorrConfig.from_dict({"dflash_config": GEOMETRY}, model_hidden=64)
     torch.manual_seed(1)
     head = LiLiCorrHead(geometry, 64, B, 1e-6)
@@ -70,12 +83,7 @@ def tiny(tmp_path_factory):
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     model = LiLiCorrDrafter(without_selector(backbone), head, geometry, export_config(backbone.cfg.raw, geometry))
-    folder = save_lilicorr(model, d / "lilicorr")  # bf16 on disk; everything below uses the loaded drafter
-    target, _, _ = load_target(target_dir, "cpu", "float32")
-    embed, lm_head = (w.float() for w in load_embed_and_head(target_dir))
-    drafter = load_drafter(folder)
-    return {"dir": d, "target_dir": target_dir, "folder": folder, "target": target, "drafter": drafter,
-            "embed": embed, "head": lm_head, "prompts": prompts, "layers": drafter.cfg.target_layer_ids}
+    return save_lilicorr(model, out)
 
 
 def _sample(target, layers, ids: list[int], P: int, index: int, max_new: int) -> CacheSample:
@@ -236,3 +244,18 @@ def test_online_sampler_equals_offline_survival_per_step(tiny, monkeypatch):
             start += produced
     print(f"\nLiLiCorr at {setting.label}: {checked} online verify steps, {accepted} drafts accepted, q == offline")
     assert checked >= 20 and accepted >= 5
+
+
+def test_dflash2_backbone_with_convs_online_equals_offline(tiny, tmp_path):
+    """The trained tiny DFlash 2 drafter (tests/fixtures/trained_drafter2: grouped convs, its selector dropped) as
+    the backbone: the online loop and the all-anchor pass commit the same tokens per verify step at T = 0."""
+    d = load_drafter(_lilicorr(TRAINED_DRAFTER.parents[1] / "trained_drafter2" / "step35", tmp_path / "lili2"))
+    assert d.backbone.layers[0].attention_conv is not None and d.backbone.candidate_selector is None
+    embed, head, n = tiny["embed"], tiny["head"], 0
+    for i, prompt in enumerate(tiny["prompts"][:4]):
+        o = spec_generate(tiny["target"], d, embed, head, prompt, MAX_NEW, stop_ids=[])
+        s = _sample(tiny["target"], d.cfg.target_layer_ids, prompt + o.completion_ids, len(prompt), i, MAX_NEW)
+        dr = next(iter_anchor_drafts(d, embed, head, [s], B))
+        assert o.acceptance_lengths == chain_walk(dr.accepted.tolist(), dr.prompt_len, dr.n_tokens)
+        n += sum(a > 1 for a in o.acceptance_lengths)
+    assert n > 0  # drafts were accepted
