@@ -27,11 +27,11 @@ class Selection:
 
     Attributes:
         path: ``[N, S]`` int64, the drafted token per slot (slot ``j`` drafts position ``start + j``).
-        candidates: ``[N, S, K]`` int64, DFlash 2: the top-K logit candidates per slot, descending
-            logit; None for DFlash 1.
-        scores: ``[N, S, K]`` float32, DFlash 2: the selector's score of each candidate given the
-            predecessor used at that slot; None for DFlash 1.
-        probs: ``[N, S, K]`` float32, DFlash 2 at temperature > 0: ``softmax(scores / T)``, the
+        candidates: ``[N, S, K]`` int64, a candidate walk (DFlash 2, LiLiCorr): the top-K logit candidates per
+            slot, descending logit; None for DFlash 1.
+        scores: ``[N, S, K]`` float32, a candidate walk: each candidate's score given the predecessor used at
+            that slot (DFlash 2: the selector's score; LiLiCorr: the head's log-potential row); None for DFlash 1.
+        probs: ``[N, S, K]`` float32, a candidate walk at temperature > 0: ``softmax(scores / T)``, the
             distribution the slot's draft was sampled from; None otherwise.
     """
 
