@@ -5,10 +5,12 @@ Not a rule (nothing in the workflow calls it): a one-off upgrade step. For every
 ``<run>/eval/<ckpt>/<set>.json`` without its ``<set>.records.parquet`` it writes the records that ``evaluate``
 would have written beside it (:func:`dflash_eval.report.records.evaluate_records`; the ``run`` column is the
 folder's name, the repeated 8-gram fraction of each completion is measured on ``<run>/completions/<set>.jsonl``
-when that file is there, else left null). Records already there are kept. Then it prints the Snakemake command that
-records the evaluate jobs as done under this version's rule (``--touch``, limited to rule ``evaluate``): the rule's
-shell command gained ``--out-records``, and Snakemake's ``code`` rerun trigger would otherwise rerun every job
-(docs/outputs.md, "Upgrading a results folder").
+when that file is there, else left null), and likewise the validations' records. Records already there are kept.
+
+Snakemake then plans no job for them: an output without Snakemake metadata (the new file) makes it skip the job's
+params / code / input triggers, so the rule's new shell command (``--out-records``) reruns nothing. For the same
+reason a later option change would not rerun them either: the command printed last (:func:`touch_command`) records
+them as done under this version's rules (docs/outputs.md, "Upgrading a results folder").
 """
 
 from __future__ import annotations
@@ -36,11 +38,21 @@ def add_arguments(p) -> None:
 def main(args, opts) -> None:
     written = records_from_evals(args.from_evals)
     if written:
-        print(f"wrote the records of {len(written)} output(s): {' '.join(shlex.quote(str(w)) for w in written)}\n"
-              "`snakemake -n` (with your run's options) now plans no evaluate or validation job for them "
-              "(docs/outputs.md, Upgrading a results folder)")
+        print(f"wrote the records of {len(written)} output(s); `snakemake -n` plans no job for them now. Then "
+              f"let Snakemake record them (else a later option change does not rerun them), with your run's "
+              f"--configfile / profile options:\n  {touch_command(written)}")
     else:
         print("every output already has its records: nothing written")
+
+
+def touch_command(written: list[Path]) -> str:
+    """The Snakemake command that records the jobs of ``written`` (:func:`records_from_evals`) as done under this
+    version's rules without running them: ``--touch`` of exactly those jobs (``--forcerun`` of their rules, limited
+    to them by ``--allowed-rules``). Without it the new records file has no Snakemake metadata, and Snakemake then
+    skips the params / code / input triggers of its job (``snakemake/dag.py``: ``no_metadata``)."""
+    rules = sorted({"evaluate" if w.parent.parent.name == "eval" else w.stem for w in written})
+    return (f"snakemake --touch --forcerun {' '.join(rules)} --allowed-rules {' '.join(rules)} "
+            + " ".join(shlex.quote(str(w)) for w in written))
 
 
 def records_from_evals(results) -> list[Path]:
