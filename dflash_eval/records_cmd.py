@@ -48,11 +48,11 @@ def main(args, opts) -> None:
 def touch_command(written: list[Path]) -> str:
     """The Snakemake command that records the jobs of ``written`` (:func:`records_from_evals`) as done under this
     version's rules without running them: ``--touch`` of exactly those jobs (``--forcerun`` of their rules, limited
-    to them by ``--allowed-rules``). Without it the new records file has no Snakemake metadata, and Snakemake then
+    to them by ``--allowed-rules``), the targets first (those two options read every word after them). Without it the new records file has no Snakemake metadata, and Snakemake then
     skips the params / code / input triggers of its job (``snakemake/dag.py``: ``no_metadata``)."""
     rules = sorted({"evaluate" if w.parent.parent.name == "eval" else w.stem for w in written})
-    return (f"snakemake --touch --forcerun {' '.join(rules)} --allowed-rules {' '.join(rules)} "
-            + " ".join(shlex.quote(str(w)) for w in written))
+    targets = " ".join(shlex.quote(str(w)) for w in written)  # first: --forcerun / --allowed-rules take every word
+    return f"snakemake {targets} --touch --forcerun {' '.join(rules)} --allowed-rules {' '.join(rules)}"
 
 
 def records_from_evals(results) -> list[Path]:

@@ -68,20 +68,24 @@ def test_records_from_evals_writes_what_evaluate_would_and_keeps_what_is_there(t
     assert [e[1] for e in data.extra if e[0] == "Drafter notes"] == [
         "What strip noted (strip_info.json).\n\n- `ck`: sliding layers derived"]
     assert touch_command([js, tmp_path / "validate_online.json"]) == (
-        "snakemake --touch --forcerun evaluate validate_online --allowed-rules evaluate validate_online "
-        f"{js} {tmp_path / 'validate_online.json'}")
+        f"snakemake {js} {tmp_path / 'validate_online.json'} "
+        "--touch --forcerun evaluate validate_online --allowed-rules evaluate validate_online")
     with pytest.raises(InputError, match="no eval/ folder"):
         records_from_evals(tmp_path)
 
 
 def _as_before_records(wd: Path) -> dict[str, bytes]:
     """Make the finished run ``wd`` look as the version before the records left it: no records files (nor their
-    Snakemake metadata), the evaluate / validate_online JSONs' metadata naming the old shell command. Returns the
-    removed records files' bytes by path."""
+    Snakemake metadata), the evaluate / validate_online JSONs' metadata naming the old shell command, summary's and
+    report's their old command and inputs (the evaluate JSONs). Returns the removed records files' bytes by path."""
     meta, removed = wd / ".snakemake" / "metadata", {}
     for f in sorted(meta.iterdir()):
         path = base64.urlsafe_b64decode(f.name + "=" * (-len(f.name) % 4)).decode()
         m = json.loads(f.read_text())
+        if m.get("rule") in ("summary", "report"):  # they read the evaluate JSONs then
+            m["code"] = m["code"].replace("{input.records:q}", "{input.evals:q}")
+            m["input"] = [x.replace(".records.parquet", ".json") for x in m["input"]]
+            f.write_text(json.dumps(m))
         if m.get("rule") not in NEW_TAIL:
             continue
         if path.endswith(".records.parquet"):
@@ -98,9 +102,10 @@ def _as_before_records(wd: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_upgrade_reruns_no_evaluate_job(tiny_run, tmp_path):
     """On a copy of the tiny run made to look as before the records: the dry run plans every evaluate job (8) and
-    validate_online (its records are missing); after ``records_from_evals`` the 9 records files are byte for byte the
-    ones the stages wrote and the dry run plans neither; after the printed ``--touch`` command still neither, and an
-    evaluate option changed then reruns all 8 (Snakemake's params trigger sees the jobs again)."""
+    validate_online (their records are missing, and summary, whose rule changed, needs them); after
+    ``records_from_evals`` the 9 records files are byte for byte the ones the stages wrote and the dry run plans only
+    summary and report; after the printed ``--touch`` command the same, and an evaluate option changed then reruns
+    all 8 (Snakemake's params trigger sees the jobs again)."""
     wd = tmp_path / "wf"
     shutil.copytree(tiny_run, wd, symlinks=True)
     removed = _as_before_records(wd)
@@ -111,12 +116,12 @@ def test_upgrade_reruns_no_evaluate_job(tiny_run, tmp_path):
     assert len(written) == 9
     assert {p: (wd / p).read_bytes() for p in removed} == removed
     counts = job_counts(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)).stdout)
-    assert "evaluate" not in counts and "validate_online" not in counts and "summary" not in counts, counts
+    assert counts == {"summary": 1, "report": 1, "all": 1}, counts  # their rules changed: seconds
     cmd = shlex.split(touch_command([p.relative_to(wd) for p in written]))
     assert cmd[0] == "snakemake"
     smk(wd, *cmd[1:], "--workflow-profile", str(CI_PROFILE))
     counts = job_counts(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE)).stdout)
-    assert "evaluate" not in counts and "validate_online" not in counts, counts
+    assert counts == {"summary": 1, "report": 1, "all": 1}, counts
     (wd / "warn.yaml").write_text("evaluate:\n  agreement_warn: 0.98\n")
     counts = job_counts(smk(wd, "-n", "--workflow-profile", str(CI_PROFILE),
                             "--configfile", "config/config.yaml", "warn.yaml").stdout)
