@@ -20,9 +20,9 @@ import shlex
 from pathlib import Path
 
 from dflash_eval.core.errors import InputError
+from dflash_eval.core.io import read_json_object
 from dflash_eval.data.completions import read_completions
 from dflash_eval.data.repetition import repeated_ngram_fraction
-from dflash_eval.core.io import read_json_object
 from dflash_eval.report.records import (engine_records, evaluate_records, online_records, read_eval, records_path,
                                         validation_jobs, write_records)
 
@@ -48,8 +48,9 @@ def main(args, opts) -> None:
 def touch_command(written: list[Path]) -> str:
     """The Snakemake command that records the jobs of ``written`` (:func:`records_from_evals`) as done under this
     version's rules without running them: ``--touch`` of exactly those jobs (``--forcerun`` of their rules, limited
-    to them by ``--allowed-rules``), the targets first (those two options read every word after them). Without it the new records file has no Snakemake metadata, and Snakemake then
-    skips the params / code / input triggers of its job (``snakemake/dag.py``: ``no_metadata``)."""
+    to them by ``--allowed-rules``), the targets first (those two options read every word after them). Without it
+    the new records file has no Snakemake metadata, and Snakemake then skips the params / code / input triggers of
+    its job (snakemake/snakemake, ``src/snakemake/dag.py``: ``reason.no_metadata``; Snakemake 9.27)."""
     rules = sorted({"evaluate" if w.parent.parent.name == "eval" else w.stem for w in written})
     targets = " ".join(shlex.quote(str(w)) for w in written)  # first: --forcerun / --allowed-rules take every word
     return f"snakemake {targets} --touch --forcerun {' '.join(rules)} --allowed-rules {' '.join(rules)}"
