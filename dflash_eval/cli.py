@@ -69,6 +69,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("drafter.train", "train a DFlash drafter on target-generated completions (the demo drafters)"),
     "train-lilicorr": ("drafter.train_lilicorr", "train a LiLiCorr reranker head on a frozen DFlash backbone "
                                                  "(writes step<N>.pt and the stripped engines' layout)"),
+    "records": ("records_cmd", "write the per-request records of a results folder made before they existed, from its "
+                               "evaluate JSONs (an upgrade step; not a rule: no drafter replay reruns)"),
     "watch": ("watch", "follow a training output folder and evaluate each checkpoint once it is complete "
                        "(not a rule: runs Snakemake per checkpoint)"),
 }

@@ -95,7 +95,7 @@ rule report:
     input:
         summary="results/{run}/tau.csv",
         provenance="results/{run}/tau.provenance.json",
-        evals=lambda wildcards: PLAN.evaluations(wildcards.run),
+        records=lambda wildcards: records_of(PLAN.evaluations(wildcards.run)),  # tables, comparisons, histograms
         caches=lambda wildcards: PLAN.caches(wildcards.run),
         prompts_meta=lambda wildcards: PLAN.prompt_metas(wildcards.run),
         extra=PLAN.extra_outputs(),
@@ -125,7 +125,7 @@ rule report:
         args=lambda wildcards, input: PLAN.report_args(input.get("extra", []), input.get("costs", [])),
     shell:
         "python -m dflash_eval report --summary {input.summary:q} --provenance {input.provenance:q}"
-        " --evals {input.evals:q} --caches {input.caches:q}"
+        " --evals {input.records:q} --caches {input.caches:q}"
         " --prompts-meta {input.prompts_meta:q} {params.args}"
         " --out {output.md:q}"
         " --out-html {output.html:q} --figures-dir {output.figures:q} > {log:q} 2>&1"

@@ -64,12 +64,12 @@ from dflash_eval.report import compare as K
 from dflash_eval.report import context as C
 from dflash_eval.report.agreement import agreement_frame
 from dflash_eval.report.loops import NOLOOP_HEADER, has_loops, loop_notes, side_by_side, with_loop_columns
-from dflash_eval.report.records import load_offline
+from dflash_eval.report.records import job_histogram, load_offline
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
                                        costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
                                        selector_slot_text, selector_table, slot_text, variant_comparison,
                                        without_slot_columns)
-from dflash_eval.report.tau_table import (TABLE_KEY, checkpoint_order, method_columns, primary_histogram, primary_rows,
+from dflash_eval.report.tau_table import (TABLE_KEY, checkpoint_order, method_columns, primary_rows,
                                           sampled_sets_note, speedup_frame, summary_frame, with_speedups)
 from dflash_eval.report.speed import context_figures, context_html, context_markdown, speedup_pivot
 from dflash_eval.report.speed import costs_warning as _costs_mismatch
@@ -158,7 +158,9 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     """Collect the report's data from the run's files.
 
     Args:
-        evals: evaluate JSONs (``results/<run>/eval/<ckpt>/<prompt_set>.json``).
+        evals: the evaluate jobs' records (``results/<run>/eval/<ckpt>/<prompt_set>.records.parquet``; the rule
+            passes these: tables, comparisons, histograms and drafter notes all come from them) or their JSONs
+            (made into the same records: :func:`dflash_eval.report.records.load_offline`).
         caches: HDF5 caches (agreement and provenance).
         costs: ``target_costs.json`` path, or None (no speedup section).
         extra: JSON files with ``title`` + ``markdown`` (e.g. kernel parity).
@@ -175,9 +177,8 @@ def load_report_data(evals: list[str], caches: list[str] = (), costs=None, extra
     every = with_loop_columns(summary_frame(offline), summary, TABLE_KEY)
     frame = primary_rows(every)  # one row per pair: its first sampling setting; all settings: sampling_section
     hists, drafter_notes = {}, {}
-    for p in evals:
-        r = json.loads(Path(p).read_text())
-        hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), primary_histogram(r))
+    for _, r in offline.jobs:  # each job's records as its evaluate output (records.job_view): the metadata's notes
+        hists[(r["checkpoint"], r["prompt_set"])] = (int(r["block_size"]), job_histogram(r))
         drafter_notes.update({f"- `{r['checkpoint']}`: {n}": None for n in r.get("drafter_notes") or []})  # once each
     agreement, cache_attrs = agreement_frame(list(caches))
     data = ReportData(frame=frame, hists=hists, slot_curves=slot_curves(frame), positions=position_columns(frame),

@@ -22,6 +22,13 @@ Verdict. The best checkpoint of a row kind (highest tau; ties: the earlier step,
 checkpoint's difference with it lies below 0; otherwise it is **tied with** the checkpoints whose interval does not
 (an interval that cannot be formed, fewer than 2 shared prompts, counts as a tie).
 
+Few prompts. Below :data:`MIN_PROMPTS` paired prompts the percentile interval is not to be trusted: a bootstrap
+from n values resamples their empirical distribution, which on a handful of prompts is too narrow (the variance of
+the resampled mean is (n - 1) / n times the usual estimate, and the percentile interval undercovers in small
+samples: Efron & Tibshirani 1993, ch. 13 and 14; DiCiccio & Efron, "Bootstrap confidence intervals", Statistical
+Science 11(3), 1996, section 1). Such a row keeps its numbers and verdict, and its ``caution`` column says so (the
+report's verdict cell too).
+
 Outputs: :func:`compare_frame` (the rows of ``tau_compare.csv``, written by the summary stage beside ``tau.csv``)
 and :func:`section` (the report's "Checkpoints within noise" tables). Columns: docs/outputs.md.
 """
@@ -43,12 +50,14 @@ RESAMPLES = 2000
 SEED = 20240607
 #: the interval's coverage
 LEVEL = 0.95
+#: fewer paired prompts than this: the row's interval is flagged as unreliable (module docstring, "Few prompts")
+MIN_PROMPTS = 10
 #: the columns that name a row kind (one comparison table each)
 KIND = ["prompt_set", "sampling", "draft"]
 #: ``tau_compare.csv``'s columns
 COLUMNS = KIND + ["checkpoint", "step", "n_samples", "tau", "tau_se",
                   "previous", "n_paired_prev", "diff_prev", "lo_prev", "hi_prev",
-                  "best", "n_paired_best", "diff_best", "lo_best", "hi_best", "verdict"]
+                  "best", "n_paired_best", "diff_best", "lo_best", "hi_best", "verdict", "caution"]
 
 AHEAD, BEHIND, TIED_BEST, ONLY = "ahead beyond noise", "behind the best beyond noise", "tied with the best", \
     "the only checkpoint"
@@ -57,7 +66,9 @@ NOTE = (f"Paired bootstrap over prompts ({RESAMPLES} resamples, seed {SEED}; Efr
         "checkpoint's tau against the previous checkpoint of its run and against the set's best, over the same "
         "prompts, as the difference and its 95% interval [lo, hi]. The best checkpoint is *ahead beyond noise* "
         "when every other checkpoint's interval against it lies below 0; otherwise it is *tied with* those it "
-        "cannot be told apart from on this many prompts (docs/design.md, Comparing checkpoints: paired intervals).")
+        "cannot be told apart from on this many prompts (docs/design.md, Comparing checkpoints: paired intervals). "
+        f"Below {MIN_PROMPTS} prompts the interval is too narrow to trust (DiCiccio & Efron 1996): the verdict "
+        "then says *few prompts*.")
 
 
 def sample_values(records) -> pd.DataFrame:
@@ -181,6 +192,7 @@ def compare_frame(frame: pd.DataFrame, values: pd.DataFrame, resamples: int = RE
                          "hi_best": hb})
     out = pd.DataFrame(rows, columns=COLUMNS)
     out["verdict"] = _verdicts(out)
+    out["caution"] = _cautions(out)
     return out.astype({"step": "Int64", "n_paired_prev": "Int64", "n_paired_best": "Int64"})
 
 
@@ -197,6 +209,28 @@ def _verdicts(cmp: pd.DataFrame) -> list[str]:
         else:
             out.append(BEHIND if r.hi_best < 0 else "ahead of the best on the shared prompts" if r.lo_best > 0
                        else TIED_BEST)
+    return out
+
+
+def caution(n) -> str:
+    """The ``caution`` of a comparison over ``n`` paired prompts (an int, or NA/None: no comparison): ``""`` from
+    :data:`MIN_PROMPTS` on or without a comparison, else ``"few prompts (n = 4 < 10): interval not reliable"``
+    (module docstring, "Few prompts")."""
+    return "" if n is None or pd.isna(n) or int(n) >= MIN_PROMPTS else \
+        f"few prompts (n = {int(n)} < {MIN_PROMPTS}): interval not reliable"
+
+
+def _cautions(cmp: pd.DataFrame) -> list[str]:
+    """The ``caution`` column of :func:`compare_frame`: :func:`caution` of the row's comparison with the best (on the
+    best's row: the fewest prompts of its comparisons with the others; none: with the previous checkpoint)."""
+    out = []
+    for r in cmp.itertuples(index=False):
+        if r.checkpoint == r.best:
+            others = cmp[(cmp[KIND] == [getattr(r, k) for k in KIND]).all(axis=1) & (cmp["checkpoint"] != r.best)]
+            n = others["n_paired_best"].dropna()
+            out.append(caution(int(n.min()) if len(n) else None))
+        else:
+            out.append(caution(r.n_paired_best if r.best is not None else r.n_paired_prev))
     return out
 
 
@@ -230,20 +264,24 @@ def display_tables(cmp: pd.DataFrame) -> dict[str, pd.DataFrame]:
             "checkpoint": sub["checkpoint"].to_numpy(), "tau": sub["tau"].to_numpy(dtype=float),
             "vs previous": [_cell(*v) for v in zip(sub["diff_prev"], sub["lo_prev"], sub["hi_prev"])],
             "vs best": [_cell(*v) for v in zip(sub["diff_best"], sub["lo_best"], sub["hi_best"])],
-            "verdict": sub["verdict"].to_numpy()})
+            "verdict": [f"{v} ({c})" if c else v for v, c in zip(sub["verdict"], sub["caution"])]})
     return out
 
 
 def best_verdict(cmp: pd.DataFrame | None, frame: pd.DataFrame, prompt_set: str, checkpoint: str) -> str:
     """The verdict of ``checkpoint`` as the best of ``prompt_set`` at the set's first row kind in ``frame`` (the
-    report's per-set rows, :func:`~dflash_eval.report.tau_table.primary_rows`), e.g. ``"tied with step200"``; ``""``
+    report's per-set rows, :func:`~dflash_eval.report.tau_table.primary_rows`), e.g. ``"tied with step200"``, followed
+    by its ``caution`` in parentheses where it has one; ``""``
     when ``cmp`` (:func:`compare_frame`) has no such row or names another best."""
     if cmp is None or cmp.empty:
         return ""
     first = frame[frame["prompt_set"] == prompt_set].iloc[0]
     hit = cmp[(cmp["prompt_set"] == prompt_set) & (cmp["sampling"] == first["sampling"])
               & (cmp["draft"] == first["draft"]) & (cmp["checkpoint"] == checkpoint) & (cmp["best"] == checkpoint)]
-    return "" if hit.empty else str(hit["verdict"].iloc[0])
+    if hit.empty:
+        return ""
+    v, c = str(hit["verdict"].iloc[0]), str(hit["caution"].iloc[0]) if "caution" in hit else ""
+    return f"{v} ({c})" if c else v
 
 
 def section(cmp: pd.DataFrame | None, md_table, styled) -> tuple[str, str] | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import pandas as pd
@@ -35,7 +36,7 @@ import pyarrow.parquet as pq
 from dflash_eval.core.errors import InputError, atomic_path
 from dflash_eval.core.io import read_json_object
 from dflash_eval.core.schema import sampling_label
-from dflash_eval.replay.metrics import sample_tau
+from dflash_eval.replay.metrics import aggregate, aggregate_expected, sample_tau
 
 #: the record table's columns, in order (docs/outputs.md, "Per-request records")
 SCHEMA = pa.schema([
@@ -267,6 +268,23 @@ def job_view(df: pd.DataFrame, job: dict) -> dict:
             "tau": float(x.tau), **{f: _plain(getattr(x, c)) for c, f in EXPECTED_FIELDS.items()}}
             for x in g.itertuples(index=False)]}
     return out
+
+
+def job_histogram(r: dict) -> dict:
+    """``{k: verify steps that committed k tokens}`` of one job at its first sampling setting (the row
+    :func:`dflash_eval.report.tau_table.primary_rows` keeps), from its per-request values: the greedy chain's
+    ``accepted_lengths`` counted, or at temperature > 0 the per-response expected counts summed
+    (:func:`dflash_eval.replay.metrics.aggregate_expected`: the ``expected[<label>].histogram`` evaluate writes).
+
+    Args:
+        r: an evaluate output, or one job's records as one (:func:`dflash_eval.report.records.job_view`).
+    """
+    first = (r.get("sampling_settings") or [{"label": "T0", "temperature": 0.0}])[0]
+    exp = (r.get("expected") or {}).get(first["label"]) if float(first["temperature"]) > 0 else None
+    if exp and exp.get("samples"):
+        resp = [SimpleNamespace(**x) if x is not None else None for x in exp["samples"]]
+        return aggregate_expected(resp, int(r["block_size"])).histogram
+    return aggregate([s["acceptance_lengths"] for s in r["samples"]], int(r["block_size"])).histogram
 
 
 def _int(x):

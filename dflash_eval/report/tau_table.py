@@ -224,17 +224,6 @@ def primary_rows(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.drop_duplicates(["checkpoint", "prompt_set"]).reset_index(drop=True)
 
 
-def primary_histogram(r: dict) -> dict:
-    """``{k: verify steps that committed k tokens}`` of an evaluate output at its first sampling setting (the
-    one :func:`~dflash_eval.report.tau_table.primary_rows` keeps): the greedy chain's counts, or at temperature > 0
-    the expected counts of the speculative sampler (``expected[<label>].histogram``, floats)."""
-    first = (r.get("sampling_settings") or [GREEDY_SETTING])[0]
-    exp = (r.get("expected") or {}).get(first["label"]) if float(first["temperature"]) > 0 else None
-    if exp and exp.get("histogram"):
-        return {int(k): float(v) for k, v in exp["histogram"].items()}
-    return aggregate([s["acceptance_lengths"] for s in r["samples"]], r["block_size"]).histogram
-
-
 def sampled_sets_note(frame: pd.DataFrame) -> str | None:
     """The sentence under the per-pair tables naming the prompt sets shown at a setting above temperature 0 (their
     first evaluated setting, :func:`~dflash_eval.report.tau_table.primary_rows`), or None when every set is greedy."""

@@ -1,8 +1,9 @@
 """Stage ``report`` (rule ``report``): ``report.html`` (self-contained, figures embedded), ``report.md`` and the figure PNGs.
 
-Everything is rebuilt from the evaluate JSONs, the caches' attributes, the measured target costs
-and the extra sections (kernel parity, online validation); what the report holds and how it is
-rendered: :mod:`dflash_eval.report.build`.
+Everything is rebuilt from the evaluate jobs' per-request records (:mod:`dflash_eval.report.records`: the tau
+tables, the paired comparisons, the histograms and, from the files' job metadata, the drafter notes), the caches'
+attributes, the measured target costs and the extra sections (kernel parity, online validation); what the report
+holds and how it is rendered: :mod:`dflash_eval.report.build`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from dflash_eval.report.build import ReportData, build_figures, load_report_data
 
 def add_arguments(p) -> None:
     p.add_argument("--summary", required=True, help="tau.csv")
-    p.add_argument("--evals", nargs="+", required=True, help="evaluate outputs")
+    p.add_argument("--evals", nargs="+", required=True,
+                   help="the evaluate jobs' records (results/<run>/eval/<ckpt>/<set>.records.parquet; the workflow "
+                        "passes these) or their JSONs (<set>.json, made into the same records when read)")
     p.add_argument("--caches", nargs="*", default=[], help="the run's caches (target agreement, provenance)")
     p.add_argument("--prompts-meta", nargs="*", default=[],
                    help="<set>.meta.json files of the prompts stage (what was skipped, per reason)")
@@ -40,6 +43,7 @@ def write_report(summary_csv, evals: list[str], caches: list[str], out, extra: l
                  prompts_meta: list[str] | None = None, provenance=None) -> ReportData:
     """Write ``report.md`` (``out``), and ``report.html`` / the figure PNGs when asked.
 
+    ``evals``: the evaluate jobs' records files or their JSONs (:func:`dflash_eval.report.records.load_offline`).
     ``summary_csv`` is the run's tau.csv (a dependency: the tables are rebuilt from ``evals`` at full
     precision, tau.csv being rounded to 4 decimals). The run name (title) is ``<run>`` of ``results/<run>/report.md``.
     All outputs are written atomically.

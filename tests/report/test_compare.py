@@ -99,7 +99,7 @@ def test_verdicts_name_the_ties_and_runs_keep_their_own_previous():
     assert list(tables) == ["s"]
     t = tables["s"].set_index("checkpoint")
     assert t.loc["b", "vs previous"].startswith("+1.500 [") and t.loc["c", "vs best"] == ""
-    assert t.loc["c", "verdict"] == "tied with b, d"
+    assert t.loc["c", "verdict"] == "tied with b, d (few prompts (n = 3 < 10): interval not reliable)"
 
 
 def test_bootstrap_is_seeded_and_close_to_the_normal_interval():
@@ -143,6 +143,36 @@ def test_expected_rows_pair_their_expectations_and_the_summary_and_report_show_t
     write_report(tmp_path / "tau.csv", evals, [], tmp_path / "report.md", out_html=tmp_path / "report.html")
     md = (tmp_path / "report.md").read_text()
     assert "## Checkpoints within noise" in md and "### humaneval @ T1" in md
-    assert "| b | 1.938 | +0.500 [+0.500, +0.500] |  | ahead beyond noise |" in md
+    assert "| b | 1.938 | +0.500 [+0.500, +0.500] |  | ahead beyond noise (few prompts (n = 4 < 10): interval not " \
+           "reliable) |" in md
     html = (tmp_path / "report.html").read_text()
-    assert 'id="noise"' in html and '(<a href="#noise">tied with b</a>)' in html  # the best list carries it
+    assert 'id="noise"' in html and \
+        '(<a href="#noise">tied with b (few prompts (n = 4 &lt; 10): interval not reliable)</a>)' in html
+
+
+def test_few_prompts_are_flagged_and_ten_are_not():
+    """The caution below MIN_PROMPTS = 10 paired prompts (Efron & Tibshirani 1993; DiCiccio & Efron 1996): a and b on
+    9 prompts (b +1 on each: interval [1, 1], b ahead beyond noise) are flagged on both rows, the verdict kept; on 10
+    prompts neither is. The best's row takes the fewest prompts of its comparisons: c shares 4 prompts with b."""
+    def frame_values(vals):
+        frame = pd.DataFrame({"checkpoint": list(vals), "step": range(1, len(vals) + 1), "prompt_set": "s",
+                              "sampling": "T0", "draft": "reference", "n_samples": [len(v) for v in vals.values()]})
+        frame["tau"] = [np.nanmean(v) for v in vals.values()]
+        frame["tau_se"] = math.nan
+        values = pd.DataFrame([{"checkpoint": c, "prompt_set": "s", "sampling": "T0", "draft": "reference",
+                                "sample": f"p{i}", "tau": v} for c, vs in vals.items() for i, v in enumerate(vs)])
+        return K.compare_frame(frame, values).set_index("checkpoint")
+
+    few = "few prompts (n = 9 < 10): interval not reliable"
+    c = frame_values({"a": [1.0] * 9, "b": [2.0] * 9})
+    assert c.loc["b", ["diff_prev", "lo_prev", "hi_prev"]].tolist() == [1.0, 1.0, 1.0]
+    assert c["verdict"].tolist() == [K.BEHIND, K.AHEAD] and c["caution"].tolist() == [few, few]
+    assert K.caution(9) == few and K.caution(10) == "" and K.caution(pd.NA) == ""
+    c10 = frame_values({"a": [1.0] * 10, "b": [2.0] * 10})
+    assert c10["verdict"].tolist() == [K.BEHIND, K.AHEAD] and c10["caution"].tolist() == ["", ""]
+    # c: 12 prompts, 4 of them shared with b (NaN elsewhere drops them from the pairing)
+    c3 = frame_values({"a": [1.0] * 12, "b": [2.0] * 12, "c": [5.0] * 4 + [math.nan] * 8})
+    assert c3.loc["a", "n_paired_best"] == 4 and c3.loc["c", "caution"] == "few prompts (n = 4 < 10): interval not reliable"
+    assert c3.loc["b", "caution"] == c3.loc["a", "caution"] == c3.loc["c", "caution"]
+    t = K.display_tables(c3.reset_index())["s"].set_index("checkpoint")
+    assert t.loc["c", "verdict"] == "ahead beyond noise (few prompts (n = 4 < 10): interval not reliable)"
