@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 5-7 s on 2 cores
 def test_sampling_cache_bench_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "sampling_cache.py"), "--smoke", "--repeats", "1",
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900)

@@ -105,6 +105,7 @@ def test_a_killed_shard_resumes_and_merge_refuses_incomplete_sets(work, caplog):
         merge_shards([done], work / "c.jsonl", work / "elsewhere" / "m.h5")
 
 
+@pytest.mark.slow  # 5-7 s on 2 cores
 def test_merge_cli(work, tmp_path):
     import subprocess
     import sys

@@ -192,6 +192,7 @@ def test_stage_reports_a_corrupted_engine(tiny, tmp_path, monkeypatch):
                     near_tie_ulps=tie["margin_ulps"] * 0.99)["class"] == "break"
 
 
+@pytest.mark.slow  # 5-7 s on 2 cores
 def test_serve_and_measure_reuses_its_server_for_more_concurrencies(tiny, tmp_path):
     """serve_and_measure on a job-owned server (the stand-in as a fake vLLM entry point, tests/serving/test_serving.py):
     the measured run at concurrency 1, then the same prompts at 3 on the same server (one start: one log, one

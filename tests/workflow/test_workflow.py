@@ -254,6 +254,7 @@ def test_dry_run_engine_parity_wiring(tmp_path):
     assert proc.returncode != 0 and "engine_parity is off" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # 5-7 s on 2 cores
 def test_dry_run_vllm_engine_t1_config(tmp_path):
     """config/vllm-engine-t1.yaml over the demo: a set drawn at plain T = 1 evaluated at T = 1 (every draft policy),
     validate_engine on it with sampling [{temperature: 1}] and 4 seeds passed to the stage."""
