@@ -67,8 +67,8 @@ from dflash_eval.report.loops import NOLOOP_HEADER, has_loops, loop_notes, side_
 from dflash_eval.report.records import job_histogram, load_offline
 from dflash_eval.report.tables import (COMPARISON_NOTE, FULL_NOTE, SAMPLING_NOTE, SELECTOR_NOTE, best_rows,
                                        costs_table, markdown_html, prompt_length_table, sampling_tables, selector_rows,
-                                       selector_slot_text, selector_table, slot_text, variant_comparison,
-                                       without_slot_columns)
+                                       selector_slot_text, selector_table, selector_title, slot_text, variant_comparison,
+                                       variants_title, without_slot_columns)
 from dflash_eval.report.tau_table import (TABLE_KEY, checkpoint_order, method_columns, primary_rows,
                                           sampled_sets_note, speedup_frame, summary_frame, with_speedups)
 from dflash_eval.report.speed import context_figures, context_html, context_markdown, speedup_pivot
@@ -376,7 +376,7 @@ def render_markdown(data: ReportData) -> str:
 
     cmp = variant_comparison(f)
     if cmp is not None:
-        parts += ["## DFlash 1 vs DFlash 2", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
+        parts += [f"## {variants_title(f)}", "", COMPARISON_NOTE, "", _md_table(cmp), ""]
     ddtree = ddtree_tables(data)
     if ddtree:
         parts += ["## DDTree: tau per node budget", ""]
@@ -384,7 +384,7 @@ def render_markdown(data: ReportData) -> str:
             parts += [f"### {ps}", "", _md_table(t), ""]
     sel = selector_table(f)
     if sel is not None:
-        parts += ["## DFlash 2 candidate selector", "", SELECTOR_NOTE, "", _md_table(sel), "",
+        parts += [f"## {selector_title(f)}", "", SELECTOR_NOTE, "", _md_table(sel), "",
                   "By draft slot (slots 1, 2, ...; 2 decimals):", "", _md_table(selector_slot_text(f)), ""]
     if data.speedups is not None and len(data.speedups):
         c = data.costs
@@ -507,9 +507,9 @@ def build_figures(data: ReportData) -> dict[str, tuple[str, bytes]]:
                 "slots 1..k-1 accepted), pooled over verify steps.", F.slot_curves(ps, cks, data.slot_curves))
     sel = selector_rows(data.frame)
     if len(sel):
-        add("selector_slots.png", "DFlash 2 candidate selector by draft slot, per prompt set (temperature 0): top-K "
+        add("selector_slots.png", f"{selector_title(data.frame)} by draft slot, per prompt set (temperature 0): top-K "
             "recall (the target token is among the slot's candidates) and pick rate (the selector picks it, given "
-            "the earlier picks were right), one line per DFlash 2 checkpoint.", F.selector_slots(sel))
+            "the earlier picks were right), one line per checkpoint.", F.selector_slots(sel))
     if data.positions:
         add("position.png", "Tokens per verify step by the anchor's position in the response (bins of completion "
             "tokens), one line per checkpoint.", F.position_tau(data.frame, data.positions))
@@ -580,5 +580,7 @@ def render_html(data: ReportData, figures: dict[str, tuple[str, bytes]]) -> str:
         loop_notes=[_inline_html(n) for n in loop_notes(f, _summary_settings(data))],
         context=C.html(f, {k: (cap, _img(b)) for k, (cap, b) in figures.items()}, _styled, _inline_html),
         selector=_styled(sel, 4, "selector").to_html() if sel is not None else None, full_note=FULL_NOTE,
+        selector_title=selector_title(f) if sel is not None else None,
+        variants_title=variants_title(f) if cmp is not None else None,
         comparison=_styled(cmp, 4, "variants").to_html() if cmp is not None else None, comparison_note=COMPARISON_NOTE,
         noise=(K.section(data.comparisons, _md_table, _styled) or (None, None))[1])

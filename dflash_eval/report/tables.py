@@ -16,6 +16,7 @@ import re
 import markdown
 import pandas as pd
 
+from dflash_eval.drafter import families
 from dflash_eval.drafter.families import FAMILIES
 from dflash_eval.report.tau_table import checkpoint_order, variant_label, variant_order
 
@@ -82,6 +83,19 @@ PER_SLOT = re.compile(r"^(accept|topk_recall|pick_rate)_slot_\d+$")
 def without_slot_columns(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` without its per-slot columns (``accept_slot_<k>``, ``topk_recall_slot_<k>``, ``pick_rate_slot_<k>``)."""
     return frame.drop(columns=[c for c in frame.columns if PER_SLOT.match(str(c))])
+
+
+def variants_title(frame: pd.DataFrame) -> str:
+    """The title of the report's families-side-by-side section: the labels of the families in ``frame``'s
+    ``variant`` column in report order, e.g. ``"DFlash 1 vs DFlash 2 vs LiLiCorr"``."""
+    return " vs ".join(families.label(v) for v in families.ordered(frame["variant"].dropna().unique()))
+
+
+def selector_title(frame: pd.DataFrame) -> str:
+    """The title of the report's candidate-walk section: the labels of the families in ``frame`` that walk
+    candidates (``"selector"`` in their ``report_sections``), e.g. ``"Candidate walks: DFlash 2, LiLiCorr"``."""
+    names = families.ordered(v for v in selector_rows(frame)["variant"].dropna().unique())
+    return "Candidate walks: " + ", ".join(families.label(v) for v in names)
 
 
 def selector_rows(frame: pd.DataFrame) -> pd.DataFrame:

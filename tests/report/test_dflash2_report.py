@@ -207,3 +207,14 @@ def test_ddtree_tables_leave_out_dflash2_rows():
     only2 = report_data(table(("dflash2",)))
     assert R.ddtree_tables(only2) == {} and "## DDTree" not in R.render_markdown(only2)
     assert 'id="ddtree"' not in R.render_html(only2, {n: ("c", b"png") for n in ("tau_vs_step.png", "selector_slots.png")})
+
+
+def test_section_titles_name_the_families_present():
+    """The families-side-by-side and candidate-walk titles list the families of the frame in report order (DFlash 1,
+    DFlash 2, LiLiCorr), the walk title only those that walk candidates, at temperature 0."""
+    from dflash_eval.report.tables import selector_title, variants_title
+    frame = pd.DataFrame({"variant": ["lilicorr", "dflash", "dflash2", "dflash2"], "tau_oracle": [2.0, None, 2.5, 2.5],
+                          "temperature": [0.0, 0.0, 0.0, 1.0]})
+    assert variants_title(frame) == "DFlash 1 vs DFlash 2 vs LiLiCorr"
+    assert selector_title(frame) == "Candidate walks: DFlash 2, LiLiCorr"
+    assert selector_title(frame[frame["variant"] != "lilicorr"]) == "Candidate walks: DFlash 2"

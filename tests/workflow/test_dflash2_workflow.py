@@ -130,7 +130,7 @@ def test_dflash2_beside_dflash1_in_one_tau_table(run):
         # random init: drafts still go through the whole pipeline (tau >= 1 by construction)
         assert rows["demo2", ps].random_init and rows["demo2", ps].tau >= 1.0
     report = (run / "results" / "tiny" / "report.md").read_text()
-    assert "## DFlash 2 candidate selector" in report and "| lifted |  | set_a |" in report
+    assert "## Candidate walks: DFlash 2" in report and "| lifted |  | set_a |" in report
     assert "| checkpoint | step | prompt_set | tau | tau_unary | tau_oracle | recall@K | pick rate | oracle path |" in report
     # lifted equals trained step by step: the best of each variant ties, Δ tau 0
     t = rows["trained", "set_a"].tau
