@@ -93,16 +93,17 @@ def test_dry_run_prints_the_cache_sizes_and_a_run_that_cannot_fit_is_refused_bef
     args = {Path(a.out).stem: a for a in (build_parser().parse_args(a) for a in parity)}
     assert sorted(args) == ["humaneval", "long-chat", "sharegpt", "sharegpt-t1"]
     assert all(a.layer_ids == [1, 8, 15, 22, 27] for a in args.values())
-    # the six demo drafters; long-chat names the final checkpoint of each run (prompt_sets.long-chat.checkpoints)
-    assert {k: len(a.drafter) for k, a in args.items()} == {"humaneval": 6, "sharegpt": 6, "sharegpt-t1": 6,
-                                                           "long-chat": 2}
+    # the six demo drafters and the LiLiCorr one; long-chat names the final checkpoint of each run
+    # (prompt_sets.long-chat.checkpoints)
+    assert {k: len(a.drafter) for k, a in args.items()} == {"humaneval": 7, "sharegpt": 7, "sharegpt-t1": 7,
+                                                           "long-chat": 3}
     hs = [dflash_eval_argv(c) for c in shell_commands(out) if " hidden-states " in c]
     assert all("--storage=fp8" in a or "fp8" in a for a in hs), hs[0]
     # FP8 caches are other files (<set>.fp8.h5): a float32 / bf16 cache of the same set is kept, and evaluate reads FP8
     assert sorted(Path(build_parser().parse_args(a).out).name for a in hs) == [
         "humaneval.fp8.h5", "long-chat.fp8.h5", "sharegpt-t1.fp8.h5", "sharegpt.fp8.h5"]
     evals = [build_parser().parse_args(dflash_eval_argv(c)) for c in shell_commands(out) if " evaluate " in c]
-    assert len(evals) == 3 * 6 + 2 and all(Path(a.cache).name.endswith(".fp8.h5") for a in evals)
+    assert len(evals) == 3 * 7 + 3 and all(Path(a.cache).name.endswith(".fp8.h5") for a in evals)
 
 
 def test_gguf_header_gives_the_demo_targets_shape():

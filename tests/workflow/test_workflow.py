@@ -26,6 +26,8 @@ CI_PROFILE = REPO / "profiles" / "ci"
 
 DEMO_ENTRIES = {e["name"]: e for e in yaml.safe_load((REPO / "config" / "config.yaml").read_text())["checkpoints"]["demo"]}
 DEMO_NAMES = list(DEMO_ENTRIES)
+#: the default config's stripped-folder checkpoints (the LiLiCorr demo drafter), evaluated beside the demo entries
+LIST_NAMES = [e["name"] for e in yaml.safe_load((REPO / "config" / "config.yaml").read_text())["checkpoints"]["list"]]
 DEMO_JOBS = {
     "target_from_gguf": 1,
     "target_fingerprint": 1,
@@ -33,8 +35,9 @@ DEMO_JOBS = {
     "prompts": 4,  # humaneval, sharegpt (greedy), sharegpt-t1 (drawn at T = 1) and long-chat (greedy, long contexts)
     "completions": 4,
     "hidden_states": 4,
-    "strip_drafter": len(DEMO_NAMES),
-    "evaluate": 3 * len(DEMO_NAMES) + 2,  # long-chat on each run's final checkpoint only (prompt_sets.<name>.checkpoints)
+    "strip_drafter": len(DEMO_NAMES) + len(LIST_NAMES),
+    # long-chat on each run's final checkpoint only (prompt_sets.<name>.checkpoints)
+    "evaluate": 3 * (len(DEMO_NAMES) + len(LIST_NAMES)) + 3,
     "target_costs": 1,
     "summary": 1,
     "report": 1,
@@ -180,7 +183,7 @@ def test_dry_run_demo_config_jobs_and_cli_arguments(tmp_path):
             if args.source == "conversation":  # long-chat: two prompts per context bin of 2k-3k and 3k-4k tokens
                 assert (args.context_bins, args.per_bin, args.max_prompt_tokens) == ([2048, 3072], 2, 4096)
         if args.cmd == "evaluate" and Path(args.cache).stem == "long-chat":
-            assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072")
+            assert Path(args.out).parent.name in ("dflash-smollm2-b8-step2283", "dflash2-smollm2-b8-step2072", *LIST_NAMES)
         if args.cmd == "summary":  # the tau table's speedup columns come from the run's target costs
             assert args.costs == "results/demo/target_costs.json"
             # the loop columns: every prompt set's completions, config section loops (defaults)
@@ -294,7 +297,7 @@ def test_dry_run_vllm_engine_config(tmp_path):
                                                 "logs/hidden_states/demo/sharegpt.vllm.log"]
     ve = cmds["validate-engine"]
     names = [d.rsplit("/", 1)[1] for d in ve.drafter]
-    assert sorted(names) == sorted(DEMO_NAMES) and ve.drafter == [f"results/demo/drafters/{n}" for n in names]
+    assert sorted(names) == sorted(DEMO_NAMES + LIST_NAMES) and ve.drafter == [f"results/demo/drafters/{n}" for n in names]
     assert ve.evals == [f"results/demo/eval/{n}/humaneval.json" for n in names]  # in the drafters' order
     assert ve.completions == "results/demo/completions/humaneval.jsonl"
     assert ve.target_costs == "results/demo/target_costs.json" and ve.work_dir == "results/demo/validate_engine.json.work"
