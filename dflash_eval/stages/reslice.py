@@ -59,4 +59,9 @@ def write_reslice(records, out=None, opts=None, **overrides):
     else:
         print(table_csv(table), end="")
     log.info("re-sliced %d records into %d rows", len(df), len(table))
+    steps = table[[c for c in table.columns if str(c).startswith("steps_pos_")]]
+    unbinned = int(steps.isna().all(axis=1).sum()) if steps.shape[1] else 0
+    if unbinned:
+        log.warning("%d rows at temperature > 0 have no position bins (NaN): their expected counts are stored per "
+                    "tau-table position bin, so a new edge must be one of those (0, 64, 128, ...)", unbinned)
     return table

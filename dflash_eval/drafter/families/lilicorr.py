@@ -114,7 +114,8 @@ class LiLiCorrConfig:
             if f"lilicorr_{name}" not in dcfg:
                 elsewhere = " (it is at the top level; the engines read dflash_config)" if f"lilicorr_{name}" in cfg else ""
                 raise InputError(source, key, "missing: a LiLiCorr head has no default geometry" + elsewhere,
-                                 f"add dflash_config.lilicorr_{name} as the training run saved it; {RESTORE_FIX}")
+                                 f"add dflash_config.lilicorr_{name} with the value the training run saved (Model-Optimizer "
+                                 "exports every lilicorr_* field)")
             v = dcfg[f"lilicorr_{name}"]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
                 raise InputError(source, key, f"must be {'an integer' if kind is int else 'a number'}, got {v!r}",
