@@ -209,7 +209,9 @@ def summary_frame(evals: list[str] | Offline, expected: dict | None = None, loop
                 **ddtree,
             })
     max_block = max((r["block_size"] for r in rows), default=1)
-    extra = VARIANT_COLUMNS + [c for name in ordered(families) for c in family_of(name).table_columns(max_block)]
+    # each column once: families may share columns (LiLiCorr reports DFlash 2's candidate-walk columns)
+    extra = list(dict.fromkeys(VARIANT_COLUMNS + [c for name in ordered(families)
+                                                  for c in family_of(name).table_columns(max_block)]))
     df = pd.DataFrame(rows, columns=COLUMNS + [f"tau_ddtree_{b}" for b in sorted(budgets)] + slot_columns(max_block)
                       + extra)
     df = df.astype({"step": "Int64", "trained_max_len": "Int64", "n_beyond_trained": "Int64", "n_loop": "Int64"})

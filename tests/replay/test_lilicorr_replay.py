@@ -183,6 +183,11 @@ def test_evaluate_and_tau_table_show_the_backbone_and_oracle_beside_lilicorr(tin
     assert t0["tau_unary"] == pytest.approx(ev["tau_unary"]) and t0["tau_oracle"] == pytest.approx(ev["tau_oracle"])
     assert 0 <= t0["sel_pick_rate"] <= 1 and 0 <= t0["topk_recall_slot_1"] <= 1
     assert not t0["ddtree_applicable"] and math.isnan(t0.get("tau_ddtree_4", math.nan))
+    # beside a DFlash 2 checkpoint (the same candidate-walk columns): each column once, both rows kept
+    (d / "ev2").mkdir(exist_ok=True)
+    (d / "ev2" / "ev.json").write_text(json.dumps({**ev, "variant": "dflash2", "checkpoint": "d2"}))
+    both = summary_frame([str(d / "ev.json"), str(d / "ev2" / "ev.json")])
+    assert not both.columns.duplicated().any() and set(both["variant"]) == {"lilicorr", "dflash2"}
     t1 = frame[frame["sampling"] != "T0"]
     assert sorted(t1["draft"]) == ["argmax", "reference"]
     engines = dict(zip(t1["draft"], t1["engine"]))
